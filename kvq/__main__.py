@@ -1,0 +1,3 @@
+from kvq.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Lua scripts, one per operation, loaded from `kvq/lua/*.lua` once per client."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import redis
+
+from kvq.keys import Keys
+
+
+def _source(name: str) -> str:
+    return resources.files("kvq").joinpath("lua", f"{name}.lua").read_text()
+
+
+class Scripts:
+    """The registered scripts of one client; every key goes through KEYS."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self._volunteer = r.register_script(_source("volunteer"))
+        self._release = r.register_script(_source("release"))
+        self._rejoin = r.register_script(_source("rejoin"))
+
+    def volunteer(self, r: redis.Redis, model: str, worker: str) -> str | None:
+        """Atomically take the rarest slice of `model` with positive demand, or None."""
+        k = self.keys
+        got = self._volunteer(
+            keys=[k.model_target(model), k.model_coverage(model), k.model_workers(model)],
+            args=[worker],
+            client=r,
+        )
+        return got.decode() if got else None
+
+    def release(self, r: redis.Redis, model: str, worker: str) -> str | None:
+        """Atomically give back `worker`'s slice of `model`; returns it, or None."""
+        k = self.keys
+        got = self._release(
+            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker], client=r
+        )
+        return got.decode() if got else None
+
+    def rejoin(self, r: redis.Redis, model: str, worker: str, sid: str) -> bool:
+        """Make sure `worker` is counted as holding `sid`; True if it had to be re-added."""
+        k = self.keys
+        got = self._rejoin(
+            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, sid], client=r
+        )
+        return bool(got)

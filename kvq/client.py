@@ -1,0 +1,65 @@
+"""Client side: submit a generation request and stream its reply events (Redis only)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import redis
+
+from kvq import wire
+from kvq.bus import xadd
+from kvq.errors import KvqError
+from kvq.keys import Keys
+
+
+class RequestFailed(KvqError):
+    """The coordinator answered the request with an error event."""
+
+
+def send(
+    r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
+    prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
+) -> str:  # fmt: skip
+    """Queue a request; returns its id (the reply stream is keyed by it)."""
+    request_id = uuid.uuid4().hex
+    req = wire.Request(
+        request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+    )  # fmt: skip
+    xadd(r, keys.model_requests(model), wire.encode(req), maxlen)
+    return request_id
+
+
+def events(
+    r: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 60.0
+) -> Iterator[wire.ReplyEvent]:
+    """Reply events of one request, in order, until `done` (or RequestFailed / TimeoutError)."""
+    key = keys.request_reply(request_id)
+    last = b"0-0"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            raise TimeoutError(f"no complete reply for request {request_id} in {timeout_s}s")
+        resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
+        for _, entries in resp or []:
+            for eid, fields in entries:
+                last = eid
+                ev = wire.decode(fields, wire.ReplyEvent)
+                if ev.kind == "error":
+                    msg = ev.error.message if ev.error else "unknown error"
+                    raise RequestFailed(f"request {request_id} failed: {msg}")
+                yield ev
+                if ev.kind == "done":
+                    return
+
+
+def generate(
+    r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
+    prompt_ids: list[int] | None = None, max_tokens: int = 16, timeout_s: float = 60.0,
+) -> list[int]:  # fmt: skip
+    """Submit and wait; the generated token ids."""
+    rid = send(r, keys, model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens)
+    return [ev.token_id for ev in events(r, keys, rid, timeout_s) if ev.token_id is not None]

@@ -1,0 +1,151 @@
+"""kvq's settings: one object, read from `KVQ_*` environment variables, validated at start.
+
+Build it once at the entry point with `load_settings()` and pass it down; nothing below the
+CLI reads the environment. Every field's env name is `KVQ_` + the field name in upper case
+(`n_slots` → `KVQ_N_SLOTS`). `docs/settings.md` lists them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvq.errors import ConfigError
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class Settings(BaseSettings):
+    """Every knob of every kvq process (units in the names)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVQ_", extra="forbid", frozen=True)
+
+    # -- Redis / bus --------------------------------------------------------------------
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")
+    prefix: str = Field("kvq", description="first part of every key")
+    stream_maxlen: int = Field(10_000, ge=100, description="approximate cap of every stream")
+    block_ms: int = Field(1000, ge=1, le=60_000, description="blocking read timeout")
+    claim_idle_ms: int = Field(
+        5000, ge=1, description="pending entries idle this long are reclaimed"
+    )
+    reconnect_max_s: float = Field(10.0, gt=0, description="longest backoff between reconnects")
+    socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout")
+
+    # -- coordinator --------------------------------------------------------------------
+    n_slots: int = Field(4, ge=1, le=1024, description="sequences generated together")
+    saturation_threshold: int = Field(2, ge=1, description="busy slots at which it is loaded")
+    job_deadline_ms: int = Field(
+        2000, ge=1, description="remote expert job deadline before local fallback"
+    )
+    dispatch_refresh_ms: int = Field(500, ge=10, description="how often coverage is reread")
+    verify_remote: bool = Field(False, description="recompute every remote result locally")
+    request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
+    max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
+
+    # -- worker -------------------------------------------------------------------------
+    heartbeat_ttl_s: float = Field(6.0, gt=0, description="a worker silent this long is dead")
+    volunteer_poll_s: float = Field(0.5, gt=0, description="idle worker's demand poll period")
+    idle_shutdown_s: float = Field(
+        0.0, ge=0, description="idle worker exits after this long (0 = never)"
+    )
+    device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N")
+    download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
+
+    # -- monitor ------------------------------------------------------------------------
+    slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
+    slice_layers: int = Field(1, ge=1, description="layers per slice (layer grain)")
+    base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
+    boost_replicas: int = Field(1, ge=0, description="extra replicas while saturated")
+    monitor_poll_s: float = Field(1.0, gt=0, description="how often slot state is polled")
+    slot_state_stale_s: float = Field(
+        10.0, gt=0, description="slot state older than this is ignored"
+    )
+    http_host: str = Field("127.0.0.1", description="monitor HTTP API bind address")
+    http_port: int = Field(0, ge=0, le=65535, description="monitor HTTP API port (0 = off)")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parsed = urlparse(v)
+        if parsed.scheme not in _REDIS_SCHEMES:
+            raise ValueError(
+                f"must be a URL with scheme {', '.join(s + '://' for s in _REDIS_SCHEMES)}"
+                f" such as redis://127.0.0.1:6379/0"
+            )
+        if parsed.scheme != "unix" and not parsed.hostname:
+            raise ValueError("must name a host, e.g. redis://127.0.0.1:6379/0")
+        return v
+
+    @field_validator("prefix")
+    @classmethod
+    def _check_prefix(cls, v: str) -> str:
+        if not v or any(c in v for c in "{}: \t\n"):
+            raise ValueError("must be non-empty, without spaces, ':' or braces")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Settings:
+        if self.saturation_threshold > self.n_slots:
+            raise ValueError(
+                f"saturation_threshold ({self.saturation_threshold}) must be <= n_slots "
+                f"({self.n_slots}), or the coordinator can never be saturated"
+            )
+        return self
+
+
+def env_name(field: str) -> str:
+    return "KVQ_" + field.upper()
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the environment (and explicit overrides), or raise ConfigError naming the setting."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = err.get("loc") or ()
+            name = env_name(str(loc[0])) if loc else "settings"
+            got = err.get("input")
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            lines.append(f"{name}: {msg} (got {got!r})" if loc else f"{name}: {msg}")
+        raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
+
+
+def describe(settings: Settings) -> list[dict[str, Any]]:
+    """Each setting with its env name, value, default and description (for `config show`)."""
+    out = []
+    for name, field in Settings.model_fields.items():
+        out.append(
+            {
+                "name": name,
+                "env": env_name(name),
+                "value": getattr(settings, name),
+                "default": field.default,
+                "description": field.description or "",
+            }
+        )
+    return out
+
+
+def child_env(settings: Settings, **overrides: Any) -> dict[str, str]:
+    """Environment for a child kvq process: this process's env plus every setting as KVQ_*."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
+    values = settings.model_dump() | overrides
+    for name, value in values.items():
+        if isinstance(value, bool):
+            value = int(value)
+        env[env_name(name)] = str(value)
+    return env

@@ -1,0 +1,225 @@
+"""Per-MoE-layer dispatch: each slice computed locally or sent to a worker that covers it.
+
+Policy for now (K1, K2 simple): remote only while the coordinator is loaded (busy slots >=
+`saturation_threshold`) and a live worker covers the slice; local otherwise. Remote jobs go out
+pipelined, local slices are computed while they are in flight, and a result that misses its
+deadline is computed locally (counted as a fallback, never lost). Partial sums are added in
+slice order whatever the arrival order, so remote and local generation agree bit for bit when
+the worker computes with the same dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import torch
+
+from kvq import wire
+from kvq.bus import dead_letter, xadd
+from kvq.config import Settings
+from kvq.errors import WireError
+from kvq.keys import Keys
+from kvq.model import ExpertSlice, expert_forward
+from kvq.registry import ModelInfo, SliceSpec
+
+log = logging.getLogger("kvq.coordinator")
+
+
+@dataclass
+class DispatchStats:
+    local_jobs: int = 0
+    remote_jobs: int = 0
+    fallback_jobs: int = 0
+    remote_errors: int = 0
+    late_results: int = 0
+    verified: int = 0
+    mismatches: int = 0
+    max_abs_err: float = 0.0
+    per_worker: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float | int]:
+        d = {k: v for k, v in vars(self).items() if k != "per_worker"}
+        return d
+
+
+@dataclass
+class _Pending:
+    spec: SliceSpec
+    rows: torch.Tensor
+    worker: str
+    sent_at: float
+
+
+class Coverage:
+    """Which live workers cover which slice, reread every `dispatch_refresh_ms`."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, model: str, refresh_ms: int) -> None:
+        self.r, self.keys, self.model = r, keys, model
+        self.refresh_s = refresh_ms / 1000
+        self.by_slice: dict[str, list[str]] = {}
+        self._at = 0.0
+        self._rr = itertools.count()
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._at < self.refresh_s:
+            return
+        self._at = now
+        assigned = self.r.hgetall(self.keys.model_workers(self.model))
+        workers = [(w.decode(), s.decode()) for w, s in assigned.items()]
+        pipe = self.r.pipeline(transaction=False)
+        for w, _ in workers:
+            pipe.exists(self.keys.worker_heartbeat(w))
+        alive = pipe.execute() if workers else []
+        by_slice: dict[str, list[str]] = {}
+        for (w, sid), ok in zip(workers, alive, strict=True):
+            if ok:
+                by_slice.setdefault(sid, []).append(w)
+        self.by_slice = {sid: sorted(ws) for sid, ws in by_slice.items()}
+
+    def pick(self, sid: str) -> str | None:
+        ws = self.by_slice.get(sid)
+        return ws[next(self._rr) % len(ws)] if ws else None
+
+
+class Dispatcher:
+    """A `MoeFn` for the backbone: `(layer, x, ids, weights) -> [T, H]`."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, settings: Settings, coord_id: str,
+        info: ModelInfo, local_experts: Sequence[ExpertSlice], remote_allowed: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        self.r, self.keys, self.s, self.coord = r, keys, settings, coord_id
+        self.info = info
+        self.local = local_experts
+        self.remote_allowed = remote_allowed
+        self.coverage = Coverage(r, keys, info.model, settings.dispatch_refresh_ms)
+        self.stats = DispatchStats()
+        self.results_key = keys.coord_results(coord_id)
+        self._last_id = b"0-0"
+        self._seq = itertools.count()
+        self._layer_slices = {
+            layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
+        }
+        r.delete(self.results_key)
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        remote = self.remote_allowed()
+        if remote:
+            self.coverage.refresh()
+        partials: dict[str, torch.Tensor] = {}
+        pending: dict[str, _Pending] = {}
+        local: list[tuple[SliceSpec, torch.Tensor]] = []
+        order: list[tuple[SliceSpec, torch.Tensor]] = []
+        pipe = self.r.pipeline(transaction=False)
+        deadline_ms = int(time.time() * 1000) + self.s.job_deadline_ms
+        for spec in self._layer_slices[layer]:
+            hit = ((ids >= spec.expert_start) & (ids < spec.expert_end)).any(dim=1)
+            rows = hit.nonzero().squeeze(1)  # [R]
+            if rows.numel() == 0:
+                continue
+            order.append((spec, rows))
+            worker = self.coverage.pick(spec.sid) if remote else None
+            if worker is None:
+                local.append((spec, rows))
+                continue
+            job_id = f"{self.coord}:{next(self._seq)}"
+            job = wire.Job(
+                job_id=job_id, model=self.info.model, layer=layer, slice=spec.sid,
+                expert_start=spec.expert_start, expert_end=spec.expert_end,
+                coord=self.coord, reply_to=self.results_key, deadline_ms=deadline_ms,
+                x=wire.Tensor.of(x[rows].float().cpu().numpy()),
+                ids=wire.Tensor.of(ids[rows].cpu().numpy().astype(np.int32)),
+                weights=wire.Tensor.of(w[rows].float().cpu().numpy()),
+            )  # fmt: skip
+            xadd(pipe, self.keys.worker_inbox(worker), wire.encode(job), self.s.stream_maxlen)
+            pending[job_id] = _Pending(spec, rows, worker, time.monotonic())
+        if pending:
+            pipe.execute()
+        for spec, rows in local:
+            partials[spec.sid] = self._local(layer, spec, x, ids, w, rows)
+            self.stats.local_jobs += 1
+        if pending:
+            self._gather(layer, x, ids, w, pending, partials, deadline_ms)
+        out = torch.zeros_like(x)
+        for spec, rows in order:
+            out.index_add_(0, rows, partials[spec.sid])
+        return out
+
+    def _local(
+        self, layer: int, spec: SliceSpec, x: torch.Tensor, ids: torch.Tensor,
+        w: torch.Tensor, rows: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        full = self.local[layer]
+        a, b = spec.expert_start - full.expert_start, spec.expert_end - full.expert_start
+        view = ExpertSlice(
+            layer, spec.expert_start, spec.expert_end,
+            full.gate[a:b], full.up[a:b], full.down[a:b],
+        )  # fmt: skip
+        return expert_forward(view, x[rows], ids[rows], w[rows])
+
+    def _gather(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+        pending: dict[str, _Pending], partials: dict[str, torch.Tensor], deadline_ms: int,
+    ) -> None:  # fmt: skip
+        while pending:
+            left_ms = deadline_ms - int(time.time() * 1000)
+            if left_ms <= 0:
+                break
+            resp = self.r.xread({self.results_key: self._last_id}, count=256, block=left_ms)
+            for _, entries in resp or []:
+                for eid, fields in entries:
+                    self._last_id = eid
+                    self._accept(eid, fields, x, ids, w, pending, partials, layer)
+        for job_id, p in pending.items():  # missed the deadline: compute here, count it
+            log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
+            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
+            self.stats.fallback_jobs += 1
+
+    def _accept(
+        self, eid: bytes, fields: dict[bytes, bytes], x: torch.Tensor, ids: torch.Tensor,
+        w: torch.Tensor, pending: dict[str, _Pending], partials: dict[str, torch.Tensor],
+        layer: int,
+    ) -> None:  # fmt: skip
+        try:
+            res = wire.decode(fields, wire.Result)
+        except WireError as exc:
+            dead_letter(
+                self.r, self.keys, self.results_key, eid, fields, str(exc), self.s.stream_maxlen
+            )
+            return
+        p = pending.pop(res.job_id, None)
+        if p is None:  # duplicate or late: the job was already answered once
+            self.stats.late_results += 1
+            return
+        if res.error is not None or res.y is None:
+            log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
+            self.stats.remote_errors += 1
+            self.stats.fallback_jobs += 1
+            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
+            return
+        y = torch.from_numpy(res.y.array().copy()).to(x.device, x.dtype)
+        if y.shape != (p.rows.numel(), x.shape[1]):
+            self.stats.remote_errors += 1
+            self.stats.fallback_jobs += 1
+            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
+            return
+        self.stats.remote_jobs += 1
+        self.stats.per_worker[res.worker] = self.stats.per_worker.get(res.worker, 0) + 1
+        if self.s.verify_remote:
+            ref = self._local(layer, p.spec, x, ids, w, p.rows)
+            err = float((ref - y).abs().max()) if y.numel() else 0.0
+            scale = float(ref.abs().max()) if ref.numel() else 0.0
+            self.stats.verified += 1
+            self.stats.max_abs_err = max(self.stats.max_abs_err, err)
+            if err > 1e-4 * max(1.0, scale):
+                self.stats.mismatches += 1
+        partials[p.spec.sid] = y

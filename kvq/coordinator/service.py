@@ -1,0 +1,154 @@
+"""The coordinator process: requests in, tokens out, expert slices local or remote.
+
+Requests come from the model's request stream through a consumer group (several coordinators
+share them; a restarted coordinator re-reads its own pending requests). Each request's tokens
+stream back on its own reply stream. Slot state (busy, total, ts_ms) is published every tick for
+the monitor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from kvq import wire
+from kvq.bus import Backoff, Consumer, connect, dead_letter, is_connection_error, xadd
+from kvq.config import Settings
+from kvq.coordinator.dispatch import Dispatcher
+from kvq.coordinator.engine import Engine, Sequence
+from kvq.errors import WireError
+from kvq.keys import COORDINATOR_GROUP, Keys
+from kvq.model import Backbone, ByteTokenizer
+from kvq.registry import load_model
+
+log = logging.getLogger("kvq.coordinator")
+
+
+class Coordinator:
+    """Serves one model from `model_path`, registered in Redis as `model`."""
+
+    def __init__(
+        self, settings: Settings, coord_id: str, model: str, model_path: str | Path
+    ) -> None:
+        self.s, self.id, self.model = settings, coord_id, model
+        self.keys = Keys(settings.prefix)
+        self.r = connect(settings)
+        self.backbone = Backbone.from_gguf(model_path)
+        self.tokenizer = ByteTokenizer.from_meta(self.backbone.meta)
+        self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
+        self.info = load_model(self.r, self.keys, model)
+        self.dispatch = Dispatcher(
+            self.r, self.keys, settings, coord_id, self.info, self.backbone.experts,
+            remote_allowed=lambda: self.engine.busy >= settings.saturation_threshold,
+        )  # fmt: skip
+        self._requests_key = self.keys.model_requests(model)
+        self.requests = Consumer(self.r, self._requests_key, COORDINATOR_GROUP, coord_id)
+        self.stop = threading.Event()
+        self.completed = 0
+        self.tokens = 0
+
+    def run(self) -> None:
+        backoff = Backoff(self.s.reconnect_max_s)
+        self._publish_slots()
+        while not self.stop.is_set():
+            try:
+                self.tick()
+                backoff.reset()
+            except redis.RedisError as exc:
+                if not is_connection_error(exc):
+                    raise
+                log.warning("redis unreachable (%s); retrying", exc)
+                backoff.wait()
+                self.requests.reset_pending()
+        self._publish_slots()
+
+    def tick(self) -> None:
+        """Admit what fits, run one step, publish state."""
+        if self.engine.free:
+            block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
+            for eid, fields in self.requests.read(self.engine.free, block):
+                self._admit(eid, fields)
+        finished = self.engine.step(self.dispatch, self._emit)
+        for seq in finished:
+            self._finish(seq)
+        self._publish_slots()
+
+    def _admit(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            req = wire.decode(fields, wire.Request)
+        except WireError as exc:
+            dead_letter(
+                self.r, self.keys, self._requests_key, eid, fields, str(exc), self.s.stream_maxlen
+            )
+            self.requests.ack(eid)
+            return
+        problem = self._validate(req)
+        ids = (
+            req.prompt_ids
+            if req.prompt_ids is not None
+            else self.tokenizer.encode(req.prompt or "")
+        )
+        if problem is None and not ids:
+            problem = "empty prompt: give prompt or prompt_ids"
+        if problem is not None:
+            event = wire.ReplyEvent(
+                kind="error", error=wire.Failure(type="BadRequest", message=problem)
+            )
+            self._reply(req.request_id, event)
+            self.requests.ack(eid)
+            return
+        self.engine.admit(req.request_id, ids, req.max_tokens, eid)
+
+    def _validate(self, req: wire.Request) -> str | None:
+        if req.model != self.model:
+            return f"request for model {req.model!r} reached the coordinator of {self.model!r}"
+        if req.max_tokens > self.s.max_tokens_limit:
+            return f"max_tokens {req.max_tokens} > KVQ_MAX_TOKENS_LIMIT {self.s.max_tokens_limit}"
+        vocab = self.backbone.meta.vocab_size
+        if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
+            return f"prompt_ids must be in [0, {vocab})"
+        n = len(req.prompt_ids or []) or len((req.prompt or "").encode())
+        if n + req.max_tokens >= self.backbone.meta.context_length:
+            return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
+        return None
+
+    def _emit(self, seq: Sequence, tok: int) -> None:
+        self.tokens += 1
+        text = self.tokenizer.decode([tok])
+        self._reply(
+            seq.request_id,
+            wire.ReplyEvent(kind="token", index=len(seq.generated) - 1, token_id=tok, text=text),
+        )
+
+    def _finish(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.generated)
+        self._reply(
+            seq.request_id,
+            wire.ReplyEvent(kind="done", index=len(seq.generated), text=text, finish=seq.finish),
+        )
+        self.requests.ack(seq.entry_id)
+        self.completed += 1
+
+    def _reply(self, request_id: str, event: wire.ReplyEvent) -> None:
+        key = self.keys.request_reply(request_id)
+        pipe = self.r.pipeline(transaction=False)
+        xadd(pipe, key, wire.encode(event), self.s.stream_maxlen)
+        pipe.expire(key, self.s.request_ttl_s)
+        pipe.execute()
+
+    def _publish_slots(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(
+            self.keys.coord_slots(self.id),
+            mapping={"model": self.model, "busy": self.engine.busy, "total": self.engine.n_slots,
+                     "ts_ms": int(time.time() * 1000)},
+        )  # fmt: skip
+        pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
+        pipe.sadd(self.keys.model_coordinators(self.model), self.id)  # after the slots: see monitor
+        stats = self.dispatch.stats.as_dict() | {"completed": self.completed, "tokens": self.tokens}
+        pipe.hset(self.keys.coord_stats(self.id), mapping=stats)
+        pipe.execute()

@@ -1,0 +1,163 @@
+"""`kvq demo`: the whole system on one machine, a load burst and its drain, then a summary.
+
+Starts an embedded Redis (unless a URL is given), makes a tiny MoE model (unless one is given),
+runs a monitor, a coordinator (verifying every remote result against local compute) and N
+workers as separate processes, sends a burst that saturates the coordinator, waits for the
+monitor to see it drain, and stops everything it started, also on Ctrl-C or a child's death.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from kvq import client
+from kvq.bus import connect
+from kvq.config import Settings, child_env
+from kvq.errors import KvqError
+from kvq.keys import Keys
+from kvq.model import make_tiny
+from kvq.procs import Children
+from kvq.server import EmbeddedRedis
+
+MODEL_ID = "tiny"
+COORD_ID = "coord-demo"
+
+
+@dataclass
+class DemoOptions:
+    redis_url: str | None = None
+    model_path: str | None = None
+    workers: int = 2
+    requests: int = 8
+    max_tokens: int = 24
+    timeout_s: float = 120.0
+    log_dir: str | None = None
+
+
+class ChildDied(KvqError):
+    """A process the demo started exited early."""
+
+
+def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[str, Any]:
+    """Run the demo; returns the summary (the `--json` document)."""
+    t0 = time.monotonic()
+    server = None if opts.redis_url else EmbeddedRedis().start()
+    url = opts.redis_url or (server.url if server else "")
+    tmp = tempfile.TemporaryDirectory(prefix="kvq-demo-")
+    children: Children | None = None
+    try:
+        say(f"redis: {'embedded at ' + url if server else url}")
+        model_path = opts.model_path or str(Path(tmp.name) / "tiny.gguf")
+        if not opts.model_path:
+            make_tiny(model_path, layers=2, experts=8, experts_used=2)
+            say(f"made a tiny MoE model: {model_path}")
+        s = settings.model_copy(update={"redis_url": url})
+        env = child_env(
+            s, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.3,
+            idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000),
+        )  # fmt: skip
+        children = Children(env, log_dir=opts.log_dir)
+        r = connect(s)
+        keys = Keys(s.prefix)
+        _flush_prefix(r, keys)
+        children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}")
+        _wait(lambda: r.sismember(keys.models(), MODEL_ID), children, 30, "model registration")
+        children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
+                       "--model", model_path, "--id", COORD_ID)  # fmt: skip
+        for i in range(opts.workers):
+            children.spawn(f"worker-{i}", "worker", "--id", f"worker-{i}")
+        _wait(lambda: r.hlen(keys.model_workers(MODEL_ID)) >= min(opts.workers, 1), children, 60,
+              "workers to volunteer")  # fmt: skip
+        _wait(lambda: r.exists(keys.coord_slots(COORD_ID)), children, 60, "the coordinator")
+        say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
+        burst = _burst(r, keys, opts, children)
+        say("burst done; waiting for the monitor to see the load drain")
+        _wait(
+            lambda: r.hget(keys.model_state(MODEL_ID), "saturated") == b"0", children, 30, "drain"
+        )
+        summary = _summary(r, keys, burst, url if not server else "embedded", t0)
+        return summary
+    finally:
+        if children is not None:
+            children.stop_all()
+        if server is not None:
+            server.close()
+        tmp.cleanup()
+
+
+def _flush_prefix(r: redis.Redis, keys: Keys) -> None:
+    """Remove keys of an earlier demo run on a shared server (our prefix only)."""
+    for key in r.scan_iter(match=f"{keys.prefix}:*", count=1000):
+        r.delete(key)
+
+
+def _wait(cond: Any, children: Children, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = children.dead()
+        if dead:
+            raise ChildDied(f"{', '.join(dead)} exited while waiting for {what}; see its log")
+        if cond():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _burst(r: redis.Redis, keys: Keys, opts: DemoOptions, children: Children) -> dict[str, Any]:
+    prompts = [f"Request {i}: the quick brown fox jumps" for i in range(opts.requests)]
+    t0 = time.monotonic()
+    ids = [client.send(r, keys, MODEL_ID, prompt=p, max_tokens=opts.max_tokens) for p in prompts]
+    peak_saturated = False
+    done: dict[str, int] = {}
+    cursors = dict.fromkeys(ids, b"0-0")
+    deadline = time.monotonic() + opts.timeout_s
+    while len(done) < len(ids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"burst: {len(done)}/{len(ids)} requests done in {opts.timeout_s}s")
+        if children.dead():
+            raise ChildDied(f"{', '.join(children.dead())} exited during the burst")
+        peak_saturated |= r.hget(keys.model_state(MODEL_ID), "saturated") == b"1"
+        streams = {keys.request_reply(i): cursors[i] for i in ids if i not in done}
+        for key, entries in r.xread(streams, count=256, block=200) or []:
+            rid = key.decode().split("{r:")[1].split("}")[0]
+            for eid, fields in entries:
+                cursors[rid] = eid
+                if fields.get(b"kind") == b"done":
+                    done[rid] = int(fields[b"index"])
+                elif fields.get(b"kind") == b"error":
+                    raise KvqError(f"request {rid} failed: {fields}")
+    wall = time.monotonic() - t0
+    tokens = sum(done.values())
+    return {"requests": len(done), "tokens": tokens, "burst_s": wall, "saturated": peak_saturated}
+
+
+def _summary(
+    r: redis.Redis, keys: Keys, burst: dict[str, Any], redis_label: str, t0: float
+) -> dict[str, Any]:
+    stats = {k.decode(): float(v) for k, v in r.hgetall(keys.coord_stats(COORD_ID)).items()}
+    recruited = {w.decode() for w in r.hkeys(keys.model_workers(MODEL_ID))}
+    remote = int(stats.get("remote_jobs", 0))
+    verified, mismatches = int(stats.get("verified", 0)), int(stats.get("mismatches", 0))
+    return {
+        "requests_completed": burst["requests"],
+        "tokens_generated": burst["tokens"],
+        "tokens_per_s": round(burst["tokens"] / burst["burst_s"], 1) if burst["burst_s"] else 0.0,
+        "local_jobs": int(stats.get("local_jobs", 0)),
+        "remote_jobs": remote,
+        "fallback_jobs": int(stats.get("fallback_jobs", 0)),
+        "late_results": int(stats.get("late_results", 0)),
+        "workers_recruited": len(recruited),
+        "saturated_during_burst": burst["saturated"],
+        "remote_verified": verified,
+        "remote_matches_local": remote > 0 and verified == remote and mismatches == 0,
+        "remote_max_abs_err": stats.get("max_abs_err", 0.0),
+        "tolerance": "max |remote - local| <= 1e-4 * max(1, max|local|) per job",
+        "redis": redis_label,
+        "wall_s": round(time.monotonic() - t0, 2),
+    }

@@ -1,0 +1,115 @@
+"""Every Redis key kvq uses, built in one place.
+
+Keys carry a hash tag so that a Redis Cluster keeps what one script or pipeline touches in one
+slot: a model's control keys share `{m:<model>}`, each worker's keys `{w:<worker>}`, each
+coordinator's `{c:<coord>}`, each request's `{r:<request>}`. `P` is the prefix (`KVQ_PREFIX`,
+default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
+
+| key                          | type   | writer → readers                           |
+|------------------------------|--------|--------------------------------------------|
+| P:models                     | set    | monitor → workers, coordinators, monitor   |
+| P:{m:M}:meta                 | hash   | monitor (register) → workers, API          |
+| P:{m:M}:slices               | hash   | monitor: slice id → JSON layout + sha256   |
+| P:{m:M}:target               | hash   | monitor: slice id → wanted replicas        |
+| P:{m:M}:coverage             | hash   | volunteer script / reaper: slice → workers |
+| P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
+| P:{m:M}:coordinators         | set    | coordinator → monitor                      |
+| P:{m:M}:requests             | stream | clients → coordinators (group)             |
+| P:{m:M}:state                | hash   | monitor: saturated, boost, targets         |
+| P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
+| P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
+| P:{w:W}:info                 | hash   | worker W: model, slice, served, last_serve |
+| P:{c:C}:results              | stream | workers → coordinator C                    |
+| P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
+| P:{c:C}:stats                | hash   | coordinator C: job counters                |
+| P:{r:R}:reply                | stream | coordinator → client of request R          |
+| P:deadletter                 | stream | any consumer → operators                   |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORKER_GROUP = "workers"
+COORDINATOR_GROUP = "coordinators"
+
+
+def slice_id(layer_start: int, layer_end: int, expert_start: int, expert_end: int) -> str:
+    """Readable, sortable id of a slice: layers [ls, le) × experts [es, ee)."""
+    return f"L{layer_start:03d}-{layer_end:03d}:E{expert_start:04d}-{expert_end:04d}"
+
+
+def parse_slice_id(sid: str) -> tuple[int, int, int, int]:
+    """Inverse of `slice_id`; ValueError on anything else."""
+    layers, experts = sid.split(":")
+    if not (layers.startswith("L") and experts.startswith("E")):
+        raise ValueError(f"not a slice id: {sid!r}")
+    ls, le = (int(p) for p in layers[1:].split("-"))
+    es, ee = (int(p) for p in experts[1:].split("-"))
+    return ls, le, es, ee
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder bound to one prefix."""
+
+    prefix: str = "kvq"
+
+    # global
+    def models(self) -> str:
+        return f"{self.prefix}:models"
+
+    def deadletter(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    # per model
+    def _m(self, model: str, what: str) -> str:
+        return f"{self.prefix}:{{m:{model}}}:{what}"
+
+    def model_meta(self, model: str) -> str:
+        return self._m(model, "meta")
+
+    def model_slices(self, model: str) -> str:
+        return self._m(model, "slices")
+
+    def model_target(self, model: str) -> str:
+        return self._m(model, "target")
+
+    def model_coverage(self, model: str) -> str:
+        return self._m(model, "coverage")
+
+    def model_workers(self, model: str) -> str:
+        return self._m(model, "workers")
+
+    def model_coordinators(self, model: str) -> str:
+        return self._m(model, "coordinators")
+
+    def model_requests(self, model: str) -> str:
+        return self._m(model, "requests")
+
+    def model_state(self, model: str) -> str:
+        return self._m(model, "state")
+
+    # per worker
+    def worker_inbox(self, worker: str) -> str:
+        return f"{self.prefix}:{{w:{worker}}}:inbox"
+
+    def worker_heartbeat(self, worker: str) -> str:
+        return f"{self.prefix}:{{w:{worker}}}:hb"
+
+    def worker_info(self, worker: str) -> str:
+        return f"{self.prefix}:{{w:{worker}}}:info"
+
+    # per coordinator
+    def coord_results(self, coord: str) -> str:
+        return f"{self.prefix}:{{c:{coord}}}:results"
+
+    def coord_slots(self, coord: str) -> str:
+        return f"{self.prefix}:{{c:{coord}}}:slots"
+
+    def coord_stats(self, coord: str) -> str:
+        return f"{self.prefix}:{{c:{coord}}}:stats"
+
+    # per request
+    def request_reply(self, request: str) -> str:
+        return f"{self.prefix}:{{r:{request}}}:reply"

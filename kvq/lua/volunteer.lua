@@ -1,0 +1,27 @@
+-- volunteer: give a worker the rarest slice of one model that still has positive demand.
+-- KEYS[1] target hash   (slice id -> wanted replicas; written by the monitor)
+-- KEYS[2] coverage hash (slice id -> workers holding it; written by this script and release)
+-- KEYS[3] workers hash  (worker id -> slice id)
+-- ARGV[1] worker id
+-- Returns the slice id, or false when no slice has demand. Idempotent: a worker that already
+-- holds a slice of this model gets the same one back.
+local held = redis.call('HGET', KEYS[3], ARGV[1])
+if held then return held end
+local target = redis.call('HGETALL', KEYS[1])
+local best, best_demand, best_cov = false, 0, 0
+for i = 1, #target, 2 do
+  local sid = target[i]
+  local want = tonumber(target[i + 1]) or 0
+  local cov = tonumber(redis.call('HGET', KEYS[2], sid) or '0') or 0
+  local demand = want - cov
+  if demand > 0 then
+    local better = (not best) or demand > best_demand
+      or (demand == best_demand and cov < best_cov)
+      or (demand == best_demand and cov == best_cov and sid < best)
+    if better then best, best_demand, best_cov = sid, demand, cov end
+  end
+end
+if not best then return false end
+redis.call('HINCRBY', KEYS[2], best, 1)
+redis.call('HSET', KEYS[3], ARGV[1], best)
+return best

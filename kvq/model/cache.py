@@ -1,0 +1,63 @@
+"""Per-sequence KV cache and the unit of work of one batched forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvq.errors import ModelError
+
+
+class KVCache:
+    """K/V of every layer for one sequence, preallocated to the context length.
+
+    `length` counts positions already stored. A forward pass writes new positions with
+    `append` for every layer, then calls `advance` once; a pass that fails midway leaves
+    `length` unchanged, so the same positions are simply overwritten on retry.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_layers, max_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, S, kv, d]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, S, kv, d]
+        self.max_len = max_len
+        self.length = 0
+
+    def check_room(self, n_new: int) -> None:
+        """ModelError if `n_new` more positions would overflow the context."""
+        if self.length + n_new > self.max_len:
+            raise ModelError(
+                f"sequence of {self.length} + {n_new} tokens exceeds the context length "
+                f"{self.max_len}; start a new sequence or shorten the prompt"
+            )
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([T, kv, d]) after `length`; return all keys and values [length+T, kv, d]."""
+        end = self.length + k.shape[0]
+        self.k[layer, self.length : end] = k
+        self.v[layer, self.length : end] = v
+        return self.k[layer, :end], self.v[layer, :end]
+
+    def advance(self, n: int) -> None:
+        """Mark `n` more positions as stored (after every layer has appended them)."""
+        self.check_room(n)
+        self.length += n
+
+
+@dataclass
+class SeqStep:
+    """New tokens of one sequence for one forward pass (many for prefill, one for decode)."""
+
+    tokens: list[int]
+    cache: KVCache

@@ -1,0 +1,125 @@
+"""Thin helpers over `gguf.GGUFReader`: open with kvq errors, typed metadata, dequantization.
+
+Shapes: GGUF stores dims fastest-first (ggml `ne0, ne1, ...`); numpy order is the reverse.
+Everything kvq hands out uses numpy order, e.g. `ffn_gate_exps` is `[experts, ffn, hidden]`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from kvq.errors import ModelError, SliceIntegrityError
+
+F32Array = npt.NDArray[np.float32]
+
+
+def open_reader(path: str | Path) -> GGUFReader:
+    """Memory-map `path` as GGUF; any failure becomes a ModelError naming the file."""
+    try:
+        return GGUFReader(str(path), "r")
+    except FileNotFoundError as exc:
+        raise ModelError(f"model file {str(path)!r} does not exist; check the path") from exc
+    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        raise ModelError(
+            f"{str(path)!r} is not a readable GGUF file ({exc}); "
+            "pass a GGUF model written by llama.cpp's converter or kvq.model.make_tiny"
+        ) from exc
+
+
+def field(reader: GGUFReader, key: str, default: Any = None, *, required: bool = True) -> Any:
+    """The value of metadata `key` (str, int, float or list); ModelError if required and absent."""
+    f = reader.get_field(key)
+    if f is None:
+        if required:
+            raise ModelError(f"GGUF metadata key {key!r} is missing; the file is incomplete")
+        return default
+    return f.contents()
+
+
+def int_field(reader: GGUFReader, key: str, default: int | None = None) -> int:
+    """Metadata `key` as an int (required unless `default` is given)."""
+    value = field(reader, key, default, required=default is None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"GGUF metadata {key!r} = {value!r} is not an integer")
+    return value
+
+
+def float_field(reader: GGUFReader, key: str, default: float | None = None) -> float:
+    """Metadata `key` as a float (required unless `default` is given)."""
+    value = field(reader, key, default, required=default is None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelError(f"GGUF metadata {key!r} = {value!r} is not a number")
+    return float(value)
+
+
+def str_field(reader: GGUFReader, key: str, default: str | None = None) -> str:
+    """Metadata `key` as a str (required unless `default` is given)."""
+    value = field(reader, key, default, required=default is None)
+    if not isinstance(value, str):
+        raise ModelError(f"GGUF metadata {key!r} = {value!r} is not a string")
+    return value
+
+
+def tensor_map(reader: GGUFReader) -> dict[str, ReaderTensor]:
+    """Tensors of the file by name."""
+    return {t.name: t for t in reader.tensors}
+
+
+def numpy_shape(t: ReaderTensor) -> tuple[int, ...]:
+    """Logical (dequantized) numpy shape of a tensor: ggml dims reversed."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def quant_type(raw: int) -> GGMLQuantizationType:
+    """`raw` as a ggml type, or ModelError naming it."""
+    try:
+        return GGMLQuantizationType(raw)
+    except ValueError as exc:
+        raise ModelError(
+            f"unknown ggml tensor type {raw}; this gguf package cannot decode it"
+        ) from exc
+
+
+def nbytes_for(ggml_type: int, shape: tuple[int, ...]) -> int:
+    """Encoded size of a tensor of numpy `shape`; rows must be whole quant blocks."""
+    block, type_size = GGML_QUANT_SIZES[quant_type(ggml_type)]
+    if not shape or shape[-1] % block:
+        raise ModelError(
+            f"row length {shape[-1:]} is not a multiple of the {quant_type(ggml_type).name} "
+            f"block size {block}; the tensor cannot be split by rows"
+        )
+    return math.prod(shape) // block * type_size
+
+
+def decode_bytes(raw: npt.NDArray[np.uint8], ggml_type: int, shape: tuple[int, ...]) -> F32Array:
+    """Dequantize encoded bytes into a writable float32 array of numpy `shape`."""
+    qtype = quant_type(ggml_type)
+    expected = nbytes_for(ggml_type, shape)
+    if raw.size != expected:
+        raise SliceIntegrityError(
+            f"{raw.size} bytes cannot hold a {qtype.name} tensor of shape {shape} "
+            f"({expected} bytes); re-download the slice"
+        )
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    # dequantize wants the byte layout: rows of whole blocks in the last dim
+    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+    try:
+        out = dequantize(raw.reshape(byte_shape), qtype)
+    except NotImplementedError as exc:
+        raise ModelError(f"ggml type {qtype.name} cannot be dequantized by gguf: {exc}") from exc
+    # copy: the input may be a read-only buffer or a memmap; torch wants owned, writable data
+    return np.array(out, dtype=np.float32, copy=True).reshape(shape)
+
+
+def dequantize_tensor(t: ReaderTensor) -> F32Array:
+    """A whole tensor from the file as float32 in numpy order (copied out of the memmap)."""
+    shape = numpy_shape(t)
+    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    return decode_bytes(raw, int(t.tensor_type), shape)

@@ -1,0 +1,50 @@
+"""Byte-level tokenizer of the tiny test models: ids 0..255 are bytes, then BOS and EOS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvq.errors import ModelError
+from kvq.model.meta import ModelMeta
+
+BYTE_TOKENIZER = "kvq-bytes"
+N_BYTES = 256
+
+
+def byte_token_list() -> list[str]:
+    """The token strings stored in a byte-tokenizer GGUF (BOS = 256, EOS = 257)."""
+    return [f"<0x{b:02X}>" for b in range(N_BYTES)] + ["<|bos|>", "<|eos|>"]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids; special ids (>= 256) are skipped when decoding."""
+
+    def __init__(self, bos_id: int = N_BYTES, eos_id: int = N_BYTES + 1) -> None:
+        for label, v in (("bos_id", bos_id), ("eos_id", eos_id)):
+            if v < N_BYTES:
+                raise ModelError(
+                    f"{label} {v} is not a special id; byte tokens use 0..255, so use >= 256"
+                )
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+
+    @classmethod
+    def from_meta(cls, meta: ModelMeta) -> ByteTokenizer:
+        """The tokenizer of a model whose `tokenizer.ggml.model` is kvq-bytes."""
+        if meta.tokenizer_model != BYTE_TOKENIZER:
+            raise ModelError(
+                f"model tokenizer is {meta.tokenizer_model!r}, not {BYTE_TOKENIZER!r}; "
+                "ByteTokenizer only serves models written by kvq.model.make_tiny"
+            )
+        if meta.vocab_size < N_BYTES + 2:
+            raise ModelError(f"vocab size {meta.vocab_size} is too small for 256 bytes + BOS/EOS")
+        return cls(meta.bos_id, meta.eos_id)
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """UTF-8 bytes of `text` as ids, BOS first unless `add_bos` is False."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the byte ids (special ids dropped; invalid UTF-8 becomes U+FFFD)."""
+        return bytes(i for i in ids if 0 <= i < N_BYTES).decode("utf-8", errors="replace")

@@ -1,0 +1,62 @@
+"""Start and stop kvq child processes (the demo and the end-to-end tests use this)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvq.server import _die_with_parent
+
+
+@dataclass
+class Children:
+    """Child `python -m kvq ...` processes, all stopped by `stop_all()`."""
+
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: str | None = None
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        out: int | object = subprocess.DEVNULL
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(f"{self.log_dir}/{name}.log", "wb")  # noqa: SIM115 - closed with the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvq", *args],
+            env=self.env,
+            stdout=out,  # type: ignore[arg-type]
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
+        if self.log_dir and hasattr(out, "close"):
+            out.close()  # the child holds its own descriptor
+        self.procs[name] = proc
+        return proc
+
+    def dead(self) -> list[str]:
+        """Names of children that exited on their own."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def kill(self, name: str) -> None:
+        p = self.procs.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGKILL)
+        p.wait(5)
+
+    def stop_all(self, timeout_s: float = 5.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        self.procs.clear()

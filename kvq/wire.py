@@ -1,0 +1,178 @@
+"""The one wire codec: versioned msgpack maps, used by every producer and consumer.
+
+A stream entry has two fields: `t` (the message type, plain text for `redis-cli`) and `m` (the
+msgpack map). Small human-facing messages (requests, reply events) also carry their scalar
+fields as plain text next to `m` so that `XRANGE` is readable; decoding reads `m` only.
+
+Messages are `msgspec` structs encoded as msgpack maps (field names as keys, a `v` version
+field); decoding validates types, ranges and tensor sizes before any tensor is built. Tensors
+travel as `{"dtype", "shape", "data"}` with little-endian raw bytes. Failures travel as
+`{"type", "message", "retryable"}`. No pickle anywhere.
+
+Every decoding problem raises `WireError`, whatever the input bytes are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from kvq.errors import WireError
+
+VERSION = 1
+DType = Literal["float32", "float16", "int32", "int64", "uint8"]
+_NP = {
+    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
+}  # fmt: skip
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    v: Literal[1] = VERSION
+
+
+class Failure(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A failure as it travels: what went wrong and whether retrying may help."""
+
+    type: str
+    message: str
+    retryable: bool = False
+
+
+class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tensor on the wire; sizes are checked when it is decoded or built."""
+
+    dtype: DType
+    shape: Annotated[list[NonNeg], msgspec.Meta(max_length=4)]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        want = math.prod(self.shape) * _NP[self.dtype].itemsize
+        if want != len(self.data):
+            raise ValueError(
+                f"tensor bytes {len(self.data)} != {want} for dtype {self.dtype} shape {self.shape}"
+            )
+
+    def array(self) -> np.ndarray:
+        """A read-only numpy view of the bytes, [*shape]."""
+        return np.frombuffer(self.data, dtype=_NP[self.dtype]).reshape(self.shape)
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> Tensor:
+        name = arr.dtype.name
+        if name not in _NP:
+            raise WireError(f"cannot send dtype {name}; allowed: {sorted(_NP)}")
+        le = np.ascontiguousarray(arr, dtype=_NP[name])
+        return cls(name, list(le.shape), le.tobytes())  # type: ignore[arg-type]
+
+
+class Job(_Msg, frozen=True):
+    """Token-level expert job: rows of one MoE layer routed to experts of one slice."""
+
+    job_id: Name
+    model: Name
+    layer: NonNeg
+    slice: Name
+    expert_start: NonNeg
+    expert_end: NonNeg
+    coord: Name
+    reply_to: Name
+    deadline_ms: NonNeg
+    x: Tensor  # [T, H] activations after the FFN norm
+    ids: Tensor  # [T, k] global expert ids
+    weights: Tensor  # [T, k] gate weights
+
+    def __post_init__(self) -> None:
+        xs, ids, ws = self.x.shape, self.ids.shape, self.weights.shape
+        if len(xs) != 2 or len(ids) != 2 or ids != ws or ids[0] != xs[0]:
+            raise ValueError(
+                f"shapes x{xs} ids{ids} weights{ws} do not agree (want [T,H], [T,k], [T,k])"
+            )
+        if self.expert_end <= self.expert_start:
+            raise ValueError(f"empty expert range [{self.expert_start}, {self.expert_end})")
+
+
+class Result(_Msg, frozen=True):
+    """A worker's answer: the gate-weighted sum over the slice's experts per row."""
+
+    job_id: Name
+    worker: Name
+    compute_ms: float = 0.0
+    y: Tensor | None = None  # [T, H]
+    error: Failure | None = None
+
+
+class Request(_Msg, frozen=True):
+    """A client's generation request."""
+
+    request_id: Name
+    model: Name
+    prompt: str | None = None
+    prompt_ids: list[NonNeg] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+
+
+class ReplyEvent(_Msg, frozen=True):
+    """One event on a request's reply stream: a token, the end, or an error."""
+
+    kind: Literal["token", "done", "error"]
+    index: NonNeg = 0
+    token_id: int | None = None
+    text: str = ""
+    finish: str | None = None
+    error: Failure | None = None
+
+
+M = TypeVar("M", bound=_Msg)
+_NAMES: dict[type[_Msg], str] = {
+    Job: "job",
+    Result: "result",
+    Request: "request",
+    ReplyEvent: "reply",
+}
+_READABLE = {"request": ("request_id", "model", "max_tokens"), "reply": ("kind", "index", "text")}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in _NAMES}
+
+
+def pack(msg: _Msg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def encode(msg: _Msg) -> dict[str, bytes | str]:
+    """Message → stream entry fields."""
+    name = _NAMES[type(msg)]
+    fields: dict[str, bytes | str] = {"t": name, "m": _ENCODER.encode(msg)}
+    for attr in _READABLE.get(name, ()):
+        fields[attr] = str(getattr(msg, attr))
+    return fields
+
+
+def decode(fields: Any, expect: type[M]) -> M:
+    """Stream entry fields → validated message of type `expect`, or WireError."""
+    try:
+        raw = fields.get(b"m", fields.get("m"))
+    except Exception as exc:  # noqa: BLE001 - any malformed container is a wire error
+        raise WireError(f"entry is not a field map: {exc}") from None
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise WireError("entry has no msgpack field 'm'")
+    return unpack(bytes(raw), expect)
+
+
+def unpack(raw: bytes, expect: type[M]) -> M:
+    """msgpack bytes → validated message, or WireError (never anything else)."""
+    try:
+        return _DECODERS[expect].decode(raw)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise WireError(f"invalid {_NAMES[expect]}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - garbage bytes raise several types
+        raise WireError(f"undecodable {_NAMES[expect]}: {type(exc).__name__}: {exc}") from None
+
+
+def failure(exc: BaseException, retryable: bool = False) -> Failure:
+    return Failure(type=type(exc).__name__, message=str(exc), retryable=retryable)

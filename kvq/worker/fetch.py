@@ -1,0 +1,81 @@
+"""Download exactly one slice's bytes (file path or http(s) Range requests) and verify them."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import urllib.request
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+from tqdm import tqdm
+
+from kvq.errors import ModelError, SliceIntegrityError
+from kvq.registry import SliceSpec
+
+
+def fetch_slice(source: str, spec: SliceSpec, timeout_s: float) -> list[bytes]:
+    """The bytes of every range of `spec`, checked against its published sizes and sha256."""
+    scheme = urlparse(source).scheme
+    show = sys.stderr.isatty()
+    with tqdm(total=spec.nbytes, unit="B", unit_scale=True, desc=spec.sid, disable=not show) as bar:
+        if scheme in ("http", "https"):
+            blobs = [_http_range(source, r.offset, r.nbytes, timeout_s, bar) for r in spec.ranges]
+        elif scheme in ("", "file"):
+            path = urlparse(source).path if scheme == "file" else source
+            blobs = _file_ranges(path, [(r.offset, r.nbytes) for r in spec.ranges], bar)
+        else:
+            raise ModelError(f"unsupported model source {source!r}: use a path or http(s) URL")
+    verify(spec, blobs)
+    return blobs
+
+
+def verify(spec: SliceSpec, blobs: Sequence[bytes]) -> None:
+    """Refuse bytes whose size or checksum differs from what the monitor published."""
+    for r, want, blob in zip(spec.ranges, spec.sha256, blobs, strict=True):
+        if len(blob) != r.nbytes:
+            raise SliceIntegrityError(
+                f"slice {spec.sid} tensor {r.name}: got {len(blob)} bytes, expected {r.nbytes} "
+                f"(truncated download or a different file)"
+            )
+        got = hashlib.sha256(blob).hexdigest()
+        if got != want:
+            raise SliceIntegrityError(
+                f"slice {spec.sid} tensor {r.name}: sha256 {got[:16]}… != published "
+                f"{want[:16]}… (tampered file or a different model version); not serving it"
+            )
+
+
+def _file_ranges(path: str, ranges: list[tuple[int, int]], bar: tqdm) -> list[bytes]:
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for offset, n in ranges:
+                f.seek(offset)
+                out.append(f.read(n))
+                bar.update(n)
+    except OSError as exc:
+        raise ModelError(f"cannot read model file {path!r}: {exc}") from None
+    return out
+
+
+def _http_range(url: str, offset: int, n: int, timeout_s: float, bar: tqdm) -> bytes:
+    req = urllib.request.Request(url, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - http(s) only
+            if resp.status != 206:
+                raise ModelError(
+                    f"{url} answered {resp.status} to a Range request; the server must support "
+                    f"byte ranges (HTTP 206)"
+                )
+            chunks, got = [], 0
+            while got < n:
+                chunk = resp.read(min(1 << 20, n - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+                bar.update(len(chunk))
+            return b"".join(chunks)
+    except OSError as exc:
+        raise ModelError(f"cannot download {url} bytes {offset}+{n}: {exc}") from None

@@ -1,0 +1,53 @@
+"""Shared tiny models for the kvq.model tests (written once per session)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("kvq") is None:  # kvq not installed: import it from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvq.model import Backbone, make_tiny  # noqa: E402
+
+# non-square dimensions so any transposed matrix fails loudly
+ODD = {
+    "layers": 2,
+    "experts": 6,
+    "experts_used": 3,
+    "hidden": 32,
+    "expert_ffn": 48,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 8,
+    "seed": 7,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    make_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def odd_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with hidden != ffn, head_dim * heads != hidden, k = 3."""
+    path = tmp_path_factory.mktemp("odd") / "odd.gguf"
+    make_tiny(path, **ODD)
+    return path
+
+
+@pytest.fixture(scope="session")
+def backbone(tiny_path: Path) -> Backbone:
+    return Backbone.from_gguf(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def odd_backbone(odd_path: Path) -> Backbone:
+    return Backbone.from_gguf(odd_path)

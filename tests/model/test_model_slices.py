@@ -1,0 +1,104 @@
+"""decode_slice / load_slice against the reader's tensors, for F32 and quantized experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from kvq.errors import ModelError, SliceIntegrityError
+from kvq.model import decode_slice, load_slice, read_meta, read_slice_file, slice_layout
+from kvq.model import tiny as tiny_mod
+
+
+def _full(path: Path, name: str) -> np.ndarray:
+    reader = GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == name)
+    return np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+
+
+@pytest.mark.parametrize(("e0", "e1"), [(0, 6), (1, 4), (5, 6)])
+def test_decode_slice_equals_tensor_slices(odd_path: Path, e0: int, e1: int) -> None:
+    meta = read_meta(odd_path)
+    sl = load_slice(odd_path, meta, 1, e0, e1)
+    assert (sl.layer, sl.expert_start, sl.expert_end, sl.n_experts) == (1, e0, e1, e1 - e0)
+    assert sl.gate.shape == sl.up.shape == (e1 - e0, 48, 32)
+    assert sl.down.shape == (e1 - e0, 32, 48)
+    for kind in ("gate", "up", "down"):
+        want = _full(odd_path, f"blk.1.ffn_{kind}_exps.weight")[e0:e1]
+        assert np.array_equal(getattr(sl, kind).numpy(), want)
+
+
+def test_decode_slice_dtype_and_blob_order(odd_path: Path) -> None:
+    meta = read_meta(odd_path)
+    layout = slice_layout(meta, 0, 2, 3)
+    blobs = read_slice_file(odd_path, layout)
+    sl = decode_slice(layout, blobs, 0, 2, 3, dtype=torch.bfloat16)
+    assert sl.gate.dtype == torch.bfloat16 and sl.gate.device.type == "cpu"
+    assert sl.to("cpu", torch.float32).gate.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cut", [1, 4, 100])
+def test_truncated_blob_raises_integrity_error(odd_path: Path, cut: int) -> None:
+    meta = read_meta(odd_path)
+    layout = slice_layout(meta, 0, 0, 2)
+    blobs = read_slice_file(odd_path, layout)
+    blobs[2] = blobs[2][:-cut]
+    with pytest.raises(SliceIntegrityError, match=r"blk\.0\.ffn_down_exps.*re-download"):
+        decode_slice(layout, blobs, 0, 0, 2)
+
+
+def test_extra_bytes_and_missing_blobs_raise(odd_path: Path) -> None:
+    meta = read_meta(odd_path)
+    layout = slice_layout(meta, 0, 0, 2)
+    blobs = read_slice_file(odd_path, layout)
+    with pytest.raises(SliceIntegrityError, match="bytes"):
+        decode_slice(layout, [blobs[0] + b"\0", *blobs[1:]], 0, 0, 2)
+    with pytest.raises(SliceIntegrityError, match="2 blobs for 3"):
+        decode_slice(layout, blobs[:2], 0, 0, 2)
+
+
+def test_truncated_file_raises_integrity_error(odd_path: Path, tmp_path: Path) -> None:
+    meta = read_meta(odd_path)
+    layout = slice_layout(meta, 1, 4, 6)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(odd_path.read_bytes()[: layout[2].offset + 10])  # ends inside `down`
+    with pytest.raises(SliceIntegrityError, match="truncated"):
+        read_slice_file(cut, layout)
+    with pytest.raises(ModelError, match="does not exist"):
+        read_slice_file(tmp_path / "nope.gguf", slice_layout(meta, 1, 4, 6))
+
+
+def _write_quantized(path: Path, qtype: GGMLQuantizationType) -> None:
+    """A tiny model whose expert stacks are stored as `qtype` (the rest F32)."""
+    cfg = tiny_mod.TinyConfig(2, 4, 2, 64, 64, 4, 2, 16)
+    tensors = tiny_mod._tensors(cfg, np.random.default_rng(1))
+    w = GGUFWriter(str(path), "qwen3moe")
+    tiny_mod._add_metadata(w, cfg, 1)
+    for name, arr in tensors.items():
+        if "_exps" in name:
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0])
+def test_quantized_slices_decode_like_the_whole_tensor(
+    tmp_path: Path, qtype: GGMLQuantizationType
+) -> None:
+    path = tmp_path / f"{qtype.name}.gguf"
+    _write_quantized(path, qtype)
+    meta = read_meta(path)
+    assert meta.expert_tensors[0]["up"].ggml_type == qtype
+    sl = load_slice(path, meta, 1, 1, 3)
+    for kind in ("gate", "up", "down"):
+        want = _full(path, f"blk.1.ffn_{kind}_exps.weight").reshape(4, 64, 64)[1:3]
+        assert np.array_equal(getattr(sl, kind).numpy(), want)
