@@ -34,6 +34,7 @@ log = logging.getLogger("kvq.coordinator")
 @dataclass
 class DispatchStats:
     local_jobs: int = 0
+    remote_sent: int = 0
     remote_jobs: int = 0
     fallback_jobs: int = 0
     remote_errors: int = 0
@@ -64,7 +65,7 @@ class Coverage:
         self.refresh_s = refresh_ms / 1000
         self.by_slice: dict[str, list[str]] = {}
         self._at = 0.0
-        self._rr = itertools.count()
+        self._turn: dict[str, int] = {}
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -84,8 +85,13 @@ class Coverage:
         self.by_slice = {sid: sorted(ws) for sid, ws in by_slice.items()}
 
     def pick(self, sid: str) -> str | None:
+        """Round-robin over the slice's live workers (a turn counter per slice)."""
         ws = self.by_slice.get(sid)
-        return ws[next(self._rr) % len(ws)] if ws else None
+        if not ws:
+            return None
+        turn = self._turn.get(sid, 0)
+        self._turn[sid] = turn + 1
+        return ws[turn % len(ws)]
 
 
 class Dispatcher:
@@ -142,6 +148,7 @@ class Dispatcher:
             )  # fmt: skip
             xadd(pipe, self.keys.worker_inbox(worker), wire.encode(job), self.s.stream_maxlen)
             pending[job_id] = _Pending(spec, rows, worker, time.monotonic())
+            self.stats.remote_sent += 1
         if pending:
             pipe.execute()
         for spec, rows in local:

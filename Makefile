@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (Python 3.11+ and make): `make demo` and `make test`.
+# Both create .venv on first use and reuse it afterwards.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvq-installed
+# the CPU build of torch; pip finds it on PyPI (or a local wheel mirror)
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -c 'import sys; sys.exit("kvq needs Python >= 3.11") if sys.version_info < (3, 11) else None'
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/kvq demo
+
+test: setup
+	$(BIN)/python -m pytest -p no:cacheprovider
+
+test-fast: setup
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check kvq tests
+	$(BIN)/ruff format --check kvq tests
+
+bench: setup
+	$(BIN)/kvq bench bus --json
+
+clean:
+	rm -rf $(VENV) *.egg-info

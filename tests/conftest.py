@@ -1,0 +1,40 @@
+"""Shared fixtures: a real Redis server started by the tests, and per-test key prefixes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kvq.config import Settings, load_settings
+from kvq.server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """One private server on a free port for the whole session, stopped at the end."""
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def settings(redis_server: EmbeddedRedis, prefix: str) -> Settings:
+    """Settings pointing at the test server, with a prefix no other test uses."""
+    return load_settings(
+        redis_url=redis_server.url, prefix=prefix, block_ms=100, heartbeat_ttl_s=1.0,
+        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()

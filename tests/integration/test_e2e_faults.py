@@ -1,0 +1,163 @@
+"""Faults on a real Redis: a worker killed holding jobs, malformed inbox entries, Redis restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+from e2e_helpers import wait_for
+
+from kvq import client, wire
+from kvq.config import Settings, child_env
+from kvq.coordinator import Coordinator
+from kvq.keys import Keys
+from kvq.model import Backbone, ByteTokenizer, expert_forward_reference, load_slice, read_meta
+from kvq.monitor import Monitor
+from kvq.procs import Children
+from kvq.registry import register_model
+from kvq.server import EmbeddedRedis
+from kvq.worker import Worker
+
+
+def _job(
+    model: Path, job_id: str, reply_to: str, sid: str, rows: int = 3
+) -> tuple[wire.Job, np.ndarray]:
+    """A job for layer 0, experts [0, 4), and its float64 reference answer."""
+    meta = read_meta(model)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, meta.embedding_length)).astype(np.float32)
+    ids = np.array([[0, 5], [3, 1], [6, 7]][:rows], dtype=np.int32)
+    w = np.full(ids.shape, 0.5, dtype=np.float32)
+    job = wire.Job(
+        job_id=job_id, model="tiny", layer=0, slice=sid, expert_start=0, expert_end=4,
+        coord="test", reply_to=reply_to, deadline_ms=0,
+        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
+    )  # fmt: skip
+    sl = load_slice(model, meta, 0, 0, 4)
+    ref = expert_forward_reference(
+        sl.gate.double().numpy(), sl.up.double().numpy(), sl.down.double().numpy(), 0, x, ids, w
+    )
+    return job, ref
+
+
+def _await_result(r: redis.Redis, stream: str, job_id: str, timeout_s: float = 20) -> wire.Result:
+    def find() -> wire.Result | None:
+        for _, fields in r.xrange(stream):
+            res = wire.decode(fields, wire.Result)
+            if res.job_id == job_id:
+                return res
+        return None
+
+    return wait_for(find, timeout_s, f"result of {job_id}")  # type: ignore[no-any-return]
+
+
+def test_malformed_inbox_entries_are_dead_lettered(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    keys = Keys(settings.prefix)
+    mon = Monitor(settings)
+    info = mon.register("tiny", tiny_model)
+    only = next(s for s in info.slices.values() if s.layer_start == 0 and s.expert_start == 0)
+    mon.r.delete(keys.model_target("tiny"))
+    mon.r.hset(keys.model_target("tiny"), only.sid, 1)  # demand for layer 0, experts 0-3 only
+    w = Worker(settings, "w0")
+    run_in_thread(w)
+    wait_for(lambda: w.holding is not None, what="volunteer")
+    inbox = keys.worker_inbox("w0")
+    r = mon.r
+    r.xadd(inbox, {"t": "job", "m": b"\x93not a job"})
+    r.xadd(inbox, {"nothing": "here"})
+    bad_shape = wire.pack(_job(tiny_model, "j0", "out", only.sid)[0]).replace(
+        b"float32", b"float16", 1
+    )
+    r.xadd(inbox, {"t": "job", "m": bad_shape})
+    job, ref = _job(tiny_model, "j1", f"{settings.prefix}:out", only.sid)
+    r.xadd(inbox, wire.encode(job))
+    res = _await_result(r, f"{settings.prefix}:out", "j1")
+    assert res.error is None and res.y is not None
+    np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
+    dl = r.xrange(keys.deadletter())
+    assert len(dl) == 3
+    assert all(f[b"source"] == inbox.encode() and f[b"reason"] for _, f in dl)
+    assert b"no msgpack field" in dl[1][1][b"reason"]
+    assert r.xpending(inbox, "workers")["pending"] == 0, "bad entries are acked, not retried"
+
+
+def test_worker_survives_redis_restart(tiny_model: Path, tmp_path: Path, run_in_thread) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", persist=True).start()
+    try:
+        from kvq.config import load_settings
+
+        s = load_settings(redis_url=server.url, prefix="rs", block_ms=100, heartbeat_ttl_s=1.0,
+                          volunteer_poll_s=0.05, reconnect_max_s=0.5)  # fmt: skip
+        keys = Keys(s.prefix)
+        r = redis.Redis.from_url(server.url)
+        info = register_model(r, keys, s, "tiny", tiny_model)
+        sid = sorted(info.slices)[0]
+        r.delete(keys.model_target("tiny"))
+        r.hset(keys.model_target("tiny"), sid, 1)
+        w = Worker(s, "w0")
+        run_in_thread(w)
+        wait_for(lambda: w.holding is not None, what="volunteer")
+        job, ref = _job(tiny_model, "before", "rs:out", sid)
+        r.xadd(keys.worker_inbox("w0"), wire.encode(job))
+        _await_result(r, "rs:out", "before")
+
+        server.stop(save=True)
+        time.sleep(1.5)  # the worker sees connection errors and backs off
+        server.start()
+        job, ref = _job(tiny_model, "after", "rs:out", sid)
+        r.xadd(keys.worker_inbox("w0"), wire.encode(job))
+        res = _await_result(r, "rs:out", "after")
+        assert res.y is not None
+        np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
+        wait_for(lambda: r.exists(keys.worker_heartbeat("w0")), what="heartbeat after restart")
+        r.close()
+    finally:
+        server.close()
+
+
+def test_killed_worker_jobs_answered_exactly_once(
+    settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path
+) -> None:
+    """SIGSTOP a worker so jobs pile up on it, then SIGKILL it: nothing is lost or doubled."""
+    s = settings.model_copy(update={
+        "saturation_threshold": 1, "job_deadline_ms": 4000, "slice_experts": 8,
+        "base_replicas": 2, "heartbeat_ttl_s": 2.0,
+    })  # fmt: skip
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    mon.register("tiny", tiny_model)
+    run_in_thread(mon)
+    kids = Children(child_env(s), log_dir=str(tmp_path))
+    try:
+        for i in range(4):  # 2 slices (one per layer) x 2 replicas
+            kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
+        wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
+        coord = Coordinator(s, "c1", "tiny", tiny_model)
+        run_in_thread(coord)
+        coord.dispatch.coverage.refresh(force=True)
+        victim = kids.procs["w0"]
+        os.kill(victim.pid, signal.SIGSTOP)
+        prompts = ["kill me softly", "exactly once", "no job lost"]
+        rids = [client.send(mon.r, keys, "tiny", prompt=p, max_tokens=8) for p in prompts]
+        wait_for(lambda: mon.r.xlen(keys.worker_inbox("w0")) > 0, 20, "jobs sent to the victim")
+        kids.kill("w0")
+        got = [[e.token_id for e in client.events(mon.r, keys, rid, 120) if e.token_id is not None]
+               for rid in rids]  # fmt: skip
+        bb = Backbone.from_gguf(tiny_model)
+        tok = ByteTokenizer.from_meta(bb.meta)
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert tokens == bb.generate(tok.encode(prompt), 8), prompt
+        st = coord.dispatch.stats
+        assert st.remote_sent == st.remote_jobs + st.fallback_jobs, "each job answered once"
+        assert st.remote_jobs > 0
+        wait_for(lambda: mon.reaped >= 1, 20, "the monitor to reap the victim")
+        assert not mon.r.hexists(keys.model_workers("tiny"), "w0")
+        assert mon.requeued > 0 or st.fallback_jobs > 0
+    finally:
+        kids.stop_all()

@@ -1,0 +1,87 @@
+"""Generation through remote workers on a real Redis equals all-local generation, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from e2e_helpers import wait_for
+
+from kvq import client
+from kvq.config import Settings
+from kvq.coordinator import Coordinator
+from kvq.keys import Keys
+from kvq.model import Backbone, ByteTokenizer
+from kvq.monitor import Monitor
+from kvq.worker import Worker
+
+PROMPTS = ["hello world", "the quick brown fox", "MoE experts over Redis", "kvq"]
+
+
+def _local_tokens(model: Path, prompt: str, n: int) -> list[int]:
+    bb = Backbone.from_gguf(model)
+    ids = ByteTokenizer.from_meta(bb.meta).encode(prompt)
+    return bb.generate(ids, n)
+
+
+def test_remote_generation_equals_local(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    # threshold 1: every step is "under load", so every covered slice goes remote
+    s = settings.model_copy(update={"saturation_threshold": 1, "job_deadline_ms": 10_000})
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    info = mon.register("tiny", tiny_model)
+    workers = [Worker(s, f"w{i}") for i in range(len(info.slices))]
+    for w in workers:
+        run_in_thread(w)
+    wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == len(info.slices), what="coverage")
+    coord = Coordinator(s, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+
+    rids = [client.send(mon.r, keys, "tiny", prompt=p, max_tokens=12) for p in PROMPTS]
+    got = {
+        rid: [e.token_id for e in client.events(mon.r, keys, rid, 60) if e.token_id is not None]
+        for rid in rids
+    }
+    for rid, prompt in zip(rids, PROMPTS, strict=True):
+        assert got[rid] == _local_tokens(tiny_model, prompt, 12), prompt
+
+    st = coord.dispatch.stats
+    assert st.remote_jobs > 0 and st.fallback_jobs == 0 and st.remote_errors == 0
+    assert st.remote_sent == st.remote_jobs
+    assert sum(w.served for w in workers) >= st.remote_jobs
+    assert all(w.served > 0 for w in workers), "every slice's worker took part"
+
+
+def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:
+    """K1: one request at a time never reaches the saturation threshold (2)."""
+    keys = Keys(settings.prefix)
+    mon = Monitor(settings)
+    mon.register("tiny", tiny_model)
+    w = Worker(settings, "w0")
+    run_in_thread(w)
+    wait_for(lambda: w.holding is not None, what="a worker to volunteer")
+    coord = Coordinator(settings, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    ids = client.generate(mon.r, keys, "tiny", prompt="one at a time", max_tokens=6)
+    assert ids == _local_tokens(tiny_model, "one at a time", 6)
+    assert coord.dispatch.stats.remote_sent == 0 and coord.dispatch.stats.local_jobs > 0
+
+
+def test_bad_request_gets_error_event(settings: Settings, tiny_model: Path, run_in_thread) -> None:
+    keys = Keys(settings.prefix)
+    mon = Monitor(settings)
+    mon.register("tiny", tiny_model)
+    coord = Coordinator(settings, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    rid = client.send(mon.r, keys, "tiny", prompt_ids=[1, 2, 99999], max_tokens=4)
+    try:
+        list(client.events(mon.r, keys, rid, 20))
+        raise AssertionError("expected RequestFailed")
+    except client.RequestFailed as exc:
+        assert "prompt_ids" in str(exc)
+    # garbage on the request stream is dead-lettered and the coordinator keeps serving
+    mon.r.xadd(keys.model_requests("tiny"), {"t": "request", "m": b"\xc1garbage"})
+    assert client.generate(mon.r, keys, "tiny", prompt="still alive", max_tokens=3)
+    dl = mon.r.xrange(keys.deadletter())
+    assert dl and b"undecodable" in dl[-1][1][b"reason"]
