@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import pytest
 import redis
@@ -38,3 +40,27 @@ def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+class Runnable(Protocol):
+    stop: threading.Event
+
+    def run(self) -> None: ...
+
+
+@pytest.fixture
+def run_in_thread() -> Iterator[Callable[[Runnable], threading.Thread]]:
+    """Start `obj.run()` on a thread; every one is stopped and joined after the test."""
+    started: list[tuple[Runnable, threading.Thread]] = []
+
+    def start(obj: Runnable) -> threading.Thread:
+        t = threading.Thread(target=obj.run, daemon=True)
+        t.start()
+        started.append((obj, t))
+        return t
+
+    yield start
+    for obj, _ in started:
+        obj.stop.set()
+    for _, t in started:
+        t.join(timeout=10)

@@ -48,7 +48,7 @@ def _kvq_worker(url: str, inbox: str, results: str, n: int) -> None:
     while done < n:
         entries = c.read(BATCH, 1000)
         pipe = r.pipeline(transaction=False)
-        for eid, fields in entries:
+        for _eid, fields in entries:
             job = wire.decode(fields, wire.Job)
             res = wire.Result(job_id=job.job_id, worker="w", y=wire.Tensor.of(job.x.array()))
             xadd(pipe, results, wire.encode(res), MAXLEN)

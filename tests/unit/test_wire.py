@@ -15,8 +15,8 @@ from kvq import wire
 from kvq.errors import WireError
 from kvq.wire import Failure, Job, ReplyEvent, Request, Result, Tensor
 
-FAST = settings(deadline=None, database=None, max_examples=60)
-FUZZ = settings(deadline=None, database=None, max_examples=150)
+FAST = settings(deadline=None, database=None, max_examples=40)
+FUZZ = settings(deadline=None, database=None, max_examples=100)
 
 MSG_TYPES = [Job, Result, Request, ReplyEvent]
 DTYPES = ["float32", "float16", "int32", "int64", "uint8"]

@@ -1,0 +1,322 @@
+"""kvq.bus.streams against a real server: groups, pending-first reads, trimming, dead letters."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from kvq import wire
+from kvq.bus import Consumer, dead_letter, ensure_group, xadd
+from kvq.config import Settings
+from kvq.keys import WORKER_GROUP, Keys
+
+
+@pytest.fixture
+def keys(prefix: str) -> Keys:
+    return Keys(prefix)
+
+
+@pytest.fixture
+def stream(keys: Keys) -> str:
+    return keys.worker_inbox("w1")
+
+
+def add(r: redis.Redis, stream: str, n: int, start: int = 0) -> list[bytes]:
+    return [xadd(r, stream, {"n": str(i)}, maxlen=10_000) for i in range(start, start + n)]
+
+
+def ids_of(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[bytes]:
+    return [eid for eid, _ in entries]
+
+
+# -- ensure_group --------------------------------------------------------------------------
+def test_ensure_group_is_idempotent(r: redis.Redis, stream: str) -> None:
+    ensure_group(r, stream, WORKER_GROUP)
+    ensure_group(r, stream, WORKER_GROUP)
+    assert r.exists(stream) and r.xlen(stream) == 0  # MKSTREAM
+    groups = r.xinfo_groups(stream)
+    assert [g["name"] for g in groups] == [WORKER_GROUP.encode()]
+
+
+def test_ensure_group_on_existing_stream_delivers_old_entries(r: redis.Redis, stream: str) -> None:
+    old = add(r, stream, 3)
+    ensure_group(r, stream, WORKER_GROUP)
+    got = Consumer(r, stream, WORKER_GROUP, "c1").read(10, None)
+    assert ids_of(got) == old  # the group starts at id 0
+
+
+def test_ensure_group_raises_other_errors(r: redis.Redis, stream: str) -> None:
+    r.set(stream, "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        ensure_group(r, stream, WORKER_GROUP)
+
+
+# -- Consumer: blocking --------------------------------------------------------------------
+def test_empty_read_returns_after_block(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    t0 = time.monotonic()
+    assert c.read(10, 150) == []
+    waited = time.monotonic() - t0
+    assert 0.12 <= waited < 2.0
+    t0 = time.monotonic()
+    assert c.read(10, None) == []
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_blocked_read_wakes_on_xadd(r: redis.Redis, stream: str, settings: Settings) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    assert c.read(10, None) == []  # pending phase done; the next read blocks on '>'
+    other = redis.Redis.from_url(settings.redis_url)
+
+    def later() -> None:
+        time.sleep(0.2)
+        xadd(other, stream, {"n": "late"}, maxlen=1000)
+
+    th = threading.Thread(target=later)
+    t0 = time.monotonic()
+    th.start()
+    try:
+        got = c.read(10, 10_000)
+        waited = time.monotonic() - t0
+    finally:
+        th.join()
+        other.close()
+    assert [f for _, f in got] == [{b"n": b"late"}]
+    assert 0.15 <= waited < 5.0  # woke on the XADD, long before the 10 s block
+
+
+def test_first_read_blocks_too_when_nothing_pending(
+    r: redis.Redis, stream: str, settings: Settings
+) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    other = redis.Redis.from_url(settings.redis_url)
+    th = threading.Timer(0.2, lambda: xadd(other, stream, {"n": "x"}, maxlen=1000))
+    th.start()
+    try:
+        got = c.read(10, 10_000)
+    finally:
+        th.join()
+        other.close()
+    assert len(got) == 1
+
+
+# -- Consumer: pending first ---------------------------------------------------------------
+def test_new_entries_are_read_once(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 5)
+    got = c.read(3, None) + c.read(3, None)
+    assert ids_of(got) == sent
+    assert got[0][1] == {b"n": b"0"}
+    assert c.read(3, None) == []
+
+
+def test_restarted_consumer_rereads_own_pending_first(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    first = add(r, stream, 3)
+    assert ids_of(c.read(10, None)) == first  # taken, never acked: c1 "crashes"
+    later = add(r, stream, 2, start=3)
+
+    again = Consumer(r, stream, WORKER_GROUP, "c1")
+    pending = again.read(10, None)
+    assert ids_of(pending) == first
+    assert [f[b"n"] for _, f in pending] == [b"0", b"1", b"2"]
+    again.ack(*ids_of(pending))
+    assert ids_of(again.read(10, None)) == later
+    assert again.read(10, None) == []
+
+
+def test_pending_are_read_in_batches_of_count(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    first = add(r, stream, 5)
+    assert ids_of(c.read(10, None)) == first
+    new = add(r, stream, 1, start=5)
+    again = Consumer(r, stream, WORKER_GROUP, "c1")
+    seen: list[bytes] = []
+    for _ in range(4):
+        batch = again.read(2, None)
+        assert len(batch) <= 2
+        seen += ids_of(batch)
+        again.ack(*ids_of(batch))
+    assert seen == first + new
+
+
+def test_other_consumer_does_not_get_my_pending(r: redis.Redis, stream: str) -> None:
+    c1 = Consumer(r, stream, WORKER_GROUP, "c1")
+    mine = add(r, stream, 2)
+    assert ids_of(c1.read(10, None)) == mine
+    new = add(r, stream, 1, start=2)
+    c2 = Consumer(r, stream, WORKER_GROUP, "c2")
+    assert ids_of(c2.read(10, None)) == new
+
+
+def test_acked_entries_are_not_reread(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 3)
+    got = c.read(10, None)
+    c.ack(got[0][0], got[2][0])
+    c.ack()  # nothing: no call
+    assert r.xpending(stream, WORKER_GROUP)["pending"] == 1
+    again = Consumer(r, stream, WORKER_GROUP, "c1")
+    assert ids_of(again.read(10, None)) == [sent[1]]
+    again.ack(sent[1])
+    assert Consumer(r, stream, WORKER_GROUP, "c1").read(10, None) == []
+
+
+def test_reset_pending_rereads(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 2)
+    assert ids_of(c.read(10, None)) == sent
+    assert c.read(10, None) == []
+    c.reset_pending()
+    assert ids_of(c.read(10, None)) == sent
+
+
+def test_trimmed_pending_entry_is_dropped_and_acked(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 3)
+    assert ids_of(c.read(10, None)) == sent
+    r.xdel(stream, sent[0])  # as MAXLEN trimming would
+    again = Consumer(r, stream, WORKER_GROUP, "c1")
+    assert ids_of(again.read(10, None)) == sent[1:]
+    assert r.xpending(stream, WORKER_GROUP)["pending"] == 2  # the vanished one was acked
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvq/bus/streams.py Consumer.read: when a whole pending batch (count entries) was "
+    "trimmed, _read returns [] and read() sets _pending_done, so the consumer's other pending "
+    "entries are never re-read (until reset_pending)",
+)
+def test_pending_after_a_trimmed_batch_are_still_reread(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 3)
+    assert ids_of(c.read(10, None)) == sent
+    r.xdel(stream, sent[0])
+    again = Consumer(r, stream, WORKER_GROUP, "c1")
+    seen: list[bytes] = []
+    for _ in range(4):
+        batch = again.read(1, None)
+        seen += ids_of(batch)
+        again.ack(*ids_of(batch))
+    assert seen == sent[1:]
+
+
+# -- trimming ------------------------------------------------------------------------------
+def test_xadd_keeps_stream_near_maxlen(r: redis.Redis, stream: str) -> None:
+    maxlen = 100
+    pipe = r.pipeline(transaction=False)
+    for i in range(5 * maxlen):
+        xadd(pipe, stream, {"n": str(i)}, maxlen=maxlen)
+    ids = pipe.execute()
+    assert len(set(ids)) == 5 * maxlen
+    assert maxlen <= r.xlen(stream) <= maxlen + 200
+    last = r.xrevrange(stream, count=1)
+    assert last[0][1] == {b"n": str(5 * maxlen - 1).encode()}  # trimming drops the oldest
+
+
+def test_xadd_with_settings_maxlen(r: redis.Redis, stream: str, settings: Settings) -> None:
+    eid = xadd(r, stream, {"a": b"\x00\xff", "b": 3}, maxlen=settings.stream_maxlen)
+    assert r.xrange(stream) == [(eid, {b"a": b"\x00\xff", b"b": b"3"})]
+
+
+# -- NOGROUP recovery ----------------------------------------------------------------------
+@pytest.mark.parametrize("block_ms", [None, 50])
+def test_deleted_stream_is_recreated(r: redis.Redis, stream: str, block_ms: int | None) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    first = add(r, stream, 1)
+    assert ids_of(c.read(10, None)) == first
+    c.ack(*first)
+    r.delete(stream)  # as a Redis restart without persistence would
+    assert c.read(10, block_ms) == []
+    assert r.exists(stream)
+    assert [g["name"] for g in r.xinfo_groups(stream)] == [WORKER_GROUP.encode()]
+    new = add(r, stream, 2, start=1)
+    got = c.read(10, None)
+    assert ids_of(got) == new
+    c.ack(*new)
+    assert c.read(10, None) == []
+
+
+def test_destroyed_group_is_recreated(r: redis.Redis, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    sent = add(r, stream, 2)
+    assert ids_of(c.read(10, None)) == sent
+    r.xgroup_destroy(stream, WORKER_GROUP)
+    assert c.read(10, None) == []
+    # the new group starts at 0, so what is still in the stream is delivered again
+    assert ids_of(c.read(10, None)) == sent
+
+
+# -- dead letters --------------------------------------------------------------------------
+def test_dead_letter_records_the_entry(r: redis.Redis, keys: Keys, stream: str) -> None:
+    fields = {b"t": b"job", b"m": b"\xc1\x00\xff"}
+    dead_letter(r, keys, stream, b"12-3", fields, "WireError: undecodable job", maxlen=1000)
+    entries = r.xrange(keys.deadletter())
+    assert len(entries) == 1
+    got = entries[0][1]
+    assert got[b"reason"] == b"WireError: undecodable job"
+    assert got[b"source"] == stream.encode()
+    assert got[b"entry_id"] == b"12-3"
+    assert got[b"f.t"] == b"job"
+    assert got[b"f.m"] == b"\xc1\x00\xff"  # raw bytes kept
+    assert abs(int(got[b"ts_ms"]) - time.time() * 1000) < 60_000
+    assert set(got) == {b"reason", b"source", b"entry_id", b"f.t", b"f.m", b"ts_ms"}
+
+
+def test_dead_letter_str_fields_and_long_reason(r: redis.Redis, keys: Keys) -> None:
+    dead_letter(r, keys, "src", "1-0", {"k": "v", "n": 5}, "x" * 5000, maxlen=1000)
+    (_, got), = r.xrange(keys.deadletter())
+    assert got[b"entry_id"] == b"1-0"
+    assert got[b"f.k"] == b"v" and got[b"f.n"] == b"5"
+    assert len(got[b"reason"]) == 2000
+
+
+def test_undecodable_entry_goes_to_dead_letter(r: redis.Redis, keys: Keys, stream: str) -> None:
+    """The intended use: a consumer reads, fails to decode, parks the entry and acks it."""
+    c = Consumer(r, stream, WORKER_GROUP, "c1")
+    job = wire.Job(
+        job_id="j1", model="m", layer=0, slice="L000-001:E0000-0004", expert_start=0,
+        expert_end=4, coord="c", reply_to="r", deadline_ms=10,
+        x=wire.Tensor.of(np.arange(6, dtype=np.float32).reshape(2, 3)),
+        ids=wire.Tensor.of(np.zeros((2, 2), np.int32)),
+        weights=wire.Tensor.of(np.ones((2, 2), np.float16)),
+    )  # fmt: skip
+    good = xadd(r, stream, wire.encode(job), maxlen=1000)
+    bad = xadd(r, stream, {"t": "job", "m": b"\x93garbage"}, maxlen=1000)
+    decoded = []
+    for eid, fields in c.read(10, None):
+        try:
+            decoded.append(wire.decode(fields, wire.Job))
+        except wire.WireError as exc:
+            dead_letter(r, keys, stream, eid, fields, str(exc), maxlen=1000)
+        c.ack(eid)
+    assert decoded == [job]
+    (_, dl), = r.xrange(keys.deadletter())
+    assert dl[b"entry_id"] == bad and dl[b"f.m"] == b"\x93garbage"
+    assert good != bad and r.xpending(stream, WORKER_GROUP)["pending"] == 0
+
+
+# -- a fast fakeredis check ----------------------------------------------------------------
+def test_consumer_on_fakeredis() -> None:
+    fakeredis = pytest.importorskip("fakeredis")
+    fr = fakeredis.FakeRedis()
+    try:
+        try:
+            c = Consumer(fr, "s", "g", "c1")
+            sent = [xadd(fr, "s", {"n": str(i)}, maxlen=1000) for i in range(3)]
+            first = c.read(10, None)
+        except redis.ResponseError as exc:  # pragma: no cover - depends on fakeredis
+            pytest.skip(f"fakeredis lacks stream groups: {exc}")
+        assert ids_of(first) == sent
+        c.ack(sent[0])
+        again = Consumer(fr, "s", "g", "c1")
+        assert ids_of(again.read(10, None)) == sent[1:]
+        again.ack(*sent[1:])
+        assert again.read(10, None) == []
+        ensure_group(fr, "s", "g")  # BUSYGROUP swallowed there too
+    finally:
+        fr.close()

@@ -1,0 +1,101 @@
+"""`kvq demo`, `kvq submit` and `kvq bench bus` as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvq.config import Settings, child_env
+from kvq.coordinator import Coordinator
+from kvq.model import Backbone, ByteTokenizer
+from kvq.monitor import Monitor
+
+pytestmark = pytest.mark.slow
+KVQ = [sys.executable, "-m", "kvq"]
+
+
+def _kvq_pids() -> set[int]:
+    """Processes that look like kvq children or an embedded server."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"-m kvq " in cmd or b"kvq-redis-" in cmd:
+            pids.add(int(proc.name))
+    return pids
+
+
+def test_demo_json_twice_in_a_row() -> None:
+    before = _kvq_pids()
+    for _ in range(2):
+        out = subprocess.run([*KVQ, "demo", "--json"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        summary = json.loads(out.stdout.strip().splitlines()[-1])
+        for key in ("requests_completed", "tokens_generated", "local_jobs", "remote_jobs",
+                    "fallback_jobs", "workers_recruited", "remote_matches_local", "redis", "wall_s"):  # fmt: skip
+            assert key in summary
+        assert summary["requests_completed"] == 8
+        assert summary["remote_jobs"] > 0 and summary["local_jobs"] > 0
+        assert summary["remote_matches_local"] is True
+        assert summary["workers_recruited"] == 2
+        assert summary["redis"] == "embedded"
+        assert summary["wall_s"] < 60
+    time.sleep(0.5)
+    assert _kvq_pids() - before == set(), "the demo left processes behind"
+
+
+def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    before = _kvq_pids()
+    proc = subprocess.Popen(
+        [*KVQ, "demo", "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "volunteered" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) != 0
+    proc.stdout.close()
+    time.sleep(0.5)
+    assert _kvq_pids() - before == set()
+
+
+def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_in_thread) -> None:
+    from kvq.model import make_tiny
+
+    model = tmp_path / "m.gguf"
+    make_tiny(model)
+    Monitor(settings).register("m", model)
+    run_in_thread(Coordinator(settings, "c1", "m", model))
+    out = subprocess.run(
+        [*KVQ, "submit", "--model", "m", "--prompt", "hi there", "--max-tokens", "5", "--json"],
+        capture_output=True, text=True, timeout=60, env=child_env(settings),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    bb = Backbone.from_gguf(model)
+    assert got["token_ids"] == bb.generate(ByteTokenizer.from_meta(bb.meta).encode("hi there"), 5)
+
+
+def test_bench_bus_json_shape(settings: Settings) -> None:
+    out = subprocess.run(
+        [*KVQ, "bench", "bus", "--json", "--jobs", "200", "--redis", settings.redis_url],
+        capture_output=True, text=True, timeout=120, env={**os.environ},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("kvq", "raw", "rq"):
+        assert {"jobs_per_s", "p50_ms", "p99_ms"} <= set(res[name])
+        assert res[name]["jobs_per_s"] > 0
+    assert res["ratio_vs_raw_batched"] > 0 and res["ratio_vs_rq"] > 0
