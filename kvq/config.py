@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlparse
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvq.errors import ConfigError
@@ -93,14 +93,15 @@ class Settings(BaseSettings):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
 
-    @model_validator(mode="after")
-    def _cross_checks(self) -> Settings:
-        if self.saturation_threshold > self.n_slots:
+    @field_validator("saturation_threshold")
+    @classmethod
+    def _reachable(cls, v: int, info: ValidationInfo) -> int:
+        n_slots = info.data.get("n_slots")
+        if n_slots is not None and v > n_slots:
             raise ValueError(
-                f"saturation_threshold ({self.saturation_threshold}) must be <= n_slots "
-                f"({self.n_slots}), or the coordinator can never be saturated"
+                f"must be <= KVQ_N_SLOTS ({n_slots}), or the coordinator can never be saturated"
             )
-        return self
+        return v
 
 
 def env_name(field: str) -> str:

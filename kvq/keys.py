@@ -28,9 +28,11 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 WORKER_GROUP = "workers"
+_SLICE_ID = re.compile(r"L(\d{3,})-(\d{3,}):E(\d{4,})-(\d{4,})")
 COORDINATOR_GROUP = "coordinators"
 
 
@@ -41,11 +43,10 @@ def slice_id(layer_start: int, layer_end: int, expert_start: int, expert_end: in
 
 def parse_slice_id(sid: str) -> tuple[int, int, int, int]:
     """Inverse of `slice_id`; ValueError on anything else."""
-    layers, experts = sid.split(":")
-    if not (layers.startswith("L") and experts.startswith("E")):
-        raise ValueError(f"not a slice id: {sid!r}")
-    ls, le = (int(p) for p in layers[1:].split("-"))
-    es, ee = (int(p) for p in experts[1:].split("-"))
+    m = _SLICE_ID.fullmatch(sid)
+    if m is None or slice_id(*(int(g) for g in m.groups())) != sid:
+        raise ValueError(f"not a slice id: {sid!r} (want e.g. {slice_id(0, 1, 0, 4)!r})")
+    ls, le, es, ee = (int(g) for g in m.groups())
     return ls, le, es, ee
 
 

@@ -67,7 +67,7 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         name = arr.dtype.name
         if name not in _NP:
             raise WireError(f"cannot send dtype {name}; allowed: {sorted(_NP)}")
-        le = np.ascontiguousarray(arr, dtype=_NP[name])
+        le = np.asarray(arr, dtype=_NP[name])  # tobytes() writes C order, 0-d included
         return cls(name, list(le.shape), le.tobytes())  # type: ignore[arg-type]
 
 

@@ -62,14 +62,16 @@ class Consumer:
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries; `block_ms=None` returns at once when there are none."""
-        if not self._pending_done:
-            got = self._read("0", count, None)
+        while not self._pending_done:
+            got, seen = self._read("0", count, None)
             if got:
                 return got
-            self._pending_done = True
-        return self._read(">", count, block_ms)
+            # a batch of only trimmed entries was acked away: look again before moving on
+            self._pending_done = seen == 0
+        return self._read(">", count, block_ms)[0]
 
-    def _read(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+    def _read(self, start: str, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        """(entries with fields, number of entries Redis returned)."""
         try:
             resp = self.r.xreadgroup(
                 self.group, self.name, {self.stream: start}, count=count, block=block_ms
@@ -80,15 +82,15 @@ class Consumer:
             # the stream or group vanished (Redis restarted without persistence)
             ensure_group(self.r, self.stream, self.group)
             self._pending_done = False
-            return []
+            return [], 0
         if not resp:
-            return []
+            return [], 0
         _, entries = resp[0]
         # a pending entry trimmed from the stream comes back without fields: drop it
         gone = [eid for eid, flds in entries if not flds]
         if gone:
             self.ack(*gone)
-        return [(eid, flds) for eid, flds in entries if flds]
+        return [(eid, flds) for eid, flds in entries if flds], len(entries)
 
     def ack(self, *entry_ids: bytes) -> None:
         if entry_ids:

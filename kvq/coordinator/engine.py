@@ -28,7 +28,7 @@ class Sequence:
     finish: str | None = None
 
 
-TokenSink = Callable[[Sequence, int], None]
+TokenSink = Callable[[list[Sequence]], None]  # called once per step with every sequence
 
 
 class Engine:
@@ -57,7 +57,7 @@ class Engine:
         self.active.append(seq)
         return seq
 
-    def step(self, moe: MoeFn | None, on_token: TokenSink) -> list[Sequence]:
+    def step(self, moe: MoeFn | None, on_tokens: TokenSink) -> list[Sequence]:
         """One forward over all active sequences; returns the sequences that finished."""
         if not self.active:
             return []
@@ -65,11 +65,12 @@ class Engine:
         with torch.inference_mode():
             logits = self.backbone.forward(steps, moe=moe)  # [S, vocab]
         next_ids = logits.argmax(dim=-1).tolist()
+        # update every sequence before telling anyone: a failed send must not leave one
+        # sequence's cache ahead of its token list
         done = []
         for seq, tok in zip(self.active, next_ids, strict=True):
             seq.generated.append(tok)
             seq.next_input = [tok]
-            on_token(seq, tok)
             if tok == self.tokenizer.eos_id:
                 seq.finish = "eos"
             elif len(seq.generated) >= seq.max_tokens:
@@ -78,5 +79,7 @@ class Engine:
                 seq.finish = "context"
             if seq.finish:
                 done.append(seq)
+        emitted = self.active
         self.active = [s for s in self.active if s.finish is None]
+        on_tokens(emitted)
         return done

@@ -72,9 +72,7 @@ class Coordinator:
             block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
             for eid, fields in self.requests.read(self.engine.free, block):
                 self._admit(eid, fields)
-        finished = self.engine.step(self.dispatch, self._emit)
-        for seq in finished:
-            self._finish(seq)
+        self.engine.step(self.dispatch, self._emit)
         self._publish_slots()
 
     def _admit(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
@@ -98,8 +96,10 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
             )
-            self._reply(req.request_id, event)
-            self.requests.ack(eid)
+            pipe = self.r.pipeline(transaction=False)
+            self._reply(pipe, req.request_id, event)
+            pipe.xack(self._requests_key, COORDINATOR_GROUP, eid)
+            pipe.execute()
             return
         self.engine.admit(req.request_id, ids, req.max_tokens, eid)
 
@@ -116,29 +116,31 @@ class Coordinator:
             return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
         return None
 
-    def _emit(self, seq: Sequence, tok: int) -> None:
-        self.tokens += 1
-        text = self.tokenizer.decode([tok])
-        self._reply(
-            seq.request_id,
-            wire.ReplyEvent(kind="token", index=len(seq.generated) - 1, token_id=tok, text=text),
-        )
-
-    def _finish(self, seq: Sequence) -> None:
-        text = self.tokenizer.decode(seq.generated)
-        self._reply(
-            seq.request_id,
-            wire.ReplyEvent(kind="done", index=len(seq.generated), text=text, finish=seq.finish),
-        )
-        self.requests.ack(seq.entry_id)
-        self.completed += 1
-
-    def _reply(self, request_id: str, event: wire.ReplyEvent) -> None:
-        key = self.keys.request_reply(request_id)
+    def _emit(self, seqs: list[Sequence]) -> None:
+        """One pipeline per step: each sequence's new token, and `done` for finished ones."""
         pipe = self.r.pipeline(transaction=False)
+        for seq in seqs:
+            tok = seq.generated[-1]
+            self.tokens += 1
+            text = self.tokenizer.decode([tok])
+            index = len(seq.generated) - 1
+            self._reply(
+                pipe,
+                seq.request_id,
+                wire.ReplyEvent(kind="token", index=index, token_id=tok, text=text),
+            )
+            if seq.finish:
+                text = self.tokenizer.decode(seq.generated)
+                done = wire.ReplyEvent(kind="done", index=index + 1, text=text, finish=seq.finish)
+                self._reply(pipe, seq.request_id, done)
+                pipe.xack(self._requests_key, COORDINATOR_GROUP, seq.entry_id)
+                self.completed += 1
+        pipe.execute()
+
+    def _reply(self, pipe: redis.client.Pipeline, request_id: str, event: wire.ReplyEvent) -> None:
+        key = self.keys.request_reply(request_id)
         xadd(pipe, key, wire.encode(event), self.s.stream_maxlen)
         pipe.expire(key, self.s.request_ttl_s)
-        pipe.execute()
 
     def _publish_slots(self) -> None:
         pipe = self.r.pipeline(transaction=False)

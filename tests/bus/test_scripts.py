@@ -60,9 +60,7 @@ def test_volunteer_counts_coverage_in_demand(r: redis.Redis, keys: Keys, scripts
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
 
 
-def test_volunteer_tie_goes_to_lower_coverage(
-    r: redis.Redis, keys: Keys, scripts: Scripts
-) -> None:
+def test_volunteer_tie_goes_to_lower_coverage(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     # equal demand 2; S[1] has less coverage, though S[0] sorts first
     set_target(r, keys, {S[0]: 3, S[1]: 2})
     set_coverage(r, keys, {S[0]: 1})
@@ -88,9 +86,7 @@ def test_volunteer_full_tie_goes_to_lower_slice_id(
     assert scripts.volunteer(r, MODEL, "w5") is None
 
 
-def test_volunteer_sequence_spreads_replicas(
-    r: redis.Redis, keys: Keys, scripts: Scripts
-) -> None:
+def test_volunteer_sequence_spreads_replicas(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 2, S[1]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]  # demand 2 vs 1
     assert scripts.volunteer(r, MODEL, "w2") == S[1]  # 1 vs 1, coverage 1 vs 0
@@ -167,7 +163,10 @@ def test_volunteer_concurrently(
         try:
             start.wait(timeout=20)
             while not done.is_set():
-                cov = {k.decode(): int(v) for k, v in watcher.hgetall(keys.model_coverage(MODEL)).items()}
+                cov = {
+                    k.decode(): int(v)
+                    for k, v in watcher.hgetall(keys.model_coverage(MODEL)).items()
+                }
                 if any(cov.get(sid, 0) > want for sid, want in target.items()):
                     over.append(cov)
         finally:
@@ -226,9 +225,7 @@ def test_release_with_lost_coverage_does_not_go_negative(
     assert coverage(r, keys) == {}
 
 
-def test_released_slice_is_volunteered_again(
-    r: redis.Redis, keys: Keys, scripts: Scripts
-) -> None:
+def test_released_slice_is_volunteered_again(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
     assert scripts.volunteer(r, MODEL, "w2") is None
@@ -266,9 +263,7 @@ def test_rejoin_after_data_loss(r: redis.Redis, keys: Keys, scripts: Scripts) ->
     assert workers(r, keys) == {"w1": S[2], "w2": S[2]}
 
 
-def test_rejoin_moves_a_worker_between_slices(
-    r: redis.Redis, keys: Keys, scripts: Scripts
-) -> None:
+def test_rejoin_moves_a_worker_between_slices(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
     assert scripts.rejoin(r, MODEL, "w1", S[1]) is True

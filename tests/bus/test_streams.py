@@ -185,12 +185,6 @@ def test_trimmed_pending_entry_is_dropped_and_acked(r: redis.Redis, stream: str)
     assert r.xpending(stream, WORKER_GROUP)["pending"] == 2  # the vanished one was acked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvq/bus/streams.py Consumer.read: when a whole pending batch (count entries) was "
-    "trimmed, _read returns [] and read() sets _pending_done, so the consumer's other pending "
-    "entries are never re-read (until reset_pending)",
-)
 def test_pending_after_a_trimmed_batch_are_still_reread(r: redis.Redis, stream: str) -> None:
     c = Consumer(r, stream, WORKER_GROUP, "c1")
     sent = add(r, stream, 3)
@@ -269,7 +263,7 @@ def test_dead_letter_records_the_entry(r: redis.Redis, keys: Keys, stream: str) 
 
 def test_dead_letter_str_fields_and_long_reason(r: redis.Redis, keys: Keys) -> None:
     dead_letter(r, keys, "src", "1-0", {"k": "v", "n": 5}, "x" * 5000, maxlen=1000)
-    (_, got), = r.xrange(keys.deadletter())
+    ((_, got),) = r.xrange(keys.deadletter())
     assert got[b"entry_id"] == b"1-0"
     assert got[b"f.k"] == b"v" and got[b"f.n"] == b"5"
     assert len(got[b"reason"]) == 2000
@@ -279,12 +273,19 @@ def test_undecodable_entry_goes_to_dead_letter(r: redis.Redis, keys: Keys, strea
     """The intended use: a consumer reads, fails to decode, parks the entry and acks it."""
     c = Consumer(r, stream, WORKER_GROUP, "c1")
     job = wire.Job(
-        job_id="j1", model="m", layer=0, slice="L000-001:E0000-0004", expert_start=0,
-        expert_end=4, coord="c", reply_to="r", deadline_ms=10,
+        job_id="j1",
+        model="m",
+        layer=0,
+        slice="L000-001:E0000-0004",
+        expert_start=0,
+        expert_end=4,
+        coord="c",
+        reply_to="r",
+        deadline_ms=10,
         x=wire.Tensor.of(np.arange(6, dtype=np.float32).reshape(2, 3)),
         ids=wire.Tensor.of(np.zeros((2, 2), np.int32)),
         weights=wire.Tensor.of(np.ones((2, 2), np.float16)),
-    )  # fmt: skip
+    )
     good = xadd(r, stream, wire.encode(job), maxlen=1000)
     bad = xadd(r, stream, {"t": "job", "m": b"\x93garbage"}, maxlen=1000)
     decoded = []
@@ -295,7 +296,7 @@ def test_undecodable_entry_goes_to_dead_letter(r: redis.Redis, keys: Keys, strea
             dead_letter(r, keys, stream, eid, fields, str(exc), maxlen=1000)
         c.ack(eid)
     assert decoded == [job]
-    (_, dl), = r.xrange(keys.deadletter())
+    ((_, dl),) = r.xrange(keys.deadletter())
     assert dl[b"entry_id"] == bad and dl[b"f.m"] == b"\x93garbage"
     assert good != bad and r.xpending(stream, WORKER_GROUP)["pending"] == 0
 

@@ -123,12 +123,26 @@ def test_slice_id_format() -> None:
 @pytest.mark.parametrize(
     "garbage",
     [
-        "", "L", ":", "L000-001", "E0000-0004", "L000-001:E0000-0004:x", "L000-001:E0000",
-        "L000:E0000-0004", "E000-001:L0000-0004", "X000-001:E0000-0004", "L000-001:X0000-0004",
-        "Lab-001:E0000-0004", "L000-001:E0000-00x4", "L000-001-002:E0000-0004",
-        "L-01-002:E0000-0004", "L000-001E0000-0004", "L000--001:E0000-0004", "l000-001:e0000-0004",
+        "",
+        "L",
+        ":",
+        "L000-001",
+        "E0000-0004",
+        "L000-001:E0000-0004:x",
+        "L000-001:E0000",
+        "L000:E0000-0004",
+        "E000-001:L0000-0004",
+        "X000-001:E0000-0004",
+        "L000-001:X0000-0004",
+        "Lab-001:E0000-0004",
+        "L000-001:E0000-00x4",
+        "L000-001-002:E0000-0004",
+        "L-01-002:E0000-0004",
+        "L000-001E0000-0004",
+        "L000--001:E0000-0004",
+        "l000-001:e0000-0004",
     ],
-)  # fmt: skip
+)
 def test_parse_slice_id_rejects_garbage(garbage: str) -> None:
     with pytest.raises(ValueError):
         parse_slice_id(garbage)
@@ -143,19 +157,6 @@ def test_parse_slice_id_raises_only_value_error(text: str) -> None:
         pass
 
 
-@FAST
-@given(st.from_regex(r"L[0-9]{1,4}-[0-9]{1,4}:E[0-9]{1,5}-[0-9]{1,5}", fullmatch=True))
-def test_parse_slice_id_accepts_the_shape(text: str) -> None:
-    ls, le, es, ee = parse_slice_id(text)
-    assert min(ls, le, es, ee) >= 0
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvq/keys.py parse_slice_id uses int(), which accepts whitespace, '+', '_' and "
-    "non-ASCII digits, and does not check zero padding, so ids slice_id never makes parse "
-    "(docstring: 'Inverse of slice_id; ValueError on anything else')",
-)
 @pytest.mark.parametrize(
     "almost", ["L1-2:E3-4", "L 001-002:E0004-0008", "L+01-002:E0004-0008", "L0_01-002:E0004-0008"]
 )

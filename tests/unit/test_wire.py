@@ -25,8 +25,9 @@ U64 = 2**64 - 1
 # -- strategies ----------------------------------------------------------------------------
 names = st.text(min_size=1, max_size=24)
 nonneg = st.integers(0, U64)
-failures = st.builds(Failure, type=st.text(max_size=20), message=st.text(max_size=40),
-                     retryable=st.booleans())  # fmt: skip
+failures = st.builds(
+    Failure, type=st.text(max_size=20), message=st.text(max_size=40), retryable=st.booleans()
+)
 
 
 def arrays(dtype: str, shape: Any) -> st.SearchStrategy[np.ndarray]:
@@ -47,38 +48,63 @@ def jobs(draw: st.DrawFn) -> Job:
     t, h, k = draw(st.integers(0, 5)), draw(st.integers(0, 6)), draw(st.integers(0, 4))
     start = draw(st.integers(0, 2**32))
     return Job(
-        job_id=draw(names), model=draw(names), layer=draw(nonneg), slice=draw(names),
-        expert_start=start, expert_end=start + draw(st.integers(1, 64)), coord=draw(names),
-        reply_to=draw(names), deadline_ms=draw(nonneg), x=draw(tensors((t, h))),
-        ids=draw(tensors((t, k))), weights=draw(tensors((t, k))),
-    )  # fmt: skip
+        job_id=draw(names),
+        model=draw(names),
+        layer=draw(nonneg),
+        slice=draw(names),
+        expert_start=start,
+        expert_end=start + draw(st.integers(1, 64)),
+        coord=draw(names),
+        reply_to=draw(names),
+        deadline_ms=draw(nonneg),
+        x=draw(tensors((t, h))),
+        ids=draw(tensors((t, k))),
+        weights=draw(tensors((t, k))),
+    )
 
 
 results = st.builds(
-    Result, job_id=names, worker=names,
+    Result,
+    job_id=names,
+    worker=names,
     compute_ms=st.floats(allow_nan=False),  # NaN != NaN would break struct equality
-    y=st.none() | tensors(), error=st.none() | failures,
-)  # fmt: skip
+    y=st.none() | tensors(),
+    error=st.none() | failures,
+)
 requests = st.builds(
-    Request, request_id=names, model=names, prompt=st.none() | st.text(max_size=200),
-    prompt_ids=st.none() | st.lists(nonneg, max_size=20), max_tokens=st.integers(1, U64),
-)  # fmt: skip
+    Request,
+    request_id=names,
+    model=names,
+    prompt=st.none() | st.text(max_size=200),
+    prompt_ids=st.none() | st.lists(nonneg, max_size=20),
+    max_tokens=st.integers(1, U64),
+)
 replies = st.builds(
-    ReplyEvent, kind=st.sampled_from(["token", "done", "error"]), index=nonneg,
-    token_id=st.none() | st.integers(-(2**63), U64), text=st.text(max_size=50),
-    finish=st.none() | st.text(max_size=10), error=st.none() | failures,
-)  # fmt: skip
+    ReplyEvent,
+    kind=st.sampled_from(["token", "done", "error"]),
+    index=nonneg,
+    token_id=st.none() | st.integers(-(2**63), U64),
+    text=st.text(max_size=50),
+    finish=st.none() | st.text(max_size=10),
+    error=st.none() | failures,
+)
 messages = st.one_of(jobs(), results, requests, replies)
 
 # any msgpack-encodable value, nested
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), U64), st.floats(), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), U64),
+    st.floats(),
+    st.text(max_size=20),
     st.binary(max_size=40),
-)  # fmt: skip
+)
 values = st.recursive(
     scalars,
-    lambda kids: st.lists(kids, max_size=5)
-    | st.dictionaries(st.text(max_size=12) | st.integers(-5, 5), kids, max_size=5),
+    lambda kids: (
+        st.lists(kids, max_size=5)
+        | st.dictionaries(st.text(max_size=12) | st.integers(-5, 5), kids, max_size=5)
+    ),
     max_leaves=20,
 )
 
@@ -88,9 +114,11 @@ def near_valid_maps(draw: st.DrawFn, cls: type) -> dict[str, Any]:
     """Maps keyed (mostly) by the fields of `cls`, with arbitrary or tensor-like values."""
     fields = list(cls.__struct_fields__)
     tensorish = st.fixed_dictionaries(
-        {"dtype": st.sampled_from([*DTYPES, "bool"]),
-         "shape": st.lists(st.integers(-2, U64) | st.integers(0, 4), max_size=6),
-         "data": st.binary(max_size=64)}  # fmt: skip
+        {
+            "dtype": st.sampled_from([*DTYPES, "bool"]),
+            "shape": st.lists(st.integers(-2, U64) | st.integers(0, 4), max_size=6),
+            "data": st.binary(max_size=64),
+        }
     )
     return draw(
         st.dictionaries(st.sampled_from([*fields, "zz"]), values | tensorish, max_size=len(fields))
@@ -109,9 +137,17 @@ def valid_job(**tensor_overrides: Any) -> Job:
         "weights": Tensor.of(np.ones((2, 2), np.float32)),
     } | tensor_overrides
     return Job(
-        job_id="j1", model="m", layer=3, slice="L003-004:E0000-0004", expert_start=0,
-        expert_end=4, coord="c1", reply_to="r", deadline_ms=100, **t,
-    )  # fmt: skip
+        job_id="j1",
+        model="m",
+        layer=3,
+        slice="L003-004:E0000-0004",
+        expert_start=0,
+        expert_end=4,
+        coord="c1",
+        reply_to="r",
+        deadline_ms=100,
+        **t,
+    )
 
 
 def assert_same_messages(a: Any, b: Any) -> None:
@@ -197,11 +233,6 @@ def test_tensor_of_array_is_exact(arr: np.ndarray) -> None:
     assert not out.flags.writeable
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvq/wire.py:70 Tensor.of uses np.ascontiguousarray, which returns ndim >= 1: "
-    "a 0-d array is sent with shape [1] and comes back as shape (1,)",
-)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tensor_of_zero_dim_array_keeps_its_shape(dtype: str) -> None:
     arr = np.array(7, dtype=dtype)
@@ -318,8 +349,12 @@ def test_decode_garbage_m(m: bytes, cls: type) -> None:
 # -- specific rejections -------------------------------------------------------------------
 @pytest.mark.parametrize(
     "msg",
-    [valid_job(), Result(job_id="j", worker="w"), Request(request_id="r", model="m"),
-     ReplyEvent(kind="done")],  # fmt: skip
+    [
+        valid_job(),
+        Result(job_id="j", worker="w"),
+        Request(request_id="r", model="m"),
+        ReplyEvent(kind="done"),
+    ],
     ids=lambda m: type(m).__name__,
 )
 def test_wrong_version_names_the_field(msg: Any) -> None:
@@ -346,11 +381,15 @@ def test_result_tensor_byte_count_mismatch() -> None:
     [
         {"weights": Tensor.of(np.ones((2, 3), np.float32))},  # ids [2,2] vs weights [2,3]
         {"ids": Tensor.of(np.zeros((2, 3), np.int32))},  # ids [2,3] vs weights [2,2]
-        {"ids": Tensor.of(np.zeros((3, 2), np.int32)),
-         "weights": Tensor.of(np.ones((3, 2), np.float32))},  # T differs from x  # fmt: skip
+        {
+            "ids": Tensor.of(np.zeros((3, 2), np.int32)),
+            "weights": Tensor.of(np.ones((3, 2), np.float32)),
+        },  # T differs from x
         {"x": Tensor.of(np.zeros(6, np.float32))},  # x not 2-D
-        {"ids": Tensor.of(np.zeros((2, 2, 1), np.int32)),
-         "weights": Tensor.of(np.ones((2, 2, 1), np.float32))},  # 3-D ids  # fmt: skip
+        {
+            "ids": Tensor.of(np.zeros((2, 2, 1), np.int32)),
+            "weights": Tensor.of(np.ones((2, 2, 1), np.float32)),
+        },  # 3-D ids
     ],
     ids=["weights-k", "ids-k", "T", "x-1d", "ids-3d"],
 )
@@ -369,8 +408,12 @@ def test_job_empty_expert_range() -> None:
 
 @pytest.mark.parametrize(
     "msg",
-    [valid_job(), Result(job_id="j", worker="w", error=Failure("E", "boom")),
-     Request(request_id="r", model="m"), ReplyEvent(kind="token")],  # fmt: skip
+    [
+        valid_job(),
+        Result(job_id="j", worker="w", error=Failure("E", "boom")),
+        Request(request_id="r", model="m"),
+        ReplyEvent(kind="token"),
+    ],
     ids=lambda m: type(m).__name__,
 )
 def test_unknown_field(msg: Any) -> None:
@@ -406,11 +449,22 @@ def test_negative_job_numbers(field: str) -> None:
         (ReplyEvent, {"kind": "maybe"}),
         (ReplyEvent, {"kind": "token", "index": -1}),
         (Result, {"job_id": "j"}),  # worker missing
-        (Result, {"job_id": "j", "worker": "w", "y": {"dtype": "bool", "shape": [], "data": b"\0"}}),
-        (Result, {"job_id": "j", "worker": "w",
-                  "y": {"dtype": "uint8", "shape": [1, 1, 1, 1, 1], "data": b"\0"}}),  # fmt: skip
-        (Result, {"job_id": "j", "worker": "w",
-                  "y": {"dtype": "uint8", "shape": [-1], "data": b""}}),  # fmt: skip
+        (
+            Result,
+            {"job_id": "j", "worker": "w", "y": {"dtype": "bool", "shape": [], "data": b"\0"}},
+        ),
+        (
+            Result,
+            {
+                "job_id": "j",
+                "worker": "w",
+                "y": {"dtype": "uint8", "shape": [1, 1, 1, 1, 1], "data": b"\0"},
+            },
+        ),
+        (
+            Result,
+            {"job_id": "j", "worker": "w", "y": {"dtype": "uint8", "shape": [-1], "data": b""}},
+        ),
     ],
 )
 def test_invalid_values(cls: type, bad: dict[str, Any]) -> None:
