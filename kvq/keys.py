@@ -24,6 +24,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:deadletter                 | stream | any consumer → operators                   |
+| P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class Keys:
 
     def deadletter(self) -> str:
         return f"{self.prefix}:deadletter"
+
+    def bench(self, name: str) -> str:
+        """Scratch streams of `kvq bench` (deleted before each round)."""
+        return f"{self.prefix}:bench:{name}"
 
     # per model
     def _m(self, model: str, what: str) -> str:

@@ -22,18 +22,22 @@ import redis
 from kvq import wire
 from kvq.bus import Consumer, xadd
 from kvq.config import Settings
+from kvq.keys import Keys, slice_id
 from kvq.server import EmbeddedRedis
 
 ROWS, HIDDEN, TOPK = 8, 128, 2  # x is 8 x 128 float32 = 4 KiB
 WINDOW, BATCH = 256, 64
+ROUNDS = 3
+_KEYS = Keys("kvq")
 MAXLEN = 100_000
 
 
 def _job(i: int) -> wire.Job:
     rng = np.random.default_rng(i)
     return wire.Job(
-        job_id=f"bench:{i}", model="bench", layer=0, slice="L000-001:E0000-0004",
-        expert_start=0, expert_end=4, coord="bench", reply_to="bench:results", deadline_ms=0,
+        job_id=f"bench-{i}", model="bench", layer=0, slice=slice_id(0, 1, 0, 4),
+        expert_start=0, expert_end=4, coord="bench", reply_to=_KEYS.bench("kvq:results"),
+        deadline_ms=0,
         x=wire.Tensor.of(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
         ids=wire.Tensor.of(np.zeros((ROWS, TOPK), dtype=np.int32)),
         weights=wire.Tensor.of(np.full((ROWS, TOPK), 0.5, dtype=np.float32)),
@@ -139,9 +143,15 @@ def _figures(rtts: list[float], jobs_per_s: float) -> dict[str, float]:
     }
 
 
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-figure median over rounds."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = "bench:kvq:inbox", "bench:kvq:results"
+    inbox, results = _KEYS.bench("kvq:inbox"), _KEYS.bench("kvq:results")
+    r.delete(inbox, results)
     proto = [_job(i) for i in range(64)]  # building tensors is not the bus; encoding is timed
 
     def send(pipe: Any, i: int) -> None:
@@ -157,7 +167,8 @@ def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
 
 def _bench_raw(url: str, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = "bench:raw:inbox", "bench:raw:results"
+    inbox, results = _KEYS.bench("raw:inbox"), _KEYS.bench("raw:results")
+    r.delete(inbox, results)
     payloads = [wire.pack(_job(i)) for i in range(64)]
 
     def send(pipe: Any, i: int) -> None:
@@ -178,7 +189,7 @@ def _bench_rq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
     from rq import Queue
 
     r = redis.Redis.from_url(url)
-    q = Queue("kvq-bench", connection=r)
+    q = Queue(_KEYS.bench("rq"), connection=r)
     payload = wire.pack(_job(0))
 
     def measure() -> dict[str, float]:
@@ -194,7 +205,7 @@ def _bench_rq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
             job.latest_result(timeout=60)
         return _figures(rtts, n_batched / (time.perf_counter() - t0))
 
-    return _run_with_worker(_rq_worker, (url, "kvq-bench", n_single + n_batched), measure)
+    return _run_with_worker(_rq_worker, (url, _KEYS.bench("rq"), n_single + n_batched), measure)
 
 
 def _run_with_worker(target: Callable[..., None], args: tuple[Any, ...],
@@ -219,8 +230,12 @@ def run_bus_bench(
     url = redis_url or (server.url if server else "")
     try:
         n_single = max(100, jobs // 10)
-        kvq = _bench_kvq(url, n_single, jobs)
-        raw = _bench_raw(url, n_single, jobs)
+        # alternate kvq and raw rounds so that warm-up and machine noise hit both alike
+        rounds: dict[str, list[dict[str, float]]] = {"kvq": [], "raw": []}
+        for _ in range(ROUNDS):
+            rounds["kvq"].append(_bench_kvq(url, n_single, jobs))
+            rounds["raw"].append(_bench_raw(url, n_single, jobs))
+        kvq, raw = _median(rounds["kvq"]), _median(rounds["raw"])
         rq_fig = _bench_rq(url, max(50, n_single // 4), max(200, jobs // 10))
     finally:
         if server is not None:
@@ -228,6 +243,7 @@ def run_bus_bench(
     return {
         "payload_bytes": ROWS * HIDDEN * 4,
         "jobs": jobs,
+        "rounds": ROUNDS,
         "kvq": kvq,
         "raw": raw,
         "rq": rq_fig,
