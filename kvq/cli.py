@@ -248,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvqError as exc:
         print(f"kvq: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAIL
+    except TimeoutError as exc:
+        print(f"kvq: timed out: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     except KeyboardInterrupt:
         print("kvq: interrupted", file=sys.stderr)
         return 130

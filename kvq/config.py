@@ -7,6 +7,8 @@ CLI reads the environment. Every field's env name is `KVQ_` + the field name in 
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 from urllib.parse import urlparse
 
@@ -29,7 +31,7 @@ class Settings(BaseSettings):
     stream_maxlen: int = Field(10_000, ge=100, description="approximate cap of every stream")
     block_ms: int = Field(1000, ge=1, le=60_000, description="blocking read timeout")
     claim_idle_ms: int = Field(
-        5000, ge=1, description="pending entries idle this long are reclaimed"
+        5000, ge=1, description="a dead coordinator's requests idle this long are taken over"
     )
     reconnect_max_s: float = Field(10.0, gt=0, description="longest backoff between reconnects")
     socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout")
@@ -41,6 +43,9 @@ class Settings(BaseSettings):
         2000, ge=1, description="remote expert job deadline before local fallback"
     )
     dispatch_refresh_ms: int = Field(500, ge=10, description="how often coverage is reread")
+    model_wait_s: float = Field(
+        300.0, gt=0, description="how long a coordinator waits for its model's registration"
+    )
     verify_remote: bool = Field(False, description="recompute every remote result locally")
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
@@ -63,8 +68,6 @@ class Settings(BaseSettings):
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
     )
-    http_host: str = Field("127.0.0.1", description="monitor HTTP API bind address")
-    http_port: int = Field(0, ge=0, le=65535, description="monitor HTTP API port (0 = off)")
 
     @field_validator("redis_url")
     @classmethod
@@ -89,7 +92,7 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
-        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+        if v not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", v):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
 
@@ -109,7 +112,16 @@ def env_name(field: str) -> str:
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Read the environment (and explicit overrides), or raise ConfigError naming the setting."""
+    """Read the environment (and explicit overrides), or raise ConfigError naming the setting.
+
+    A `KVQ_*` variable that names no setting is an error too: a typo must not pass silently.
+    """
+    known = {env_name(f) for f in Settings.model_fields}
+    unknown = sorted(k for k in os.environ if k.startswith("KVQ_") and k not in known)
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)}; `kvq config show` lists the valid ones"
+        )
     try:
         return Settings(**overrides)
     except ValidationError as exc:
@@ -141,8 +153,6 @@ def describe(settings: Settings) -> list[dict[str, Any]]:
 
 def child_env(settings: Settings, **overrides: Any) -> dict[str, str]:
     """Environment for a child kvq process: this process's env plus every setting as KVQ_*."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
     values = settings.model_dump() | overrides
     for name, value in values.items():

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -81,7 +82,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         _wait(
             lambda: r.hget(keys.model_state(MODEL_ID), "saturated") == b"0", children, 30, "drain"
         )
-        summary = _summary(r, keys, burst, url if not server else "embedded", t0)
+        summary = _summary(r, keys, burst, _redacted(url) if not server else "embedded", t0)
         return summary
     finally:
         if children is not None:
@@ -89,6 +90,15 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         if server is not None:
             server.close()
         tmp.cleanup()
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for printing."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _flush_prefix(r: redis.Redis, keys: Keys) -> None:

@@ -7,7 +7,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 
 | key                          | type   | writer → readers                           |
 |------------------------------|--------|--------------------------------------------|
-| P:models                     | set    | monitor → workers, coordinators, monitor   |
+| P:models                     | set    | monitor → workers, monitor                 |
 | P:{m:M}:meta                 | hash   | monitor (register) → workers, API          |
 | P:{m:M}:slices               | hash   | monitor: slice id → JSON layout + sha256   |
 | P:{m:M}:target               | hash   | monitor: slice id → wanted replicas        |
@@ -15,10 +15,11 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
-| P:{m:M}:state                | hash   | monitor: saturated, boost, targets         |
+| P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
-| P:{w:W}:info                 | hash   | worker W: model, slice, served, last_serve |
+| P:{w:W}:info                 | hash   | worker W: model, slice, device, served,    |
+|                              |        | last_serve_ms (expires)                    |
 | P:{c:C}:results              | stream | workers → coordinator C                    |
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from kvq.bus import Backoff, is_connection_error
 from kvq.config import Settings
 from kvq.errors import ModelError
 from kvq.keys import Keys, slice_id
 from kvq.model import ModelMeta, TensorRange, meta_from_dict, meta_to_dict, read_meta, slice_layout
+
+log = logging.getLogger("kvq.registry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +147,8 @@ def register_model(
     pipe.delete(keys.model_slices(model))
     pipe.hset(keys.model_slices(model), mapping={s.sid: s.to_json() for s in slices})
     pipe.hset(keys.model_target(model), mapping={s.sid: settings.base_replicas for s in slices})
-    pipe.sadd(keys.models(), model)
     pipe.execute()
+    r.sadd(keys.models(), model)  # another hash slot: not in the transaction (Redis Cluster)
     return ModelInfo(model, src, meta, {s.sid: s for s in slices})
 
 
@@ -160,3 +165,28 @@ def load_model(r: redis.Redis, keys: Keys, model: str) -> ModelInfo:
 
 def list_models(r: redis.Redis, keys: Keys) -> list[str]:
     return sorted(m.decode() for m in r.smembers(keys.models()))
+
+
+def wait_for_model(
+    r: redis.Redis, keys: Keys, model: str, give_up_s: float, backoff_cap_s: float
+) -> ModelInfo:
+    """`load_model`, retried while Redis is unreachable or the model is not registered yet.
+
+    Lets a coordinator start before the monitor or Redis (compose, systemd); ModelError once
+    `give_up_s` has passed.
+    """
+    deadline = time.monotonic() + give_up_s
+    backoff = Backoff(backoff_cap_s)
+    while True:
+        try:
+            return load_model(r, keys, model)
+        except (ModelError, redis.RedisError) as exc:
+            if isinstance(exc, redis.RedisError) and not is_connection_error(exc):
+                raise
+            if time.monotonic() > deadline:
+                raise ModelError(
+                    f"model {model!r} not available after {give_up_s:.0f}s: {exc}"
+                ) from None
+            if backoff.failures == 0:
+                log.info("waiting for model %s (%s)", model, exc)
+            backoff.wait()

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Start one kvq worker. It needs only outbound TCP to Redis (and read access to the model source).
 #   KVQ_REDIS_URL   required, e.g. rediss://kvq-worker:secret@redis.example.com:6380/0
-#   KVQ_WORKER_ID   optional, default worker-<hostname>; must be unique among running workers
+#   WORKER_ID   optional, default worker-<hostname>; must be unique among running workers
 # Every other KVQ_* setting (docs/settings.md) is read by kvq itself.
 set -eu
 
@@ -10,4 +10,4 @@ if [ -z "${KVQ_REDIS_URL:-}" ]; then
     exit 2
 fi
 
-exec kvq worker --id "${KVQ_WORKER_ID:-worker-$(hostname)}"
+exec kvq worker --id "${WORKER_ID:-worker-$(hostname)}"

@@ -36,7 +36,7 @@ def _job(i: int) -> wire.Job:
     rng = np.random.default_rng(i)
     return wire.Job(
         job_id=f"bench-{i}", model="bench", layer=0, slice=slice_id(0, 1, 0, 4),
-        expert_start=0, expert_end=4, coord="bench", reply_to=_KEYS.bench("kvq:results"),
+        expert_start=0, expert_end=4, coord="bench", reply_to=_KEYS.bench("kvq-results"),
         deadline_ms=0,
         x=wire.Tensor.of(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
         ids=wire.Tensor.of(np.zeros((ROWS, TOPK), dtype=np.int32)),
@@ -150,7 +150,7 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = _KEYS.bench("kvq:inbox"), _KEYS.bench("kvq:results")
+    inbox, results = _KEYS.bench("kvq-inbox"), _KEYS.bench("kvq-results")
     r.delete(inbox, results)
     proto = [_job(i) for i in range(64)]  # building tensors is not the bus; encoding is timed
 
@@ -167,7 +167,7 @@ def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
 
 def _bench_raw(url: str, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = _KEYS.bench("raw:inbox"), _KEYS.bench("raw:results")
+    inbox, results = _KEYS.bench("raw-inbox"), _KEYS.bench("raw-results")
     r.delete(inbox, results)
     payloads = [wire.pack(_job(i)) for i in range(64)]
 

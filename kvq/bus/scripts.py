@@ -21,6 +21,7 @@ class Scripts:
         self._volunteer = r.register_script(_source("volunteer"))
         self._release = r.register_script(_source("release"))
         self._rejoin = r.register_script(_source("rejoin"))
+        self._retire = r.register_script(_source("retire"))
 
     def volunteer(self, r: redis.Redis, model: str, worker: str) -> str | None:
         """Atomically take the rarest slice of `model` with positive demand, or None."""
@@ -47,3 +48,13 @@ class Scripts:
             keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, sid], client=r
         )
         return bool(got)
+
+    def retire(self, r: redis.Redis, model: str, worker: str) -> str | None:
+        """Release `worker`'s slice only if it is covered beyond target; the slice, or None."""
+        k = self.keys
+        got = self._retire(
+            keys=[k.model_target(model), k.model_coverage(model), k.model_workers(model)],
+            args=[worker],
+            client=r,
+        )
+        return got.decode() if got else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -52,26 +52,29 @@ class Consumer:
     """One consumer in a group: re-reads its own pending entries first, then new ones.
 
     Call `read()` in a loop and `ack()` each entry once its effect (a result) is written.
-    A consumer that restarts under the same name thus finishes what it had taken.
+    A consumer that restarts under the same name thus finishes what it had taken. The pending
+    pass walks forward with a cursor, so each pending entry is returned once per pass even if
+    the caller keeps some of them un-acked for a while (a coordinator's live requests).
     """
 
     def __init__(self, r: redis.Redis, stream: str, group: str, name: str) -> None:
         self.r, self.stream, self.group, self.name = r, stream, group, name
-        self._pending_done = False
+        self._cursor: bytes | None = b"0"  # None: the pending pass is over
         ensure_group(r, stream, group)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries; `block_ms=None` returns at once when there are none."""
-        while not self._pending_done:
-            got, seen = self._read("0", count, None)
+        while self._cursor is not None:
+            got, last = self._read(self._cursor, count, None)
+            self._cursor = last
             if got:
                 return got
-            # a batch of only trimmed entries was acked away: look again before moving on
-            self._pending_done = seen == 0
         return self._read(">", count, block_ms)[0]
 
-    def _read(self, start: str, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
-        """(entries with fields, number of entries Redis returned)."""
+    def _read(
+        self, start: bytes | str, count: int, block_ms: int | None
+    ) -> tuple[list[Entry], bytes | None]:
+        """(entries with fields, id of the last entry Redis returned or None if none)."""
         try:
             resp = self.r.xreadgroup(
                 self.group, self.name, {self.stream: start}, count=count, block=block_ms
@@ -81,21 +84,44 @@ class Consumer:
                 raise
             # the stream or group vanished (Redis restarted without persistence)
             ensure_group(self.r, self.stream, self.group)
-            self._pending_done = False
-            return [], 0
-        if not resp:
-            return [], 0
+            self._cursor = b"0"
+            return [], None
+        if not resp or not resp[0][1]:
+            return [], None
         _, entries = resp[0]
         # a pending entry trimmed from the stream comes back without fields: drop it
         gone = [eid for eid, flds in entries if not flds]
         if gone:
             self.ack(*gone)
-        return [(eid, flds) for eid, flds in entries if flds], len(entries)
+        return [(eid, flds) for eid, flds in entries if flds], entries[-1][0]
 
     def ack(self, *entry_ids: bytes) -> None:
         if entry_ids:
             self.r.xack(self.stream, self.group, *entry_ids)
 
     def reset_pending(self) -> None:
-        """Re-read own pending entries at the next `read()` (after a reconnect)."""
-        self._pending_done = False
+        """Re-read own pending entries at the next `read()` (after a reconnect or a claim)."""
+        self._cursor = b"0"
+
+
+def claim_from_dead(
+    r: redis.Redis, stream: str, group: str, me: str,
+    alive: Callable[[str], bool], min_idle_ms: int,
+) -> int:  # fmt: skip
+    """Move pending entries of dead consumers (per `alive`) idle >= min_idle_ms to `me`.
+
+    Only dead consumers are robbed: a live coordinator may legitimately hold a request for a
+    long time while it generates. Returns how many entries were claimed.
+    """
+    claimed = 0
+    for info in r.xinfo_consumers(stream, group):
+        name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
+        if name == me or not info["pending"] or alive(name):
+            continue
+        pend = r.xpending_range(stream, group, "-", "+", 1000, consumername=name)
+        ids = [p["message_id"] for p in pend if p["time_since_delivered"] >= min_idle_ms]
+        if ids:
+            claimed += len(r.xclaim(stream, group, me, min_idle_ms, ids, justid=True))
+        if len(ids) == len(pend):
+            r.xgroup_delconsumer(stream, group, name)
+    return claimed

@@ -16,14 +16,22 @@ from pathlib import Path
 import redis
 
 from kvq import wire
-from kvq.bus import Backoff, Consumer, connect, dead_letter, is_connection_error, xadd
+from kvq.bus import (
+    Backoff,
+    Consumer,
+    claim_from_dead,
+    connect,
+    dead_letter,
+    is_connection_error,
+    xadd,
+)
 from kvq.config import Settings
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.errors import WireError
 from kvq.keys import COORDINATOR_GROUP, Keys
 from kvq.model import Backbone, ByteTokenizer
-from kvq.registry import load_model
+from kvq.registry import wait_for_model
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -40,7 +48,9 @@ class Coordinator:
         self.backbone = Backbone.from_gguf(model_path)
         self.tokenizer = ByteTokenizer.from_meta(self.backbone.meta)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
-        self.info = load_model(self.r, self.keys, model)
+        self.info = wait_for_model(
+            self.r, self.keys, model, settings.model_wait_s, settings.reconnect_max_s
+        )
         self.dispatch = Dispatcher(
             self.r, self.keys, settings, coord_id, self.info, self.backbone.experts,
             remote_allowed=lambda: self.engine.busy >= settings.saturation_threshold,
@@ -50,6 +60,8 @@ class Coordinator:
         self.stop = threading.Event()
         self.completed = 0
         self.tokens = 0
+        self.claimed = 0
+        self._claim_at = 0.0
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
@@ -68,6 +80,7 @@ class Coordinator:
 
     def tick(self) -> None:
         """Admit what fits, run one step, publish state."""
+        self._claim_orphans()
         if self.engine.free:
             block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
             for eid, fields in self.requests.read(self.engine.free, block):
@@ -75,7 +88,28 @@ class Coordinator:
         self.engine.step(self.dispatch, self._emit)
         self._publish_slots()
 
+    def _claim_orphans(self) -> None:
+        """Take over requests left pending by coordinators that stopped publishing slots."""
+        now = time.monotonic()
+        if now - self._claim_at < self.s.claim_idle_ms / 2000:
+            return
+        self._claim_at = now
+        n = claim_from_dead(
+            self.r, self._requests_key, COORDINATOR_GROUP, self.id,
+            self._coordinator_alive, self.s.claim_idle_ms,
+        )  # fmt: skip
+        if n:
+            log.info("claimed %d requests of dead coordinators", n)
+            self.claimed += n
+            self.requests.reset_pending()
+
+    def _coordinator_alive(self, coord: str) -> bool:
+        ts = self.r.hget(self.keys.coord_slots(coord), "ts_ms")
+        return ts is not None and time.time() * 1000 - float(ts) < self.s.slot_state_stale_s * 1000
+
     def _admit(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        if any(seq.entry_id == eid for seq in self.engine.active):
+            return  # already generating it (re-read during a pending pass)
         try:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
@@ -151,6 +185,11 @@ class Coordinator:
         )  # fmt: skip
         pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
         pipe.sadd(self.keys.model_coordinators(self.model), self.id)  # after the slots: see monitor
-        stats = self.dispatch.stats.as_dict() | {"completed": self.completed, "tokens": self.tokens}
+        stats = self.dispatch.stats.as_dict() | {
+            "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,
+        }  # fmt: skip
         pipe.hset(self.keys.coord_stats(self.id), mapping=stats)
+        ttl = int(self.s.request_ttl_s)
+        pipe.expire(self.keys.coord_stats(self.id), ttl)  # a gone coordinator's keys age out
+        pipe.expire(self.keys.coord_results(self.id), ttl)
         pipe.execute()

@@ -55,6 +55,7 @@ class Worker:
         self.holding: Holding | None = None
         self.consumer: Consumer | None = None
         self.stop = threading.Event()
+        self._holding_lock = threading.Lock()  # a heartbeat never interleaves with leaving
         self.served = 0
         self.last_serve_ms = 0
         self._idle_since = time.monotonic()
@@ -87,9 +88,8 @@ class Worker:
             self._leave()
 
     def _maybe_idle_out(self) -> None:
-        idle = time.monotonic() - self._idle_since
-        if self.s.idle_shutdown_s and idle > self.s.idle_shutdown_s:
-            log.info("no demand for %.0fs; shutting down", idle)
+        if self._idle_for() > self.s.idle_shutdown_s > 0:
+            log.info("no demand for %.0fs; shutting down", self._idle_for())
             self.stop.set()
 
     # -- volunteering and loading --------------------------------------------------------
@@ -130,6 +130,10 @@ class Worker:
 
     # -- heartbeat -----------------------------------------------------------------------
     def _beat(self) -> None:
+        with self._holding_lock:
+            self._beat_locked()
+
+    def _beat_locked(self) -> None:
         h = self.holding
         if h is None:
             return
@@ -156,14 +160,15 @@ class Worker:
                 log.debug("heartbeat failed: %s", exc)
 
     def _leave(self) -> None:
-        h = self.holding
-        if h is None:
-            return
-        try:
-            self.scripts.release(self.r, h.model, self.id)
-            self.r.delete(self.keys.worker_heartbeat(self.id), self.keys.worker_info(self.id))
-        except redis.RedisError:
-            pass  # the monitor reaps us once the heartbeat expires
+        with self._holding_lock:
+            h, self.holding = self.holding, None
+            if h is None:
+                return
+            try:
+                self.scripts.release(self.r, h.model, self.id)
+                self._forget()  # jobs still in the inbox are recomputed by their coordinator
+            except redis.RedisError:
+                pass  # the monitor reaps us once the heartbeat expires
 
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:
@@ -173,6 +178,28 @@ class Worker:
             self._serve_one(eid, fields)
         if entries:
             self._idle_since = time.monotonic()
+        elif self._idle_for() > self.s.idle_shutdown_s > 0:
+            self._retire_if_surplus()
+
+    def _idle_for(self) -> float:
+        return time.monotonic() - self._idle_since
+
+    def _retire_if_surplus(self) -> None:
+        """K10: idle and beyond its slice's target → give the slice back and exit."""
+        h = self.holding
+        assert h is not None
+        with self._holding_lock:
+            if self.scripts.retire(self.r, h.model, self.id) is None:
+                self._idle_since = time.monotonic()  # still needed; look again later
+                return
+            self.holding = None  # the heartbeat must not rejoin
+            self._forget()
+        log.info("idle %.0fs and %s is over-covered: leaving", self._idle_for(), h.spec.sid)
+        self.stop.set()
+
+    def _forget(self) -> None:
+        k = self.keys
+        self.r.delete(k.worker_heartbeat(self.id), k.worker_info(self.id), k.worker_inbox(self.id))
 
     def _serve_one(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
         assert self.consumer is not None and self.holding is not None

@@ -85,3 +85,23 @@ def test_bad_request_gets_error_event(settings: Settings, tiny_model: Path, run_
     assert client.generate(mon.r, keys, "tiny", prompt="still alive", max_tokens=3)
     dl = mon.r.xrange(keys.deadletter())
     assert dl and b"undecodable" in dl[-1][1][b"reason"]
+
+
+def test_requests_of_a_dead_coordinator_are_taken_over(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    from kvq.bus import Consumer
+    from kvq.keys import COORDINATOR_GROUP
+
+    s = settings.model_copy(update={"claim_idle_ms": 200})
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    mon.register("tiny", tiny_model)
+    ghost = Consumer(mon.r, keys.model_requests("tiny"), COORDINATOR_GROUP, "ghost")
+    rid = client.send(mon.r, keys, "tiny", prompt="orphan", max_tokens=4)
+    assert len(ghost.read(1, None)) == 1  # taken by a coordinator that then died
+    coord = Coordinator(s, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    got = [e.token_id for e in client.events(mon.r, keys, rid, 30) if e.token_id is not None]
+    assert got == _local_tokens(tiny_model, "orphan", 4)
+    assert coord.claimed == 1

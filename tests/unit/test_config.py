@@ -52,7 +52,6 @@ def test_every_field_has_a_description() -> None:
         ("KVQ_HEARTBEAT_TTL_S", "2.5", "heartbeat_ttl_s", 2.5),
         ("KVQ_DEVICE", "cuda:1", "device", "cuda:1"),
         ("KVQ_DEVICE", "cpu", "device", "cpu"),
-        ("KVQ_HTTP_PORT", "65535", "http_port", 65535),
     ],
 )
 def test_env_vars_are_read(
@@ -93,7 +92,6 @@ def test_env_name() -> None:
         ("KVQ_STREAM_MAXLEN", "99"),
         ("KVQ_N_SLOTS", "0"),
         ("KVQ_N_SLOTS", "many"),
-        ("KVQ_HTTP_PORT", "70000"),
         ("KVQ_DEVICE", "tpu"),
         ("KVQ_DEVICE", "gpu"),
         ("KVQ_PREFIX", "a:b"),
@@ -198,3 +196,9 @@ def test_cli_config_show_json(tmp_path: Path) -> None:
     assert shown["n_slots"] == 8 and shown["prefix"] == "demo"
     want = load_settings(n_slots=8, prefix="demo").model_dump()
     assert shown == want
+
+
+def test_unknown_kvq_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVQ_N_SLOT", "8")  # typo of KVQ_N_SLOTS
+    with pytest.raises(ConfigError, match="KVQ_N_SLOT"):
+        load_settings()

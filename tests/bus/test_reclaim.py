@@ -1,0 +1,54 @@
+"""Claiming a dead consumer's pending entries, and the retire script (real Redis)."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from kvq.bus import Consumer, Scripts, claim_from_dead
+from kvq.keys import Keys
+
+
+def test_claim_takes_only_from_dead_consumers(r: redis.Redis, prefix: str) -> None:
+    stream = f"{prefix}:s"
+    dead, live = Consumer(r, stream, "g", "dead"), Consumer(r, stream, "g", "live")
+    for i in range(3):
+        r.xadd(stream, {"n": i})
+    assert len(dead.read(2, None)) == 2
+    assert len(live.read(1, None)) == 1
+    time.sleep(0.05)
+    assert claim_from_dead(r, stream, "g", "me", lambda name: name == "live", 10_000) == 0, (
+        "not idle long enough"
+    )
+    assert claim_from_dead(r, stream, "g", "me", lambda name: name == "live", 20) == 2
+    me = Consumer(r, stream, "g", "me")
+    assert sorted(f[b"n"] for _, f in me.read(10, None)) == [b"0", b"1"]
+    consumers = {c["name"] for c in r.xinfo_consumers(stream, "g")}
+    assert b"dead" not in consumers and b"live" in consumers
+
+
+def test_pending_pass_returns_each_entry_once(r: redis.Redis, prefix: str) -> None:
+    """A caller that keeps entries un-acked still moves on to new entries."""
+    stream = f"{prefix}:s"
+    c = Consumer(r, stream, "g", "c")
+    ids = [r.xadd(stream, {"n": i}) for i in range(3)]
+    assert [e for e, _ in c.read(3, None)] == ids
+    c2 = Consumer(r, stream, "g", "c")  # restart: pending first, once
+    assert [e for e, _ in c2.read(2, None)] == ids[:2]
+    assert [e for e, _ in c2.read(2, None)] == ids[2:]
+    new = r.xadd(stream, {"n": 3})
+    assert [e for e, _ in c2.read(2, None)] == [new]
+
+
+def test_retire_only_when_over_covered(r: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    s = Scripts(r, keys)
+    r.hset(keys.model_target("m"), "S", 2)
+    assert s.volunteer(r, "m", "a") == "S" and s.volunteer(r, "m", "b") == "S"
+    assert s.retire(r, "m", "a") is None, "coverage 2 == target 2: still needed"
+    r.hset(keys.model_target("m"), "S", 1)
+    assert s.retire(r, "m", "a") == "S"
+    assert s.retire(r, "m", "b") is None, "the last replica stays"
+    assert r.hget(keys.model_coverage("m"), "S") == b"1"
+    assert r.hgetall(keys.model_workers("m")) == {b"b": b"S"}

@@ -1,0 +1,45 @@
+"""Worker life cycle on a real Redis: wind-down when demand falls (K10)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvq.config import Settings
+from kvq.keys import Keys
+from kvq.model import make_tiny
+from kvq.monitor import Monitor
+from kvq.worker import Worker
+
+
+def _wait(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_idle_surplus_worker_leaves_and_last_one_stays(
+    settings: Settings, tmp_path: Path, run_in_thread
+) -> None:
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=1, experts=8)
+    s = settings.model_copy(update={"slice_experts": 8, "base_replicas": 2, "idle_shutdown_s": 0.3})
+    keys = Keys(s.prefix)
+    info = Monitor(s).register("m", model)
+    (sid,) = info.slices
+    a, b = Worker(s, "a"), Worker(s, "b")
+    ta, tb = run_in_thread(a), run_in_thread(b)
+    _wait(lambda: a.holding is not None and b.holding is not None)
+    a.r.hset(keys.model_target("m"), sid, 1)  # load drained: one replica is enough
+    _wait(lambda: not ta.is_alive() or not tb.is_alive())
+    assert a.r.hget(keys.model_coverage("m"), sid) == b"1"
+    leaver, stayer = ("a", "b") if not ta.is_alive() else ("b", "a")
+    assert a.r.hgetall(keys.model_workers("m")) == {stayer.encode(): sid.encode()}
+    assert not a.r.exists(keys.worker_heartbeat(leaver)), "hb"
+    assert not a.r.exists(keys.worker_inbox(leaver)), "inbox"
+    import time
+
+    time.sleep(1.0)
+    assert (ta.is_alive(), tb.is_alive()).count(True) == 1, "the last replica stays"
