@@ -31,6 +31,7 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check kvq tests
 	$(BIN)/ruff format --check kvq tests
+	$(BIN)/mypy kvq
 
 bench: setup
 	$(BIN)/kvq bench bus --json

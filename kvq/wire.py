@@ -15,7 +15,7 @@ Every decoding problem raises `WireError`, whatever the input bytes are.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -24,7 +24,7 @@ from kvq.errors import WireError
 
 VERSION = 1
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
-_NP = {
+_NP: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
@@ -33,7 +33,7 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    v: Literal[1] = VERSION
+    v: Literal[1] = 1  # VERSION
 
 
 class Failure(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -167,7 +167,7 @@ def decode(fields: Any, expect: type[M]) -> M:
 def unpack(raw: bytes, expect: type[M]) -> M:
     """msgpack bytes → validated message, or WireError (never anything else)."""
     try:
-        return _DECODERS[expect].decode(raw)  # type: ignore[no-any-return]
+        return cast(M, _DECODERS[expect].decode(raw))
     except msgspec.ValidationError as exc:
         raise WireError(f"invalid {_NAMES[expect]}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - garbage bytes raise several types

@@ -40,7 +40,7 @@ class Backoff:
 
     def wait(self) -> float:
         self.failures += 1
-        delay = min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+        delay: float = min(self.cap_s, self.base_s * 2.0 ** (self.failures - 1))
         delay *= 0.5 + random.random() / 2
         time.sleep(delay)
         return delay

@@ -14,7 +14,7 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 def xadd(
-    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[str, Any], maxlen: int
+    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any], maxlen: int
 ) -> Any:
     """XADD with approximate MAXLEN trimming, so no stream grows without bound."""
     return r.xadd(stream, dict(fields), maxlen=maxlen, approximate=True)

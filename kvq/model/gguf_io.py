@@ -95,7 +95,7 @@ def nbytes_for(ggml_type: int, shape: tuple[int, ...]) -> int:
             f"row length {shape[-1:]} is not a multiple of the {quant_type(ggml_type).name} "
             f"block size {block}; the tensor cannot be split by rows"
         )
-    return math.prod(shape) // block * type_size
+    return int(math.prod(shape) // block * type_size)
 
 
 def decode_bytes(raw: npt.NDArray[np.uint8], ggml_type: int, shape: tuple[int, ...]) -> F32Array:
