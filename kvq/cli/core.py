@@ -1,38 +1,19 @@
-"""`kvq` command line: parsing and printing only; the work happens in library calls.
-
-Exit codes: 0 success, 1 runtime failure, 2 bad usage or invalid settings.
-"""
+"""Commands of the running system: config, monitor, coordinator, worker, submit, demo, server."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
-import socket
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvq.config import Settings, describe, load_settings
-from kvq.errors import ConfigError, KvqError
+from kvq.cli.common import EXIT_FAIL, EXIT_OK, node_id, stop_on_signals
+from kvq.config import Settings, describe
+from kvq.errors import ConfigError
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-def _stop_on_signals(stop: threading.Event) -> None:
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+Subparsers = Any  # argparse's _SubParsersAction is private
 
 
-def _node_id(given: str | None, role: str) -> str:
-    return given or f"{role}-{socket.gethostname()}"
-
-
-# -- commands ------------------------------------------------------------------------------
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "check":
         print("settings are valid")
@@ -46,17 +27,6 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-def cmd_model(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.model import make_tiny
-
-    make_tiny(
-        args.out, layers=args.layers, experts=args.experts, experts_used=args.experts_used,
-        hidden=args.hidden, expert_ffn=args.expert_ffn, seed=args.seed,
-    )  # fmt: skip
-    print(f"wrote {args.out}")
-    return EXIT_OK
-
-
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.monitor import Monitor
 
@@ -66,7 +36,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
         mon.register(model, path, args.source)
-    _stop_on_signals(mon.stop)
+    stop_on_signals(mon.stop)
     mon.run()
     return EXIT_OK
 
@@ -74,8 +44,8 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.coordinator import Coordinator
 
-    coord = Coordinator(settings, _node_id(args.id, "coord"), args.model_id, args.model)
-    _stop_on_signals(coord.stop)
+    coord = Coordinator(settings, node_id(args.id, "coord"), args.model_id, args.model)
+    stop_on_signals(coord.stop)
     coord.run()
     return EXIT_OK
 
@@ -83,8 +53,8 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.worker import Worker
 
-    worker = Worker(settings, _node_id(args.id, "worker"))
-    _stop_on_signals(worker.stop)
+    worker = Worker(settings, node_id(args.id, "worker"))
+    stop_on_signals(worker.stop)
     worker.run()
     return EXIT_OK
 
@@ -151,7 +121,7 @@ def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.server import EmbeddedRedis
 
     stop = threading.Event()
-    _stop_on_signals(stop)
+    stop_on_signals(stop)
     with EmbeddedRedis(port=args.port, data_dir=args.dir, persist=args.dir is not None) as srv:
         print(srv.url, flush=True)
         stop.wait()
@@ -159,24 +129,15 @@ def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvq", description=__doc__.splitlines()[0] if __doc__ else "")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+
+
+def register(sub: Subparsers, bench: Subparsers) -> None:
+    """config, monitor, coordinator, worker, submit, demo, server, bench bus."""
 
     c = sub.add_parser("config", help="show or check the effective settings")
     c.add_argument("action", choices=["show", "check"])
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_config)
-
-    m = sub.add_parser("model", help="model tools")
-    msub = m.add_subparsers(dest="model_cmd", required=True)
-    mt = msub.add_parser("make-tiny", help="write a small synthetic MoE model as GGUF")
-    mt.add_argument("out")
-    for name, default in (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
-                          ("expert-ffn", 64), ("seed", 0)):  # fmt: skip
-        mt.add_argument(f"--{name}", type=int, default=default)
-    mt.set_defaults(fn=cmd_model)
 
     mon = sub.add_parser("monitor", help="run the control plane")
     mon.add_argument("--model", action="append", metavar="ID=PATH", help="register a model")
@@ -211,46 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_cmd", required=True)
-    bb = bsub.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
-    bb.add_argument("--jobs", type=int, default=2000)
-    bb.add_argument("--redis", help="Redis URL (default: start an embedded server)")
-    bb.add_argument("--json", action="store_true")
-    bb.set_defaults(fn=cmd_bench)
-
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
     sv.add_argument("--port", type=int, default=6379)
     sv.add_argument("--dir", help="data directory (persists across restarts)")
     sv.set_defaults(fn=cmd_server)
-    return p
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("gguf").setLevel(logging.WARNING)
-    fn: Callable[[argparse.Namespace, Settings], int] = args.fn
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"kvq: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        return fn(args, settings)
-    except ConfigError as exc:
-        print(f"kvq: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KvqError as exc:
-        print(f"kvq: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAIL
-    except TimeoutError as exc:
-        print(f"kvq: timed out: {exc}", file=sys.stderr)
-        return EXIT_FAIL
-    except KeyboardInterrupt:
-        print("kvq: interrupted", file=sys.stderr)
-        return 130
+    bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
+    bb.add_argument("--jobs", type=int, default=2000)
+    bb.add_argument("--redis", help="Redis URL (default: start an embedded server)")
+    bb.add_argument("--json", action="store_true")
+    bb.set_defaults(fn=cmd_bench)

@@ -1,0 +1,60 @@
+"""`kvq` command line: parsing and printing only; the work happens in library calls.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or invalid settings. Each area registers
+its own subcommands (`core`, `model`, `bank`, `swarm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from kvq.cli import bank, core, model, swarm
+from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
+from kvq.config import Settings, load_settings
+from kvq.errors import ConfigError, KvqError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvq", description="kvq: MoE experts served over Redis streams"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="benchmarks (--json for machines)")
+    bench = b.add_subparsers(dest="bench_cmd", required=True)
+    for area in (core, model, bank, swarm):
+        area.register(sub, bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    fn: Callable[[argparse.Namespace, Settings], int] = args.fn
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        print(f"kvq: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return fn(args, settings)
+    except ConfigError as exc:
+        print(f"kvq: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvqError as exc:
+        print(f"kvq: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except TimeoutError as exc:
+        print(f"kvq: timed out: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        print("kvq: interrupted", file=sys.stderr)
+        return 130
