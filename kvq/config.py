@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"
     )
+    slot_poll_s: float = Field(
+        0.5, gt=0, le=60, description="how often the coordinator samples its own busy slots"
+    )
     dispatch_refresh_ms: int = Field(500, ge=10, description="how often coverage is reread")
     model_wait_s: float = Field(
         300.0, gt=0, description="how long a coordinator waits for its model's registration"

@@ -61,7 +61,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         s = settings.model_copy(update={"redis_url": url})
         env = child_env(
             s, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.3,
-            idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000),
+            idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
         )  # fmt: skip
         children = Children(env, log_dir=opts.log_dir)
         r = connect(s)
@@ -79,6 +79,10 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
         burst = _burst(r, keys, opts, children)
         say("burst done; waiting for the monitor to see the load drain")
+        _wait(
+            lambda: int(r.hget(keys.coord_stats(COORD_ID), "completed") or 0) >= opts.requests,
+            children, 30, "final coordinator stats",
+        )  # fmt: skip
         _wait(
             lambda: r.hget(keys.model_state(MODEL_ID), "saturated") == b"0", children, 30, "drain"
         )

@@ -31,7 +31,7 @@ def settings(redis_server: EmbeddedRedis, prefix: str) -> Settings:
     """Settings pointing at the test server, with a prefix no other test uses."""
     return load_settings(
         redis_url=redis_server.url, prefix=prefix, block_ms=100, heartbeat_ttl_s=1.0,
-        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50,
+        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50, slot_poll_s=0.02,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from kvq.bus import (
 from kvq.config import Settings
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
+from kvq.coordinator.slots import SlotPoller
 from kvq.errors import WireError
 from kvq.keys import COORDINATOR_GROUP, Keys
 from kvq.model import Backbone, ByteTokenizer
@@ -53,10 +54,14 @@ class Coordinator:
         )
         self.dispatch = Dispatcher(
             self.r, self.keys, settings, coord_id, self.info, self.backbone.experts,
-            remote_allowed=lambda: self.engine.busy >= settings.saturation_threshold,
+            remote_allowed=lambda: self.slots.loaded,
         )  # fmt: skip
         self._requests_key = self.keys.model_requests(model)
         self.requests = Consumer(self.r, self._requests_key, COORDINATOR_GROUP, coord_id)
+        self.slots = SlotPoller(
+            lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
+            self._publish_slots, settings.slot_poll_s, settings.slot_state_stale_s,
+        )  # fmt: skip
         self.stop = threading.Event()
         self.completed = 0
         self.tokens = 0
@@ -65,7 +70,14 @@ class Coordinator:
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
-        self._publish_slots()
+        self.slots.start()
+        try:
+            self._serve(backoff)
+        finally:
+            self.slots.close()
+            self.slots.poll_once()
+
+    def _serve(self, backoff: Backoff) -> None:
         while not self.stop.is_set():
             try:
                 self.tick()
@@ -76,17 +88,15 @@ class Coordinator:
                 log.warning("redis unreachable (%s); retrying", exc)
                 backoff.wait()
                 self.requests.reset_pending()
-        self._publish_slots()
 
     def tick(self) -> None:
-        """Admit what fits, run one step, publish state."""
+        """Take over orphans, admit what fits, run one step."""
         self._claim_orphans()
         if self.engine.free:
             block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
             for eid, fields in self.requests.read(self.engine.free, block):
                 self._admit(eid, fields)
         self.engine.step(self.dispatch, self._emit)
-        self._publish_slots()
 
     def _claim_orphans(self) -> None:
         """Take over requests left pending by coordinators that stopped publishing slots."""
@@ -176,11 +186,12 @@ class Coordinator:
         xadd(pipe, key, wire.encode(event), self.s.stream_maxlen)
         pipe.expire(key, self.s.request_ttl_s)
 
-    def _publish_slots(self) -> None:
+    def _publish_slots(self, busy: int, total: int) -> None:
+        """Slot state for the monitor, and dispatch counters (on the slot-poll thread)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(
             self.keys.coord_slots(self.id),
-            mapping={"model": self.model, "busy": self.engine.busy, "total": self.engine.n_slots,
+            mapping={"model": self.model, "busy": busy, "total": total,
                      "ts_ms": int(time.time() * 1000)},
         )  # fmt: skip
         pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
