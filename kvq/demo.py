@@ -13,12 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from kvq import client
-from kvq.bus import connect
+from kvq.bus import connect, redacted_url
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
 from kvq.keys import Keys
@@ -53,7 +52,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
     tmp = tempfile.TemporaryDirectory(prefix="kvq-demo-")
     children: Children | None = None
     try:
-        say(f"redis: {'embedded at ' + url if server else url}")
+        say(f"redis: {'embedded at ' + url if server else redacted_url(url)}")
         model_path = opts.model_path or str(Path(tmp.name) / "tiny.gguf")
         if not opts.model_path:
             make_tiny(model_path, layers=2, experts=8, experts_used=2)
@@ -86,7 +85,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         _wait(
             lambda: r.hget(keys.model_state(MODEL_ID), "saturated") == b"0", children, 30, "drain"
         )
-        summary = _summary(r, keys, burst, _redacted(url) if not server else "embedded", t0)
+        summary = _summary(r, keys, burst, redacted_url(url) if not server else "embedded", t0)
         return summary
     finally:
         if children is not None:
@@ -94,15 +93,6 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         if server is not None:
             server.close()
         tmp.cleanup()
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password, for printing."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _flush_prefix(r: redis.Redis, keys: Keys) -> None:

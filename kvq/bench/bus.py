@@ -20,7 +20,7 @@ import numpy as np
 import redis
 
 from kvq import wire
-from kvq.bus import Consumer, xadd
+from kvq.bus import Consumer, redacted_url, xadd
 from kvq.config import Settings
 from kvq.keys import Keys, slice_id
 from kvq.server import EmbeddedRedis
@@ -28,15 +28,14 @@ from kvq.server import EmbeddedRedis
 ROWS, HIDDEN, TOPK = 8, 128, 2  # x is 8 x 128 float32 = 4 KiB
 WINDOW, BATCH = 256, 64
 ROUNDS = 3
-_KEYS = Keys("kvq")
 MAXLEN = 100_000
 
 
-def _job(i: int) -> wire.Job:
+def _job(i: int, keys: Keys) -> wire.Job:
     rng = np.random.default_rng(i)
     return wire.Job(
         job_id=f"bench-{i}", model="bench", layer=0, slice=slice_id(0, 1, 0, 4),
-        expert_start=0, expert_end=4, coord="bench", reply_to=_KEYS.bench("kvq-results"),
+        expert_start=0, expert_end=4, coord="bench", reply_to=keys.bench("kvq-results"),
         deadline_ms=0,
         x=wire.Tensor.of(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
         ids=wire.Tensor.of(np.zeros((ROWS, TOPK), dtype=np.int32)),
@@ -148,11 +147,11 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
+def _bench_kvq(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = _KEYS.bench("kvq-inbox"), _KEYS.bench("kvq-results")
+    inbox, results = keys.bench("kvq-inbox"), keys.bench("kvq-results")
     r.delete(inbox, results)
-    proto = [_job(i) for i in range(64)]  # building tensors is not the bus; encoding is timed
+    proto = [_job(i, keys) for i in range(64)]  # building tensors is not the bus; encoding is timed
 
     def send(pipe: Any, i: int) -> None:
         xadd(pipe, inbox, wire.encode(proto[i % 64]), MAXLEN)
@@ -165,11 +164,11 @@ def _bench_kvq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
                             lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv))  # fmt: skip
 
 
-def _bench_raw(url: str, n_single: int, n_batched: int) -> dict[str, float]:
+def _bench_raw(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
-    inbox, results = _KEYS.bench("raw-inbox"), _KEYS.bench("raw-results")
+    inbox, results = keys.bench("raw-inbox"), keys.bench("raw-results")
     r.delete(inbox, results)
-    payloads = [wire.pack(_job(i)) for i in range(64)]
+    payloads = [wire.pack(_job(i, keys)) for i in range(64)]
 
     def send(pipe: Any, i: int) -> None:
         pipe.xadd(inbox, {"m": payloads[i % 64]}, maxlen=MAXLEN, approximate=True)
@@ -185,12 +184,12 @@ def _bench_raw(url: str, n_single: int, n_batched: int) -> dict[str, float]:
                             lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv))  # fmt: skip
 
 
-def _bench_rq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
+def _bench_rq(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, float]:
     from rq import Queue
 
     r = redis.Redis.from_url(url)
-    q = Queue(_KEYS.bench("rq"), connection=r)
-    payload = wire.pack(_job(0))
+    q = Queue(keys.bench("rq"), connection=r)
+    payload = wire.pack(_job(0, keys))
 
     def measure() -> dict[str, float]:
         rtts = []
@@ -205,7 +204,7 @@ def _bench_rq(url: str, n_single: int, n_batched: int) -> dict[str, float]:
             job.latest_result(timeout=60)
         return _figures(rtts, n_batched / (time.perf_counter() - t0))
 
-    return _run_with_worker(_rq_worker, (url, _KEYS.bench("rq"), n_single + n_batched), measure)
+    return _run_with_worker(_rq_worker, (url, keys.bench("rq"), n_single + n_batched), measure)
 
 
 def _run_with_worker(target: Callable[..., None], args: tuple[Any, ...],
@@ -228,15 +227,16 @@ def run_bus_bench(
     """Run all three; ratios compare figures measured in this same run."""
     server = None if redis_url else EmbeddedRedis().start()
     url = redis_url or (server.url if server else "")
+    keys = Keys(settings.prefix)
     try:
         n_single = max(100, jobs // 10)
         # alternate kvq and raw rounds so that warm-up and machine noise hit both alike
         rounds: dict[str, list[dict[str, float]]] = {"kvq": [], "raw": []}
         for _ in range(ROUNDS):
-            rounds["kvq"].append(_bench_kvq(url, n_single, jobs))
-            rounds["raw"].append(_bench_raw(url, n_single, jobs))
+            rounds["kvq"].append(_bench_kvq(url, keys, n_single, jobs))
+            rounds["raw"].append(_bench_raw(url, keys, n_single, jobs))
         kvq, raw = _median(rounds["kvq"]), _median(rounds["raw"])
-        rq_fig = _bench_rq(url, max(50, n_single // 4), max(200, jobs // 10))
+        rq_fig = _bench_rq(url, keys, max(50, n_single // 4), max(200, jobs // 10))
     finally:
         if server is not None:
             server.close()
@@ -250,5 +250,5 @@ def run_bus_bench(
         "ratio_vs_raw_batched": round(kvq["jobs_per_s"] / raw["jobs_per_s"], 3),
         "ratio_vs_raw_p50": round(raw["p50_ms"] / kvq["p50_ms"], 3),
         "ratio_vs_rq": round(kvq["jobs_per_s"] / rq_fig["jobs_per_s"], 1),
-        "redis": "embedded" if server else url,
+        "redis": "embedded" if server else redacted_url(url),
     }

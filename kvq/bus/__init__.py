@@ -1,6 +1,6 @@
 """The bus: Redis connections, streams with consumer groups, dead letters and Lua scripts."""
 
-from kvq.bus.connection import Backoff, connect, is_connection_error
+from kvq.bus.connection import Backoff, connect, is_connection_error, redacted_url
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import Consumer, claim_from_dead, dead_letter, ensure_group, xadd
 
@@ -13,5 +13,6 @@ __all__ = [
     "dead_letter",
     "ensure_group",
     "is_connection_error",
+    "redacted_url",
     "xadd",
 ]

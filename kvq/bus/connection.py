@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -47,3 +48,12 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its password, for printing."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -118,10 +118,17 @@ def claim_from_dead(
         name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
         if name == me or not info["pending"] or alive(name):
             continue
-        pend = r.xpending_range(stream, group, "-", "+", 1000, consumername=name)
-        ids = [p["message_id"] for p in pend if p["time_since_delivered"] >= min_idle_ms]
-        if ids:
-            claimed += len(r.xclaim(stream, group, me, min_idle_ms, ids, justid=True))
-        if len(ids) == len(pend):
+        left = False
+        while True:  # pages of 1000: claim what is idle enough, keep the consumer if any is not
+            pend = r.xpending_range(stream, group, "-", "+", 1000, consumername=name)
+            ids = [p["message_id"] for p in pend if p["time_since_delivered"] >= min_idle_ms]
+            if ids:
+                claimed += len(r.xclaim(stream, group, me, min_idle_ms, ids, justid=True))
+            if len(ids) < len(pend):
+                left = True
+                break
+            if len(pend) < 1000:
+                break
+        if not left:
             r.xgroup_delconsumer(stream, group, name)
     return claimed

@@ -121,6 +121,7 @@ class Worker:
                 device=str(self.device), dtype=self.dtype,
             )  # fmt: skip
         self.holding = Holding(model, spec, experts)
+        self._idle_since = time.monotonic()  # idleness counts from getting the slice
         self.consumer = Consumer(self.r, self.keys.worker_inbox(self.id), WORKER_GROUP, self.id)
         self._beat()
         log.info(
