@@ -6,7 +6,15 @@
     ├── BusError           Redis transport problems that survived reconnection
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
     │   └── SliceIntegrityError   downloaded slice bytes do not match what was published
+    ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
     ├── RoutingError       no node can serve a slice; unknown model
+    │   ├── UnknownModel       no model of that id in the swarm
+    │   ├── UnknownNode        no node of that id in the swarm
+    │   ├── NoRoute            every copy of the model has a down node
+    │   ├── Unrecoverable      failover ladder exhausted (H6 d): expected, never an invalid route
+    │   ├── UncoveredSlice     a slice has no live node: refuse the model's requests
+    │   ├── CapacityError      the nodes' memory cannot hold one copy of a model
+    │   └── TopologyError      a swarm topology or plan is malformed or invalid
     └── ServerError        the embedded Redis server could not be started
 
 Every message carries the bad value and what to do about it.
@@ -45,8 +53,40 @@ class SliceIntegrityError(ModelError):
     """Slice bytes do not match the size or checksum published for them."""
 
 
+class BankError(KvqError):
+    """A routing histogram, hot-set plan or bank update is invalid (names the layer/expert)."""
+
+
 class RoutingError(KvqError):
     """No node can serve what was asked (unknown model, uncovered slice)."""
+
+
+class UnknownModel(RoutingError):
+    """A model id the swarm does not serve; the message lists the ones it does."""
+
+
+class UnknownNode(RoutingError):
+    """A node id the swarm does not know; the message lists the ones it does."""
+
+
+class NoRoute(RoutingError):
+    """Every copy of the model has a down node: nothing to route to until failover or repair."""
+
+
+class Unrecoverable(RoutingError):
+    """The failover ladder (copy, splice, degradation) found nothing: a controlled outcome."""
+
+
+class UncoveredSlice(RoutingError):
+    """A slice of the model has no live node, so the model cannot be served until it does."""
+
+
+class CapacityError(RoutingError):
+    """The nodes' memory cannot hold even one copy of a model."""
+
+
+class TopologyError(RoutingError):
+    """A topology file, node profile or plan is malformed; the message names the field."""
 
 
 class ServerError(KvqError):

@@ -2,10 +2,87 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
+
+from kvq.cli.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from kvq.config import Settings
+from kvq.errors import RoutingError
 
 Subparsers = Any
 
 
+def _load_json(path: str, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise RoutingError(f"cannot read the {what} file {path!r}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise RoutingError(f"{what} file {path!r} is not JSON: {exc}") from exc
+
+
+def cmd_swarm_sim(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.swarm import SimOptions, parse_nodes, parse_topology, simulate
+
+    try:
+        topo = parse_topology(_load_json(args.topology, "topology"))
+        grow = parse_nodes(_load_json(args.grow, "growth")) if args.grow else ()
+        opts = SimOptions(
+            kills=tuple(args.kill or ()), grow=grow, removes=tuple(args.remove or ()),
+            pipelines=args.pipelines, seed=args.seed, requests=args.requests, model=args.model,
+            allow_degraded=not args.no_degrade,
+        )  # fmt: skip
+        report = simulate(topo, opts)
+    except RoutingError as exc:  # bad input: unknown node or model, malformed or too small
+        print(f"kvq swarm-sim: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report, indent=2))
+    return EXIT_OK if report["final_plan_valid"] else EXIT_FAIL
+
+
+def cmd_bench_swarm(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.swarm import run_swarm_bench
+
+    r = run_swarm_bench(args.nodes, args.models, args.routes, args.steps, args.seed)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(f"routes_per_s  {r['routes_per_s']:>10}  ({r['nodes']} nodes, {r['models']} models, "
+              f"{r['copies']} copies; steady {r['routes_per_s_steady']})")  # fmt: skip
+        print(f"sim_seconds   {r['sim_seconds']:>10}  ({r['sim_workers']} workers x "
+              f"{r['sim_steps']} steps, digest {r['sim_digest']})")  # fmt: skip
+    return EXIT_OK
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return n
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """Adds this area's commands (none yet)."""
+    """swarm-sim, bench swarm."""
+    s = sub.add_parser("swarm-sim", help="run the swarm lifecycle in memory and print JSON")
+    s.add_argument("--topology", required=True, metavar="FILE.json", help="nodes and models")
+    s.add_argument("--kill", action="append", metavar="NODE", help="node that dies (repeatable)")
+    s.add_argument("--pipelines", type=_positive, help="copies per model (default: topology's)")
+    s.add_argument("--grow", metavar="NODES.json", help="nodes that join after the kills")
+    s.add_argument("--remove", action="append", metavar="NODE", help="node retired (repeatable)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic")
+    s.add_argument("--requests", type=int, default=64, help="simulated requests between steps")
+    s.add_argument("--model", help="model whose route each step shows (default: the first)")
+    s.add_argument("--no-degrade", action="store_true", help="forbid fallback models")
+    s.set_defaults(fn=cmd_swarm_sim)
+
+    b = bench.add_parser("swarm", help="route decisions per second; a large seeded simulation")
+    b.add_argument("--nodes", type=_positive, default=1000)
+    b.add_argument("--models", type=_positive, default=4)
+    b.add_argument("--routes", type=_positive, default=200_000)
+    b.add_argument("--steps", type=_positive, default=10_000)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_bench_swarm)

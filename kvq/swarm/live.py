@@ -1,0 +1,304 @@
+"""Live dispatch through the swarm (K1-K4 with H1-H6): one `LiveRouter` per served model.
+
+The nodes are the coordinator and the workers covering the model's slices. Copies (re-planned
+only when coverage changes, never per request):
+- copy 0: every slice on the coordinator (where it holds the slice; elsewhere the first worker);
+- copy k >= 1: slice `i` on its k-th proven worker (cycling when it has fewer), else local.
+Proven (K3) = `last_serve_ms > 0` or a result received here. A slice the coordinator does not
+hold may also use unproven workers, since nothing else can serve it.
+
+Cost decides (H3). A node's latency is what reaching it adds: 0 for the coordinator, the
+measured send-to-result time for a worker. The coordinator's score is 1 and a worker's is the EWMA
+of its successes (<= 1). The coordinator's load is 0 at rest and 1 under load
+(`busy >= saturation_threshold`, K2). So at rest a remote slice never costs less than a local one
+and the all-local copy (pipeline 0, which wins ties) always wins (K1); under load a local slice
+costs 120 more, and copies of proven workers win unless they are slow (K3). Unproven workers
+are in no copy (K4); under load each one still gets one first try while
+`now - first_seen < grace_ms`: `route` returns a trial route that sends it its slice once.
+
+Threading: `set_slots` may be called from the slot-poll thread (it only stores two ints, applied
+by the next `route`); every other method belongs to the dispatch thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvq.errors import RoutingError, UncoveredSlice, Unrecoverable
+from kvq.swarm.plan import SwarmPlan
+from kvq.swarm.route import failover_in_swarm
+from kvq.swarm.state import SwarmState
+from kvq.swarm.swarm import Rescue
+from kvq.swarm.telemetry import NodeTelemetry
+from kvq.swarm.types import CostWeights, FailoverOptions, ModelSpec, NodeProfile, Pipeline, Slice
+
+_NO_DEGRADE = FailoverOptions(allow_degraded=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker of this model as read at a coverage refresh."""
+
+    worker_id: str
+    slice_id: str
+    alive: bool = True  # its heartbeat key exists
+    last_serve_ms: int = 0  # from its info hash; > 0 means it has computed experts (K3)
+    load: float | None = None  # its own load in [0, 1] if it reports one
+    first_seen_ms: float | None = None  # K4 grace start; None: when this router first saw it
+
+
+@dataclass(frozen=True, slots=True)
+class LivePolicy:
+    """K2 threshold, K4 grace window, EWMA weight, H3 weights."""
+
+    saturation_threshold: int = 2
+    grace_ms: float = 10_000.0
+    alpha: float = 0.3
+    weights: CostWeights = field(default_factory=CostWeights)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRoute:
+    """Where each slice goes: `remote[sid]` is a worker id; a slice not in it is local."""
+
+    pipeline_id: int  # -1 for a K4 trial route
+    remote: dict[str, str]
+    trial: str | None = None
+
+    def worker(self, sid: str) -> str | None:
+        return self.remote.get(sid)
+
+
+class LiveRouter:
+    """Swarm routing for one model served by one coordinator (pure; fed by the caller)."""
+
+    def __init__(
+        self, model_id: str, slices: Sequence[str], coordinator: str,
+        policy: LivePolicy | None = None, local_slices: Collection[str] | None = None,
+    ) -> None:  # fmt: skip
+        self.model_id, self.coordinator = model_id, coordinator
+        self.policy = policy or LivePolicy()
+        self.spec = ModelSpec(model_id, tuple(Slice(s) for s in slices))
+        self._sids = tuple(slices)
+        self._sid_set = frozenset(self._sids)
+        self._local = frozenset(self._sids if local_slices is None else local_slices)
+        self._tele: dict[str, NodeTelemetry] = {coordinator: NodeTelemetry(0.0, 1.0, 0.0, 0.0)}
+        self._workers: dict[str, WorkerView] = {}
+        self._first_seen: dict[str, float] = {}
+        self._served: set[str] = set()
+        self._tried: set[str] = set()
+        self._candidates: list[str] = []  # unproven, untried: K4 trials, oldest first
+        self._slots = (0, 1)
+        self._applied = (-1, -1)
+        self._key: tuple[tuple[str, ...], ...] | None = None
+        self.uncovered: tuple[str, ...] = ()
+        self.replans = 0
+        self.last_cost = 0.0
+        self.state = SwarmState(SwarmPlan({}, {}, ()))
+        self._routes: dict[int, LiveRoute] = {}
+        self._replan()
+
+    # -- feeding ----------------------------------------------------------------------------
+    def set_slots(self, busy: int, total: int) -> None:
+        """The coordinator's slot state (K2); safe to call from the slot-poll thread."""
+        self._slots = (busy, total)
+
+    @property
+    def loaded(self) -> bool:
+        """Under load (K2): busy slots >= saturation_threshold."""
+        return self._slots[0] >= self.policy.saturation_threshold
+
+    def update_workers(self, workers: Iterable[WorkerView], now_ms: float) -> bool:
+        """The model's workers as of now (others' slices ignored); True if it re-planned."""
+        views = {w.worker_id: w for w in workers if w.slice_id in self._sid_set}
+        for wid, w in views.items():
+            seen = self._first_seen.setdefault(wid, now_ms)
+            if w.first_seen_ms is not None and w.first_seen_ms != seen:
+                self._first_seen[wid] = w.first_seen_ms
+            t = self._tele.setdefault(wid, NodeTelemetry())
+            if w.load is not None:
+                self._observe(wid, load=w.load)
+            if t.alive != w.alive:
+                self._set_alive(wid, w.alive)
+        for wid in set(self._workers) - set(views):
+            self._tele.pop(wid, None)
+            self._first_seen.pop(wid, None)
+            self._served.discard(wid)
+            self._tried.discard(wid)
+        self._workers = views
+        self._candidates = sorted(
+            (
+                w
+                for w, v in views.items()
+                if v.alive and not self._proven(v) and w not in self._tried
+            ),
+            key=lambda w: (self._first_seen[w], w),
+        )
+        return self._replan()
+
+    def observe_result(self, worker: str, latency_ms: float) -> None:
+        """A worker's result arrived `latency_ms` after its job was sent: it is proven now."""
+        if worker not in self._tele:
+            return
+        self._observe(worker, latency_ms=latency_ms, score=1.0)
+        if worker not in self._served:
+            self._served.add(worker)
+            self._replan()
+
+    def observe_failure(self, worker: str, latency_ms: float | None = None) -> None:
+        """A job failed or missed its deadline (pass the deadline as `latency_ms`)."""
+        if worker in self._tele:
+            self._observe(worker, latency_ms=latency_ms, score=0.0)
+
+    def mark_down(self, worker: str) -> Rescue | None:
+        """Heartbeat expired: computes the rescue of the route that used it (None if the current
+        route did not), marks it down, and re-plans without it."""
+        t = self._tele.get(worker)
+        if t is None or not t.alive:
+            return None
+        rescue = None
+        try:
+            lost = self.state.route(self.model_id)
+        except RoutingError:
+            lost = None
+        if lost is not None and worker in lost.pipeline.nodes:
+            try:
+                res = failover_in_swarm(lost, worker, self.state, _NO_DEGRADE)
+                rescue = Rescue(self.model_id, lost, res)
+            except Unrecoverable as exc:
+                rescue = Rescue(self.model_id, lost, None, exc)
+        self._set_alive(worker, False)
+        if worker in self._workers:
+            self._workers[worker] = replace(self._workers[worker], alive=False)
+        self._replan()
+        return rescue
+
+    # -- answering --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raises `UncoveredSlice` when some slice has no live node: refuse the model's requests."""
+        if self.uncovered:
+            raise UncoveredSlice(
+                f"model {self.model_id!r}: no live node holds slice(s) {list(self.uncovered)}; "
+                "requests are refused until a worker covers them"
+            )
+
+    def route(self, now_ms: float, active: Collection[str] | None = None) -> LiveRoute:
+        """Where each slice of the next MoE layer goes. `active`: the slice ids that have work
+        in this call (a K4 trial is only spent on one of them). Raises `UncoveredSlice`."""
+        self.check()
+        slots = self._slots  # one read: the poll thread may replace it meanwhile
+        loaded = slots[0] >= self.policy.saturation_threshold
+        if slots != self._applied:
+            self._applied = slots
+            self.state.set_load(self.coordinator, 1.0 if loaded else 0.0)
+        r = self.state.route(self.model_id)
+        self.last_cost = r.cost
+        if loaded and self._candidates:
+            trial = self._trial(now_ms, r.pipeline, active)
+            if trial is not None:
+                return trial
+        return self._routes[r.pipeline_id]
+
+    def _trial(
+        self, now_ms: float, base: Pipeline, active: Collection[str] | None
+    ) -> LiveRoute | None:
+        """K4: an unproven live worker in its grace window gets one job, once."""
+        keep: list[str] = []
+        chosen: WorkerView | None = None
+        for wid in self._candidates:
+            w = self._workers.get(wid)
+            if w is None or not w.alive or self._proven(w) or wid in self._tried:
+                continue
+            if now_ms - self._first_seen[wid] >= self.policy.grace_ms:
+                continue  # its window has passed: not recruited under load
+            if chosen is None and (active is None or w.slice_id in active):
+                chosen = w
+            else:
+                keep.append(wid)
+        self._candidates = keep
+        if chosen is None:
+            return None
+        self._tried.add(chosen.worker_id)
+        c = self.coordinator
+        remote = {s: n for s, n in zip(self._sids, base.assignment, strict=True) if n != c}
+        remote[chosen.slice_id] = chosen.worker_id
+        return LiveRoute(-1, remote, chosen.worker_id)
+
+    def describe(self) -> dict[str, object]:
+        """For stats and logs: load, copies, uncovered slices, proven and pending workers."""
+        busy, total = self._slots
+        return {
+            "model": self.model_id, "busy": busy, "total": total, "loaded": self.loaded,
+            "copies": len(self._routes), "replans": self.replans, "uncovered": list(self.uncovered),
+            "proven": sorted(w for w, v in self._workers.items() if v.alive and self._proven(v)),
+            "trials_pending": list(self._candidates), "last_cost": round(self.last_cost, 3),
+        }  # fmt: skip
+
+    # -- internals --------------------------------------------------------------------------
+    def _proven(self, w: WorkerView) -> bool:
+        return w.last_serve_ms > 0 or w.worker_id in self._served
+
+    def _observe(self, node: str, **samples: float | None) -> None:
+        if node in self.state.telemetry:
+            self.state.observe(node, **samples)
+        else:
+            self._tele[node].observe(self.policy.alpha, **samples)
+
+    def _set_alive(self, node: str, alive: bool) -> None:
+        if node in self.state.telemetry:
+            self.state.set_alive(node, alive)
+        else:
+            self._tele[node].alive = alive
+
+    def _coverage(self) -> tuple[tuple[str, ...], ...]:
+        """Per slice, the workers copies may use: proven ones, or any live one where the
+        coordinator does not hold the slice and no proven worker does."""
+        by_slice: dict[str, list[WorkerView]] = {s: [] for s in self._sids}
+        for w in self._workers.values():
+            if w.alive:
+                by_slice[w.slice_id].append(w)
+        out = []
+        for s in self._sids:
+            ws = sorted(by_slice[s], key=lambda w: w.worker_id)
+            proven = tuple(w.worker_id for w in ws if self._proven(w))
+            out.append(proven or (() if s in self._local else tuple(w.worker_id for w in ws)))
+        return tuple(out)
+
+    def _assignments(self, key: tuple[tuple[str, ...], ...]) -> list[tuple[str, ...]]:
+        """Copy 0 as local as possible, then copy k on each slice's k-th worker."""
+        c = self.coordinator
+        out = [
+            tuple(c if s in self._local else ws[0] for s, ws in zip(self._sids, key, strict=True))
+        ]
+        for k in range(max((len(ws) for ws in key), default=0)):
+            a = tuple(ws[k % len(ws)] if ws else c for ws in key)
+            if a not in out:
+                out.append(a)
+        return out
+
+    def _replan(self) -> bool:
+        key = self._coverage()
+        if key == self._key:
+            return False
+        self._key = key
+        self.replans += 1
+        c, sids = self.coordinator, self._sids
+        self.uncovered = tuple(
+            s for s, ws in zip(sids, key, strict=True) if not ws and s not in self._local
+        )
+        assignments = [] if self.uncovered else self._assignments(key)
+        pipes = tuple(Pipeline(i, self.model_id, a) for i, a in enumerate(assignments))
+        nodes = {c} | {n for a in assignments for n in a}
+        profiles = {n: NodeProfile(n) for n in sorted(nodes)}
+        plan = SwarmPlan(profiles, {self.model_id: self.spec}, pipes, len(pipes))
+        tele = {n: self._tele[n] for n in nodes}
+        self.state = SwarmState(plan, tele, self.policy.weights, self.policy.alpha)
+        self._routes = {
+            p.pipeline_id: LiveRoute(
+                p.pipeline_id, {s: n for s, n in zip(sids, p.assignment, strict=True) if n != c}
+            )
+            for p in pipes
+        }
+        self._applied = (-1, -1)
+        return True

@@ -1,0 +1,229 @@
+"""LiveRouter: the coordinator's dispatch as swarm routing (K1-K4), on plain data."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvq.errors import UncoveredSlice
+from kvq.keys import slice_id
+from kvq.swarm import LivePolicy, LiveRouter, WorkerView
+
+SLICES = [slice_id(layer, layer + 1, e, e + 4) for layer in range(3) for e in (0, 4)]  # 6 slices
+S0, S1, S2 = SLICES[0], SLICES[1], SLICES[2]
+
+
+def _router() -> LiveRouter:
+    return LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0))
+
+
+def _proven(wid: str, sid: str, alive: bool = True) -> WorkerView:
+    return WorkerView(wid, sid, alive=alive, last_serve_ms=1_700_000_000_000)
+
+
+def _feed(r: LiveRouter, *workers: WorkerView, now: float = 0.0, latency: float = 5.0) -> None:
+    r.update_workers(workers, now)
+    for w in workers:
+        if w.last_serve_ms:
+            r.observe_result(w.worker_id, latency)
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.5, 5.0])
+def test_at_rest_the_all_local_copy_wins(latency: float) -> None:
+    r = _router()
+    _feed(r, *(_proven(f"w{i}", s) for i, s in enumerate(SLICES)), latency=latency)
+    r.set_slots(1, 4)  # below saturation_threshold = 2
+    route = r.route(0.0)
+    assert route.pipeline_id == 0 and route.remote == {}
+    assert all(route.worker(s) is None for s in SLICES)
+
+
+def test_under_load_copies_of_proven_workers_win() -> None:
+    r = _router()
+    _feed(r, _proven("w0", S0), _proven("w1", S1))
+    r.set_slots(2, 4)
+    route = r.route(0.0)
+    assert route.remote == {S0: "w0", S1: "w1"}
+    assert route.worker(S2) is None  # uncovered by workers: local
+    r.set_slots(0, 4)
+    assert r.route(0.0).remote == {}
+
+
+def test_a_slow_proven_worker_loses_even_under_load() -> None:
+    r = _router()
+    _feed(r, _proven("w0", S0), latency=400.0)
+    r.set_slots(4, 4)
+    assert r.route(0.0).remote == {}
+
+
+def test_proven_elsewhere_but_unmeasured_here_still_wins_under_load() -> None:
+    r = _router()
+    r.update_workers([_proven("w0", S0)], 0.0)  # last_serve_ms > 0, no result seen here yet
+    r.set_slots(2, 4)
+    assert r.route(0.0).remote == {S0: "w0"}
+
+
+def test_unproven_worker_gets_one_trial_in_its_grace_window_under_load_only() -> None:
+    r = _router()
+    r.update_workers([WorkerView("new", S1)], now_ms=1000.0)
+    r.set_slots(0, 4)
+    assert r.route(1100.0).remote == {}  # at rest: no trial
+    r.set_slots(3, 4)
+    trial = r.route(1200.0)
+    assert (trial.pipeline_id, trial.trial, trial.remote) == (-1, "new", {S1: "new"})
+    again = r.route(1300.0)
+    assert again.trial is None and "new" not in again.remote.values()  # one try only
+    r.observe_result("new", 6.0)  # it answered: proven
+    assert r.route(1400.0).remote == {S1: "new"}
+    info = r.describe()
+    assert info["proven"] == ["new"] and info["loaded"] is True and info["trials_pending"] == []
+
+
+def test_a_trial_is_only_spent_on_a_slice_with_work() -> None:
+    r = _router()
+    r.update_workers([WorkerView("new", S2)], now_ms=0.0)
+    r.set_slots(2, 4)
+    assert r.route(10.0, active={S0, S1}).trial is None  # S2 is in another layer
+    assert r.describe()["trials_pending"] == ["new"]
+    trial = r.route(20.0, active={S2})
+    assert trial.trial == "new" and trial.worker(S2) == "new"
+
+
+@pytest.mark.parametrize("given_first_seen", [False, True])
+def test_unproven_worker_outside_grace_is_never_recruited(given_first_seen: bool) -> None:
+    r = _router()
+    if given_first_seen:  # the caller's own first-seen time wins over the router's
+        r.update_workers([WorkerView("late", S1, first_seen_ms=0.0)], now_ms=4500.0)
+    else:
+        r.update_workers([WorkerView("late", S1)], now_ms=0.0)
+    r.set_slots(4, 4)
+    for now in (5000.0, 6000.0):
+        route = r.route(now)
+        assert route.trial is None and route.remote == {}
+
+
+def test_heartbeat_expiry_fails_over_and_stops_dispatching_to_it() -> None:
+    r = _router()
+    _feed(r, _proven("w0", S0), _proven("w1", S1))
+    r.set_slots(2, 4)
+    assert r.route(0.0).remote == {S0: "w0", S1: "w1"}
+    rescue = r.mark_down("w0")
+    assert rescue is not None and rescue.result is not None
+    assert rescue.lost.pipeline.nodes == {"coord", "w0", "w1"}
+    assert "w0" not in rescue.result.route.pipeline.nodes
+    assert rescue.result.rung == "copy" and not rescue.result.degraded
+    assert r.route(0.0).remote == {S1: "w1"}  # re-planned without w0
+    assert r.mark_down("w0") is None
+
+
+def test_spreads_over_several_workers_of_a_slice_by_cost() -> None:
+    r = _router()
+    _feed(r, _proven("a", S0), _proven("b", S0))
+    r.set_slots(2, 4)
+    assert r.route(0.0).remote == {S0: "a"}  # tie → lower pipeline id
+    for _ in range(5):
+        r.observe_result("a", 80.0)
+    assert r.route(0.0).remote == {S0: "b"}
+
+
+def test_uncovered_slice_refuses_the_model_until_coverage_returns() -> None:
+    r = LiveRouter("tiny", SLICES, "coord", local_slices=SLICES[1:])
+    with pytest.raises(UncoveredSlice, match=S0):
+        r.check()
+    with pytest.raises(UncoveredSlice):
+        r.route(0.0)
+    r.update_workers([WorkerView("w", S0)], 0.0)  # unproven, but the only holder of S0
+    r.check()
+    assert r.route(0.0).remote == {S0: "w"}
+    r.mark_down("w")
+    with pytest.raises(UncoveredSlice):
+        r.check()
+
+
+def test_replans_only_when_coverage_changes() -> None:
+    r = _router()
+    views = [_proven("w0", S0), WorkerView("x", "L999-999:E0000-0001")]  # other model's slice
+    assert r.update_workers(views, 0.0) is True
+    n = r.replans
+    assert r.update_workers(views, 10.0) is False
+    r.observe_result("w0", 3.0)
+    r.set_slots(3, 4)
+    r.route(0.0)
+    assert r.replans == n
+    assert r.update_workers([_proven("w0", S0, alive=False)], 20.0) is True
+    assert r.update_workers([], 30.0) is False  # a dead worker leaving changes no copy
+    assert r.update_workers([_proven("w0", S0)], 40.0) is True
+
+
+def test_route_is_fast_and_allocation_free_on_steady_state() -> None:
+    r = _router()
+    _feed(r, *(_proven(f"w{i}", s) for i, s in enumerate(SLICES)))
+    r.set_slots(3, 4)
+    first = r.route(0.0)
+    t0 = time.perf_counter()
+    for _ in range(20_000):
+        assert r.route(0.0) is first
+    assert time.perf_counter() - t0 < 1.0
+
+
+_worker = st.builds(
+    WorkerView, st.sampled_from(["a", "b", "c", "d", "e"]), st.sampled_from(SLICES),
+    st.booleans(), st.sampled_from([0, 1]), st.one_of(st.none(), st.floats(0, 1)),
+)  # fmt: skip
+_event = st.one_of(
+    st.tuples(st.just("result"), st.sampled_from("abcde"), st.floats(0, 300)),
+    st.tuples(st.just("failure"), st.sampled_from("abcde"), st.floats(0, 3000)),
+    st.tuples(st.just("down"), st.sampled_from("abcde"), st.just(0.0)),
+    st.tuples(st.just("slots"), st.integers(0, 4), st.just(0.0)),
+)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    st.lists(_worker, max_size=6), st.lists(_event, max_size=10),
+    st.sets(st.sampled_from(SLICES)), st.floats(0, 3000),
+)  # fmt: skip
+def test_live_routes_only_send_to_live_eligible_holders(
+    workers: list[WorkerView], events: list[tuple[str, str | int, float]], local: set[str],
+    now: float,
+) -> None:  # fmt: skip
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0), local_slices=local)
+    r.update_workers(workers, 0.0)
+    for kind, who, x in events:
+        if kind == "result":
+            r.observe_result(str(who), x)
+        elif kind == "failure":
+            r.observe_failure(str(who), x)
+        elif kind == "down":
+            r.mark_down(str(who))
+        else:
+            r.set_slots(int(who), 4)
+    views = {w.worker_id: w for w in workers}  # the last view of each id wins
+    dead = {e[1] for e in events if e[0] == "down"}
+    served = {e[1] for e in events if e[0] == "result" and e[1] in views}
+    live = {w: v for w, v in views.items() if v.alive and w not in dead}
+    held = {s for s in SLICES if s in local or any(v.slice_id == s for v in live.values())}
+    if held != set(SLICES):
+        with pytest.raises(UncoveredSlice):
+            r.route(now)
+        return
+    route = r.route(now)
+    assert route is r.route(now) or route.trial is not None
+    if not r.loaded:
+        assert route.trial is None
+        if local == set(SLICES):
+            assert route.remote == {}
+    for sid, wid in route.remote.items():
+        v = live[wid]
+        assert v.slice_id == sid
+        proven = v.last_serve_ms > 0 or wid in served
+        forced = sid not in local and not any(
+            u.slice_id == sid and (u.last_serve_ms > 0 or u.worker_id in served)
+            for u in live.values()
+        )  # fmt: skip
+        assert proven or forced or wid == route.trial
+    if route.trial is not None:
+        assert r.loaded and now < 1000.0
