@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
@@ -45,6 +45,20 @@ class Settings(BaseSettings):
     slot_poll_s: float = Field(
         0.5, gt=0, le=60, description="how often the coordinator samples its own busy slots"
     )
+    coordinator_experts: Literal["all", "none"] = Field(
+        "all", description="all: the coordinator computes any slice itself; none: workers only"
+    )
+    worker_grace_ms: float = Field(
+        10_000.0, ge=0, description="an unproven worker's window for its one first try (K4)"
+    )
+    cost_w_latency: float = Field(1.0, ge=0, le=1000, description="H3 weight of node latency")
+    cost_w_load: float = Field(1.0, ge=0, le=1000, description="H3 weight of node load")
+    cost_w_score: float = Field(1.0, ge=0, le=1000, description="H3 weight of 100/score")
+    cost_w_hops: float = Field(1.0, ge=0, le=1000, description="H3 weight of hops")
+    cost_w_tokens: float = Field(1.0, ge=0, le=1000, description="H3 weight of request tokens")
+    swarm_ewma_alpha: float = Field(
+        0.3, gt=0, le=1, description="weight of a new latency/load sample in the EWMAs"
+    )
     dispatch_refresh_ms: int = Field(500, ge=10, description="how often coverage is reread")
     model_wait_s: float = Field(
         300.0, gt=0, description="how long a coordinator waits for its model's registration"
@@ -71,6 +85,40 @@ class Settings(BaseSettings):
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
     )
+
+    # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
+    hot_gib: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="hot bank budget per node in GiB (empty = the stock placement's device bytes)",
+    )  # fmt: skip
+    dynamic: bool = Field(True, description="swap hot experts at run time (0 = static hot set)")
+    dyn_steps: int = Field(2000, ge=1, description="engine steps between dynamic updates")
+    dyn_max_swaps: int = Field(
+        2, ge=1, le=4096, description="hot/cold swaps per layer per dynamic update, at most"
+    )
+    dyn_margin: float = Field(
+        1.25, ge=1.0, le=1000.0, allow_inf_nan=False,
+        description="swap only if incoming count > margin x outgoing count",
+    )  # fmt: skip
+    vram_reserve_gib: float = Field(
+        2.0, ge=0, allow_inf_nan=False, description="device memory the hot bank leaves free"
+    )
+    numa_policy: str = Field(
+        "preferred", description="host memory of the cold bank: preferred, bind or off"
+    )
+
+    @field_validator("hot_gib", mode="before")
+    @classmethod
+    def _empty_hot_gib(cls, v: object) -> object:
+        # "" is the documented "unset"; "None" is what child_env writes for it
+        return None if isinstance(v, str) and v.strip() in ("", "None") else v
+
+    @field_validator("numa_policy")
+    @classmethod
+    def _check_numa(cls, v: str) -> str:
+        if v not in ("preferred", "bind", "off"):
+            raise ValueError("must be preferred, bind or off")
+        return v
 
     @field_validator("redis_url")
     @classmethod

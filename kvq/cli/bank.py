@@ -1,11 +1,105 @@
-"""Hot/cold bank commands (issue 4): `kvq balance ...`, `kvq bench bank`."""
+"""Hot/cold bank commands (issue 4): `kvq balance collect|rerank|plan`, `kvq bench bank`."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Any
+
+from kvq.cli.common import EXIT_OK
+from kvq.config import Settings
 
 Subparsers = Any
 
 
+def cmd_collect(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bank.collect import collect_histogram, read_prompts
+    from kvq.bank.hist import save_hist
+    from kvq.device import pick_device
+
+    hist = collect_histogram(
+        args.model, read_prompts(args.prompts), args.tokens, pick_device(settings.device)
+    )
+    save_hist(hist, args.out)
+    routed = sum(int(t.counts.sum()) for t in hist.layers)
+    print(f"wrote {args.out}: {len(hist.layers)} layers, {routed} routed pairs")
+    return EXIT_OK
+
+
+def cmd_rerank(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bank.hist import load_hist, rerank, save_hist
+
+    out = rerank(load_hist(args.ref), load_hist(args.traffic), args.prior_per_expert)
+    save_hist(out, args.out)
+    print(f"wrote {args.out}: {len(out.layers)} layers re-ranked for {args.traffic}")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bank.hist import load_hist
+    from kvq.bank.options import GIB
+    from kvq.bank.planner import plan_hot_set
+    from kvq.errors import ConfigError
+
+    if not args.budget_gib >= 0:
+        raise ConfigError(f"--budget-gib {args.budget_gib} must be a number >= 0")
+    hist = load_hist(args.hist)
+    plan = plan_hot_set(hist.layers, int(args.budget_gib * GIB))
+    if args.json:
+        print(json.dumps(plan.to_json()))
+        return EXIT_OK
+    for layer, ids in sorted(plan.hot.items()):
+        print(f"layer {layer:>3}: {len(ids):>4} hot  {' '.join(map(str, ids))}")
+    print(f"bytes used    {plan.bytes_used} of {plan.budget_bytes} "
+          f"({plan.bytes_used / GIB:.3f} GiB)")  # fmt: skip
+    print(f"covered share {plan.covered_share:.4f} of routed pairs")
+    print(f"method        {plan.method}; greedy gap {plan.greedy_gap:.4f}")
+    for note in plan.notes:
+        print(f"note          {note}")
+    return EXIT_OK
+
+
+def cmd_bench_bank(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.bank import TraceSpec, run_bank_bench
+
+    result = run_bank_bench(TraceSpec(seed=args.seed))
+    if args.json:
+        print(json.dumps(result))
+        return EXIT_OK
+    for key in ("static_before", "dynamic_before", "static_after", "dynamic_after"):
+        print(f"{key:<22} {result[key]:.3f}")
+    for key in ("pingpong_swaps", "dynamic_swaps", "planner_ms_61x256", "greedy_gap_mixed"):
+        print(f"{key:<22} {result[key]:.4g}")
+    return EXIT_OK
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """Adds this area's commands (none yet)."""
+    """balance collect|rerank|plan, bench bank."""
+    b = sub.add_parser("balance", help="routing histograms and hot-set plans (docs/bank.md)")
+    bsub = b.add_subparsers(dest="balance_cmd", required=True)
+
+    c = bsub.add_parser("collect", help="count routings of a prompt sample -> HIST.json")
+    c.add_argument("--model", required=True, help="GGUF file")
+    c.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    c.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
+    c.add_argument("-o", "--out", required=True, help="HIST.json to write")
+    c.set_defaults(fn=cmd_collect)
+
+    r = bsub.add_parser("rerank", help="re-rank a reference histogram for your own traffic")
+    r.add_argument("ref", help="reference HIST.json")
+    r.add_argument("--traffic", required=True, help="HIST.json of your traffic")
+    r.add_argument("--prior-per-expert", type=float, default=16.0,
+                   help="weight of the reference, in routings per expert (default 16)")  # fmt: skip
+    r.add_argument("-o", "--out", required=True, help="HIST.json to write")
+    r.set_defaults(fn=cmd_rerank)
+
+    p = bsub.add_parser("plan", help="print the hot set for a budget")
+    p.add_argument("--hist", required=True, help="HIST.json")
+    p.add_argument("--budget-gib", type=float, required=True, help="hot budget in GiB")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+
+    bb = bench.add_parser("bank", help="static vs dynamic hot sets on a drifting trace")
+    bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--json", action="store_true")
+    bb.set_defaults(fn=cmd_bench_bank)

@@ -1,11 +1,11 @@
-"""Per-MoE-layer dispatch: each slice computed locally or sent to a worker that covers it.
+"""Per-MoE-layer dispatch: each slice computed locally or sent to the worker the router picks.
 
-Policy for now (K1, K2 simple): remote only while the coordinator is loaded (busy slots >=
-`saturation_threshold`) and a live worker covers the slice; local otherwise. Remote jobs go out
-pipelined, local slices are computed while they are in flight, and a result that misses its
-deadline is computed locally (counted as a fallback, never lost). Partial sums are added in
-slice order whatever the arrival order, so remote and local generation agree bit for bit when
-the worker computes with the same dtype.
+The swarm router (`routing.SliceRouter`) decides by cost: at rest the all-local copy wins (K1),
+under load copies of proven workers win (K3), an unproven worker gets one first try inside its
+grace window (K4). Remote jobs go out pipelined, local slices are computed while they are in
+flight, and a result that misses its deadline is computed locally (counted as a fallback, never
+lost). Partial sums are added in slice order whatever the arrival order, so remote and local
+generation agree bit for bit when the worker computes with the same dtype.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import torch
 from kvq import wire
 from kvq.bus import dead_letter, xadd
 from kvq.config import Settings
-from kvq.errors import WireError
+from kvq.coordinator.routing import SliceRouter
+from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
 from kvq.model import ExpertSlice, expert_forward
 from kvq.registry import ModelInfo, SliceSpec
+from kvq.swarm import LiveRoute
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -39,6 +41,7 @@ class DispatchStats:
     fallback_jobs: int = 0
     remote_errors: int = 0
     late_results: int = 0
+    uncovered_local: int = 0
     verified: int = 0
     mismatches: int = 0
     max_abs_err: float = 0.0
@@ -57,55 +60,18 @@ class _Pending:
     sent_at: float
 
 
-class Coverage:
-    """Which live workers cover which slice, reread every `dispatch_refresh_ms`."""
-
-    def __init__(self, r: redis.Redis, keys: Keys, model: str, refresh_ms: int) -> None:
-        self.r, self.keys, self.model = r, keys, model
-        self.refresh_s = refresh_ms / 1000
-        self.by_slice: dict[str, list[str]] = {}
-        self._at = 0.0
-        self._turn: dict[str, int] = {}
-
-    def refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._at < self.refresh_s:
-            return
-        self._at = now
-        assigned = self.r.hgetall(self.keys.model_workers(self.model))
-        workers = [(w.decode(), s.decode()) for w, s in assigned.items()]
-        pipe = self.r.pipeline(transaction=False)
-        for w, _ in workers:
-            pipe.exists(self.keys.worker_heartbeat(w))
-        alive = pipe.execute() if workers else []
-        by_slice: dict[str, list[str]] = {}
-        for (w, sid), ok in zip(workers, alive, strict=True):
-            if ok:
-                by_slice.setdefault(sid, []).append(w)
-        self.by_slice = {sid: sorted(ws) for sid, ws in by_slice.items()}
-
-    def pick(self, sid: str) -> str | None:
-        """Round-robin over the slice's live workers (a turn counter per slice)."""
-        ws = self.by_slice.get(sid)
-        if not ws:
-            return None
-        turn = self._turn.get(sid, 0)
-        self._turn[sid] = turn + 1
-        return ws[turn % len(ws)]
-
-
 class Dispatcher:
     """A `MoeFn` for the backbone: `(layer, x, ids, weights) -> [T, H]`."""
 
     def __init__(
         self, r: redis.Redis, keys: Keys, settings: Settings, coord_id: str,
-        info: ModelInfo, local_experts: Sequence[ExpertSlice], remote_allowed: Callable[[], bool],
+        info: ModelInfo, local_experts: Sequence[ExpertSlice],
+        slot_state: Callable[[], tuple[int, int]],
     ) -> None:  # fmt: skip
         self.r, self.keys, self.s, self.coord = r, keys, settings, coord_id
         self.info = info
         self.local = local_experts
-        self.remote_allowed = remote_allowed
-        self.coverage = Coverage(r, keys, info.model, settings.dispatch_refresh_ms)
+        self.routing = SliceRouter(r, keys, settings, coord_id, info, slot_state)
         self.stats = DispatchStats()
         self.results_key = keys.coord_results(coord_id)
         self._last_id = b"0-0"
@@ -118,9 +84,6 @@ class Dispatcher:
     def __call__(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
-        remote = self.remote_allowed()
-        if remote:
-            self.coverage.refresh()
         partials: dict[str, torch.Tensor] = {}
         pending: dict[str, _Pending] = {}
         local: list[tuple[SliceSpec, torch.Tensor]] = []
@@ -130,10 +93,11 @@ class Dispatcher:
         for spec in self._layer_slices[layer]:
             hit = ((ids >= spec.expert_start) & (ids < spec.expert_end)).any(dim=1)
             rows = hit.nonzero().squeeze(1)  # [R]
-            if rows.numel() == 0:
-                continue
-            order.append((spec, rows))
-            worker = self.coverage.pick(spec.sid) if remote else None
+            if rows.numel():
+                order.append((spec, rows))
+        route = self._route({spec.sid for spec, _ in order})
+        for spec, rows in order:
+            worker = route.worker(spec.sid) if route is not None else None
             if worker is None:
                 local.append((spec, rows))
                 continue
@@ -160,6 +124,15 @@ class Dispatcher:
         for spec, rows in order:
             out.index_add_(0, rows, partials[spec.sid])
         return out
+
+    def _route(self, active: set[str]) -> LiveRoute | None:
+        try:
+            return self.routing.route(active)
+        except UncoveredSlice as exc:
+            # admitted before coverage was lost: the weights are here, so finish locally
+            self.stats.uncovered_local += 1
+            log.warning("%s; computing locally", exc)
+            return None
 
     def _local(
         self, layer: int, spec: SliceSpec, x: torch.Tensor, ids: torch.Tensor,
@@ -188,6 +161,7 @@ class Dispatcher:
                     self._accept(eid, fields, x, ids, w, pending, partials, layer)
         for job_id, p in pending.items():  # missed the deadline: compute here, count it
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
+            self.routing.observe_failure(p.worker, float(self.s.job_deadline_ms))
             partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
             self.stats.fallback_jobs += 1
 
@@ -207,19 +181,23 @@ class Dispatcher:
         if p is None:  # duplicate or late: the job was already answered once
             self.stats.late_results += 1
             return
+        latency_ms = (time.monotonic() - p.sent_at) * 1000
         if res.error is not None or res.y is None:
             log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
+            self.routing.observe_failure(p.worker, latency_ms)
             self.stats.remote_errors += 1
             self.stats.fallback_jobs += 1
             partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
             return
         y = torch.from_numpy(res.y.array().copy()).to(x.device, x.dtype)
         if y.shape != (p.rows.numel(), x.shape[1]):
+            self.routing.observe_failure(p.worker, latency_ms)
             self.stats.remote_errors += 1
             self.stats.fallback_jobs += 1
             partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
             return
         self.stats.remote_jobs += 1
+        self.routing.observe_result(p.worker, latency_ms)
         self.stats.per_worker[res.worker] = self.stats.per_worker.get(res.worker, 0) + 1
         if self.s.verify_remote:
             ref = self._local(layer, p.spec, x, ids, w, p.rows)

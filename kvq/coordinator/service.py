@@ -29,7 +29,7 @@ from kvq.config import Settings
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.slots import SlotPoller
-from kvq.errors import WireError
+from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP, Keys
 from kvq.model import Backbone, ByteTokenizer
 from kvq.registry import wait_for_model
@@ -54,7 +54,7 @@ class Coordinator:
         )
         self.dispatch = Dispatcher(
             self.r, self.keys, settings, coord_id, self.info, self.backbone.experts,
-            remote_allowed=lambda: self.slots.loaded,
+            slot_state=lambda: self.slots.current(),
         )  # fmt: skip
         self._requests_key = self.keys.model_requests(model)
         self.requests = Consumer(self.r, self._requests_key, COORDINATOR_GROUP, coord_id)
@@ -96,6 +96,7 @@ class Coordinator:
             block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
             for eid, fields in self.requests.read(self.engine.free, block):
                 self._admit(eid, fields)
+        self.slots.note(self.engine.busy)
         self.engine.step(self.dispatch, self._emit)
 
     def _claim_orphans(self) -> None:
@@ -152,6 +153,10 @@ class Coordinator:
             return f"request for model {req.model!r} reached the coordinator of {self.model!r}"
         if req.max_tokens > self.s.max_tokens_limit:
             return f"max_tokens {req.max_tokens} > KVQ_MAX_TOKENS_LIMIT {self.s.max_tokens_limit}"
+        try:
+            self.dispatch.routing.check()
+        except UncoveredSlice as exc:
+            return str(exc)
         vocab = self.backbone.meta.vocab_size
         if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             return f"prompt_ids must be in [0, {vocab})"
@@ -197,6 +202,8 @@ class Coordinator:
         pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
         pipe.sadd(self.keys.model_coordinators(self.model), self.id)  # after the slots: see monitor
         stats = self.dispatch.stats.as_dict() | {
+            "replans": self.dispatch.routing.router.replans,
+            "rescues": self.dispatch.routing.rescues,
             "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,
         }  # fmt: skip
         pipe.hset(self.keys.coord_stats(self.id), mapping=stats)

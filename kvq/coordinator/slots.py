@@ -1,6 +1,7 @@
 """The coordinator's own slot poll (K2, K5): a background thread, bounded in time.
 
-Every `slot_poll_s` it samples the engine's busy slots and publishes them for the monitor.
+Every `slot_poll_s` it samples the engine's busy slots and publishes them for the monitor; the
+engine loop also notes its count after each admission (no I/O), so load is seen at once.
 Dispatch never waits for it: it reads the last sample (`loaded`), and a sample older than
 `slot_state_stale_s` counts as "not loaded", so a stuck poll degrades to the fast local path
 (K1) instead of blocking or keeping stale load alive.
@@ -50,8 +51,18 @@ class SlotPoller:
     @property
     def loaded(self) -> bool:
         """Busy slots >= threshold in a fresh sample (K2); a stale sample is not load (K5)."""
+        return self.current()[0] >= self.threshold
+
+    def current(self) -> tuple[int, int]:
+        """(busy, total) of the last sample, with busy 0 once it is stale (K5)."""
         s = self.sample
-        return s.busy >= self.threshold and time.monotonic() - s.at <= self.stale_s
+        fresh = time.monotonic() - s.at <= self.stale_s
+        return (s.busy if fresh else 0), s.total
+
+    def note(self, busy: int) -> None:
+        """The engine's own count after admitting or retiring (no I/O): dispatch sees load at
+        once instead of up to `poll_s` later; publishing stays on the poll thread."""
+        self.sample = SlotSample(busy, self.total, time.monotonic())
 
     def poll_once(self) -> SlotSample:
         sample = SlotSample(self._read_busy(), self.total, time.monotonic())

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,25 +22,34 @@ pytestmark = pytest.mark.slow
 KVQ = [sys.executable, "-m", "kvq"]
 
 
-def _kvq_pids() -> set[int]:
-    """Processes that look like kvq children or an embedded server."""
+def _marked_env() -> tuple[dict[str, str], bytes]:
+    """An environment whose marker every descendant process inherits."""
+    mark = f"KVQTEST_MARK={uuid.uuid4().hex}"
+    name, value = mark.split("=")
+    return {**os.environ, name: value}, mark.encode()
+
+
+def _pids_with(mark: bytes) -> set[int]:
+    """Live processes (not zombies) whose environment carries `mark`."""
     pids = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                if " Z " not in (proc / "stat").read_text().split(")", 1)[1][:4]:
+                    pids.add(int(proc.name))
         except OSError:
             continue
-        if b"-m kvq " in cmd or b"kvq-redis-" in cmd:
-            pids.add(int(proc.name))
     return pids
 
 
 def test_demo_json_twice_in_a_row() -> None:
-    before = _kvq_pids()
+    env, mark = _marked_env()
     for _ in range(2):
-        out = subprocess.run([*KVQ, "demo", "--json"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*KVQ, "demo", "--json"], capture_output=True, text=True, timeout=120, env=env
+        )
         assert out.returncode == 0, out.stderr
         summary = json.loads(out.stdout.strip().splitlines()[-1])
         for key in ("requests_completed", "tokens_generated", "local_jobs", "remote_jobs",
@@ -52,13 +62,13 @@ def test_demo_json_twice_in_a_row() -> None:
         assert summary["redis"] == "embedded"
         assert summary["wall_s"] < 60
     time.sleep(0.5)
-    assert _kvq_pids() - before == set(), "the demo left processes behind"
+    assert _pids_with(mark) == set(), "the demo left processes behind"
 
 
 def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    before = _kvq_pids()
+    env, mark = _marked_env()
     proc = subprocess.Popen(
-        [*KVQ, "demo", "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [*KVQ, "demo", "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -68,7 +78,7 @@ def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
     assert proc.wait(30) != 0
     proc.stdout.close()
     time.sleep(0.5)
-    assert _kvq_pids() - before == set()
+    assert _pids_with(mark) == set(), "Ctrl-C left processes behind"
 
 
 def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_in_thread) -> None:

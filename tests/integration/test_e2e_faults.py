@@ -140,7 +140,7 @@ def test_killed_worker_jobs_answered_exactly_once(
         wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
         coord = Coordinator(s, "c1", "tiny", tiny_model)
         run_in_thread(coord)
-        coord.dispatch.coverage.refresh(force=True)
+        coord.dispatch.routing.refresh(force=True)
         victim = kids.procs["w0"]
         os.kill(victim.pid, signal.SIGSTOP)
         prompts = ["kill me softly", "exactly once", "no job lost"]

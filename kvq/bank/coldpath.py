@@ -1,0 +1,82 @@
+"""How the device reads cold experts: in place over PCIe (mapped) or copied first (staged).
+
+Mapped: pinned host memory is addressable by the GPU (unified virtual addressing), so a CUDA
+tensor can alias it and the matmuls read the weights over PCIe as they go, with no copy.
+Staged: each cold expert is copied host-to-device, then computed from device memory. Which is
+faster depends on the bus, the batch and the expert size, so a node measures both at start
+(`measure`) and keeps the faster. On CPU "mapped" means the cold tensors themselves (RAM).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvq.errors import BankError
+
+MEASURE_ROWS = 8  # tokens per measured expert call: a decode-sized batch
+MEASURE_REPS = 5
+
+
+class _CudaArray:
+    """`__cuda_array_interface__` over a pinned host tensor's bytes (UVA: same address)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.owner = t
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (t.numel() * t.element_size(),),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),  # torch refuses the read-only flag
+            "version": 2,
+            "strides": None,
+        }
+
+
+def uva_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor aliasing the pinned host tensor `t` (no copy). BankError if not pinned."""
+    if not t.is_pinned() or not t.is_contiguous():
+        raise BankError("mapped cold experts need contiguous pinned host memory")
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_CudaArray(t), device=device)  # [bytes] uint8
+    return raw.view(t.dtype).view(t.shape)
+
+
+def ffn(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: x [m, H] -> [m, H] (the same ops as kvq.model.expert_forward)."""
+    return (F.silu(x @ g.T) * (x @ u.T)) @ d.T
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of MEASURE_REPS calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(MEASURE_REPS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(
+    cold: tuple[torch.Tensor, ...], mapped: tuple[torch.Tensor, ...], device: torch.device
+) -> dict[str, float]:
+    """Seconds per expert call (MEASURE_ROWS tokens, expert 0) for each cold path."""
+    g, u, d = cold
+    x = torch.randn(MEASURE_ROWS, g.shape[2], dtype=g.dtype, device=device)  # [m, H]
+    mg, mu, md = mapped
+
+    def read_in_place() -> object:
+        return ffn(x, mg[0], mu[0], md[0])
+
+    def staged() -> object:
+        return ffn(*(x, *(t[0].to(device, non_blocking=True) for t in (g, u, d))))
+
+    return {"mapped": _timed(read_in_place, device), "staged": _timed(staged, device)}

@@ -1,0 +1,57 @@
+"""The hot set a bank starts with (B4): histogram counts, or a uniform prior, planned under the
+resolved budget with the shared planner. Sizes are the bank's resident bytes (dequantized
+weights in the compute dtype), not the model file's, since that is what occupies the device."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvq.bank.hist import Histogram
+from kvq.bank.options import BankOptions, device_free_bytes, resolve_budget
+from kvq.bank.planner import LayerTable, Plan, plan_hot_set, table
+from kvq.errors import BankError
+from kvq.model.slices import ExpertSlice
+
+log = logging.getLogger(__name__)
+
+
+def resident_bytes(sl: ExpertSlice) -> int:
+    """Bytes of one expert's gate + up + down as held in memory."""
+    return sum(t[0].numel() * t.element_size() for t in (sl.gate, sl.up, sl.down))
+
+
+def initial_plan(
+    sls: dict[int, ExpertSlice], hist: Histogram | None, opts: BankOptions,
+    device: torch.device, stock_hot_bytes: int | None,
+) -> Plan:  # fmt: skip
+    """The static hot set across the given layers (global expert ids)."""
+    tables: list[LayerTable] = []
+    for layer, sl in sorted(sls.items()):
+        counts = hist_counts(hist, sl) if hist is not None else np.ones(sl.n_experts)
+        tables.append(table(layer, counts, np.full(sl.n_experts, resident_bytes(sl))))
+    total = int(sum(int(t.expert_bytes.sum()) for t in tables))
+    free = device_free_bytes(device)
+    budget, why = resolve_budget(opts, total, free, stock_hot_bytes, device.type != "cpu")
+    plan = plan_hot_set(tables, budget)
+    log.info("bank: hot budget %d of %d bytes (%s); %s", budget, total, why, plan.method)
+    if hist is None:
+        log.info("bank: no histogram; the first hot set is arbitrary until counters fill")
+    starts = {layer: sl.expert_start for layer, sl in sls.items()}
+    hot = {layer: [starts[layer] + e for e in ids] for layer, ids in plan.hot.items()}
+    return Plan(hot, plan.bytes_used, plan.budget_bytes, plan.covered, plan.total,
+                plan.method, plan.greedy_covered, plan.optimal, plan.notes)  # fmt: skip
+
+
+def hist_counts(hist: Histogram, sl: ExpertSlice) -> npt.NDArray[np.float64]:
+    """The histogram's counts of the slice's experts (BankError if it has fewer experts)."""
+    t = hist.layer(sl.layer)
+    if t.counts.size < sl.expert_end:
+        raise BankError(
+            f"histogram layer {sl.layer} has {t.counts.size} experts; the bank holds experts "
+            f"up to {sl.expert_end}; use the histogram of this model"
+        )
+    return t.counts[sl.expert_start : sl.expert_end]

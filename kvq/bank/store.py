@@ -1,0 +1,177 @@
+"""One layer's expert storage: every expert in the cold bank (host), the hot ones also in the
+hot bank (device), and the slot map saying which is where.
+
+The cold bank is the backing store: it holds all of the node's experts of the layer, so a swap
+is one host-to-device copy into a hot slot and never a copy back. On CUDA it is pinned, so the
+device can read it in place (mapped) or copy from it asynchronously (staged). On a CPU-only
+machine both banks are plain RAM; the hot bank is then an extra copy of the hot experts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvq.bank import coldpath
+from kvq.bank.coldpath import uva_view
+from kvq.errors import BankError
+from kvq.model.slices import ExpertSlice
+
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F, H], up [F, H], down [H, F]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotMap:
+    """Which hot slot holds each expert of a layer (-1: cold). Published whole, never edited,
+    so a forward that read one map sees one consistent assignment from start to end."""
+
+    version: int
+    slot_of: tuple[int, ...]  # [n] slot per local expert, -1 = cold
+    ready: Any = None  # torch.cuda.Event: the copies the hot slots depend on (None: done)
+
+    def hot_mask(self) -> list[bool]:
+        return [s >= 0 for s in self.slot_of]
+
+
+class LayerStore:
+    """Experts `[start, end)` of one layer split over a hot (device) and a cold (host) bank."""
+
+    def __init__(self, sl: ExpertSlice, hot: list[int], device: torch.device) -> None:
+        self.layer, self.start, self.end = sl.layer, sl.expert_start, sl.expert_end
+        self.n = sl.n_experts
+        self.device = device
+        self.dtype = sl.gate.dtype
+        self.cold = tuple(_host(t, device) for t in (sl.gate, sl.up, sl.down))  # [n, ...] each
+        self.cold_in_place: tuple[torch.Tensor, ...] | None = None  # device-readable cold views
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.cold)
+        locals_ = [e - self.start for e in hot]
+        if any(not 0 <= e < self.n for e in locals_) or len(set(locals_)) != len(locals_):
+            raise BankError(f"layer {self.layer}: hot set {hot} is not inside [{self.start}, "
+                            f"{self.end}) without repeats")  # fmt: skip
+        idx = torch.tensor(locals_, dtype=torch.int64)  # [S]
+        # [S, F, H], [S, F, H], [S, H, F]: hot slot s holds expert locals_[s]
+        self.hot = tuple(c.index_select(0, idx).to(device).contiguous() for c in self.cold)
+        slot_of = [-1] * self.n
+        for s, e in enumerate(locals_):
+            slot_of[e] = s
+        self.map = SlotMap(0, tuple(slot_of))
+        self.readers: Counter[int] = Counter()  # map version -> forwards using it now
+        self.done: dict[int, Any] = {}  # CUDA stream id -> event after its last forward
+        # [n + 1] routed pairs per local expert since the last update; slot n takes outsiders
+        self.counter = torch.zeros(self.n + 1, dtype=torch.int64, device=device)
+
+    @property
+    def slots(self) -> int:
+        return int(self.hot[0].shape[0])
+
+    def use_mapped(self) -> None:
+        """Read cold experts in place: the host tensors on CPU, UVA views of them on CUDA."""
+        if self.device.type == "cuda":
+            self.cold_in_place = tuple(uva_view(t, self.device) for t in self.cold)
+        else:
+            self.cold_in_place = self.cold
+
+    def weights(self, m: SlotMap, e: int) -> Weights:
+        """Expert `e` (local id) as seen through map `m`: its hot slot, or the cold bank read
+        in place (mapped) or copied to the device now (staged)."""
+        s = m.slot_of[e]
+        if s >= 0:
+            return self.hot[0][s], self.hot[1][s], self.hot[2][s]
+        if self.cold_in_place is not None:
+            g, u, d = self.cold_in_place
+            return g[e], u[e], d[e]
+        g, u, d = (t[e].to(self.device, non_blocking=True) for t in self.cold)
+        return g, u, d
+
+    def unmap_outgoing(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Publish a map without the outgoing experts of (out, in) global id pairs; return the
+        copies to make: (freed slot, incoming local id)."""
+        slot_of = list(self.map.slot_of)
+        jobs: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        for out_e, in_e in pairs:
+            o, i = out_e - self.start, in_e - self.start
+            ok = 0 <= o < self.n and 0 <= i < self.n and slot_of[o] >= 0 and slot_of[i] < 0
+            if not ok or {o, i} & seen:
+                raise BankError(
+                    f"layer {self.layer}: swap ({out_e} out, {in_e} in) needs a hot expert out "
+                    "and a cold one in, each at most once"
+                )
+            seen |= {o, i}
+            jobs.append((slot_of[o], i))
+            slot_of[o] = -1
+        self.map = SlotMap(self.map.version + 1, tuple(slot_of), self.map.ready)
+        return jobs
+
+    def map_incoming(self, jobs: list[tuple[int, int]], ready: Any) -> None:
+        """Publish a map with the copied experts in their slots, guarded by `ready`."""
+        slot_of = list(self.map.slot_of)
+        for slot, e in jobs:
+            slot_of[e] = slot
+        self.map = SlotMap(self.map.version + 1, tuple(slot_of), ready or self.map.ready)
+
+    def drained(self) -> bool:
+        """No forward uses a map older than the current one."""
+        return all(v >= self.map.version for v, n in self.readers.items() if n > 0)
+
+    def copy_in(self, jobs: list[tuple[int, int]], waits: list[Any], stream: Any) -> Any:
+        """Copy cold experts into hot slots (`jobs`: (slot, local expert)). On CUDA the copies
+        run on `stream` after `waits` and the returned event marks their end; on CPU they are
+        done on return (None)."""
+        if stream is None:
+            for slot, e in jobs:
+                for h, c in zip(self.hot, self.cold, strict=True):
+                    h[slot].copy_(c[e])
+            return None
+        with torch.cuda.stream(stream):
+            for ev in waits:
+                stream.wait_event(ev)
+            for slot, e in jobs:
+                for h, c in zip(self.hot, self.cold, strict=True):
+                    h[slot].copy_(c[e], non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(stream)
+        return ev
+
+
+def _host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The cold copy of a stacked expert tensor: contiguous host memory, pinned with CUDA."""
+    host = t.detach().to("cpu").contiguous()
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host
+
+
+def choose_cold_path(
+    stores: Iterable[LayerStore], want: str, device: torch.device
+) -> tuple[str, str]:
+    """Set up mapped (read in place) or staged reads of cold experts; measure both on the
+    first layer with cold experts when `want` is auto. Returns (path, log sentence)."""
+    stores = list(stores)
+    if want == "staged":
+        return "staged", "cold path: staged (forced)"
+    try:
+        for st in stores:
+            st.use_mapped()
+    except (BankError, RuntimeError, TypeError) as exc:
+        for st in stores:
+            st.cold_in_place = None
+        return "staged", f"cold path: staged (mapped views failed: {exc})"
+    probe = next((st for st in stores if st.slots < st.n), None)
+    if want == "mapped" or probe is None or probe.cold_in_place is None:
+        return "mapped", f"cold path: mapped ({'forced' if want == 'mapped' else 'no cold expert'})"
+    t = coldpath.measure(probe.cold, probe.cold_in_place, device)
+    where = "over PCIe" if device.type == "cuda" else "CPU: both banks are RAM"
+    note = (
+        f"cold path measured ({where}): mapped {t['mapped'] * 1e3:.3f} ms, "
+        f"staged {t['staged'] * 1e3:.3f} ms per expert call"
+    )
+    if t["staged"] < t["mapped"]:
+        for st in stores:
+            st.cold_in_place = None
+        return "staged", note + " -> staged"
+    return "mapped", note + " -> mapped"

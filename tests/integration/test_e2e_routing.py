@@ -1,0 +1,127 @@
+"""Live dispatch through the swarm router on a real Redis (K1, K3, K4, H6-H8)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from e2e_helpers import wait_for
+
+from kvq import client
+from kvq.config import Settings, child_env
+from kvq.coordinator import Coordinator
+from kvq.keys import Keys
+from kvq.model import Backbone, ByteTokenizer, make_tiny
+from kvq.monitor import Monitor
+from kvq.procs import Children
+from kvq.worker import Worker
+
+
+@pytest.fixture(scope="module")
+def one_slice_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("route") / "one.gguf"
+    make_tiny(path, layers=1, experts=8, seed=5)
+    return path
+
+
+def _local(model: Path, prompt: str, n: int) -> list[int]:
+    bb = Backbone.from_gguf(model)
+    return bb.generate(ByteTokenizer.from_meta(bb.meta).encode(prompt), n)
+
+
+def _generate(r, keys: Keys, prompts: list[str], n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    rids = [client.send(r, keys, "m", prompt=p, max_tokens=n) for p in prompts]
+    return [
+        [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        for rid in rids
+    ]
+
+
+def test_unproven_worker_outside_grace_gets_no_work_under_load(
+    settings: Settings, one_slice_model: Path, run_in_thread
+) -> None:
+    """K4: a worker that never served is not recruited under load once its window is over."""
+    s = settings.model_copy(
+        update={"saturation_threshold": 1, "worker_grace_ms": 0.0, "slice_experts": 8}
+    )
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    mon.register("m", one_slice_model)
+    w = Worker(s, "w0")
+    run_in_thread(w)
+    wait_for(lambda: w.holding is not None, what="volunteer")
+    coord = Coordinator(s, "c1", "m", one_slice_model)
+    run_in_thread(coord)
+    assert _generate(mon.r, keys, ["under load"], 6) == [_local(one_slice_model, "under load", 6)]
+    assert coord.dispatch.stats.remote_sent == 0 and w.served == 0
+
+    # the same worker, once proven elsewhere (last_serve_ms > 0), is used under load (K3)
+    mon.r.hset(keys.worker_info("w0"), "last_serve_ms", 1)
+    w.last_serve_ms = 1  # its own heartbeat must not reset the field
+    coord.dispatch.routing.refresh(force=True)
+    assert _generate(mon.r, keys, ["proven now"], 6) == [_local(one_slice_model, "proven now", 6)]
+    assert coord.dispatch.stats.remote_jobs > 0 and w.served > 0
+
+
+def test_uncovered_model_is_refused_until_a_worker_covers_it(
+    settings: Settings, one_slice_model: Path, run_in_thread
+) -> None:
+    s = settings.model_copy(update={"coordinator_experts": "none", "slice_experts": 4})
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    info = mon.register("m", one_slice_model)
+    coord = Coordinator(s, "c1", "m", one_slice_model)
+    run_in_thread(coord)
+    with pytest.raises(client.RequestFailed, match="no live node holds slice"):
+        _generate(mon.r, keys, ["nobody home"], 4)
+    workers = [Worker(s, f"w{i}") for i in range(len(info.slices))]
+    for w in workers:
+        run_in_thread(w)
+    wait_for(lambda: all(w.holding for w in workers), what="coverage")
+    coord.dispatch.routing.refresh(force=True)
+    assert _generate(mon.r, keys, ["served now"], 5) == [_local(one_slice_model, "served now", 5)]
+    st = coord.dispatch.stats
+    assert st.local_jobs == 0 and st.remote_jobs > 0, "a workers-only coordinator sends every slice"
+
+
+def test_worker_whose_heartbeat_expires_is_marked_down(
+    settings: Settings, one_slice_model: Path, run_in_thread, tmp_path: Path
+) -> None:
+    s = settings.model_copy(update={
+        "saturation_threshold": 1, "slice_experts": 8, "base_replicas": 2,
+        "heartbeat_ttl_s": 1.0, "job_deadline_ms": 1500,
+    })  # fmt: skip
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    mon.register("m", one_slice_model)
+    kids = Children(child_env(s), log_dir=str(tmp_path))
+    try:
+        for i in range(2):
+            kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
+        wait_for(lambda: mon.r.hlen(keys.model_workers("m")) == 2, 60, "2 workers")
+        coord = Coordinator(s, "c1", "m", one_slice_model)
+        run_in_thread(coord)
+        routing = coord.dispatch.routing
+        prompts = ["warm up one", "warm up two", "warm up three"]
+        assert _generate(mon.r, keys, prompts, 8) == [
+            _local(one_slice_model, p, 8) for p in prompts
+        ]
+        wait_for(lambda: len(routing.router.describe()["proven"]) == 2, 20, "both proven")  # type: ignore[arg-type]
+
+        os.kill(kids.procs["w0"].pid, signal.SIGSTOP)
+        wait_for(
+            lambda: not mon.r.exists(keys.worker_heartbeat("w0")), 20, "w0's heartbeat to expire"
+        )
+        served_by_w1 = coord.dispatch.stats.per_worker.get("w1", 0)
+        prompts = ["after the fall", "still correct"]
+        assert _generate(mon.r, keys, prompts, 8) == [
+            _local(one_slice_model, p, 8) for p in prompts
+        ]
+        assert "w0" not in routing.router.describe()["proven"]  # type: ignore[operator]
+        assert coord.dispatch.stats.per_worker.get("w1", 0) > served_by_w1, "the live copy serves"
+        st = coord.dispatch.stats
+        assert st.remote_sent == st.remote_jobs + st.fallback_jobs
+    finally:
+        kids.stop_all()
