@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,8 @@ def test_gpu_check_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_check_script_without_cuda() -> None:
+    env = {**os.environ, "PYTHON": sys.executable}  # the interpreter running the tests
     proc = subprocess.run(["bash", str(ROOT / "workers/gpu_check.sh")], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=120, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "nothing to check" in proc.stdout
