@@ -92,6 +92,8 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
     s = settings.model_copy(update={
         "saturation_threshold": 1, "slice_experts": 8, "base_replicas": 2,
         "heartbeat_ttl_s": 1.0, "job_deadline_ms": 1500,
+        # one slow first sample (a cold worker process) must not price w1 out of every copy
+        "cost_w_latency": 0.01,
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor(s)
