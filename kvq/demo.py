@@ -21,7 +21,7 @@ from kvq.bus import connect, redacted_url
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
 from kvq.keys import Keys
-from kvq.model import make_tiny
+from kvq.model import make_tiny, read_meta, slice_nbytes
 from kvq.procs import Children
 from kvq.server import EmbeddedRedis
 
@@ -59,9 +59,13 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             say(f"made a tiny MoE model: {model_path}")
         s = settings.model_copy(update={"redis_url": url})
         env = child_env(
-            s, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.3,
+            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.3,
             idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
+            dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
         )  # fmt: skip
+        # several torch processes share this machine's cores: one thread each avoids OpenMP
+        # threads spinning against each other
+        env.setdefault("OMP_NUM_THREADS", "1")
         children = Children(env, log_dir=opts.log_dir)
         r = connect(s)
         keys = Keys(s.prefix)
@@ -93,6 +97,16 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         if server is not None:
             server.close()
         tmp.cleanup()
+
+
+def _quarter_of_experts_gib(model_path: str) -> float:
+    """A hot budget of a quarter of the expert bytes, so the demo shows hot and cold hits (on a
+    CPU the default budget is 0: no accelerator, every expert is read in place from RAM)."""
+    meta = read_meta(model_path)
+    total = sum(
+        slice_nbytes(meta, layer, 0, meta.expert_count) for layer in range(meta.block_count)
+    )
+    return total / 4 / 2**30
 
 
 def _flush_prefix(r: redis.Redis, keys: Keys) -> None:
@@ -159,6 +173,8 @@ def _summary(
         "workers_recruited": len(recruited),
         "saturated_during_burst": burst["saturated"],
         "remote_verified": verified,
+        "hot_hit_rate": stats.get("hot_hit_rate", 0.0),
+        "cold_hit_rate": stats.get("cold_hit_rate", 0.0),
         "remote_matches_local": remote > 0 and verified == remote and mismatches == 0,
         "remote_max_abs_err": stats.get("max_abs_err", 0.0),
         "tolerance": "max |remote - local| <= 1e-4 * max(1, max|local|) per job",

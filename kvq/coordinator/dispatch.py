@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,12 +21,12 @@ import redis
 import torch
 
 from kvq import wire
+from kvq.bank import Bank
 from kvq.bus import dead_letter, xadd
 from kvq.config import Settings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
-from kvq.model import ExpertSlice, expert_forward
 from kvq.registry import ModelInfo, SliceSpec
 from kvq.swarm import LiveRoute
 
@@ -65,12 +65,12 @@ class Dispatcher:
 
     def __init__(
         self, r: redis.Redis, keys: Keys, settings: Settings, coord_id: str,
-        info: ModelInfo, local_experts: Sequence[ExpertSlice],
+        info: ModelInfo, bank: Bank,
         slot_state: Callable[[], tuple[int, int]],
     ) -> None:  # fmt: skip
         self.r, self.keys, self.s, self.coord = r, keys, settings, coord_id
         self.info = info
-        self.local = local_experts
+        self.bank = bank
         self.routing = SliceRouter(r, keys, settings, coord_id, info, slot_state)
         self.stats = DispatchStats()
         self.results_key = keys.coord_results(coord_id)
@@ -138,13 +138,9 @@ class Dispatcher:
         self, layer: int, spec: SliceSpec, x: torch.Tensor, ids: torch.Tensor,
         w: torch.Tensor, rows: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        full = self.local[layer]
-        a, b = spec.expert_start - full.expert_start, spec.expert_end - full.expert_start
-        view = ExpertSlice(
-            layer, spec.expert_start, spec.expert_end,
-            full.gate[a:b], full.up[a:b], full.down[a:b],
-        )  # fmt: skip
-        return expert_forward(view, x[rows], ids[rows], w[rows])
+        return self.bank.forward(
+            layer, x[rows], ids[rows], w[rows], spec.expert_start, spec.expert_end
+        )
 
     def _gather(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

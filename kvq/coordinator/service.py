@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from kvq import wire
+from kvq.bank import Bank, BankOptions
 from kvq.bus import (
     Backoff,
     Consumer,
@@ -49,11 +50,12 @@ class Coordinator:
         self.backbone = Backbone.from_gguf(model_path)
         self.tokenizer = ByteTokenizer.from_meta(self.backbone.meta)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
+        self.bank = Bank(self.backbone.experts, BankOptions.from_settings(settings), "cpu")
         self.info = wait_for_model(
             self.r, self.keys, model, settings.model_wait_s, settings.reconnect_max_s
         )
         self.dispatch = Dispatcher(
-            self.r, self.keys, settings, coord_id, self.info, self.backbone.experts,
+            self.r, self.keys, settings, coord_id, self.info, self.bank,
             slot_state=lambda: self.slots.current(),
         )  # fmt: skip
         self._requests_key = self.keys.model_requests(model)
@@ -97,7 +99,9 @@ class Coordinator:
             for eid, fields in self.requests.read(self.engine.free, block):
                 self._admit(eid, fields)
         self.slots.note(self.engine.busy)
-        self.engine.step(self.dispatch, self._emit)
+        if self.engine.busy:
+            self.engine.step(self.dispatch, self._emit)
+            self.bank.step()  # B5: dynamic updates count engine steps
 
     def _claim_orphans(self) -> None:
         """Take over requests left pending by coordinators that stopped publishing slots."""
@@ -201,7 +205,9 @@ class Coordinator:
         )  # fmt: skip
         pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
         pipe.sadd(self.keys.model_coordinators(self.model), self.id)  # after the slots: see monitor
+        hot, cold = self.bank.hit_rates()
         stats = self.dispatch.stats.as_dict() | {
+            "hot_hit_rate": round(hot, 4), "cold_hit_rate": round(cold, 4),
             "replans": self.dispatch.routing.router.replans,
             "rescues": self.dispatch.routing.rescues,
             "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,

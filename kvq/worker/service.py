@@ -21,12 +21,13 @@ import redis
 import torch
 
 from kvq import wire
+from kvq.bank import Bank, BankOptions
 from kvq.bus import Backoff, Consumer, Scripts, connect, dead_letter, is_connection_error, xadd
 from kvq.config import Settings
 from kvq.device import compute_dtype, pick_device
 from kvq.errors import KvqError, WireError
 from kvq.keys import WORKER_GROUP, Keys
-from kvq.model import ExpertSlice, decode_slice, expert_forward
+from kvq.model import decode_slice
 from kvq.registry import SliceSpec, list_models, load_model
 from kvq.worker.fetch import fetch_slice
 
@@ -35,11 +36,12 @@ log = logging.getLogger("kvq.worker")
 
 @dataclass
 class Holding:
-    """The slice a worker serves, decoded per layer."""
+    """The slice a worker serves, in a hot/cold bank."""
 
     model: str
     spec: SliceSpec
-    experts: dict[int, ExpertSlice]
+    bank: Bank
+    hidden: int  # the model's embedding length: every job's x is [T, hidden]
 
 
 class Worker:
@@ -120,7 +122,8 @@ class Worker:
                 spec.ranges_of(layer), part, layer, spec.expert_start, spec.expert_end,
                 device=str(self.device), dtype=self.dtype,
             )  # fmt: skip
-        self.holding = Holding(model, spec, experts)
+        bank = Bank(experts.values(), BankOptions.from_settings(self.s), self.device)
+        self.holding = Holding(model, spec, bank, info.meta.embedding_length)
         self._idle_since = time.monotonic()  # idleness counts from getting the slice
         self.consumer = Consumer(self.r, self.keys.worker_inbox(self.id), WORKER_GROUP, self.id)
         self._beat()
@@ -179,6 +182,8 @@ class Worker:
             self._serve_one(eid, fields)
         if entries:
             self._idle_since = time.monotonic()
+            if self.holding is not None:
+                self.holding.bank.step()  # B5: a batch of jobs is this node's engine step
         elif self._idle_for() > self.s.idle_shutdown_s > 0:
             self._retire_if_surplus()
 
@@ -237,7 +242,7 @@ class Worker:
     def _check_job(self, job: wire.Job) -> None:
         h = self.holding
         assert h is not None
-        if job.model != h.model or job.layer not in h.experts:
+        if job.model != h.model or job.layer not in h.bank.layers:
             raise WireError(
                 f"job {job.job_id} for {job.model} layer {job.layer}: not my slice {h.spec.sid}"
             )
@@ -245,7 +250,7 @@ class Worker:
             raise WireError(
                 f"job {job.job_id} experts [{job.expert_start},{job.expert_end}) != {h.spec.sid}"
             )
-        if job.x.array().shape[1] != h.experts[job.layer].gate.shape[2]:
+        if job.x.shape[1] != h.hidden:
             raise WireError(
                 f"job {job.job_id}: hidden size {job.x.shape[1]} does not match the model"
             )
@@ -253,12 +258,11 @@ class Worker:
     def compute(self, job: wire.Job) -> np.ndarray:
         """The slice's gate-weighted expert sum per row, as float32 numpy [T, H]."""
         assert self.holding is not None
-        sl = self.holding.experts[job.layer]
         x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(self.device, self.dtype)
         ids = torch.from_numpy(np.array(job.ids.array(), dtype=np.int64)).to(self.device)
         w = torch.from_numpy(np.array(job.weights.array(), dtype=np.float32)).to(
             self.device, self.dtype
         )
         with torch.inference_mode():
-            y = expert_forward(sl, x, ids, w)
+            y = self.holding.bank.forward(job.layer, x, ids, w)
         return y.float().cpu().numpy()
