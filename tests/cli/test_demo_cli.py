@@ -60,6 +60,8 @@ def test_demo_json_twice_in_a_row() -> None:
         assert summary["remote_matches_local"] is True
         assert summary["workers_recruited"] == 2
         assert summary["redis"] == "embedded"
+        hot, cold = summary["hot_hit_rate"], summary["cold_hit_rate"]
+        assert 0 < hot < 1 and abs(hot + cold - 1) < 1e-3, "a quarter-size hot bank: both hit"
         assert summary["wall_s"] < 60
     time.sleep(0.5)
     assert _pids_with(mark) == set(), "the demo left processes behind"
