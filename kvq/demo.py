@@ -76,7 +76,9 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
                        "--model", model_path, "--id", COORD_ID)  # fmt: skip
         for i in range(opts.workers):
             children.spawn(f"worker-{i}", "worker", "--id", f"worker-{i}")
-        _wait(lambda: r.hlen(keys.model_workers(MODEL_ID)) >= min(opts.workers, 1), children, 60,
+        # every worker that the base demand has room for takes its slice before the burst
+        wanted = min(opts.workers, r.hlen(keys.model_slices(MODEL_ID)) * s.base_replicas)
+        _wait(lambda: r.hlen(keys.model_workers(MODEL_ID)) >= wanted, children, 60,
               "workers to volunteer")  # fmt: skip
         _wait(lambda: r.exists(keys.coord_slots(COORD_ID)), children, 60, "the coordinator")
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")

@@ -28,6 +28,7 @@ _NP: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
+_NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
@@ -64,11 +65,13 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def of(cls, arr: np.ndarray) -> Tensor:
-        name = arr.dtype.name
-        if name not in _NP:
-            raise WireError(f"cannot send dtype {name}; allowed: {sorted(_NP)}")
-        le = np.asarray(arr, dtype=_NP[name])  # tobytes() writes C order, 0-d included
-        return cls(name, list(le.shape), le.tobytes())  # type: ignore[arg-type]
+        name = _NAME_OF.get(arr.dtype)
+        if name is None:  # e.g. big-endian or an unsupported dtype
+            if arr.dtype.name not in _NP:
+                raise WireError(f"cannot send dtype {arr.dtype.name}; allowed: {sorted(_NP)}")
+            name = arr.dtype.name
+            arr = arr.astype(_NP[name])
+        return cls(name, list(arr.shape), arr.tobytes())  # type: ignore[arg-type]  # C order
 
 
 class Job(_Msg, frozen=True):

@@ -15,7 +15,7 @@ import torch
 
 from kvq.bank.hist import Histogram, merge_counts
 from kvq.errors import BankError
-from kvq.model import Backbone, ByteTokenizer, expert_forward, slice_nbytes
+from kvq.model import Backbone, expert_forward, load_tokenizer, slice_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def collect_histogram(
         raise BankError(f"--tokens {tokens} must be >= 0")
     bb = Backbone.from_gguf(model_path, device=device)
     meta = bb.meta
-    tok = ByteTokenizer.from_meta(meta)
+    tok = load_tokenizer(model_path)
     e = meta.expert_count
     counts = torch.zeros(meta.block_count, e, dtype=torch.int64, device=bb.device)  # [L, E]
 

@@ -1,33 +1,195 @@
-"""Model commands: `kvq model make-tiny`."""
+"""Model commands: `kvq model make-tiny|inspect`, `kvq generate`, `kvq bench experts`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from typing import Any
 
 from kvq.cli.common import EXIT_OK
 from kvq.config import Settings
 
-Subparsers = Any
+Subparsers = Any  # argparse's _SubParsersAction is private
+# literal copies of kvq.model.arch.TINY_ARCHS / kvq.model.quants.QUANT_NAMES (a test keeps them
+# equal): importing kvq.model here would load torch for every `kvq` command, even `--help`
+ARCHS = ("mixtral", "qwen2moe", "qwen3moe")
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+_TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
+              ("expert-ffn", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+              ("shared-expert-ffn", 0), ("seed", 0))  # fmt: skip
 
 
-def cmd_model(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.model import make_tiny
 
-    make_tiny(
-        args.out, layers=args.layers, experts=args.experts, experts_used=args.experts_used,
-        hidden=args.hidden, expert_ffn=args.expert_ffn, seed=args.seed,
-    )  # fmt: skip
-    print(f"wrote {args.out}")
+    dims = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in _TINY_INTS}
+    make_tiny(args.out, arch=args.arch, quant=args.quant, **dims)
+    print(f"wrote {args.out} ({args.arch}, {args.quant})")
     return EXIT_OK
 
 
+def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.model.describe import describe_model
+
+    d = describe_model(args.file, args.slice_experts or settings.slice_experts)
+    if args.json:
+        print(json.dumps(d))
+        return EXIT_OK
+    skip = {"quant_types", "slices", "path"}
+    print(d["path"])
+    for key, value in d.items():
+        if key not in skip:
+            print(f"  {key:<36} {value}")
+    print("quant types (tensor kind: type x count)")
+    for kind, types in d["quant_types"].items():
+        print(f"  {kind:<36} " + ", ".join(f"{t} x{n}" for t, n in types.items()))
+    rows = d["slices"]
+    print(f"slices ({len(rows)} of up to {d['slice_experts']} experts)")
+    print(f"  {'layer':>5} {'experts':>11} {'bytes':>14}")
+    for r in rows[:64]:
+        span = f"{r['expert_start']}-{r['expert_end'] - 1}"
+        print(f"  {r['layer']:>5} {span:>11} {r['bytes']:>14,}")
+    if len(rows) > 64:
+        print(f"  ... {len(rows) - 64} more (--json lists them all)")
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.device import pick_device
+    from kvq.model import Backbone, load_tokenizer
+    from kvq.model.generate import Sampling, generate
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.check()  # before the (slow) model load
+    tok = load_tokenizer(args.model)
+    bb = Backbone.from_gguf(args.model, device=pick_device(args.device or settings.device))
+    prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
+    stream = _TextStream(tok) if not args.json else None
+    ids = generate(
+        bb, prompt, args.max_tokens, sampling=sampling,
+        on_token=stream.push if stream is not None else None,
+    )  # fmt: skip
+    text = tok.decode(ids)
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt, "token_ids": ids, "text": text}))
+    else:
+        print(text[len(stream.shown) :] if stream is not None else "", flush=True)
+    return EXIT_OK
+
+
+class _TextStream:
+    """Prints generated text as it grows, holding back a trailing partial UTF-8 character."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.ids, self.shown = tok, list[int](), ""
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        sys.stdout.write(text[len(self.shown) :])
+        sys.stdout.flush()
+        self.shown = text
+
+
+def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.experts import ExpertsBench, run_experts_bench
+    from kvq.device import pick_device
+
+    cfg = ExpertsBench(
+        hidden=args.hidden, expert_ffn=args.expert_ffn, experts=args.experts,
+        experts_used=args.experts_used, batches=tuple(args.batches), repeat=args.repeat,
+        quants=args.quants, device=str(pick_device(args.device or settings.device)),
+    )  # fmt: skip
+    r = run_experts_bench(cfg)
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK
+    print(f"expert FFN on {r['device']} {r['dtype']}, {r['threads']} threads, {r['shape']}")
+    for row in r["expert_ffn"]:
+        print(f"  batch {row['batch']:>4}  ffn {row['ffn_gflops']:8.1f} GFLOP/s  matmul "
+              f"{row['matmul_gflops']:8.1f} GFLOP/s  ratio {row['ratio_vs_matmul']:.2f}")  # fmt: skip
+    print("slice load (dequantize to float32)")
+    for row in r["slice_load"]:
+        if "skipped" in row:
+            print(f"  {row['quant']:<5} skipped: {row['skipped']}")
+        else:
+            print(f"  {row['quant']:<5} {row['mb_per_s']:10.1f} MB/s  ({row['bytes']:,} bytes)")
+    return EXIT_OK
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def _int_list(flag: str) -> Any:
+    """An argparse type for `1,2,3` (non-negative ints); bad text exits 2 naming `flag`."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            ids = [int(p) for p in text.split(",") if p.strip()]
+        except ValueError:
+            ids = []
+        if not ids or min(ids) < 0:
+            raise argparse.ArgumentTypeError(
+                f"{flag} wants non-negative ints like 1,2,3, got {text!r}"
+            )
+        return ids
+
+    return parse
+
+
+def _quants(text: str) -> tuple[str, ...]:
+    names = (
+        QUANTS if text == "all" else tuple(p.strip().lower() for p in text.split(",") if p.strip())
+    )
+    bad = [q for q in names if q not in QUANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"--quants {text!r}: choose from {', '.join(QUANTS)} or all"
+        )
+    return names
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
+    """model make-tiny, model inspect, generate, bench experts."""
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="write a small synthetic MoE model as GGUF")
     mt.add_argument("out")
-    for name, default in (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
-                          ("expert-ffn", 64), ("seed", 0)):  # fmt: skip
+    mt.add_argument("--arch", choices=ARCHS, default="qwen3moe")
+    mt.add_argument("--quant", choices=QUANTS, default="f32")
+    for name, default in _TINY_INTS:
         mt.add_argument(f"--{name}", type=int, default=default)
-    mt.set_defaults(fn=cmd_model)
+    mt.set_defaults(fn=cmd_make_tiny)
+
+    mi = msub.add_parser("inspect", help="hyper-parameters, quant types and slice table")
+    mi.add_argument("file")
+    mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
+    mi.add_argument("--json", action="store_true")
+    mi.set_defaults(fn=cmd_inspect)
+
+    g = sub.add_parser("generate", help="generate locally from a GGUF model (no Redis)")
+    g.add_argument("--model", required=True, help="GGUF file")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, encoded with the model's tokenizer")
+    src.add_argument("--prompt-ids", type=_int_list("--prompt-ids"), help="token ids, e.g. 1,2,3")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+
+    be = bench.add_parser("experts", help="expert FFN GFLOP/s vs matmul; slice load MB/s")
+    for name, default in (("hidden", 2048), ("expert-ffn", 768), ("experts", 16),
+                          ("experts-used", 8), ("repeat", 5)):  # fmt: skip
+        be.add_argument(f"--{name}", type=int, default=default)
+    be.add_argument("--batches", type=_int_list("--batches"), default=[1, 8, 64])
+    be.add_argument("--quants", type=_quants, default=QUANTS, help="comma list or all")
+    be.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
+    be.add_argument("--json", action="store_true")
+    be.set_defaults(fn=cmd_bench_experts)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.model import Backbone, ByteTokenizer, KVCache, MoeFn, SeqStep
+from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
 
 
 @dataclass
@@ -34,7 +34,7 @@ TokenSink = Callable[[list[Sequence]], None]  # called once per step with every 
 class Engine:
     """Greedy generation for up to `n_slots` sequences at a time."""
 
-    def __init__(self, backbone: Backbone, tokenizer: ByteTokenizer, n_slots: int) -> None:
+    def __init__(self, backbone: Backbone, tokenizer: Tokenizer, n_slots: int) -> None:
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
         self.active: list[Sequence] = []
 

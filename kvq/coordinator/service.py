@@ -32,7 +32,7 @@ from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.slots import SlotPoller
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP, Keys
-from kvq.model import Backbone, ByteTokenizer
+from kvq.model import Backbone, load_tokenizer
 from kvq.registry import wait_for_model
 
 log = logging.getLogger("kvq.coordinator")
@@ -48,7 +48,7 @@ class Coordinator:
         self.keys = Keys(settings.prefix)
         self.r = connect(settings)
         self.backbone = Backbone.from_gguf(model_path)
-        self.tokenizer = ByteTokenizer.from_meta(self.backbone.meta)
+        self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         self.bank = Bank(self.backbone.experts, BankOptions.from_settings(settings), "cpu")
         self.info = wait_for_model(

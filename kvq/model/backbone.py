@@ -1,23 +1,26 @@
-"""The qwen3moe forward pass in torch, with the routed-expert FFN behind a pluggable MoeFn.
+"""The forward pass of the MoE archs kvq serves (see `kvq.model.arch`), in torch, with the
+routed-expert FFN behind a pluggable MoeFn.
 
 Token rows of every sequence in a batch are concatenated before the MoE call, so one MoeFn
 call per layer per forward covers the whole batch (that call is what gets dispatched to
 remote expert workers); attention runs per sequence against that sequence's own KVCache.
+A shared expert (qwen2moe) is dense and always runs here, next to the routed MoeFn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvq.errors import ModelError
-from kvq.model import gguf_io as gio
+from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.experts import expert_forward
-from kvq.model.layers import causal_attention, rms_norm, rope_neox, route
+from kvq.model.generate import generate
+from kvq.model.layers import Rope, causal_attention, rms_norm, route, swiglu
+from kvq.model.loader import LayerWeights, Loader, SharedExpert, layer_weights, output_weight
 from kvq.model.meta import ModelMeta, read_meta
 from kvq.model.slices import ExpertSlice, load_slice
 
@@ -27,23 +30,8 @@ __all__ = ["Backbone", "KVCache", "LayerWeights", "MoeFn", "SeqStep"]
 MoeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
-class LayerWeights:
-    """Dense (non-expert) weights of one block, numpy/torch order [out, in]."""
-
-    attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [heads*d, H]
-    wk: torch.Tensor  # [kv*d, H]
-    wv: torch.Tensor  # [kv*d, H]
-    wo: torch.Tensor  # [H, heads*d]
-    q_norm: torch.Tensor  # [d]
-    k_norm: torch.Tensor  # [d]
-    ffn_norm: torch.Tensor  # [H]
-    router: torch.Tensor  # [E, H]
-
-
 class Backbone:
-    """Weights and forward pass of a qwen3moe model (experts held locally for `moe=None`)."""
+    """Weights and forward pass of a supported MoE model (experts held locally for `moe=None`)."""
 
     def __init__(
         self,
@@ -62,6 +50,8 @@ class Backbone:
         self.experts = experts  # experts[layer] covers all experts of that layer
         self.device = embed.device
         self.dtype = embed.dtype
+        self.spec = arch_spec(meta.arch)
+        self.rope = Rope.from_meta(meta, self.spec.rope_style)
 
     @classmethod
     def from_gguf(
@@ -71,17 +61,17 @@ class Backbone:
         dtype: torch.dtype = torch.float32,
     ) -> Backbone:
         """Load and dequantize every weight of a GGUF model once."""
-        m = read_meta(path)
-        load = _Loader(path, device, dtype)
-        h, e = m.embedding_length, m.expert_count
-        layers = [_layer_weights(load, m, i) for i in range(m.block_count)]
+        m = read_meta(path)  # validates arch, tensors and quant types before any weight
+        load = Loader(path, device, dtype)
+        spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
+        layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
         experts = [load_slice(path, m, i, 0, e, device, dtype) for i in range(m.block_count)]
         embed = load("token_embd.weight", (m.vocab_size, h))
-        output = load("output.weight", (m.vocab_size, h))
+        output = output_weight(load, m)
         return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts)
 
     def new_cache(self) -> KVCache:
-        """An empty KV cache sized to the model's context length."""
+        """An empty KV cache that grows up to the model's context length."""
         m = self.meta
         return KVCache(
             m.block_count, m.context_length, m.head_count_kv, m.head_dim, self.device, self.dtype
@@ -107,18 +97,22 @@ class Backbone:
             ]
         )  # [N] absolute position of each row
         h = self.embed[tokens]  # [N, H]
-        eps, k = self.meta.rms_eps, self.meta.expert_used_count
+        m = self.meta
+        eps, k = m.rms_eps, m.expert_used_count
         for i, lw in enumerate(self.layers):
             h = h + self._attention(i, lw, rms_norm(h, lw.attn_norm, eps), steps, lens, pos)
             x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
-            ids, w = route(lw.router, x, k)  # [N, k] each
+            ids, w = route(lw.router, x, k, m.expert_weights_norm, m.expert_weights_scale)  # [N, k]
             y = moe_fn(i, x, ids, w)  # [N, H]
             if tuple(y.shape) != tuple(x.shape):
                 raise ModelError(
                     f"moe fn returned shape {tuple(y.shape)} for layer {i}, "
                     f"expected {tuple(x.shape)}"
                 )
-            h = h + y.to(device=h.device, dtype=h.dtype)
+            y = y.to(device=h.device, dtype=h.dtype)
+            if lw.shared is not None:
+                y = y + _shared_ffn(lw.shared, x)
+            h = h + y
         for s, n in zip(steps, lens, strict=True):
             s.cache.advance(n)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
@@ -136,15 +130,17 @@ class Backbone:
     ) -> torch.Tensor:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
         m, n = self.meta, x.shape[0]
-        q = (x @ lw.wq.T).view(n, m.head_count, m.head_dim)  # [N, heads, d]
-        kk = (x @ lw.wk.T).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
-        vv = (x @ lw.wv.T).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
-        q = rope_neox(rms_norm(q, lw.q_norm, m.rms_eps), pos, m.rope_freq_base)
-        kk = rope_neox(rms_norm(kk, lw.k_norm, m.rms_eps), pos, m.rope_freq_base)
+        q = _linear(x, lw.wq, lw.bq).view(n, m.head_count, m.head_dim)  # [N, heads, d]
+        kk = _linear(x, lw.wk, lw.bk).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
+        vv = _linear(x, lw.wv, lw.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
+        if lw.q_norm is not None and lw.k_norm is not None:  # qwen3moe: per-head norm first
+            q, kk = rms_norm(q, lw.q_norm, m.rms_eps), rms_norm(kk, lw.k_norm, m.rms_eps)
+        q, kk = self.rope(q, pos), self.rope(kk, pos)
         outs, start = [], 0
         for s, t in zip(steps, lens, strict=True):
             keys, values = s.cache.append(layer, kk[start : start + t], vv[start : start + t])
-            outs.append(causal_attention(q[start : start + t], keys, values, s.cache.length))
+            qs = q[start : start + t]
+            outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
             start += t
         return torch.cat(outs) @ lw.wo.T  # [N, H]
 
@@ -174,54 +170,17 @@ class Backbone:
         stop_at_eos: bool = True,
     ) -> list[int]:
         """Greedy decoding; returns the generated ids only (EOS not included). Stops early at
-        EOS (if `stop_at_eos`) or when the context is full."""
-        if max_tokens <= 0:
-            return []
-        cache = self.new_cache()
-        logits = self.forward([SeqStep(list(prompt_ids), cache)], moe)  # [1, V]
-        out: list[int] = []
-        while True:
-            nxt = int(logits[0].argmax())
-            if stop_at_eos and nxt == self.meta.eos_id:
-                break
-            out.append(nxt)
-            if len(out) >= max_tokens or cache.length >= cache.max_len:
-                break
-            logits = self.forward([SeqStep([nxt], cache)], moe)
-        return out
+        EOS (if `stop_at_eos`) or when the context is full. Sampling: `kvq.model.generate`."""
+        return generate(self, prompt_ids, max_tokens, moe=moe, stop_at_eos=stop_at_eos)
 
 
-class _Loader:
-    """Dequantizes named, shape-checked tensors of one GGUF file into torch."""
-
-    def __init__(self, path: str | Path, device: str | torch.device, dtype: torch.dtype) -> None:
-        self.path = str(path)
-        self.tensors = gio.tensor_map(gio.open_reader(path))
-        self.device = device
-        self.dtype = dtype
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.tensors.get(name)
-        if t is None:
-            raise ModelError(f"tensor {name!r} is missing from {self.path!r}")
-        if gio.numpy_shape(t) != shape:
-            raise ModelError(f"tensor {name!r} has shape {gio.numpy_shape(t)}, expected {shape}")
-        arr = gio.dequantize_tensor(t)  # float32, numpy order
-        return torch.from_numpy(arr).to(device=self.device, dtype=self.dtype)
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ b). x: [N, in]; w: [out, in]. Returns [N, out]."""
+    y = x @ w.T  # [N, out]
+    return y if b is None else y + b
 
 
-def _layer_weights(load: _Loader, m: ModelMeta, i: int) -> LayerWeights:
-    """The dense weights of block `i`."""
-    h, p = m.embedding_length, f"blk.{i}."
-    q_out, kv_out = m.head_count * m.head_dim, m.head_count_kv * m.head_dim
-    return LayerWeights(
-        attn_norm=load(p + "attn_norm.weight", (h,)),
-        wq=load(p + "attn_q.weight", (q_out, h)),
-        wk=load(p + "attn_k.weight", (kv_out, h)),
-        wv=load(p + "attn_v.weight", (kv_out, h)),
-        wo=load(p + "attn_output.weight", (h, q_out)),
-        q_norm=load(p + "attn_q_norm.weight", (m.head_dim,)),
-        k_norm=load(p + "attn_k_norm.weight", (m.head_dim,)),
-        ffn_norm=load(p + "ffn_norm.weight", (h,)),
-        router=load(p + "ffn_gate_inp.weight", (m.expert_count, h)),
-    )
+def _shared_ffn(sh: SharedExpert, x: torch.Tensor) -> torch.Tensor:
+    """qwen2moe's shared expert, gated per row by a sigmoid. x: [N, H]. Returns [N, H]."""
+    gate = torch.sigmoid(x @ sh.gate_inp)[:, None]  # [N, 1]
+    return gate * swiglu(x, sh.gate, sh.up, sh.down)  # [N, H]

@@ -10,7 +10,10 @@ from kvq.errors import ModelError
 
 
 class KVCache:
-    """K/V of every layer for one sequence, preallocated to the context length.
+    """K/V of every layer for one sequence, growing (by doubling) up to the context length.
+
+    Real models have contexts of 32k+ positions; preallocating them per sequence would cost
+    gigabytes, so storage starts at `initial` positions and doubles when a pass needs more.
 
     `length` counts positions already stored. A forward pass writes new positions with
     `append` for every layer, then calls `advance` once; a pass that fails midway leaves
@@ -25,12 +28,29 @@ class KVCache:
         head_dim: int,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        initial: int = 256,
     ) -> None:
-        shape = (n_layers, max_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, S, kv, d]
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, S, kv, d]
+        shape = (n_layers, min(max_len, max(initial, 1)), kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
         self.max_len = max_len
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions storable without growing."""
+        return int(self.k.shape[1])
+
+    def _reserve(self, end: int) -> None:
+        """Grow the storage to hold `end` positions (doubling, capped at max_len)."""
+        if end <= self.capacity:
+            return
+        cap = min(self.max_len, max(end, 2 * self.capacity))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], cap, *old.shape[2:]))  # [L, cap, kv, d]
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
 
     def check_room(self, n_new: int) -> None:
         """ModelError if `n_new` more positions would overflow the context."""
@@ -45,6 +65,7 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, kv, d]) after `length`; return all keys and values [length+T, kv, d]."""
         end = self.length + k.shape[0]
+        self._reserve(end)
         self.k[layer, self.length : end] = k
         self.v[layer, self.length : end] = v
         return self.k[layer, :end], self.v[layer, :end]

@@ -34,7 +34,9 @@ def expert_forward(
     rows = inside.nonzero()[:, 0]  # [M] token row of each (row, choice) pair inside the slice
     local = ids[inside] - sl.expert_start  # [M] expert index within the slice
     w = weights[inside].to(cdtype)  # [M]
-    # group pairs by expert so each expert runs three dense matmuls over all of its rows
+    # group pairs by expert so each expert runs three dense matmuls over all of its rows.
+    # kvq.bank.compute repeats these exact ops in this order to give the same bits: change
+    # both together.
     order = torch.argsort(local, stable=True)  # [M]
     rows, local, w = rows[order], local[order], w[order]
     counts = torch.bincount(local, minlength=sl.n_experts).tolist()  # host sync: loop bounds

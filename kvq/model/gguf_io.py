@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import dequantize
 
 from kvq.errors import ModelError, SliceIntegrityError
+from kvq.model.quants import SUPPORTED_TYPES
 
 F32Array = npt.NDArray[np.float32]
 
@@ -67,6 +68,20 @@ def str_field(reader: GGUFReader, key: str, default: str | None = None) -> str:
     return value
 
 
+def bool_field(reader: GGUFReader, key: str, default: bool) -> bool:
+    """Metadata `key` as a bool (`default` when absent)."""
+    value = field(reader, key, default, required=False)
+    if not isinstance(value, bool):
+        raise ModelError(f"GGUF metadata {key!r} = {value!r} is not a boolean")
+    return value
+
+
+def array_len(reader: GGUFReader, key: str) -> int:
+    """Length of array metadata `key` without decoding its items (0 when absent)."""
+    f = reader.get_field(key)
+    return 0 if f is None else len(f.data)
+
+
 def tensor_map(reader: GGUFReader) -> dict[str, ReaderTensor]:
     """Tensors of the file by name."""
     return {t.name: t for t in reader.tensors}
@@ -87,6 +102,17 @@ def quant_type(raw: int) -> GGMLQuantizationType:
         ) from exc
 
 
+def check_supported(raw: int, name: str) -> GGMLQuantizationType:
+    """The ggml type of tensor `name`, or ModelError if kvq does not decode it."""
+    qtype = quant_type(raw)
+    if qtype not in SUPPORTED_TYPES:
+        raise ModelError(
+            f"tensor {name!r} is stored as {qtype.name}, which kvq does not support; "
+            f"re-quantize the model to one of {', '.join(t.name for t in SUPPORTED_TYPES)}"
+        )
+    return qtype
+
+
 def nbytes_for(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Encoded size of a tensor of numpy `shape`; rows must be whole quant blocks."""
     block, type_size = GGML_QUANT_SIZES[quant_type(ggml_type)]
@@ -98,9 +124,11 @@ def nbytes_for(ggml_type: int, shape: tuple[int, ...]) -> int:
     return int(math.prod(shape) // block * type_size)
 
 
-def decode_bytes(raw: npt.NDArray[np.uint8], ggml_type: int, shape: tuple[int, ...]) -> F32Array:
-    """Dequantize encoded bytes into a writable float32 array of numpy `shape`."""
-    qtype = quant_type(ggml_type)
+def decode_bytes(
+    raw: npt.NDArray[np.uint8], ggml_type: int, shape: tuple[int, ...], name: str = "slice"
+) -> F32Array:
+    """Dequantize the encoded bytes of tensor `name` into a writable float32 array of `shape`."""
+    qtype = check_supported(ggml_type, name)
     expected = nbytes_for(ggml_type, shape)
     if raw.size != expected:
         raise SliceIntegrityError(
@@ -122,4 +150,4 @@ def dequantize_tensor(t: ReaderTensor) -> F32Array:
     """A whole tensor from the file as float32 in numpy order (copied out of the memmap)."""
     shape = numpy_shape(t)
     raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-    return decode_bytes(raw, int(t.tensor_type), shape)
+    return decode_bytes(raw, int(t.tensor_type), shape, t.name)

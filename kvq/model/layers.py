@@ -1,10 +1,14 @@
-"""Stateless pieces of the qwen3moe forward pass, following llama.cpp's graph."""
+"""Stateless pieces of the forward pass, following llama.cpp's graph for each architecture."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
+
+from kvq.errors import ModelError
+from kvq.model.meta import ModelMeta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -13,36 +17,94 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(var + eps) * weight
 
 
-def rope_neox(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary embedding, NEOX style (first half paired with second half).
+class Rope:
+    """Rotary position embedding as llama.cpp's `ggml_rope_ext` computes it.
 
-    x: [T, heads, d]; pos: [T] int64 absolute positions.
+    `style` "neox" rotates pairs (i, i + d/2); "norm" rotates adjacent pairs (2i, 2i + 1).
+    Scaling "linear" divides positions by `factor`; "yarn" blends interpolated and extrapolated
+    frequencies over the dimensions between the correction bounds and scales cos/sin by
+    `1 + 0.1 ln(factor)`.
     """
-    d = x.shape[-1]
-    half = d // 2
-    inv_freq = base ** (-torch.arange(0, half, device=x.device, dtype=torch.float32) * 2 / d)
-    ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = ang.cos()[:, None, :].to(x.dtype)  # [T, 1, d/2]
-    sin = ang.sin()[:, None, :].to(x.dtype)  # [T, 1, d/2]
-    x1, x2 = x[..., :half], x[..., half:]  # [T, heads, d/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        style: str,
+        scaling: str = "none",
+        factor: float = 1.0,
+        original_context: int = 0,
+        beta: tuple[float, float] = (32.0, 1.0),
+    ) -> None:
+        if style not in ("neox", "norm"):
+            raise ModelError(f"rope style {style!r} is not 'neox' or 'norm'")
+        half = head_dim // 2
+        idx = torch.arange(half, dtype=torch.float32)  # [d/2]
+        inv_freq = 1.0 / base ** (idx * 2 / head_dim)  # [d/2]
+        self.mscale = 1.0
+        if scaling == "linear":
+            inv_freq = inv_freq / factor
+        elif scaling == "yarn" and factor != 1.0:
+            low, high = _yarn_bounds(head_dim, base, original_context, beta)
+            ramp = ((idx - low) / max(high - low, 0.001)).clamp(0, 1)  # [d/2] 0: extrapolate
+            inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+            self.mscale = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+        self.inv_freq = inv_freq  # [d/2]
+        self.style = style
+
+    @classmethod
+    def from_meta(cls, meta: ModelMeta, style: str) -> Rope:
+        """The rope of a model, from its metadata."""
+        return cls(
+            meta.head_dim, meta.rope_freq_base, style, meta.rope_scaling_type,
+            meta.rope_scaling_factor, meta.rope_original_context_length or meta.context_length,
+            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow),
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, d]; pos: [T] int64 absolute positions. Returns [T, heads, d]."""
+        inv = self.inv_freq.to(x.device)
+        ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
+        cos = (ang.cos() * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        sin = (ang.sin() * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        if self.style == "neox":
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]  # [T, heads, d/2] each
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, heads, d/2] each
+        rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, h, d/2, 2]
+        return rot.flatten(-2)
+
+
+def _yarn_bounds(
+    head_dim: int, base: float, original_context: int, beta: tuple[float, float]
+) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims: the pair indices where interpolation starts and ends."""
+
+    def dim(rotations: float) -> float:
+        return (
+            head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
+
+    low, high = math.floor(dim(beta[0])), math.ceil(dim(beta[1]))
+    return float(max(0, low)), float(min(head_dim - 1, high))
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float = 0.0
 ) -> torch.Tensor:
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
     q: [T, heads, d] at positions q_start..q_start+T-1; k, v: [S, kv, d] with S = q_start+T.
     Query head h reads kv head h // (heads / kv), as ggml's broadcasting matmul does.
-    Returns [T, heads * d].
+    `scale` 0 means 1/sqrt(d). Returns [T, heads * d].
     """
     t, heads, d = q.shape
     group = heads // k.shape[1]
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
     qh = q.transpose(0, 1)  # [heads, T, d]
-    scores = (qh @ kh.transpose(1, 2)) / math.sqrt(d)  # [heads, T, S]
+    scores = (qh @ kh.transpose(1, 2)) * (scale or 1.0 / math.sqrt(d))  # [heads, T, S]
     qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T, 1]
     kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, S]
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
@@ -50,13 +112,23 @@ def causal_attention(
     return (probs @ vh).transpose(0, 1).reshape(t, heads * d)  # [T, heads*d]
 
 
-def route(router: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, top-k, renormalise to sum 1 (qwen3moe norm_topk_prob).
+def route(
+    router: torch.Tensor, x: torch.Tensor, k: int, norm: bool = True, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, top-k, optionally renormalised to sum 1, times `scale`.
 
     router: [E, H]; x: [T, H]. Returns ids [T, k] int64 and weights [T, k] float32.
     """
     logits = x.float() @ router.float().T  # [T, E] in f32, as llama.cpp does
     probs = torch.softmax(logits, dim=-1)  # [T, E]
     w, ids = torch.topk(probs, k, dim=-1)  # [T, k] each, largest first
-    w = w / w.sum(dim=-1, keepdim=True)  # [T, k]
-    return ids, w
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)  # [T, k]
+    return ids, w * scale if scale != 1.0 else w
+
+
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """down(silu(gate x) * up x). x: [T, H]; gate, up: [F, H]; down: [H, F]. Returns [T, H]."""
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T

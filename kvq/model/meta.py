@@ -1,26 +1,27 @@
-"""Model metadata and the byte layout of expert slices inside a GGUF file.
+"""Model metadata read from a GGUF header: every hyper-parameter the forward pass needs, and
+where each layer's stacked expert tensors lie in the file (see `kvq.model.layout`).
 
-A slice is experts `[expert_start, expert_end)` of one layer. The stacked expert tensors
-`ffn_{gate,up,down}_exps` have experts as their outermost (numpy dim 0) axis, so the slice of
-each is one contiguous byte range: `offset + e0 * per_expert`, `(e1 - e0) * per_expert` bytes.
-A worker can therefore fetch a slice with three HTTP range requests and decode it from the
-published layout alone (see `meta_to_dict`).
+Everything is validated here, before any weight is read: the architecture, each tensor's quant
+type, the expert tensors' shapes, and that the file stores experts stacked (one tensor per
+layer and kind), which is what makes a slice a contiguous byte range.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from gguf import GGUFReader, ReaderTensor
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
+from kvq.model.arch import SUPPORTED_TEXT, arch_spec
 
-SUPPORTED_ARCHS = ("qwen3moe",)
 EXPERT_KINDS = ("gate", "up", "down")
+ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,70 +60,196 @@ class ModelMeta:
     file_size: int
     feed_forward_length: int = 0
     tokenizer_model: str = ""
+    rope_scaling_type: str = "none"  # none | linear | yarn
+    rope_scaling_factor: float = 1.0
+    rope_original_context_length: int = 0  # yarn: the pre-training context
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    attention_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    expert_weights_norm: bool = True  # renormalise the top-k weights to sum 1
+    expert_weights_scale: float = 1.0  # multiplies the top-k weights
+    expert_shared_feed_forward_length: int = 0  # qwen2moe's shared expert; 0 if none
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
 
 
 def read_meta(path: str | Path) -> ModelMeta:
-    """Read the header of a GGUF model (memory-mapped; no tensor data is copied)."""
+    """Read and validate the header of a GGUF model (memory-mapped; no tensor data is copied)."""
     reader = gio.open_reader(path)
     arch = gio.str_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelError(
-            f"model architecture {arch!r} in {str(path)!r} is not supported; "
-            f"kvq serves {', '.join(SUPPORTED_ARCHS)}"
-        )
+    spec = arch_spec(arch)
+    tensors = gio.tensor_map(reader)
     meta = _meta_fields(reader, arch, os.path.getsize(path))
-    experts = {layer: _layer_experts(reader, meta, layer) for layer in range(meta.block_count)}
+    if spec.shared_expert and meta.expert_shared_feed_forward_length <= 0:
+        shexp = tensors.get("blk.0.ffn_up_shexp.weight")
+        width = gio.numpy_shape(shexp)[0] if shexp is not None else 0
+        meta = replace(meta, expert_shared_feed_forward_length=width)
+    _check_unsupported_tensors(tensors)
+    experts = {layer: _layer_experts(tensors, meta, layer) for layer in range(meta.block_count)}
+    for t in tensors.values():  # refuse unsupported quant types before any weight is read
+        gio.check_supported(int(t.tensor_type), t.name)
     return replace(meta, expert_tensors=experts)  # replace keeps the dataclass frozen
 
 
 def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
     """The scalar metadata of a supported architecture."""
-    a = arch
+    a, spec = arch, arch_spec(arch)
+    # a dense llama has no expert_count at all: refuse it as such, not as an incomplete file
+    experts = gio.int_field(reader, f"{a}.expert_count", 0 if a == "llama" else None)
+    if experts <= 0:
+        raise ModelError(
+            f"model architecture {arch!r} without experts ({a}.expert_count = {experts}) is "
+            f"not supported; kvq serves MoE models: {SUPPORTED_TEXT}"
+        )
     hidden = gio.int_field(reader, f"{a}.embedding_length")
     heads = gio.int_field(reader, f"{a}.attention.head_count")
-    head_dim = gio.int_field(reader, f"{a}.attention.key_length", hidden // heads)
-    value_dim = gio.int_field(reader, f"{a}.attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise ModelError(
-            f"attention.value_length {value_dim} != key_length {head_dim}; unsupported"
-        )
-    tokens = gio.field(reader, "tokenizer.ggml.tokens", [], required=False)
-    vocab = len(tokens) if tokens else _vocab_from_tensor(reader)
+    head_dim = _head_dim(reader, a, hidden, heads)
     return ModelMeta(
         arch=arch,
         name=gio.str_field(reader, "general.name", ""),
         block_count=gio.int_field(reader, f"{a}.block_count"),
-        expert_count=gio.int_field(reader, f"{a}.expert_count"),
-        expert_used_count=gio.int_field(reader, f"{a}.expert_used_count"),
+        expert_count=experts,
+        expert_used_count=_experts_used(reader, a, experts),
         embedding_length=hidden,
-        expert_feed_forward_length=gio.int_field(reader, f"{a}.expert_feed_forward_length"),
+        expert_feed_forward_length=_expert_ffn(reader, a),
         head_count=heads,
-        head_count_kv=gio.int_field(reader, f"{a}.attention.head_count_kv", heads),
+        head_count_kv=_kv_heads(reader, a, heads),
         head_dim=head_dim,
         rope_freq_base=gio.float_field(reader, f"{a}.rope.freq_base", 10000.0),
         rms_eps=gio.float_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
         context_length=gio.int_field(reader, f"{a}.context_length"),
-        vocab_size=vocab,
+        vocab_size=_vocab_size(reader),
         bos_id=gio.int_field(reader, "tokenizer.ggml.bos_token_id", -1),
         eos_id=gio.int_field(reader, "tokenizer.ggml.eos_token_id", -1),
         file_size=file_size,
         feed_forward_length=gio.int_field(reader, f"{a}.feed_forward_length", 0),
         tokenizer_model=gio.str_field(reader, "tokenizer.ggml.model", ""),
+        **_rope_scaling(reader, a),
+        attention_scale=gio.float_field(reader, f"{a}.attention.scale", 0.0),
+        **_gating(reader, a, spec.norm_topk),
+        expert_shared_feed_forward_length=gio.int_field(
+            reader, f"{a}.expert_shared_feed_forward_length", 0
+        ),
     )
 
 
-def _vocab_from_tensor(reader: GGUFReader) -> int:
-    """Vocabulary size from `token_embd.weight` when the file has no token list."""
+def _head_dim(reader: GGUFReader, a: str, hidden: int, heads: int) -> int:
+    """attention.key_length (default hidden / heads), checked against value_length and rope."""
+    if heads <= 0:
+        raise ModelError(f"{a}.attention.head_count = {heads} must be positive")
+    head_dim = gio.int_field(reader, f"{a}.attention.key_length", hidden // heads)
+    value_dim = gio.int_field(reader, f"{a}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise ModelError(
+            f"{a}.attention.value_length {value_dim} != key_length {head_dim}; kvq needs equal "
+            "key and value head sizes"
+        )
+    rot = gio.int_field(reader, f"{a}.rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise ModelError(
+            f"{a}.rope.dimension_count {rot} != head size {head_dim}: partial rotary "
+            "embeddings are not supported"
+        )
+    if head_dim % 2:
+        raise ModelError(f"head size {head_dim} is odd; RoPE needs an even head size")
+    return head_dim
+
+
+def _kv_heads(reader: GGUFReader, a: str, heads: int) -> int:
+    kv = gio.int_field(reader, f"{a}.attention.head_count_kv", heads)
+    if kv <= 0 or heads % kv:
+        raise ModelError(f"{a}.attention.head_count_kv = {kv} does not divide head_count {heads}")
+    return kv
+
+
+def _experts_used(reader: GGUFReader, a: str, experts: int) -> int:
+    used = gio.int_field(reader, f"{a}.expert_used_count")
+    if not 0 < used <= experts:
+        raise ModelError(f"{a}.expert_used_count = {used} must be in 1..{experts} (expert_count)")
+    return used
+
+
+def _expert_ffn(reader: GGUFReader, a: str) -> int:
+    """Expert FFN width: the metadata key, else the width of layer 0's stacked gate tensor."""
+    ffn = gio.int_field(reader, f"{a}.expert_feed_forward_length", 0)
+    if ffn > 0:
+        return ffn
+    gate = gio.tensor_map(reader).get("blk.0.ffn_gate_exps.weight")
+    if gate is None:
+        raise ModelError(
+            f"GGUF metadata {a}.expert_feed_forward_length is missing and tensor "
+            "'blk.0.ffn_gate_exps.weight' is missing too; the file is not a complete MoE model"
+        )
+    return gio.numpy_shape(gate)[1]
+
+
+def _rope_scaling(reader: GGUFReader, a: str) -> dict[str, Any]:
+    """rope.scaling.* as ModelMeta fields (the old `rope.scale_linear` key counts as linear)."""
+    kind = gio.str_field(reader, f"{a}.rope.scaling.type", "none")
+    factor = gio.float_field(reader, f"{a}.rope.scaling.factor", 0.0)
+    if factor == 0.0:
+        factor = gio.float_field(reader, f"{a}.rope.scale_linear", 0.0)
+        if factor not in (0.0, 1.0) and kind == "none":
+            kind = "linear"
+    if kind not in ROPE_SCALINGS:
+        raise ModelError(
+            f"{a}.rope.scaling.type {kind!r} is not supported; kvq runs {ROPE_SCALINGS}"
+        )
+    if factor < 0:
+        raise ModelError(f"{a}.rope.scaling.factor {factor} must be positive")
+    return {
+        "rope_scaling_type": kind,
+        "rope_scaling_factor": factor or 1.0,
+        "rope_original_context_length": gio.int_field(
+            reader, f"{a}.rope.scaling.original_context_length", 0
+        ),
+        "rope_yarn_beta_fast": gio.float_field(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+        "rope_yarn_beta_slow": gio.float_field(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0),
+    }
+
+
+def _gating(reader: GGUFReader, a: str, norm_default: bool) -> dict[str, Any]:
+    """How top-k gate weights are formed: softmax only; renormalised and scaled per the file."""
+    func = gio.int_field(reader, f"{a}.expert_gating_func", 1)
+    if func != 1:
+        raise ModelError(
+            f"{a}.expert_gating_func = {func} is not supported; kvq runs softmax gating (1)"
+        )
+    scale = gio.float_field(reader, f"{a}.expert_weights_scale", 0.0)
+    return {
+        "expert_weights_norm": gio.bool_field(reader, f"{a}.expert_weights_norm", norm_default),
+        "expert_weights_scale": scale if scale > 0 else 1.0,
+    }
+
+
+def _vocab_size(reader: GGUFReader) -> int:
+    """Rows of `token_embd.weight` (the logits width), else the token list's length."""
     t = gio.tensor_map(reader).get("token_embd.weight")
-    if t is None:
+    if t is not None:
+        return gio.numpy_shape(t)[0]
+    n = gio.array_len(reader, "tokenizer.ggml.tokens")
+    if n <= 0:
         raise ModelError("GGUF has neither tokenizer.ggml.tokens nor token_embd.weight")
-    return gio.numpy_shape(t)[0]
+    return n
 
 
-def _layer_experts(reader: GGUFReader, meta: ModelMeta, layer: int) -> dict[str, TensorRange]:
+def _check_unsupported_tensors(tensors: Mapping[str, ReaderTensor]) -> None:
+    """Refuse per-expert tensors (pre-2024 Mixtral conversions) and llama3 rope factors."""
+    if "rope_freqs.weight" in tensors:
+        raise ModelError(
+            "tensor 'rope_freqs.weight' (llama3-style rope frequency factors) is not supported"
+        )
+    if "blk.0.ffn_gate.0.weight" in tensors:
+        raise ModelError(
+            "this GGUF stores each expert as its own tensor (blk.N.ffn_gate.E.weight, an old "
+            "Mixtral conversion); kvq needs stacked ffn_*_exps tensors: re-convert the model "
+            "with a recent llama.cpp convert_hf_to_gguf.py"
+        )
+
+
+def _layer_experts(
+    tensors: Mapping[str, ReaderTensor], meta: ModelMeta, layer: int
+) -> dict[str, TensorRange]:
     """Full-tensor ranges of one layer's gate/up/down expert stacks, shape-checked."""
-    tensors = gio.tensor_map(reader)
     e, f, h = meta.expert_count, meta.expert_feed_forward_length, meta.embedding_length
     want = {"gate": (e, f, h), "up": (e, f, h), "down": (e, h, f)}
     out: dict[str, TensorRange] = {}
@@ -142,6 +269,7 @@ def _expert_range(t: ReaderTensor, kind: str, want: tuple[int, ...]) -> TensorRa
         raise ModelError(
             f"tensor {t.name!r} has numpy shape {shape}, expected {want} from the metadata"
         )
+    gio.check_supported(int(t.tensor_type), t.name)
     nbytes = gio.nbytes_for(int(t.tensor_type), shape)
     if nbytes != int(t.n_bytes):
         raise ModelError(f"tensor {t.name!r} size {t.n_bytes} != computed {nbytes} bytes")
@@ -153,139 +281,3 @@ def _expert_range(t: ReaderTensor, kind: str, want: tuple[int, ...]) -> TensorRa
         ggml_type=int(t.tensor_type),
         expert_shape=shape[1:],
     )
-
-
-def _check_slice(meta: ModelMeta, layer: int, expert_start: int, expert_end: int) -> None:
-    """ModelError unless `layer` exists and `[expert_start, expert_end)` is a non-empty range."""
-    for label, v in (("layer", layer), ("expert_start", expert_start), ("expert_end", expert_end)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ModelError(f"{label} must be an int, got {v!r}")
-    if not 0 <= layer < meta.block_count:
-        raise ModelError(
-            f"layer {layer} is out of range; the model has layers 0..{meta.block_count - 1}"
-        )
-    if not 0 <= expert_start < expert_end <= meta.expert_count:
-        raise ModelError(
-            f"expert range [{expert_start}, {expert_end}) is invalid; need "
-            f"0 <= start < end <= {meta.expert_count} (the layer's expert count)"
-        )
-    if layer not in meta.expert_tensors:
-        raise ModelError(f"layer {layer} has no expert tensor layout in this ModelMeta")
-
-
-def slice_layout(
-    meta: ModelMeta, layer: int, expert_start: int, expert_end: int
-) -> list[TensorRange]:
-    """Byte ranges of experts `[expert_start, expert_end)` of `layer` in gate, up, down order."""
-    _check_slice(meta, layer, expert_start, expert_end)
-    out: list[TensorRange] = []
-    for kind in EXPERT_KINDS:
-        full = meta.expert_tensors[layer][kind]
-        per_expert = full.nbytes // meta.expert_count
-        out.append(
-            TensorRange(
-                name=full.name,
-                kind=kind,
-                offset=full.offset + expert_start * per_expert,
-                nbytes=(expert_end - expert_start) * per_expert,
-                ggml_type=full.ggml_type,
-                expert_shape=full.expert_shape,
-            )
-        )
-    return out
-
-
-def slice_nbytes(meta: ModelMeta, layer: int, expert_start: int, expert_end: int) -> int:
-    """Total bytes a worker downloads for this slice (sum of the three ranges)."""
-    return sum(r.nbytes for r in slice_layout(meta, layer, expert_start, expert_end))
-
-
-# -- plain-dict form, for publishing the layout (JSON / msgpack: ints, floats, strs, lists) --
-
-_RANGE_KEYS = ("name", "kind", "offset", "nbytes", "ggml_type", "expert_shape")
-
-
-def _as_int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ModelError(f"model layout key {key!r} = {value!r} is not an int")
-    return value
-
-
-def _as_float(key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ModelError(f"model layout key {key!r} = {value!r} is not a number")
-    return float(value)
-
-
-def _as_str(key: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ModelError(f"model layout key {key!r} = {value!r} is not a str")
-    return value
-
-
-_CHECKERS = {"int": _as_int, "float": _as_float, "str": _as_str}
-
-
-def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
-    """`meta` as a dict of plain values; `expert_tensors` becomes a list indexed by layer."""
-    out: dict[str, object] = {
-        f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
-    }
-    out["expert_tensors"] = [
-        [_range_to_dict(meta.expert_tensors[layer][kind]) for kind in EXPERT_KINDS]
-        for layer in sorted(meta.expert_tensors)
-    ]
-    return out
-
-
-def _range_to_dict(r: TensorRange) -> dict[str, object]:
-    return {k: list(r.expert_shape) if k == "expert_shape" else getattr(r, k) for k in _RANGE_KEYS}
-
-
-def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
-    """Inverse of `meta_to_dict`; ModelError naming the first missing or mistyped key."""
-    if not isinstance(d, Mapping):
-        raise ModelError(f"model layout must be a mapping, got {type(d).__name__}")
-    values: dict[str, object] = {}
-    for f in fields(ModelMeta):
-        if f.name == "expert_tensors":
-            continue
-        if f.name not in d:
-            raise ModelError(f"model layout dict lacks key {f.name!r}; republish the model")
-        values[f.name] = _CHECKERS[str(f.type)](f.name, d[f.name])
-    layers = d.get("expert_tensors")
-    if not isinstance(layers, list):
-        raise ModelError(f"model layout 'expert_tensors' must be a list, got {layers!r}")
-    experts = {i: _layer_from_list(i, rows) for i, rows in enumerate(layers)}
-    return ModelMeta(**values, expert_tensors=experts)  # type: ignore[arg-type]
-
-
-def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:
-    """One layer's gate/up/down ranges from their dict form."""
-    if not isinstance(rows, list) or len(rows) != len(EXPERT_KINDS):
-        raise ModelError(
-            f"model layout layer {layer} must list {EXPERT_KINDS} ranges, got {rows!r}"
-        )
-    out: dict[str, TensorRange] = {}
-    for row in rows:
-        if not isinstance(row, Mapping) or any(k not in row for k in _RANGE_KEYS):
-            raise ModelError(f"layer {layer} range {row!r} lacks one of {_RANGE_KEYS}")
-        shape = row["expert_shape"]
-        if not isinstance(shape, list | tuple):
-            raise ModelError(f"layer {layer} expert_shape {shape!r} is not a list of ints")
-        r = TensorRange(
-            name=_as_str("name", row["name"]),
-            kind=_as_str("kind", row["kind"]),
-            offset=_as_int("offset", row["offset"]),
-            nbytes=_as_int("nbytes", row["nbytes"]),
-            ggml_type=_as_int("ggml_type", row["ggml_type"]),
-            expert_shape=tuple(_as_int("expert_shape", s) for s in shape),
-        )
-        if r.kind not in EXPERT_KINDS:
-            raise ModelError(f"layer {layer} range kind {r.kind!r} is not one of {EXPERT_KINDS}")
-        out[r.kind] = r
-    if len(out) != len(EXPERT_KINDS):
-        raise ModelError(
-            f"model layout layer {layer} repeats a kind; need one each of {EXPERT_KINDS}"
-        )
-    return out

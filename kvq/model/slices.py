@@ -11,7 +11,8 @@ import torch
 
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import gguf_io as gio
-from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange, slice_layout
+from kvq.model.layout import slice_layout
+from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
 
 
 @dataclass

@@ -1,73 +1,34 @@
-"""A tiny random qwen3moe model in GGUF, for tests and demos (deterministic from `seed`).
+"""Tiny random MoE models in GGUF, for tests, demos and benches (deterministic from `seed`).
 
-The weights are random but shaped so that generation is numerically sane and the router is
-skewed: every token embedding shares a common direction `u`, and router row e gets
-`bias[e] * u` with Zipf-like `bias`, so a few experts win most tokens, as in real MoE models.
+Any supported arch (`qwen3moe`, `qwen2moe`, `mixtral` = GGUF arch `llama`) and quant type.
+Tensors are named, shaped and typed as llama.cpp writes real models: norms, biases and
+routers stay F32; every other matrix is stored in the requested type (a dense matrix whose
+rows are not whole quant blocks falls back to F32; expert matrices must fit, or ModelError).
+The tokenizer is kvq's byte-level one (ids 0-255 = bytes, then BOS, EOS).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
-from gguf import GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 
 from kvq.errors import ModelError
+from kvq.model.arch import ArchSpec, tiny_arch
+from kvq.model.meta import ROPE_SCALINGS
+from kvq.model.quants import encode, quant_type_named
+from kvq.model.tiny_weights import F32, TinyConfig, tiny_tensors
 from kvq.model.tokenizer import BYTE_TOKENIZER, N_BYTES, byte_token_list
+
+__all__ = ["TinyConfig", "make_tiny", "write_tiny"]
 
 ARCH = "qwen3moe"
 CONTEXT_LENGTH = 512
 ROPE_FREQ_BASE = 1e6
 RMS_EPS = 1e-6
-_SHARED_DIR = 3.0  # weight of the shared embedding direction (drives router skew)
-_ROUTER_SKEW = 1.5  # router bias of the most popular expert, in logits per unit of u.x
-
-F32 = npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    """Dimensions of a tiny model (see `make_tiny`)."""
-
-    layers: int
-    experts: int
-    experts_used: int
-    hidden: int
-    expert_ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def vocab(self) -> int:
-        return N_BYTES + 2
-
-    def check(self) -> None:
-        """ModelError naming the first inconsistent dimension."""
-        for name in (
-            "layers",
-            "experts",
-            "experts_used",
-            "hidden",
-            "expert_ffn",
-            "heads",
-            "kv_heads",
-            "head_dim",
-        ):
-            if getattr(self, name) < 1:
-                raise ModelError(f"make_tiny {name}={getattr(self, name)} must be >= 1")
-        if self.experts_used > self.experts:
-            raise ModelError(
-                f"make_tiny experts_used={self.experts_used} exceeds experts={self.experts}"
-            )
-        if self.heads % self.kv_heads:
-            raise ModelError(
-                f"make_tiny heads={self.heads} is not a multiple of kv_heads={self.kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ModelError(f"make_tiny head_dim={self.head_dim} must be even for RoPE")
+_KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # as llama-quantize does
 
 
 def make_tiny(
@@ -82,16 +43,59 @@ def make_tiny(
     kv_heads: int = 2,
     head_dim: int = 16,
     seed: int = 0,
+    arch: str = ARCH,
+    quant: str = "f32",
+    shared_expert_ffn: int = 0,
+    rope_scaling: str = "none",
+    rope_scaling_factor: float = 1.0,
 ) -> None:
-    """Write a tiny random qwen3moe GGUF (all tensors F32) with a byte tokenizer to `path`."""
-    cfg = TinyConfig(layers, experts, experts_used, hidden, expert_ffn, heads, kv_heads, head_dim)
+    """Write a tiny random MoE model to `path`.
+
+    `arch`: qwen3moe | qwen2moe | mixtral. `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+    q5_1, q4_k, q5_k, q6_k (K-quants need hidden and expert_ffn multiples of 256, the others
+    of 32). `shared_expert_ffn` (qwen2moe; 0 = 2 * expert_ffn). `rope_scaling`: none | linear |
+    yarn, by `rope_scaling_factor` (yarn's original context is the context / factor).
+    """
+    cfg = TinyConfig(
+        layers, experts, experts_used, hidden, expert_ffn, heads, kv_heads, head_dim,
+        shared_expert_ffn,
+    )  # fmt: skip
+    write_tiny(
+        path, cfg, arch=arch, quant=quant, seed=seed, rope=(rope_scaling, rope_scaling_factor)
+    )
+
+
+def write_tiny(
+    path: str | Path,
+    cfg: TinyConfig,
+    *,
+    arch: str = ARCH,
+    quant: str = "f32",
+    seed: int = 0,
+    rope: tuple[str, float] = ("none", 1.0),
+    tokenizer: Callable[[GGUFWriter], None] | None = None,
+    extra: Callable[[GGUFWriter], None] | None = None,
+) -> None:
+    """`make_tiny` from a TinyConfig. `tokenizer` writes the tokenizer keys (default: the
+    byte tokenizer; needed when `cfg.vocab` is not 258); `extra` adds more metadata."""
+    spec, qtype = tiny_arch(arch), quant_type_named(quant)
     cfg.check()
-    tensors = _tensors(cfg, np.random.default_rng(seed))
-    writer = GGUFWriter(str(path), ARCH)
+    _check_quant(cfg, qtype)
+    if rope[0] not in ROPE_SCALINGS or rope[1] <= 0:
+        raise ModelError(
+            f"make_tiny rope_scaling={rope[0]!r} x {rope[1]} is invalid; "
+            f"use one of {ROPE_SCALINGS} with a positive factor"
+        )
+    tensors = tiny_tensors(cfg, spec, np.random.default_rng(seed))
+    writer = GGUFWriter(str(path), spec.name)
     try:
-        _add_metadata(writer, cfg, seed)
+        _add_metadata(writer, cfg, spec, f"kvq-tiny-{arch}-{cfg.layers}L-{cfg.experts}E-s{seed}")
+        _add_rope_scaling(writer, *rope)
+        (tokenizer or _byte_tokenizer)(writer)
+        if extra is not None:
+            extra(writer)
         for name, arr in tensors.items():
-            writer.add_tensor(name, arr)
+            _add_tensor(writer, name, arr, qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -99,76 +103,59 @@ def make_tiny(
         writer.close()
 
 
-def _add_metadata(w: GGUFWriter, cfg: TinyConfig, seed: int) -> None:
-    w.add_name(f"kvq-tiny-{cfg.layers}L-{cfg.experts}E-s{seed}")
+def _add_rope_scaling(w: GGUFWriter, kind: str, factor: float) -> None:
+    if kind != "none":
+        w.add_rope_scaling_type(RopeScalingType(kind))
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(max(1, round(CONTEXT_LENGTH / factor)))
+
+
+def _check_quant(cfg: TinyConfig, qtype: GGMLQuantizationType) -> None:
+    """Expert rows (hidden for gate/up, expert_ffn for down) must be whole quant blocks."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    for name, value in (("hidden", cfg.hidden), ("expert_ffn", cfg.expert_ffn)):
+        if value % block:
+            raise ModelError(
+                f"make_tiny {name}={value} is not a multiple of the {qtype.name} block size "
+                f"{block}; use a multiple of {block} (e.g. --{name.replace('_', '-')} {block})"
+            )
+
+
+def _add_tensor(w: GGUFWriter, name: str, arr: F32, qtype: GGMLQuantizationType) -> None:
+    """Store `arr` as `qtype`, except vectors, routers, and rows that are not whole blocks."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    keep = arr.ndim == 1 or name.endswith(_KEEP_F32) or arr.shape[-1] % block
+    t = GGMLQuantizationType.F32 if keep else qtype
+    w.add_tensor(name, encode(arr, t), raw_dtype=t)
+
+
+def _add_metadata(w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec, name: str) -> None:
+    """Hyper-parameters under the keys llama.cpp's converter writes for `spec`'s arch."""
+    w.add_name(name)
     w.add_block_count(cfg.layers)
     w.add_context_length(CONTEXT_LENGTH)
     w.add_embedding_length(cfg.hidden)
     w.add_feed_forward_length(cfg.expert_ffn)
-    w.add_expert_feed_forward_length(cfg.expert_ffn)
+    if spec.name != "llama":  # Mixtral files carry the expert width as feed_forward_length
+        w.add_expert_feed_forward_length(cfg.expert_ffn)
+    if spec.shared_expert:
+        w.add_expert_shared_feed_forward_length(cfg.shared_ffn)
     w.add_head_count(cfg.heads)
     w.add_head_count_kv(cfg.kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if spec.qk_norm or cfg.head_dim * cfg.heads != cfg.hidden:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if spec.name == "llama":
+        w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(ROPE_FREQ_BASE)
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
+
+
+def _byte_tokenizer(w: GGUFWriter) -> None:
     w.add_tokenizer_model(BYTE_TOKENIZER)
     w.add_token_list(byte_token_list())
     w.add_token_types([TokenType.BYTE] * N_BYTES + [TokenType.CONTROL] * 2)
     w.add_bos_token_id(N_BYTES)
     w.add_eos_token_id(N_BYTES + 1)
-
-
-def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> F32:
-    return (rng.standard_normal(shape) * std).astype(np.float32)
-
-
-def _norm_weight(rng: np.random.Generator, n: int) -> F32:
-    # near 1 so RMSNorm keeps unit scale, slightly varied so the weight is observable
-    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-
-def _tensors(cfg: TinyConfig, rng: np.random.Generator) -> dict[str, F32]:
-    """All weights in numpy order (GGUF dims are the reverse)."""
-    h = cfg.hidden
-    raw = rng.standard_normal(h)
-    u: F32 = (raw / np.linalg.norm(raw)).astype(np.float32)  # [H] shared direction, unit length
-    embd = _normal(rng, (cfg.vocab, h), 1.0) + _SHARED_DIR * u[None, :]  # [V, H]
-    out: dict[str, F32] = {"token_embd.weight": embd.astype(np.float32)}
-    bias = _router_bias(cfg.experts, rng)  # [E]
-    for layer in range(cfg.layers):
-        out.update(_layer_tensors(cfg, rng, layer, u, bias))
-    out["output_norm.weight"] = _norm_weight(rng, h)  # [H]
-    out["output.weight"] = _normal(rng, (cfg.vocab, h), 3.0 / np.sqrt(h))  # [V, H]
-    return out
-
-
-def _router_bias(experts: int, rng: np.random.Generator) -> F32:
-    """Zipf-like per-expert bias, in a seed-dependent order so popular ids vary by seed."""
-    zipf = _ROUTER_SKEW / np.arange(1, experts + 1)  # [E] 1/rank
-    return zipf[rng.permutation(experts)].astype(np.float32)
-
-
-def _layer_tensors(
-    cfg: TinyConfig, rng: np.random.Generator, layer: int, u: F32, bias: F32
-) -> dict[str, F32]:
-    h, f, e, d = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.head_dim
-    q_out, kv_out = cfg.heads * d, cfg.kv_heads * d
-    router = _normal(rng, (e, h), 1.0 / np.sqrt(h)) + np.outer(bias, u)  # [E, H]
-    p = f"blk.{layer}."
-    return {
-        p + "attn_norm.weight": _norm_weight(rng, h),  # [H]
-        p + "attn_q.weight": _normal(rng, (q_out, h), 1.0 / np.sqrt(h)),  # [heads*d, H]
-        p + "attn_k.weight": _normal(rng, (kv_out, h), 1.0 / np.sqrt(h)),  # [kv*d, H]
-        p + "attn_v.weight": _normal(rng, (kv_out, h), 1.0 / np.sqrt(h)),  # [kv*d, H]
-        p + "attn_output.weight": _normal(rng, (h, q_out), 1.0 / np.sqrt(q_out)),  # [H, heads*d]
-        p + "attn_q_norm.weight": _norm_weight(rng, d),  # [d]
-        p + "attn_k_norm.weight": _norm_weight(rng, d),  # [d]
-        p + "ffn_norm.weight": _norm_weight(rng, h),  # [H]
-        p + "ffn_gate_inp.weight": router.astype(np.float32),  # [E, H]
-        p + "ffn_gate_exps.weight": _normal(rng, (e, f, h), 1.0 / np.sqrt(h)),  # [E, F, H]
-        p + "ffn_up_exps.weight": _normal(rng, (e, f, h), 1.0 / np.sqrt(h)),  # [E, F, H]
-        p + "ffn_down_exps.weight": _normal(rng, (e, h, f), 1.0 / np.sqrt(f)),  # [E, H, F]
-    }

@@ -1,10 +1,17 @@
-"""Byte-level tokenizer of the tiny test models: ids 0..255 are bytes, then BOS and EOS."""
+"""Tokenizers: `load_tokenizer` picks the one a model carries.
+
+Synthetic models (`make_tiny`) use kvq's byte-level tokenizer: ids 0..255 are bytes, then BOS
+and EOS. Real GGUF files carry a BPE vocabulary, run by `kvq.model.gguf_tokenizer`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
 
 from kvq.errors import ModelError
+from kvq.model import gguf_io as gio
 from kvq.model.meta import ModelMeta
 
 BYTE_TOKENIZER = "kvq-bytes"
@@ -40,11 +47,44 @@ class ByteTokenizer:
             raise ModelError(f"vocab size {meta.vocab_size} is too small for 256 bytes + BOS/EOS")
         return cls(meta.bos_id, meta.eos_id)
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = True) -> list[int]:
         """UTF-8 bytes of `text` as ids, BOS first unless `add_bos` is False."""
         ids = list(text.encode("utf-8"))
-        return [self.bos_id, *ids] if add_bos else ids
+        return [self.bos_id, *ids] if add_bos is not False else ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the byte ids (special ids dropped; invalid UTF-8 becomes U+FFFD)."""
         return bytes(i for i in ids if 0 <= i < N_BYTES).decode("utf-8", errors="replace")
+
+
+class Tokenizer(Protocol):
+    """What kvq needs of a tokenizer."""
+
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+def load_tokenizer(source: ModelMeta | str | Path) -> Tokenizer:
+    """The tokenizer of a model: from a GGUF path (any supported tokenizer), or from a
+    ModelMeta (only the byte tokenizer; a real vocabulary lives in the file, not the meta)."""
+    if isinstance(source, ModelMeta):
+        if source.tokenizer_model != BYTE_TOKENIZER:
+            raise ModelError(
+                f"model {source.name!r} has a {source.tokenizer_model!r} tokenizer whose "
+                "vocabulary is in the GGUF file; call load_tokenizer with the file's path"
+            )
+        return ByteTokenizer.from_meta(source)
+    reader = gio.open_reader(source)
+    kind = gio.str_field(reader, "tokenizer.ggml.model", "")
+    if kind == BYTE_TOKENIZER:
+        return ByteTokenizer(
+            gio.int_field(reader, "tokenizer.ggml.bos_token_id"),
+            gio.int_field(reader, "tokenizer.ggml.eos_token_id"),
+        )
+    from kvq.model.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(reader, repr(str(source)))

@@ -51,3 +51,19 @@ def backbone(tiny_path: Path) -> Backbone:
 @pytest.fixture(scope="session")
 def odd_backbone(odd_path: Path) -> Backbone:
     return Backbone.from_gguf(odd_path)
+
+
+@pytest.fixture(scope="session")
+def qwen2_backbone(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
+    """A qwen2moe model (q/k/v biases, shared expert) with the odd dims."""
+    path = tmp_path_factory.mktemp("qwen2") / "qwen2moe.gguf"
+    make_tiny(path, arch="qwen2moe", shared_expert_ffn=40, **ODD)  # type: ignore[arg-type]
+    return Backbone.from_gguf(path)
+
+
+@pytest.fixture(scope="session")
+def mixtral_backbone(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
+    """A Mixtral-style `llama` model (NORM rope, permuted Q/K) with the odd dims."""
+    path = tmp_path_factory.mktemp("mixtral") / "mixtral.gguf"
+    make_tiny(path, arch="mixtral", **ODD)  # type: ignore[arg-type]
+    return Backbone.from_gguf(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -10,8 +9,9 @@ import pytest
 import torch
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, ByteTokenizer, ExpertSlice, SeqStep, expert_forward
+from kvq.model import Backbone, ByteTokenizer, ExpertSlice, KVCache, SeqStep, expert_forward
 
+ALL_BACKBONES = ["backbone", "odd_backbone", "qwen2_backbone", "mixtral_backbone"]
 PROMPTS = [
     "abc",
     "The quick brown fox",
@@ -30,7 +30,7 @@ def _alone(bb: Backbone, tokens: list[int]) -> torch.Tensor:
     return bb.forward([SeqStep(tokens, bb.new_cache())])[0]  # [V]
 
 
-@pytest.mark.parametrize("which", ["backbone", "odd_backbone"])
+@pytest.mark.parametrize("which", ALL_BACKBONES)
 def test_batched_forward_equals_each_alone(which: str, request: pytest.FixtureRequest) -> None:
     bb: Backbone = request.getfixturevalue(which)
     a, b = _ids(bb, "hello there"), _ids(bb, "MoE")
@@ -47,7 +47,7 @@ def test_batched_forward_equals_each_alone(which: str, request: pytest.FixtureRe
     assert (ca.length, cb.length) == (len(a) + 1, len(b))
 
 
-@pytest.mark.parametrize("which", ["backbone", "odd_backbone"])
+@pytest.mark.parametrize("which", ALL_BACKBONES)
 def test_cached_decode_equals_full_recompute(which: str, request: pytest.FixtureRequest) -> None:
     bb: Backbone = request.getfixturevalue(which)
     seq = _ids(bb, "kv caches must not change the answer")
@@ -88,7 +88,7 @@ def _split_moe(bb: Backbone, cut: int):  # type: ignore[no-untyped-def]
     return moe
 
 
-@pytest.mark.parametrize("which", ["backbone", "odd_backbone"])
+@pytest.mark.parametrize("which", ALL_BACKBONES)
 def test_split_moe_gives_identical_greedy_tokens(
     which: str, request: pytest.FixtureRequest
 ) -> None:
@@ -130,13 +130,6 @@ def test_router_popularity_is_skewed(backbone: Backbone) -> None:
     assert len(ranked) == backbone.meta.expert_count  # ...yet every expert gets some work
 
 
-def test_load_and_generate_is_fast(tiny_path: Path) -> None:
-    start = time.perf_counter()
-    bb = Backbone.from_gguf(tiny_path)
-    bb.generate(_ids(bb, "speed"), 16, stop_at_eos=False)
-    assert time.perf_counter() - start < 3.0  # typically ~0.05 s; loose for busy CI
-
-
 def test_bfloat16_backbone_runs(tiny_path: Path) -> None:
     bb = Backbone.from_gguf(tiny_path, dtype=torch.bfloat16)
     assert bb.experts[0].gate.dtype == torch.bfloat16
@@ -162,3 +155,16 @@ def test_bad_steps_raise_and_leave_caches_alone(backbone: Backbone) -> None:
     with pytest.raises(ModelError, match="moe fn returned shape"):
         backbone.forward([SeqStep([1, 2], cache)], moe=bad_moe)
     assert cache.length == 0
+
+
+def test_kv_cache_grows_without_changing_the_answer(odd_backbone: Backbone) -> None:
+    bb, seq = odd_backbone, _ids(odd_backbone, "a cache that starts small and doubles")
+    small = KVCache(bb.meta.block_count, bb.meta.context_length, bb.meta.head_count_kv,
+                    bb.meta.head_dim, initial=3)  # fmt: skip
+    bb.forward([SeqStep(seq[:5], small)])  # 3 -> 6
+    for t in seq[5:]:
+        got = bb.forward([SeqStep([t], small)])[0]
+    assert small.capacity < bb.meta.context_length
+    assert small.capacity >= len(seq) and small.length == len(seq)
+    torch.testing.assert_close(got, _alone(bb, seq), rtol=1e-5, atol=1e-5)
+    assert bb.new_cache().capacity == 256  # not the whole 512-position context up front

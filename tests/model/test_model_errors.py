@@ -52,7 +52,7 @@ def test_unsupported_arch(tmp_path: Path) -> None:
 
 def test_missing_metadata_key(tmp_path: Path) -> None:
     path = tmp_path / "partial.gguf"
-    _write(path, "qwen3moe", {"qwen3moe.block_count": 1})
+    _write(path, "qwen3moe", {"qwen3moe.block_count": 1, "qwen3moe.expert_count": 4})
     with pytest.raises(ModelError, match="qwen3moe.embedding_length"):
         read_meta(path)
 

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import ModelError
-from kvq.model import ExpertSlice, expert_forward, expert_forward_reference, load_slice, read_meta
+from kvq.model import (
+    ExpertSlice,
+    expert_forward,
+    expert_forward_reference,
+    load_slice,
+    make_tiny,
+    read_meta,
+)
 
 E, F_, H = 6, 48, 32
 
@@ -132,3 +139,20 @@ def test_bad_shapes_raise() -> None:
         expert_forward(sl, x, ids, w[:, :1])
     with pytest.raises(ModelError, match="int64"):
         expert_forward(sl, x, ids.int(), w)
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("qwen3moe", "q4_k"), ("mixtral", "q6_k"),
+                                             ("qwen2moe", "q5_0")])  # fmt: skip
+def test_quantized_model_slice_matches_float64_reference(
+    tmp_path: Path, arch: str, quant: str
+) -> None:
+    path = tmp_path / "q.gguf"
+    make_tiny(path, arch=arch, quant=quant, experts=6, experts_used=3, hidden=256,
+              expert_ffn=256, seed=9)  # fmt: skip
+    meta = read_meta(path)
+    sl = load_slice(path, meta, 1, 2, 5)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 256, generator=g)  # [T, H]
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(24)])  # [T, 3]
+    w = torch.softmax(torch.randn(24, 3, generator=g), dim=-1)  # [T, 3]
+    _close(expert_forward(sl, x, ids, w), _reference(sl, x, ids, w))

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf import GGML_QUANT_SIZES, GGUFReader
+from gguf.quants import dequantize
 
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.model import decode_slice, load_slice, read_meta, read_slice_file, slice_layout
-from kvq.model import tiny as tiny_mod
+from kvq.model import decode_slice, load_slice, make_tiny, read_meta, read_slice_file, slice_layout
+from kvq.model.quants import QUANT_NAMES
 
 
 def _full(path: Path, name: str) -> np.ndarray:
@@ -73,32 +73,35 @@ def test_truncated_file_raises_integrity_error(odd_path: Path, tmp_path: Path) -
         read_slice_file(tmp_path / "nope.gguf", slice_layout(meta, 1, 4, 6))
 
 
-def _write_quantized(path: Path, qtype: GGMLQuantizationType) -> None:
-    """A tiny model whose expert stacks are stored as `qtype` (the rest F32)."""
-    cfg = tiny_mod.TinyConfig(2, 4, 2, 64, 64, 4, 2, 16)
-    tensors = tiny_mod._tensors(cfg, np.random.default_rng(1))
-    w = GGUFWriter(str(path), "qwen3moe")
-    tiny_mod._add_metadata(w, cfg, 1)
-    for name, arr in tensors.items():
-        if "_exps" in name:
-            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("quant", sorted(QUANT_NAMES))
+@pytest.mark.parametrize(("e0", "e1"), [(0, 1), (1, 3), (3, 4)])
 def test_quantized_slices_decode_like_the_whole_tensor(
-    tmp_path: Path, qtype: GGMLQuantizationType
+    quant_models: dict[str, Path], quant: str, e0: int, e1: int
 ) -> None:
-    path = tmp_path / f"{qtype.name}.gguf"
-    _write_quantized(path, qtype)
+    path = quant_models[quant]
     meta = read_meta(path)
-    assert meta.expert_tensors[0]["up"].ggml_type == qtype
-    sl = load_slice(path, meta, 1, 1, 3)
-    for kind in ("gate", "up", "down"):
-        want = _full(path, f"blk.1.ffn_{kind}_exps.weight").reshape(4, 64, 64)[1:3]
-        assert np.array_equal(getattr(sl, kind).numpy(), want)
+    qtype = QUANT_NAMES[quant]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    for layer in range(meta.block_count):
+        layout = slice_layout(meta, layer, e0, e1)
+        for r in layout:  # block-aligned: each expert is a whole number of rows of blocks
+            assert r.ggml_type == qtype
+            per_expert = r.expert_shape[0] * r.expert_shape[1] // block * type_size
+            assert r.nbytes == (e1 - e0) * per_expert
+            assert (r.offset - meta.expert_tensors[layer][r.kind].offset) % per_expert == 0
+        sl = load_slice(path, meta, layer, e0, e1)
+        for kind in ("gate", "up", "down"):
+            want = _full(path, f"blk.{layer}.ffn_{kind}_exps.weight")
+            want = want.reshape(meta.expert_count, *getattr(sl, kind).shape[1:])[e0:e1]
+            assert np.array_equal(getattr(sl, kind).numpy(), want)
+
+
+@pytest.fixture(scope="module")
+def quant_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One 4-expert model per supported quant type (256-wide, so K-quants fit)."""
+    out = {}
+    for quant in QUANT_NAMES:
+        path = tmp_path_factory.mktemp("quant") / f"{quant}.gguf"
+        make_tiny(path, layers=2, experts=4, hidden=256, expert_ffn=256, quant=quant, seed=2)
+        out[quant] = path
+    return out

@@ -1,0 +1,109 @@
+"""ModelMeta as plain values (ints, floats, strs, bools, lists) for publishing over Redis/JSON.
+
+Fields that have a default in `ModelMeta` may be absent (a layout published by an older kvq);
+the others must be present with the right type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+
+from kvq.errors import ModelError
+from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
+
+_RANGE_KEYS = ("name", "kind", "offset", "nbytes", "ggml_type", "expert_shape")
+
+
+def _as_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"model layout key {key!r} = {value!r} is not an int")
+    return value
+
+
+def _as_float(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelError(f"model layout key {key!r} = {value!r} is not a number")
+    return float(value)
+
+
+def _as_str(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ModelError(f"model layout key {key!r} = {value!r} is not a str")
+    return value
+
+
+def _as_bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ModelError(f"model layout key {key!r} = {value!r} is not a bool")
+    return value
+
+
+_CHECKERS = {"int": _as_int, "float": _as_float, "str": _as_str, "bool": _as_bool}
+
+
+def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
+    """`meta` as a dict of plain values; `expert_tensors` becomes a list indexed by layer."""
+    out: dict[str, object] = {
+        f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
+    }
+    out["expert_tensors"] = [
+        [_range_to_dict(meta.expert_tensors[layer][kind]) for kind in EXPERT_KINDS]
+        for layer in sorted(meta.expert_tensors)
+    ]
+    return out
+
+
+def _range_to_dict(r: TensorRange) -> dict[str, object]:
+    return {k: list(r.expert_shape) if k == "expert_shape" else getattr(r, k) for k in _RANGE_KEYS}
+
+
+def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
+    """Inverse of `meta_to_dict`; ModelError naming the first missing or mistyped key."""
+    if not isinstance(d, Mapping):
+        raise ModelError(f"model layout must be a mapping, got {type(d).__name__}")
+    values: dict[str, object] = {}
+    for f in fields(ModelMeta):
+        if f.name == "expert_tensors":
+            continue
+        if f.name not in d and f.default is not MISSING:
+            continue  # published by an older kvq: keep the default
+        if f.name not in d:
+            raise ModelError(f"model layout dict lacks key {f.name!r}; republish the model")
+        values[f.name] = _CHECKERS[str(f.type)](f.name, d[f.name])
+    layers = d.get("expert_tensors")
+    if not isinstance(layers, list):
+        raise ModelError(f"model layout 'expert_tensors' must be a list, got {layers!r}")
+    experts = {i: _layer_from_list(i, rows) for i, rows in enumerate(layers)}
+    return ModelMeta(**values, expert_tensors=experts)  # type: ignore[arg-type]
+
+
+def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:
+    """One layer's gate/up/down ranges from their dict form."""
+    if not isinstance(rows, list) or len(rows) != len(EXPERT_KINDS):
+        raise ModelError(
+            f"model layout layer {layer} must list {EXPERT_KINDS} ranges, got {rows!r}"
+        )
+    out: dict[str, TensorRange] = {}
+    for row in rows:
+        if not isinstance(row, Mapping) or any(k not in row for k in _RANGE_KEYS):
+            raise ModelError(f"layer {layer} range {row!r} lacks one of {_RANGE_KEYS}")
+        shape = row["expert_shape"]
+        if not isinstance(shape, list | tuple):
+            raise ModelError(f"layer {layer} expert_shape {shape!r} is not a list of ints")
+        r = TensorRange(
+            name=_as_str("name", row["name"]),
+            kind=_as_str("kind", row["kind"]),
+            offset=_as_int("offset", row["offset"]),
+            nbytes=_as_int("nbytes", row["nbytes"]),
+            ggml_type=_as_int("ggml_type", row["ggml_type"]),
+            expert_shape=tuple(_as_int("expert_shape", s) for s in shape),
+        )
+        if r.kind not in EXPERT_KINDS:
+            raise ModelError(f"layer {layer} range kind {r.kind!r} is not one of {EXPERT_KINDS}")
+        out[r.kind] = r
+    if len(out) != len(EXPERT_KINDS):
+        raise ModelError(
+            f"model layout layer {layer} repeats a kind; need one each of {EXPERT_KINDS}"
+        )
+    return out

@@ -1,0 +1,133 @@
+"""`kvq model make-tiny|inspect`, `kvq generate`, `kvq bench experts`, run in-process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvq.cli import main
+from kvq.cli import model as cli_model
+from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
+from kvq.model.arch import TINY_ARCHS
+from kvq.model.quants import QUANT_NAMES
+from kvq.model.tiny import TinyConfig, write_tiny
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out = _run(capsys, *argv)
+    assert code == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_cli_choices_match_the_library() -> None:
+    assert sorted(cli_model.ARCHS) == sorted(TINY_ARCHS)
+    assert list(cli_model.QUANTS) == list(QUANT_NAMES)
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("qwen2moe", "q4_k"), ("mixtral", "q5_0")])
+def test_make_tiny_then_inspect(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, arch: str, quant: str
+) -> None:
+    path = str(tmp_path / "m.gguf")
+    code, out = _run(capsys, "model", "make-tiny", path, "--arch", arch, "--quant", quant,
+                     "--hidden", "256", "--expert-ffn", "256", "--experts", "6", "--layers", "3")  # fmt: skip
+    assert code == 0 and "wrote" in out
+    d = _json(capsys, "model", "inspect", path, "--slice-experts", "4", "--json")
+    meta = read_meta(path)
+    assert d["arch"] == TINY_ARCHS[arch] and (d["block_count"], d["expert_count"]) == (3, 6)
+    assert (d["expert_used_count"], d["embedding_length"]) == (2, 256)
+    assert d["expert_feed_forward_length"] == 256
+    assert d["quant_types"]["ffn_down_exps"] == {quant.upper(): 3}
+    assert d["quant_types"]["ffn_gate_inp"] == {"F32": 3}
+    want = [(layer, e0, min(e0 + 4, 6)) for layer in range(3) for e0 in (0, 4)]
+    assert [(s["layer"], s["expert_start"], s["expert_end"]) for s in d["slices"]] == want
+    assert all(s["bytes"] == slice_nbytes(meta, *want[i]) for i, s in enumerate(d["slices"]))
+    code, text = _run(capsys, "model", "inspect", path)
+    assert code == 0 and "ffn_gate_exps" in text and quant.upper() in text and "slices" in text
+
+
+def test_make_tiny_refuses_dims_that_are_not_whole_blocks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(["model", "make-tiny", str(tmp_path / "x.gguf"), "--quant", "q4_k"])
+    assert code == 1
+    assert "hidden=64 is not a multiple of the Q4_K block size 256" in capsys.readouterr().err
+
+
+def test_generate_json_matches_the_library(
+    capsys: pytest.CaptureFixture[str], odd_path: Path, odd_backbone: Backbone
+) -> None:
+    tok = load_tokenizer(odd_path)
+    d = _json(capsys, "generate", "--model", str(odd_path), "--prompt", "hi there",
+              "--max-tokens", "7", "--json")  # fmt: skip
+    want = odd_backbone.generate(tok.encode("hi there"), 7)
+    assert d["token_ids"] == want and d["text"] == tok.decode(want)
+    assert d["prompt_ids"] == tok.encode("hi there")
+    d2 = _json(capsys, "generate", "--model", str(odd_path), "--prompt-ids", "256,104,105",
+               "--max-tokens", "3", "--json")  # fmt: skip
+    assert d2["token_ids"] == odd_backbone.generate([256, 104, 105], 3)
+
+
+def test_generate_sampling_is_seeded(capsys: pytest.CaptureFixture[str], odd_path: Path) -> None:
+    args = ["generate", "--model", str(odd_path), "--prompt", "x", "--max-tokens", "12",
+            "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--json"]  # fmt: skip
+    a = _json(capsys, *args, "--seed", "1")["token_ids"]
+    assert a == _json(capsys, *args, "--seed", "1")["token_ids"]
+    assert a != _json(capsys, *args, "--seed", "2")["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--prompt-ids", "1,x"], ["--prompt-ids", "-1"], ["--prompt", "a", "--prompt-ids", "1"], []],
+)
+def test_generate_usage_errors_exit_2(odd_path: Path, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(odd_path), *argv])
+    assert exc.value.code == 2
+
+
+def test_generate_bad_sampling_exits_1(capsys: pytest.CaptureFixture[str], odd_path: Path) -> None:
+    assert main(["generate", "--model", str(odd_path), "--prompt", "a", "--top-p", "0"]) == 1
+    assert "top_p 0.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_generate_prints_real_text_with_the_files_tokenizer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import tokenizer_fixtures as fx
+
+    trained = fx.train_byte_level()
+    path = tmp_path / "bpe-model.gguf"
+    cfg = TinyConfig(2, 4, 2, 32, 32, 4, 2, 8, vocab=trained.get_vocab_size())
+    write_tiny(path, cfg, seed=4, tokenizer=lambda w: fx.add_byte_level_vocab(w, trained))
+    d = _json(capsys, "generate", "--model", str(path), "--prompt", "The quick brown fox",
+              "--max-tokens", "10", "--json")  # fmt: skip
+    assert d["prompt_ids"] == trained.encode("The quick brown fox").ids
+    assert d["text"] == trained.decode(d["token_ids"]) and len(d["text"]) >= 10
+    code, out = _run(capsys, "generate", "--model", str(path), "--prompt", "The quick brown fox",
+                     "--max-tokens", "10")  # fmt: skip
+    assert code == 0 and out == d["text"] + "\n"  # streamed as it was generated
+
+
+def test_bench_experts_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    d = _json(capsys, "bench", "experts", "--json", "--hidden", "64", "--expert-ffn", "64",
+              "--experts", "4", "--experts-used", "2", "--repeat", "1", "--quants", "q8_0,q4_k")  # fmt: skip
+    assert set(d["ratio_vs_matmul"]) == {"1", "8", "64"}
+    for row in d["expert_ffn"]:
+        assert row["ffn_gflops"] > 0 and row["matmul_gflops"] > 0 and row["ratio_vs_matmul"] > 0
+    q8, q4k = d["slice_load"]
+    assert (
+        q8["quant"] == "q8_0" and q8["mb_per_s"] > 0 and q8["bytes"] == 3 * 2 * 64 * 64 // 32 * 34
+    )
+    assert q4k == {"quant": "q4_k", "skipped": "hidden 64 / expert_ffn 64 not multiples of 256"}
+    assert main(["bench", "experts", "--experts", "2", "--experts-used", "3"]) == 2
