@@ -23,7 +23,9 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix")
 class Settings(BaseSettings):
     """Every knob of every kvq process (units in the names)."""
 
-    model_config = SettingsConfigDict(env_prefix="KVQ_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="KVQ_", extra="forbid", frozen=True, allow_inf_nan=False
+    )
 
     # -- Redis / bus --------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")

@@ -1,8 +1,9 @@
 """The one wire codec: versioned msgpack maps, used by every producer and consumer.
 
-A stream entry has two fields: `t` (the message type, plain text for `redis-cli`) and `m` (the
-msgpack map). Small human-facing messages (requests, reply events) also carry their scalar
-fields as plain text next to `m` so that `XRANGE` is readable; decoding reads `m` only.
+A stream entry's field `m` holds the msgpack map. The hot path (jobs, results) carries nothing
+else: each stream holds one message type, and every extra field costs on both sides of the
+bus. Small human-facing messages (requests, reply events) also carry `t` (the type) and their
+scalar fields as plain text so that `XRANGE` is readable; decoding reads `m` only.
 
 Messages are `msgspec` structs encoded as msgpack maps (field names as keys, a `v` version
 field); decoding validates types, ranges and tensor sizes before any tensor is built. Tensors
@@ -150,9 +151,12 @@ def pack(msg: _Msg) -> bytes:
 def encode(msg: _Msg) -> dict[str, bytes | str]:
     """Message → stream entry fields."""
     name = _NAMES[type(msg)]
-    fields: dict[str, bytes | str] = {"t": name, "m": _ENCODER.encode(msg)}
-    for attr in _READABLE.get(name, ()):
-        fields[attr] = str(getattr(msg, attr))
+    fields: dict[str, bytes | str] = {"m": _ENCODER.encode(msg)}
+    readable = _READABLE.get(name)
+    if readable:  # small human-facing messages also carry a readable copy for redis-cli
+        fields["t"] = name
+        for attr in readable:
+            fields[attr] = str(getattr(msg, attr))
     return fields
 
 

@@ -133,14 +133,12 @@ class Coordinator:
             )
             self.requests.ack(eid)
             return
-        problem = self._validate(req)
         ids = (
             req.prompt_ids
             if req.prompt_ids is not None
             else self.tokenizer.encode(req.prompt or "")
         )
-        if problem is None and not ids:
-            problem = "empty prompt: give prompt or prompt_ids"
+        problem = self._validate(req, ids)
         if problem is not None:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
@@ -152,7 +150,8 @@ class Coordinator:
             return
         self.engine.admit(req.request_id, ids, req.max_tokens, eid)
 
-    def _validate(self, req: wire.Request) -> str | None:
+    def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
+        """Why the request cannot be served, or None."""
         if req.model != self.model:
             return f"request for model {req.model!r} reached the coordinator of {self.model!r}"
         if req.max_tokens > self.s.max_tokens_limit:
@@ -164,7 +163,9 @@ class Coordinator:
         vocab = self.backbone.meta.vocab_size
         if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             return f"prompt_ids must be in [0, {vocab})"
-        n = len(req.prompt_ids or []) or len((req.prompt or "").encode())
+        if not ids:
+            return "empty prompt: give prompt or prompt_ids"
+        n = len(ids)  # tokens of this model's vocabulary
         if n + req.max_tokens >= self.backbone.meta.context_length:
             return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
         return None

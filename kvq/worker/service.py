@@ -25,7 +25,7 @@ from kvq.bank import Bank, BankOptions
 from kvq.bus import Backoff, Consumer, Scripts, connect, dead_letter, is_connection_error, xadd
 from kvq.config import Settings
 from kvq.device import compute_dtype, pick_device
-from kvq.errors import KvqError, WireError
+from kvq.errors import BankError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, Keys
 from kvq.model import decode_slice
 from kvq.registry import SliceSpec, list_models, load_model
@@ -105,6 +105,8 @@ class Worker:
             except KvqError as exc:
                 log.error("cannot serve %s %s: %s", model, sid, exc)
                 self.scripts.release(self.r, model, self.id)
+                if isinstance(exc, BankError):
+                    raise  # this node's bank settings cannot work: retrying would loop forever
                 continue
             return True
         return False
