@@ -21,7 +21,7 @@ from kvq.bus import connect, redacted_url
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
 from kvq.keys import Keys
-from kvq.model import make_tiny, read_meta, slice_nbytes
+from kvq.model import make_tiny, read_meta
 from kvq.procs import Children
 from kvq.server import EmbeddedRedis
 
@@ -34,8 +34,8 @@ class DemoOptions:
     redis_url: str | None = None
     model_path: str | None = None
     workers: int = 2
-    requests: int = 8
-    max_tokens: int = 24
+    requests: int = 16
+    max_tokens: int = 32
     timeout_s: float = 120.0
     log_dir: str | None = None
 
@@ -59,7 +59,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             say(f"made a tiny MoE model: {model_path}")
         s = settings.model_copy(update={"redis_url": url})
         env = child_env(
-            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.3,
+            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
             idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
             dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
         )  # fmt: skip
@@ -102,13 +102,12 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
 
 
 def _quarter_of_experts_gib(model_path: str) -> float:
-    """A hot budget of a quarter of the expert bytes, so the demo shows hot and cold hits (on a
-    CPU the default budget is 0: no accelerator, every expert is read in place from RAM)."""
-    meta = read_meta(model_path)
-    total = sum(
-        slice_nbytes(meta, layer, 0, meta.expert_count) for layer in range(meta.block_count)
-    )
-    return total / 4 / 2**30
+    """A hot budget of a quarter of the experts, so the demo shows hot and cold hits (on a CPU
+    the default budget is 0: no accelerator, every expert is read in place from RAM). Banks hold
+    dequantized fp32 experts, so the budget counts those bytes, not the file's."""
+    m = read_meta(model_path)
+    per_layer = m.expert_count * 3 * m.embedding_length * m.expert_feed_forward_length * 4
+    return m.block_count * per_layer / 4 / 2**30
 
 
 def _flush_prefix(r: redis.Redis, keys: Keys) -> None:

@@ -55,10 +55,11 @@ def test_demo_json_twice_in_a_row() -> None:
         for key in ("requests_completed", "tokens_generated", "local_jobs", "remote_jobs",
                     "fallback_jobs", "workers_recruited", "remote_matches_local", "redis", "wall_s"):  # fmt: skip
             assert key in summary
-        assert summary["requests_completed"] == 8
+        assert summary["requests_completed"] == 16
         assert summary["remote_jobs"] > 0 and summary["local_jobs"] > 0
         assert summary["remote_matches_local"] is True
         assert summary["workers_recruited"] == 2
+        assert summary["saturated_during_burst"] is True
         assert summary["redis"] == "embedded"
         hot, cold = summary["hot_hit_rate"], summary["cold_hit_rate"]
         assert 0 < hot < 1 and abs(hot + cold - 1) < 1e-3, "a quarter-size hot bank: both hit"
