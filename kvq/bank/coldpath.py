@@ -9,13 +9,13 @@ faster depends on the bus, the batch and the expert size, so a node measures bot
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvq.device import timed_call
 from kvq.errors import BankError
 
 MEASURE_ROWS = 8  # tokens per measured expert call: a decode-sized batch
@@ -53,15 +53,7 @@ def ffn(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> t
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
     """Median seconds of MEASURE_REPS calls after one warm-up."""
     fn()
-    times = []
-    for _ in range(MEASURE_REPS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    times = [timed_call(fn, device) for _ in range(MEASURE_REPS)]
     return sorted(times)[len(times) // 2]
 
 

@@ -7,20 +7,12 @@ import torch
 from kvq.bank.coldpath import ffn
 from kvq.bank.store import LayerStore, SlotMap
 from kvq.errors import BankError
+from kvq.model.experts import check_inputs as check_expert_inputs
 
 
 def check_inputs(st: LayerStore, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
-    """BankError on shape or dtype mismatches (cheap checks, no host sync)."""
-    hidden = st.cold[0].shape[2]
-    if x.ndim != 2 or x.shape[1] != hidden:
-        raise BankError(f"x has shape {tuple(x.shape)}; expected [tokens, {hidden}]")
-    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or tuple(w.shape) != tuple(ids.shape):
-        raise BankError(
-            f"ids {tuple(ids.shape)} and weights {tuple(w.shape)} must both be "
-            f"[{x.shape[0]}, k] to match x"
-        )
-    if ids.dtype != torch.int64:
-        raise BankError(f"expert ids must be int64, got {ids.dtype}")
+    """BankError on shape, dtype or device mismatches (cheap checks, no host sync)."""
+    check_expert_inputs(st.cold[0].shape[2], x, ids, w, BankError)
     if x.device.type != st.device.type or ids.device.type != st.device.type:
         raise BankError(
             f"x is on {x.device} and ids on {ids.device}; this bank computes on {st.device}"

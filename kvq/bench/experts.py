@@ -14,7 +14,6 @@ A type whose block does not divide the sizes is reported as skipped.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from kvq.device import timed_call
 from kvq.errors import ConfigError
 from kvq.model.experts import expert_forward
 from kvq.model.meta import EXPERT_KINDS, TensorRange
@@ -100,13 +100,7 @@ def _best_s(fns: Sequence[Callable[[], object]], repeat: int, device: torch.devi
         fn()
     for _ in range(repeat):
         for i, fn in enumerate(fns):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best[i] = min(best[i], time.perf_counter() - t0)
+            best[i] = min(best[i], timed_call(fn, device))
     return best
 
 

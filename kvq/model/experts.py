@@ -12,7 +12,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from kvq.errors import ModelError
+from kvq.errors import KvqError, ModelError
 from kvq.model.slices import ExpertSlice
 
 
@@ -24,7 +24,7 @@ def expert_forward(
     x: [T, H]; ids: [T, k] int64 global expert ids; weights: [T, k]. Experts outside
     `[sl.expert_start, sl.expert_end)` contribute 0. Returns [T, H] in x.dtype.
     """
-    _check_inputs(sl, x, ids, weights)
+    check_inputs(sl.gate.shape[2], x, ids, weights)
     cdtype = sl.gate.dtype
     xc = x.to(cdtype)  # [T, H]
     out = torch.zeros(x.shape, dtype=cdtype, device=x.device)  # [T, H]
@@ -53,21 +53,20 @@ def expert_forward(
     return out.to(x.dtype)
 
 
-def _check_inputs(
-    sl: ExpertSlice, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-) -> None:
-    """ModelError on shape or dtype mismatches (cheap checks, no host sync)."""
-    if x.ndim != 2 or x.shape[1] != sl.gate.shape[2]:
-        raise ModelError(
-            f"x has shape {tuple(x.shape)}; expected [tokens, {sl.gate.shape[2]}] (hidden size)"
-        )
+def check_inputs(
+    hidden: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    error: type[KvqError] = ModelError,
+) -> None:  # fmt: skip
+    """`error` on shape or dtype mismatches of an expert call (cheap checks, no host sync)."""
+    if x.ndim != 2 or x.shape[1] != hidden:
+        raise error(f"x has shape {tuple(x.shape)}; expected [tokens, {hidden}] (hidden size)")
     if ids.ndim != 2 or ids.shape[0] != x.shape[0] or tuple(weights.shape) != tuple(ids.shape):
-        raise ModelError(
+        raise error(
             f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
             f"[{x.shape[0]}, k] to match x"
         )
     if ids.dtype != torch.int64:
-        raise ModelError(f"expert ids must be int64, got {ids.dtype}")
+        raise error(f"expert ids must be int64, got {ids.dtype}")
 
 
 def expert_forward_reference(
