@@ -78,8 +78,8 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             children.spawn(f"worker-{i}", "worker", "--id", f"worker-{i}")
         # every worker that the base demand has room for takes its slice before the burst
         wanted = min(opts.workers, r.hlen(keys.model_slices(MODEL_ID)) * s.base_replicas)
-        _wait(lambda: r.hlen(keys.model_workers(MODEL_ID)) >= wanted, children, 60,
-              "workers to volunteer")  # fmt: skip
+        _wait(lambda: _ready_workers(r, keys) >= wanted, children, 60,
+              "workers to volunteer and load their slices")  # fmt: skip
         _wait(lambda: r.exists(keys.coord_slots(COORD_ID)), children, 60, "the coordinator")
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
         burst = _burst(r, keys, opts, children)
@@ -108,6 +108,12 @@ def _quarter_of_experts_gib(model_path: str) -> float:
     m = read_meta(model_path)
     per_layer = m.expert_count * 3 * m.embedding_length * m.expert_feed_forward_length * 4
     return m.block_count * per_layer / 4 / 2**30
+
+
+def _ready_workers(r: redis.Redis, keys: Keys) -> int:
+    """Workers holding a slice whose heartbeat is up (it is set once the slice is loaded)."""
+    workers = [w.decode() for w in r.hkeys(keys.model_workers(MODEL_ID))]
+    return int(r.exists(*(keys.worker_heartbeat(w) for w in workers))) if workers else 0
 
 
 def _flush_prefix(r: redis.Redis, keys: Keys) -> None:

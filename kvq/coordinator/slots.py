@@ -41,7 +41,8 @@ class SlotPoller:
         self._thread = threading.Thread(target=self._loop, name="slot-poll", daemon=True)
 
     def start(self) -> None:
-        self.poll_once()
+        """Sample now (no I/O) and start polling; the first publish happens on the thread."""
+        self.note(self._read_busy())
         self._thread.start()
 
     def close(self) -> None:
@@ -77,5 +78,6 @@ class SlotPoller:
         return sample
 
     def _loop(self) -> None:
+        self.poll_once()
         while not self.stop.wait(self.poll_s):
             self.poll_once()

@@ -138,6 +138,8 @@ def test_killed_worker_jobs_answered_exactly_once(
         for i in range(4):  # 2 slices (one per layer) x 2 replicas
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
+        ready = [keys.worker_heartbeat(f"w{i}") for i in range(4)]
+        wait_for(lambda: mon.r.exists(*ready) == 4, 60, "4 workers loaded (heartbeat = ready)")
         coord = Coordinator(s, "c1", "tiny", tiny_model)
         run_in_thread(coord)
         coord.dispatch.routing.refresh(force=True)

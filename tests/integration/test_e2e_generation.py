@@ -34,7 +34,7 @@ def test_remote_generation_equals_local(
     workers = [Worker(s, f"w{i}") for i in range(len(info.slices))]
     for w in workers:
         run_in_thread(w)
-    wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == len(info.slices), what="coverage")
+    wait_for(lambda: all(w.holding for w in workers), what="coverage (every worker loaded)")
     coord = Coordinator(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
 

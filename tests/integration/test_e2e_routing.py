@@ -103,6 +103,8 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         wait_for(lambda: mon.r.hlen(keys.model_workers("m")) == 2, 60, "2 workers")
+        ready = [keys.worker_heartbeat(f"w{i}") for i in range(2)]
+        wait_for(lambda: mon.r.exists(*ready) == 2, 60, "both loaded (heartbeat = ready)")
         coord = Coordinator(s, "c1", "m", one_slice_model)
         run_in_thread(coord)
         routing = coord.dispatch.routing
@@ -127,3 +129,31 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         assert st.remote_sent == st.remote_jobs + st.fallback_jobs
     finally:
         kids.stop_all()
+
+
+def test_stuck_slot_poll_never_blocks_dispatch(
+    settings: Settings, one_slice_model: Path, run_in_thread
+) -> None:
+    """K5: the self-poll hangs in its publish; requests are still served, remote under load."""
+    import threading
+
+    s = settings.model_copy(update={"saturation_threshold": 1, "slice_experts": 8})
+    keys = Keys(s.prefix)
+    mon = Monitor(s)
+    mon.register("m", one_slice_model)
+    w = Worker(s, "w0")
+    run_in_thread(w)
+    wait_for(lambda: w.holding is not None, what="volunteer")
+    coord = Coordinator(s, "c1", "m", one_slice_model)
+    release = threading.Event()
+    coord.slots._publish = lambda busy, total: release.wait(60)  # stuck for good
+    run_in_thread(coord)
+    try:
+        prompts = ["stuck poll", "still serving"]
+        assert _generate(mon.r, keys, prompts, 6) == [
+            _local(one_slice_model, p, 6) for p in prompts
+        ]
+        assert coord.dispatch.stats.remote_jobs > 0, "load was seen without the poll thread"
+        assert not mon.r.exists(keys.coord_slots("c1")), "the poll really was stuck"
+    finally:
+        release.set()
