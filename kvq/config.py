@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
     )
+    http_host: str = Field("127.0.0.1", description="address the monitor's HTTP API binds to")
+    http_port: int = Field(
+        0, ge=0, le=65535, description="port of the monitor's HTTP API and /metrics (0 = off)"
+    )
 
     # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
     hot_gib: float | None = Field(

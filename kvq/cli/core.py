@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import threading
 from typing import Any
 
@@ -11,6 +12,7 @@ from kvq.cli.common import EXIT_FAIL, EXIT_OK, node_id, stop_on_signals
 from kvq.config import Settings, describe
 from kvq.errors import ConfigError
 
+log = logging.getLogger("kvq.cli")
 Subparsers = Any  # argparse's _SubParsersAction is private
 
 
@@ -37,7 +39,19 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
         mon.register(model, path, args.source)
     stop_on_signals(mon.stop)
-    mon.run()
+    server = None
+    if settings.http_port:
+        from kvq.monitor.http import serve_api
+
+        server, _ = serve_api(mon, settings.http_host, settings.http_port)
+        host, port = server.server_address[:2]
+        log.info("HTTP API and /metrics on http://%s:%s/", host, port)
+    try:
+        mon.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     return EXIT_OK
 
 

@@ -1,0 +1,146 @@
+"""The monitor's HTTP API and /metrics on a real Redis (K13, D7)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvq.config import Settings
+from kvq.keys import COORDINATOR_GROUP, Keys
+from kvq.model import make_tiny
+from kvq.monitor import Monitor
+from kvq.monitor.http import serve_api
+
+SLICES = 2 * (8 // 4)  # layers × expert groups of the tiny model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("http") / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    return path
+
+
+@pytest.fixture
+def mon(settings: Settings, model: Path) -> Monitor:
+    s = settings.model_copy(update={"slice_experts": 4, "base_replicas": 1, "boost_replicas": 1})
+    m = Monitor(s)
+    m.register("m", model)
+    return m
+
+
+@pytest.fixture
+def url(mon: Monitor) -> Iterator[str]:
+    server, thread = serve_api(mon, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def call(url: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(url + path, data=body, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+        exc.close()
+    if path == "/metrics" and status == 200:
+        return status, raw.decode()
+    return status, json.loads(raw) if raw else None
+
+
+def volunteer(url: str, worker: str) -> tuple[int, Any]:
+    return call(url, "/api/expert-volunteer", json.dumps({"worker": worker}).encode())
+
+
+def saturate(r: redis.Redis, keys: Keys, busy: int) -> None:
+    ts = int(time.time() * 1000)
+    r.hset(keys.coord_slots("c1"), mapping={"model": "m", "busy": busy, "total": 4, "ts_ms": ts})
+    r.sadd(keys.model_coordinators("m"), "c1")
+
+
+def test_recruitment_reports_saturation(mon: Monitor, url: str, r: redis.Redis) -> None:
+    saturate(r, mon.keys, busy=mon.s.saturation_threshold)
+    mon.poll("m")
+    status, got = call(url, "/api/moe/recruitment")
+    assert status == 200
+    assert got["models"] == [
+        {"model": "m", "busy": mon.s.saturation_threshold, "total": 4, "saturated": True,
+         "coordinators": 1, "base_target": 1, "effective_target": 2},
+    ]  # fmt: skip
+
+
+def test_demand_then_volunteer_until_exhausted(mon: Monitor, url: str, model: Path) -> None:
+    status, got = call(url, "/api/expert-demand")
+    assert status == 200
+    (m,) = got["models"]
+    assert m["model"] == "m" and m["recruiting"] is True and len(m["slices"]) == SLICES
+    assert all(
+        s["target"] == 1 and s["coverage"] == 0 and s["demand"] == 1 and s["recruiting"]
+        for s in m["slices"]
+    )
+    taken = set()
+    for i in range(SLICES):
+        status, got = volunteer(url, f"w{i}")
+        assert status == 200, got
+        assert got["model"] == "m" and got["source"] == str(model)
+        assert got["bytes"] == sum(rg["nbytes"] for rg in got["ranges"]) > 0
+        taken.add(got["slice"])
+    assert len(taken) == SLICES
+    assert volunteer(url, "late") == (204, None)
+    _, got = call(url, "/api/expert-demand")
+    (m,) = got["models"]
+    assert m["recruiting"] is False
+    assert {(s["coverage"], s["demand"]) for s in m["slices"]} == {(1, 0)}
+
+
+def test_bad_volunteer_bodies_are_400(url: str) -> None:
+    for body in (b"{not json", b"[1]", b'{"worker": ""}', b'{"worker": 3}', b'{"model": "m"}'):
+        status, got = call(url, "/api/expert-volunteer", body)
+        assert status == 400, body
+        assert got["type"] == "BadRequest" and got["retryable"] is False and got["message"]
+    status, got = call(url, "/api/expert-volunteer", b'{"worker": "w", "model": "nope"}')
+    assert status == 404 and got["type"] == "UnknownModel"
+
+
+def test_metrics_read_redis_on_scrape(mon: Monitor, url: str, r: redis.Redis) -> None:
+    req = mon.keys.model_requests("m")
+    for i in range(3):
+        r.xadd(req, {"i": i})
+    r.xgroup_create(req, COORDINATOR_GROUP, id="0")
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {req: ">"}, count=1)
+    volunteer(url, "w0")
+    status, text = call(url, "/metrics")
+    assert status == 200
+    samples = {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    req_labels = (("model", "m"), ("stream", "requests"))
+    assert samples["kvq_stream_length", req_labels] == 3
+    assert samples["kvq_group_pending", req_labels] == 1
+    demand = {k[1]: v for k, v in samples.items() if k[0] == "kvq_slice_demand"}
+    assert len(demand) == SLICES and sorted(demand.values()) == [0] + [1] * (SLICES - 1)
+    assert samples["kvq_model_saturated", (("model", "m"),)] == 0
+    assert samples["kvq_workers_alive", (("model", "m"),)] == 0  # w0 never heartbeat
+    assert samples["kvq_deadletter_length", ()] == 0
+
+
+def test_healthz_and_unknown_path(url: str) -> None:
+    assert call(url, "/healthz") == (200, {"ok": True})
+    status, got = call(url, "/api/nothing")
+    assert status == 404 and got["type"] == "NotFound"
+    assert call(url, "/healthz")[0] == 200  # still serving after the error
