@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from kvq.config import Settings
+from kvq.keys import Keys
+from kvq.model import Backbone, load_tokenizer
+from kvq.monitor import Monitor
+from kvq.worker import Worker
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "condition") -> Any:
@@ -15,3 +22,21 @@ def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "cond
             return got
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def local_tokens(model: Path, prompt: str, n: int) -> list[int]:
+    """Greedy tokens of all-local generation: what every remote path must reproduce."""
+    bb = Backbone.from_gguf(model)
+    return bb.generate(load_tokenizer(model).encode(prompt), n)
+
+
+def start_with_worker(
+    s: Settings, model_id: str, model: Path, run_in_thread: Callable[[Any], Any]
+) -> tuple[Monitor, Keys, Worker]:
+    """Register `model` and run one worker (in a thread) until it has loaded its slice."""
+    mon = Monitor(s)
+    mon.register(model_id, model)
+    w = Worker(s, "w0")
+    run_in_thread(w)
+    wait_for(lambda: w.holding is not None, what="a worker to volunteer")
+    return mon, Keys(s.prefix), w

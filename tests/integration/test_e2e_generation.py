@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from e2e_helpers import wait_for
+from e2e_helpers import local_tokens, start_with_worker, wait_for
 
 from kvq import client
 from kvq.config import Settings
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
-from kvq.model import Backbone, ByteTokenizer
 from kvq.monitor import Monitor
 from kvq.worker import Worker
 
 PROMPTS = ["hello world", "the quick brown fox", "MoE experts over Redis", "kvq"]
-
-
-def _local_tokens(model: Path, prompt: str, n: int) -> list[int]:
-    bb = Backbone.from_gguf(model)
-    ids = ByteTokenizer.from_meta(bb.meta).encode(prompt)
-    return bb.generate(ids, n)
 
 
 def test_remote_generation_equals_local(
@@ -44,7 +37,7 @@ def test_remote_generation_equals_local(
         for rid in rids
     }
     for rid, prompt in zip(rids, PROMPTS, strict=True):
-        assert got[rid] == _local_tokens(tiny_model, prompt, 12), prompt
+        assert got[rid] == local_tokens(tiny_model, prompt, 12), prompt
 
     st = coord.dispatch.stats
     assert st.remote_jobs > 0 and st.fallback_jobs == 0 and st.remote_errors == 0
@@ -55,16 +48,11 @@ def test_remote_generation_equals_local(
 
 def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:
     """K1: one request at a time never reaches the saturation threshold (2)."""
-    keys = Keys(settings.prefix)
-    mon = Monitor(settings)
-    mon.register("tiny", tiny_model)
-    w = Worker(settings, "w0")
-    run_in_thread(w)
-    wait_for(lambda: w.holding is not None, what="a worker to volunteer")
+    mon, keys, _ = start_with_worker(settings, "tiny", tiny_model, run_in_thread)
     coord = Coordinator(settings, "c1", "tiny", tiny_model)
     run_in_thread(coord)
     ids = client.generate(mon.r, keys, "tiny", prompt="one at a time", max_tokens=6)
-    assert ids == _local_tokens(tiny_model, "one at a time", 6)
+    assert ids == local_tokens(tiny_model, "one at a time", 6)
     assert coord.dispatch.stats.remote_sent == 0 and coord.dispatch.stats.local_jobs > 0
 
 
@@ -103,5 +91,5 @@ def test_requests_of_a_dead_coordinator_are_taken_over(
     coord = Coordinator(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
     got = [e.token_id for e in client.events(mon.r, keys, rid, 30) if e.token_id is not None]
-    assert got == _local_tokens(tiny_model, "orphan", 4)
+    assert got == local_tokens(tiny_model, "orphan", 4)
     assert coord.claimed == 1

@@ -7,13 +7,13 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_helpers import wait_for
+from e2e_helpers import local_tokens, start_with_worker, wait_for
 
 from kvq import client
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
-from kvq.model import Backbone, ByteTokenizer, make_tiny
+from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.procs import Children
 from kvq.worker import Worker
@@ -24,11 +24,6 @@ def one_slice_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("route") / "one.gguf"
     make_tiny(path, layers=1, experts=8, seed=5)
     return path
-
-
-def _local(model: Path, prompt: str, n: int) -> list[int]:
-    bb = Backbone.from_gguf(model)
-    return bb.generate(ByteTokenizer.from_meta(bb.meta).encode(prompt), n)
 
 
 def _generate(r, keys: Keys, prompts: list[str], n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
@@ -46,22 +41,21 @@ def test_unproven_worker_outside_grace_gets_no_work_under_load(
     s = settings.model_copy(
         update={"saturation_threshold": 1, "worker_grace_ms": 0.0, "slice_experts": 8}
     )
-    keys = Keys(s.prefix)
-    mon = Monitor(s)
-    mon.register("m", one_slice_model)
-    w = Worker(s, "w0")
-    run_in_thread(w)
-    wait_for(lambda: w.holding is not None, what="volunteer")
+    mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
     coord = Coordinator(s, "c1", "m", one_slice_model)
     run_in_thread(coord)
-    assert _generate(mon.r, keys, ["under load"], 6) == [_local(one_slice_model, "under load", 6)]
+    assert _generate(mon.r, keys, ["under load"], 6) == [
+        local_tokens(one_slice_model, "under load", 6)
+    ]
     assert coord.dispatch.stats.remote_sent == 0 and w.served == 0
 
     # the same worker, once proven elsewhere (last_serve_ms > 0), is used under load (K3)
     mon.r.hset(keys.worker_info("w0"), "last_serve_ms", 1)
     w.last_serve_ms = 1  # its own heartbeat must not reset the field
     coord.dispatch.routing.refresh(force=True)
-    assert _generate(mon.r, keys, ["proven now"], 6) == [_local(one_slice_model, "proven now", 6)]
+    assert _generate(mon.r, keys, ["proven now"], 6) == [
+        local_tokens(one_slice_model, "proven now", 6)
+    ]
     assert coord.dispatch.stats.remote_jobs > 0 and w.served > 0
 
 
@@ -81,7 +75,9 @@ def test_uncovered_model_is_refused_until_a_worker_covers_it(
         run_in_thread(w)
     wait_for(lambda: all(w.holding for w in workers), what="coverage")
     coord.dispatch.routing.refresh(force=True)
-    assert _generate(mon.r, keys, ["served now"], 5) == [_local(one_slice_model, "served now", 5)]
+    assert _generate(mon.r, keys, ["served now"], 5) == [
+        local_tokens(one_slice_model, "served now", 5)
+    ]
     st = coord.dispatch.stats
     assert st.local_jobs == 0 and st.remote_jobs > 0, "a workers-only coordinator sends every slice"
 
@@ -110,7 +106,7 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         routing = coord.dispatch.routing
         prompts = ["warm up one", "warm up two", "warm up three"]
         assert _generate(mon.r, keys, prompts, 8) == [
-            _local(one_slice_model, p, 8) for p in prompts
+            local_tokens(one_slice_model, p, 8) for p in prompts
         ]
         wait_for(lambda: len(routing.router.describe()["proven"]) == 2, 20, "both proven")  # type: ignore[arg-type]
 
@@ -121,7 +117,7 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         served_by_w1 = coord.dispatch.stats.per_worker.get("w1", 0)
         prompts = ["after the fall", "still correct"]
         assert _generate(mon.r, keys, prompts, 8) == [
-            _local(one_slice_model, p, 8) for p in prompts
+            local_tokens(one_slice_model, p, 8) for p in prompts
         ]
         assert "w0" not in routing.router.describe()["proven"]  # type: ignore[operator]
         assert coord.dispatch.stats.per_worker.get("w1", 0) > served_by_w1, "the live copy serves"
@@ -138,12 +134,7 @@ def test_stuck_slot_poll_never_blocks_dispatch(
     import threading
 
     s = settings.model_copy(update={"saturation_threshold": 1, "slice_experts": 8})
-    keys = Keys(s.prefix)
-    mon = Monitor(s)
-    mon.register("m", one_slice_model)
-    w = Worker(s, "w0")
-    run_in_thread(w)
-    wait_for(lambda: w.holding is not None, what="volunteer")
+    mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
     coord = Coordinator(s, "c1", "m", one_slice_model)
     release = threading.Event()
     coord.slots._publish = lambda busy, total: release.wait(60)  # stuck for good
@@ -151,7 +142,7 @@ def test_stuck_slot_poll_never_blocks_dispatch(
     try:
         prompts = ["stuck poll", "still serving"]
         assert _generate(mon.r, keys, prompts, 6) == [
-            _local(one_slice_model, p, 6) for p in prompts
+            local_tokens(one_slice_model, p, 6) for p in prompts
         ]
         assert coord.dispatch.stats.remote_jobs > 0, "load was seen without the poll thread"
         assert not mon.r.exists(keys.coord_slots("c1")), "the poll really was stuck"
