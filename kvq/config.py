@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvq.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvq.bus.records import Lifetimes
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -109,7 +113,7 @@ class Settings(BaseSettings):
     vram_reserve_gib: float = Field(
         2.0, ge=0, allow_inf_nan=False, description="device memory the hot bank leaves free"
     )
-    numa_policy: str = Field(
+    numa_policy: Literal["preferred", "bind", "off"] = Field(
         "preferred", description="host memory of the cold bank: preferred, bind or off"
     )
 
@@ -118,13 +122,6 @@ class Settings(BaseSettings):
     def _empty_hot_gib(cls, v: object) -> object:
         # "" is the documented "unset"; "None" is what child_env writes for it
         return None if isinstance(v, str) and v.strip() in ("", "None") else v
-
-    @field_validator("numa_policy")
-    @classmethod
-    def _check_numa(cls, v: str) -> str:
-        if v not in ("preferred", "bind", "off"):
-            raise ValueError("must be preferred, bind or off")
-        return v
 
     @field_validator("redis_url")
     @classmethod
@@ -162,6 +159,133 @@ class Settings(BaseSettings):
                 f"must be <= KVQ_N_SLOTS ({n_slots}), or the coordinator can never be saturated"
             )
         return v
+
+    # -- the sub-settings each component takes (STYLE habit 4) ----------------------------
+    @property
+    def bus(self) -> BusSettings:
+        return BusSettings(
+            self.redis_url, self.prefix, self.stream_maxlen, self.block_ms,
+            self.reconnect_max_s, self.socket_timeout_s,
+        )  # fmt: skip
+
+    @property
+    def lifetimes(self) -> Lifetimes:
+        from kvq.bus.records import Lifetimes  # kvq.bus imports this module
+
+        return Lifetimes(self.heartbeat_ttl_s, self.slot_state_stale_s, self.request_ttl_s)
+
+    @property
+    def routing(self) -> RoutingSettings:
+        return RoutingSettings(
+            self.saturation_threshold, self.worker_grace_ms, self.swarm_ewma_alpha,
+            self.cost_w_latency, self.cost_w_load, self.cost_w_score, self.cost_w_hops,
+            self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
+        )  # fmt: skip
+
+    @property
+    def dispatch(self) -> DispatchSettings:
+        return DispatchSettings(self.job_deadline_ms, self.verify_remote)
+
+    @property
+    def coordinator(self) -> CoordinatorSettings:
+        return CoordinatorSettings(
+            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.slot_state_stale_s,
+            self.claim_idle_ms, self.model_wait_s, self.max_tokens_limit, self.block_ms,
+            self.reconnect_max_s,
+        )  # fmt: skip
+
+    @property
+    def worker(self) -> WorkerSettings:
+        return WorkerSettings(
+            self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
+            self.block_ms, self.reconnect_max_s,
+        )  # fmt: skip
+
+    @property
+    def monitor(self) -> MonitorSettings:
+        return MonitorSettings(
+            self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
+            self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
+            self.http_host, self.http_port,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BusSettings:
+    """How to reach Redis and shape its streams."""
+
+    redis_url: str
+    prefix: str
+    stream_maxlen: int
+    block_ms: int
+    reconnect_max_s: float
+    socket_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """The coordinator's swarm policy (K1-K4, H3)."""
+
+    saturation_threshold: int
+    worker_grace_ms: float
+    ewma_alpha: float
+    w_latency: float
+    w_load: float
+    w_score: float
+    w_hops: float
+    w_tokens: float
+    refresh_ms: int
+    local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSettings:
+    """Remote expert jobs: deadline before the local fallback, and verification."""
+
+    job_deadline_ms: int
+    verify_remote: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    """The coordinator's serving loop."""
+
+    n_slots: int
+    saturation_threshold: int
+    slot_poll_s: float
+    slot_state_stale_s: float
+    claim_idle_ms: int
+    model_wait_s: float
+    max_tokens_limit: int
+    block_ms: int
+    reconnect_max_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """A worker's loop: demand polling, wind-down, device, downloads."""
+
+    volunteer_poll_s: float
+    idle_shutdown_s: float
+    device: str
+    download_timeout_s: float
+    block_ms: int
+    reconnect_max_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSettings:
+    """The control plane: slicing, replica targets, polling, HTTP."""
+
+    slice_layers: int
+    slice_experts: int
+    base_replicas: int
+    boost_replicas: int
+    saturation_threshold: int
+    poll_s: float
+    reconnect_max_s: float
+    http_host: str
+    http_port: int
 
 
 def env_name(field: str) -> str:

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
-
-from kvq import client
-from kvq.bus import connect, redacted_url
+from kvq import client, wire
+from kvq.bus import redacted_url
+from kvq.bus.records import CoordStats
+from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
-from kvq.keys import Keys
 from kvq.model import make_tiny, read_meta
 from kvq.procs import Children
 from kvq.server import EmbeddedRedis
@@ -67,31 +66,29 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         # threads spinning against each other
         env.setdefault("OMP_NUM_THREADS", "1")
         children = Children(env, log_dir=opts.log_dir)
-        r = connect(s)
-        keys = Keys(s.prefix)
-        _flush_prefix(r, keys)
+        board = open_board(s.bus, s.lifetimes)
+        _flush_prefix(board)
         children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}")
-        _wait(lambda: r.sismember(keys.models(), MODEL_ID), children, 30, "model registration")
+        _wait(lambda: MODEL_ID in board.models(), children, 30, "model registration")
         children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
                        "--model", model_path, "--id", COORD_ID)  # fmt: skip
         for i in range(opts.workers):
             children.spawn(f"worker-{i}", "worker", "--id", f"worker-{i}")
         # every worker that the base demand has room for takes its slice before the burst
-        wanted = min(opts.workers, r.hlen(keys.model_slices(MODEL_ID)) * s.base_replicas)
-        _wait(lambda: _ready_workers(r, keys) >= wanted, children, 60,
+        info = board.model_info(MODEL_ID)
+        wanted = min(opts.workers, (len(info.slices) if info else 0) * s.base_replicas)
+        _wait(lambda: _ready_workers(board) >= wanted, children, 60,
               "workers to volunteer and load their slices")  # fmt: skip
-        _wait(lambda: r.exists(keys.coord_slots(COORD_ID)), children, 60, "the coordinator")
+        _wait(lambda: board.coordinator_alive(COORD_ID), children, 60, "the coordinator")
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
-        burst = _burst(r, keys, opts, children)
+        burst = _burst(board, opts, children)
         say("burst done; waiting for the monitor to see the load drain")
         _wait(
-            lambda: int(r.hget(keys.coord_stats(COORD_ID), "completed") or 0) >= opts.requests,
+            lambda: _stats(board).completed >= opts.requests,
             children, 30, "final coordinator stats",
         )  # fmt: skip
-        _wait(
-            lambda: r.hget(keys.model_state(MODEL_ID), "saturated") == b"0", children, 30, "drain"
-        )
-        summary = _summary(r, keys, burst, redacted_url(url) if not server else "embedded", t0)
+        _wait(lambda: not _saturated(board), children, 30, "drain")
+        summary = _summary(board, burst, redacted_url(url) if not server else "embedded", t0)
         return summary
     finally:
         if children is not None:
@@ -110,16 +107,24 @@ def _quarter_of_experts_gib(model_path: str) -> float:
     return m.block_count * per_layer / 4 / 2**30
 
 
-def _ready_workers(r: redis.Redis, keys: Keys) -> int:
+def _ready_workers(board: RedisBoard) -> int:
     """Workers holding a slice whose heartbeat is up (it is set once the slice is loaded)."""
-    workers = [w.decode() for w in r.hkeys(keys.model_workers(MODEL_ID))]
-    return int(r.exists(*(keys.worker_heartbeat(w) for w in workers))) if workers else 0
+    return sum(v.alive for v in board.workers(MODEL_ID))
 
 
-def _flush_prefix(r: redis.Redis, keys: Keys) -> None:
+def _stats(board: RedisBoard) -> CoordStats:
+    return board.coord_stats(COORD_ID) or CoordStats()
+
+
+def _saturated(board: RedisBoard) -> bool:
+    state = board.model_state(MODEL_ID)
+    return state is not None and state.saturated
+
+
+def _flush_prefix(board: RedisBoard) -> None:
     """Remove keys of an earlier demo run on a shared server (our prefix only)."""
-    for key in r.scan_iter(match=f"{keys.prefix}:*", count=1000):
-        r.delete(key)
+    for key in board.r.scan_iter(match=f"{board.keys.prefix}:*", count=1000):
+        board.r.delete(key)
 
 
 def _wait(cond: Any, children: Children, timeout_s: float, what: str) -> None:
@@ -134,7 +139,8 @@ def _wait(cond: Any, children: Children, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def _burst(r: redis.Redis, keys: Keys, opts: DemoOptions, children: Children) -> dict[str, Any]:
+def _burst(board: RedisBoard, opts: DemoOptions, children: Children) -> dict[str, Any]:
+    r, keys = board.r, board.keys
     prompts = [f"Request {i}: the quick brown fox jumps" for i in range(opts.requests)]
     t0 = time.monotonic()
     ids = [client.send(r, keys, MODEL_ID, prompt=p, max_tokens=opts.max_tokens) for p in prompts]
@@ -147,43 +153,42 @@ def _burst(r: redis.Redis, keys: Keys, opts: DemoOptions, children: Children) ->
             raise TimeoutError(f"burst: {len(done)}/{len(ids)} requests done in {opts.timeout_s}s")
         if children.dead():
             raise ChildDied(f"{', '.join(children.dead())} exited during the burst")
-        peak_saturated |= r.hget(keys.model_state(MODEL_ID), "saturated") == b"1"
+        peak_saturated |= _saturated(board)
         streams = {keys.request_reply(i): cursors[i] for i in ids if i not in done}
         for key, entries in r.xread(streams, count=256, block=200) or []:
             rid = key.decode().split("{r:")[1].split("}")[0]
             for eid, fields in entries:
                 cursors[rid] = eid
-                if fields.get(b"kind") == b"done":
-                    done[rid] = int(fields[b"index"])
-                elif fields.get(b"kind") == b"error":
-                    raise KvqError(f"request {rid} failed: {fields}")
+                ev = wire.decode(fields, wire.ReplyEvent)
+                if ev.kind == "done":
+                    done[rid] = ev.index
+                elif ev.kind == "error":
+                    raise KvqError(f"request {rid} failed: {ev.error}")
     wall = time.monotonic() - t0
     tokens = sum(done.values())
     return {"requests": len(done), "tokens": tokens, "burst_s": wall, "saturated": peak_saturated}
 
 
 def _summary(
-    r: redis.Redis, keys: Keys, burst: dict[str, Any], redis_label: str, t0: float
+    board: RedisBoard, burst: dict[str, Any], redis_label: str, t0: float
 ) -> dict[str, Any]:
-    stats = {k.decode(): float(v) for k, v in r.hgetall(keys.coord_stats(COORD_ID)).items()}
-    recruited = {w.decode() for w in r.hkeys(keys.model_workers(MODEL_ID))}
-    remote = int(stats.get("remote_jobs", 0))
-    verified, mismatches = int(stats.get("verified", 0)), int(stats.get("mismatches", 0))
+    st = _stats(board)
+    remote = st.remote_jobs
     return {
         "requests_completed": burst["requests"],
         "tokens_generated": burst["tokens"],
         "tokens_per_s": round(burst["tokens"] / burst["burst_s"], 1) if burst["burst_s"] else 0.0,
-        "local_jobs": int(stats.get("local_jobs", 0)),
+        "local_jobs": st.local_jobs,
         "remote_jobs": remote,
-        "fallback_jobs": int(stats.get("fallback_jobs", 0)),
-        "late_results": int(stats.get("late_results", 0)),
-        "workers_recruited": len(recruited),
+        "fallback_jobs": st.fallback_jobs,
+        "late_results": st.late_results,
+        "workers_recruited": len(board.assignments(MODEL_ID)),
         "saturated_during_burst": burst["saturated"],
-        "remote_verified": verified,
-        "hot_hit_rate": stats.get("hot_hit_rate", 0.0),
-        "cold_hit_rate": stats.get("cold_hit_rate", 0.0),
-        "remote_matches_local": remote > 0 and verified == remote and mismatches == 0,
-        "remote_max_abs_err": stats.get("max_abs_err", 0.0),
+        "remote_verified": st.verified,
+        "hot_hit_rate": st.hot_hit_rate,
+        "cold_hit_rate": st.cold_hit_rate,
+        "remote_matches_local": remote > 0 and st.verified == remote and st.mismatches == 0,
+        "remote_max_abs_err": st.max_abs_err,
         "tolerance": "max |remote - local| <= 1e-4 * max(1, max|local|) per job",
         "redis": redis_label,
         "wall_s": round(time.monotonic() - t0, 2),

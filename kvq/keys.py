@@ -30,26 +30,10 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 WORKER_GROUP = "workers"
-_SLICE_ID = re.compile(r"L(\d{3,})-(\d{3,}):E(\d{4,})-(\d{4,})")
 COORDINATOR_GROUP = "coordinators"
-
-
-def slice_id(layer_start: int, layer_end: int, expert_start: int, expert_end: int) -> str:
-    """Readable, sortable id of a slice: layers [ls, le) × experts [es, ee)."""
-    return f"L{layer_start:03d}-{layer_end:03d}:E{expert_start:04d}-{expert_end:04d}"
-
-
-def parse_slice_id(sid: str) -> tuple[int, int, int, int]:
-    """Inverse of `slice_id`; ValueError on anything else."""
-    m = _SLICE_ID.fullmatch(sid)
-    if m is None or slice_id(*(int(g) for g in m.groups())) != sid:
-        raise ValueError(f"not a slice id: {sid!r} (want e.g. {slice_id(0, 1, 0, 4)!r})")
-    ls, le, es, ee = (int(g) for g in m.groups())
-    return ls, le, es, ee
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import pytest
 import redis
+from boards import BoardCase, make_case
 
 from kvq.config import Settings, load_settings
 from kvq.server import EmbeddedRedis
@@ -64,3 +65,9 @@ def run_in_thread() -> Iterator[Callable[[Runnable], threading.Thread]]:
         obj.stop.set()
     for _, t in started:
         t.join(timeout=10)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def board_case(request: pytest.FixtureRequest) -> BoardCase:
+    """The same test on the in-memory board and on a Redis board (real server)."""
+    return make_case(request, request.param)

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvq.device import timed_call
 from kvq.errors import BankError
+from kvq.model.layers import swiglu
 
 MEASURE_ROWS = 8  # tokens per measured expert call: a decode-sized batch
 MEASURE_REPS = 5
@@ -45,11 +45,6 @@ def uva_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape)
 
 
-def ffn(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert: x [m, H] -> [m, H] (the same ops as kvq.model.expert_forward)."""
-    return (F.silu(x @ g.T) * (x @ u.T)) @ d.T
-
-
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
     """Median seconds of MEASURE_REPS calls after one warm-up."""
     fn()
@@ -66,9 +61,9 @@ def measure(
     mg, mu, md = mapped
 
     def read_in_place() -> object:
-        return ffn(x, mg[0], mu[0], md[0])
+        return swiglu(x, mg[0], mu[0], md[0])
 
     def staged() -> object:
-        return ffn(*(x, *(t[0].to(device, non_blocking=True) for t in (g, u, d))))
+        return swiglu(x, *(t[0].to(device, non_blocking=True) for t in (g, u, d)))
 
     return {"mapped": _timed(read_in_place, device), "staged": _timed(staged, device)}

@@ -10,10 +10,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvq.config import Settings
+from kvq.config import BusSettings
 
 
-def connect(settings: Settings) -> redis.Redis:
+def connect(settings: BusSettings) -> redis.Redis:
     """A client for `KVQ_REDIS_URL` that retries each command across short outages.
 
     Raw bytes in and out (`decode_responses=False`): payloads are msgpack.

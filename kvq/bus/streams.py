@@ -132,3 +132,22 @@ def claim_from_dead(
         if not left:
             r.xgroup_delconsumer(stream, group, name)
     return claimed
+
+
+def unanswered(r: redis.Redis, stream: str) -> list[Entry]:
+    """Entries of a one-group stream never delivered, plus those delivered but not acked."""
+    groups = r.xinfo_groups(stream) if r.exists(stream) else []
+    if not groups:
+        return list(r.xrange(stream))
+    g = groups[0]
+    last = g["last-delivered-id"]
+    pending = {
+        p["message_id"] for p in r.xpending_range(stream, g["name"], min="-", max="+", count=10_000)
+    }
+    return [(eid, f) for eid, f in r.xrange(stream) if eid in pending or _id_gt(eid, last)]
+
+
+def _id_gt(a: bytes, b: bytes) -> bool:
+    ams, aseq = (int(p) for p in a.split(b"-"))
+    bms, bseq = (int(p) for p in b.split(b"-"))
+    return (ams, aseq) > (bms, bseq)

@@ -30,9 +30,11 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bus.redis_board import open_board
     from kvq.monitor import Monitor
 
-    mon = Monitor(settings)
+    board = open_board(settings.bus, settings.lifetimes)
+    mon = Monitor(board, settings.monitor)
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
@@ -43,7 +45,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     if settings.http_port:
         from kvq.monitor.http import serve_api
 
-        server, _ = serve_api(mon, settings.http_host, settings.http_port)
+        server, _ = serve_api(board, settings.http_host, settings.http_port)
         host, port = server.server_address[:2]
         log.info("HTTP API and /metrics on http://%s:%s/", host, port)
     try:
@@ -58,7 +60,9 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.coordinator import Coordinator
 
-    coord = Coordinator(settings, node_id(args.id, "coord"), args.model_id, args.model)
+    coord = Coordinator.from_settings(
+        settings, node_id(args.id, "coord"), args.model_id, args.model
+    )
     stop_on_signals(coord.stop)
     coord.run()
     return EXIT_OK
@@ -67,7 +71,7 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.worker import Worker
 
-    worker = Worker(settings, node_id(args.id, "worker"))
+    worker = Worker.from_settings(settings, node_id(args.id, "worker"))
     stop_on_signals(worker.stop)
     worker.run()
     return EXIT_OK
@@ -78,7 +82,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bus import connect
     from kvq.keys import Keys
 
-    r, keys = connect(settings), Keys(settings.prefix)
+    r, keys = connect(settings.bus), Keys(settings.prefix)
     rid = client.send(r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens)
     ids: list[int] = []
     text = ""

@@ -13,28 +13,31 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import redis
 import torch
 
 from kvq import wire
-from kvq.bank import Bank
-from kvq.bus import dead_letter, xadd
-from kvq.config import Settings
+from kvq.bus import dead_letter
+from kvq.bus.board import Board, Fields
+from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
-from kvq.registry import ModelInfo, SliceSpec
+from kvq.model.registry import ModelInfo
+from kvq.slices import SliceSpec
 from kvq.swarm import LiveRoute
+from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
 
 
 @dataclass
 class DispatchStats:
+    """Counters of the dispatcher (published as part of `CoordStats`)."""
+
     local_jobs: int = 0
     remote_sent: int = 0
     remote_jobs: int = 0
@@ -47,160 +50,187 @@ class DispatchStats:
     max_abs_err: float = 0.0
     per_worker: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float | int]:
-        d = {k: v for k, v in vars(self).items() if k != "per_worker"}
-        return d
+    def counters(self) -> dict[str, float | int]:
+        return {k: v for k, v in asdict(self).items() if k != "per_worker"}
 
 
 @dataclass
 class _Pending:
     spec: SliceSpec
-    rows: torch.Tensor
+    rows: torch.Tensor  # [R] rows of the layer's x that this job carries
     worker: str
     sent_at: float
 
 
 class Dispatcher:
-    """A `MoeFn` for the backbone: `(layer, x, ids, weights) -> [T, H]`."""
+    """Per MoE layer: which slices go where, the remote round trip, the local fallback."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, settings: Settings, coord_id: str,
-        info: ModelInfo, bank: Bank,
-        slot_state: Callable[[], tuple[int, int]],
+        self, board: Board, r: redis.Redis, keys: Keys, settings: DispatchSettings,
+        coord_id: str, info: ModelInfo, server: ExpertServer, routing: SliceRouter,
+        maxlen: int = 10_000,
     ) -> None:  # fmt: skip
-        self.r, self.keys, self.s, self.coord = r, keys, settings, coord_id
-        self.info = info
-        self.bank = bank
-        self.routing = SliceRouter(r, keys, settings, coord_id, info, slot_state)
+        self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
+        self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchStats()
         self.results_key = keys.coord_results(coord_id)
-        self._last_id = b"0-0"
+        self.last_id = b"0-0"
         self._seq = itertools.count()
         self._layer_slices = {
             layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
         }
         r.delete(self.results_key)
 
-    def __call__(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-    ) -> torch.Tensor:
-        partials: dict[str, torch.Tensor] = {}
-        pending: dict[str, _Pending] = {}
-        local: list[tuple[SliceSpec, torch.Tensor]] = []
-        order: list[tuple[SliceSpec, torch.Tensor]] = []
-        pipe = self.r.pipeline(transaction=False)
-        deadline_ms = int(time.time() * 1000) + self.s.job_deadline_ms
-        for spec in self._layer_slices[layer]:
-            hit = ((ids >= spec.expert_start) & (ids < spec.expert_end)).any(dim=1)
-            rows = hit.nonzero().squeeze(1)  # [R]
-            if rows.numel():
-                order.append((spec, rows))
-        route = self._route({spec.sid for spec, _ in order})
-        for spec, rows in order:
-            worker = route.worker(spec.sid) if route is not None else None
-            if worker is None:
-                local.append((spec, rows))
-                continue
-            job_id = f"{self.coord}:{next(self._seq)}"
-            job = wire.Job(
-                job_id=job_id, model=self.info.model, layer=layer, slice=spec.sid,
-                expert_start=spec.expert_start, expert_end=spec.expert_end,
-                coord=self.coord, reply_to=self.results_key, deadline_ms=deadline_ms,
-                x=wire.Tensor.of(x[rows].float().cpu().numpy()),
-                ids=wire.Tensor.of(ids[rows].cpu().numpy().astype(np.int32)),
-                weights=wire.Tensor.of(w[rows].float().cpu().numpy()),
-            )  # fmt: skip
-            xadd(pipe, self.keys.worker_inbox(worker), wire.encode(job), self.s.stream_maxlen)
-            pending[job_id] = _Pending(spec, rows, worker, time.monotonic())
-            self.stats.remote_sent += 1
-        if pending:
-            pipe.execute()
-        for spec, rows in local:
-            partials[spec.sid] = self._local(layer, spec, x, ids, w, rows)
-            self.stats.local_jobs += 1
-        if pending:
-            self._gather(layer, x, ids, w, pending, partials, deadline_ms)
-        out = torch.zeros_like(x)
-        for spec, rows in order:
-            out.index_add_(0, rows, partials[spec.sid])
-        return out
+    def for_step(self, busy: int, total: int) -> _StepMoe:
+        """The backbone's MoeFn for one engine step, under this load (K2)."""
+        return _StepMoe(self, busy, total)
 
-    def _route(self, active: set[str]) -> LiveRoute | None:
+    def next_job_id(self) -> str:
+        return f"{self.coord}:{next(self._seq)}"
+
+    def slices_of(self, layer: int) -> list[SliceSpec]:
+        return self._layer_slices[layer]
+
+    def route(self, active: set[str], busy: int, total: int) -> LiveRoute | None:
         try:
-            return self.routing.route(active)
+            return self.routing.route(active, busy, total)
         except UncoveredSlice as exc:
             # admitted before coverage was lost: the weights are here, so finish locally
             self.stats.uncovered_local += 1
             log.warning("%s; computing locally", exc)
             return None
 
-    def _local(
-        self, layer: int, spec: SliceSpec, x: torch.Tensor, ids: torch.Tensor,
-        w: torch.Tensor, rows: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        return self.bank.forward(
-            layer, x[rows], ids[rows], w[rows], spec.expert_start, spec.expert_end
-        )
 
-    def _gather(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-        pending: dict[str, _Pending], partials: dict[str, torch.Tensor], deadline_ms: int,
-    ) -> None:  # fmt: skip
-        while pending:
-            left_ms = deadline_ms - int(time.time() * 1000)
+class _StepMoe:
+    """`(layer, x, ids, w) -> [T, H]` for the backbone, with the step's load bound."""
+
+    def __init__(self, d: Dispatcher, busy: int, total: int) -> None:
+        self.d, self.busy, self.total = d, busy, total
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        return _LayerCall(self.d, layer, x, ids, w).run(self.busy, self.total)
+
+
+class _LayerCall:
+    """One MoE layer's dispatch: owns its rows, jobs in flight and partial sums.
+
+    Partial sums are added in slice order whatever the arrival order, so remote and local
+    generation agree bit for bit when the worker computes with the same dtype.
+    """
+
+    def __init__(
+        self, d: Dispatcher, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> None:
+        self.d, self.layer, self.x, self.ids, self.w = d, layer, x, ids, w  # [T,H] [T,k] [T,k]
+        self.partials: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.deadline_ms = int(time.time() * 1000) + d.s.job_deadline_ms
+
+    def run(self, busy: int, total: int) -> torch.Tensor:
+        d, stats = self.d, self.d.stats
+        order: list[tuple[SliceSpec, torch.Tensor]] = []
+        for spec in d.slices_of(self.layer):
+            hit = ((self.ids >= spec.expert_start) & (self.ids < spec.expert_end)).any(dim=1)
+            rows = hit.nonzero().squeeze(1)  # [R]
+            if rows.numel():
+                order.append((spec, rows))
+        route = d.route({spec.sid for spec, _ in order}, busy, total)
+        local: list[tuple[SliceSpec, torch.Tensor]] = []
+        jobs: list[tuple[str, Fields]] = []
+        for spec, rows in order:
+            worker = route.worker(spec.sid) if route is not None else None
+            if worker is None:
+                local.append((spec, rows))
+            else:
+                job_id = d.next_job_id()
+                jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
+                self.pending[job_id] = _Pending(spec, rows, worker, time.monotonic())
+        d.board.send_jobs(jobs)
+        stats.remote_sent += len(jobs)
+        for spec, rows in local:  # while the remote jobs are in flight
+            self.partials[spec.sid] = self.local(spec, rows)
+            stats.local_jobs += 1
+        if self.pending:
+            self._gather()
+        out = torch.zeros_like(self.x)
+        for spec, rows in order:
+            out.index_add_(0, rows, self.partials[spec.sid])
+        return out
+
+    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor) -> wire.Job:
+        d = self.d
+        return wire.Job(
+            job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
+            expert_start=spec.expert_start, expert_end=spec.expert_end,
+            coord=d.coord, reply_to=d.results_key, deadline_ms=self.deadline_ms,
+            x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
+            ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
+            weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
+        )  # fmt: skip
+
+    def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
+        return self.d.server.compute(
+            self.layer, self.x[rows], self.ids[rows], self.w[rows],
+            spec.expert_start, spec.expert_end,
+        )  # fmt: skip
+
+    def fallback(self, p: _Pending, latency_ms: float) -> None:
+        """A remote job failed or timed out: compute it here and count it, never lose it."""
+        self.d.routing.observe_failure(p.worker, latency_ms)
+        self.d.stats.fallback_jobs += 1
+        self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+
+    def _gather(self) -> None:
+        d = self.d
+        while self.pending:
+            left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
-            resp = self.r.xread({self.results_key: self._last_id}, count=256, block=left_ms)
+            resp = d.r.xread({d.results_key: d.last_id}, count=256, block=left_ms)
             for _, entries in resp or []:
                 for eid, fields in entries:
-                    self._last_id = eid
-                    self._accept(eid, fields, x, ids, w, pending, partials, layer)
-        for job_id, p in pending.items():  # missed the deadline: compute here, count it
+                    d.last_id = eid
+                    self._accept(eid, fields)
+        for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
-            self.routing.observe_failure(p.worker, float(self.s.job_deadline_ms))
-            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
-            self.stats.fallback_jobs += 1
+            self.fallback(p, float(d.s.job_deadline_ms))
+        self.pending.clear()
 
-    def _accept(
-        self, eid: bytes, fields: dict[bytes, bytes], x: torch.Tensor, ids: torch.Tensor,
-        w: torch.Tensor, pending: dict[str, _Pending], partials: dict[str, torch.Tensor],
-        layer: int,
-    ) -> None:  # fmt: skip
+    def _accept(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        d, stats = self.d, self.d.stats
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
-            dead_letter(
-                self.r, self.keys, self.results_key, eid, fields, str(exc), self.s.stream_maxlen
-            )
+            dead_letter(d.r, d.keys, d.results_key, eid, fields, str(exc), d.maxlen)
             return
-        p = pending.pop(res.job_id, None)
+        p = self.pending.pop(res.job_id, None)
         if p is None:  # duplicate or late: the job was already answered once
-            self.stats.late_results += 1
+            stats.late_results += 1
             return
         latency_ms = (time.monotonic() - p.sent_at) * 1000
-        if res.error is not None or res.y is None:
+        y = None
+        if res.error is None and res.y is not None:
+            y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
+        if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
             log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
-            self.routing.observe_failure(p.worker, latency_ms)
-            self.stats.remote_errors += 1
-            self.stats.fallback_jobs += 1
-            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
+            stats.remote_errors += 1
+            self.fallback(p, latency_ms)
             return
-        y = torch.from_numpy(res.y.array().copy()).to(x.device, x.dtype)
-        if y.shape != (p.rows.numel(), x.shape[1]):
-            self.routing.observe_failure(p.worker, latency_ms)
-            self.stats.remote_errors += 1
-            self.stats.fallback_jobs += 1
-            partials[p.spec.sid] = self._local(layer, p.spec, x, ids, w, p.rows)
-            return
-        self.stats.remote_jobs += 1
-        self.routing.observe_result(p.worker, latency_ms)
-        self.stats.per_worker[res.worker] = self.stats.per_worker.get(res.worker, 0) + 1
-        if self.s.verify_remote:
-            ref = self._local(layer, p.spec, x, ids, w, p.rows)
-            err = float((ref - y).abs().max()) if y.numel() else 0.0
-            scale = float(ref.abs().max()) if ref.numel() else 0.0
-            self.stats.verified += 1
-            self.stats.max_abs_err = max(self.stats.max_abs_err, err)
-            if err > 1e-4 * max(1.0, scale):
-                self.stats.mismatches += 1
-        partials[p.spec.sid] = y
+        stats.remote_jobs += 1
+        d.routing.observe_result(p.worker, latency_ms)
+        stats.per_worker[res.worker] = stats.per_worker.get(res.worker, 0) + 1
+        if d.s.verify_remote:
+            self._verify(p, y)
+        self.partials[p.spec.sid] = y
+
+    def _verify(self, p: _Pending, y: torch.Tensor) -> None:
+        stats = self.d.stats
+        ref = self.local(p.spec, p.rows)
+        err = float((ref - y).abs().max()) if y.numel() else 0.0
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        stats.verified += 1
+        stats.max_abs_err = max(stats.max_abs_err, err)
+        if err > 1e-4 * max(1.0, scale):
+            stats.mismatches += 1

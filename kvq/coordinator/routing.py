@@ -10,65 +10,37 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
-import redis
-
-from kvq.config import Settings
-from kvq.keys import Keys
-from kvq.registry import ModelInfo
-from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
+from kvq.bus.board import Board
+from kvq.config import RoutingSettings
+from kvq.model.registry import ModelInfo
+from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter
 
 log = logging.getLogger("kvq.coordinator")
 
 
-def policy_from(settings: Settings) -> LivePolicy:
-    s = settings
+def policy_from(s: RoutingSettings) -> LivePolicy:
     weights = CostWeights(
-        w_l=s.cost_w_latency, w_c=s.cost_w_load, w_k=s.cost_w_score,
-        w_h=s.cost_w_hops, w_p=s.cost_w_tokens,
-    )  # fmt: skip
-    return LivePolicy(s.saturation_threshold, s.worker_grace_ms, s.swarm_ewma_alpha, weights)
-
-
-class WorkerWatch:
-    """Reads the model's workers from Redis: slice, heartbeat alive, last_serve_ms."""
-
-    def __init__(self, r: redis.Redis, keys: Keys, model: str) -> None:
-        self.r, self.keys, self.model = r, keys, model
-
-    def read(self) -> list[WorkerView]:
-        assigned = self.r.hgetall(self.keys.model_workers(self.model))
-        workers = sorted((w.decode(), s.decode()) for w, s in assigned.items())
-        if not workers:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for w, _ in workers:
-            pipe.exists(self.keys.worker_heartbeat(w))
-            pipe.hget(self.keys.worker_info(w), "last_serve_ms")
-        got = pipe.execute()
-        return [
-            WorkerView(w, sid, alive=bool(got[2 * i]), last_serve_ms=int(got[2 * i + 1] or 0))
-            for i, (w, sid) in enumerate(workers)
-        ]
+        w_l=s.w_latency, w_c=s.w_load, w_k=s.w_score, w_h=s.w_hops, w_p=s.w_tokens
+    )
+    return LivePolicy(s.saturation_threshold, s.worker_grace_ms, s.ewma_alpha, weights)
 
 
 class SliceRouter:
-    """The coordinator's routing state for one model."""
+    """The coordinator's routing state for one model, fed from the board's worker views."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, settings: Settings, coord_id: str,
-        info: ModelInfo, slot_state: Callable[[], tuple[int, int]],
-    ) -> None:  # fmt: skip
+        self, board: Board, settings: RoutingSettings, coord_id: str, info: ModelInfo
+    ) -> None:
         sids = [
             s.sid
             for s in sorted(info.slices.values(), key=lambda s: (s.layer_start, s.expert_start))
         ]
-        local = sids if settings.coordinator_experts == "all" else []
+        local = sids if settings.local_experts else []
         self.router = LiveRouter(info.model, sids, coord_id, policy_from(settings), local)
-        self.watch = WorkerWatch(r, keys, info.model)
-        self.slot_state = slot_state
-        self.refresh_s = settings.dispatch_refresh_ms / 1000
+        self.board, self.model = board, info.model
+        self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
         self.rescues = 0
@@ -79,7 +51,7 @@ class SliceRouter:
         if not force and now - self._at < self.refresh_s:
             return
         self._at = now
-        views = self.watch.read()
+        views = self.board.workers(self.model)
         for v in views:
             if not v.alive and v.worker_id in self._alive:
                 rescue = self.router.mark_down(v.worker_id)
@@ -94,11 +66,16 @@ class SliceRouter:
         self.refresh()
         self.router.check()
 
-    def route(self, active: Collection[str]) -> LiveRoute:
-        """Where each active slice of this MoE layer goes (raises UncoveredSlice)."""
-        self.router.set_slots(*self.slot_state())
+    def route(self, active: Collection[str], busy: int, total: int) -> LiveRoute:
+        """Where each active slice of this MoE layer goes, under the coordinator's load
+        (`busy` of `total` slots); raises UncoveredSlice."""
+        self.router.set_slots(busy, total)
         self.refresh()
         return self.router.route(time.time() * 1000, active)
+
+    @property
+    def replans(self) -> int:
+        return self.router.replans
 
     def observe_result(self, worker: str, latency_ms: float) -> None:
         self.router.observe_result(worker, latency_ms)

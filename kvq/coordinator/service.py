@@ -13,53 +13,54 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import redis
+import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
-from kvq.bus import (
-    Backoff,
-    Consumer,
-    claim_from_dead,
-    connect,
-    dead_letter,
-    is_connection_error,
-    xadd,
-)
-from kvq.config import Settings
+from kvq.bus import Backoff, Consumer, claim_from_dead, dead_letter, is_connection_error, xadd
+from kvq.bus.board import wait_for_model
+from kvq.bus.records import CoordStats, SlotState
+from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
+from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
+from kvq.device import compute_dtype
 from kvq.errors import UncoveredSlice, WireError
-from kvq.keys import COORDINATOR_GROUP, Keys
+from kvq.keys import COORDINATOR_GROUP
 from kvq.model import Backbone, load_tokenizer
-from kvq.registry import wait_for_model
+from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
 
 
 class Coordinator:
-    """Serves one model from `model_path`, registered in Redis as `model`."""
+    """Serves one model from `model_path`, registered on the board as `model`."""
 
     def __init__(
-        self, settings: Settings, coord_id: str, model: str, model_path: str | Path
-    ) -> None:
-        self.s, self.id, self.model = settings, coord_id, model
-        self.keys = Keys(settings.prefix)
-        self.r = connect(settings)
+        self, board: RedisBoard, settings: CoordinatorSettings, routing: RoutingSettings,
+        dispatch: DispatchSettings, bank: BankOptions,
+        coord_id: str, model: str, model_path: str | Path,
+    ) -> None:  # fmt: skip
+        self.board, self.s, self.id, self.model = board, settings, coord_id, model
         self.backbone = Backbone.from_gguf(model_path)
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
-        self.bank = Bank(self.backbone.experts, BankOptions.from_settings(settings), "cpu")
-        self.info = wait_for_model(
-            self.r, self.keys, model, settings.model_wait_s, settings.reconnect_max_s
-        )
+        cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
+        self.bank = Bank(self.backbone.experts, bank, cpu)
+        self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
+        hidden = self.backbone.meta.embedding_length
+        self.server = ExpertServer(coord_id, model, self.bank, hidden, compute_dtype(cpu))
+        self.routing = SliceRouter(board, routing, coord_id, self.info)
         self.dispatch = Dispatcher(
-            self.r, self.keys, settings, coord_id, self.info, self.bank,
-            slot_state=lambda: self.slots.current(),
+            board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
+            self.routing, board.maxlen,
         )  # fmt: skip
-        self._requests_key = self.keys.model_requests(model)
-        self.requests = Consumer(self.r, self._requests_key, COORDINATOR_GROUP, coord_id)
+        self._requests_key = board.keys.model_requests(model)
+        self.requests = Consumer(board.r, self._requests_key, COORDINATOR_GROUP, coord_id)
         self.slots = SlotPoller(
             lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
             self._publish_slots, settings.slot_poll_s, settings.slot_state_stale_s,
@@ -69,6 +70,16 @@ class Coordinator:
         self.tokens = 0
         self.claimed = 0
         self._claim_at = 0.0
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, coord_id: str, model: str, model_path: str | Path
+    ) -> Coordinator:
+        board = open_board(settings.bus, settings.lifetimes)
+        return cls(
+            board, settings.coordinator, settings.routing, settings.dispatch,
+            BankOptions.from_settings(settings), coord_id, model, model_path,
+        )  # fmt: skip
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
@@ -100,7 +111,7 @@ class Coordinator:
                 self._admit(eid, fields)
         self.slots.note(self.engine.busy)
         if self.engine.busy:
-            self.engine.step(self.dispatch, self._emit)
+            self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
             self.bank.step()  # B5: dynamic updates count engine steps
 
     def _claim_orphans(self) -> None:
@@ -110,17 +121,13 @@ class Coordinator:
             return
         self._claim_at = now
         n = claim_from_dead(
-            self.r, self._requests_key, COORDINATOR_GROUP, self.id,
-            self._coordinator_alive, self.s.claim_idle_ms,
+            self.board.r, self._requests_key, COORDINATOR_GROUP, self.id,
+            self.board.coordinator_alive, self.s.claim_idle_ms,
         )  # fmt: skip
         if n:
             log.info("claimed %d requests of dead coordinators", n)
             self.claimed += n
             self.requests.reset_pending()
-
-    def _coordinator_alive(self, coord: str) -> bool:
-        ts = self.r.hget(self.keys.coord_slots(coord), "ts_ms")
-        return ts is not None and time.time() * 1000 - float(ts) < self.s.slot_state_stale_s * 1000
 
     def _admit(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
         if any(seq.entry_id == eid for seq in self.engine.active):
@@ -129,8 +136,9 @@ class Coordinator:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
             dead_letter(
-                self.r, self.keys, self._requests_key, eid, fields, str(exc), self.s.stream_maxlen
-            )
+                self.board.r, self.board.keys, self._requests_key, eid, fields, str(exc),
+                self.board.maxlen,
+            )  # fmt: skip
             self.requests.ack(eid)
             return
         ids = (
@@ -143,7 +151,7 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
             )
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.board.r.pipeline(transaction=False)
             self._reply(pipe, req.request_id, event)
             pipe.xack(self._requests_key, COORDINATOR_GROUP, eid)
             pipe.execute()
@@ -157,7 +165,7 @@ class Coordinator:
         if req.max_tokens > self.s.max_tokens_limit:
             return f"max_tokens {req.max_tokens} > KVQ_MAX_TOKENS_LIMIT {self.s.max_tokens_limit}"
         try:
-            self.dispatch.routing.check()
+            self.routing.check()
         except UncoveredSlice as exc:
             return str(exc)
         vocab = self.backbone.meta.vocab_size
@@ -172,7 +180,7 @@ class Coordinator:
 
     def _emit(self, seqs: list[Sequence]) -> None:
         """One pipeline per step: each sequence's new token, and `done` for finished ones."""
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.board.r.pipeline(transaction=False)
         for seq in seqs:
             tok = seq.generated[-1]
             self.tokens += 1
@@ -192,29 +200,23 @@ class Coordinator:
         pipe.execute()
 
     def _reply(self, pipe: redis.client.Pipeline, request_id: str, event: wire.ReplyEvent) -> None:
-        key = self.keys.request_reply(request_id)
-        xadd(pipe, key, wire.encode(event), self.s.stream_maxlen)
-        pipe.expire(key, self.s.request_ttl_s)
+        key = self.board.keys.request_reply(request_id)
+        xadd(pipe, key, wire.encode(event), self.board.maxlen)
+        pipe.expire(key, self.board.lifetimes.reply_s())
+
+    def snapshot(self) -> CoordStats:
+        """The counters to publish (read on the slot-poll thread: plain values only)."""
+        hot, cold = self.bank.hit_rates()
+        return msgspec.convert(
+            self.dispatch.stats.counters() | {
+                "hot_hit_rate": round(hot, 4), "cold_hit_rate": round(cold, 4),
+                "replans": self.routing.replans, "rescues": self.routing.rescues,
+                "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,
+            },
+            CoordStats,
+        )  # fmt: skip
 
     def _publish_slots(self, busy: int, total: int) -> None:
-        """Slot state for the monitor, and dispatch counters (on the slot-poll thread)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(
-            self.keys.coord_slots(self.id),
-            mapping={"model": self.model, "busy": busy, "total": total,
-                     "ts_ms": int(time.time() * 1000)},
-        )  # fmt: skip
-        pipe.expire(self.keys.coord_slots(self.id), int(self.s.slot_state_stale_s * 3) + 1)
-        pipe.sadd(self.keys.model_coordinators(self.model), self.id)  # after the slots: see monitor
-        hot, cold = self.bank.hit_rates()
-        stats = self.dispatch.stats.as_dict() | {
-            "hot_hit_rate": round(hot, 4), "cold_hit_rate": round(cold, 4),
-            "replans": self.dispatch.routing.router.replans,
-            "rescues": self.dispatch.routing.rescues,
-            "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,
-        }  # fmt: skip
-        pipe.hset(self.keys.coord_stats(self.id), mapping=stats)
-        ttl = int(self.s.request_ttl_s)
-        pipe.expire(self.keys.coord_stats(self.id), ttl)  # a gone coordinator's keys age out
-        pipe.expire(self.keys.coord_results(self.id), ttl)
-        pipe.execute()
+        """Slot state for the monitor, and the counters (on the slot-poll thread)."""
+        state = SlotState(model=self.model, busy=busy, total=total, ts_ms=int(time.time() * 1000))
+        self.board.publish_slots(self.id, state, self.snapshot())

@@ -3,17 +3,26 @@
 Because each expert's contribution is added independently, summing `expert_forward` over any
 partition of a layer's experts into slices gives the full-layer result; this is what lets the
 coordinator scatter one layer's tokens over many workers and add the partial outputs.
+
+`grouped_expert_ffn` is the one loop both the model's reference path and the bank run; they
+differ only in where an expert's weights come from (`weights_of`), so their outputs are the same
+bits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as F
 
 from kvq.errors import KvqError, ModelError
+from kvq.model.layers import swiglu
 from kvq.model.slices import ExpertSlice
+
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F, H], up, down [H, F]
+WeightsOf = Callable[[int], ExpertWeights]  # expert index within [lo, hi) -> its weights
 
 
 def expert_forward(
@@ -25,31 +34,51 @@ def expert_forward(
     `[sl.expert_start, sl.expert_end)` contribute 0. Returns [T, H] in x.dtype.
     """
     check_inputs(sl.gate.shape[2], x, ids, weights)
-    cdtype = sl.gate.dtype
-    xc = x.to(cdtype)  # [T, H]
+
+    def weights_of(e: int) -> ExpertWeights:
+        return sl.gate[e], sl.up[e], sl.down[e]
+
+    return grouped_expert_ffn(
+        x, ids, weights, sl.expert_start, sl.expert_end, weights_of, sl.gate.dtype
+    )
+
+
+def grouped_expert_ffn(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
+    weights_of: WeightsOf, cdtype: torch.dtype, before_compute: Callable[[], None] | None = None,
+    inside: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Sum over each row's selected experts in `[lo, hi)` of `w * swiglu(x, *weights_of(e))`,
+    computed in `cdtype` and returned in x.dtype.
+
+    x: [T, H]; ids: [T, k] int64 global expert ids; weights: [T, k]. `weights_of` gets the
+    expert's index within `[lo, hi)`. `before_compute` runs once before the first matmul, and
+    only if some pair falls inside. `inside` ([T, k] bool): the mask of ids in `[lo, hi)`, if
+    the caller already has it.
+    """
     out = torch.zeros(x.shape, dtype=cdtype, device=x.device)  # [T, H]
-    inside = (ids >= sl.expert_start) & (ids < sl.expert_end)  # [T, k]
+    if inside is None:
+        inside = (ids >= lo) & (ids < hi)  # [T, k]
     if not bool(inside.any()):
         return out.to(x.dtype)
-    rows = inside.nonzero()[:, 0]  # [M] token row of each (row, choice) pair inside the slice
-    local = ids[inside] - sl.expert_start  # [M] expert index within the slice
+    xc = x.to(cdtype)  # [T, H]
+    rows = inside.nonzero()[:, 0]  # [M] token row of each (row, choice) pair inside the range
+    local = ids[inside] - lo  # [M] expert index within [lo, hi)
     w = weights[inside].to(cdtype)  # [M]
-    # group pairs by expert so each expert runs three dense matmuls over all of its rows.
-    # kvq.bank.compute repeats these exact ops in this order to give the same bits: change
-    # both together.
+    # group pairs by expert so each expert runs three dense matmuls over all of its rows
     order = torch.argsort(local, stable=True)  # [M]
     rows, local, w = rows[order], local[order], w[order]
-    counts = torch.bincount(local, minlength=sl.n_experts).tolist()  # host sync: loop bounds
+    counts = torch.bincount(local, minlength=hi - lo).tolist()  # host sync: loop bounds
+    if before_compute is not None:
+        before_compute()
     start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
+    for e, n in enumerate(counts):
+        if n == 0:
             continue
-        r = rows[start : start + count]  # [m]
-        xe = xc.index_select(0, r)  # [m, H]
-        h = F.silu(xe @ sl.gate[e].T) * (xe @ sl.up[e].T)  # [m, F]
-        y = h @ sl.down[e].T  # [m, H]
-        out.index_add_(0, r, y * w[start : start + count, None])
-        start += count
+        r = rows[start : start + n]  # [m]
+        y = swiglu(xc.index_select(0, r), *weights_of(e))  # [m, H]
+        out.index_add_(0, r, y * w[start : start + n, None])
+        start += n
     return out.to(x.dtype)
 
 

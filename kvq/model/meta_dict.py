@@ -11,8 +11,7 @@ from dataclasses import MISSING, fields
 
 from kvq.errors import ModelError
 from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
-
-_RANGE_KEYS = ("name", "kind", "offset", "nbytes", "ggml_type", "expert_shape")
+from kvq.slices import range_from_dict, range_to_dict
 
 
 def _as_int(key: str, value: object) -> int:
@@ -48,14 +47,10 @@ def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
         f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
     }
     out["expert_tensors"] = [
-        [_range_to_dict(meta.expert_tensors[layer][kind]) for kind in EXPERT_KINDS]
+        [range_to_dict(meta.expert_tensors[layer][kind]) for kind in EXPERT_KINDS]
         for layer in sorted(meta.expert_tensors)
     ]
     return out
-
-
-def _range_to_dict(r: TensorRange) -> dict[str, object]:
-    return {k: list(r.expert_shape) if k == "expert_shape" else getattr(r, k) for k in _RANGE_KEYS}
 
 
 def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
@@ -84,24 +79,8 @@ def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:
         raise ModelError(
             f"model layout layer {layer} must list {EXPERT_KINDS} ranges, got {rows!r}"
         )
-    out: dict[str, TensorRange] = {}
-    for row in rows:
-        if not isinstance(row, Mapping) or any(k not in row for k in _RANGE_KEYS):
-            raise ModelError(f"layer {layer} range {row!r} lacks one of {_RANGE_KEYS}")
-        shape = row["expert_shape"]
-        if not isinstance(shape, list | tuple):
-            raise ModelError(f"layer {layer} expert_shape {shape!r} is not a list of ints")
-        r = TensorRange(
-            name=_as_str("name", row["name"]),
-            kind=_as_str("kind", row["kind"]),
-            offset=_as_int("offset", row["offset"]),
-            nbytes=_as_int("nbytes", row["nbytes"]),
-            ggml_type=_as_int("ggml_type", row["ggml_type"]),
-            expert_shape=tuple(_as_int("expert_shape", s) for s in shape),
-        )
-        if r.kind not in EXPERT_KINDS:
-            raise ModelError(f"layer {layer} range kind {r.kind!r} is not one of {EXPERT_KINDS}")
-        out[r.kind] = r
+    ranges = [range_from_dict(row, f"model layout layer {layer}") for row in rows]
+    out = {r.kind: r for r in ranges}
     if len(out) != len(EXPERT_KINDS):
         raise ModelError(
             f"model layout layer {layer} repeats a kind; need one each of {EXPERT_KINDS}"

@@ -18,20 +18,17 @@ import logging
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvq.monitor.metrics import make_registry, slice_demand
-from kvq.registry import list_models, load_model
-
-if TYPE_CHECKING:
-    from kvq.monitor.service import Monitor
+from kvq.bus.records import ModelState
+from kvq.bus.redis_board import RedisBoard
+from kvq.monitor.metrics import make_registry
 
 log = logging.getLogger("kvq.monitor.http")
 MAX_BODY = 64 * 1024
-_STATE_FIELDS = ("busy", "total", "saturated", "coordinators", "base_target", "effective_target")
 
 
 class ApiError(Exception):
@@ -47,28 +44,28 @@ class ApiError(Exception):
 class Api:
     """What the endpoints answer, as plain data; the handler only moves bytes."""
 
-    def __init__(self, monitor: Monitor) -> None:
-        self.mon = monitor
-        self.r, self.keys = monitor.r, monitor.keys
-        self.registry = make_registry(self.r, self.keys)
+    def __init__(self, board: RedisBoard) -> None:
+        self.board = board
+        self.registry = make_registry(board)
 
     def recruitment(self) -> dict[str, Any]:
         out = []
-        for m in list_models(self.r, self.keys):
-            h = self.r.hgetall(self.keys.model_state(m))
-            row: dict[str, Any] = {"model": m}
-            row.update({f: int(h.get(f.encode(), 0)) for f in _STATE_FIELDS})
-            row["saturated"] = bool(row["saturated"])
-            out.append(row)
+        for m in self.board.models():
+            st = self.board.model_state(m) or ModelState()
+            out.append({
+                "model": m, "busy": st.busy, "total": st.total, "saturated": st.saturated,
+                "coordinators": st.coordinators, "base_target": st.base_target,
+                "effective_target": st.effective_target,
+            })  # fmt: skip
         return {"models": out}
 
     def demand(self) -> dict[str, Any]:
         out = []
-        for m in list_models(self.r, self.keys):
+        for m in self.board.models():
             slices = [
-                {"slice": sid, "target": want, "coverage": cov, "demand": max(0, want - cov),
-                 "recruiting": want > cov}
-                for sid, (want, cov) in slice_demand(self.r, self.keys, m).items()
+                {"slice": sid, "target": d.target, "coverage": d.coverage, "demand": d.demand,
+                 "recruiting": d.recruiting}
+                for sid, d in self.board.slice_demand(m).items()
             ]  # fmt: skip
             recruiting = any(s["recruiting"] for s in slices)
             out.append({"model": m, "recruiting": recruiting, "slices": slices})
@@ -77,15 +74,15 @@ class Api:
     def volunteer(self, body: bytes) -> dict[str, Any] | None:
         """Hand `worker` a slice through the workers' own atomic script; None: no demand."""
         worker, model = _parse_volunteer(body)
-        models = list_models(self.r, self.keys)
+        models = self.board.models()
         if model is not None and model not in models:
             raise ApiError(HTTPStatus.NOT_FOUND, "UnknownModel", f"model {model!r} not registered")
         for m in [model] if model is not None else models:
-            sid = self.mon.scripts.volunteer(self.r, m, worker)
-            if sid is None:
+            sid = self.board.volunteer(m, worker)
+            info = self.board.model_info(m) if sid is not None else None
+            if sid is None or info is None:
                 continue
-            info = load_model(self.r, self.keys, m)
-            spec = json.loads(info.slices[sid].to_json())
+            spec = info.slices[sid].to_dict()
             return {
                 "model": m, "slice": sid, "source": info.source,
                 "bytes": spec["bytes"], "ranges": spec["ranges"],
@@ -94,7 +91,7 @@ class Api:
 
     def healthy(self) -> bool:
         try:
-            return bool(self.r.ping())
+            return bool(self.board.r.ping())
         except redis.RedisError:
             return False
 
@@ -199,13 +196,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_api(
-    monitor: Monitor, host: str, port: int
+    board: RedisBoard, host: str, port: int
 ) -> tuple[ThreadingHTTPServer, threading.Thread]:
     """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`).
 
     Stop with `server.shutdown(); server.server_close()`.
     """
-    server = _Server((host, port), Api(monitor))
+    server = _Server((host, port), Api(board))
     thread = threading.Thread(target=server.serve_forever, name="kvq-http", daemon=True)
     thread.start()
     return server, thread

@@ -13,17 +13,10 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, Keys
-from kvq.registry import list_models
+from kvq.bus.redis_board import RedisBoard
+from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
 
 _STREAM_LABELS = ["stream", "model", "worker", "coordinator"]
-
-
-def slice_demand(r: redis.Redis, keys: Keys, model: str) -> dict[str, tuple[int, int]]:
-    """Slice id → (target, coverage) of `model`, sorted by slice id."""
-    target = {k.decode(): int(v) for k, v in r.hgetall(keys.model_target(model)).items()}
-    cover = {k.decode(): int(v) for k, v in r.hgetall(keys.model_coverage(model)).items()}
-    return {sid: (target[sid], cover.get(sid, 0)) for sid in sorted(target)}
 
 
 def _pending(r: redis.Redis, stream: str, group: str) -> int | None:
@@ -37,12 +30,11 @@ def _pending(r: redis.Redis, stream: str, group: str) -> int | None:
 class RedisCollector(Collector):
     """Gauges computed from Redis at scrape time."""
 
-    def __init__(self, r: redis.Redis, keys: Keys) -> None:
-        self.r = r
-        self.keys = keys
+    def __init__(self, board: RedisBoard) -> None:
+        self.board = board
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        r, k = self.r, self.keys
+        board, r, k = self.board, self.board.r, self.board.keys
         length = GaugeMetricFamily(
             "kvq_stream_length", "entries in a kvq stream (XLEN)", labels=_STREAM_LABELS
         )
@@ -60,33 +52,32 @@ class RedisCollector(Collector):
         alive = GaugeMetricFamily(
             "kvq_workers_alive", "workers holding a slice with a live heartbeat", labels=["model"]
         )
-        for m in list_models(r, k):
+        for m in board.models():
             req = k.model_requests(m)
             length.add_metric(["requests", m, "", ""], r.xlen(req))
             if (n := _pending(r, req, COORDINATOR_GROUP)) is not None:
                 pending.add_metric(["requests", m, "", ""], n)
-            workers = sorted(w.decode() for w in r.hkeys(k.model_workers(m)))
-            live = 0
-            for w in workers:
-                inbox = k.worker_inbox(w)
-                length.add_metric(["inbox", m, w, ""], r.xlen(inbox))
+            views = board.workers(m)
+            for v in views:
+                inbox = k.worker_inbox(v.worker_id)
+                length.add_metric(["inbox", m, v.worker_id, ""], r.xlen(inbox))
                 if (n := _pending(r, inbox, WORKER_GROUP)) is not None:
-                    pending.add_metric(["inbox", m, w, ""], n)
-                live += int(r.exists(k.worker_heartbeat(w)))
-            for c in sorted(c.decode() for c in r.smembers(k.model_coordinators(m))):
-                length.add_metric(["results", m, "", c], r.xlen(k.coord_results(c)))
-            saturated.add_metric([m], int(r.hget(k.model_state(m), "saturated") or 0))
-            for sid, (want, cov) in slice_demand(r, k, m).items():
-                demand.add_metric([m, sid], max(0, want - cov))
-            alive.add_metric([m], live)
+                    pending.add_metric(["inbox", m, v.worker_id, ""], n)
+            for c in board.coordinators(m):
+                length.add_metric(["results", m, "", c.coord], r.xlen(k.coord_results(c.coord)))
+            state = board.model_state(m)
+            saturated.add_metric([m], int(state is not None and state.saturated))
+            for sid, d in board.slice_demand(m).items():
+                demand.add_metric([m, sid], d.demand)
+            alive.add_metric([m], sum(v.alive for v in views))
         dead = r.xlen(k.deadletter())
         length.add_metric(["deadletter", "", "", ""], dead)
         yield from (length, pending, saturated, demand, alive)
         yield GaugeMetricFamily("kvq_deadletter_length", "entries in the dead-letter stream", dead)
 
 
-def make_registry(r: redis.Redis, keys: Keys) -> CollectorRegistry:
+def make_registry(board: RedisBoard) -> CollectorRegistry:
     """A private registry (no process metrics of this Python) holding only the Redis gauges."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RedisCollector(r, keys))
+    registry.register(RedisCollector(board))
     return registry

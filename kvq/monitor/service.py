@@ -14,44 +14,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from kvq.bus import Backoff, Scripts, connect, is_connection_error, xadd
-from kvq.config import Settings
-from kvq.keys import Keys
-from kvq.registry import ModelInfo, list_models, register_model
+from kvq.bus import Backoff, is_connection_error
+from kvq.bus.board import Board
+from kvq.bus.records import ModelState
+from kvq.bus.redis_board import open_board
+from kvq.config import MonitorSettings, Settings
+from kvq.model.registry import ModelInfo, plan_model
 
 log = logging.getLogger("kvq.monitor")
 
 
-@dataclass(frozen=True, slots=True)
-class ModelState:
-    model: str
-    saturated: bool
-    busy: int
-    total: int
-    coordinators: int
-    base: int
-    effective: int
-
-
 class Monitor:
-    """The control plane; `run()` until `stop` is set."""
+    """The control plane over one board; `run()` until `stop` is set."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.s = settings
-        self.keys = Keys(settings.prefix)
-        self.r = connect(settings)
-        self.scripts = Scripts(self.r, self.keys)
+    def __init__(self, board: Board, settings: MonitorSettings) -> None:
+        self.board, self.s = board, settings
         self.stop = threading.Event()
         self.reaped = 0
         self.requeued = 0
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Monitor:
+        return cls(open_board(settings.bus, settings.lifetimes), settings.monitor)
+
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
-        info = register_model(self.r, self.keys, self.s, model, path, source)
+        """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
+        info = plan_model(model, path, self.s.slice_layers, self.s.slice_experts, source)
+        self.board.register_model(info, self.s.base_replicas)
         log.info("registered %s: %d slices", model, len(info.slices))
         return info
 
@@ -67,99 +60,46 @@ class Monitor:
                 log.warning("redis unreachable (%s); retrying", exc)
                 backoff.wait()
                 continue
-            self.stop.wait(self.s.monitor_poll_s)
+            self.stop.wait(self.s.poll_s)
 
-    def tick(self) -> list[ModelState]:
-        states = [self.poll(model) for model in list_models(self.r, self.keys)]
-        for model in list_models(self.r, self.keys):
+    def tick(self) -> list[tuple[str, ModelState]]:
+        models = self.board.models()
+        states = [(model, self.poll(model)) for model in models]
+        for model in models:
             self.reap(model)
         return states
 
     def poll(self, model: str) -> ModelState:
-        """Saturation of `model` from its coordinators' slot state; writes targets."""
-        k = self.keys
-        coords = sorted(c.decode() for c in self.r.smembers(k.model_coordinators(model)))
-        pipe = self.r.pipeline(transaction=False)
-        for c in coords:
-            pipe.hgetall(k.coord_slots(c))
-        now_ms = time.time() * 1000
+        """Saturation of `model` from its coordinators' slot state (K6); writes targets (K7)."""
         busy = total = live = 0
         saturated = False
-        for c, slots in zip(coords, pipe.execute() if coords else [], strict=True):
-            if not slots:  # expired: the coordinator is gone
-                self.r.srem(k.model_coordinators(model), c)
+        for view in self.board.coordinators(model):
+            if view.state is None:  # its slot state expired: the coordinator is gone
+                self.board.forget_coordinator(model, view.coord)
                 continue
-            if now_ms - float(slots.get(b"ts_ms", 0)) > self.s.slot_state_stale_s * 1000:
+            if not view.alive:
                 continue
-            b, t = int(slots.get(b"busy", 0)), int(slots.get(b"total", 0))
+            b, t = view.state.busy, view.state.total
             busy, total, live = busy + b, total + t, live + 1
             saturated |= b >= self.s.saturation_threshold
         effective = self.s.base_replicas + (self.s.boost_replicas if saturated else 0)
-        sids = [s.decode() for s in self.r.hkeys(k.model_slices(model))]
-        pipe = self.r.pipeline(transaction=False)
-        if sids:
-            pipe.hset(k.model_target(model), mapping=dict.fromkeys(sids, effective))
-        state = ModelState(model, saturated, busy, total, live, self.s.base_replicas, effective)
-        pipe.hset(
-            k.model_state(model),
-            mapping={
-                "saturated": int(saturated), "busy": busy, "total": total,
-                "coordinators": live, "base_target": state.base,
-                "effective_target": effective, "ts_ms": int(now_ms),
-            },
+        state = ModelState(
+            saturated=saturated, busy=busy, total=total, coordinators=live,
+            base_target=self.s.base_replicas, effective_target=effective,
+            ts_ms=int(time.time() * 1000),
         )  # fmt: skip
-        pipe.execute()
+        self.board.publish_model_state(model, state)
         return state
 
     def reap(self, model: str) -> list[str]:
-        """Release the slices of workers whose heartbeat expired; requeue their jobs."""
-        k = self.keys
-        assigned = {
-            w.decode(): s.decode() for w, s in self.r.hgetall(k.model_workers(model)).items()
-        }
-        pipe = self.r.pipeline(transaction=False)
-        for w in assigned:
-            pipe.exists(k.worker_heartbeat(w))
-        alive = dict(zip(assigned, pipe.execute() if assigned else [], strict=True))
-        dead = [w for w, ok in alive.items() if not ok]
-        for w in dead:
-            sid = assigned[w]
-            self.scripts.release(self.r, model, w)
-            peers = sorted(p for p, s in assigned.items() if s == sid and alive[p])
-            self._requeue(w, peers)
-            self.r.delete(k.worker_info(w))
+        """Release the slices of dead workers; move their unanswered jobs to live peers."""
+        views = self.board.workers(model)
+        dead = [v for v in views if not v.alive]
+        for v in dead:
+            self.board.release(model, v.worker_id)
+            peers = [p.worker_id for p in views if p.slice_id == v.slice_id and p.alive]
+            self.requeued += self.board.requeue_inbox(v.worker_id, peers)
+            self.board.forget_worker(v.worker_id)
             self.reaped += 1
-            log.info("reaped worker %s (%s of %s)", w, sid, model)
-        return dead
-
-    def _requeue(self, dead: str, peers: list[str]) -> None:
-        """Move the dead worker's unanswered jobs to a live peer, then drop its inbox."""
-        inbox = self.keys.worker_inbox(dead)
-        entries = self._unanswered(inbox)
-        if peers and entries:
-            pipe = self.r.pipeline(transaction=False)
-            for i, (_, fields) in enumerate(entries):
-                peer = peers[i % len(peers)]
-                xadd(pipe, self.keys.worker_inbox(peer), fields, self.s.stream_maxlen)
-            pipe.execute()
-            self.requeued += len(entries)
-        self.r.delete(inbox)
-
-    def _unanswered(self, inbox: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Entries never delivered, plus those delivered but not acknowledged."""
-        groups = self.r.xinfo_groups(inbox) if self.r.exists(inbox) else []
-        if not groups:
-            return list(self.r.xrange(inbox))
-        g = groups[0]
-        last = g["last-delivered-id"]
-        pending = {
-            p["message_id"]
-            for p in self.r.xpending_range(inbox, g["name"], min="-", max="+", count=10_000)
-        }
-        return [(eid, f) for eid, f in self.r.xrange(inbox) if eid in pending or _id_gt(eid, last)]
-
-
-def _id_gt(a: bytes, b: bytes) -> bool:
-    ams, aseq = (int(p) for p in a.split(b"-"))
-    bms, bseq = (int(p) for p in b.split(b"-"))
-    return (ams, aseq) > (bms, bseq)
+            log.info("reaped worker %s (%s of %s)", v.worker_id, v.slice_id, model)
+        return [v.worker_id for v in dead]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvq.errors import ConfigError, TopologyError
-from kvq.keys import slice_id
+from kvq.slices import slice_grid
 
 Rung = Literal["copy", "splice", "degraded"]
 Status = Literal["healthy", "degraded", "failed", "stopped"]
@@ -100,10 +100,9 @@ class ModelSpec:
         if not 1 <= step <= experts:
             raise TopologyError(f"model {model_id!r}: experts_per_slice must be in [1, {experts}]")
         slices = tuple(
-            Slice(slice_id(la, la + 1, e, min(e + step, experts)),
-                  layer_gib * (min(e + step, experts) - e) / experts)
-            for la in range(layers) for e in range(0, experts, step)
-        )  # fmt: skip
+            Slice(b.sid, layer_gib * (b.expert_end - b.expert_start) / experts)
+            for b in slice_grid(layers, experts, 1, step)  # one layer per slice
+        )
         return cls(model_id, slices, fallback)
 
 

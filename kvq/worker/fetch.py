@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.registry import SliceSpec
+from kvq.slices import SliceSpec
 
 
 def fetch_slice(source: str, spec: SliceSpec, timeout_s: float) -> list[bytes]:

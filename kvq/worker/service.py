@@ -14,63 +14,66 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import redis
-import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
-from kvq.bus import Backoff, Consumer, Scripts, connect, dead_letter, is_connection_error, xadd
-from kvq.config import Settings
+from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error, xadd
+from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.config import Settings, WorkerSettings
 from kvq.device import compute_dtype, pick_device
-from kvq.errors import BankError, KvqError, WireError
-from kvq.keys import WORKER_GROUP, Keys
+from kvq.errors import BankError, KvqError, ModelError, WireError
+from kvq.keys import WORKER_GROUP
 from kvq.model import decode_slice
-from kvq.registry import SliceSpec, list_models, load_model
 from kvq.worker.fetch import fetch_slice
+from kvq.worker.membership import Held, Membership
+from kvq.worker.server import BAD_JOB, ExpertServer
 
 log = logging.getLogger("kvq.worker")
-
-
-@dataclass
-class Holding:
-    """The slice a worker serves, in a hot/cold bank."""
-
-    model: str
-    spec: SliceSpec
-    bank: Bank
-    hidden: int  # the model's embedding length: every job's x is [T, hidden]
 
 
 class Worker:
     """One worker; `run()` until `stop` is set (or it idles out)."""
 
-    def __init__(self, settings: Settings, worker_id: str) -> None:
-        self.s, self.id = settings, worker_id
-        self.keys = Keys(settings.prefix)
-        self.r = connect(settings)
-        self.scripts = Scripts(self.r, self.keys)
+    def __init__(
+        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str
+    ) -> None:
+        self.board, self.s, self.bank_options, self.id = board, settings, bank, worker_id
         self.device = pick_device(settings.device)
         self.dtype = compute_dtype(self.device)
-        self.holding: Holding | None = None
+        self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
+        self.membership = Membership(board, worker_id, str(self.device), self._served)
         self.stop = threading.Event()
-        self._holding_lock = threading.Lock()  # a heartbeat never interleaves with leaving
-        self.served = 0
-        self.last_serve_ms = 0
         self._idle_since = time.monotonic()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
+        board = open_board(settings.bus, settings.lifetimes)
+        return cls(board, settings.worker, BankOptions.from_settings(settings), worker_id)
+
+    @property
+    def holding(self) -> Held | None:
+        return self.membership.held
+
+    @property
+    def served(self) -> int:
+        """Jobs served since the slice was loaded."""
+        return self._served()[0]
+
+    def _served(self) -> tuple[int, int]:
+        sv = self.server
+        return (sv.served, sv.last_serve_ms) if sv is not None else (0, 0)
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
-        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        hb.start()
+        self.membership.start()
         try:
             while not self.stop.is_set():
                 try:
-                    if self.holding is None:
+                    if self.membership.held is None:
                         if not self._volunteer():
                             self._maybe_idle_out()
                             self.stop.wait(self.s.volunteer_poll_s)
@@ -86,185 +89,107 @@ class Worker:
                         self.consumer.reset_pending()
         finally:
             self.stop.set()
-            hb.join(timeout=2)
-            self._leave()
+            self.membership.close()
+            self.membership.leave()
 
     def _maybe_idle_out(self) -> None:
         if self._idle_for() > self.s.idle_shutdown_s > 0:
             log.info("no demand for %.0fs; shutting down", self._idle_for())
             self.stop.set()
 
+    def _idle_for(self) -> float:
+        return time.monotonic() - self._idle_since
+
     # -- volunteering and loading --------------------------------------------------------
     def _volunteer(self) -> bool:
-        for model in list_models(self.r, self.keys):
-            sid = self.scripts.volunteer(self.r, model, self.id)
-            if sid is None:
-                continue
-            try:
-                self._load(model, sid)
-            except KvqError as exc:
-                log.error("cannot serve %s %s: %s", model, sid, exc)
-                self.scripts.release(self.r, model, self.id)
-                if isinstance(exc, BankError):
-                    raise  # this node's bank settings cannot work: retrying would loop forever
-                continue
-            return True
-        return False
+        held = self.membership.volunteer()
+        if held is None:
+            return False
+        try:
+            self._load(held)
+        except KvqError as exc:
+            log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
+            self.membership.give_back(held)
+            if isinstance(exc, BankError):
+                raise  # this node's bank settings cannot work: retrying would loop forever
+            return False
+        return True
 
-    def _load(self, model: str, sid: str) -> None:
-        info = load_model(self.r, self.keys, model)
-        spec = info.slices[sid]
+    def _load(self, held: Held) -> None:
+        info = self.board.model_info(held.model)
+        if info is None:
+            raise ModelError(f"model {held.model!r} is no longer registered")
+        spec = info.slices[held.sid]
         t0 = time.monotonic()
         blobs = fetch_slice(info.source, spec, self.s.download_timeout_s)
-        per_layer = len(spec.ranges) // (spec.layer_end - spec.layer_start)
-        experts = {}
-        for i, layer in enumerate(spec.layers()):
-            part = blobs[i * per_layer : (i + 1) * per_layer]
-            experts[layer] = decode_slice(
-                spec.ranges_of(layer), part, layer, spec.expert_start, spec.expert_end,
+        experts, at = [], 0
+        for layer in spec.layers():  # blobs come in range order: layer by layer
+            ranges = spec.ranges_of(layer)
+            part, at = blobs[at : at + len(ranges)], at + len(ranges)
+            experts.append(decode_slice(
+                ranges, part, layer, spec.expert_start, spec.expert_end,
                 device=str(self.device), dtype=self.dtype,
-            )  # fmt: skip
-        bank = Bank(experts.values(), BankOptions.from_settings(self.s), self.device)
-        self.holding = Holding(model, spec, bank, info.meta.embedding_length)
+            ))  # fmt: skip
+        bank = Bank(experts, self.bank_options, self.device)
+        hidden = info.meta.embedding_length
+        self.server = ExpertServer(self.id, held.model, bank, hidden, self.dtype)
         self._idle_since = time.monotonic()  # idleness counts from getting the slice
-        self.consumer = Consumer(self.r, self.keys.worker_inbox(self.id), WORKER_GROUP, self.id)
-        self._beat()
+        inbox = self.board.keys.worker_inbox(self.id)
+        self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
+        self.membership.hold(held)
         log.info(
             "serving %s %s (%d bytes in %.2fs) on %s",
-            model, sid, spec.nbytes, time.monotonic() - t0, self.device,
+            held.model, held.sid, spec.nbytes, time.monotonic() - t0, self.device,
         )  # fmt: skip
-
-    # -- heartbeat -----------------------------------------------------------------------
-    def _beat(self) -> None:
-        with self._holding_lock:
-            self._beat_locked()
-
-    def _beat_locked(self) -> None:
-        h = self.holding
-        if h is None:
-            return
-        self.scripts.rejoin(self.r, h.model, self.id, h.spec.sid)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(
-            self.keys.worker_heartbeat(self.id), h.spec.sid, px=int(self.s.heartbeat_ttl_s * 1000)
-        )
-        pipe.hset(
-            self.keys.worker_info(self.id),
-            mapping={
-                "model": h.model, "slice": h.spec.sid, "device": str(self.device),
-                "served": self.served, "last_serve_ms": self.last_serve_ms,
-            },
-        )  # fmt: skip
-        pipe.expire(self.keys.worker_info(self.id), int(self.s.heartbeat_ttl_s * 10) + 1)
-        pipe.execute()
-
-    def _heartbeat_loop(self) -> None:
-        while not self.stop.wait(self.s.heartbeat_ttl_s / 3):
-            try:
-                self._beat()
-            except redis.RedisError as exc:
-                log.debug("heartbeat failed: %s", exc)
-
-    def _leave(self) -> None:
-        with self._holding_lock:
-            h, self.holding = self.holding, None
-            if h is None:
-                return
-            try:
-                self.scripts.release(self.r, h.model, self.id)
-                self._forget()  # jobs still in the inbox are recomputed by their coordinator
-            except redis.RedisError:
-                pass  # the monitor reaps us once the heartbeat expires
 
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:
-        assert self.consumer is not None
+        assert self.consumer is not None and self.server is not None
         entries = self.consumer.read(count=32, block_ms=self.s.block_ms)
         for eid, fields in entries:
             self._serve_one(eid, fields)
         if entries:
             self._idle_since = time.monotonic()
-            if self.holding is not None:
-                self.holding.bank.step()  # B5: a batch of jobs is this node's engine step
+            self.server.bank.step()  # B5: a batch of jobs is this node's engine step
         elif self._idle_for() > self.s.idle_shutdown_s > 0:
             self._retire_if_surplus()
 
-    def _idle_for(self) -> float:
-        return time.monotonic() - self._idle_since
-
     def _retire_if_surplus(self) -> None:
         """K10: idle and beyond its slice's target → give the slice back and exit."""
-        h = self.holding
-        assert h is not None
-        with self._holding_lock:
-            if self.scripts.retire(self.r, h.model, self.id) is None:
-                self._idle_since = time.monotonic()  # still needed; look again later
-                return
-            self.holding = None  # the heartbeat must not rejoin
-            self._forget()
-        log.info("idle %.0fs and %s is over-covered: leaving", self._idle_for(), h.spec.sid)
+        h = self.membership.retire()
+        if h is None:
+            self._idle_since = time.monotonic()  # still needed; look again later
+            return
+        log.info("idle %.0fs and %s is over-covered: leaving", self._idle_for(), h.sid)
         self.stop.set()
 
-    def _forget(self) -> None:
-        k = self.keys
-        self.r.delete(k.worker_heartbeat(self.id), k.worker_info(self.id), k.worker_inbox(self.id))
-
     def _serve_one(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        assert self.consumer is not None and self.holding is not None
+        """Decode, serve, write the result, then ack; bad entries are dead-lettered."""
+        assert self.consumer is not None and self.server is not None
         try:
             job = wire.decode(fields, wire.Job)
-            self._check_job(job)
         except WireError as exc:
-            dead_letter(
-                self.r, self.keys, self.consumer.stream, eid, fields, str(exc), self.s.stream_maxlen
-            )
-            self.consumer.ack(eid)
-            log.warning("dead-lettered %s: %s", eid.decode(), exc)
+            self._dead_letter(eid, fields, str(exc))
             return
-        if job.deadline_ms and time.time() * 1000 > job.deadline_ms:
-            self.consumer.ack(eid)  # the coordinator has already computed it locally
-            return
-        t0 = time.perf_counter()
-        y: wire.Tensor | None = None
-        error: wire.Failure | None = None
-        try:
-            y = wire.Tensor.of(self.compute(job))
-        except Exception as exc:  # noqa: BLE001 - report, never crash on one job
-            log.exception("job %s failed", job.job_id)
-            error = wire.failure(exc)
-        ms = (time.perf_counter() - t0) * 1000
-        result = wire.Result(job_id=job.job_id, worker=self.id, compute_ms=ms, y=y, error=error)
-        self.served += 1
-        self.last_serve_ms = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=False)
-        xadd(pipe, job.reply_to, wire.encode(result), self.s.stream_maxlen)
+        result = self.server.handle(job)
+        if result.error is not None and result.error.type == BAD_JOB:
+            self._dead_letter(eid, fields, result.error.message, ack=False)
+        pipe = self.board.r.pipeline(transaction=False)
+        xadd(pipe, job.reply_to, wire.encode(result), self.board.maxlen)
         pipe.xack(self.consumer.stream, self.consumer.group, eid)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
+            self._dead_letter(eid, fields, f"cannot write the result to {job.reply_to!r}: {exc}")
 
-    def _check_job(self, job: wire.Job) -> None:
-        h = self.holding
-        assert h is not None
-        if job.model != h.model or job.layer not in h.bank.layers:
-            raise WireError(
-                f"job {job.job_id} for {job.model} layer {job.layer}: not my slice {h.spec.sid}"
-            )
-        if (job.expert_start, job.expert_end) != (h.spec.expert_start, h.spec.expert_end):
-            raise WireError(
-                f"job {job.job_id} experts [{job.expert_start},{job.expert_end}) != {h.spec.sid}"
-            )
-        if job.x.shape[1] != h.hidden:
-            raise WireError(
-                f"job {job.job_id}: hidden size {job.x.shape[1]} does not match the model"
-            )
-
-    def compute(self, job: wire.Job) -> np.ndarray:
-        """The slice's gate-weighted expert sum per row, as float32 numpy [T, H]."""
-        assert self.holding is not None
-        x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(self.device, self.dtype)
-        ids = torch.from_numpy(np.array(job.ids.array(), dtype=np.int64)).to(self.device)
-        w = torch.from_numpy(np.array(job.weights.array(), dtype=np.float32)).to(
-            self.device, self.dtype
-        )
-        with torch.inference_mode():
-            y = self.holding.bank.forward(job.layer, x, ids, w)
-        return y.float().cpu().numpy()
+    def _dead_letter(
+        self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
+    ) -> None:
+        assert self.consumer is not None
+        dead_letter(
+            self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
+            self.board.maxlen,
+        )  # fmt: skip
+        if ack:
+            self.consumer.ack(eid)
+        log.warning("dead-lettered %s: %s", eid.decode(), reason)

@@ -1,8 +1,9 @@
-"""KVQ_NUMA_POLICY on a fake sysfs, and the GPU check's behaviour without CUDA."""
+"""KVQ_NUMA_POLICY on a fake sysfs, and the GPU check (workers/) without CUDA."""
 
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from kvq.bank import numa
-from kvq.bank.gpu_check import main as gpu_check_main
 from kvq.errors import BankError
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_CHECK = ROOT / "workers/gpu_check.py"
 
 
 def fake_sysfs(tmp_path: Path, cpulists: list[str]) -> Path:
@@ -70,6 +71,7 @@ def test_two_nodes_preferred_and_bind(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_check_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu_check_main = runpy.run_path(str(GPU_CHECK))["main"]  # a script, not a kvq module
     assert gpu_check_main([]) == 0
     assert "no CUDA device visible" in capsys.readouterr().out
 

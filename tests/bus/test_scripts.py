@@ -10,7 +10,8 @@ import redis
 
 from kvq.bus import Scripts
 from kvq.config import Settings
-from kvq.keys import Keys, slice_id
+from kvq.keys import Keys
+from kvq.slices import slice_id
 
 MODEL = "tiny"
 S = [slice_id(0, 1, 4 * i, 4 * i + 4) for i in range(6)]  # S[0] < S[1] < ... as strings

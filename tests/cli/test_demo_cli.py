@@ -89,8 +89,8 @@ def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_i
 
     model = tmp_path / "m.gguf"
     make_tiny(model)
-    Monitor(settings).register("m", model)
-    run_in_thread(Coordinator(settings, "c1", "m", model))
+    Monitor.from_settings(settings).register("m", model)
+    run_in_thread(Coordinator.from_settings(settings, "c1", "m", model))
     out = subprocess.run(
         [*KVQ, "submit", "--model", "m", "--prompt", "hi there", "--max-tokens", "5", "--json"],
         capture_output=True, text=True, timeout=60, env=child_env(settings),

@@ -34,9 +34,9 @@ def start_with_worker(
     s: Settings, model_id: str, model: Path, run_in_thread: Callable[[Any], Any]
 ) -> tuple[Monitor, Keys, Worker]:
     """Register `model` and run one worker (in a thread) until it has loaded its slice."""
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     mon.register(model_id, model)
-    w = Worker(s, "w0")
+    w = Worker.from_settings(s, "w0")
     run_in_thread(w)
     wait_for(lambda: w.holding is not None, what="a worker to volunteer")
     return mon, Keys(s.prefix), w

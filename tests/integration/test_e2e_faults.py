@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 from e2e_helpers import wait_for
 
@@ -18,9 +19,10 @@ from kvq.keys import Keys
 from kvq.model import Backbone, ByteTokenizer, expert_forward_reference, load_slice, read_meta
 from kvq.monitor import Monitor
 from kvq.procs import Children
-from kvq.registry import register_model
 from kvq.server import EmbeddedRedis
 from kvq.worker import Worker
+
+pytestmark = pytest.mark.slow
 
 
 def _job(
@@ -59,16 +61,16 @@ def test_malformed_inbox_entries_are_dead_lettered(
     settings: Settings, tiny_model: Path, run_in_thread
 ) -> None:
     keys = Keys(settings.prefix)
-    mon = Monitor(settings)
+    mon = Monitor.from_settings(settings)
     info = mon.register("tiny", tiny_model)
     only = next(s for s in info.slices.values() if s.layer_start == 0 and s.expert_start == 0)
-    mon.r.delete(keys.model_target("tiny"))
-    mon.r.hset(keys.model_target("tiny"), only.sid, 1)  # demand for layer 0, experts 0-3 only
-    w = Worker(settings, "w0")
+    mon.board.r.delete(keys.model_target("tiny"))
+    mon.board.r.hset(keys.model_target("tiny"), only.sid, 1)  # demand for layer 0, experts 0-3 only
+    w = Worker.from_settings(settings, "w0")
     run_in_thread(w)
     wait_for(lambda: w.holding is not None, what="volunteer")
     inbox = keys.worker_inbox("w0")
-    r = mon.r
+    r = mon.board.r
     r.xadd(inbox, {"t": "job", "m": b"\x93not a job"})
     r.xadd(inbox, {"nothing": "here"})
     bad_shape = wire.pack(_job(tiny_model, "j0", "out", only.sid)[0]).replace(
@@ -96,11 +98,11 @@ def test_worker_survives_redis_restart(tiny_model: Path, tmp_path: Path, run_in_
                           volunteer_poll_s=0.05, reconnect_max_s=0.5)  # fmt: skip
         keys = Keys(s.prefix)
         r = redis.Redis.from_url(server.url)
-        info = register_model(r, keys, s, "tiny", tiny_model)
+        info = Monitor.from_settings(s).register("tiny", tiny_model)
         sid = sorted(info.slices)[0]
         r.delete(keys.model_target("tiny"))
         r.hset(keys.model_target("tiny"), sid, 1)
-        w = Worker(s, "w0")
+        w = Worker.from_settings(s, "w0")
         run_in_thread(w)
         wait_for(lambda: w.holding is not None, what="volunteer")
         job, ref = _job(tiny_model, "before", "rs:out", sid)
@@ -130,26 +132,30 @@ def test_killed_worker_jobs_answered_exactly_once(
         "base_replicas": 2, "heartbeat_ttl_s": 2.0,
     })  # fmt: skip
     keys = Keys(s.prefix)
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
     kids = Children(child_env(s), log_dir=str(tmp_path))
     try:
         for i in range(4):  # 2 slices (one per layer) x 2 replicas
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
-        wait_for(lambda: mon.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
+        wait_for(lambda: mon.board.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
         ready = [keys.worker_heartbeat(f"w{i}") for i in range(4)]
-        wait_for(lambda: mon.r.exists(*ready) == 4, 60, "4 workers loaded (heartbeat = ready)")
-        coord = Coordinator(s, "c1", "tiny", tiny_model)
+        wait_for(
+            lambda: mon.board.r.exists(*ready) == 4, 60, "4 workers loaded (heartbeat = ready)"
+        )
+        coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
         run_in_thread(coord)
         coord.dispatch.routing.refresh(force=True)
         victim = kids.procs["w0"]
         os.kill(victim.pid, signal.SIGSTOP)
         prompts = ["kill me softly", "exactly once", "no job lost"]
-        rids = [client.send(mon.r, keys, "tiny", prompt=p, max_tokens=8) for p in prompts]
-        wait_for(lambda: mon.r.xlen(keys.worker_inbox("w0")) > 0, 20, "jobs sent to the victim")
+        rids = [client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=8) for p in prompts]
+        wait_for(
+            lambda: mon.board.r.xlen(keys.worker_inbox("w0")) > 0, 20, "jobs sent to the victim"
+        )
         kids.kill("w0")
-        got = [[e.token_id for e in client.events(mon.r, keys, rid, 120) if e.token_id is not None]
+        got = [[e.token_id for e in client.events(mon.board.r, keys, rid, 120) if e.token_id is not None]
                for rid in rids]  # fmt: skip
         bb = Backbone.from_gguf(tiny_model)
         tok = ByteTokenizer.from_meta(bb.meta)
@@ -159,7 +165,7 @@ def test_killed_worker_jobs_answered_exactly_once(
         assert st.remote_sent == st.remote_jobs + st.fallback_jobs, "each job answered once"
         assert st.remote_jobs > 0
         wait_for(lambda: mon.reaped >= 1, 20, "the monitor to reap the victim")
-        assert not mon.r.hexists(keys.model_workers("tiny"), "w0")
+        assert not mon.board.r.hexists(keys.model_workers("tiny"), "w0")
         assert mon.requeued > 0 or st.fallback_jobs > 0
     finally:
         kids.stop_all()

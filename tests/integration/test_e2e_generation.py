@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from e2e_helpers import local_tokens, start_with_worker, wait_for
 
 from kvq import client
@@ -13,6 +14,7 @@ from kvq.keys import Keys
 from kvq.monitor import Monitor
 from kvq.worker import Worker
 
+pytestmark = pytest.mark.slow
 PROMPTS = ["hello world", "the quick brown fox", "MoE experts over Redis", "kvq"]
 
 
@@ -22,18 +24,20 @@ def test_remote_generation_equals_local(
     # threshold 1: every step is "under load", so every covered slice goes remote
     s = settings.model_copy(update={"saturation_threshold": 1, "job_deadline_ms": 10_000})
     keys = Keys(s.prefix)
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)
-    workers = [Worker(s, f"w{i}") for i in range(len(info.slices))]
+    workers = [Worker.from_settings(s, f"w{i}") for i in range(len(info.slices))]
     for w in workers:
         run_in_thread(w)
     wait_for(lambda: all(w.holding for w in workers), what="coverage (every worker loaded)")
-    coord = Coordinator(s, "c1", "tiny", tiny_model)
+    coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
 
-    rids = [client.send(mon.r, keys, "tiny", prompt=p, max_tokens=12) for p in PROMPTS]
+    rids = [client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=12) for p in PROMPTS]
     got = {
-        rid: [e.token_id for e in client.events(mon.r, keys, rid, 60) if e.token_id is not None]
+        rid: [
+            e.token_id for e in client.events(mon.board.r, keys, rid, 60) if e.token_id is not None
+        ]
         for rid in rids
     }
     for rid, prompt in zip(rids, PROMPTS, strict=True):
@@ -49,29 +53,29 @@ def test_remote_generation_equals_local(
 def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:
     """K1: one request at a time never reaches the saturation threshold (2)."""
     mon, keys, _ = start_with_worker(settings, "tiny", tiny_model, run_in_thread)
-    coord = Coordinator(settings, "c1", "tiny", tiny_model)
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
     run_in_thread(coord)
-    ids = client.generate(mon.r, keys, "tiny", prompt="one at a time", max_tokens=6)
+    ids = client.generate(mon.board.r, keys, "tiny", prompt="one at a time", max_tokens=6)
     assert ids == local_tokens(tiny_model, "one at a time", 6)
     assert coord.dispatch.stats.remote_sent == 0 and coord.dispatch.stats.local_jobs > 0
 
 
 def test_bad_request_gets_error_event(settings: Settings, tiny_model: Path, run_in_thread) -> None:
     keys = Keys(settings.prefix)
-    mon = Monitor(settings)
+    mon = Monitor.from_settings(settings)
     mon.register("tiny", tiny_model)
-    coord = Coordinator(settings, "c1", "tiny", tiny_model)
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
     run_in_thread(coord)
-    rid = client.send(mon.r, keys, "tiny", prompt_ids=[1, 2, 99999], max_tokens=4)
+    rid = client.send(mon.board.r, keys, "tiny", prompt_ids=[1, 2, 99999], max_tokens=4)
     try:
-        list(client.events(mon.r, keys, rid, 20))
+        list(client.events(mon.board.r, keys, rid, 20))
         raise AssertionError("expected RequestFailed")
     except client.RequestFailed as exc:
         assert "prompt_ids" in str(exc)
     # garbage on the request stream is dead-lettered and the coordinator keeps serving
-    mon.r.xadd(keys.model_requests("tiny"), {"t": "request", "m": b"\xc1garbage"})
-    assert client.generate(mon.r, keys, "tiny", prompt="still alive", max_tokens=3)
-    dl = mon.r.xrange(keys.deadletter())
+    mon.board.r.xadd(keys.model_requests("tiny"), {"t": "request", "m": b"\xc1garbage"})
+    assert client.generate(mon.board.r, keys, "tiny", prompt="still alive", max_tokens=3)
+    dl = mon.board.r.xrange(keys.deadletter())
     assert dl and b"undecodable" in dl[-1][1][b"reason"]
 
 
@@ -83,13 +87,13 @@ def test_requests_of_a_dead_coordinator_are_taken_over(
 
     s = settings.model_copy(update={"claim_idle_ms": 200})
     keys = Keys(s.prefix)
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
-    ghost = Consumer(mon.r, keys.model_requests("tiny"), COORDINATOR_GROUP, "ghost")
-    rid = client.send(mon.r, keys, "tiny", prompt="orphan", max_tokens=4)
+    ghost = Consumer(mon.board.r, keys.model_requests("tiny"), COORDINATOR_GROUP, "ghost")
+    rid = client.send(mon.board.r, keys, "tiny", prompt="orphan", max_tokens=4)
     assert len(ghost.read(1, None)) == 1  # taken by a coordinator that then died
-    coord = Coordinator(s, "c1", "tiny", tiny_model)
+    coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
-    got = [e.token_id for e in client.events(mon.r, keys, rid, 30) if e.token_id is not None]
+    got = [e.token_id for e in client.events(mon.board.r, keys, rid, 30) if e.token_id is not None]
     assert got == local_tokens(tiny_model, "orphan", 4)
     assert coord.claimed == 1

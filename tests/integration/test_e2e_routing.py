@@ -18,6 +18,8 @@ from kvq.monitor import Monitor
 from kvq.procs import Children
 from kvq.worker import Worker
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def one_slice_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -42,18 +44,18 @@ def test_unproven_worker_outside_grace_gets_no_work_under_load(
         update={"saturation_threshold": 1, "worker_grace_ms": 0.0, "slice_experts": 8}
     )
     mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
-    coord = Coordinator(s, "c1", "m", one_slice_model)
+    coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
     run_in_thread(coord)
-    assert _generate(mon.r, keys, ["under load"], 6) == [
+    assert _generate(mon.board.r, keys, ["under load"], 6) == [
         local_tokens(one_slice_model, "under load", 6)
     ]
     assert coord.dispatch.stats.remote_sent == 0 and w.served == 0
 
     # the same worker, once proven elsewhere (last_serve_ms > 0), is used under load (K3)
-    mon.r.hset(keys.worker_info("w0"), "last_serve_ms", 1)
+    mon.board.r.hset(keys.worker_info("w0"), "last_serve_ms", 1)
     w.last_serve_ms = 1  # its own heartbeat must not reset the field
     coord.dispatch.routing.refresh(force=True)
-    assert _generate(mon.r, keys, ["proven now"], 6) == [
+    assert _generate(mon.board.r, keys, ["proven now"], 6) == [
         local_tokens(one_slice_model, "proven now", 6)
     ]
     assert coord.dispatch.stats.remote_jobs > 0 and w.served > 0
@@ -64,18 +66,18 @@ def test_uncovered_model_is_refused_until_a_worker_covers_it(
 ) -> None:
     s = settings.model_copy(update={"coordinator_experts": "none", "slice_experts": 4})
     keys = Keys(s.prefix)
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     info = mon.register("m", one_slice_model)
-    coord = Coordinator(s, "c1", "m", one_slice_model)
+    coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
     run_in_thread(coord)
     with pytest.raises(client.RequestFailed, match="no live node holds slice"):
-        _generate(mon.r, keys, ["nobody home"], 4)
-    workers = [Worker(s, f"w{i}") for i in range(len(info.slices))]
+        _generate(mon.board.r, keys, ["nobody home"], 4)
+    workers = [Worker.from_settings(s, f"w{i}") for i in range(len(info.slices))]
     for w in workers:
         run_in_thread(w)
     wait_for(lambda: all(w.holding for w in workers), what="coverage")
     coord.dispatch.routing.refresh(force=True)
-    assert _generate(mon.r, keys, ["served now"], 5) == [
+    assert _generate(mon.board.r, keys, ["served now"], 5) == [
         local_tokens(one_slice_model, "served now", 5)
     ]
     st = coord.dispatch.stats
@@ -92,31 +94,33 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         "cost_w_latency": 0.01,
     })  # fmt: skip
     keys = Keys(s.prefix)
-    mon = Monitor(s)
+    mon = Monitor.from_settings(s)
     mon.register("m", one_slice_model)
     kids = Children(child_env(s), log_dir=str(tmp_path))
     try:
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
-        wait_for(lambda: mon.r.hlen(keys.model_workers("m")) == 2, 60, "2 workers")
+        wait_for(lambda: mon.board.r.hlen(keys.model_workers("m")) == 2, 60, "2 workers")
         ready = [keys.worker_heartbeat(f"w{i}") for i in range(2)]
-        wait_for(lambda: mon.r.exists(*ready) == 2, 60, "both loaded (heartbeat = ready)")
-        coord = Coordinator(s, "c1", "m", one_slice_model)
+        wait_for(lambda: mon.board.r.exists(*ready) == 2, 60, "both loaded (heartbeat = ready)")
+        coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
         run_in_thread(coord)
         routing = coord.dispatch.routing
         prompts = ["warm up one", "warm up two", "warm up three"]
-        assert _generate(mon.r, keys, prompts, 8) == [
+        assert _generate(mon.board.r, keys, prompts, 8) == [
             local_tokens(one_slice_model, p, 8) for p in prompts
         ]
         wait_for(lambda: len(routing.router.describe()["proven"]) == 2, 20, "both proven")  # type: ignore[arg-type]
 
         os.kill(kids.procs["w0"].pid, signal.SIGSTOP)
         wait_for(
-            lambda: not mon.r.exists(keys.worker_heartbeat("w0")), 20, "w0's heartbeat to expire"
+            lambda: not mon.board.r.exists(keys.worker_heartbeat("w0")),
+            20,
+            "w0's heartbeat to expire",
         )
         served_by_w1 = coord.dispatch.stats.per_worker.get("w1", 0)
         prompts = ["after the fall", "still correct"]
-        assert _generate(mon.r, keys, prompts, 8) == [
+        assert _generate(mon.board.r, keys, prompts, 8) == [
             local_tokens(one_slice_model, p, 8) for p in prompts
         ]
         assert "w0" not in routing.router.describe()["proven"]  # type: ignore[operator]
@@ -135,16 +139,16 @@ def test_stuck_slot_poll_never_blocks_dispatch(
 
     s = settings.model_copy(update={"saturation_threshold": 1, "slice_experts": 8})
     mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
-    coord = Coordinator(s, "c1", "m", one_slice_model)
+    coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
     release = threading.Event()
     coord.slots._publish = lambda busy, total: release.wait(60)  # stuck for good
     run_in_thread(coord)
     try:
         prompts = ["stuck poll", "still serving"]
-        assert _generate(mon.r, keys, prompts, 6) == [
+        assert _generate(mon.board.r, keys, prompts, 6) == [
             local_tokens(one_slice_model, p, 6) for p in prompts
         ]
         assert coord.dispatch.stats.remote_jobs > 0, "load was seen without the poll thread"
-        assert not mon.r.exists(keys.coord_slots("c1")), "the poll really was stuck"
+        assert not mon.board.r.exists(keys.coord_slots("c1")), "the poll really was stuck"
     finally:
         release.set()

@@ -132,6 +132,10 @@ def test_meta_dict_round_trip_through_json(odd_path: Path) -> None:
         (lambda d: d.update(expert_tensors={}), "expert_tensors"),
         (lambda d: d["expert_tensors"][0][0].pop("offset"), "lacks one of"),
         (lambda d: d["expert_tensors"][0][1].update(kind="gate"), "repeats a kind"),
+        (lambda d: d["expert_tensors"][1][2].update(offset="9"), "layer 1: key 'offset'"),
+        (lambda d: d["expert_tensors"][0][0].update(kind="ffn"), "kind 'ffn' is not one of"),
+        (lambda d: d["expert_tensors"][0][0].update(expert_shape=[4, 1.5]), "'expert_shape'"),
+        (lambda d: d["expert_tensors"][0].pop(), "must list"),
     ],
 )
 def test_meta_from_dict_names_bad_key(odd_path: Path, mutate: Any, words: str) -> None:

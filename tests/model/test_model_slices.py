@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from gguf.quants import dequantize
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import decode_slice, load_slice, make_tiny, read_meta, read_slice_file, slice_layout
 from kvq.model.quants import QUANT_NAMES
+from kvq.model.registry import plan_slices
 
 
 def _full(path: Path, name: str) -> np.ndarray:
@@ -71,6 +73,32 @@ def test_truncated_file_raises_integrity_error(odd_path: Path, tmp_path: Path) -
         read_slice_file(cut, layout)
     with pytest.raises(ModelError, match="does not exist"):
         read_slice_file(tmp_path / "nope.gguf", slice_layout(meta, 1, 4, 6))
+
+
+@pytest.mark.parametrize(("slice_layers", "slice_experts"), [(1, 4), (2, 4), (2, 6), (3, 1)])
+def test_planned_slices_cut_the_expert_tensors_exactly(
+    odd_path: Path, slice_layers: int, slice_experts: int
+) -> None:
+    meta = read_meta(odd_path)
+    specs = plan_slices(meta, odd_path, slice_layers, slice_experts)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for spec in specs:
+        blobs = read_slice_file(odd_path, list(spec.ranges))
+        assert [hashlib.sha256(b).hexdigest() for b in blobs] == list(spec.sha256)
+        for layer in spec.layers():
+            layout = spec.ranges_of(layer)
+            assert layout == slice_layout(meta, layer, spec.expert_start, spec.expert_end)
+            sl = decode_slice(layout, read_slice_file(odd_path, layout), layer,
+                              spec.expert_start, spec.expert_end)  # fmt: skip
+            want = load_slice(odd_path, meta, layer, spec.expert_start, spec.expert_end)
+            assert torch.equal(sl.gate, want.gate) and torch.equal(sl.down, want.down)
+        for r in spec.ranges:
+            covered.setdefault(r.name, []).append((r.offset, r.offset + r.nbytes))
+    for kinds in meta.expert_tensors.values():  # every byte of each stacked tensor, once
+        for full in kinds.values():
+            spans = sorted(covered[full.name])
+            assert spans[0][0] == full.offset and spans[-1][1] == full.offset + full.nbytes
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 @pytest.mark.parametrize("quant", sorted(QUANT_NAMES))

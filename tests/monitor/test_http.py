@@ -14,8 +14,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvq.bus.records import CoordStats, SlotState
 from kvq.config import Settings
-from kvq.keys import COORDINATOR_GROUP, Keys
+from kvq.keys import COORDINATOR_GROUP
 from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.http import serve_api
@@ -33,14 +34,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def mon(settings: Settings, model: Path) -> Monitor:
     s = settings.model_copy(update={"slice_experts": 4, "base_replicas": 1, "boost_replicas": 1})
-    m = Monitor(s)
+    m = Monitor.from_settings(s)
     m.register("m", model)
     return m
 
 
 @pytest.fixture
 def url(mon: Monitor) -> Iterator[str]:
-    server, thread = serve_api(mon, "127.0.0.1", 0)
+    server, thread = serve_api(mon.board, "127.0.0.1", 0)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -65,14 +66,13 @@ def volunteer(url: str, worker: str) -> tuple[int, Any]:
     return call(url, "/api/expert-volunteer", json.dumps({"worker": worker}).encode())
 
 
-def saturate(r: redis.Redis, keys: Keys, busy: int) -> None:
+def saturate(mon: Monitor, busy: int) -> None:
     ts = int(time.time() * 1000)
-    r.hset(keys.coord_slots("c1"), mapping={"model": "m", "busy": busy, "total": 4, "ts_ms": ts})
-    r.sadd(keys.model_coordinators("m"), "c1")
+    mon.board.publish_slots("c1", SlotState(model="m", busy=busy, total=4, ts_ms=ts), CoordStats())
 
 
 def test_recruitment_reports_saturation(mon: Monitor, url: str, r: redis.Redis) -> None:
-    saturate(r, mon.keys, busy=mon.s.saturation_threshold)
+    saturate(mon, busy=mon.s.saturation_threshold)
     mon.poll("m")
     status, got = call(url, "/api/moe/recruitment")
     assert status == 200
@@ -116,7 +116,7 @@ def test_bad_volunteer_bodies_are_400(url: str) -> None:
 
 
 def test_metrics_read_redis_on_scrape(mon: Monitor, url: str, r: redis.Redis) -> None:
-    req = mon.keys.model_requests("m")
+    req = mon.board.keys.model_requests("m")
     for i in range(3):
         r.xadd(req, {"i": i})
     r.xgroup_create(req, COORDINATOR_GROUP, id="0")

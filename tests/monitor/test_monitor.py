@@ -1,4 +1,6 @@
-"""The monitor on a real Redis: seeded demand (K8), boost under saturation (K7, K10), reaping."""
+"""The monitor's logic on both boards: seeded demand (K8), boost under saturation (K7, K10),
+stale coordinators, reaping. The Redis-only parts (the readable meta hash, which inbox entries
+count as unanswered) are at the end."""
 
 from __future__ import annotations
 
@@ -7,12 +9,16 @@ from pathlib import Path
 
 import pytest
 import redis
+from boards import BoardCase
 
-from kvq.bus import Scripts
-from kvq.config import Settings
+from kvq.bus.records import CoordStats, SlotState, WorkerInfo
+from kvq.bus.redis_board import RedisBoard
+from kvq.config import Settings, load_settings
 from kvq.keys import WORKER_GROUP, Keys
-from kvq.model import make_tiny
+from kvq.model import make_tiny, read_meta
 from kvq.monitor import Monitor
+
+BASE = load_settings().monitor
 
 
 @pytest.fixture(scope="module")
@@ -22,84 +28,102 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _slots(r: redis.Redis, keys: Keys, coord: str, busy: int, age_s: float = 0.0) -> None:
+def _slots(case: BoardCase, coord: str, busy: int, age_s: float = 0.0) -> None:
     ts = int((time.time() - age_s) * 1000)
-    r.hset(keys.coord_slots(coord), mapping={"model": "m", "busy": busy, "total": 4, "ts_ms": ts})
-    r.sadd(keys.model_coordinators("m"), coord)
+    state = SlotState(model="m", busy=busy, total=4, ts_ms=ts)
+    case.board.publish_slots(coord, state, CoordStats())
 
 
-def _targets(r: redis.Redis, keys: Keys) -> set[int]:
-    return {int(v) for v in r.hvals(keys.model_target("m"))}
+def _targets(case: BoardCase) -> set[int]:
+    return {d.target for d in case.board.slice_demand("m").values()}
 
 
-def test_register_seeds_demand_from_metadata(
+def test_register_seeds_demand_from_metadata(board_case: BoardCase, model: Path) -> None:
+    info = Monitor(board_case.board, BASE).register("m", model)
+    assert len(info.slices) == 3 * (8 // BASE.slice_experts)
+    demand = board_case.board.slice_demand("m")
+    assert sorted(demand) == sorted(info.slices)
+    assert _targets(board_case) == {BASE.base_replicas}
+    assert board_case.board.models() == ["m"]
+    back = board_case.board.model_info("m")
+    assert back == info and back.meta == read_meta(model)
+
+
+def test_saturation_raises_then_drain_lowers_targets(board_case: BoardCase, model: Path) -> None:
+    mon = Monitor(board_case.board, BASE)
+    mon.register("m", model)
+    _slots(board_case, "c1", busy=1)
+    assert not mon.poll("m").saturated
+    assert _targets(board_case) == {BASE.base_replicas}
+    _slots(board_case, "c1", busy=BASE.saturation_threshold)
+    st = mon.poll("m")
+    assert st.saturated and st.effective_target == BASE.base_replicas + BASE.boost_replicas
+    assert _targets(board_case) == {st.effective_target}
+    assert board_case.board.model_state("m") == st
+    _slots(board_case, "c1", busy=0)
+    assert mon.poll("m").effective_target == BASE.base_replicas
+    assert _targets(board_case) == {BASE.base_replicas}
+
+
+def test_stale_and_vanished_coordinators_are_ignored(board_case: BoardCase, model: Path) -> None:
+    mon = Monitor(board_case.board, BASE)
+    mon.register("m", model)
+    stale_s = board_case.board.lifetimes.slot_state_stale_s
+    _slots(board_case, "old", busy=4, age_s=stale_s + 5)
+    _slots(board_case, "gone", busy=4)
+    board_case.vanish_coordinator("gone")
+    st = mon.poll("m")
+    assert not st.saturated and st.coordinators == 0
+    assert [c.coord for c in board_case.board.coordinators("m")] == ["old"]
+
+
+def test_reap_releases_slice_and_requeues_jobs(board_case: BoardCase, model: Path) -> None:
+    board = board_case.board
+    mon = Monitor(board, BASE)
+    info = mon.register("m", model)
+    sid = sorted(info.slices)[0]
+    for other in info.slices:
+        board.set_target("m", other, 0)
+    board.set_target("m", sid, 2)
+    assert board.volunteer("m", "dead") == sid
+    assert board.volunteer("m", "live") == sid
+    for w in ("dead", "live"):
+        board.beat(w, _info(sid))
+    board_case.kill_worker("dead")
+    board.send_jobs([("dead", {"m": f"job{i}"}) for i in range(3)])
+    assert mon.reap("m") == ["dead"]
+    assert [f["m"] for f in board_case.inbox("live")] == ["job0", "job1", "job2"]
+    assert board_case.inbox("dead") == []
+    assert board.slice_demand("m")[sid].coverage == 1
+    assert board.assignments("m") == {"live": sid}
+    assert board.worker_info("dead") is None
+    assert mon.reap("m") == []
+
+
+def _info(sid: str) -> WorkerInfo:
+    return WorkerInfo(model="m", slice=sid, device="cpu")
+
+
+# -- Redis only ------------------------------------------------------------------------------
+def test_registered_meta_is_readable_with_redis_cli(
     settings: Settings, model: Path, r: redis.Redis
 ) -> None:
     keys = Keys(settings.prefix)
-    info = Monitor(settings).register("m", model)
-    assert len(info.slices) == 3 * (8 // settings.slice_experts)
-    assert r.hlen(keys.model_target("m")) == len(info.slices)
-    assert _targets(r, keys) == {settings.base_replicas}
+    Monitor.from_settings(settings).register("m", model)
     meta = r.hgetall(keys.model_meta("m"))
     assert meta[b"expert_count"] == b"8" and meta[b"block_count"] == b"3"
     assert r.sismember(keys.models(), "m")
 
 
-def test_saturation_raises_then_drain_lowers_targets(
-    settings: Settings, model: Path, r: redis.Redis
-) -> None:
+def test_requeue_moves_only_unanswered_entries(settings: Settings, r: redis.Redis) -> None:
     keys = Keys(settings.prefix)
-    mon = Monitor(settings)
-    mon.register("m", model)
-    _slots(r, keys, "c1", busy=1)
-    assert not mon.poll("m").saturated
-    assert _targets(r, keys) == {settings.base_replicas}
-    _slots(r, keys, "c1", busy=settings.saturation_threshold)
-    st = mon.poll("m")
-    assert st.saturated and st.effective == settings.base_replicas + settings.boost_replicas
-    assert _targets(r, keys) == {st.effective}
-    assert r.hget(keys.model_state("m"), "saturated") == b"1"
-    _slots(r, keys, "c1", busy=0)
-    assert mon.poll("m").effective == settings.base_replicas
-    assert _targets(r, keys) == {settings.base_replicas}
-
-
-def test_stale_and_vanished_coordinators_are_ignored(
-    settings: Settings, model: Path, r: redis.Redis
-) -> None:
-    keys = Keys(settings.prefix)
-    mon = Monitor(settings)
-    mon.register("m", model)
-    _slots(r, keys, "old", busy=4, age_s=settings.slot_state_stale_s + 5)
-    r.sadd(keys.model_coordinators("m"), "gone")  # no slots key at all
-    st = mon.poll("m")
-    assert not st.saturated and st.coordinators == 0
-    assert not r.sismember(keys.model_coordinators("m"), "gone")
-
-
-def test_reap_releases_slice_and_requeues_unanswered_jobs(
-    settings: Settings, model: Path, r: redis.Redis
-) -> None:
-    keys = Keys(settings.prefix)
-    s = settings.model_copy(update={"base_replicas": 2})
-    mon = Monitor(s)
-    info = mon.register("m", model)
-    sid = sorted(info.slices)[0]
-    r.delete(keys.model_target("m"))
-    r.hset(keys.model_target("m"), sid, 2)
-    scripts = Scripts(r, keys)
-    assert scripts.volunteer(r, "m", "dead") == sid
-    assert scripts.volunteer(r, "m", "live") == sid
-    r.set(keys.worker_heartbeat("live"), sid, ex=30)  # "dead" has no heartbeat
+    board = RedisBoard(r, keys, settings.lifetimes)
     inbox = keys.worker_inbox("dead")
     r.xgroup_create(inbox, WORKER_GROUP, id="0", mkstream=True)
-    ids = [r.xadd(inbox, {"t": "job", "m": f"job{i}"}) for i in range(3)]
+    ids = [r.xadd(inbox, {"t": "job", "m": f"job{i}"}) for i in range(4)]
     r.xreadgroup(WORKER_GROUP, "dead", {inbox: ">"}, count=2)  # 2 delivered ...
     r.xack(inbox, WORKER_GROUP, ids[0])  # ... one of them answered
-    assert mon.reap("m") == ["dead"]
+    assert board.requeue_inbox("dead", ["live"]) == 3
     moved = [f[b"m"] for _, f in r.xrange(keys.worker_inbox("live"))]
-    assert moved == [b"job1", b"job2"], "pending and undelivered jobs move, answered ones don't"
+    assert moved == [b"job1", b"job2", b"job3"], "pending and undelivered move, answered don't"
     assert not r.exists(inbox)
-    assert r.hget(keys.model_coverage("m"), sid) == b"1"
-    assert r.hgetall(keys.model_workers("m")) == {b"live": sid.encode()}
-    assert mon.reap("m") == []

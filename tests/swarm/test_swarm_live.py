@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import UncoveredSlice
-from kvq.keys import slice_id
+from kvq.slices import slice_id
 from kvq.swarm import LivePolicy, LiveRouter, WorkerView
 
 SLICES = [slice_id(layer, layer + 1, e, e + 4) for layer in range(3) for e in (0, 4)]  # 6 slices

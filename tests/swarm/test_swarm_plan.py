@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvq.errors import ConfigError, TopologyError
-from kvq.keys import parse_slice_id
+from kvq.slices import parse_slice_id
 from kvq.swarm import CostWeights, ModelSpec, NodeProfile, Pipeline, SwarmPlan, place
 
 

@@ -1,4 +1,4 @@
-"""kvq.keys: hash tags, prefixes, slice ids, and no key literal anywhere else."""
+"""kvq.keys: hash tags, prefixes, and no key literal anywhere else."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvq
-from kvq.keys import Keys, parse_slice_id, slice_id
+from kvq.keys import Keys
 
 FAST = settings(deadline=None, database=None, max_examples=100)
 
@@ -94,76 +93,6 @@ def test_model_keys_differ_per_model_and_prefix() -> None:
 def test_default_prefix() -> None:
     assert Keys().models() == "kvq:models"
     assert Keys().deadletter() == "kvq:deadletter"
-
-
-# -- slice ids -----------------------------------------------------------------------------
-quads = st.tuples(*(st.integers(0, 10**6) for _ in range(4)))
-
-
-@FAST
-@given(quads)
-def test_slice_id_round_trip(q: tuple[int, int, int, int]) -> None:
-    sid = slice_id(*q)
-    assert parse_slice_id(sid) == q
-    assert slice_id(*parse_slice_id(sid)) == sid
-
-
-@FAST
-@given(
-    st.tuples(st.integers(0, 999), st.integers(0, 999), st.integers(0, 9999), st.integers(0, 9999)),
-    st.tuples(st.integers(0, 999), st.integers(0, 999), st.integers(0, 9999), st.integers(0, 9999)),
-)
-def test_slice_ids_sort_like_their_numbers(a: tuple[int, ...], b: tuple[int, ...]) -> None:
-    assert (slice_id(*a) < slice_id(*b)) == (a < b)
-
-
-def test_slice_id_format() -> None:
-    assert slice_id(0, 1, 4, 8) == "L000-001:E0004-0008"
-
-
-@pytest.mark.parametrize(
-    "garbage",
-    [
-        "",
-        "L",
-        ":",
-        "L000-001",
-        "E0000-0004",
-        "L000-001:E0000-0004:x",
-        "L000-001:E0000",
-        "L000:E0000-0004",
-        "E000-001:L0000-0004",
-        "X000-001:E0000-0004",
-        "L000-001:X0000-0004",
-        "Lab-001:E0000-0004",
-        "L000-001:E0000-00x4",
-        "L000-001-002:E0000-0004",
-        "L-01-002:E0000-0004",
-        "L000-001E0000-0004",
-        "L000--001:E0000-0004",
-        "l000-001:e0000-0004",
-    ],
-)
-def test_parse_slice_id_rejects_garbage(garbage: str) -> None:
-    with pytest.raises(ValueError):
-        parse_slice_id(garbage)
-
-
-@FAST
-@given(st.text(max_size=30))
-def test_parse_slice_id_raises_only_value_error(text: str) -> None:
-    try:
-        parse_slice_id(text)
-    except ValueError:
-        pass
-
-
-@pytest.mark.parametrize(
-    "almost", ["L1-2:E3-4", "L 001-002:E0004-0008", "L+01-002:E0004-0008", "L0_01-002:E0004-0008"]
-)
-def test_parse_slice_id_rejects_non_canonical_ids(almost: str) -> None:
-    with pytest.raises(ValueError):
-        parse_slice_id(almost)
 
 
 # -- no key literals outside kvq/keys.py ---------------------------------------------------

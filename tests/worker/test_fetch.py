@@ -14,7 +14,7 @@ import pytest
 from kvq.config import load_settings
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import make_tiny, read_meta
-from kvq.registry import plan_slices
+from kvq.model.registry import plan_slices
 from kvq.worker.fetch import fetch_slice
 
 

@@ -27,18 +27,18 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
     make_tiny(model, layers=1, experts=8)
     s = settings.model_copy(update={"slice_experts": 8, "base_replicas": 2, "idle_shutdown_s": 0.3})
     keys = Keys(s.prefix)
-    info = Monitor(s).register("m", model)
+    info = Monitor.from_settings(s).register("m", model)
     (sid,) = info.slices
-    a, b = Worker(s, "a"), Worker(s, "b")
+    a, b = Worker.from_settings(s, "a"), Worker.from_settings(s, "b")
     ta, tb = run_in_thread(a), run_in_thread(b)
     _wait(lambda: a.holding is not None and b.holding is not None)
-    a.r.hset(keys.model_target("m"), sid, 1)  # load drained: one replica is enough
+    a.board.r.hset(keys.model_target("m"), sid, 1)  # load drained: one replica is enough
     _wait(lambda: not ta.is_alive() or not tb.is_alive())
-    assert a.r.hget(keys.model_coverage("m"), sid) == b"1"
+    assert a.board.r.hget(keys.model_coverage("m"), sid) == b"1"
     leaver, stayer = ("a", "b") if not ta.is_alive() else ("b", "a")
-    assert a.r.hgetall(keys.model_workers("m")) == {stayer.encode(): sid.encode()}
-    assert not a.r.exists(keys.worker_heartbeat(leaver)), "hb"
-    assert not a.r.exists(keys.worker_inbox(leaver)), "inbox"
+    assert a.board.r.hgetall(keys.model_workers("m")) == {stayer.encode(): sid.encode()}
+    assert not a.board.r.exists(keys.worker_heartbeat(leaver)), "hb"
+    assert not a.board.r.exists(keys.worker_inbox(leaver)), "inbox"
     import time
 
     time.sleep(1.0)

@@ -1,5 +1,8 @@
 """GPU check of the hot/cold bank, run by `workers/gpu_check.sh` (B8: figures measured here).
 
+A script for a CUDA machine, not part of the library: it needs the repository checkout (it runs
+`tests/bank` from it) and kvq importable (the shell wrapper puts the checkout on PYTHONPATH).
+
 1. The bank tests on the GPU (`BANK_TEST_DEVICE=cuda pytest tests/bank`).
 2. Device-to-device and host-to-device (pinned) copy bandwidth, measured by this run.
 3. Expert throughput of a Bank with every expert hot, then every expert cold, read in place
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda")
     t0 = time.monotonic()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     rc = 0 if args.skip_tests else run_tests(root, args.tests_timeout)
     result = {"device": torch.cuda.get_device_name(device), "tests_rc": rc,
               **copy_bandwidth(device), "experts": expert_throughput(device)}  # fmt: skip

@@ -1,0 +1,165 @@
+"""The board: every shared record of a kvq deployment, read and written as typed values.
+
+The roles (coordinator, worker, monitor, demo, HTTP API) never name a hash field, a TTL or a
+liveness rule: they call a `Board`. Two implementations keep the same contract:
+
+- `RedisBoard` (`kvq.bus.redis_board`): the real one, keys from `kvq.keys`, the market's
+  atomic Lua scripts, TTLs from `Lifetimes`;
+- `MemoryBoard` (`kvq.bus.memory_board`): plain dicts and an injectable clock, for unit tests
+  of role logic without a server (as dramatiq keeps `brokers/stub.py` beside its Redis broker).
+
+`tests/bus/test_board_contract.py` runs the same tests on both.
+
+Streams (requests, inboxes, results, replies) stay with `kvq.bus.streams`: a board only posts
+jobs to inboxes and moves a dead worker's jobs, the two inbox operations the control plane owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from kvq.bus.connection import Backoff, is_connection_error
+from kvq.bus.records import (
+    CoordStats,
+    Lifetimes,
+    ModelState,
+    SliceDemand,
+    SlotState,
+    WorkerInfo,
+)
+from kvq.errors import ModelError
+from kvq.model.registry import ModelInfo
+from kvq.swarm import WorkerView
+
+log = logging.getLogger("kvq.bus")
+
+Fields = Mapping[Any, Any]  # stream entry fields (str or bytes names)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorView:
+    """A coordinator registered for a model: its last slot state (None: the key expired)."""
+
+    coord: str
+    state: SlotState | None
+    alive: bool
+
+
+class Board(Protocol):
+    """What every role reads and writes outside its streams."""
+
+    lifetimes: Lifetimes
+
+    # -- models ---------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Registered model ids, sorted."""
+        ...
+
+    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+        """Publish metadata and the slice table, and seed every slice's target (K8)."""
+        ...
+
+    def model_info(self, model: str) -> ModelInfo | None:
+        """The registered model, or None."""
+        ...
+
+    def publish_model_state(self, model: str, state: ModelState) -> None:
+        """The monitor's poll result; every slice's target becomes `effective_target`."""
+        ...
+
+    def model_state(self, model: str) -> ModelState | None: ...
+
+    # -- the market (atomic per call) -----------------------------------------------------
+    def slice_demand(self, model: str) -> dict[str, SliceDemand]:
+        """Every targeted slice of `model`, sorted by slice id."""
+        ...
+
+    def set_target(self, model: str, sid: str, replicas: int) -> None: ...
+
+    def assignments(self, model: str) -> dict[str, str]:
+        """Worker id → the slice it holds."""
+        ...
+
+    def volunteer(self, model: str, worker: str) -> str | None:
+        """Take the slice with the largest demand (ties: least covered, then lowest id); a
+        worker that holds one gets it back. None when nothing is wanted."""
+        ...
+
+    def release(self, model: str, worker: str) -> str | None:
+        """Give back `worker`'s slice; returns it, or None when it held none."""
+        ...
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+        """Count `worker` as holding `sid` again; True if it had to be re-added."""
+        ...
+
+    def retire(self, model: str, worker: str) -> str | None:
+        """Release only if the slice stays covered at its target (K10); the slice, or None."""
+        ...
+
+    # -- workers --------------------------------------------------------------------------
+    def workers(self, model: str) -> list[WorkerView]:
+        """Every worker assigned a slice of `model`, sorted, with the one liveness rule."""
+        ...
+
+    def beat(self, worker: str, info: WorkerInfo) -> None:
+        """Heartbeat and info of a serving worker, with their lifetimes."""
+        ...
+
+    def worker_info(self, worker: str) -> WorkerInfo | None: ...
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
+        ...
+
+    def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
+        """Append each `(worker, fields)` to that worker's inbox, in one round trip."""
+        ...
+
+    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
+        """Move `dead`'s unanswered jobs round-robin to `peers`, then drop its inbox."""
+        ...
+
+    # -- coordinators ---------------------------------------------------------------------
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
+        """Slot state and counters of a coordinator, which joins its model's set."""
+        ...
+
+    def coordinators(self, model: str) -> list[CoordinatorView]:
+        """The model's coordinators, sorted, with the one liveness rule."""
+        ...
+
+    def forget_coordinator(self, model: str, coord: str) -> None: ...
+
+    def coordinator_alive(self, coord: str) -> bool: ...
+
+    def coord_stats(self, coord: str) -> CoordStats | None: ...
+
+
+def wait_for_model(board: Board, model: str, give_up_s: float, backoff_cap_s: float) -> ModelInfo:
+    """`board.model_info`, retried while Redis is unreachable or the model is not registered
+    yet: a coordinator may start before the monitor or Redis (compose, systemd). ModelError
+    once `give_up_s` has passed."""
+    deadline = time.monotonic() + give_up_s
+    backoff = Backoff(backoff_cap_s)
+    while True:
+        try:
+            info = board.model_info(model)
+            if info is not None:
+                return info
+            problem = f"model {model!r} is not registered; run the monitor with --model"
+        except redis.RedisError as exc:
+            if not is_connection_error(exc):
+                raise
+            problem = str(exc)
+        if time.monotonic() > deadline:
+            raise ModelError(f"model {model!r} not available after {give_up_s:.0f}s: {problem}")
+        if backoff.failures == 0:
+            log.info("waiting for model %s (%s)", model, problem)
+        backoff.wait()

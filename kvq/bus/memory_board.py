@@ -1,0 +1,218 @@
+"""`MemoryBoard`: the board in plain dicts, for unit tests of role logic without a server.
+
+Same contract as `RedisBoard` (`tests/bus/test_board_contract.py` runs both): the market
+follows the Lua scripts step for step, expiry follows `Lifetimes` on an injectable clock, and
+one lock stands in for Redis's one command at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvq.bus.board import CoordinatorView, Fields
+from kvq.bus.records import (
+    CoordStats,
+    Lifetimes,
+    ModelState,
+    SliceDemand,
+    SlotState,
+    WorkerInfo,
+)
+from kvq.model.registry import ModelInfo
+from kvq.swarm import WorkerView
+
+
+class MemoryBoard:
+    """A board that lives in this process; `clock()` is wall time in seconds."""
+
+    def __init__(
+        self, lifetimes: Lifetimes | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.lifetimes = lifetimes or Lifetimes()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._models: dict[str, ModelInfo] = {}
+        self._state: dict[str, ModelState] = {}
+        self._target: dict[str, dict[str, int]] = {}
+        self._coverage: dict[str, dict[str, int]] = {}
+        self._workers: dict[str, dict[str, str]] = {}
+        self._expiring: dict[tuple[str, str], tuple[object, float]] = {}  # (kind, id) → value
+        self.inboxes: dict[str, list[Fields]] = {}  # unanswered jobs per worker
+        self._coords: dict[str, set[str]] = {}
+        self._stats: dict[str, CoordStats] = {}
+
+    # -- expiry ---------------------------------------------------------------------------
+    def _put(self, kind: str, ident: str, value: object, ttl_s: float) -> None:
+        self._expiring[(kind, ident)] = (value, self.clock() + ttl_s)
+
+    def _get(self, kind: str, ident: str) -> object | None:
+        got = self._expiring.get((kind, ident))
+        if got is None:
+            return None
+        value, until = got
+        if self.clock() >= until:
+            del self._expiring[(kind, ident)]
+            return None
+        return value
+
+    # -- models ---------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+        with self._lock:
+            self._models[info.model] = info
+            self._target[info.model] = dict.fromkeys(info.slices, base_replicas)
+
+    def model_info(self, model: str) -> ModelInfo | None:
+        return self._models.get(model)
+
+    def publish_model_state(self, model: str, state: ModelState) -> None:
+        with self._lock:
+            info = self._models.get(model)
+            if info is not None and info.slices:
+                target = self._target.setdefault(model, {})
+                target.update(dict.fromkeys(info.slices, state.effective_target))
+            self._state[model] = state
+
+    def model_state(self, model: str) -> ModelState | None:
+        return self._state.get(model)
+
+    # -- the market (the Lua scripts, step for step) --------------------------------------
+    def slice_demand(self, model: str) -> dict[str, SliceDemand]:
+        target = self._target.get(model, {})
+        cover = self._coverage.get(model, {})
+        return {sid: SliceDemand(target[sid], cover.get(sid, 0)) for sid in sorted(target)}
+
+    def set_target(self, model: str, sid: str, replicas: int) -> None:
+        with self._lock:
+            self._target.setdefault(model, {})[sid] = replicas
+
+    def assignments(self, model: str) -> dict[str, str]:
+        return dict(self._workers.get(model, {}))
+
+    def volunteer(self, model: str, worker: str) -> str | None:
+        with self._lock:
+            held = self._workers.setdefault(model, {}).get(worker)
+            if held is not None:
+                return held
+            cover = self._coverage.setdefault(model, {})
+            best: tuple[int, int, str] | None = None  # (-demand, coverage, sid): min wins
+            for sid, want in self._target.get(model, {}).items():
+                cov = cover.get(sid, 0)
+                if want - cov > 0 and (best is None or (cov - want, cov, sid) < best):
+                    best = (cov - want, cov, sid)
+            if best is None:
+                return None
+            sid = best[2]
+            cover[sid] = cover.get(sid, 0) + 1
+            self._workers[model][worker] = sid
+            return sid
+
+    def _uncover(self, model: str, sid: str) -> None:
+        cover = self._coverage.setdefault(model, {})
+        left = cover.get(sid, 0) - 1
+        if left <= 0:
+            cover.pop(sid, None)
+        else:
+            cover[sid] = left
+
+    def release(self, model: str, worker: str) -> str | None:
+        with self._lock:
+            held = self._workers.get(model, {}).pop(worker, None)
+            if held is not None:
+                self._uncover(model, held)
+            return held
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+        with self._lock:
+            workers = self._workers.setdefault(model, {})
+            held = workers.get(worker)
+            if held == sid:
+                return False
+            if held is not None:
+                self._uncover(model, held)
+            workers[worker] = sid
+            cover = self._coverage.setdefault(model, {})
+            cover[sid] = cover.get(sid, 0) + 1
+            return True
+
+    def retire(self, model: str, worker: str) -> str | None:
+        with self._lock:
+            held = self._workers.get(model, {}).get(worker)
+            if held is None:
+                return None
+            want = self._target.get(model, {}).get(held, 0)
+            if self._coverage.get(model, {}).get(held, 0) <= want:
+                return None
+            del self._workers[model][worker]
+            self._uncover(model, held)
+            return held
+
+    # -- workers --------------------------------------------------------------------------
+    def workers(self, model: str) -> list[WorkerView]:
+        out = []
+        for w, sid in sorted(self.assignments(model).items()):
+            info = self.worker_info(w)
+            alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
+            last = info.last_serve_ms if info is not None else 0
+            out.append(WorkerView(w, sid, alive=alive, last_serve_ms=last))
+        return out
+
+    def beat(self, worker: str, info: WorkerInfo) -> None:
+        with self._lock:
+            self._put("hb", worker, info.slice, self.lifetimes.heartbeat_ms() / 1000)
+            self._put("info", worker, info, self.lifetimes.worker_info_s())
+
+    def worker_info(self, worker: str) -> WorkerInfo | None:
+        got = self._get("info", worker)
+        return got if isinstance(got, WorkerInfo) else None
+
+    def forget_worker(self, worker: str) -> None:
+        with self._lock:
+            self._expiring.pop(("hb", worker), None)
+            self._expiring.pop(("info", worker), None)
+            self.inboxes.pop(worker, None)
+
+    def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
+        with self._lock:
+            for worker, fields in jobs:
+                self.inboxes.setdefault(worker, []).append(dict(fields))
+
+    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
+        entries = self.inboxes.pop(dead, [])
+        if not peers:
+            return 0
+        self.send_jobs([(peers[i % len(peers)], f) for i, f in enumerate(entries)])
+        return len(entries)
+
+    # -- coordinators ---------------------------------------------------------------------
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
+        with self._lock:
+            self._put("slots", coord, state, self.lifetimes.slots_s())
+            self._coords.setdefault(state.model, set()).add(coord)
+            self._stats[coord] = stats
+
+    def _slots(self, coord: str) -> SlotState | None:
+        got = self._get("slots", coord)
+        return got if isinstance(got, SlotState) else None
+
+    def coordinators(self, model: str) -> list[CoordinatorView]:
+        now_ms = self.clock() * 1000
+        out = []
+        for c in sorted(self._coords.get(model, set())):
+            state = self._slots(c)
+            out.append(CoordinatorView(c, state, self.lifetimes.coordinator_alive(state, now_ms)))
+        return out
+
+    def forget_coordinator(self, model: str, coord: str) -> None:
+        with self._lock:
+            self._coords.get(model, set()).discard(coord)
+
+    def coordinator_alive(self, coord: str) -> bool:
+        return self.lifetimes.coordinator_alive(self._slots(coord), self.clock() * 1000)
+
+    def coord_stats(self, coord: str) -> CoordStats | None:
+        return self._stats.get(coord)

@@ -1,0 +1,183 @@
+"""Every hash record kvq writes, its one encode/decode, the TTL rules and the liveness rules.
+
+A record's fields are the hash's fields: `HGETALL` shows them as they are (`docs/streams.md`).
+Nothing outside `kvq.bus` names a hash field: the roles get and give these records through a
+`Board` (`kvq.bus.board`).
+
+| record       | key                 | written by          | lives                               |
+|--------------|---------------------|---------------------|-------------------------------------|
+| `ModelEntry` | P:{m:M}:meta        | monitor (register)  | until re-registered                 |
+| `ModelState` | P:{m:M}:state       | monitor (each poll) | until overwritten                   |
+| `SlotState`  | P:{c:C}:slots       | coordinator C       | `Lifetimes.slots_s()`               |
+| `CoordStats` | P:{c:C}:stats       | coordinator C       | `Lifetimes.coordinator_s()`         |
+| `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
+| heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple, Self
+
+import msgspec
+
+log = logging.getLogger("kvq.bus")
+
+HashValue = str | int | float
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True):
+    """A hash record: one field per struct field; numbers are stored as their decimal text."""
+
+    def to_hash(self) -> dict[str, HashValue]:
+        out: dict[str, HashValue] = {}
+        for name in self.__struct_fields__:
+            v = getattr(self, name)
+            out[name] = int(v) if isinstance(v, bool) else v
+        return out
+
+    @classmethod
+    def from_hash(cls, h: Mapping[bytes, bytes] | Mapping[str, HashValue]) -> Self | None:
+        """The record, or None when the hash is empty or does not decode (logged: a corrupt
+        hash is treated as absent, it must not stop the reader)."""
+        if not h:
+            return None
+        plain = {_text(k): _text(v) for k, v in h.items()}
+        try:
+            return msgspec.convert(plain, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            log.warning(
+                "ignoring a %s hash that does not decode (%s): %r", cls.__name__, exc, plain
+            )
+            return None
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return cls.__struct_fields__
+
+
+def _text(v: bytes | HashValue) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+class ModelEntry(Record, frozen=True, kw_only=True):
+    """A registered model (`meta` hash): where to fetch it and its layout as JSON text."""
+
+    source: str
+    arch: str
+    block_count: int
+    expert_count: int
+    expert_used_count: int
+    slice_count: int
+    meta: str  # kvq.model.meta_to_dict(...) as JSON
+
+
+class ModelState(Record, frozen=True, kw_only=True):
+    """The monitor's view of one model after a poll (K6, K7, K13)."""
+
+    saturated: bool = False
+    busy: int = 0
+    total: int = 0
+    coordinators: int = 0
+    base_target: int = 0
+    effective_target: int = 0
+    ts_ms: int = 0
+
+
+class SlotState(Record, frozen=True, kw_only=True):
+    """A coordinator's inference slots (K2), published on its slot-poll thread."""
+
+    model: str
+    busy: int
+    total: int
+    ts_ms: int
+
+
+class CoordStats(Record, frozen=True, kw_only=True):
+    """A coordinator's counters (dispatch, bank hit rates, requests)."""
+
+    local_jobs: int = 0
+    remote_sent: int = 0
+    remote_jobs: int = 0
+    fallback_jobs: int = 0
+    remote_errors: int = 0
+    late_results: int = 0
+    uncovered_local: int = 0
+    verified: int = 0
+    mismatches: int = 0
+    max_abs_err: float = 0.0
+    hot_hit_rate: float = 0.0
+    cold_hit_rate: float = 0.0
+    replans: int = 0
+    rescues: int = 0
+    completed: int = 0
+    tokens: int = 0
+    claimed: int = 0
+
+
+class WorkerInfo(Record, frozen=True, kw_only=True):
+    """What a serving worker says of itself on each heartbeat."""
+
+    model: str
+    slice: str
+    device: str
+    served: int = 0
+    last_serve_ms: int = 0  # > 0: it has really computed experts (K3)
+
+
+class SliceDemand(NamedTuple):
+    """A slice's wanted replicas (target) against the workers holding it (coverage)."""
+
+    target: int
+    coverage: int
+
+    @property
+    def demand(self) -> int:
+        return max(0, self.target - self.coverage)
+
+    @property
+    def recruiting(self) -> bool:
+        return self.target > self.coverage
+
+
+@dataclass(frozen=True, slots=True)
+class Lifetimes:
+    """The TTL rules, from the settings they derive from.
+
+    A worker is alive while its heartbeat key exists; it beats every third of
+    `heartbeat_ttl_s`, so one lost beat is not death. A coordinator is alive while its slot
+    state is fresher than `slot_state_stale_s`.
+    """
+
+    heartbeat_ttl_s: float = 6.0
+    slot_state_stale_s: float = 10.0
+    request_ttl_s: int = 600
+
+    def heartbeat_ms(self) -> int:
+        return int(self.heartbeat_ttl_s * 1000)
+
+    def beat_every_s(self) -> float:
+        return self.heartbeat_ttl_s / 3
+
+    def worker_info_s(self) -> int:
+        """Info outlives the heartbeat tenfold: the reaper and operators still see what a dead
+        worker held and served."""
+        return int(self.heartbeat_ttl_s * 10) + 1
+
+    def slots_s(self) -> int:
+        """Slot state outlives staleness threefold, so a stale coordinator is seen as stale
+        (ignored) before its key vanishes (forgotten)."""
+        return int(self.slot_state_stale_s * 3) + 1
+
+    def coordinator_s(self) -> int:
+        """A gone coordinator's stats and results stream age out with its last requests."""
+        return int(self.request_ttl_s)
+
+    def reply_s(self) -> int:
+        return int(self.request_ttl_s)
+
+    def coordinator_alive(self, state: SlotState | None, now_ms: float) -> bool:
+        """THE coordinator liveness rule: slot state published within `slot_state_stale_s`."""
+        return state is not None and now_ms - state.ts_ms <= self.slot_state_stale_s * 1000

@@ -1,0 +1,208 @@
+"""`RedisBoard`: the board on a Redis server (keys from `kvq.keys`, records from `records`).
+
+Every write that belongs together goes in one pipeline, and every pipeline stays inside one
+hash tag (`{m:..}`, `{w:..}`, `{c:..}`) except where noted, so a Redis Cluster can serve it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import redis
+
+from kvq.bus.board import CoordinatorView, Fields
+from kvq.bus.connection import connect
+from kvq.bus.records import (
+    CoordStats,
+    Lifetimes,
+    ModelEntry,
+    ModelState,
+    SliceDemand,
+    SlotState,
+    WorkerInfo,
+)
+from kvq.bus.scripts import Scripts
+from kvq.bus.streams import unanswered, xadd
+from kvq.config import BusSettings
+from kvq.keys import Keys
+from kvq.model import meta_from_dict, meta_to_dict
+from kvq.model.registry import ModelInfo
+from kvq.slices import SliceSpec
+from kvq.swarm import WorkerView
+
+
+def _s(b: bytes) -> str:
+    return b.decode()
+
+
+class RedisBoard:
+    """The board of one prefix on one Redis client."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, lifetimes: Lifetimes, stream_maxlen: int = 10_000
+    ) -> None:
+        self.r, self.keys, self.lifetimes = r, keys, lifetimes
+        self.maxlen = stream_maxlen
+        self.scripts = Scripts(r, keys)
+
+    # -- models ---------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        return sorted(_s(m) for m in self.r.smembers(self.keys.models()))
+
+    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+        k, m = self.keys, info.model
+        meta = info.meta
+        entry = ModelEntry(
+            source=info.source, arch=meta.arch, block_count=meta.block_count,
+            expert_count=meta.expert_count, expert_used_count=meta.expert_used_count,
+            slice_count=len(info.slices), meta=json.dumps(meta_to_dict(meta)),
+        )  # fmt: skip
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(k.model_meta(m), mapping=entry.to_hash())
+        pipe.delete(k.model_slices(m))
+        pipe.hset(k.model_slices(m), mapping={s.sid: s.to_json() for s in info.slices.values()})
+        pipe.hset(k.model_target(m), mapping=dict.fromkeys(info.slices, base_replicas))
+        pipe.execute()
+        self.r.sadd(k.models(), m)  # another hash slot: not in the transaction (Redis Cluster)
+
+    def model_info(self, model: str) -> ModelInfo | None:
+        entry = ModelEntry.from_hash(self.r.hgetall(self.keys.model_meta(model)))
+        if entry is None:
+            return None
+        table = self.r.hgetall(self.keys.model_slices(model))
+        slices = {_s(k): SliceSpec.from_json(_s(k), v) for k, v in table.items()}
+        return ModelInfo(model, entry.source, meta_from_dict(json.loads(entry.meta)), slices)
+
+    def publish_model_state(self, model: str, state: ModelState) -> None:
+        k = self.keys
+        sids = self.r.hkeys(k.model_slices(model))
+        pipe = self.r.pipeline(transaction=False)
+        if sids:
+            pipe.hset(k.model_target(model), mapping=dict.fromkeys(sids, state.effective_target))
+        pipe.hset(k.model_state(model), mapping=state.to_hash())
+        pipe.execute()
+
+    def model_state(self, model: str) -> ModelState | None:
+        return ModelState.from_hash(self.r.hgetall(self.keys.model_state(model)))
+
+    # -- the market -----------------------------------------------------------------------
+    def slice_demand(self, model: str) -> dict[str, SliceDemand]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.model_target(model))
+        pipe.hgetall(self.keys.model_coverage(model))
+        target_h, cover_h = pipe.execute()
+        target = {_s(k): int(v) for k, v in target_h.items()}
+        cover = {_s(k): int(v) for k, v in cover_h.items()}
+        return {sid: SliceDemand(target[sid], cover.get(sid, 0)) for sid in sorted(target)}
+
+    def set_target(self, model: str, sid: str, replicas: int) -> None:
+        self.r.hset(self.keys.model_target(model), sid, replicas)
+
+    def assignments(self, model: str) -> dict[str, str]:
+        return {_s(w): _s(s) for w, s in self.r.hgetall(self.keys.model_workers(model)).items()}
+
+    def volunteer(self, model: str, worker: str) -> str | None:
+        return self.scripts.volunteer(self.r, model, worker)
+
+    def release(self, model: str, worker: str) -> str | None:
+        return self.scripts.release(self.r, model, worker)
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+        return self.scripts.rejoin(self.r, model, worker, sid)
+
+    def retire(self, model: str, worker: str) -> str | None:
+        return self.scripts.retire(self.r, model, worker)
+
+    # -- workers --------------------------------------------------------------------------
+    def workers(self, model: str) -> list[WorkerView]:
+        assigned = sorted(self.assignments(model).items())
+        if not assigned:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for w, _ in assigned:
+            pipe.exists(self.keys.worker_heartbeat(w))  # the liveness rule: the beat is up
+            pipe.hgetall(self.keys.worker_info(w))
+        got = pipe.execute()
+        out = []
+        for i, (w, sid) in enumerate(assigned):
+            info = WorkerInfo.from_hash(got[2 * i + 1])
+            last = info.last_serve_ms if info is not None else 0
+            out.append(WorkerView(w, sid, alive=bool(got[2 * i]), last_serve_ms=last))
+        return out
+
+    def beat(self, worker: str, info: WorkerInfo) -> None:
+        k, life = self.keys, self.lifetimes
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(k.worker_heartbeat(worker), info.slice, px=life.heartbeat_ms())
+        pipe.hset(k.worker_info(worker), mapping=info.to_hash())
+        pipe.expire(k.worker_info(worker), life.worker_info_s())
+        pipe.execute()
+
+    def worker_info(self, worker: str) -> WorkerInfo | None:
+        return WorkerInfo.from_hash(self.r.hgetall(self.keys.worker_info(worker)))
+
+    def forget_worker(self, worker: str) -> None:
+        k = self.keys
+        self.r.delete(k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker))
+
+    def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
+        if not jobs:
+            return
+        pipe = self.r.pipeline(transaction=False)  # one inbox per tag: appends, no ordering
+        for worker, fields in jobs:
+            xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
+        pipe.execute()
+
+    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
+        inbox = self.keys.worker_inbox(dead)
+        entries = unanswered(self.r, inbox)
+        moved = 0
+        if peers and entries:
+            self.send_jobs([(peers[i % len(peers)], f) for i, (_, f) in enumerate(entries)])
+            moved = len(entries)
+        self.r.delete(inbox)
+        return moved
+
+    # -- coordinators ---------------------------------------------------------------------
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
+        k, life = self.keys, self.lifetimes
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(k.coord_slots(coord), mapping=state.to_hash())
+        pipe.expire(k.coord_slots(coord), life.slots_s())
+        # after the slots: the monitor drops members whose slots key is gone
+        pipe.sadd(k.model_coordinators(state.model), coord)
+        pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
+        pipe.expire(k.coord_stats(coord), life.coordinator_s())
+        pipe.expire(k.coord_results(coord), life.coordinator_s())
+        pipe.execute()
+
+    def coordinators(self, model: str) -> list[CoordinatorView]:
+        coords = sorted(_s(c) for c in self.r.smembers(self.keys.model_coordinators(model)))
+        if not coords:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for c in coords:
+            pipe.hgetall(self.keys.coord_slots(c))
+        now_ms = time.time() * 1000
+        out = []
+        for c, h in zip(coords, pipe.execute(), strict=True):
+            state = SlotState.from_hash(h)
+            out.append(CoordinatorView(c, state, self.lifetimes.coordinator_alive(state, now_ms)))
+        return out
+
+    def forget_coordinator(self, model: str, coord: str) -> None:
+        self.r.srem(self.keys.model_coordinators(model), coord)
+
+    def coordinator_alive(self, coord: str) -> bool:
+        state = SlotState.from_hash(self.r.hgetall(self.keys.coord_slots(coord)))
+        return self.lifetimes.coordinator_alive(state, time.time() * 1000)
+
+    def coord_stats(self, coord: str) -> CoordStats | None:
+        return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
+
+
+def open_board(bus: BusSettings, lifetimes: Lifetimes) -> RedisBoard:
+    """A board on a new client for `KVQ_REDIS_URL` (see `kvq.bus.connect`)."""
+    return RedisBoard(connect(bus), Keys(bus.prefix), lifetimes, bus.stream_maxlen)

@@ -1,0 +1,112 @@
+"""A worker's place in the market: which slice it holds, its heartbeat, and leaving (K9, K10).
+
+Everything goes through a `Board`, so this runs the same on Redis and in memory. One lock keeps
+a heartbeat from re-asserting a slice the worker is giving back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from kvq.bus.board import Board
+from kvq.bus.records import WorkerInfo
+
+log = logging.getLogger("kvq.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    model: str
+    sid: str
+
+
+class Membership:
+    """`worker_id`'s slice on `board`; `served()` gives (jobs served, last_serve_ms)."""
+
+    def __init__(
+        self, board: Board, worker_id: str, device: str,
+        served: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> None:  # fmt: skip
+        self.board, self.id, self.device, self.served = board, worker_id, device, served
+        self.held: Held | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def volunteer(self) -> Held | None:
+        """Ask every model's market for a slice (K9); the first one offered is taken."""
+        for model in self.board.models():
+            sid = self.board.volunteer(model, self.id)
+            if sid is not None:
+                return Held(model, sid)
+        return None
+
+    def hold(self, held: Held) -> None:
+        """The slice is loaded: count it and start beating for it."""
+        with self._lock:
+            self.held = held
+            self._beat_locked()
+
+    def give_back(self, held: Held) -> None:
+        """The offered slice could not be loaded: return it to the market."""
+        self.board.release(held.model, self.id)
+
+    def beat(self) -> None:
+        with self._lock:
+            self._beat_locked()
+
+    def _beat_locked(self) -> None:
+        h = self.held
+        if h is None:
+            return
+        self.board.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
+        served, last = self.served()
+        info = WorkerInfo(
+            model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last
+        )
+        self.board.beat(self.id, info)
+
+    def leave(self) -> None:
+        """Give the slice back and drop this worker's keys (its inbox's jobs are recomputed by
+        their coordinators)."""
+        with self._lock:
+            h, self.held = self.held, None
+            if h is None:
+                return
+            try:
+                self.board.release(h.model, self.id)
+                self.board.forget_worker(self.id)
+            except redis.RedisError:
+                pass  # the monitor reaps us once the heartbeat expires
+
+    def retire(self) -> Held | None:
+        """K10: give the slice back only if it stays covered; what was given back, or None."""
+        with self._lock:
+            h = self.held
+            if h is None or self.board.retire(h.model, self.id) is None:
+                return None
+            self.held = None  # the heartbeat must not rejoin
+            self.board.forget_worker(self.id)
+            return h
+
+    # -- the heartbeat thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.board.lifetimes.beat_every_s()):
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.debug("heartbeat failed: %s", exc)

@@ -1,0 +1,114 @@
+"""`ExpertServer`: a decoded expert job in, a result out. No Redis, no threads.
+
+The worker's loop is read → `server.handle(job)` → write the result → ack. The coordinator
+computes its local slices through the same `compute`, so local and remote agree bit for bit
+when they compute in the same dtype. `handle` never raises: a job it cannot serve comes back as
+a result whose `error` says why (`BadJob` for the job itself, `DeadlineExpired`, or the
+exception of a failed compute).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvq import wire
+from kvq.bank import Bank
+from kvq.errors import WireError
+
+log = logging.getLogger("kvq.worker")
+
+BAD_JOB = "BadJob"
+DEADLINE_EXPIRED = "DeadlineExpired"
+_FLOATS = ("float32", "float16")
+
+
+class BadJob(WireError):
+    """A well-formed job that this server cannot serve (another slice, model or shape)."""
+
+
+class ExpertServer:
+    """Serves the experts of `bank` (some layers, each an expert range) of `model`."""
+
+    def __init__(
+        self, name: str, model: str, bank: Bank, hidden: int, dtype: torch.dtype,
+        clock_ms: Callable[[], float] = lambda: time.time() * 1000,
+    ) -> None:  # fmt: skip
+        self.name, self.model, self.bank, self.hidden = name, model, bank, hidden
+        self.dtype = dtype  # what jobs' activations are cast to before compute
+        self.clock_ms = clock_ms
+        self.served = 0
+        self.last_serve_ms = 0
+
+    def compute(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Sum over each row's experts in `[lo, hi)` of `w * expert(x)`. x: [T, H]; ids, w:
+        [T, k]. Returns [T, H] in x.dtype, on x.device."""
+        with torch.inference_mode():
+            return self.bank.forward(layer, x, ids, w, lo, hi)
+
+    def handle(self, job: wire.Job) -> wire.Result:
+        """The job's result, or a result carrying the error; never raises."""
+        t0 = time.perf_counter()
+        try:
+            self.check(job)
+            if job.deadline_ms and self.clock_ms() > job.deadline_ms:
+                # the coordinator has computed it locally already; say so instead of working
+                error = wire.Failure(
+                    type=DEADLINE_EXPIRED, message=f"job {job.job_id} past its deadline"
+                )
+                return wire.Result(job_id=job.job_id, worker=self.name, error=error)
+            y = wire.Tensor.of(self._run(job))
+            result = wire.Result(
+                job_id=job.job_id, worker=self.name, y=y,
+                compute_ms=(time.perf_counter() - t0) * 1000,
+            )  # fmt: skip
+        except BadJob as exc:
+            return self._failed(job, wire.Failure(type=BAD_JOB, message=str(exc)), t0)
+        except Exception as exc:  # noqa: BLE001 - one job must never stop a server
+            log.exception("job %s failed", job.job_id)
+            return self._failed(job, wire.failure(exc), t0)
+        self.served += 1
+        self.last_serve_ms = int(self.clock_ms())
+        return result
+
+    def check(self, job: wire.Job) -> None:
+        """BadJob unless this server holds the job's experts and its shapes fit."""
+        if job.model != self.model or job.layer not in self.bank.layers:
+            raise BadJob(
+                f"job {job.job_id} for {job.model} layer {job.layer}: this server holds "
+                f"{self.model} layers {self.bank.layers}"
+            )
+        lo, hi = self.bank.expert_range(job.layer)
+        if not lo <= job.expert_start < job.expert_end <= hi:
+            raise BadJob(
+                f"job {job.job_id} experts [{job.expert_start},{job.expert_end}) are not inside "
+                f"[{lo},{hi}) of layer {job.layer}"
+            )
+        if job.x.shape[1] != self.hidden:
+            raise BadJob(f"job {job.job_id}: hidden size {job.x.shape[1]} != {self.hidden}")
+        if job.x.dtype not in _FLOATS or job.weights.dtype not in _FLOATS:
+            raise BadJob(f"job {job.job_id}: x and weights must be floating point")
+        ids = job.ids.array()
+        if ids.dtype.kind not in "iu":
+            raise BadJob(f"job {job.job_id}: expert ids must be integers, got {ids.dtype}")
+        for name, t in (("x", job.x), ("weights", job.weights)):
+            if not np.isfinite(t.array()).all():
+                raise BadJob(f"job {job.job_id}: {name} holds NaN or infinity")
+
+    def _run(self, job: wire.Job) -> np.ndarray:
+        dev, dtype = self.bank.device, self.dtype
+        x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(dev, dtype)
+        ids = torch.from_numpy(np.array(job.ids.array(), dtype=np.int64)).to(dev)
+        w = torch.from_numpy(np.array(job.weights.array(), dtype=np.float32)).to(dev, dtype)
+        y = self.compute(job.layer, x, ids, w, job.expert_start, job.expert_end)
+        return y.float().cpu().numpy()  # [T, H]
+
+    def _failed(self, job: wire.Job, error: wire.Failure, t0: float) -> wire.Result:
+        ms = (time.perf_counter() - t0) * 1000
+        return wire.Result(job_id=job.job_id, worker=self.name, compute_ms=ms, error=error)
