@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from kvq.bus.records import Lifetimes
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+NumaPolicy = Literal["preferred", "bind", "off"]
+NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
 
 
 class Settings(BaseSettings):
@@ -113,7 +115,7 @@ class Settings(BaseSettings):
     vram_reserve_gib: float = Field(
         2.0, ge=0, allow_inf_nan=False, description="device memory the hot bank leaves free"
     )
-    numa_policy: Literal["preferred", "bind", "off"] = Field(
+    numa_policy: NumaPolicy = Field(
         "preferred", description="host memory of the cold bank: preferred, bind or off"
     )
 
@@ -189,8 +191,7 @@ class Settings(BaseSettings):
     @property
     def coordinator(self) -> CoordinatorSettings:
         return CoordinatorSettings(
-            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.slot_state_stale_s,
-            self.claim_idle_ms, self.model_wait_s, self.max_tokens_limit, self.block_ms,
+            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms, self.model_wait_s, self.max_tokens_limit, self.block_ms,
             self.reconnect_max_s,
         )  # fmt: skip
 
@@ -253,7 +254,6 @@ class CoordinatorSettings:
     n_slots: int
     saturation_threshold: int
     slot_poll_s: float
-    slot_state_stale_s: float
     claim_idle_ms: int
     model_wait_s: float
     max_tokens_limit: int

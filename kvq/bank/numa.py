@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvq.errors import BankError
+from kvq.config import NUMA_POLICIES
 
 log = logging.getLogger(__name__)
 SYSFS = Path("/sys")
@@ -75,9 +75,9 @@ def _libnuma() -> Any:
 
 
 def apply_numa_policy(policy: str, device: torch.device, sysfs: Path = SYSFS) -> str:
-    """Apply the policy; return the log line that says what was (or was not) done."""
-    if policy not in ("preferred", "bind", "off"):
-        raise BankError(f"KVQ_NUMA_POLICY={policy!r} must be preferred, bind or off")
+    """Apply the policy (checked by `BankOptions`); return the log line that says what was
+    (or was not) done."""
+    assert policy in NUMA_POLICIES, policy
     if policy == "off":
         return "numa: off (the OS places the cold bank)"
     nodes = numa_nodes(sysfs)

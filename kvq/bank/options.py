@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from kvq.config import Settings
+from kvq.config import NUMA_POLICIES, Settings
 from kvq.errors import BankError
 
 GIB = 1 << 30
 COLD_PATHS = ("auto", "mapped", "staged")
-NUMA_POLICIES = ("preferred", "bind", "off")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,10 @@ import torch
 from kvq.bank import coldpath
 from kvq.bank.coldpath import uva_view
 from kvq.errors import BankError
+from kvq.model.experts import ExpertWeights
 from kvq.model.slices import ExpertSlice
 
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F, H], up [F, H], down [H, F]
+Weights = ExpertWeights
 
 
 @dataclass(frozen=True, slots=True)

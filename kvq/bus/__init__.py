@@ -2,12 +2,13 @@
 
 from kvq.bus.connection import Backoff, connect, is_connection_error, redacted_url
 from kvq.bus.scripts import Scripts
-from kvq.bus.streams import Consumer, claim_from_dead, dead_letter, ensure_group, xadd
+from kvq.bus.streams import Consumer, Tail, claim_from_dead, dead_letter, ensure_group, xadd
 
 __all__ = [
     "Backoff",
     "Consumer",
     "Scripts",
+    "Tail",
     "claim_from_dead",
     "connect",
     "dead_letter",

@@ -85,6 +85,10 @@ class ModelState(Record, frozen=True, kw_only=True):
     effective_target: int = 0
     ts_ms: int = 0
 
+    def public(self) -> dict[str, int | bool]:
+        """As `GET /api/moe/recruitment` shows it (K13): every field but the timestamp."""
+        return {f: getattr(self, f) for f in self.__struct_fields__ if f != "ts_ms"}
+
 
 class SlotState(Record, frozen=True, kw_only=True):
     """A coordinator's inference slots (K2), published on its slot-poll thread."""
@@ -154,6 +158,11 @@ class Lifetimes:
     heartbeat_ttl_s: float = 6.0
     slot_state_stale_s: float = 10.0
     request_ttl_s: int = 600
+
+    def load_fresh_s(self) -> float:
+        """How long a slot sample counts as load (K5): for the coordinator's own dispatch as for
+        the monitor, so both stop seeing load at the same age."""
+        return self.slot_state_stale_s
 
     def heartbeat_ms(self) -> int:
         return int(self.heartbeat_ttl_s * 1000)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -99,6 +99,22 @@ class Consumer:
         if entry_ids:
             self.r.xack(self.stream, self.group, *entry_ids)
 
+    def answer(
+        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
+        maxlen: int,
+    ) -> None:  # fmt: skip
+        """Append each `(stream, fields, ttl_s)` (an answer: a result, reply events), then ack
+        `entry_ids`, in one round trip and in that order: an entry is never acked before its
+        answer is written, so a crash in between re-delivers it instead of losing it."""
+        pipe = self.r.pipeline(transaction=False)
+        for stream, fields, ttl_s in appends:
+            xadd(pipe, stream, fields, maxlen)
+            if ttl_s is not None:
+                pipe.expire(stream, ttl_s)
+        if entry_ids:
+            pipe.xack(self.stream, self.group, *entry_ids)
+        pipe.execute()
+
     def reset_pending(self) -> None:
         """Re-read own pending entries at the next `read()` (after a reconnect or a claim)."""
         self._cursor = b"0"
@@ -151,3 +167,18 @@ def _id_gt(a: bytes, b: bytes) -> bool:
     ams, aseq = (int(p) for p in a.split(b"-"))
     bms, bseq = (int(p) for p in b.split(b"-"))
     return (ams, aseq) > (bms, bseq)
+
+
+class Tail:
+    """Reads one stream from where it left off, without a group (a coordinator's results)."""
+
+    def __init__(self, r: redis.Redis, stream: str) -> None:
+        self.r, self.stream = r, stream
+        self.last_id = b"0-0"
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        resp = self.r.xread({self.stream: self.last_id}, count=count, block=block_ms)
+        entries: list[Entry] = [e for _, batch in resp or [] for e in batch]
+        if entries:
+            self.last_id = entries[-1][0]
+        return entries

@@ -20,7 +20,7 @@ import redis
 import torch
 
 from kvq import wire
-from kvq.bus import dead_letter
+from kvq.bus import Tail, dead_letter
 from kvq.bus.board import Board, Fields
 from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
@@ -74,7 +74,7 @@ class Dispatcher:
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchStats()
         self.results_key = keys.coord_results(coord_id)
-        self.last_id = b"0-0"
+        self.results = Tail(r, self.results_key)
         self._seq = itertools.count()
         self._layer_slices = {
             layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
@@ -188,11 +188,8 @@ class _LayerCall:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
-            resp = d.r.xread({d.results_key: d.last_id}, count=256, block=left_ms)
-            for _, entries in resp or []:
-                for eid, fields in entries:
-                    d.last_id = eid
-                    self._accept(eid, fields)
+            for eid, fields in d.results.read(count=256, block_ms=left_ms):
+                self._accept(eid, fields)
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             self.fallback(p, float(d.s.job_deadline_ms))

@@ -19,8 +19,8 @@ import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
-from kvq.bus import Backoff, Consumer, claim_from_dead, dead_letter, is_connection_error, xadd
-from kvq.bus.board import wait_for_model
+from kvq.bus import Backoff, Consumer, claim_from_dead, dead_letter, is_connection_error
+from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
@@ -63,7 +63,7 @@ class Coordinator:
         self.requests = Consumer(board.r, self._requests_key, COORDINATOR_GROUP, coord_id)
         self.slots = SlotPoller(
             lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
-            self._publish_slots, settings.slot_poll_s, settings.slot_state_stale_s,
+            self._publish_slots, settings.slot_poll_s, board.lifetimes.load_fresh_s(),
         )  # fmt: skip
         self.stop = threading.Event()
         self.completed = 0
@@ -151,10 +151,7 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
             )
-            pipe = self.board.r.pipeline(transaction=False)
-            self._reply(pipe, req.request_id, event)
-            pipe.xack(self._requests_key, COORDINATOR_GROUP, eid)
-            pipe.execute()
+            self.requests.answer([self._reply(req.request_id, event)], [eid], self.board.maxlen)
             return
         self.engine.admit(req.request_id, ids, req.max_tokens, eid)
 
@@ -179,41 +176,38 @@ class Coordinator:
         return None
 
     def _emit(self, seqs: list[Sequence]) -> None:
-        """One pipeline per step: each sequence's new token, and `done` for finished ones."""
-        pipe = self.board.r.pipeline(transaction=False)
+        """One round trip per step: each sequence's new token, `done` for finished ones, then
+        the acks of the finished requests."""
+        replies: list[tuple[str, Fields, int]] = []
+        finished: list[bytes] = []
         for seq in seqs:
             tok = seq.generated[-1]
             self.tokens += 1
-            text = self.tokenizer.decode([tok])
             index = len(seq.generated) - 1
-            self._reply(
-                pipe,
-                seq.request_id,
-                wire.ReplyEvent(kind="token", index=index, token_id=tok, text=text),
+            token = wire.ReplyEvent(
+                kind="token", index=index, token_id=tok, text=self.tokenizer.decode([tok])
             )
+            replies.append(self._reply(seq.request_id, token))
             if seq.finish:
                 text = self.tokenizer.decode(seq.generated)
                 done = wire.ReplyEvent(kind="done", index=index + 1, text=text, finish=seq.finish)
-                self._reply(pipe, seq.request_id, done)
-                pipe.xack(self._requests_key, COORDINATOR_GROUP, seq.entry_id)
+                replies.append(self._reply(seq.request_id, done))
+                finished.append(seq.entry_id)
                 self.completed += 1
-        pipe.execute()
+        self.requests.answer(replies, finished, self.board.maxlen)
 
-    def _reply(self, pipe: redis.client.Pipeline, request_id: str, event: wire.ReplyEvent) -> None:
+    def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
         key = self.board.keys.request_reply(request_id)
-        xadd(pipe, key, wire.encode(event), self.board.maxlen)
-        pipe.expire(key, self.board.lifetimes.reply_s())
+        return key, wire.encode(event), self.board.lifetimes.reply_s()
 
     def snapshot(self) -> CoordStats:
         """The counters to publish (read on the slot-poll thread: plain values only)."""
         hot, cold = self.bank.hit_rates()
-        return msgspec.convert(
-            self.dispatch.stats.counters() | {
-                "hot_hit_rate": round(hot, 4), "cold_hit_rate": round(cold, 4),
-                "replans": self.routing.replans, "rescues": self.routing.rescues,
-                "completed": self.completed, "tokens": self.tokens, "claimed": self.claimed,
-            },
-            CoordStats,
+        counters = msgspec.convert(self.dispatch.stats.counters(), CoordStats)
+        return msgspec.structs.replace(
+            counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
+            replans=self.routing.replans, rescues=self.routing.rescues,
+            completed=self.completed, tokens=self.tokens, claimed=self.claimed,
         )  # fmt: skip
 
     def _publish_slots(self, busy: int, total: int) -> None:

@@ -13,6 +13,7 @@ from kvq.model import gguf_io as gio
 from kvq.model.arch import arch_spec
 from kvq.model.layout import slice_nbytes
 from kvq.model.meta import ModelMeta, read_meta
+from kvq.slices import slice_grid
 
 _LAYER = re.compile(r"^blk\.\d+\.")
 
@@ -44,10 +45,8 @@ def quant_types(path: str | Path) -> dict[str, dict[str, int]]:
 
 def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
     """Every (layer, expert range) slice at expert grain, with its download size in bytes."""
-    rows = []
-    for layer in range(meta.block_count):
-        for e0 in range(0, meta.expert_count, slice_experts):
-            e1 = min(e0 + slice_experts, meta.expert_count)
-            nbytes = slice_nbytes(meta, layer, e0, e1)
-            rows.append({"layer": layer, "expert_start": e0, "expert_end": e1, "bytes": nbytes})
-    return rows
+    return [
+        {"layer": b.layer_start, "expert_start": b.expert_start, "expert_end": b.expert_end,
+         "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
+        for b in slice_grid(meta.block_count, meta.expert_count, 1, slice_experts)
+    ]  # fmt: skip

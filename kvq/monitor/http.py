@@ -52,11 +52,7 @@ class Api:
         out = []
         for m in self.board.models():
             st = self.board.model_state(m) or ModelState()
-            out.append({
-                "model": m, "busy": st.busy, "total": st.total, "saturated": st.saturated,
-                "coordinators": st.coordinators, "base_target": st.base_target,
-                "effective_target": st.effective_target,
-            })  # fmt: skip
+            out.append({"model": m} | st.public())
         return {"models": out}
 
     def demand(self) -> dict[str, Any]:

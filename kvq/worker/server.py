@@ -3,8 +3,8 @@
 The worker's loop is read → `server.handle(job)` → write the result → ack. The coordinator
 computes its local slices through the same `compute`, so local and remote agree bit for bit
 when they compute in the same dtype. `handle` never raises: a job it cannot serve comes back as
-a result whose `error` says why (`BadJob` for the job itself, `DeadlineExpired`, or the
-exception of a failed compute).
+a result whose `error` says why (`BadJob` for the job itself, `DeadlineExpired`, `NonFinite`
+output, or the exception of a failed compute).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ log = logging.getLogger("kvq.worker")
 
 BAD_JOB = "BadJob"
 DEADLINE_EXPIRED = "DeadlineExpired"
+NON_FINITE = "NonFinite"
 _FLOATS = ("float32", "float16")
 
 
@@ -62,8 +63,14 @@ class ExpertServer:
                 error = wire.Failure(
                     type=DEADLINE_EXPIRED, message=f"job {job.job_id} past its deadline"
                 )
-                return wire.Result(job_id=job.job_id, worker=self.name, error=error)
-            y = wire.Tensor.of(self._run(job))
+                return self._failed(job, error, t0)
+            out = self._run(job)
+            if not np.isfinite(out).all():  # overflow: a wrong answer must not look right
+                error = wire.Failure(
+                    type=NON_FINITE, message=f"job {job.job_id}: output overflowed"
+                )
+                return self._failed(job, error, t0)
+            y = wire.Tensor.of(out)
             result = wire.Result(
                 job_id=job.job_id, worker=self.name, y=y,
                 compute_ms=(time.perf_counter() - t0) * 1000,

@@ -19,7 +19,7 @@ import redis
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
-from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error, xadd
+from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import compute_dtype, pick_device
@@ -174,11 +174,10 @@ class Worker:
         result = self.server.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
-        pipe = self.board.r.pipeline(transaction=False)
-        xadd(pipe, job.reply_to, wire.encode(result), self.board.maxlen)
-        pipe.xack(self.consumer.stream, self.consumer.group, eid)
         try:
-            pipe.execute()
+            self.consumer.answer(
+                [(job.reply_to, wire.encode(result), None)], [eid], self.board.maxlen
+            )
         except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
             self._dead_letter(eid, fields, f"cannot write the result to {job.reply_to!r}: {exc}")
 

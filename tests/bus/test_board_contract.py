@@ -1,0 +1,175 @@
+"""Both boards keep one contract: the same calls give the same answers.
+
+The market is checked operation by operation: random sequences of volunteer / release / rejoin
+/ retire / target changes run on a `MemoryBoard` and on a `RedisBoard` (the Lua scripts on a
+real server) side by side, and every answer and the final state must agree. The records'
+codecs, the TTL rules and the liveness rules are checked on their own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from boards import BoardCase
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvq.bus.memory_board import MemoryBoard
+from kvq.bus.records import (
+    CoordStats,
+    Lifetimes,
+    ModelState,
+    SlotState,
+    WorkerInfo,
+)
+from kvq.bus.redis_board import RedisBoard
+from kvq.keys import Keys
+from kvq.model import make_tiny
+from kvq.model.registry import plan_model
+from kvq.server import EmbeddedRedis
+from kvq.slices import slice_id
+
+SIDS = [slice_id(0, 1, 4 * i, 4 * i + 4) for i in range(4)]
+WORKERS = ["a", "b", "c", "d", "e"]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("volunteer"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("release"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("retire"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("rejoin"), st.sampled_from(WORKERS), st.sampled_from(SIDS)),
+        st.tuples(st.just("target"), st.sampled_from(SIDS), st.integers(0, 3)),
+    ),
+    max_size=40,
+)
+
+
+def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
+    kind, *args = op
+    if kind == "target":
+        sid, n = args
+        board.set_target("m", str(sid), int(str(n)))
+        return None
+    fn = getattr(board, str(kind))
+    return fn("m", *args)
+
+
+@settings(deadline=None, database=None, max_examples=80)
+@given(targets=st.lists(st.integers(0, 3), min_size=4, max_size=4), program=ops)
+# equal demand, unequal coverage: the less covered slice wins
+@example(targets=[3, 2, 0, 0], program=[("volunteer", "a"), ("volunteer", "b")])
+# equal demand and coverage: the lower slice id wins; retire only beyond the target
+@example(
+    targets=[1, 1, 0, 0],
+    program=[
+        ("volunteer", "b"),
+        ("rejoin", "a", SIDS[0]),
+        ("retire", "a"),
+        ("target", SIDS[0], 0),
+        ("retire", "a"),
+    ],
+)
+def test_market_answers_match_the_lua_scripts(
+    redis_server: EmbeddedRedis, targets: list[int], program: list[tuple[object, ...]]
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        real = RedisBoard(client, Keys(f"c{uuid.uuid4().hex[:10]}"), Lifetimes())
+        fake = MemoryBoard()
+        for board in (real, fake):
+            for sid, n in zip(SIDS, targets, strict=True):
+                board.set_target("m", sid, n)
+        for op in program:
+            assert _apply(real, op) == _apply(fake, op), op
+        assert real.assignments("m") == fake.assignments("m")
+        assert real.slice_demand("m") == fake.slice_demand("m")
+    finally:
+        client.close()
+
+
+# -- records --------------------------------------------------------------------------------
+def test_records_round_trip_through_their_hash_form() -> None:
+    state = ModelState(saturated=True, busy=3, total=4, coordinators=1, base_target=1,
+                       effective_target=2, ts_ms=123)  # fmt: skip
+    as_redis = {k.encode(): str(v).encode() for k, v in state.to_hash().items()}
+    assert ModelState.from_hash(as_redis) == state
+    info = WorkerInfo(model="m", slice=SIDS[0], device="cuda:0", served=7, last_serve_ms=9)
+    assert WorkerInfo.from_hash(info.to_hash()) == info
+
+
+def test_a_corrupt_or_missing_record_reads_as_absent() -> None:
+    assert SlotState.from_hash({}) is None
+    assert SlotState.from_hash({b"model": b"m", b"busy": b"lots", b"total": b"4"}) is None
+    assert ModelState.from_hash({b"saturated": b"1"}) == ModelState(saturated=True)
+
+
+def test_lifetimes_rules() -> None:
+    life = Lifetimes(heartbeat_ttl_s=6.0, slot_state_stale_s=10.0, request_ttl_s=600)
+    assert life.heartbeat_ms() == 6000 and life.beat_every_s() == 2.0
+    assert life.worker_info_s() > life.heartbeat_ttl_s
+    assert life.slots_s() > life.slot_state_stale_s
+    now = 1_000_000.0
+    fresh = SlotState(model="m", busy=1, total=4, ts_ms=int(now - 10_000))
+    stale = SlotState(model="m", busy=1, total=4, ts_ms=int(now - 10_001))
+    assert life.coordinator_alive(fresh, now) and not life.coordinator_alive(stale, now)
+    assert not life.coordinator_alive(None, now)
+
+
+# -- views on both boards -------------------------------------------------------------------
+def test_workers_view_applies_the_liveness_rule(board_case: BoardCase) -> None:
+    board = board_case.board
+    board.set_target("m", SIDS[0], 2)
+    assert board.volunteer("m", "a") == SIDS[0] and board.volunteer("m", "b") == SIDS[0]
+    board.beat("a", WorkerInfo(model="m", slice=SIDS[0], device="cpu", last_serve_ms=5))
+    board.beat("b", WorkerInfo(model="m", slice=SIDS[0], device="cpu"))
+    board_case.kill_worker("b")
+    views = {v.worker_id: v for v in board.workers("m")}
+    assert views["a"].alive and views["a"].last_serve_ms == 5
+    assert not views["b"].alive and views["b"].slice_id == SIDS[0]
+    board.forget_worker("a")
+    assert board.worker_info("a") is None and not board.workers("m")[0].alive
+
+
+def test_coordinators_view_and_stats(board_case: BoardCase) -> None:
+    board = board_case.board
+    now_ms = int(time.time() * 1000)
+    board.publish_slots("c1", SlotState(model="m", busy=2, total=4, ts_ms=now_ms),
+                        CoordStats(completed=3, hot_hit_rate=0.5))  # fmt: skip
+    (view,) = board.coordinators("m")
+    assert (view.coord, view.alive, view.state and view.state.busy) == ("c1", True, 2)
+    assert board.coordinator_alive("c1") and not board.coordinator_alive("c2")
+    assert board.coord_stats("c1") == CoordStats(completed=3, hot_hit_rate=0.5)
+    board.forget_coordinator("m", "c1")
+    assert board.coordinators("m") == []
+
+
+def test_register_and_read_back_a_model(board_case: BoardCase, tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    info = plan_model("m", path, 1, 4)
+    board_case.board.register_model(info, base_replicas=2)
+    assert board_case.board.model_info("m") == info
+    assert board_case.board.model_info("other") is None
+    assert {d.target for d in board_case.board.slice_demand("m").values()} == {2}
+    state = ModelState(effective_target=3, ts_ms=1)
+    board_case.board.publish_model_state("m", state)
+    assert board_case.board.model_state("m") == state
+    assert {d.target for d in board_case.board.slice_demand("m").values()} == {3}
+
+
+@pytest.mark.parametrize("kind", ["memory"])
+def test_memory_board_expires_heartbeats_on_its_clock(kind: str) -> None:
+    now = [1000.0]
+    board = MemoryBoard(Lifetimes(heartbeat_ttl_s=1.0), clock=lambda: now[0])
+    board.set_target("m", SIDS[0], 1)
+    board.volunteer("m", "a")
+    board.beat("a", WorkerInfo(model="m", slice=SIDS[0], device="cpu"))
+    now[0] += 0.9
+    assert board.workers("m")[0].alive
+    now[0] += 0.2
+    assert not board.workers("m")[0].alive
+    assert board.worker_info("a") is not None, "info outlives the heartbeat"
