@@ -60,10 +60,14 @@ def lifetimes_of(settings: Settings) -> Lifetimes:
     return settings.lifetimes
 
 
-def make_case(request: pytest.FixtureRequest, kind: str) -> BoardCase:
+def make_case(
+    request: pytest.FixtureRequest, kind: str, lifetimes: Lifetimes | None = None
+) -> BoardCase:
+    """A `kind` ("memory" or "redis") board; `lifetimes` replaces the test settings' TTL rules
+    (a short heartbeat for tests that watch one expire)."""
     if kind == "memory":
-        return BoardCase(MemoryBoard(Lifetimes(heartbeat_ttl_s=1.0)))
+        return BoardCase(MemoryBoard(lifetimes or Lifetimes(heartbeat_ttl_s=1.0)))
     settings: Settings = request.getfixturevalue("settings")
-    board = open_board(settings.bus, settings.lifetimes)
+    board = open_board(settings.bus, lifetimes or settings.lifetimes)
     request.addfinalizer(board.r.close)
     return BoardCase(board)

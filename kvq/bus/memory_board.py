@@ -32,7 +32,7 @@ class MemoryBoard:
     ) -> None:
         self.lifetimes = lifetimes or Lifetimes()
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._models: dict[str, ModelInfo] = {}
         self._state: dict[str, ModelState] = {}
         self._target: dict[str, dict[str, int]] = {}
@@ -48,14 +48,15 @@ class MemoryBoard:
         self._expiring[(kind, ident)] = (value, self.clock() + ttl_s)
 
     def _get(self, kind: str, ident: str) -> object | None:
-        got = self._expiring.get((kind, ident))
-        if got is None:
-            return None
-        value, until = got
-        if self.clock() >= until:
-            del self._expiring[(kind, ident)]
-            return None
-        return value
+        with self._lock:  # expiring is a write: never between another thread's check and put
+            got = self._expiring.get((kind, ident))
+            if got is None:
+                return None
+            value, until = got
+            if self.clock() >= until:
+                del self._expiring[(kind, ident)]
+                return None
+            return value
 
     # -- models ---------------------------------------------------------------------------
     def models(self) -> list[str]:

@@ -52,12 +52,14 @@ class SliceRouter:
             return
         self._at = now
         views = self.board.workers(self.model)
-        for v in views:
-            if not v.alive and v.worker_id in self._alive:
-                rescue = self.router.mark_down(v.worker_id)
-                if rescue is not None:
-                    self.rescues += 1
-                    log.info("worker %s is down; rescue: %s", v.worker_id, rescue)
+        listed = {v.worker_id for v in views}
+        # dead since the last read, or already reaped by the monitor (no longer listed)
+        down = {v.worker_id for v in views if not v.alive} | (self._alive - listed)
+        for worker in sorted(down & self._alive):
+            rescue = self.router.mark_down(worker)
+            if rescue is not None:
+                self.rescues += 1
+                log.info("worker %s is down; rescue: %s", worker, rescue)
         self.router.update_workers(views, time.time() * 1000)
         self._alive = {v.worker_id for v in views if v.alive}
 

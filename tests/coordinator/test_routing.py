@@ -1,0 +1,201 @@
+"""The coordinator's `SliceRouter` fed from both boards: local at rest (K1), proven workers under
+load (K3), unproven ones only inside their grace window (K4), rescues when a heartbeat dies (H8),
+and refusal while a workers-only coordinator has an uncovered slice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from boards import BoardCase
+
+from kvq.bus.board import Board
+from kvq.bus.records import WorkerInfo
+from kvq.config import RoutingSettings, load_settings
+from kvq.coordinator.routing import SliceRouter
+from kvq.errors import UncoveredSlice
+from kvq.model import make_tiny
+from kvq.model.registry import ModelInfo, plan_model
+
+TOTAL = 4
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("routing") / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    return path
+
+
+def _routing(**overrides: Any) -> RoutingSettings:
+    return load_settings(**{"dispatch_refresh_ms": 10, **overrides}).routing
+
+
+def _router(board: Board, gguf: Path, **overrides: Any) -> tuple[SliceRouter, list[str]]:
+    """A router for model "m" (2 layers x 2 slices of 4 experts); its slice ids, in order."""
+    info: ModelInfo = plan_model("m", gguf, 1, 4)
+    board.register_model(info, 0)
+    sids = sorted(
+        info.slices, key=lambda s: (info.slices[s].layer_start, info.slices[s].expert_start)
+    )
+    assert len(sids) == 4
+    return SliceRouter(board, _routing(**overrides), "coord", info), sids
+
+
+def _serve(board: Board, worker: str, sid: str, proven: bool = True) -> None:
+    """`worker` holds `sid` and beats; proven: it has computed experts (K3)."""
+    board.rejoin("m", worker, sid)
+    last = int(time.time() * 1000) if proven else 0
+    board.beat(worker, WorkerInfo(model="m", slice=sid, device="cpu", last_serve_ms=last))
+
+
+def _remote(router: SliceRouter, sids: list[str], busy: int) -> dict[str, str]:
+    route = router.route(sids, busy, TOTAL)
+    assert route.trial is None
+    return {s: w for s in sids if (w := route.worker(s)) is not None}
+
+
+def test_at_rest_every_slice_is_local(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    for i, sid in enumerate(sids):
+        _serve(board, f"w{i}", sid)
+    threshold = _routing().saturation_threshold
+    for busy in (0, threshold - 1):
+        route = router.route(sids, busy, TOTAL)
+        assert all(route.worker(s) is None for s in sids)
+        assert route.remote == {} and route.trial is None
+    router.check()
+
+
+def test_under_load_only_a_proven_worker_gets_its_slice(board_case: BoardCase, gguf: Path) -> None:
+    """worker_grace_ms=0: the unproven worker is outside its K4 window from the start."""
+    board = board_case.board
+    router, sids = _router(board, gguf, worker_grace_ms=0)
+    s0, s1 = sids[0], sids[1]
+    _serve(board, "proven", s0)
+    _serve(board, "new", s1, proven=False)
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {s0: "proven"}
+    assert _remote(router, sids, busy) == {s0: "proven"}, "and no trial later"
+    assert _remote(router, sids, 0) == {}, "load gone: local again"
+
+
+def test_under_load_an_unproven_worker_gets_one_trial_in_its_window(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, worker_grace_ms=60_000)
+    s1 = sids[1]
+    _serve(board, "new", s1, proven=False)
+    busy = _routing().saturation_threshold
+    assert router.route(sids, 0, TOTAL).remote == {}, "at rest: no trial"
+    trial = router.route(sids, busy, TOTAL)
+    assert (trial.trial, trial.worker(s1)) == ("new", "new")
+    again = router.route(sids, busy, TOTAL)
+    assert again.trial is None and again.worker(s1) is None, "one try only"
+    router.observe_result("new", 5.0)  # it answered: proven
+    assert router.route(sids, busy, TOTAL).worker(s1) == "new"
+
+
+def test_a_dead_proven_worker_is_rescued_and_routing_goes_local(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    s0, s1 = sids[0], sids[1]
+    _serve(board, "a", s0)
+    _serve(board, "b", s1)
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {s0: "a", s1: "b"}
+    replans = router.replans
+    board_case.kill_worker("a")
+    router.refresh(force=True)
+    assert router.rescues == 1
+    assert router.replans > replans
+    assert _remote(router, sids, busy) == {s1: "b"}
+    router.refresh(force=True)
+    assert router.rescues == 1, "one death, one rescue"
+    board_case.kill_worker("b")
+    router.refresh(force=True)
+    assert router.rescues == 2
+    assert _remote(router, sids, busy) == {}
+    router.check()  # the coordinator holds every slice
+
+
+def test_a_worker_reaped_before_the_refresh_is_rescued_too(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a"}
+    board_case.kill_worker("a")
+    board.release("m", "a")  # the monitor reaped it before this coordinator looked again
+    board.forget_worker("a")
+    router.refresh(force=True)
+    assert router.rescues == 1
+    assert _remote(router, sids, busy) == {}
+
+
+def test_a_death_off_the_current_route_is_no_rescue(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    assert _remote(router, sids, 0) == {}, "at rest the route is all local"
+    board_case.kill_worker("a")
+    router.refresh(force=True)
+    assert router.rescues == 0
+    assert _remote(router, sids, _routing().saturation_threshold) == {}
+
+
+def test_refresh_rereads_only_when_due_or_forced(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_refresh_ms=60_000)
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {}  # the first call reads the board
+    _serve(board, "a", sids[0])
+    assert _remote(router, sids, busy) == {}, "not due yet: the old view"
+    replans = router.replans
+    router.refresh()
+    assert router.replans == replans
+    router.refresh(force=True)
+    assert router.replans == replans + 1
+    assert _remote(router, sids, busy) == {sids[0]: "a"}
+    router.refresh(force=True)
+    assert router.replans == replans + 1, "same coverage: no re-plan"
+
+
+def test_workers_only_coordinator_refuses_until_a_worker_beats(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, coordinator_experts="none")
+    with pytest.raises(UncoveredSlice, match=sids[0]):
+        router.check()
+    with pytest.raises(UncoveredSlice):
+        router.route(sids, 0, TOTAL)
+    for i, sid in enumerate(sids[1:], start=1):
+        _serve(board, f"w{i}", sid, proven=False)
+    router.refresh(force=True)
+    with pytest.raises(UncoveredSlice, match=sids[0]) as exc:
+        router.check()
+    assert sids[1] not in str(exc.value)
+    board.rejoin("m", "w0", sids[0])  # holds it but has not beaten yet: not live
+    router.refresh(force=True)
+    with pytest.raises(UncoveredSlice, match=sids[0]):
+        router.check()
+    _serve(board, "w0", sids[0], proven=False)
+    time.sleep(0.03)  # past dispatch_refresh_ms: check() rereads by itself
+    router.check()
+    route = router.route(sids, 0, TOTAL)
+    assert {s: route.worker(s) for s in sids} == {s: f"w{i}" for i, s in enumerate(sids)}, (
+        "no local experts: the only holders serve even unproven and at rest"
+    )
+    board_case.kill_worker("w0")
+    router.refresh(force=True)
+    with pytest.raises(UncoveredSlice, match=sids[0]):
+        router.check()

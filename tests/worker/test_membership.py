@@ -1,0 +1,271 @@
+"""A worker's membership on both boards: volunteering, holding, heartbeats, giving back,
+retiring (K10) and leaving (K9)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from boards import BoardCase, make_case
+
+from kvq.bus.board import Board
+from kvq.bus.memory_board import MemoryBoard
+from kvq.bus.records import Lifetimes, WorkerInfo
+from kvq.model import make_tiny
+from kvq.model.registry import ModelInfo, plan_model
+from kvq.swarm import WorkerView
+from kvq.worker.membership import Held, Membership
+
+SHORT_TTL_S = 0.5  # beats every ~0.17 s
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("member") / "m.gguf"
+    make_tiny(path, layers=1, experts=8)
+    return path
+
+
+def _register(board: Board, gguf: Path, base_replicas: int = 0) -> list[str]:
+    """Model "m" with two slices (1 layer x 4 experts), sorted."""
+    info: ModelInfo = plan_model("m", gguf, 1, 4)
+    board.register_model(info, base_replicas)
+    assert len(info.slices) == 2
+    return sorted(info.slices)
+
+
+def _coverage(board: Board, sid: str) -> int:
+    return board.slice_demand("m")[sid].coverage
+
+
+def _holding(board: Board, worker: str, sid: str, served: int = 0, last: int = 0) -> Membership:
+    """A member that volunteered for `sid` (the only slice with demand) and loaded it."""
+    m = Membership(board, worker, "cpu", served=lambda: (served, last))
+    held = m.volunteer()
+    assert held == Held("m", sid)
+    m.hold(held)
+    return m
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_volunteer_takes_the_slice_with_most_demand(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    a, b = _register(board, gguf)
+    m = Membership(board, "w", "cpu")
+    assert m.volunteer() is None, "no target: nothing to take"
+    assert board.assignments("m") == {}
+    board.set_target("m", a, 1)
+    board.set_target("m", b, 2)
+    held = m.volunteer()
+    assert held == Held("m", b)
+    assert board.assignments("m") == {"w": b} and _coverage(board, b) == 1
+    assert m.volunteer() == held, "a worker that holds a slice gets it back"
+    assert _coverage(board, b) == 1
+    assert Membership(board, "x", "cpu").volunteer() == Held("m", a), "tie: least covered"
+    assert Membership(board, "y", "cpu").volunteer() == Held("m", b)
+    assert Membership(board, "z", "cpu").volunteer() is None, "all demand met"
+
+
+def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    _, b = _register(board, gguf)
+    board.set_target("m", b, 1)
+    m = Membership(board, "w", "gpu0", served=lambda: (3, 1234))
+    held = m.volunteer()
+    assert held is not None
+    assert board.workers("m") == [WorkerView("w", b, alive=False)], "offered, not yet loaded"
+    assert board.worker_info("w") is None
+    m.hold(held)
+    assert m.held == held
+    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234)]
+    assert board.worker_info("w") == WorkerInfo(
+        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234
+    )
+
+
+def test_beat_reports_fresh_counters_and_rejoins_after_release(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    counters = [(0, 0)]
+    m = Membership(board, "w", "cpu", served=lambda: counters[0])
+    held = m.volunteer()
+    assert held is not None
+    m.hold(held)
+    board.release("m", "w")  # the monitor reaped it, but it is still serving
+    assert board.assignments("m") == {} and _coverage(board, a) == 0
+    counters[0] = (7, 99)
+    m.beat()
+    assert board.assignments("m") == {"w": a} and _coverage(board, a) == 1
+    assert board.workers("m") == [WorkerView("w", a, alive=True, last_serve_ms=99)]
+    info = board.worker_info("w")
+    assert info is not None and info.served == 7
+    m.beat()
+    assert _coverage(board, a) == 1, "a beat while held counts it once"
+
+
+def test_beat_without_a_slice_writes_nothing(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    _register(board, gguf, base_replicas=1)
+    Membership(board, "w", "cpu").beat()
+    assert board.worker_info("w") is None and board.assignments("m") == {}
+
+
+def test_retire_gives_back_only_a_surplus_replica(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    a, b = _register(board, gguf)
+    board.set_target("m", a, 2)
+    first, second = _holding(board, "p", a), _holding(board, "q", a)
+    assert first.retire() is None, "both replicas are wanted"
+    assert _coverage(board, a) == 2
+    board.set_target("m", a, 1)  # load drained
+    assert first.retire() == Held("m", a)
+    assert second.retire() is None, "the last replica stays"
+    assert first.held is None and second.held == Held("m", a)
+    assert board.assignments("m") == {"q": a} and _coverage(board, a) == 1
+    assert board.worker_info("p") is None
+    assert [v.worker_id for v in board.workers("m") if v.alive] == ["q"]
+    first.beat()
+    assert board.assignments("m") == {"q": a}, "a retired worker's beat does not rejoin"
+    assert board.worker_info("p") is None
+    assert b not in board.assignments("m").values()
+
+
+def test_leave_releases_and_forgets_and_is_idempotent(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    m = _holding(board, "w", a, served=2, last=50)
+    board.send_jobs([("w", {"m": "job0"})])
+    assert len(board_case.inbox("w")) == 1
+    m.leave()
+    assert m.held is None
+    assert board.workers("m") == [] and board.assignments("m") == {}
+    assert board.worker_info("w") is None
+    assert _coverage(board, a) == 0 and board.slice_demand("m")[a].demand == 1
+    assert board_case.inbox("w") == []
+    m.leave()
+    m.beat()
+    assert board.assignments("m") == {} and board.worker_info("w") is None
+    assert _coverage(board, a) == 0
+
+
+def test_give_back_returns_an_offered_slice(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    m = Membership(board, "w", "cpu")
+    held = m.volunteer()
+    assert held == Held("m", a) and _coverage(board, a) == 1
+    m.give_back(held)  # could not load it
+    assert board.assignments("m") == {} and _coverage(board, a) == 0
+    assert m.held is None
+    assert Membership(board, "other", "cpu").volunteer() == held, "the demand is back"
+
+
+# -- the heartbeat thread ---------------------------------------------------------------------
+@pytest.fixture(params=["memory", "redis"])
+def short_case(request: pytest.FixtureRequest) -> BoardCase:
+    """Both boards with a heartbeat that expires in `SHORT_TTL_S`."""
+    return make_case(request, request.param, Lifetimes(heartbeat_ttl_s=SHORT_TTL_S))
+
+
+def _alive(board: Board, worker: str) -> bool:
+    return any(v.worker_id == worker and v.alive for v in board.workers("m"))
+
+
+def test_heartbeat_thread_keeps_it_alive_then_stops_on_close(
+    short_case: BoardCase, gguf: Path
+) -> None:
+    board = short_case.board
+    assert board.lifetimes.heartbeat_ttl_s == SHORT_TTL_S
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    calls = [0]
+
+    def served() -> tuple[int, int]:
+        calls[0] += 1
+        return calls[0], 1
+
+    m = Membership(board, "w", "cpu", served=served)
+    held = m.volunteer()
+    assert held is not None
+    m.hold(held)
+    m.start()
+    try:
+        until = time.monotonic() + 2.5 * SHORT_TTL_S
+        while time.monotonic() < until:
+            assert _alive(board, "w"), "beats keep the heartbeat up"
+            time.sleep(0.05)
+        info = board.worker_info("w")
+        assert info is not None and info.served >= 4, "each beat reports fresh counters"
+    finally:
+        m.close()
+    assert m._thread is not None and not m._thread.is_alive()
+    beats = calls[0]
+    _wait_for(lambda: not _alive(board, "w"), timeout_s=3 * SHORT_TTL_S)
+    assert calls[0] == beats, "no beat after close"
+    assert board.assignments("m") == {"w": a}, "close is not leave: the monitor reaps it"
+
+
+def test_heartbeat_thread_rejoins_after_a_release(short_case: BoardCase, gguf: Path) -> None:
+    board = short_case.board
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    m = _holding(board, "w", a)
+    m.start()
+    try:
+        board.release("m", "w")
+        _wait_for(lambda: board.assignments("m") == {"w": a}, timeout_s=3 * SHORT_TTL_S)
+        assert _coverage(board, a) == 1
+    finally:
+        m.close()
+
+
+def test_close_without_start_is_harmless(board_case: BoardCase, gguf: Path) -> None:
+    _register(board_case.board, gguf)
+    Membership(board_case.board, "w", "cpu").close()
+
+
+# -- MemoryBoard only -------------------------------------------------------------------------
+def test_a_beat_racing_a_reader_that_expires_the_old_one_is_kept(gguf: Path) -> None:
+    """The heartbeat thread's `beat` lands while a reader (`workers`) is expiring the previous
+    beat. The interleaving is forced through the injectable clock: the reader's first clock
+    read lets a beat run on another thread, as a thread switch at that point would."""
+    now = [100.0]
+    racing = [False]
+    threads: list[threading.Thread] = []
+
+    def clock() -> float:
+        if racing[0]:
+            racing[0] = False
+            info = WorkerInfo(model="m", slice=sid, device="cpu")
+            t = threading.Thread(target=board.beat, args=("w", info), daemon=True)
+            t.start()
+            threads.append(t)
+            t.join(timeout=0.5)  # a board that serialises the two lets the beat wait instead
+        return now[0]
+
+    board = MemoryBoard(Lifetimes(heartbeat_ttl_s=1.0), clock=clock)
+    sid = _register(board, gguf)[0]
+    board.set_target("m", sid, 1)
+    _holding(board, "w", sid)
+    assert _alive(board, "w")
+    now[0] += 20.0  # the old beat and info are long expired ...
+    racing[0] = True  # ... and a fresh beat lands while `workers` expires them
+    board.workers("m")
+    for t in threads:
+        t.join(timeout=2)
+    assert threads and not threads[0].is_alive()
+    assert _alive(board, "w") and board.worker_info("w") is not None, "the fresh beat counts"
