@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 from urllib.parse import urlparse
 
@@ -17,10 +16,23 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvq.errors import ConfigError
+from kvq.settings_parts import (
+    BusSettings,
+    CoordinatorSettings,
+    DispatchSettings,
+    MonitorSettings,
+    RoutingSettings,
+    WorkerSettings,
+)
 
 if TYPE_CHECKING:
     from kvq.bus.records import Lifetimes
 
+__all__ = [
+    "NUMA_POLICIES", "BusSettings", "CoordinatorSettings", "DispatchSettings", "MonitorSettings",
+    "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
+    "env_name", "load_settings",
+]  # fmt: skip
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 NumaPolicy = Literal["preferred", "bind", "off"]
 NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
@@ -209,83 +221,6 @@ class Settings(BaseSettings):
             self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
             self.http_host, self.http_port,
         )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class BusSettings:
-    """How to reach Redis and shape its streams."""
-
-    redis_url: str
-    prefix: str
-    stream_maxlen: int
-    block_ms: int
-    reconnect_max_s: float
-    socket_timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingSettings:
-    """The coordinator's swarm policy (K1-K4, H3)."""
-
-    saturation_threshold: int
-    worker_grace_ms: float
-    ewma_alpha: float
-    w_latency: float
-    w_load: float
-    w_score: float
-    w_hops: float
-    w_tokens: float
-    refresh_ms: int
-    local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchSettings:
-    """Remote expert jobs: deadline before the local fallback, and verification."""
-
-    job_deadline_ms: int
-    verify_remote: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorSettings:
-    """The coordinator's serving loop."""
-
-    n_slots: int
-    saturation_threshold: int
-    slot_poll_s: float
-    claim_idle_ms: int
-    model_wait_s: float
-    max_tokens_limit: int
-    block_ms: int
-    reconnect_max_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    """A worker's loop: demand polling, wind-down, device, downloads."""
-
-    volunteer_poll_s: float
-    idle_shutdown_s: float
-    device: str
-    download_timeout_s: float
-    block_ms: int
-    reconnect_max_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class MonitorSettings:
-    """The control plane: slicing, replica targets, polling, HTTP."""
-
-    slice_layers: int
-    slice_experts: int
-    base_replicas: int
-    boost_replicas: int
-    saturation_threshold: int
-    poll_s: float
-    reconnect_max_s: float
-    http_host: str
-    http_port: int
 
 
 def env_name(field: str) -> str:

@@ -28,8 +28,11 @@ log = logging.getLogger("kvq.bus")
 HashValue = str | int | float
 
 
-class Record(msgspec.Struct, frozen=True, kw_only=True):
-    """A hash record: one field per struct field; numbers are stored as their decimal text."""
+class HashCodec:
+    """One hash per struct: one field per struct field; numbers are stored as their text."""
+
+    __slots__ = ()
+    __struct_fields__: tuple[str, ...]
 
     def to_hash(self) -> dict[str, HashValue]:
         out: dict[str, HashValue] = {}
@@ -56,6 +59,14 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         return cls.__struct_fields__
+
+
+class Record(msgspec.Struct, HashCodec, frozen=True, kw_only=True):
+    """A hash record as a frozen value."""
+
+
+class Counters(msgspec.Struct, HashCodec, kw_only=True):
+    """A hash record its writer counts in, in place."""
 
 
 def _text(v: bytes | HashValue) -> str:
@@ -99,8 +110,8 @@ class SlotState(Record, frozen=True, kw_only=True):
     ts_ms: int
 
 
-class CoordStats(Record, frozen=True, kw_only=True):
-    """A coordinator's counters (dispatch, bank hit rates, requests)."""
+class DispatchCounters(Counters, kw_only=True):
+    """The dispatcher's counters since the coordinator started (counted in place)."""
 
     local_jobs: int = 0
     remote_sent: int = 0
@@ -112,6 +123,11 @@ class CoordStats(Record, frozen=True, kw_only=True):
     verified: int = 0
     mismatches: int = 0
     max_abs_err: float = 0.0
+
+
+class CoordStats(DispatchCounters, kw_only=True):
+    """A coordinator's counters as published: dispatch, bank hit rates, requests."""
+
     hot_hit_rate: float = 0.0
     cold_hit_rate: float = 0.0
     replans: int = 0

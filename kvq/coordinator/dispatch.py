@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -22,6 +22,7 @@ import torch
 from kvq import wire
 from kvq.bus import Tail, dead_letter
 from kvq.bus.board import Board, Fields
+from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
@@ -32,26 +33,6 @@ from kvq.swarm import LiveRoute
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
-
-
-@dataclass
-class DispatchStats:
-    """Counters of the dispatcher (published as part of `CoordStats`)."""
-
-    local_jobs: int = 0
-    remote_sent: int = 0
-    remote_jobs: int = 0
-    fallback_jobs: int = 0
-    remote_errors: int = 0
-    late_results: int = 0
-    uncovered_local: int = 0
-    verified: int = 0
-    mismatches: int = 0
-    max_abs_err: float = 0.0
-    per_worker: dict[str, int] = field(default_factory=dict)
-
-    def counters(self) -> dict[str, float | int]:
-        return {k: v for k, v in asdict(self).items() if k != "per_worker"}
 
 
 @dataclass
@@ -72,7 +53,8 @@ class Dispatcher:
     ) -> None:  # fmt: skip
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
-        self.stats = DispatchStats()
+        self.stats = DispatchCounters()
+        self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.results_key = keys.coord_results(coord_id)
         self.results = Tail(r, self.results_key)
         self._seq = itertools.count()
@@ -217,7 +199,7 @@ class _LayerCall:
             return
         stats.remote_jobs += 1
         d.routing.observe_result(p.worker, latency_ms)
-        stats.per_worker[res.worker] = stats.per_worker.get(res.worker, 0) + 1
+        d.per_worker[res.worker] = d.per_worker.get(res.worker, 0) + 1
         if d.s.verify_remote:
             self._verify(p, y)
         self.partials[p.spec.sid] = y

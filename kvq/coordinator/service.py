@@ -203,9 +203,9 @@ class Coordinator:
     def snapshot(self) -> CoordStats:
         """The counters to publish (read on the slot-poll thread: plain values only)."""
         hot, cold = self.bank.hit_rates()
-        counters = msgspec.convert(self.dispatch.stats.counters(), CoordStats)
-        return msgspec.structs.replace(
-            counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
+        counters = msgspec.structs.asdict(self.dispatch.stats)
+        return CoordStats(
+            **counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
             replans=self.routing.replans, rescues=self.routing.rescues,
             completed=self.completed, tokens=self.tokens, claimed=self.claimed,
         )  # fmt: skip

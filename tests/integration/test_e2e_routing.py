@@ -118,13 +118,13 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
             20,
             "w0's heartbeat to expire",
         )
-        served_by_w1 = coord.dispatch.stats.per_worker.get("w1", 0)
+        served_by_w1 = coord.dispatch.per_worker.get("w1", 0)
         prompts = ["after the fall", "still correct"]
         assert _generate(mon.board.r, keys, prompts, 8) == [
             local_tokens(one_slice_model, p, 8) for p in prompts
         ]
         assert "w0" not in routing.router.describe()["proven"]  # type: ignore[operator]
-        assert coord.dispatch.stats.per_worker.get("w1", 0) > served_by_w1, "the live copy serves"
+        assert coord.dispatch.per_worker.get("w1", 0) > served_by_w1, "the live copy serves"
         st = coord.dispatch.stats
         assert st.remote_sent == st.remote_jobs + st.fallback_jobs
     finally:

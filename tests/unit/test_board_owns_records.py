@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import msgspec
 import pytest
 
 import kvq
@@ -46,7 +47,11 @@ REDIS_ONLY_FIELDS = {"ts_ms", "last_serve_ms"}
 def record_fields() -> set[str]:
     out: set[str] = set()
     for obj in vars(records).values():
-        if isinstance(obj, type) and issubclass(obj, records.Record) and obj is not records.Record:
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, records.HashCodec)
+            and issubclass(obj, msgspec.Struct)
+        ):
             out |= set(obj.fields())
     return out
 

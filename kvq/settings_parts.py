@@ -1,0 +1,86 @@
+"""The typed parts of `kvq.config.Settings` that each component takes (STYLE habit 4).
+
+The entry point builds one `Settings` from `KVQ_*` and carves it (`settings.bus`,
+`settings.routing`, ...); a component's constructor names the one part it depends on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BusSettings:
+    """How to reach Redis and shape its streams."""
+
+    redis_url: str
+    prefix: str
+    stream_maxlen: int
+    block_ms: int
+    reconnect_max_s: float
+    socket_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """The coordinator's swarm policy (K1-K4, H3)."""
+
+    saturation_threshold: int
+    worker_grace_ms: float
+    ewma_alpha: float
+    w_latency: float
+    w_load: float
+    w_score: float
+    w_hops: float
+    w_tokens: float
+    refresh_ms: int
+    local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSettings:
+    """Remote expert jobs: deadline before the local fallback, and verification."""
+
+    job_deadline_ms: int
+    verify_remote: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    """The coordinator's serving loop."""
+
+    n_slots: int
+    saturation_threshold: int
+    slot_poll_s: float
+    claim_idle_ms: int
+    model_wait_s: float
+    max_tokens_limit: int
+    block_ms: int
+    reconnect_max_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """A worker's loop: demand polling, wind-down, device, downloads."""
+
+    volunteer_poll_s: float
+    idle_shutdown_s: float
+    device: str
+    download_timeout_s: float
+    block_ms: int
+    reconnect_max_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSettings:
+    """The control plane: slicing, replica targets, polling, HTTP."""
+
+    slice_layers: int
+    slice_experts: int
+    base_replicas: int
+    boost_replicas: int
+    saturation_threshold: int
+    poll_s: float
+    reconnect_max_s: float
+    http_host: str
+    http_port: int
