@@ -94,6 +94,11 @@ class Settings(BaseSettings):
         0.0, ge=0, description="idle worker exits after this long (0 = never)"
     )
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="expert compute dtype; auto = never below the stored precision (float32 "
+        "for quantized experts)",
+    )
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
 
     # -- monitor ------------------------------------------------------------------------
@@ -203,15 +208,16 @@ class Settings(BaseSettings):
     @property
     def coordinator(self) -> CoordinatorSettings:
         return CoordinatorSettings(
-            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms, self.model_wait_s, self.max_tokens_limit, self.block_ms,
-            self.reconnect_max_s,
+            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms,
+            self.model_wait_s, self.max_tokens_limit, self.block_ms, self.reconnect_max_s,
+            self.compute_dtype,
         )  # fmt: skip
 
     @property
     def worker(self) -> WorkerSettings:
         return WorkerSettings(
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
-            self.block_ms, self.reconnect_max_s,
+            self.block_ms, self.reconnect_max_s, self.compute_dtype,
         )  # fmt: skip
 
     @property

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from gguf import GGMLQuantizationType
 
 
 def pick_device(setting: str) -> torch.device:
@@ -14,9 +15,24 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (faster than bf16 there, and exact vs the reference); bf16 on CUDA."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def compute_dtype(
+    device: torch.device, setting: str = "auto", stored: Iterable[int] = ()
+) -> torch.dtype:
+    """The dtype experts compute in, by the precision rule: never below what they are stored
+    in unless `setting` (`KVQ_COMPUTE_DTYPE`) asks for it. `auto`: float32, except on CUDA for
+    weights stored all in F16 (float16) or all in BF16 (bfloat16). A quantized value
+    (d * scale * q) needs float32 to be exact; a CPU computes float32 fastest anyway."""
+    if setting != "auto":
+        return _DTYPES[setting]
+    types = {GGMLQuantizationType(t) for t in stored}
+    if device.type == "cuda" and types == {GGMLQuantizationType.F16}:
+        return torch.float16
+    if device.type == "cuda" and types == {GGMLQuantizationType.BF16}:
+        return torch.bfloat16
+    return torch.float32
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def timed_call(fn: Callable[[], object], device: torch.device) -> float:

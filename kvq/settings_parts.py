@@ -57,6 +57,7 @@ class CoordinatorSettings:
     max_tokens_limit: int
     block_ms: int
     reconnect_max_s: float
+    compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class WorkerSettings:
     download_timeout_s: float
     block_ms: int
     reconnect_max_s: float
+    compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,10 +86,64 @@ def expert_throughput(
     return out
 
 
+def quantized_experts(
+    device: torch.device, hidden: int = 2048, ffn: int = 768, experts: int = 16, tokens: int = 8,
+    quants: tuple[str, ...] = ("q4_k", "q6_k", "q8_0"),
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Per quant type and mode (hot, mapped, staged): expert calls/s, quantized GB/s crossing
+    PCIe, and the max error against the CPU computing the same experts (float32 on both)."""
+    import numpy as np
+
+    from kvq.bank import Bank, BankOptions
+    from kvq.model.qstack import QStack
+    from kvq.model.quants import encode, quant_type_named
+    from kvq.model.slices import ExpertSlice
+
+    rng = np.random.default_rng(0)
+    x = torch.randn(tokens, hidden)  # [T, H]
+    w = torch.ones(tokens, 1)  # [T, 1]
+    ids = [torch.full((tokens, 1), e, dtype=torch.int64) for e in range(experts)]
+    out: dict[str, dict[str, float]] = {}
+    for quant in quants:
+        qtype = int(quant_type_named(quant))
+        stacks = []
+        for rows, cols in ((ffn, hidden), (ffn, hidden), (hidden, ffn)):
+            data = rng.standard_normal((experts, rows, cols), dtype=np.float32) * 0.02
+            raw = torch.from_numpy(encode(data, qtype).reshape(experts, -1).copy())
+            stacks.append(QStack(raw, qtype, (experts, rows, cols)))
+        sl = ExpertSlice(0, 0, experts, *stacks, torch.float32)
+        cpu = Bank([sl], BankOptions(hot_bytes=0, numa_policy="off", dynamic=False), "cpu")
+        want = [cpu.forward(0, x, i, w) for i in ids]
+        for mode, hot, path in (("hot", None, "mapped"), ("mapped", 0, "mapped"),
+                                ("staged", 0, "staged")):  # fmt: skip
+            opts = BankOptions(hot_bytes=hot, vram_reserve_bytes=0, numa_policy="off",
+                               cold_path=path, dynamic=False)  # fmt: skip
+            bank = Bank([sl], opts, device)
+            xd, wd, idd = x.to(device), w.to(device), [i.to(device) for i in ids]
+            got = [bank.forward(0, xd, i, wd).cpu() for i in idd]
+            err = max(float((g - r).abs().max()) for g, r in zip(got, want, strict=True))
+
+            def sweep(
+                bank: Bank = bank, xd: torch.Tensor = xd, wd: torch.Tensor = wd,
+                idd: list[torch.Tensor] = idd,
+            ) -> None:  # fmt: skip
+                for i in idd:
+                    bank.forward(0, xd, i, wd)
+
+            secs = _cuda_seconds(sweep, 3)
+            qbytes = sum(t.expert_nbytes for t in stacks)
+            out[f"{quant}/{mode}"] = {"expert_calls_per_s": experts / secs,
+                                      "quantized_gbps": experts * qbytes / secs / GB,
+                                      "max_abs_err_vs_cpu": err}  # fmt: skip
+            del bank
+    return out
+
+
 def run_tests(root: Path, timeout_s: float) -> int:
     """The bank tests on CUDA; their exit code (124 on timeout)."""
     env = os.environ | {"BANK_TEST_DEVICE": "cuda"}
-    cmd = [sys.executable, "-m", "pytest", "tests/bank", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "tests/bank", "tests/quant", "-q", "-p",
+           "no:cacheprovider"]  # fmt: skip
     try:
         return subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, check=False).returncode
     except subprocess.TimeoutExpired:
@@ -114,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parents[1]
     rc = 0 if args.skip_tests else run_tests(root, args.tests_timeout)
     result = {"device": torch.cuda.get_device_name(device), "tests_rc": rc,
-              **copy_bandwidth(device), "experts": expert_throughput(device)}  # fmt: skip
+              **copy_bandwidth(device), "experts": expert_throughput(device),
+              "quantized": quantized_experts(device)}  # fmt: skip
     result["seconds"] = time.monotonic() - t0
     if args.json:
         print(json.dumps(result))
@@ -130,6 +185,10 @@ def _print(r: dict[str, Any]) -> None:
     for mode, m in r["experts"].items():
         print(f"experts {mode:<7} {m['expert_calls_per_s']:>10.0f} calls/s "
               f"{m['weight_gbps']:>8.1f} GB/s of weights")  # fmt: skip
+    for key, m in r["quantized"].items():
+        print(f"quantized {key:<14} {m['expert_calls_per_s']:>10.0f} calls/s "
+              f"{m['quantized_gbps']:>8.2f} GB/s of quantized bytes, "
+              f"max |err| vs CPU {m['max_abs_err_vs_cpu']:.2e}")  # fmt: skip
     print(f"done in {r['seconds']:.0f}s")
 
 

@@ -99,7 +99,7 @@ class Bank:
 
     @property
     def cold_bytes(self) -> int:
-        return sum(st.n * st.expert_bytes for st in self._stores.values())
+        return sum(st.n * st.cold_expert_bytes for st in self._stores.values())
 
     def describe(self) -> str:
         mode = "dynamic" if self.opts.dynamic else "static"

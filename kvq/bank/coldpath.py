@@ -53,17 +53,13 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def measure(
-    cold: tuple[torch.Tensor, ...], mapped: tuple[torch.Tensor, ...], device: torch.device
-) -> dict[str, float]:
-    """Seconds per expert call (MEASURE_ROWS tokens, expert 0) for each cold path."""
-    g, u, d = cold
-    x = torch.randn(MEASURE_ROWS, g.shape[2], dtype=g.dtype, device=device)  # [m, H]
-    mg, mu, md = mapped
-
-    def read_in_place() -> object:
-        return swiglu(x, mg[0], mu[0], md[0])
-
-    def staged() -> object:
-        return swiglu(x, *(t[0].to(device, non_blocking=True) for t in (g, u, d)))
-
-    return {"mapped": _timed(read_in_place, device), "staged": _timed(staged, device)}
+    mapped: Callable[[], tuple[torch.Tensor, ...]], staged: Callable[[], tuple[torch.Tensor, ...]],
+    hidden: int, dtype: torch.dtype, device: torch.device,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds per expert call (MEASURE_ROWS tokens) with a cold expert's weights read by each
+    path (`mapped()` / `staged()` give gate, up, down on the device)."""
+    x = torch.randn(MEASURE_ROWS, hidden, dtype=dtype, device=device)  # [m, H]
+    return {
+        "mapped": _timed(lambda: swiglu(x, *mapped()), device),
+        "staged": _timed(lambda: swiglu(x, *staged()), device),
+    }

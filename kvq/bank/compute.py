@@ -12,7 +12,7 @@ from kvq.model.experts import grouped_expert_ffn
 
 def check_inputs(st: LayerStore, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
     """BankError on shape, dtype or device mismatches (cheap checks, no host sync)."""
-    check_expert_inputs(st.cold[0].shape[2], x, ids, w, BankError)
+    check_expert_inputs(st.hidden, x, ids, w, BankError)
     if x.device.type != st.device.type or ids.device.type != st.device.type:
         raise BankError(
             f"x is on {x.device} and ids on {ids.device}; this bank computes on {st.device}"

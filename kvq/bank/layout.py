@@ -1,6 +1,7 @@
 """The hot set a bank starts with (B4): histogram counts, or a uniform prior, planned under the
-resolved budget with the shared planner. Sizes are the bank's resident bytes (dequantized
-weights in the compute dtype), not the model file's, since that is what occupies the device."""
+resolved budget with the shared planner. Sizes are the hot bank's resident bytes (dequantized
+weights in the compute dtype), not the model file's, since that is what occupies the device;
+the cold bank keeps the file's encoding."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def resident_bytes(sl: ExpertSlice) -> int:
-    """Bytes of one expert's gate + up + down as held in memory."""
-    return sum(t[0].numel() * t.element_size() for t in (sl.gate, sl.up, sl.down))
+    """Bytes one expert's gate + up + down take in the hot bank: dense in the compute dtype."""
+    per = torch.empty((), dtype=sl.compute_dtype).element_size()
+    return sum(int(t.shape[1] * t.shape[2]) * per for t in sl.stacks)
 
 
 def initial_plan(

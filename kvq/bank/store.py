@@ -2,13 +2,17 @@
 hot bank (device), and the slot map saying which is where.
 
 The cold bank is the backing store: it holds all of the node's experts of the layer, so a swap
-is one host-to-device copy into a hot slot and never a copy back. On CUDA it is pinned, so the
-device can read it in place (mapped) or copy from it asynchronously (staged). On a CPU-only
-machine both banks are plain RAM; the hot bank is then an extra copy of the hot experts.
+is one host-to-device copy into a hot slot and never a copy back. A quantized slice's cold
+bank is its GGUF bytes as they are: on CPU the memory-mapped file itself (page cache, read
+on use), on CUDA pinned host memory, which crosses PCIe as quantized bytes. The hot bank holds
+the hot experts dequantized into the compute dtype: a plain matmul, the fastest kernel. A cold
+expert is dequantized per call into a reused per-thread buffer (`Scratch`). Dense slices
+(tests) keep dense cold banks, as before.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +24,8 @@ from kvq.bank import coldpath
 from kvq.bank.coldpath import uva_view
 from kvq.errors import BankError
 from kvq.model.experts import ExpertWeights
-from kvq.model.slices import ExpertSlice
+from kvq.model.qstack import QStack
+from kvq.model.slices import ExpertSlice, Stack
 
 Weights = ExpertWeights
 
@@ -45,17 +50,24 @@ class LayerStore:
         self.layer, self.start, self.end = sl.layer, sl.expert_start, sl.expert_end
         self.n = sl.n_experts
         self.device = device
-        self.dtype = sl.gate.dtype
-        self.cold = tuple(_host(t, device) for t in (sl.gate, sl.up, sl.down))  # [n, ...] each
-        self.cold_in_place: tuple[torch.Tensor, ...] | None = None  # device-readable cold views
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.cold)
+        self.dtype = sl.compute_dtype
+        self.hidden = sl.hidden
+        self.cold = tuple(_host(t, device) for t in sl.stacks)  # [n, ...] each
+        self.quantized = sl.quantized
+        self.cold_in_place: tuple[Stack, ...] | None = None  # device-readable cold views
+        # what a hot slot holds: the expert dense in the compute dtype
+        self.expert_bytes = sum(_dense_nbytes(t, self.dtype) for t in self.cold)
+        self.cold_expert_bytes = sum(_stored_nbytes(t) for t in self.cold)
         locals_ = [e - self.start for e in hot]
         if any(not 0 <= e < self.n for e in locals_) or len(set(locals_)) != len(locals_):
             raise BankError(f"layer {self.layer}: hot set {hot} is not inside [{self.start}, "
                             f"{self.end}) without repeats")  # fmt: skip
-        idx = torch.tensor(locals_, dtype=torch.int64)  # [S]
         # [S, F, H], [S, F, H], [S, H, F]: hot slot s holds expert locals_[s]
-        self.hot = tuple(c.index_select(0, idx).to(device).contiguous() for c in self.cold)
+        self.hot = tuple(
+            torch.empty((len(locals_), *_matrix_shape(c)), dtype=self.dtype, device=device)
+            for c in self.cold
+        )
+        self.copy_in([(s, e) for s, e in enumerate(locals_)], [], None)
         slot_of = [-1] * self.n
         for s, e in enumerate(locals_):
             slot_of[e] = s
@@ -64,29 +76,46 @@ class LayerStore:
         self.done: dict[int, Any] = {}  # CUDA stream id -> event after its last forward
         # [n + 1] routed pairs per local expert since the last update; slot n takes outsiders
         self.counter = torch.zeros(self.n + 1, dtype=torch.int64, device=device)
+        self._scratch = threading.local()  # per thread: cold experts dequantized per call
 
     @property
     def slots(self) -> int:
         return int(self.hot[0].shape[0])
 
     def use_mapped(self) -> None:
-        """Read cold experts in place: the host tensors on CPU, UVA views of them on CUDA."""
+        """Read cold experts in place: the host stacks on CPU, UVA views of them on CUDA."""
         if self.device.type == "cuda":
-            self.cold_in_place = tuple(uva_view(t, self.device) for t in self.cold)
+            self.cold_in_place = tuple(_uva(t, self.device) for t in self.cold)
         else:
             self.cold_in_place = self.cold
 
     def weights(self, m: SlotMap, e: int) -> Weights:
         """Expert `e` (local id) as seen through map `m`: its hot slot, or the cold bank read
-        in place (mapped) or copied to the device now (staged)."""
+        in place (mapped) or copied to the device now (staged); a quantized cold expert is
+        dequantized into this thread's scratch buffers, valid until its next cold call."""
         s = m.slot_of[e]
         if s >= 0:
             return self.hot[0][s], self.hot[1][s], self.hot[2][s]
-        if self.cold_in_place is not None:
-            g, u, d = self.cold_in_place
-            return g[e], u[e], d[e]
-        g, u, d = (t[e].to(self.device, non_blocking=True) for t in self.cold)
-        return g, u, d
+        src = self.cold_in_place
+        out: list[torch.Tensor] = []
+        for k, t in enumerate(src if src is not None else self.cold):
+            if isinstance(t, QStack):
+                raw = t.raw[e : e + 1]  # [1, bytes]
+                if src is None:
+                    raw = raw.to(self.device, non_blocking=True)
+                one = QStack(raw, t.qtype, (1, *t.shape[1:]))
+                out.append(one.matrix(0, self.dtype, self._buffers()[k]))
+            else:
+                out.append(t[e] if src is not None else t[e].to(self.device, non_blocking=True))
+        return out[0], out[1], out[2]
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        bufs: tuple[torch.Tensor, ...] | None = getattr(self._scratch, "bufs", None)
+        if bufs is None:
+            bufs = tuple(torch.empty(h.shape[1:], dtype=self.dtype, device=self.device)
+                         for h in self.hot)  # fmt: skip
+            self._scratch.bufs = bufs
+        return bufs
 
     def unmap_outgoing(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Publish a map without the outgoing experts of (out, in) global id pairs; return the
@@ -120,31 +149,63 @@ class LayerStore:
         return all(v >= self.map.version for v, n in self.readers.items() if n > 0)
 
     def copy_in(self, jobs: list[tuple[int, int]], waits: list[Any], stream: Any) -> Any:
-        """Copy cold experts into hot slots (`jobs`: (slot, local expert)). On CUDA the copies
-        run on `stream` after `waits` and the returned event marks their end; on CPU they are
-        done on return (None)."""
+        """Fill hot slots from the cold bank (`jobs`: (slot, local expert)), dequantizing
+        quantized experts on the device. On CUDA the copies run on `stream` after `waits` and
+        the returned event marks their end; on CPU they are done on return (None)."""
         if stream is None:
             for slot, e in jobs:
                 for h, c in zip(self.hot, self.cold, strict=True):
-                    h[slot].copy_(c[e])
+                    _fill(h[slot], c, e, self.device, non_blocking=False)
             return None
         with torch.cuda.stream(stream):
             for ev in waits:
                 stream.wait_event(ev)
             for slot, e in jobs:
                 for h, c in zip(self.hot, self.cold, strict=True):
-                    h[slot].copy_(c[e], non_blocking=True)
+                    _fill(h[slot], c, e, self.device, non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(stream)
         return ev
 
 
-def _host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The cold copy of a stacked expert tensor: contiguous host memory, pinned with CUDA."""
+def _fill(dst: torch.Tensor, src: Stack, e: int, device: torch.device, non_blocking: bool) -> None:
+    """dst <- expert e of src: a copy, or quantized bytes moved to the device and decoded there."""
+    if isinstance(src, QStack):
+        raw = src.raw[e : e + 1].to(device, non_blocking=non_blocking)  # [1, bytes]
+        QStack(raw, src.qtype, (1, *src.shape[1:])).matrix(0, dst.dtype, dst)
+    else:
+        dst.copy_(src[e], non_blocking=non_blocking)
+
+
+def _matrix_shape(t: Stack) -> tuple[int, int]:
+    return (int(t.shape[1]), int(t.shape[2]))
+
+
+def _dense_nbytes(t: Stack, dtype: torch.dtype) -> int:
+    if isinstance(t, QStack):
+        return t.dense_nbytes(dtype)
+    return int(t[0].numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _stored_nbytes(t: Stack) -> int:
+    return t.expert_nbytes if isinstance(t, QStack) else int(t[0].numel() * t.element_size())
+
+
+def _host(t: Stack, device: torch.device) -> Stack:
+    """The cold copy of a stacked expert tensor: host memory as it is (a mapped file stays
+    mapped), pinned with CUDA."""
+    if isinstance(t, QStack):
+        return t.to("cpu", pin=device.type == "cuda")
     host = t.detach().to("cpu").contiguous()
     if device.type == "cuda":
         host = host.pin_memory()
     return host
+
+
+def _uva(t: Stack, device: torch.device) -> Stack:
+    if isinstance(t, QStack):
+        return QStack(uva_view(t.raw, device), t.qtype, t.shape)
+    return uva_view(t, device)
 
 
 def choose_cold_path(
@@ -165,7 +226,14 @@ def choose_cold_path(
     probe = next((st for st in stores if st.slots < st.n), None)
     if want == "mapped" or probe is None or probe.cold_in_place is None:
         return "mapped", f"cold path: mapped ({'forced' if want == 'mapped' else 'no cold expert'})"
-    t = coldpath.measure(probe.cold, probe.cold_in_place, device)
+    views, cold_map = probe.cold_in_place, SlotMap(0, (-1,) * probe.n)
+
+    def read(path: tuple[Stack, ...] | None) -> Weights:
+        probe.cold_in_place = path
+        return probe.weights(cold_map, probe.map.slot_of.index(-1))
+
+    t = coldpath.measure(lambda: read(views), lambda: read(None), probe.hidden, probe.dtype, device)
+    probe.cold_in_place = views
     where = "over PCIe" if device.type == "cuda" else "CPU: both banks are RAM"
     note = (
         f"cold path measured ({where}): mapped {t['mapped'] * 1e3:.3f} ms, "

@@ -107,7 +107,10 @@ def _best_s(fns: Sequence[Callable[[], object]], repeat: int, device: torch.devi
 def _ffn_row(
     cfg: ExpertsBench, sl: ExpertSlice, batch: int, gen: torch.Generator
 ) -> dict[str, Any]:
-    dev, dtype = sl.gate.device, sl.gate.dtype
+    g, u, d = sl.stacks
+    assert isinstance(g, torch.Tensor) and isinstance(u, torch.Tensor)
+    assert isinstance(d, torch.Tensor)
+    dev, dtype = g.device, g.dtype
     x = torch.randn(batch, cfg.hidden, generator=gen).to(dev, dtype)  # [T, H]
     ids = torch.stack([torch.randperm(cfg.experts, generator=gen)[: cfg.experts_used]
                        for _ in range(batch)]).to(dev)  # fmt: skip  # [T, k]
@@ -119,7 +122,7 @@ def _ffn_row(
 
     def matmuls() -> None:
         for e, xe in blocks:
-            (xe @ sl.gate[e].T, xe @ sl.up[e].T)[0] @ sl.down[e].T  # noqa: B018
+            (xe @ g[e].T, xe @ u[e].T)[0] @ d[e].T  # noqa: B018
 
     with torch.no_grad():
         t_ffn, t_mm = _best_s([lambda: expert_forward(sl, x, ids, w), matmuls], cfg.repeat, dev)
@@ -142,7 +145,9 @@ def _load_row(cfg: ExpertsBench, quant: str) -> dict[str, Any]:
     layout = [TensorRange(f"bench.{k}", k, 0, len(b), int(qtype), shapes[k])
               for k, b in zip(EXPERT_KINDS, blobs, strict=True)]  # fmt: skip
     (secs,) = _best_s(
-        [lambda: decode_slice(layout, blobs, 0, 0, n)], cfg.repeat, torch.device("cpu")
+        [lambda: decode_slice(layout, blobs, 0, 0, n).dense_copy(torch.float32)],
+        cfg.repeat,
+        torch.device("cpu"),
     )
     nbytes = sum(len(b) for b in blobs)
     return {"quant": quant, "bytes": nbytes, "ms": secs * 1e3, "mb_per_s": nbytes / secs / 1e6}

@@ -7,36 +7,73 @@ import json
 import sys
 from typing import Any
 
-from kvq.cli.common import EXIT_OK
+from kvq.cli.common import EXIT_OK, EXIT_USAGE
 from kvq.config import Settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
-# literal copies of kvq.model.arch.TINY_ARCHS / kvq.model.quants.QUANT_NAMES (a test keeps them
-# equal): importing kvq.model here would load torch for every `kvq` command, even `--help`
+# literal copies of kvq.model.arch.TINY_ARCHS, kvq.model.quants.QUANT_NAMES / MIXES,
+# kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
+# kvq.model here would load torch for every `kvq` command, even `--help`
 ARCHS = ("mixtral", "qwen2moe", "qwen3moe")
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+MIXES = ("q4_k_m",)
+PRESETS = ("olmoe-1b-7b", "qwen3-30b-a3b")
+TOKENIZERS = ("bytes", "bpe")
 _TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
               ("expert-ffn", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
-              ("shared-expert-ffn", 0), ("seed", 0))  # fmt: skip
+              ("shared-expert-ffn", 0))  # fmt: skip
+_GIB = 1 << 30
 
 
 def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
+    given = {n.replace("-", "_") for n, _ in _TINY_INTS if getattr(args, n.replace("-", "_"))
+             is not None}  # fmt: skip
+    if args.preset is not None:
+        if given or args.arch is not None or args.tokenizer not in (None, "bpe"):
+            flags = ", ".join(sorted(f"--{n.replace('_', '-')}" for n in given))
+            print(f"kvq: --preset {args.preset} sets the arch, every dimension and the bpe "
+                  f"tokenizer; drop {flags or '--arch/--tokenizer'}", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
+        return _write_preset(args)
+    if args.dry_run:
+        print("kvq: --dry-run needs --preset", file=sys.stderr)
+        return EXIT_USAGE
     from kvq.model import make_tiny
 
-    dims = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in _TINY_INTS}
-    make_tiny(args.out, arch=args.arch, quant=args.quant, **dims)
-    print(f"wrote {args.out} ({args.arch}, {args.quant})")
+    dims: dict[str, Any] = {n.replace("-", "_"): default for n, default in _TINY_INTS}
+    dims.update({n: getattr(args, n) for n in given})
+    arch, quant, tok = args.arch or "qwen3moe", args.quant or "f32", args.tokenizer or "bpe"
+    make_tiny(args.out, arch=arch, quant=quant, tokenizer=tok, seed=args.seed, **dims)
+    print(f"wrote {args.out} ({arch}, {quant}, {tok} tokenizer)")
+    return EXIT_OK
+
+
+def _write_preset(args: argparse.Namespace) -> int:
+    import time
+
+    from kvq.model.presets import plan, preset_named, write_preset
+
+    preset, quant = preset_named(args.preset), args.quant or "q4_k_m"
+    total = sum(t.nbytes for t in plan(preset, quant))
+    if args.dry_run:
+        print(f"{args.preset} at {quant}: {total:,} bytes of tensors ({total / _GIB:.2f} GiB)")
+        return EXIT_OK
+    start = time.monotonic()
+    write_preset(args.out, preset, quant, args.seed)
+    print(f"wrote {args.out} ({args.preset}, {quant}, {total / _GIB:.2f} GiB of tensors, "
+          f"{time.monotonic() - start:.1f} s)")  # fmt: skip
     return EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.model.describe import describe_model
+    from kvq.model.describe import MemoryAssumptions, describe_model
 
-    d = describe_model(args.file, args.slice_experts or settings.slice_experts)
+    mem = MemoryAssumptions(args.dtype, args.n_slots or settings.n_slots, args.kv_positions)
+    d = describe_model(args.file, args.slice_experts or settings.slice_experts, mem)
     if args.json:
         print(json.dumps(d))
         return EXIT_OK
-    skip = {"quant_types", "slices", "path"}
+    skip = {"quant_types", "slices", "path", "memory"}
     print(d["path"])
     for key, value in d.items():
         if key not in skip:
@@ -52,7 +89,22 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  {r['layer']:>5} {span:>11} {r['bytes']:>14,}")
     if len(rows) > 64:
         print(f"  ... {len(rows) - 64} more (--json lists them all)")
+    _print_memory(d["memory"])
     return EXIT_OK
+
+
+def _print_memory(m: dict[str, Any]) -> None:
+    print(f"memory ({m['dtype']}, {m['n_slots']} sequences x {m['kv_positions']} positions)")
+    for key, label in (("backbone_bytes", "backbone (dense weights)"),
+                       ("kv_cache_bytes", "KV cache"),
+                       ("coordinator_all_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=all"),
+                       ("coordinator_none_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=none"),
+                       ("worker_slice_bytes_max", "worker, largest slice"),
+                       ("worker_slice_bytes_min", "worker, smallest slice")):  # fmt: skip
+        print(f"  {label:<44} {m[key]:>16,} B {m[key] / _GIB:>9.3f} GiB")
+    print("  assumptions:")
+    for line in m["assumptions"]:
+        print(f"  - {line}")
 
 
 def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
@@ -120,6 +172,42 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
+    import os
+    from dataclasses import asdict
+
+    from kvq.bank.options import BankOptions
+    from kvq.bench.model import PROMPT, ModelBench, run_model_bench
+
+    cfg = ModelBench(
+        args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
+        rounds=args.rounds, prompt=args.prompt or PROMPT, llama=not args.no_llama,
+        bank=asdict(BankOptions.from_settings(settings)),
+    )  # fmt: skip
+    r = run_model_bench(cfg)
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK
+    print(f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
+          f"tokens, median of {r['rounds']} rounds")  # fmt: skip
+    kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
+    print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
+    for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
+                "prompt_tokens", "decode_tok_s", "aggregate_tok_s"):  # fmt: skip
+        cells = [f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}"
+                 for v in (kq.get(key), ll.get(key), ratio.get(key))]  # fmt: skip
+        print(f"  {key:<20} {' '.join(cells)}")
+    hr = kq["hit_rate"]
+    if hr is not None:
+        print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
+              f"routed pairs")  # fmt: skip
+    print(f"  bank: {kq['bank_note']}")
+    for note in (r.get("llama_note"), ll.get("error"), ll.get("aggregate_note")):
+        if note:
+            print(f"  llama.cpp: {note}")
+    return EXIT_OK
+
+
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -156,17 +244,26 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     """model make-tiny, model inspect, generate, bench experts."""
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
-    mt = msub.add_parser("make-tiny", help="write a small synthetic MoE model as GGUF")
+    mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
     mt.add_argument("out")
-    mt.add_argument("--arch", choices=ARCHS, default="qwen3moe")
-    mt.add_argument("--quant", choices=QUANTS, default="f32")
+    mt.add_argument("--arch", choices=ARCHS, help="default qwen3moe")
+    mt.add_argument("--quant", choices=QUANTS + MIXES, help="default f32 (preset: q4_k_m)")
+    mt.add_argument("--tokenizer", choices=TOKENIZERS, help="default bpe (llama.cpp loads it)")
+    mt.add_argument("--preset", choices=PRESETS, help="a real model's sizes, random weights")
+    mt.add_argument("--dry-run", action="store_true", help="with --preset: print the size only")
     for name, default in _TINY_INTS:
-        mt.add_argument(f"--{name}", type=int, default=default)
+        mt.add_argument(f"--{name}", type=int, help=f"default {default}")
+    mt.add_argument("--seed", type=int, default=0)
     mt.set_defaults(fn=cmd_make_tiny)
 
-    mi = msub.add_parser("inspect", help="hyper-parameters, quant types and slice table")
+    mi = msub.add_parser("inspect", help="hyper-parameters, quant types, slices, sizes, memory")
     mi.add_argument("file")
     mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
+    mi.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="coordinator compute dtype for the memory estimate")  # fmt: skip
+    mi.add_argument("--n-slots", type=int, help="sequences with a KV cache (default: setting)")
+    mi.add_argument("--kv-positions", type=int, default=0,
+                    help="KV positions per sequence (default: the model's context)")  # fmt: skip
     mi.add_argument("--json", action="store_true")
     mi.set_defaults(fn=cmd_inspect)
 
@@ -193,3 +290,13 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     be.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
     be.add_argument("--json", action="store_true")
     be.set_defaults(fn=cmd_bench_experts)
+
+    bm = bench.add_parser("model", help="load, memory and decode tok/s of a GGUF vs llama.cpp")
+    bm.add_argument("--model", required=True, help="GGUF file")
+    bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")
+    bm.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
+    bm.add_argument("--rounds", type=int, default=3, help="rounds per engine, alternating")
+    bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
+    bm.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
+    bm.add_argument("--json", action="store_true")
+    bm.set_defaults(fn=cmd_bench_model)

@@ -31,7 +31,7 @@ from kvq.coordinator.slots import SlotPoller
 from kvq.device import compute_dtype
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
-from kvq.model import Backbone, load_tokenizer
+from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
@@ -46,14 +46,16 @@ class Coordinator:
         coord_id: str, model: str, model_path: str | Path,
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
-        self.backbone = Backbone.from_gguf(model_path)
+        stored = read_meta(model_path).expert_types()
+        dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, stored)
+        self.backbone = Backbone.from_gguf(model_path, dtype=dtype)
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         self.bank = Bank(self.backbone.experts, bank, cpu)
         self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
         hidden = self.backbone.meta.embedding_length
-        self.server = ExpertServer(coord_id, model, self.bank, hidden, compute_dtype(cpu))
+        self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.routing = SliceRouter(board, routing, coord_id, self.info)
         self.dispatch = Dispatcher(
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
@@ -76,9 +78,13 @@ class Coordinator:
         cls, settings: Settings, coord_id: str, model: str, model_path: str | Path
     ) -> Coordinator:
         board = open_board(settings.bus, settings.lifetimes)
+        bank = BankOptions.from_settings(settings)
+        if not settings.routing.local_experts:
+            # backbone-only: no hot experts; fallback and verification read the mapped file
+            bank = BankOptions.from_settings(settings, hot_bytes=0, dynamic=False)
         return cls(
-            board, settings.coordinator, settings.routing, settings.dispatch,
-            BankOptions.from_settings(settings), coord_id, model, model_path,
+            board, settings.coordinator, settings.routing, settings.dispatch, bank,
+            coord_id, model, model_path,
         )  # fmt: skip
 
     def run(self) -> None:

@@ -20,9 +20,11 @@ from kvq.model.cache import KVCache, SeqStep
 from kvq.model.experts import expert_forward
 from kvq.model.generate import generate
 from kvq.model.layers import Rope, causal_attention, rms_norm, route, swiglu
+from kvq.model.layout import slice_layout
 from kvq.model.loader import LayerWeights, Loader, SharedExpert, layer_weights, output_weight
 from kvq.model.meta import ModelMeta, read_meta
-from kvq.model.slices import ExpertSlice, load_slice
+from kvq.model.qstack import QRows
+from kvq.model.slices import ExpertSlice, map_slice
 
 __all__ = ["Backbone", "KVCache", "LayerWeights", "MoeFn", "SeqStep"]
 
@@ -36,7 +38,7 @@ class Backbone:
     def __init__(
         self,
         meta: ModelMeta,
-        embed: torch.Tensor,
+        embed: torch.Tensor | QRows,
         layers: list[LayerWeights],
         output_norm: torch.Tensor,
         output: torch.Tensor,
@@ -48,8 +50,8 @@ class Backbone:
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
         self.experts = experts  # experts[layer] covers all experts of that layer
-        self.device = embed.device
-        self.dtype = embed.dtype
+        self.device = output.device
+        self.dtype = output.dtype
         self.spec = arch_spec(meta.arch)
         self.rope = Rope.from_meta(meta, self.spec.rope_style)
 
@@ -60,13 +62,17 @@ class Backbone:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> Backbone:
-        """Load and dequantize every weight of a GGUF model once."""
+        """Map a GGUF model: dense weights dequantized once into `dtype`, the token embedding
+        and every expert kept in their encoding (memory-mapped: read on use)."""
         m = read_meta(path)  # validates arch, tensors and quant types before any weight
         load = Loader(path, device, dtype)
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
         layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
-        experts = [load_slice(path, m, i, 0, e, device, dtype) for i in range(m.block_count)]
-        embed = load("token_embd.weight", (m.vocab_size, h))
+        experts = [
+            map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype).to(device)
+            for i in range(m.block_count)
+        ]
+        embed = load.rows("token_embd.weight", (m.vocab_size, h))
         output = output_weight(load, m)
         return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts)
 

@@ -1,12 +1,15 @@
-"""A plain-dict description of a GGUF model: hyper-parameters, quant types, slice table."""
+"""A plain-dict description of a GGUF model: hyper-parameters, quant types, slice table, sizes
+and the memory each kvq role needs to serve it."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from gguf import GGUFReader
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
@@ -16,9 +19,21 @@ from kvq.model.meta import ModelMeta, read_meta
 from kvq.slices import slice_grid
 
 _LAYER = re.compile(r"^blk\.\d+\.")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def describe_model(path: str | Path, slice_experts: int = 4) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class MemoryAssumptions:
+    """What the memory estimate assumes: compute dtype, sequences, KV positions (0: context)."""
+
+    dtype: str = "float32"  # the coordinator's compute dtype (float32 on CPU)
+    n_slots: int = 4  # sequences with a KV cache (KVQ_N_SLOTS)
+    kv_positions: int = 0  # positions per sequence; 0 = the model's whole context
+
+
+def describe_model(
+    path: str | Path, slice_experts: int = 4, memory: MemoryAssumptions | None = None
+) -> dict[str, Any]:
     """Everything `kvq model inspect` shows; `slices` cuts each layer into `slice_experts`."""
     if slice_experts < 1:
         raise ModelError(f"slice_experts {slice_experts} must be >= 1")
@@ -27,17 +42,19 @@ def describe_model(path: str | Path, slice_experts: int = 4) -> dict[str, Any]:
     out: dict[str, Any] = {"path": str(path)}
     out.update({f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"})
     out.update(rope_style=spec.rope_style, qk_norm=spec.qk_norm, shared_expert=spec.shared_expert)
-    out["quant_types"] = quant_types(path)
+    reader = gio.open_reader(path)
+    out["quant_types"] = quant_types(reader)
     out["slice_experts"] = slice_experts
     out["slices"] = slice_table(meta, slice_experts)
-    out["expert_bytes"] = sum(s["bytes"] for s in out["slices"])
+    out.update(tensor_sizes(reader, meta))
+    out["memory"] = memory_needs(reader, meta, out["slices"], memory or MemoryAssumptions())
     return out
 
 
-def quant_types(path: str | Path) -> dict[str, dict[str, int]]:
+def quant_types(reader: GGUFReader) -> dict[str, dict[str, int]]:
     """Per tensor kind (name without `blk.N.`), how many tensors use each ggml type."""
     kinds: dict[str, Counter[str]] = {}
-    for t in gio.open_reader(path).tensors:
+    for t in reader.tensors:
         kind = _LAYER.sub("", t.name).removesuffix(".weight")
         kinds.setdefault(kind, Counter())[gio.quant_type(int(t.tensor_type)).name] += 1
     return {k: dict(sorted(c.items())) for k, c in sorted(kinds.items())}
@@ -50,3 +67,66 @@ def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
          "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
         for b in slice_grid(meta.block_count, meta.expert_count, 1, slice_experts)
     ]  # fmt: skip
+
+
+def tensor_sizes(reader: GGUFReader, meta: ModelMeta) -> dict[str, int]:
+    """Encoded bytes of the routed experts, of everything else (the backbone), and of both."""
+    experts = _expert_names(meta)
+    nbytes = Counter[str]()
+    for t in reader.tensors:
+        nbytes["expert" if t.name in experts else "backbone"] += int(t.n_bytes)
+    return {
+        "expert_bytes": nbytes["expert"],
+        "backbone_bytes": nbytes["backbone"],
+        "tensor_bytes": nbytes["expert"] + nbytes["backbone"],
+    }
+
+
+def memory_needs(
+    reader: GGUFReader, meta: ModelMeta, slices: list[dict[str, int]], a: MemoryAssumptions
+) -> dict[str, Any]:
+    """Bytes each role holds: the coordinator with KVQ_COORDINATOR_EXPERTS=all and =none, and
+    a worker per slice. See `assumptions` in the result for what is counted."""
+    if a.dtype not in DTYPE_BYTES or a.n_slots < 1 or a.kv_positions < 0:
+        raise ModelError(
+            f"memory assumptions {a} are invalid: dtype one of {sorted(DTYPE_BYTES)}, "
+            "n_slots >= 1, kv_positions >= 0"
+        )
+    experts, size = _expert_names(meta), DTYPE_BYTES[a.dtype]
+    dense = embed = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            embed = int(t.n_bytes)
+        elif t.name not in experts:
+            dense += int(t.n_elements) * size
+    positions = a.kv_positions or meta.context_length
+    kv = a.n_slots * positions * meta.block_count * 2 * meta.head_count_kv * meta.head_dim * size
+    expert_bytes = tensor_sizes(reader, meta)["expert_bytes"]
+    backbone = dense + embed
+    per_slice = [s["bytes"] for s in slices] or [0]
+    return {
+        "dtype": a.dtype,
+        "n_slots": a.n_slots,
+        "kv_positions": positions,
+        "backbone_bytes": backbone,
+        "kv_cache_bytes": kv,
+        "coordinator_all_bytes": backbone + kv + expert_bytes,
+        "coordinator_none_bytes": backbone + kv,
+        "worker_slice_bytes_max": max(per_slice),
+        "worker_slice_bytes_min": min(per_slice),
+        "assumptions": [
+            f"backbone: every non-expert tensor dequantized to {a.dtype} once at load, except "
+            "token_embd, which stays encoded (rows are dequantized on use)",
+            f"KV cache: {a.n_slots} sequences x {positions} positions x {meta.block_count} "
+            f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} in {a.dtype} "
+            "(the cache grows by doubling, so this is its full size)",
+            "all: + every routed expert at its encoded size (memory-mapped from the file); "
+            "none: experts on workers only (a coordinator that still maps them for fallback "
+            "pays page cache, not its own memory)",
+            "worker: the encoded bytes of its slice; activations and scratch not counted",
+        ],
+    }
+
+
+def _expert_names(meta: ModelMeta) -> set[str]:
+    return {r.name for kinds in meta.expert_tensors.values() for r in kinds.values()}

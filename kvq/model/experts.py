@@ -33,13 +33,9 @@ def expert_forward(
     x: [T, H]; ids: [T, k] int64 global expert ids; weights: [T, k]. Experts outside
     `[sl.expert_start, sl.expert_end)` contribute 0. Returns [T, H] in x.dtype.
     """
-    check_inputs(sl.gate.shape[2], x, ids, weights)
-
-    def weights_of(e: int) -> ExpertWeights:
-        return sl.gate[e], sl.up[e], sl.down[e]
-
+    check_inputs(sl.hidden, x, ids, weights)
     return grouped_expert_ffn(
-        x, ids, weights, sl.expert_start, sl.expert_end, weights_of, sl.gate.dtype
+        x, ids, weights, sl.expert_start, sl.expert_end, sl.expert, sl.compute_dtype
     )
 
 

@@ -3,7 +3,8 @@
 Two vocabulary kinds cover the models kvq serves, built the way llama.cpp reads them:
 
 - `gpt2`: byte-level BPE with the file's merges, text split by the regex of its pre-tokenizer
-  (`tokenizer.ggml.pre`: qwen2, llama-bpe, gpt2...). Qwen1.5/2/3 models.
+  (`tokenizer.ggml.pre`: qwen2, llama-bpe, gpt-2...). Qwen1.5/2/3 models, and `make_tiny`'s
+  own vocabulary (`kvq.model.bpe`).
 - `llama`: SentencePiece BPE (Mixtral, Mistral): merges recovered from the token scores (the
   higher the score of the merged piece, the earlier the merge), spaces as U+2581, a space
   prefix, and byte fallback (`<0xNN>` tokens) for characters outside the vocabulary.
@@ -34,6 +35,7 @@ _LLAMA3_SPLIT = (
 PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
     "default": (None, False),
     "gpt2": (None, False),
+    "gpt-2": (None, False),  # llama.cpp's name for GPT-2's regex (what make_tiny writes)
     "qwen2": (_QWEN2_SPLIT, False),
     "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
     "llama-bpe": (_LLAMA3_SPLIT, True),

@@ -1,16 +1,25 @@
-"""Dequantize the dense (non-routed) weights of a GGUF model into torch, once, at load."""
+"""The dense (non-routed) weights of a GGUF model in torch, read through a memory map.
+
+Matrices are dequantized once, at load, into the compute dtype (`kvq.quant.dequantize`, the
+fast path for the common types); the token embedding stays encoded and is dequantized a few
+rows at a time (`QRows`), since a step only ever reads the rows of its tokens.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import ReaderTensor
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import ArchSpec
 from kvq.model.meta import ModelMeta
+from kvq.model.qstack import FileMap, QRows
+from kvq.quant import dequantize
 
 
 @dataclass
@@ -64,8 +73,30 @@ class Loader:
         # a vector may be stored as [1, n] (e.g. ffn_gate_inp_shexp); the values are the same
         if tuple(d for d in got if d != 1) != tuple(d for d in shape if d != 1):
             raise ModelError(f"tensor {name!r} has shape {got}, expected {shape}")
-        arr = gio.dequantize_tensor(t).reshape(shape)  # float32, numpy order
-        return torch.from_numpy(arr).to(device=self.device, dtype=self.dtype)
+        raw = self._raw(t)
+        rows = int(math.prod(got[:-1])) if len(got) > 1 else 1
+        dense = dequantize(raw, int(t.tensor_type), (rows, got[-1]), torch.float32)
+        return dense.reshape(shape).to(device=self.device, dtype=self.dtype)
+
+    def rows(self, name: str, shape: tuple[int, int]) -> QRows:
+        """Matrix `name` kept encoded (mapped), for row lookups."""
+        t = self.tensors.get(name)
+        if t is None or gio.numpy_shape(t) != shape:
+            raise ModelError(f"tensor {name!r} is missing from {self.path!r} or not {shape}")
+        raw = self._raw(t).reshape(shape[0], -1).to(self.device)
+        return QRows(raw, int(t.tensor_type), shape, self.dtype)
+
+    def _raw(self, t: ReaderTensor) -> torch.Tensor:
+        """The tensor's encoded bytes, aliasing a memory map of the file (no copy)."""
+        gio.check_supported(int(t.tensor_type), t.name)
+        shape = gio.numpy_shape(t)
+        nbytes = gio.nbytes_for(int(t.tensor_type), shape)
+        if int(t.n_bytes) != nbytes:
+            raise ModelError(
+                f"tensor {t.name!r}: {int(t.n_bytes)} bytes do not hold a "
+                f"{gio.quant_type(int(t.tensor_type)).name} tensor of shape {shape}"
+            )
+        return FileMap.bytes_of(self.path, int(t.data_offset), nbytes)
 
     def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self(name, shape) if self.has(name) else None

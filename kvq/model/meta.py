@@ -71,6 +71,10 @@ class ModelMeta:
     expert_shared_feed_forward_length: int = 0  # qwen2moe's shared expert; 0 if none
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
 
+    def expert_types(self) -> set[int]:
+        """The ggml types the expert tensors are stored in."""
+        return {r.ggml_type for layer in self.expert_tensors.values() for r in layer.values()}
+
 
 def read_meta(path: str | Path) -> ModelMeta:
     """Read and validate the header of a GGUF model (memory-mapped; no tensor data is copied)."""

@@ -4,10 +4,24 @@ Reading always goes through `gguf.quants.dequantize` (llama.cpp's own reference)
 encoders only have to produce bytes it decodes to values close to the input. The formats gguf
 can already encode (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) use gguf's encoders; the K-quants
 (Q4_K, Q5_K, Q6_K) are encoded here with a simple min/max fit per sub-block, which is valid
-but not llama.cpp's error-minimising search.
+but not llama.cpp's error-minimising search. `random_blocks` writes valid random blocks of any
+type directly (no float tensor), for models too big to quantize here.
+
+Which type each tensor gets (`tensor_type`) follows `llama-quantize` (`src/llama-quant.cpp`):
+
+- Kept F32: vectors (1-D), names not ending in `weight` (biases), norms, routers
+  (`ffn_gate_inp.weight`), as `tensor_allows_quantization` does.
+- Every other matrix gets the requested type, or under the mix `q4_k_m` the Q4_K_M rule of
+  `llama_tensor_get_type_impl` (see `_q4_k_m`).
+- Rows (numpy's last dim, ggml's ne0) that are not whole blocks of that type fall back per
+  tensor as `tensor_type_fallback` does: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; if the rows
+  are not whole 32-blocks either, F16. llama.cpp refuses a 32-block type (Q4_0...Q8_0) on
+  such rows; kvq uses F16 there too. Experts follow the same rule as every other matrix.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +39,10 @@ SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )  # fmt: skip
 QUANT_NAMES: dict[str, GGMLQuantizationType] = {t.name.lower(): t for t in SUPPORTED_TYPES}
+MIXES = ("q4_k_m",)  # llama.cpp file types that mix tensor types, by llama-quantize's name
 _QK_K = 256
+# llama.cpp's tensor_type_fallback for rows that are not whole 256-blocks
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def quant_type_named(name: str) -> GGMLQuantizationType:
@@ -36,6 +53,72 @@ def quant_type_named(name: str) -> GGMLQuantizationType:
             f"quant type {name!r} is not supported; choose one of {sorted(QUANT_NAMES)}"
         )
     return qtype
+
+
+def check_quant(name: str) -> str:
+    """`name` lower-cased if it is a type in QUANT_NAMES or a mix in MIXES, else ModelError."""
+    low = name.lower()
+    if low not in QUANT_NAMES and low not in MIXES:
+        raise ModelError(
+            f"quant {name!r} is not supported; choose a type ({', '.join(QUANT_NAMES)}) "
+            f"or a mix ({', '.join(MIXES)})"
+        )
+    return low
+
+
+def tensor_type(
+    name: str, shape: tuple[int, ...], quant: str, n_layers: int, n_experts: int
+) -> GGMLQuantizationType:
+    """The ggml type llama-quantize gives tensor `name` (numpy `shape`) for `quant`, a type
+    name or a mix, in a model of `n_layers` blocks and `n_experts` experts."""
+    quant = check_quant(quant)
+    keep = len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name
+    if keep or "ffn_gate_inp.weight" in name:
+        return Q.F32
+    if quant == "q4_k_m":
+        qtype = _q4_k_m(name, shape[-1], n_layers, n_experts)
+    else:
+        qtype = QUANT_NAMES[quant]
+    return fallback_type(qtype, shape[-1])
+
+
+def fallback_type(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
+    """`qtype` if rows of `row` values are whole blocks of it, else llama.cpp's fallback."""
+    if row % GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    alt = _FALLBACK.get(qtype, Q.F16)
+    return alt if row % GGML_QUANT_SIZES[alt][0] == 0 else Q.F16
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, every third one
+    in between (`i < n/8 || i >= 7*n/8 || (i - n/8) % 3 == 2`, C integer division)."""
+    eighth = n_layers // 8
+    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def _q4_k_m(name: str, row: int, n_layers: int, n_experts: int) -> GGMLQuantizationType:
+    """LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.cpp's `llama_tensor_get_type_impl` (before the
+    fallback), for the tensors kvq's archs have: Q4_K by default; `output.weight` Q6_K (Q8_0
+    if its rows are not whole 256-blocks); `attn_v` and every `ffn_down*` (experts, shared
+    expert) Q6_K where `use_more_bits(layer)`; with exactly 8 experts (Mixtral) `attn_v` and
+    `attn_k` Q8_0 and `attn_output` Q5_K. The layer is parsed from `blk.N.`, as llama.cpp does
+    for MoE models (its attn_v counter equals the layer: it visits tensors in layer order)."""
+    if name == "output.weight":
+        return Q.Q6_K if row % _QK_K == 0 else Q.Q8_0
+    match = re.match(r"blk\.(\d+)\.", name)
+    layer = int(match.group(1)) if match else 0
+    if "attn_v.weight" in name:
+        if n_experts == 8:
+            return Q.Q8_0
+        return Q.Q6_K if use_more_bits(layer, n_layers) else Q.Q4_K
+    if n_experts == 8 and "attn_k.weight" in name:
+        return Q.Q8_0
+    if n_experts == 8 and "attn_output.weight" in name:
+        return Q.Q5_K
+    if "ffn_down" in name and use_more_bits(layer, n_layers):
+        return Q.Q6_K
+    return Q.Q4_K
 
 
 def encode(data: npt.ArrayLike, qtype: GGMLQuantizationType) -> U8:
@@ -135,3 +218,46 @@ def _encode_q6_k(blocks: F32) -> U8:
 
 
 _K_ENCODERS = {Q.Q4_K: _encode_q4_k, Q.Q5_K: _encode_q5_k, Q.Q6_K: _encode_q6_k}
+
+
+# -- random blocks: valid bytes of each type, written directly ------------------------------
+
+_POOL = 4096  # distinct K-quant sub-block scale patterns per tensor (packing each is slow)
+# rms of one block's values per unit of its f16 scale d, for the quant layouts below
+_RMS = {Q.Q8_0: 73.9, Q.Q4_0: 4.637, Q.Q4_1: 4.610, Q.Q5_0: 9.247, Q.Q5_1: 9.233,
+        Q.Q4_K: 41.86 * 4.610, Q.Q5_K: 41.86 * 9.233, Q.Q6_K: 41.86 * 18.48}  # fmt: skip
+
+
+def random_blocks(
+    qtype: GGMLQuantizationType, shape: tuple[int, ...], std: float, rng: np.random.Generator
+) -> U8:
+    """Random `qtype` bytes (uint8 rows, as `encode` returns) for numpy `shape`: uniform
+    quants, f16 scales of random sign and +-25% spread, so values have mean 0 and rms `std`.
+    Affine types get min = -(mid level) * scale, K-quants 6-bit scales in 16..63."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape)) // block
+    byte_shape = (*shape[:-1], shape[-1] // block * size)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        x = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+        if qtype == Q.BF16:  # truncate: the high half of each float32
+            x16 = (x.view(np.uint32) >> 16).astype("<u2")
+            return np.asarray(x16.view(np.uint8), dtype=np.uint8).reshape(byte_shape)
+        xs = x.astype("<f4" if qtype == Q.F32 else "<f2")
+        return np.asarray(xs.view(np.uint8), dtype=np.uint8).reshape(byte_shape)
+    bits = np.asarray(rng.bit_generator.random_raw(-(-n * size // 8)), dtype=np.uint64)
+    out: U8 = bits.view(np.uint8)[: n * size].reshape(n, size)  # [n_blocks, type_size]
+    sign = np.where(rng.random(n, dtype=np.float32) < 0.5, -1.0, 1.0)
+    d = sign * (std / _RMS[qtype]) * (0.75 + 0.5 * rng.random(n, dtype=np.float32))  # [n]
+    pick = rng.integers(0, _POOL, n)  # [n] each block's scale pattern from a small pool
+    if qtype == Q.Q6_K:  # ql[128] qh[64] int8 scales[16] d
+        out[:, 192:208] = rng.integers(16, 64, (_POOL, 16), dtype=np.uint8)[pick]
+        out[:, 208:210] = _f16_bytes(d)
+        return out.reshape(byte_shape)
+    out[:, 0:2] = _f16_bytes(d)
+    if qtype in (Q.Q4_1, Q.Q5_1):  # d, m: values d * q + m, m = -(mid level) * d
+        out[:, 2:4] = _f16_bytes(d * (-7.5 if qtype == Q.Q4_1 else -15.5))
+    elif qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, scales: d * sc * q - dmin * m, m = sc
+        sc = rng.integers(16, 64, (_POOL, 8)).astype(np.float32)
+        out[:, 2:4] = _f16_bytes(d * (7.5 if qtype == Q.Q4_K else 15.5))
+        out[:, 4:16] = _pack_scales(sc, sc)[pick]
+    return out.reshape(byte_shape)

@@ -1,4 +1,9 @@
-"""Expert slices: read their bytes from a file, decode downloaded bytes into torch tensors."""
+"""Expert slices: experts `[start, end)` of one layer, quantized (`QStack`) or dense.
+
+A slice from a model file or a download keeps the GGUF encoding (`map_slice`, `decode_slice`):
+nothing is dequantized at load. Dense slices (torch tensors) remain for tests and references
+(`ExpertSlice.dense_copy`).
+"""
 
 from __future__ import annotations
 
@@ -6,41 +11,83 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 import torch
 
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
+from kvq.model.qstack import FileMap, QStack
+
+Stack = torch.Tensor | QStack  # [n, rows, cols]: dense, or encoded bytes
 
 
 @dataclass
 class ExpertSlice:
-    """Dequantized weights of experts `[expert_start, expert_end)` of one layer."""
+    """Experts `[expert_start, expert_end)` of one layer: gate, up [n, ffn, hidden] and down
+    [n, hidden, ffn], each dense or quantized; `dtype` is what they compute in."""
 
     layer: int
     expert_start: int
     expert_end: int
-    gate: torch.Tensor  # [n, ffn, hidden]
-    up: torch.Tensor  # [n, ffn, hidden]
-    down: torch.Tensor  # [n, hidden, ffn]
+    gate: Stack  # [n, ffn, hidden]
+    up: Stack  # [n, ffn, hidden]
+    down: Stack  # [n, hidden, ffn]
+    dtype: torch.dtype | None = None  # None: the dense tensors' own dtype
 
     @property
     def n_experts(self) -> int:
         """Number of experts held."""
         return self.expert_end - self.expert_start
 
-    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> ExpertSlice:
-        """A copy on `device` (and `dtype`, if given)."""
-        return ExpertSlice(
-            self.layer,
-            self.expert_start,
-            self.expert_end,
-            self.gate.to(device=device, dtype=dtype),
-            self.up.to(device=device, dtype=dtype),
-            self.down.to(device=device, dtype=dtype),
+    @property
+    def hidden(self) -> int:
+        return int(self.gate.shape[2])
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.gate, QStack)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        g = self.gate
+        return g.dtype if isinstance(g, torch.Tensor) else torch.float32
+
+    @property
+    def stacks(self) -> tuple[Stack, Stack, Stack]:
+        return self.gate, self.up, self.down
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert `e` (local index) as dense gate, up, down in the compute dtype."""
+        dt = self.compute_dtype
+        return tuple(  # type: ignore[return-value]
+            t.matrix(e, dt) if isinstance(t, QStack) else t[e] for t in self.stacks
         )
+
+    def dense_copy(self, dtype: torch.dtype | None = None) -> ExpertSlice:
+        """The same experts dequantized into dense tensors (references and tests)."""
+        dt = dtype or self.compute_dtype
+        g, u, d = (t.dense(dt) if isinstance(t, QStack) else t.to(dtype=dt) for t in self.stacks)
+        return ExpertSlice(self.layer, self.expert_start, self.expert_end, g, u, d)
+
+    def nbytes(self) -> int:
+        """Bytes the slice holds as it is (encoded or dense)."""
+        return sum(
+            t.nbytes if isinstance(t, QStack) else t.numel() * t.element_size() for t in self.stacks
+        )
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> ExpertSlice:
+        """A copy on `device` (dense tensors also cast to `dtype`, if given)."""
+        g, u, d = (
+            t.to(device) if isinstance(t, QStack) else t.to(device=device, dtype=dtype)
+            for t in self.stacks
+        )
+        return ExpertSlice(
+            self.layer, self.expert_start, self.expert_end, g, u, d,
+            (dtype or self.dtype) if self.quantized else None,
+        )  # fmt: skip
 
 
 def decode_slice(
@@ -52,7 +99,8 @@ def decode_slice(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ExpertSlice:
-    """Decode the gate/up/down byte blobs of a slice (in `layout` order) into an ExpertSlice.
+    """The gate/up/down byte blobs of a slice (in `layout` order) as a quantized ExpertSlice
+    that computes in `dtype` (the bytes are kept as they are: nothing is dequantized here).
 
     Raises SliceIntegrityError when a blob's length differs from its published `nbytes`.
     """
@@ -60,24 +108,57 @@ def decode_slice(
         raise SliceIntegrityError(
             f"got {len(blobs)} blobs for {len(layout)} tensor ranges; fetch one blob per range"
         )
-    n = expert_end - expert_start
-    if n <= 0:
-        raise ModelError(f"expert range [{expert_start}, {expert_end}) is empty")
-    tensors: dict[str, torch.Tensor] = {}
+    n = _check_range(expert_start, expert_end)
+    stacks: dict[str, QStack] = {}
     for rng, blob in zip(layout, blobs, strict=True):
         if len(blob) != rng.nbytes:
             raise SliceIntegrityError(
                 f"{rng.name} slice of layer {layer} experts [{expert_start}, {expert_end}) "
                 f"has {len(blob)} bytes, the layout says {rng.nbytes}; re-download it"
             )
-        raw = np.frombuffer(blob, dtype=np.uint8)
-        arr = gio.decode_bytes(raw, rng.ggml_type, (n, *rng.expert_shape))  # [n, *expert_shape]
-        tensors[rng.kind] = torch.from_numpy(arr).to(device=device, dtype=dtype)
-    missing = [k for k in EXPERT_KINDS if k not in tensors]
+        stacks[rng.kind] = QStack.from_bytes(blob, rng.ggml_type, _stack_shape(rng, n)).to(device)
+    return _assemble(stacks, layer, expert_start, expert_end, dtype)
+
+
+def map_slice(
+    path: str | Path, layout: list[TensorRange], layer: int, expert_start: int,
+    expert_end: int, dtype: torch.dtype = torch.float32,
+) -> ExpertSlice:  # fmt: skip
+    """A quantized slice whose bytes alias a memory map of `path`: no byte is read until an
+    expert is computed, and then only into the page cache."""
+    n = _check_range(expert_start, expert_end)
+    stacks = {}
+    for rng in layout:
+        raw = FileMap.bytes_of(path, rng.offset, rng.nbytes).reshape(n, -1)
+        stacks[rng.kind] = QStack(raw, rng.ggml_type, _stack_shape(rng, n))
+    return _assemble(stacks, layer, expert_start, expert_end, dtype)
+
+
+def _check_range(expert_start: int, expert_end: int) -> int:
+    n = expert_end - expert_start
+    if n <= 0:
+        raise ModelError(f"expert range [{expert_start}, {expert_end}) is empty")
+    return n
+
+
+def _stack_shape(rng: TensorRange, n: int) -> tuple[int, int, int]:
+    if len(rng.expert_shape) != 2:
+        raise ModelError(f"{rng.name}: an expert matrix must be 2-D, got {rng.expert_shape}")
+    rows, cols = rng.expert_shape
+    gio.nbytes_for(rng.ggml_type, (rows, cols))  # ModelError unless rows are whole blocks
+    gio.check_supported(rng.ggml_type, rng.name)
+    return n, rows, cols
+
+
+def _assemble(
+    stacks: dict[str, QStack], layer: int, expert_start: int, expert_end: int,
+    dtype: torch.dtype,
+) -> ExpertSlice:  # fmt: skip
+    missing = [k for k in EXPERT_KINDS if k not in stacks]
     if missing:
         raise ModelError(f"slice layout lacks the {missing} tensors; use slice_layout()")
     return ExpertSlice(
-        layer, expert_start, expert_end, tensors["gate"], tensors["up"], tensors["down"]
+        layer, expert_start, expert_end, stacks["gate"], stacks["up"], stacks["down"], dtype
     )
 
 
@@ -118,7 +199,9 @@ def load_slice(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ExpertSlice:
-    """Read and decode one slice straight from a local model file."""
+    """One slice of a local model file, dense in `dtype` on `device` (references and tests;
+    serving paths keep slices quantized with `map_slice`)."""
     layout = slice_layout(meta, layer, expert_start, expert_end)
     blobs = read_slice_file(path, layout)
-    return decode_slice(layout, blobs, layer, expert_start, expert_end, device, dtype)
+    sl = decode_slice(layout, blobs, layer, expert_start, expert_end, "cpu", dtype)
+    return sl.dense_copy(dtype).to(device)

@@ -1,34 +1,51 @@
 """Tiny random MoE models in GGUF, for tests, demos and benches (deterministic from `seed`).
 
-Any supported arch (`qwen3moe`, `qwen2moe`, `mixtral` = GGUF arch `llama`) and quant type.
-Tensors are named, shaped and typed as llama.cpp writes real models: norms, biases and
-routers stay F32; every other matrix is stored in the requested type (a dense matrix whose
-rows are not whole quant blocks falls back to F32; expert matrices must fit, or ModelError).
-The tokenizer is kvq's byte-level one (ids 0-255 = bytes, then BOS, EOS).
+Any supported arch (`qwen3moe`, `qwen2moe`, `mixtral` = GGUF arch `llama`) and quant type, or
+the mix `q4_k_m`. Tensors are named, shaped and typed as llama.cpp writes real models: each
+tensor's type comes from `kvq.model.quants.tensor_type`, llama-quantize's rules (norms, biases
+and routers F32; rows that are not whole blocks of the type fall back per tensor, experts
+included: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, else F16).
+
+Tokenizer (`tokenizer=`): `bytes`, kvq's own byte tokenizer (`kvq-bytes`: ids 0-255 = bytes,
+then BOS, EOS; only kvq reads it), or `bpe`, the GPT-2-style byte-level BPE of
+`kvq.model.bpe` that llama.cpp and other GGUF tools load too (ids 0-255 are again the bytes,
+256 BOS, 257 EOS, then merged tokens). Real-sized models: `kvq.model.presets`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 
 from kvq.errors import ModelError
+from kvq.model import bpe
 from kvq.model.arch import ArchSpec, tiny_arch
 from kvq.model.meta import ROPE_SCALINGS
-from kvq.model.quants import encode, quant_type_named
-from kvq.model.tiny_weights import F32, TinyConfig, tiny_tensors
+from kvq.model.quants import check_quant, encode, tensor_type
+from kvq.model.tiny_weights import TinyConfig, tiny_tensors
 from kvq.model.tokenizer import BYTE_TOKENIZER, N_BYTES, byte_token_list
 
-__all__ = ["TinyConfig", "make_tiny", "write_tiny"]
+__all__ = ["TOKENIZERS", "TinyConfig", "add_metadata", "make_tiny", "write_tiny"]
 
 ARCH = "qwen3moe"
 CONTEXT_LENGTH = 512
 ROPE_FREQ_BASE = 1e6
 RMS_EPS = 1e-6
-_KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # as llama-quantize does
+TOKENIZERS = ("bytes", "bpe")
+# general.file_type as llama-quantize sets it; a lone K-quant is its "small" (_S) file type
+FILE_TYPES = {
+    "f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+    "bf16": LlamaFileType.MOSTLY_BF16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": LlamaFileType.MOSTLY_Q5_0, "q5_1": LlamaFileType.MOSTLY_Q5_1,
+    "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q5_k": LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": LlamaFileType.MOSTLY_Q6_K, "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+}  # fmt: skip
+TokenizerArg = str | Callable[[GGUFWriter], object]
 
 
 def make_tiny(
@@ -48,21 +65,22 @@ def make_tiny(
     shared_expert_ffn: int = 0,
     rope_scaling: str = "none",
     rope_scaling_factor: float = 1.0,
+    tokenizer: str = "bytes",
 ) -> None:
     """Write a tiny random MoE model to `path`.
 
     `arch`: qwen3moe | qwen2moe | mixtral. `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
-    q5_1, q4_k, q5_k, q6_k (K-quants need hidden and expert_ffn multiples of 256, the others
-    of 32). `shared_expert_ffn` (qwen2moe; 0 = 2 * expert_ffn). `rope_scaling`: none | linear |
-    yarn, by `rope_scaling_factor` (yarn's original context is the context / factor).
+    q5_1, q4_k, q5_k, q6_k, or the mix q4_k_m (rows that are not whole blocks fall back per
+    tensor, as llama-quantize does). `shared_expert_ffn` (qwen2moe; 0 = 2 * expert_ffn).
+    `rope_scaling`: none | linear | yarn, by `rope_scaling_factor` (yarn's original context is
+    the context / factor). `tokenizer`: bytes (kvq only) | bpe (llama.cpp loads it too).
     """
     cfg = TinyConfig(
         layers, experts, experts_used, hidden, expert_ffn, heads, kv_heads, head_dim,
         shared_expert_ffn,
     )  # fmt: skip
-    write_tiny(
-        path, cfg, arch=arch, quant=quant, seed=seed, rope=(rope_scaling, rope_scaling_factor)
-    )
+    rope = (rope_scaling, rope_scaling_factor)
+    write_tiny(path, cfg, arch=arch, quant=quant, seed=seed, rope=rope, tokenizer=tokenizer)
 
 
 def write_tiny(
@@ -73,14 +91,16 @@ def write_tiny(
     quant: str = "f32",
     seed: int = 0,
     rope: tuple[str, float] = ("none", 1.0),
-    tokenizer: Callable[[GGUFWriter], None] | None = None,
+    tokenizer: TokenizerArg = "bytes",
     extra: Callable[[GGUFWriter], None] | None = None,
 ) -> None:
-    """`make_tiny` from a TinyConfig. `tokenizer` writes the tokenizer keys (default: the
-    byte tokenizer; needed when `cfg.vocab` is not 258); `extra` adds more metadata."""
-    spec, qtype = tiny_arch(arch), quant_type_named(quant)
+    """`make_tiny` from a TinyConfig. `tokenizer`: "bytes", "bpe" (the vocabulary is padded
+    to `cfg.vocab` if that is larger than the BPE's, and sets it if `cfg.vocab` is the byte
+    tokenizer's 258), or a function writing the tokenizer keys for `cfg.vocab` tokens;
+    `extra` adds more metadata."""
+    spec, quant = tiny_arch(arch), check_quant(quant)
+    cfg, add_tokenizer = _tokenizer(cfg, tokenizer)
     cfg.check()
-    _check_quant(cfg, qtype)
     if rope[0] not in ROPE_SCALINGS or rope[1] <= 0:
         raise ModelError(
             f"make_tiny rope_scaling={rope[0]!r} x {rope[1]} is invalid; "
@@ -89,18 +109,39 @@ def write_tiny(
     tensors = tiny_tensors(cfg, spec, np.random.default_rng(seed))
     writer = GGUFWriter(str(path), spec.name)
     try:
-        _add_metadata(writer, cfg, spec, f"kvq-tiny-{arch}-{cfg.layers}L-{cfg.experts}E-s{seed}")
+        name = f"kvq-tiny-{arch}-{cfg.layers}L-{cfg.experts}E-s{seed}"
+        add_metadata(writer, cfg, spec, name, quant=quant)
         _add_rope_scaling(writer, *rope)
-        (tokenizer or _byte_tokenizer)(writer)
+        add_tokenizer(writer)
         if extra is not None:
             extra(writer)
-        for name, arr in tensors.items():
-            _add_tensor(writer, name, arr, qtype)
+        for tname, arr in tensors.items():
+            qtype = tensor_type(tname, arr.shape, quant, cfg.layers, cfg.experts)
+            writer.add_tensor(tname, encode(arr, qtype), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+def _tokenizer(
+    cfg: TinyConfig, tokenizer: TokenizerArg
+) -> tuple[TinyConfig, Callable[[GGUFWriter], object]]:
+    """The config (vocab size settled) and the function writing the tokenizer keys."""
+    if callable(tokenizer):
+        return cfg, tokenizer
+    if tokenizer == "bytes":
+        if cfg.vocab != N_BYTES + 2:
+            raise ModelError(
+                f"make_tiny vocab={cfg.vocab} does not fit the byte tokenizer (258 tokens); "
+                "use tokenizer='bpe' or pass a tokenizer function"
+            )
+        return cfg, _byte_tokenizer
+    if tokenizer == "bpe":
+        vocab = bpe.tiny_vocab(0 if cfg.vocab == N_BYTES + 2 else cfg.vocab)
+        return replace(cfg, vocab=len(vocab.tokens)), lambda w: bpe.add_vocab(w, vocab)
+    raise ModelError(f"make_tiny tokenizer {tokenizer!r} is unknown; choose one of {TOKENIZERS}")
 
 
 def _add_rope_scaling(w: GGUFWriter, kind: str, factor: float) -> None:
@@ -110,30 +151,15 @@ def _add_rope_scaling(w: GGUFWriter, kind: str, factor: float) -> None:
         w.add_rope_scaling_orig_ctx_len(max(1, round(CONTEXT_LENGTH / factor)))
 
 
-def _check_quant(cfg: TinyConfig, qtype: GGMLQuantizationType) -> None:
-    """Expert rows (hidden for gate/up, expert_ffn for down) must be whole quant blocks."""
-    block = GGML_QUANT_SIZES[qtype][0]
-    for name, value in (("hidden", cfg.hidden), ("expert_ffn", cfg.expert_ffn)):
-        if value % block:
-            raise ModelError(
-                f"make_tiny {name}={value} is not a multiple of the {qtype.name} block size "
-                f"{block}; use a multiple of {block} (e.g. --{name.replace('_', '-')} {block})"
-            )
-
-
-def _add_tensor(w: GGUFWriter, name: str, arr: F32, qtype: GGMLQuantizationType) -> None:
-    """Store `arr` as `qtype`, except vectors, routers, and rows that are not whole blocks."""
-    block = GGML_QUANT_SIZES[qtype][0]
-    keep = arr.ndim == 1 or name.endswith(_KEEP_F32) or arr.shape[-1] % block
-    t = GGMLQuantizationType.F32 if keep else qtype
-    w.add_tensor(name, encode(arr, t), raw_dtype=t)
-
-
-def _add_metadata(w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec, name: str) -> None:
+def add_metadata(
+    w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec, name: str, *, quant: str = "f32",
+    context: int = CONTEXT_LENGTH, rope_base: float = ROPE_FREQ_BASE, rms_eps: float = RMS_EPS,
+) -> None:  # fmt: skip
     """Hyper-parameters under the keys llama.cpp's converter writes for `spec`'s arch."""
     w.add_name(name)
+    w.add_file_type(int(FILE_TYPES[quant]))
     w.add_block_count(cfg.layers)
-    w.add_context_length(CONTEXT_LENGTH)
+    w.add_context_length(context)
     w.add_embedding_length(cfg.hidden)
     w.add_feed_forward_length(cfg.expert_ffn)
     if spec.name != "llama":  # Mixtral files carry the expert width as feed_forward_length
@@ -147,8 +173,8 @@ def _add_metadata(w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec, name: str) -> 
         w.add_value_length(cfg.head_dim)
     if spec.name == "llama":
         w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(ROPE_FREQ_BASE)
-    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
 

@@ -36,7 +36,7 @@ class TinyConfig:
     kv_heads: int
     head_dim: int
     shared_expert_ffn: int = 0  # qwen2moe only; 0: 2 * expert_ffn
-    vocab: int = N_BYTES + 2  # the byte tokenizer's
+    vocab: int = N_BYTES + 2  # the byte tokenizer's; tokenizer="bpe" sets or pads its own
 
     @property
     def shared_ffn(self) -> int:

@@ -1,7 +1,9 @@
 """Tokenizers: `load_tokenizer` picks the one a model carries.
 
-Synthetic models (`make_tiny`) use kvq's byte-level tokenizer: ids 0..255 are bytes, then BOS
-and EOS. Real GGUF files carry a BPE vocabulary, run by `kvq.model.gguf_tokenizer`.
+`kvq-bytes` (`make_tiny(tokenizer="bytes")`, older kvq files): kvq's own byte tokenizer, ids
+0..255 are bytes, then BOS and EOS; only kvq reads it. Every other GGUF, `make_tiny`'s `bpe`
+vocabulary (`kvq.model.bpe`) included, carries a BPE vocabulary run by
+`kvq.model.gguf_tokenizer`.
 """
 
 from __future__ import annotations

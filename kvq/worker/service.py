@@ -41,7 +41,6 @@ class Worker:
     ) -> None:
         self.board, self.s, self.bank_options, self.id = board, settings, bank, worker_id
         self.device = pick_device(settings.device)
-        self.dtype = compute_dtype(self.device)
         self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
         self.membership = Membership(board, worker_id, str(self.device), self._served)
@@ -120,6 +119,7 @@ class Worker:
         if info is None:
             raise ModelError(f"model {held.model!r} is no longer registered")
         spec = info.slices[held.sid]
+        dtype = compute_dtype(self.device, self.s.compute_dtype, (r.ggml_type for r in spec.ranges))
         t0 = time.monotonic()
         blobs = fetch_slice(info.source, spec, self.s.download_timeout_s)
         experts, at = [], 0
@@ -128,11 +128,11 @@ class Worker:
             part, at = blobs[at : at + len(ranges)], at + len(ranges)
             experts.append(decode_slice(
                 ranges, part, layer, spec.expert_start, spec.expert_end,
-                device=str(self.device), dtype=self.dtype,
+                device=str(self.device), dtype=dtype,
             ))  # fmt: skip
         bank = Bank(experts, self.bank_options, self.device)
         hidden = info.meta.embedding_length
-        self.server = ExpertServer(self.id, held.model, bank, hidden, self.dtype)
+        self.server = ExpertServer(self.id, held.model, bank, hidden, dtype)
         self._idle_since = time.monotonic()  # idleness counts from getting the slice
         inbox = self.board.keys.worker_inbox(self.id)
         self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)

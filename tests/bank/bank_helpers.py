@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvq.bank.layout import resident_bytes
 from kvq.bank.options import BankOptions
 from kvq.model.slices import ExpertSlice
 
@@ -33,7 +34,8 @@ def make_slice(
 
 
 def per_expert(sl: ExpertSlice) -> int:
-    return sum(t[0].numel() * t.element_size() for t in (sl.gate, sl.up, sl.down))
+    """Hot-bank bytes of one expert: dense in the compute dtype (what the budget counts)."""
+    return resident_bytes(sl)
 
 
 def opts(**kw: Any) -> BankOptions:

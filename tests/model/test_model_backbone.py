@@ -132,7 +132,7 @@ def test_router_popularity_is_skewed(backbone: Backbone) -> None:
 
 def test_bfloat16_backbone_runs(tiny_path: Path) -> None:
     bb = Backbone.from_gguf(tiny_path, dtype=torch.bfloat16)
-    assert bb.experts[0].gate.dtype == torch.bfloat16
+    assert bb.experts[0].compute_dtype == torch.bfloat16
     assert len(bb.generate(_ids(bb, "bf16"), 4, stop_at_eos=False)) == 4
 
 

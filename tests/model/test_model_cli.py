@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf import GGUFReader
 
 from kvq.cli import main
 from kvq.cli import model as cli_model
 from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
 from kvq.model.arch import TINY_ARCHS
-from kvq.model.quants import QUANT_NAMES
-from kvq.model.tiny import TinyConfig, write_tiny
+from kvq.model.presets import PRESETS, Preset, plan, write_preset
+from kvq.model.quants import MIXES, QUANT_NAMES
+from kvq.model.tiny import TOKENIZERS, TinyConfig, write_tiny
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -31,6 +33,8 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
 def test_cli_choices_match_the_library() -> None:
     assert sorted(cli_model.ARCHS) == sorted(TINY_ARCHS)
     assert list(cli_model.QUANTS) == list(QUANT_NAMES)
+    assert cli_model.MIXES == MIXES and cli_model.TOKENIZERS == TOKENIZERS
+    assert list(cli_model.PRESETS) == list(PRESETS)
 
 
 @pytest.mark.parametrize(("arch", "quant"), [("qwen2moe", "q4_k"), ("mixtral", "q5_0")])
@@ -55,12 +59,76 @@ def test_make_tiny_then_inspect(
     assert code == 0 and "ffn_gate_exps" in text and quant.upper() in text and "slices" in text
 
 
-def test_make_tiny_refuses_dims_that_are_not_whole_blocks(
+def test_make_tiny_k_quants_fall_back_where_rows_are_not_whole_blocks(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    code = main(["model", "make-tiny", str(tmp_path / "x.gguf"), "--quant", "q4_k"])
-    assert code == 1
-    assert "hidden=64 is not a multiple of the Q4_K block size 256" in capsys.readouterr().err
+    path = str(tmp_path / "x.gguf")
+    code, out = _run(capsys, "model", "make-tiny", path, "--quant", "q4_k")  # hidden 64
+    assert code == 0 and "(qwen3moe, q4_k, bpe tokenizer)" in out
+    d = _json(capsys, "model", "inspect", path, "--json")
+    assert d["quant_types"]["ffn_down_exps"] == {"Q5_0": 2}  # llama-quantize's fallback
+    assert d["tokenizer_model"] == "gpt2"  # make-tiny's default: a tokenizer llama.cpp loads
+    assert load_tokenizer(path).encode("Zq", add_bos=False) == [90, 113]  # no merge: bytes
+    code, _ = _run(capsys, "model", "make-tiny", path, "--quant", "q4_k_m", "--hidden", "256",
+                   "--expert-ffn", "256", "--tokenizer", "bytes")  # fmt: skip
+    d = _json(capsys, "model", "inspect", path, "--json")
+    assert d["quant_types"]["output"] == {"Q6_K": 1} and d["tokenizer_model"] == "kvq-bytes"
+    assert d["quant_types"]["attn_v"] == {"Q8_0": 2}  # 8 experts: llama.cpp's Mixtral rule
+
+
+def test_make_tiny_preset_usage(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = str(tmp_path / "p.gguf")
+    code, text = _run(capsys, "model", "make-tiny", out, "--preset", "qwen3-30b-a3b", "--dry-run")
+    total = sum(t.nbytes for t in plan(PRESETS["qwen3-30b-a3b"]))
+    assert code == 0 and f"qwen3-30b-a3b at q4_k_m: {total:,} bytes" in text
+    assert not (tmp_path / "p.gguf").exists()
+    for extra in (["--hidden", "64"], ["--arch", "mixtral"], ["--tokenizer", "bytes"]):
+        assert main(["model", "make-tiny", out, "--preset", "olmoe-1b-7b", *extra]) == 2
+        assert "sets the arch, every dimension" in capsys.readouterr().err
+    assert main(["model", "make-tiny", out, "--dry-run"]) == 2
+    with pytest.raises(SystemExit):
+        main(["model", "make-tiny", out, "--preset", "gpt-5"])
+
+
+def test_inspect_sizes_and_memory(capsys: pytest.CaptureFixture[str], odd_path: Path) -> None:
+    d = _json(capsys, "model", "inspect", str(odd_path), "--json", "--slice-experts", "4")
+    meta = read_meta(odd_path)
+    reader = GGUFReader(odd_path)
+    assert d["tensor_bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
+    assert d["expert_bytes"] == sum(s["bytes"] for s in d["slices"]) == 2 * 3 * 6 * 48 * 32 * 4
+    assert d["backbone_bytes"] == d["tensor_bytes"] - d["expert_bytes"]
+    m = d["memory"]
+    assert (m["dtype"], m["n_slots"], m["kv_positions"]) == ("float32", 4, 512)
+    kv = 4 * 512 * 2 * 2 * meta.head_count_kv * meta.head_dim * 4
+    assert m["kv_cache_bytes"] == kv
+    embed = next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+    assert m["backbone_bytes"] == d["backbone_bytes"]  # F32 file: dense size = encoded size
+    assert m["coordinator_none_bytes"] == m["backbone_bytes"] + kv and embed > 0
+    assert m["coordinator_all_bytes"] == m["coordinator_none_bytes"] + d["expert_bytes"]
+    assert m["worker_slice_bytes_max"] == 4 * 3 * 48 * 32 * 4  # experts 0-3 of a layer
+    assert m["worker_slice_bytes_min"] == 2 * 3 * 48 * 32 * 4  # experts 4-5
+    assert len(m["assumptions"]) == 4
+    bf = _json(capsys, "model", "inspect", str(odd_path), "--json", "--dtype", "bfloat16",
+               "--n-slots", "2", "--kv-positions", "100")["memory"]  # fmt: skip
+    assert bf["kv_cache_bytes"] == 2 * 100 * 2 * 2 * meta.head_count_kv * meta.head_dim * 2
+    assert bf["backbone_bytes"] == (m["backbone_bytes"] - embed) // 2 + embed
+    code, text = _run(capsys, "model", "inspect", str(odd_path))
+    assert code == 0 and "KVQ_COORDINATOR_EXPERTS=none" in text and "assumptions:" in text
+    assert f"{m['coordinator_all_bytes']:,} B" in text
+
+
+def test_inspect_quantized_backbone_counts_dense_weights_in_the_compute_dtype(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "q.gguf"
+    write_preset(path, Preset("s", TinyConfig(2, 4, 2, 256, 256, 4, 2, 64, vocab=600), 64, 1e6,
+                              1e-6), "q4_k_m")  # fmt: skip
+    m = _json(capsys, "model", "inspect", str(path), "--json")["memory"]
+    reader = GGUFReader(path)
+    dense = sum(int(t.n_elements) * 4 for t in reader.tensors
+                if "_exps." not in t.name and t.name != "token_embd.weight")  # fmt: skip
+    embed = next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+    assert m["backbone_bytes"] == dense + embed
 
 
 def test_generate_json_matches_the_library(

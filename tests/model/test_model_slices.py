@@ -40,8 +40,10 @@ def test_decode_slice_dtype_and_blob_order(odd_path: Path) -> None:
     layout = slice_layout(meta, 0, 2, 3)
     blobs = read_slice_file(odd_path, layout)
     sl = decode_slice(layout, blobs, 0, 2, 3, dtype=torch.bfloat16)
-    assert sl.gate.dtype == torch.bfloat16 and sl.gate.device.type == "cpu"
-    assert sl.to("cpu", torch.float32).gate.dtype == torch.float32
+    assert sl.quantized and sl.compute_dtype == torch.bfloat16 and sl.gate.device.type == "cpu"
+    assert sl.nbytes() == sum(len(b) for b in blobs), "kept as the bytes it came in"
+    assert sl.to("cpu", torch.float32).compute_dtype == torch.float32
+    assert sl.dense_copy().gate.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("cut", [1, 4, 100])
@@ -91,7 +93,8 @@ def test_planned_slices_cut_the_expert_tensors_exactly(
             sl = decode_slice(layout, read_slice_file(odd_path, layout), layer,
                               spec.expert_start, spec.expert_end)  # fmt: skip
             want = load_slice(odd_path, meta, layer, spec.expert_start, spec.expert_end)
-            assert torch.equal(sl.gate, want.gate) and torch.equal(sl.down, want.down)
+            dense = sl.dense_copy()
+            assert torch.equal(dense.gate, want.gate) and torch.equal(dense.down, want.down)
         for r in spec.ranges:
             covered.setdefault(r.name, []).append((r.offset, r.offset + r.nbytes))
     for kinds in meta.expert_tensors.values():  # every byte of each stacked tensor, once

@@ -37,8 +37,8 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        type(self).sent += len(body)  # before the write: the client may check as soon as it has it
         self.wfile.write(body)
-        type(self).sent += len(body)
 
     def log_message(self, *args: object) -> None:
         pass

@@ -1,0 +1,283 @@
+"""`kvq bench model`: load time, memory and decode throughput of one GGUF file in kvq, beside
+llama.cpp (llama-cpp-python, the optional `bench` extra) on the same file and thread count.
+
+Every round of every engine runs in a fresh subprocess (`python -m kvq.bench.model --child
+SPEC`, one JSON line back), so neither engine's memory or warm caches leak into the other's
+figures; rounds alternate kvq, llama, kvq, llama, ... so a burst of load on a shared machine
+hits both alike. Per engine, each figure is the median over its rounds; `ratio` is kvq / llama.
+
+- `load_s`: kvq `Backbone.from_gguf` (every weight dequantized); llama `Llama(...)`.
+- `peak_rss_mb`: VmHWM at the end; `anon_rss_mb_load|decode`: RssAnon after the load and after
+  the decodes. llama.cpp maps the file, so its weights count in RSS but not in RssAnon.
+- `decode_tok_s`: batch 1, greedy, EOS ignored, from the first generated token to the last
+  (the prompt's prefill excluded): kvq `kvq.model.generate`, llama `Llama.generate`.
+- `aggregate_tok_s` (kvq only): `batch` sequences through the coordinator's path, an `Engine`
+  whose MoE runs in a `Bank` built as the coordinator builds it; tokens after each sequence's
+  first, over the time after the first step. `hit_rate`: that bank's hot/cold shares of routed
+  pairs. llama.cpp's batched API is not driven here, so its aggregate is null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvq.errors import ConfigError, ModelError
+
+PROMPT = "The quick brown fox jumps over the lazy dog while the rain in Spain falls mainly"
+MB = 1e6
+NOTE_NO_LLAMA = (
+    "llama_cpp is not importable: pip install 'kvq[bench]' (docs/models.md, 'Benchmarks: "
+    "model', gives the build flags)"
+)
+NOTE_AGG = "not measured: llama-cpp-python's multi-sequence batch API is not driven by this bench"
+RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode", "decode_tok_s")
+
+
+@dataclass(frozen=True)
+class ModelBench:
+    """One `kvq bench model` run. `bank`: BankOptions fields for the aggregate run."""
+
+    model: str
+    threads: int = 2
+    tokens: int = 32
+    rounds: int = 3
+    batch: int = 8
+    prompt: str = PROMPT
+    llama: bool = True
+    bank: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """ConfigError naming the first bad value."""
+        for name in ("threads", "tokens", "rounds", "batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"bench model --{name} {getattr(self, name)} must be >= 1")
+        if not self.prompt:
+            raise ConfigError("bench model --prompt must not be empty")
+        if not Path(self.model).is_file():
+            raise ConfigError(f"bench model --model {self.model!r}: no such file")
+
+
+def llama_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
+    """Run the rounds and return the figures as plain values (see the module docstring)."""
+    cfg.check()
+    cfg = replace(cfg, model=str(Path(cfg.model).resolve()))
+    use_llama = cfg.llama and llama_available()
+    runs: dict[str, list[dict[str, Any]]] = {"kvq": [], "llama": []}
+    for _ in range(cfg.rounds):
+        kvq_run = _spawn("kvq", cfg)
+        if "error" in kvq_run:
+            raise ModelError(f"kvq could not run {cfg.model}: {kvq_run['error']}")
+        runs["kvq"].append(kvq_run)
+        if use_llama:
+            runs["llama"].append(_spawn("llama", cfg))
+    out: dict[str, Any] = {
+        "model": cfg.model, "file_mb": os.path.getsize(cfg.model) / MB, "threads": cfg.threads,
+        "tokens": cfg.tokens, "rounds": cfg.rounds, "batch": cfg.batch, "prompt": cfg.prompt,
+        "kvq": _summary(runs["kvq"]),
+    }  # fmt: skip
+    if not use_llama:
+        out["llama_note"] = "skipped (--no-llama)" if not cfg.llama else NOTE_NO_LLAMA
+        return out
+    good = [r for r in runs["llama"] if "error" not in r]
+    if not good:
+        out["llama"] = {"error": runs["llama"][0]["error"]}
+        return out
+    out["llama"] = _summary(good) | {"aggregate_tok_s": None, "aggregate_note": NOTE_AGG}
+    if len(good) < len(runs["llama"]):
+        out["llama"]["failed_rounds"] = [r["error"] for r in runs["llama"] if "error" in r]
+    out["ratio"] = {k: _ratio(out["kvq"].get(k), out["llama"].get(k)) for k in RATIO_KEYS}
+    return out
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the numeric figures over rounds, the other fields of the first round, and
+    every round's numeric figures."""
+    first = runs[0]
+    keys = [k for k, v in first.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    med = {k: _median([r[k] for r in runs]) for k in keys}
+    return first | med | {"per_round": [{k: r[k] for k in keys} for r in runs]}
+
+
+def _median(values: list[int | float]) -> int | float:
+    """The median, kept an int for counts (token counts, threads) that are ints every round."""
+    m = statistics.median(values)
+    return int(m) if all(isinstance(v, int) for v in values) and float(m).is_integer() else m
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def _spawn(engine: str, cfg: ModelBench) -> dict[str, Any]:
+    """One round of `engine` in a fresh interpreter; its JSON line, or {"error": ...}."""
+    spec = json.dumps({"engine": engine, **asdict(cfg)})
+    root = Path(__file__).resolve().parents[2]  # -m finds this kvq, installed or not
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvq.bench.model", "--child", spec],
+        capture_output=True, text=True, cwd=root, check=False,
+    )  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    result: dict[str, Any] = {}
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            result = {}
+    if proc.returncode != 0 or not result:
+        result = {"error": f"exit {proc.returncode}: {_stderr_hint(proc.stderr)}"}
+    elif "error" in result:
+        result["error"] = f"{result['error']} ({_stderr_hint(proc.stderr)})"
+    return result
+
+
+def _stderr_hint(stderr: str) -> str:
+    """The lines of a child's stderr that explain a failure (llama.cpp logs the reason of a
+    failed load only there), else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    why = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+    return "; ".join(why[-3:]) if why else (lines[-1] if lines else "no output")
+
+
+# -- children ------------------------------------------------------------------------------
+
+
+def _status_mb(field: str) -> float:
+    """A kB field of /proc/self/status in MB (0.0 where the file or field is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / MB
+    except OSError:
+        pass
+    return 0.0
+
+
+def _decode_rate(stamps: list[float]) -> float:
+    """Tokens per second from the perf_counter stamps of each generated token, counting the
+    tokens after the first (the first one waits on the prefill)."""
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return 0.0
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def child_kvq(cfg: ModelBench) -> dict[str, Any]:
+    """One kvq round: load, batch-1 decode, then the coordinator's batched path."""
+    import torch
+
+    from kvq.coordinator.engine import Engine
+    from kvq.model import Backbone, load_tokenizer
+    from kvq.model.generate import generate
+
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    bb = Backbone.from_gguf(cfg.model)
+    load_s = time.perf_counter() - t0
+    anon_load = _status_mb("RssAnon")
+    tok = load_tokenizer(cfg.model)
+    prompt = tok.encode(cfg.prompt, add_bos=True)
+    stamps: list[float] = []
+    generate(bb, prompt, cfg.tokens, stop_at_eos=False,
+             on_token=lambda _t: stamps.append(time.perf_counter()))  # fmt: skip
+    bank, bank_note = _coordinator_bank(bb, cfg)
+    moe = bank.forward if bank is not None else None
+    engine = Engine(bb, tok, n_slots=cfg.batch)
+    for i in range(cfg.batch):  # distinct prompts, so no two sequences are the same work
+        engine.admit(f"bench-{i}", tok.encode(f"{cfg.prompt} {i}", add_bos=True), cfg.tokens, b"")
+    seqs = list(engine.active)
+    engine.step(moe, lambda _s: None)  # prefill of all, first token of each
+    t1 = time.perf_counter()
+    while engine.busy:
+        engine.step(moe, lambda _s: None)
+        if bank is not None:
+            bank.step()  # as the coordinator does after every engine step
+    agg_s = time.perf_counter() - t1
+    agg_tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
+    return {
+        "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
+        "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
+        "decode_tokens": len(stamps), "decode_tok_s": _decode_rate(stamps),
+        "aggregate_tok_s": agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0,
+        "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
+        "hit_rate": _hit_rate(bank), "bank_note": bank_note,
+        "torch_threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:
+    """The Bank the coordinator puts over its backbone's experts, and a note on it; (None, why)
+    where one cannot be built over them (the Engine then runs the backbone's local experts)."""
+    import torch
+
+    from kvq.bank import Bank, BankOptions
+    from kvq.errors import BankError
+
+    try:
+        bank = Bank(bb.experts, BankOptions(**(cfg.bank or {})), torch.device("cpu"))
+    except (BankError, TypeError, AttributeError) as exc:
+        return None, f"no bank over these experts ({type(exc).__name__}: {exc}); local experts"
+    return bank, bank.describe()
+
+
+def _hit_rate(bank: Any) -> dict[str, Any] | None:
+    if bank is None:
+        return None
+    st = bank.stats()
+    r = st["rates"]
+    return {"hot": r.hot, "cold": r.cold, "routed": r.routed, "hot_bytes": st["hot_bytes"],
+            "mode": st["mode"]}  # fmt: skip
+
+
+def child_llama(cfg: ModelBench) -> dict[str, Any]:
+    """One llama.cpp round: load, batch-1 greedy decode; {"error": ...} if it cannot load."""
+    from llama_cpp import Llama
+
+    n_ctx = len(cfg.prompt.encode()) + cfg.tokens + 16  # BPE never has more tokens than bytes
+    t0 = time.perf_counter()
+    try:  # verbose: llama.cpp logs why a load failed, and only when verbose
+        llm = Llama(model_path=cfg.model, n_threads=cfg.threads, n_threads_batch=cfg.threads,
+                    n_ctx=n_ctx, verbose=True)  # fmt: skip
+    except (ValueError, RuntimeError, OSError) as exc:
+        return {"error": f"llama.cpp could not load the file: {exc}"}
+    load_s = time.perf_counter() - t0
+    anon_load = _status_mb("RssAnon")
+    prompt = llm.tokenize(cfg.prompt.encode(), add_bos=True)
+    stamps: list[float] = []
+    for _tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) >= cfg.tokens:
+            break
+    return {
+        "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
+        "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
+        "decode_tokens": len(stamps), "decode_tok_s": _decode_rate(stamps),
+    }  # fmt: skip
+
+
+def _child_main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "--child":
+        print("usage: python -m kvq.bench.model --child SPEC (started by kvq bench model)")
+        return 2
+    spec = json.loads(argv[1])
+    engine = spec.pop("engine")
+    cfg = ModelBench(**spec)
+    result = child_kvq(cfg) if engine == "kvq" else child_llama(cfg)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

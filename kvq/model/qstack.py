@@ -1,0 +1,153 @@
+"""`QStack`: a stacked expert tensor kept in its GGUF encoding, dequantized one expert at a time.
+
+A stack of `n` expert matrices `[n, rows, cols]` is `n` runs of encoded bytes (`raw`, uint8
+`[n, bytes_per_expert]`). The bytes may alias a memory map of the model file (nothing is read
+until an expert is used, and then only into the page cache), an owned buffer (a worker's
+download), or pinned host memory (a CUDA node's cold bank).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvq.errors import ModelError, SliceIntegrityError
+from kvq.quant import dequantize, row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class QStack:
+    """`n` matrices `[rows, cols]` of one ggml type as raw bytes `[n, bytes_per_expert]`."""
+
+    raw: torch.Tensor  # uint8 [n, bytes_per_expert]
+    qtype: int
+    shape: tuple[int, int, int]  # [n, rows, cols]: the dequantized shape
+
+    def __post_init__(self) -> None:
+        n, rows, cols = self.shape
+        want = (n, rows * row_bytes(self.qtype, cols))
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != want:
+            raise SliceIntegrityError(
+                f"{tuple(self.raw.shape)} {self.raw.dtype} bytes cannot hold {n} "
+                f"{GGMLQuantizationType(self.qtype).name} matrices {rows}x{cols} (want {want})"
+            )
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    @property
+    def expert_nbytes(self) -> int:
+        return int(self.raw.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def dense_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's matrix once dequantized to `dtype`."""
+        return self.shape[1] * self.shape[2] * torch.empty((), dtype=dtype).element_size()
+
+    def matrix(self, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert `e` (local index) dequantized to `dtype`: [rows, cols]."""
+        return dequantize(self.raw[e], self.qtype, self.shape[1:], dtype, out)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Every expert dequantized: [n, rows, cols] (tests and references only)."""
+        out = torch.empty(self.shape, dtype=dtype, device=self.raw.device)
+        for e in range(self.n):
+            self.matrix(e, dtype, out[e])
+        return out
+
+    def __getitem__(self, part: slice) -> QStack:
+        """Experts `part` (a slice with step 1) as a view, like a dense stack's `t[a:b]`."""
+        if not isinstance(part, slice) or part.step not in (None, 1):
+            raise TypeError("index a QStack with a slice; use .matrix(e, dtype) for one expert")
+        start, end, _ = part.indices(self.n)
+        return self.experts(start, max(start, end))
+
+    def experts(self, start: int, end: int) -> QStack:
+        """Experts `[start, end)` of this stack (a view: no copy)."""
+        return QStack(self.raw[start:end], self.qtype, (end - start, *self.shape[1:]))
+
+    def to(self, device: str | torch.device, pin: bool = False) -> QStack:
+        raw = self.raw.to(device)
+        if pin and raw.device.type == "cpu" and not raw.is_pinned():
+            raw = raw.pin_memory()
+        return QStack(raw, self.qtype, self.shape)
+
+    @classmethod
+    def from_bytes(
+        cls, blob: bytes | bytearray | memoryview, qtype: int, shape: tuple[int, int, int]
+    ) -> QStack:
+        """A stack owning a copy of `blob` (e.g. downloaded bytes)."""
+        n = shape[0]
+        raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return cls(raw.reshape(n, -1) if n else raw.reshape(0, 0), qtype, shape)
+
+
+@dataclass(frozen=True, slots=True)
+class QRows:
+    """A [rows, cols] matrix kept encoded, read a few rows at a time (token embeddings)."""
+
+    raw: torch.Tensor  # uint8 [rows, row_bytes]
+    qtype: int
+    shape: tuple[int, int]
+    dtype: torch.dtype = torch.float32  # what the rows are dequantized to
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` ([N] int64) dequantized: [N, cols]."""
+        picked = self.raw.index_select(0, idx.to(self.raw.device))  # [N, row_bytes]
+        return dequantize(picked, self.qtype, (int(idx.numel()), self.shape[1]), self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
+def expert_nbytes(qtype: int, rows: int, cols: int) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return int(rows * (cols // block) * size)
+
+
+class FileMap:
+    """One copy-on-write memory map per model file, shared by every stack read from it.
+
+    Copy-on-write (`mmap.ACCESS_COPY`) gives writable tensors (torch refuses read-only
+    buffers) while untouched pages stay shared with the page cache: mapping costs no memory,
+    and reading an expert costs page cache only.
+    """
+
+    _lock = threading.Lock()
+    _maps: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def bytes_of(cls, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 view of `nbytes` at `offset` of `path` (ModelError if the file is short)."""
+        key = str(Path(path).resolve())
+        with cls._lock:
+            arr = cls._maps.get(key)
+            if arr is None:
+                try:
+                    with open(key, "rb") as f:
+                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                except FileNotFoundError as exc:
+                    raise ModelError(f"model file {key!r} does not exist") from exc
+                arr = np.frombuffer(mm, dtype=np.uint8)
+                cls._maps[key] = arr
+        if offset < 0 or offset + nbytes > arr.size:
+            raise SliceIntegrityError(
+                f"{key} ends before byte {offset + nbytes} (it has {arr.size}); the file is "
+                "truncated, re-download it"
+            )
+        return torch.from_numpy(arr[offset : offset + nbytes])

@@ -1,0 +1,139 @@
+"""`kvq bench model`: one real kvq round on a tiny file through the CLI, and the llama.cpp
+branches (missing, failed load, ratios) with the subprocess stubbed. llama_cpp is optional."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvq.bench import model as bench_model
+from kvq.cli import main
+from kvq.model import make_tiny
+
+pytestmark = pytest.mark.timeout(60)
+
+KVQ_FIGURES = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
+               "decode_tok_s", "aggregate_tok_s", "prompt_tokens")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bench_model") / "tiny.gguf"
+    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=64)
+    return path
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
+    r: dict[str, Any] = {"load_s": 2.0, "peak_rss_mb": 100.0, "anon_rss_mb_load": 50.0,
+                         "anon_rss_mb_decode": 60.0, "prompt_tokens": 9, "decode_tokens": 4,
+                         "decode_tok_s": decode_tok_s}  # fmt: skip
+    if engine == "kvq":
+        r |= {"aggregate_tok_s": 3 * decode_tok_s, "hit_rate": None, "bank_note": "stub"}
+    return r
+
+
+def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
+    r = _json(capsys, "bench", "model", "--model", str(tiny), "--no-llama", "--tokens", "4",
+              "--rounds", "1", "--threads", "1", "--json")  # fmt: skip
+    assert r["file_mb"] > 0 and r["threads"] == 1 and r["rounds"] == 1
+    kq = r["kvq"]
+    for key in KVQ_FIGURES:
+        assert isinstance(kq[key], int | float) and kq[key] > 0, key
+    assert kq["decode_tokens"] == 4
+    assert kq["aggregate_sequences"] == 8 and kq["aggregate_tokens"] > 0
+    assert kq["peak_rss_mb"] >= kq["anon_rss_mb_load"]
+    assert len(kq["per_round"]) == 1
+    hr = kq["hit_rate"]
+    assert hr is None or (hr["routed"] > 0 and hr["hot"] + hr["cold"] == pytest.approx(1.0))
+    assert "llama" not in r and "ratio" not in r
+    assert "--no-llama" in r["llama_note"]
+
+
+def test_missing_llama_cpp_gives_a_note_and_no_llama_round(
+    monkeypatch: pytest.MonkeyPatch, tiny: Path
+) -> None:
+    spawned: list[str] = []
+
+    def spawn(engine: str, cfg: bench_model.ModelBench) -> dict[str, Any]:
+        spawned.append(engine)
+        return _fake_round(engine, 10.0)
+
+    monkeypatch.setattr(bench_model, "_spawn", spawn)
+    monkeypatch.setattr(bench_model, "llama_available", lambda: False)
+    r = bench_model.run_model_bench(bench_model.ModelBench(str(tiny), rounds=2))
+    assert spawned == ["kvq", "kvq"]
+    assert "llama" not in r and "pip install" in r["llama_note"]
+
+
+def test_llama_load_failure_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tiny: Path
+) -> None:
+    def spawn(engine: str, cfg: bench_model.ModelBench) -> dict[str, Any]:
+        if engine == "llama":
+            return {"error": "llama.cpp could not load the file: unknown tokenizer 'kvq-bytes'"}
+        return _fake_round(engine, 10.0)
+
+    monkeypatch.setattr(bench_model, "_spawn", spawn)
+    monkeypatch.setattr(bench_model, "llama_available", lambda: True)
+    r = bench_model.run_model_bench(bench_model.ModelBench(str(tiny), rounds=1))
+    assert r["llama"] == {
+        "error": "llama.cpp could not load the file: unknown tokenizer 'kvq-bytes'"
+    }
+    assert r["kvq"]["decode_tok_s"] == 10.0 and "ratio" not in r
+
+
+def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny: Path
+) -> None:
+    order: list[str] = []
+    rates = iter([10.0, 40.0, 30.0, 20.0, 20.0, 80.0])  # kvq, llama, kvq, llama, ...
+
+    def spawn(engine: str, cfg: bench_model.ModelBench) -> dict[str, Any]:
+        order.append(engine)
+        return _fake_round(engine, next(rates))
+
+    monkeypatch.setattr(bench_model, "_spawn", spawn)
+    monkeypatch.setattr(bench_model, "llama_available", lambda: True)
+    r = _json(capsys, "bench", "model", "--model", str(tiny), "--rounds", "3", "--json")
+    assert order == ["kvq", "llama"] * 3
+    assert r["kvq"]["decode_tok_s"] == 20.0 and r["llama"]["decode_tok_s"] == 40.0
+    assert r["ratio"]["decode_tok_s"] == pytest.approx(0.5)
+    assert r["ratio"]["load_s"] == pytest.approx(1.0)
+    assert r["kvq"]["prompt_tokens"] == 9 and isinstance(r["kvq"]["prompt_tokens"], int)
+    assert r["llama"]["aggregate_tok_s"] is None and r["llama"]["aggregate_note"]
+    rates = iter([10.0, 40.0])
+    assert main(["bench", "model", "--model", str(tiny), "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "decode_tok_s" in text and "kvq/llama" in text
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
+    assert main(["bench", "model", "--model", str(tiny), "--tokens", "0"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    assert main(["bench", "model", "--model", str(tiny.with_suffix(".nope"))]) == 2
+
+
+def test_stderr_hint_keeps_the_reason_of_a_failed_load() -> None:
+    stderr = (
+        "llama_model_loader: loaded meta data\nllama_model_load: error loading model: "
+        "unknown tokenizer: 'kvq-bytes'\nllama_load_model_from_file: failed to load model\n"
+    )
+    hint = bench_model._stderr_hint(stderr)
+    assert "unknown tokenizer" in hint and "loaded meta data" not in hint
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
+def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
+    r = _json(capsys, "bench", "model", "--model", str(tiny), "--tokens", "4", "--rounds", "1",
+              "--threads", "1", "--json")  # fmt: skip
+    ll = r["llama"]
+    assert ll.get("error") or ll["decode_tok_s"] > 0

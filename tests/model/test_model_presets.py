@@ -1,0 +1,107 @@
+"""Presets: real-sized random models. The writing path runs on a scaled-down preset (the same
+code, small dims); the real presets are checked for their sizes only (they are GBs)."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from kvq.errors import ModelError
+from kvq.model import Backbone, SeqStep, load_tokenizer, read_meta
+from kvq.model import gguf_io as gio
+from kvq.model.presets import PRESETS, Preset, plan, preset_named, write_preset
+from kvq.model.tiny import TinyConfig
+
+SMALL = Preset("small", TinyConfig(4, 16, 4, 512, 256, 4, 2, 64, vocab=1000), 256, 1e6, 1e-6)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("preset") / "small.gguf"
+    write_preset(path, SMALL, "q4_k_m", seed=3)
+    return path
+
+
+def test_small_preset_file_follows_the_plan(small: Path) -> None:
+    got = [(t.name, gio.numpy_shape(t), int(t.tensor_type), int(t.n_bytes))
+           for t in GGUFReader(small).tensors]  # fmt: skip
+    assert got == [(t.name, t.shape, int(t.qtype), t.nbytes) for t in plan(SMALL)]
+    types = {name: gio.quant_type(qtype).name for name, _, qtype, _ in got}
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [
+        "Q4_K", "Q4_K", "Q6_K", "Q6_K",
+    ]  # fmt: skip
+    assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    meta = read_meta(small)
+    assert (meta.block_count, meta.expert_count, meta.expert_used_count) == (4, 16, 4)
+    assert (meta.vocab_size, meta.context_length, meta.head_dim) == (1000, 256, 64)
+    assert meta.name == "kvq-small-random-s3"
+
+
+def test_small_preset_runs_with_bounded_activations_and_skewed_routing(small: Path) -> None:
+    bb = Backbone.from_gguf(small)
+    tok = load_tokenizer(small)
+    ids = tok.encode("Some experts are far more popular than others, and the router knows it.")
+    picks: dict[int, Counter[int]] = {}
+
+    def moe(layer: int, x: torch.Tensor, top: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        picks.setdefault(layer, Counter()).update(top.flatten().tolist())
+        return bb.local_moe(layer, x, top, w)
+
+    logits = bb.forward([SeqStep(ids, bb.new_cache())], moe=moe)
+    assert torch.isfinite(logits).all() and 0.5 < float(logits.std()) < 10
+    for layer, counts in picks.items():
+        top_share = counts.most_common(1)[0][1] / len(ids)
+        assert top_share > 0.9, (layer, counts)  # one expert in (nearly) every token's top-4
+        assert len(counts) < 16  # some experts are never picked for this text
+    assert len(bb.generate(ids[:4], 6, stop_at_eos=False)) == 6
+
+
+def test_writing_streams_tensor_by_tensor(tmp_path: Path) -> None:
+    p = Preset("mid", TinyConfig(3, 32, 4, 512, 512, 4, 2, 64, vocab=600), 128, 1e6, 1e-6)
+    tensors = plan(p, "q8_0")
+    total, largest = sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
+    tracemalloc.start()
+    try:
+        write_preset(tmp_path / "mid.gguf", p, "q8_0")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert total > 50e6 and peak < 4 * largest < total / 2
+    assert (tmp_path / "mid.gguf").stat().st_size > total
+
+
+def test_same_seed_same_file(tmp_path: Path) -> None:
+    p = Preset("x", TinyConfig(1, 4, 2, 64, 64, 4, 2, 16, vocab=600), 128, 1e6, 1e-6)
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        write_preset(tmp_path / f"{name}.gguf", p, "q4_k", seed)
+    a, b, c = ((tmp_path / f"{n}.gguf").read_bytes() for n in "abc")
+    assert a == b and a != c
+    types = {t.name: t.tensor_type.name for t in GGUFReader(tmp_path / "a.gguf").tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == "Q5_0"  # hidden 64: Q4_K falls back
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "gib", "expert_share"),
+    [("olmoe-1b-7b", 6.92e9, 3.92, 0.92), ("qwen3-30b-a3b", 30.53e9, 17.28, 0.94)],
+)
+def test_real_preset_sizes(name: str, params: float, gib: float, expert_share: float) -> None:
+    tensors = plan(preset_named(name))
+    total = sum(t.nbytes for t in tensors)
+    experts = sum(t.nbytes for t in tensors if "_exps." in t.name)
+    assert sum(int(np.prod(t.shape)) for t in tensors) == pytest.approx(params, rel=1e-3)
+    assert total / 2**30 == pytest.approx(gib, abs=0.01)  # Q4_K_M, as llama.cpp's files
+    assert experts / total == pytest.approx(expert_share, abs=0.01)
+    cfg = PRESETS[name].cfg
+    emb = next(t for t in tensors if t.name == "token_embd.weight")
+    assert emb.shape == (cfg.vocab, 2048) and emb.qtype.name == "Q4_K"
+    assert Counter(t.qtype.name for t in tensors if "ffn_down_exps" in t.name)["Q6_K"] == (
+        cfg.layers // 2
+    )
+    with pytest.raises(ModelError, match="preset 'llama-70b' is unknown"):
+        preset_named("llama-70b")
