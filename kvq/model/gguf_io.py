@@ -13,10 +13,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import quants as gguf_quants
 from gguf.quants import dequantize
 
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model.quants import SUPPORTED_TYPES
+
+# every type kvq reads: what gguf can dequantize (its numpy reference), plus F32/F16
+READABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {*SUPPORTED_TYPES, *getattr(gguf_quants, "_type_traits", {})}
+)
 
 F32Array = npt.NDArray[np.float32]
 
@@ -92,20 +98,21 @@ def numpy_shape(t: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def quant_type(raw: int) -> GGMLQuantizationType:
-    """`raw` as a ggml type, or ModelError naming it."""
+def quant_type(raw: int, name: str = "") -> GGMLQuantizationType:
+    """`raw` as a ggml type, or ModelError naming it (and the tensor, if given)."""
     try:
         return GGMLQuantizationType(raw)
     except ValueError as exc:
+        of = f" of tensor {name!r}" if name else ""
         raise ModelError(
-            f"unknown ggml tensor type {raw}; this gguf package cannot decode it"
+            f"unknown ggml tensor type {raw}{of}; this gguf package cannot decode it"
         ) from exc
 
 
 def check_supported(raw: int, name: str) -> GGMLQuantizationType:
-    """The ggml type of tensor `name`, or ModelError if kvq does not decode it."""
-    qtype = quant_type(raw)
-    if qtype not in SUPPORTED_TYPES:
+    """The ggml type of tensor `name`, or ModelError if kvq cannot decode it."""
+    qtype = quant_type(raw, name)
+    if qtype not in READABLE_TYPES:
         raise ModelError(
             f"tensor {name!r} is stored as {qtype.name}, which kvq does not support; "
             f"re-quantize the model to one of {', '.join(t.name for t in SUPPORTED_TYPES)}"

@@ -114,21 +114,17 @@ def _q4_k(b: torch.Tensor, o: torch.Tensor) -> None:  # b [n, 144] -> o [n, 256]
 
 
 def _q5_k(b: torch.Tensor, o: torch.Tensor) -> None:  # b [n, 176] -> o [n, 256]
-    ql = _words(b, 48, 176).view(-1, 4, 4)  # [n, 4, 4]: sub-blocks 2i, 2i+1 share 32 bytes
-    lo, hi = ql & _LOW4, (ql >> 4) & _LOW4
-    high = _planes(_words(b, 16, 48), 8, 1, _BIT0)  # 8 x [n, 4]: bit 4 of sub-block j
-    parts = [torch.add((hi if j % 2 else lo)[:, j // 2], high[j], alpha=16) for j in range(8)]
-    _affine(b, o, _join(parts))  # bytes never carry: 0..15 + 16 * (0 or 1)
+    ql = _words(b, 48, 176).view(-1, 4, 4)
+    qh = _words(b, 16, 48)  # [n, 4]: bit j of each byte is bit 4 of sub-block j
+    high = _join(_planes(qh, 8, 1, _BIT0))  # [n, 32]
+    _affine(b, o, torch.add(_nibbles(ql).view(-1, 32), high, alpha=16))  # bytes never carry
 
 
 def _q6_k(b: torch.Tensor, o: torch.Tensor) -> None:  # b [n, 210] -> o [n, 256]
     w = _words(b, 0, 192)
     ql, qh = w[:, :16].view(-1, 2, 8), w[:, 16:].view(-1, 2, 4)  # per half of 128 values
-    lo, hi = ql & _LOW4, (ql >> 4) & _LOW4  # [n, 2, 8]: 64 values of each half
-    high = _planes(qh, 4, 2, _LOW2)  # 4 x [n, 2, 4]: bits 4-5 of quarter k of each half
-    nib = [lo[..., :4], lo[..., 4:], hi[..., :4], hi[..., 4:]]
-    q = _join([torch.add(nib[k], high[k], alpha=16) for k in range(4)])  # [n, 2, 16]
-    q = q.view(torch.int8).sub_(32)  # [n, 256] in -32..31
+    high = _join(_planes(qh, 4, 2, _LOW2))  # [n, 2, 16]
+    q = torch.add(_nibbles(ql), high, alpha=16).view(torch.int8).sub_(32)  # [n, 256] in -32..31
     d = _f16(b, 208) * b[:, 192:208].view(torch.int8).float()  # [n, 16]
     ov = o.view(-1, 16)  # [n * 16, 16]
     ov.copy_(q.view(-1, 16))

@@ -87,3 +87,32 @@ def test_missing_expert_tensor(tmp_path: Path) -> None:
 def test_make_tiny_rejects_bad_dims(tmp_path: Path, kwargs: dict[str, int], words: str) -> None:
     with pytest.raises(ModelError, match=words):
         make_tiny(tmp_path / "bad.gguf", **kwargs)  # type: ignore[arg-type]
+
+
+def test_truncated_file_is_a_model_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.gguf"
+    make_tiny(path, quant="q8_0", hidden=64, expert_ffn=64)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])  # the last tensors lose their bytes
+    with pytest.raises(ModelError, match="cut.gguf"):
+        Backbone.from_gguf(cut)
+
+
+def test_unknown_quant_type_is_a_model_error_naming_the_tensor(tmp_path: Path) -> None:
+    from kvq.model.gguf_io import check_supported
+
+    with pytest.raises(ModelError, match="blk.0.ffn_up_exps.weight"):
+        check_supported(31337, "blk.0.ffn_up_exps.weight")
+
+
+def test_bytes_that_do_not_match_the_shape_are_a_model_error(tmp_path: Path) -> None:
+    import torch
+
+    from kvq.model.qstack import QStack
+    from kvq.quant import dequantize
+
+    with pytest.raises(ModelError, match="Q8_0"):
+        dequantize(torch.zeros(33, dtype=torch.uint8), 8, (1, 32))
+    with pytest.raises(ModelError, match="Q4_0"):
+        QStack(torch.zeros(2, 17, dtype=torch.uint8), 2, (2, 1, 32))
