@@ -6,7 +6,8 @@ SPEC`, one JSON line back), so neither engine's memory or warm caches leak into 
 figures; rounds alternate kvq, llama, kvq, llama, ... so a burst of load on a shared machine
 hits both alike. Per engine, each figure is the median over its rounds; `ratio` is kvq / llama.
 
-- `load_s`: kvq `Backbone.from_gguf` (every weight dequantized); llama `Llama(...)`.
+- `load_s`: kvq `Backbone.from_gguf` (dense weights dequantized once; experts and the token
+  embedding stay mapped, encoded); llama `Llama(...)`.
 - `peak_rss_mb`: VmHWM at the end; `anon_rss_mb_load|decode`: RssAnon after the load and after
   the decodes. llama.cpp maps the file, so its weights count in RSS but not in RssAnon.
 - `decode_tok_s`: batch 1, greedy, EOS ignored, from the first generated token to the last
