@@ -131,9 +131,10 @@ def _experts() -> dict[str, Any]:
          r"each expert as its own tensor.*re-convert"),
         ("llama", _keys("llama"), {**_experts(), "rope_freqs.weight": (
             np.ones(4, np.float32), GGMLQuantizationType.F32)}, r"'rope_freqs.weight'.*not supported"),
+        # Q8_1 is an intermediate format gguf cannot dequantize (Q2_K and the IQ types it can)
         ("qwen3moe", _keys("qwen3moe"), {**_experts(), "blk.0.attn_q.weight": (
-            np.zeros((32, 84), np.uint8), GGMLQuantizationType.Q2_K)},
-         r"'blk.0.attn_q.weight' is stored as Q2_K, which kvq does not support"),
+            np.zeros((32, 40), np.uint8), GGMLQuantizationType.Q8_1)},
+         r"'blk.0.attn_q.weight' is stored as Q8_1, which kvq does not support"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_problem(
