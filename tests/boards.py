@@ -30,7 +30,7 @@ class BoardCase:
             b.r.delete(b.keys.worker_heartbeat(worker))
         else:
             assert isinstance(b, MemoryBoard)
-            b._expiring.pop(("hb", worker), None)
+            b.lapse("hb", worker)
 
     def vanish_coordinator(self, coord: str) -> None:
         """The coordinator's slot state expires (it stopped long ago)."""
@@ -39,7 +39,7 @@ class BoardCase:
             b.r.delete(b.keys.coord_slots(coord))
         else:
             assert isinstance(b, MemoryBoard)
-            b._expiring.pop(("slots", coord), None)
+            b.lapse("slots", coord)
 
     def inbox(self, worker: str) -> list[dict[str, Any]]:
         """The worker's inbox entries' fields, as str → str."""

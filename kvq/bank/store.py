@@ -26,6 +26,7 @@ from kvq.errors import BankError
 from kvq.model.experts import ExpertWeights
 from kvq.model.qstack import QStack
 from kvq.model.slices import ExpertSlice, Stack
+from kvq.quant import dequantize
 
 Weights = ExpertWeights
 
@@ -97,14 +98,12 @@ class LayerStore:
         if s >= 0:
             return self.hot[0][s], self.hot[1][s], self.hot[2][s]
         src = self.cold_in_place
+        bufs = self._buffers() if self.quantized else None
         out: list[torch.Tensor] = []
         for k, t in enumerate(src if src is not None else self.cold):
             if isinstance(t, QStack):
-                raw = t.raw[e : e + 1]  # [1, bytes]
-                if src is None:
-                    raw = raw.to(self.device, non_blocking=True)
-                one = QStack(raw, t.qtype, (1, *t.shape[1:]))
-                out.append(one.matrix(0, self.dtype, self._buffers()[k]))
+                raw = t.raw[e] if src is not None else t.raw[e].to(self.device, non_blocking=True)
+                out.append(dequantize(raw, t.qtype, t.shape[1:], self.dtype, bufs[k]))  # type: ignore[index]
             else:
                 out.append(t[e] if src is not None else t[e].to(self.device, non_blocking=True))
         return out[0], out[1], out[2]
@@ -171,8 +170,8 @@ class LayerStore:
 def _fill(dst: torch.Tensor, src: Stack, e: int, device: torch.device, non_blocking: bool) -> None:
     """dst <- expert e of src: a copy, or quantized bytes moved to the device and decoded there."""
     if isinstance(src, QStack):
-        raw = src.raw[e : e + 1].to(device, non_blocking=non_blocking)  # [1, bytes]
-        QStack(raw, src.qtype, (1, *src.shape[1:])).matrix(0, dst.dtype, dst)
+        raw = src.raw[e].to(device, non_blocking=non_blocking)  # [bytes]
+        dequantize(raw, src.qtype, src.shape[1:], dst.dtype, dst)
     else:
         dst.copy_(src[e], non_blocking=non_blocking)
 

@@ -58,6 +58,12 @@ class MemoryBoard:
                 return None
             return value
 
+    def lapse(self, kind: str, ident: str) -> None:
+        """Let one expiring record run out now (`"hb"`, `"info"`, `"slots"`), as its TTL
+        would: what a test does to a worker that died or a coordinator long gone."""
+        with self._lock:
+            self._expiring.pop((kind, ident), None)
+
     # -- models ---------------------------------------------------------------------------
     def models(self) -> list[str]:
         return sorted(self._models)
@@ -173,8 +179,8 @@ class MemoryBoard:
 
     def forget_worker(self, worker: str) -> None:
         with self._lock:
-            self._expiring.pop(("hb", worker), None)
-            self._expiring.pop(("info", worker), None)
+            self.lapse("hb", worker)
+            self.lapse("info", worker)
             self.inboxes.pop(worker, None)
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:

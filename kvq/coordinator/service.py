@@ -46,9 +46,9 @@ class Coordinator:
         coord_id: str, model: str, model_path: str | Path,
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
-        stored = read_meta(model_path).expert_types()
-        dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, stored)
-        self.backbone = Backbone.from_gguf(model_path, dtype=dtype)
+        meta = read_meta(model_path)
+        dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, meta.expert_types())
+        self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
@@ -78,10 +78,9 @@ class Coordinator:
         cls, settings: Settings, coord_id: str, model: str, model_path: str | Path
     ) -> Coordinator:
         board = open_board(settings.bus, settings.lifetimes)
-        bank = BankOptions.from_settings(settings)
-        if not settings.routing.local_experts:
-            # backbone-only: no hot experts; fallback and verification read the mapped file
-            bank = BankOptions.from_settings(settings, hot_bytes=0, dynamic=False)
+        # backbone-only: no hot experts; fallback and verification read the mapped file
+        only_backbone = {} if settings.routing.local_experts else {"hot_bytes": 0, "dynamic": False}
+        bank = BankOptions.from_settings(settings, **only_backbone)
         return cls(
             board, settings.coordinator, settings.routing, settings.dispatch, bank,
             coord_id, model, model_path,

@@ -61,10 +61,12 @@ class Backbone:
         path: str | Path,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        meta: ModelMeta | None = None,
     ) -> Backbone:
         """Map a GGUF model: dense weights dequantized once into `dtype`, the token embedding
-        and every expert kept in their encoding (memory-mapped: read on use)."""
-        m = read_meta(path)  # validates arch, tensors and quant types before any weight
+        and every expert kept in their encoding (memory-mapped: read on use). `meta`: the
+        file's `read_meta`, if the caller has it already."""
+        m = meta or read_meta(path)  # validates arch, tensors, quant types before any weight
         load = Loader(path, device, dtype)
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
         layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]

@@ -1,7 +1,8 @@
-"""Thin helpers over `gguf.GGUFReader`: open with kvq errors, typed metadata, dequantization.
+"""Thin helpers over `gguf.GGUFReader`: open with kvq errors, typed metadata, type checks.
 
 Shapes: GGUF stores dims fastest-first (ggml `ne0, ne1, ...`); numpy order is the reverse.
 Everything kvq hands out uses numpy order, e.g. `ffn_gate_exps` is `[experts, ffn, hidden]`.
+Dequantization lives in `kvq.quant`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf import quants as gguf_quants
-from gguf.quants import dequantize
 
-from kvq.errors import ModelError, SliceIntegrityError
+from kvq.errors import ModelError
 from kvq.model.quants import SUPPORTED_TYPES
 
 # every type kvq reads: what gguf can dequantize (its numpy reference), plus F32/F16
 READABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {*SUPPORTED_TYPES, *getattr(gguf_quants, "_type_traits", {})}
 )
-
-F32Array = npt.NDArray[np.float32]
 
 
 def open_reader(path: str | Path) -> GGUFReader:
@@ -129,32 +125,3 @@ def nbytes_for(ggml_type: int, shape: tuple[int, ...]) -> int:
             f"block size {block}; the tensor cannot be split by rows"
         )
     return int(math.prod(shape) // block * type_size)
-
-
-def decode_bytes(
-    raw: npt.NDArray[np.uint8], ggml_type: int, shape: tuple[int, ...], name: str = "slice"
-) -> F32Array:
-    """Dequantize the encoded bytes of tensor `name` into a writable float32 array of `shape`."""
-    qtype = check_supported(ggml_type, name)
-    expected = nbytes_for(ggml_type, shape)
-    if raw.size != expected:
-        raise SliceIntegrityError(
-            f"{raw.size} bytes cannot hold a {qtype.name} tensor of shape {shape} "
-            f"({expected} bytes); re-download the slice"
-        )
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    # dequantize wants the byte layout: rows of whole blocks in the last dim
-    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
-    try:
-        out = dequantize(raw.reshape(byte_shape), qtype)
-    except NotImplementedError as exc:
-        raise ModelError(f"ggml type {qtype.name} cannot be dequantized by gguf: {exc}") from exc
-    # copy: the input may be a read-only buffer or a memmap; torch wants owned, writable data
-    return np.array(out, dtype=np.float32, copy=True).reshape(shape)
-
-
-def dequantize_tensor(t: ReaderTensor) -> F32Array:
-    """A whole tensor from the file as float32 in numpy order (copied out of the memmap)."""
-    shape = numpy_shape(t)
-    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-    return decode_bytes(raw, int(t.tensor_type), shape, t.name)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.quant import dequantize, row_bytes
@@ -113,11 +113,6 @@ class QRows:
     @property
     def device(self) -> torch.device:
         return self.raw.device
-
-
-def expert_nbytes(qtype: int, rows: int, cols: int) -> int:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    return int(rows * (cols // block) * size)
 
 
 class FileMap:
