@@ -16,6 +16,7 @@ import torch
 
 from kvq.device import timed_call
 from kvq.errors import BankError
+from kvq.model.experts import ExpertWeights
 from kvq.model.layers import swiglu
 
 MEASURE_ROWS = 8  # tokens per measured expert call: a decode-sized batch
@@ -53,7 +54,7 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def measure(
-    mapped: Callable[[], tuple[torch.Tensor, ...]], staged: Callable[[], tuple[torch.Tensor, ...]],
+    mapped: Callable[[], ExpertWeights], staged: Callable[[], ExpertWeights],
     hidden: int, dtype: torch.dtype, device: torch.device,
 ) -> dict[str, float]:  # fmt: skip
     """Seconds per expert call (MEASURE_ROWS tokens) with a cold expert's weights read by each

@@ -1,7 +1,7 @@
 """The hot set a bank starts with (B4): histogram counts, or a uniform prior, planned under the
-resolved budget with the shared planner. Sizes are the hot bank's resident bytes (dequantized
-weights in the compute dtype), not the model file's, since that is what occupies the device;
-the cold bank keeps the file's encoding."""
+resolved budget with the shared planner. Sizes are the hot bank's resident bytes (the encoded
+bytes where a fused kernel computes them, else dense weights in the compute dtype), since
+that is what occupies the device; the cold bank keeps the file's encoding."""
 
 from __future__ import annotations
 
@@ -14,14 +14,19 @@ import torch
 from kvq.bank.hist import Histogram
 from kvq.bank.options import BankOptions, device_free_bytes, resolve_budget
 from kvq.bank.planner import LayerTable, Plan, plan_hot_set, table
+from kvq.bank.store import hot_encoded
 from kvq.errors import BankError
+from kvq.model.qstack import QStack
 from kvq.model.slices import ExpertSlice
 
 log = logging.getLogger(__name__)
 
 
-def resident_bytes(sl: ExpertSlice) -> int:
-    """Bytes one expert's gate + up + down take in the hot bank: dense in the compute dtype."""
+def resident_bytes(sl: ExpertSlice, device: torch.device) -> int:
+    """Bytes one expert's gate + up + down take in `device`'s hot bank: encoded, or dense in
+    the compute dtype (`hot_encoded`)."""
+    if hot_encoded(sl.stacks, device, sl.compute_dtype):
+        return sum(t.expert_nbytes for t in sl.stacks if isinstance(t, QStack))
     per = torch.empty((), dtype=sl.compute_dtype).element_size()
     return sum(int(t.shape[1] * t.shape[2]) * per for t in sl.stacks)
 
@@ -34,7 +39,7 @@ def initial_plan(
     tables: list[LayerTable] = []
     for layer, sl in sorted(sls.items()):
         counts = hist_counts(hist, sl) if hist is not None else np.ones(sl.n_experts)
-        tables.append(table(layer, counts, np.full(sl.n_experts, resident_bytes(sl))))
+        tables.append(table(layer, counts, np.full(sl.n_experts, resident_bytes(sl, device))))
     total = int(sum(int(t.expert_bytes.sum()) for t in tables))
     free = device_free_bytes(device)
     budget, why = resolve_budget(opts, total, free, stock_hot_bytes, device.type != "cpu")

@@ -4,10 +4,15 @@ hot bank (device), and the slot map saying which is where.
 The cold bank is the backing store: it holds all of the node's experts of the layer, so a swap
 is one host-to-device copy into a hot slot and never a copy back. A quantized slice's cold
 bank is its GGUF bytes as they are: on CPU the memory-mapped file itself (page cache, read
-on use), on CUDA pinned host memory, which crosses PCIe as quantized bytes. The hot bank holds
-the hot experts dequantized into the compute dtype: a plain matmul, the fastest kernel. A cold
-expert is dequantized per call into a reused per-thread buffer (`Scratch`). Dense slices
-(tests) keep dense cold banks, as before.
+on use), on CUDA pinned host memory, which crosses PCIe as quantized bytes.
+
+The hot bank holds each hot expert in the fastest compute format for the device. On a CPU
+computing in float32, where a fused kernel covers the type (`kvq.quant.kernels`), that is the
+encoded bytes themselves, copied into owned memory (resident, never evicted like page cache):
+hot and cold experts then run the same kernel, so a swap changes no bit. Elsewhere (CUDA,
+bf16, types without a kernel) hot experts are dequantized into the compute dtype for a plain
+matmul, and a cold expert is dequantized per call into a reused per-thread buffer. Dense
+slices (tests) keep dense cold banks, as before.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from kvq.bank import coldpath
 from kvq.bank.coldpath import uva_view
 from kvq.errors import BankError
 from kvq.model.experts import ExpertWeights
-from kvq.model.qstack import QStack
+from kvq.model.qstack import QMatrix, QStack
 from kvq.model.slices import ExpertSlice, Stack
-from kvq.quant import dequantize
+from kvq.quant import dequantize, kernels
 
 Weights = ExpertWeights
 
@@ -56,16 +61,23 @@ class LayerStore:
         self.cold = tuple(_host(t, device) for t in sl.stacks)  # [n, ...] each
         self.quantized = sl.quantized
         self.cold_in_place: tuple[Stack, ...] | None = None  # device-readable cold views
-        # what a hot slot holds: the expert dense in the compute dtype
-        self.expert_bytes = sum(_dense_nbytes(t, self.dtype) for t in self.cold)
+        # hot slots hold the encoded bytes (a kernel computes them) or the dense matrices
+        self.encoded = hot_encoded(self.cold, device, self.dtype)
         self.cold_expert_bytes = sum(_stored_nbytes(t) for t in self.cold)
+        self.expert_bytes = (
+            self.cold_expert_bytes if self.encoded
+            else sum(_dense_nbytes(t, self.dtype) for t in self.cold)
+        )  # fmt: skip
         locals_ = [e - self.start for e in hot]
         if any(not 0 <= e < self.n for e in locals_) or len(set(locals_)) != len(locals_):
             raise BankError(f"layer {self.layer}: hot set {hot} is not inside [{self.start}, "
                             f"{self.end}) without repeats")  # fmt: skip
-        # [S, F, H], [S, F, H], [S, H, F]: hot slot s holds expert locals_[s]
+        # [S, F, H], [S, F, H], [S, H, F] (or [S, bytes] each, encoded): slot s holds
+        # expert locals_[s]
         self.hot = tuple(
-            torch.empty((len(locals_), *_matrix_shape(c)), dtype=self.dtype, device=device)
+            torch.empty((len(locals_), c.expert_nbytes), dtype=torch.uint8, device=device)
+            if self.encoded and isinstance(c, QStack)
+            else torch.empty((len(locals_), *_matrix_shape(c)), dtype=self.dtype, device=device)
             for c in self.cold
         )
         self.copy_in([(s, e) for s, e in enumerate(locals_)], [], None)
@@ -95,6 +107,8 @@ class LayerStore:
         in place (mapped) or copied to the device now (staged); a quantized cold expert is
         dequantized into this thread's scratch buffers, valid until its next cold call."""
         s = m.slot_of[e]
+        if self.encoded:
+            return self._encoded(s, e)
         if s >= 0:
             return self.hot[0][s], self.hot[1][s], self.hot[2][s]
         src = self.cold_in_place
@@ -106,6 +120,15 @@ class LayerStore:
                 out.append(dequantize(raw, t.qtype, t.shape[1:], self.dtype, bufs[k]))  # type: ignore[index]
             else:
                 out.append(t[e] if src is not None else t[e].to(self.device, non_blocking=True))
+        return out[0], out[1], out[2]
+
+    def _encoded(self, slot: int, e: int) -> Weights:
+        """Expert `e`'s encoded matrices: from hot slot `slot`, or the cold bank (slot -1)."""
+        out: list[QMatrix] = []
+        for k, c in enumerate(self.cold):
+            assert isinstance(c, QStack)
+            raw = self.hot[k][slot] if slot >= 0 else c.raw[e]
+            out.append(QMatrix(raw.view(c.shape[1], -1), c.qtype, c.shape[1:]))
         return out[0], out[1], out[2]
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
@@ -167,9 +190,19 @@ class LayerStore:
         return ev
 
 
+def hot_encoded(stacks: Iterable[Stack], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether hot slots hold these stacks' encoded bytes (a fused kernel computes every one
+    of them on `device` in `dtype`) rather than dense matrices."""
+    return all(
+        isinstance(t, QStack) and kernels.keeps_encoded(t.qtype, device, dtype) for t in stacks
+    )
+
+
 def _fill(dst: torch.Tensor, src: Stack, e: int, device: torch.device, non_blocking: bool) -> None:
     """dst <- expert e of src: a copy, or quantized bytes moved to the device and decoded there."""
-    if isinstance(src, QStack):
+    if isinstance(src, QStack) and dst.dtype == torch.uint8:  # an encoded hot slot
+        dst.copy_(src.raw[e], non_blocking=non_blocking)
+    elif isinstance(src, QStack):
         raw = src.raw[e].to(device, non_blocking=non_blocking)  # [bytes]
         dequantize(raw, src.qtype, src.shape[1:], dst.dtype, dst)
     else:

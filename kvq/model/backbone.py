@@ -19,11 +19,11 @@ from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.experts import expert_forward
 from kvq.model.generate import generate
-from kvq.model.layers import Rope, causal_attention, rms_norm, route, swiglu
+from kvq.model.layers import Rope, causal_attention, linear, rms_norm, route, swiglu
 from kvq.model.layout import slice_layout
 from kvq.model.loader import LayerWeights, Loader, SharedExpert, layer_weights, output_weight
 from kvq.model.meta import ModelMeta, read_meta
-from kvq.model.qstack import QRows
+from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
 
 __all__ = ["Backbone", "KVCache", "LayerWeights", "MoeFn", "SeqStep"]
@@ -41,7 +41,7 @@ class Backbone:
         embed: torch.Tensor | QRows,
         layers: list[LayerWeights],
         output_norm: torch.Tensor,
-        output: torch.Tensor,
+        output: Weight,
         experts: list[ExpertSlice],
     ) -> None:
         self.meta = meta
@@ -50,8 +50,8 @@ class Backbone:
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
         self.experts = experts  # experts[layer] covers all experts of that layer
-        self.device = output.device
-        self.dtype = output.dtype
+        self.device = output_norm.device
+        self.dtype = output_norm.dtype
         self.spec = arch_spec(meta.arch)
         self.rope = Rope.from_meta(meta, self.spec.rope_style)
 
@@ -63,9 +63,9 @@ class Backbone:
         dtype: torch.dtype = torch.float32,
         meta: ModelMeta | None = None,
     ) -> Backbone:
-        """Map a GGUF model: dense weights dequantized once into `dtype`, the token embedding
-        and every expert kept in their encoding (memory-mapped: read on use). `meta`: the
-        file's `read_meta`, if the caller has it already."""
+        """Map a GGUF model: every expert, the token embedding and each weight matrix a kernel
+        computes kept in their encoding (memory-mapped: read on use); the rest dequantized
+        once into `dtype`. `meta`: the file's `read_meta`, if the caller has it already."""
         m = meta or read_meta(path)  # validates arch, tensors, quant types before any weight
         load = Loader(path, device, dtype)
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
@@ -125,7 +125,7 @@ class Backbone:
             s.cache.advance(n)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
         hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
-        return (hl @ self.output.T).float()  # [B, V]
+        return linear(hl, self.output).float()  # [B, V]
 
     def _attention(
         self,
@@ -150,7 +150,7 @@ class Backbone:
             qs = q[start : start + t]
             outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
             start += t
-        return torch.cat(outs) @ lw.wo.T  # [N, H]
+        return linear(torch.cat(outs), lw.wo)  # [N, H]
 
     def _check_steps(self, steps: list[SeqStep]) -> list[int]:
         """Token counts per step; ModelError on empty steps, bad ids, shared or full caches."""
@@ -182,9 +182,9 @@ class Backbone:
         return generate(self, prompt_ids, max_tokens, moe=moe, stop_at_eos=stop_at_eos)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T (+ b). x: [N, in]; w: [out, in]. Returns [N, out]."""
-    y = x @ w.T  # [N, out]
+    y = linear(x, w)  # [N, out]
     return y if b is None else y + b
 
 

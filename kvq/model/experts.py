@@ -19,9 +19,10 @@ import torch
 
 from kvq.errors import KvqError, ModelError
 from kvq.model.layers import swiglu
+from kvq.model.qstack import Weight
 from kvq.model.slices import ExpertSlice
 
-ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F, H], up, down [H, F]
+ExpertWeights = tuple[Weight, Weight, Weight]  # gate [F, H], up, down [H, F]: dense or encoded
 WeightsOf = Callable[[int], ExpertWeights]  # expert index within [lo, hi) -> its weights
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvq.errors import ModelError
 from kvq.model.meta import ModelMeta
+from kvq.model.qstack import QMatrix, Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,8 +128,11 @@ def route(
     return ids, w * scale if scale != 1.0 else w
 
 
-def swiglu(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T for a dense or encoded (`QMatrix`) weight. x: [N, in]; w: [out, in]."""
+    return w.matmul(x) if isinstance(w, QMatrix) else x @ w.T
+
+
+def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x). x: [T, H]; gate, up: [F, H]; down: [H, F]. Returns [T, H]."""
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)

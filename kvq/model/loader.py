@@ -1,8 +1,10 @@
 """The dense (non-routed) weights of a GGUF model in torch, read through a memory map.
 
-Matrices are dequantized once, at load, into the compute dtype (`kvq.quant.dequantize`, the
-fast path for the common types); the token embedding stays encoded and is dequantized a few
-rows at a time (`QRows`), since a step only ever reads the rows of its tokens.
+Weight matrices stay encoded and mapped (`QMatrix`) wherever a fused kernel computes their
+type on this device (`kvq.quant.kernels`: CPU, float32); the others are dequantized once, at
+load, into the compute dtype. Vectors, norms and the router are always dequantized (small).
+The token embedding stays encoded and is dequantized a few rows at a time (`QRows`), since a
+step only ever reads the rows of its tokens.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import ArchSpec
 from kvq.model.meta import ModelMeta
-from kvq.model.qstack import FileMap, QRows
-from kvq.quant import dequantize
+from kvq.model.qstack import FileMap, QMatrix, QRows, Weight
+from kvq.quant import dequantize, kernels
 
 
 @dataclass
 class SharedExpert:
     """qwen2moe's always-on expert: `sigmoid(x . gate_inp) * down(silu(gate x) * up x)`."""
 
-    gate: torch.Tensor  # [Fs, H]
-    up: torch.Tensor  # [Fs, H]
-    down: torch.Tensor  # [H, Fs]
+    gate: Weight  # [Fs, H]
+    up: Weight  # [Fs, H]
+    down: Weight  # [H, Fs]
     gate_inp: torch.Tensor  # [H]
 
 
@@ -37,10 +39,10 @@ class LayerWeights:
     """Dense weights of one block, numpy/torch order [out, in]; optional parts are None."""
 
     attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [heads*d, H]
-    wk: torch.Tensor  # [kv*d, H]
-    wv: torch.Tensor  # [kv*d, H]
-    wo: torch.Tensor  # [H, heads*d]
+    wq: Weight  # [heads*d, H]
+    wk: Weight  # [kv*d, H]
+    wv: Weight  # [kv*d, H]
+    wo: Weight  # [H, heads*d]
     ffn_norm: torch.Tensor  # [H]
     router: torch.Tensor  # [E, H]
     q_norm: torch.Tensor | None = None  # [d]
@@ -64,6 +66,22 @@ class Loader:
         return name in self.tensors
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor `name` dequantized into the compute dtype, checked against `shape`."""
+        t, got = self._find(name, shape)
+        raw = self._raw(t)
+        rows = int(math.prod(got[:-1])) if len(got) > 1 else 1
+        dense = dequantize(raw, int(t.tensor_type), (rows, got[-1]), torch.float32)
+        return dense.reshape(shape).to(device=self.device, dtype=self.dtype)
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> Weight:
+        """Weight matrix `name`: encoded and mapped where a kernel computes it, else dense."""
+        t, _ = self._find(name, shape)
+        qtype = int(t.tensor_type)
+        if not kernels.keeps_encoded(qtype, self.device, self.dtype):
+            return self(name, shape)
+        return QMatrix(self._raw(t).reshape(shape[0], -1), qtype, shape)
+
+    def _find(self, name: str, shape: tuple[int, ...]) -> tuple[ReaderTensor, tuple[int, ...]]:
         t = self.tensors.get(name)
         if t is None:
             raise ModelError(
@@ -73,10 +91,7 @@ class Loader:
         # a vector may be stored as [1, n] (e.g. ffn_gate_inp_shexp); the values are the same
         if tuple(d for d in got if d != 1) != tuple(d for d in shape if d != 1):
             raise ModelError(f"tensor {name!r} has shape {got}, expected {shape}")
-        raw = self._raw(t)
-        rows = int(math.prod(got[:-1])) if len(got) > 1 else 1
-        dense = dequantize(raw, int(t.tensor_type), (rows, got[-1]), torch.float32)
-        return dense.reshape(shape).to(device=self.device, dtype=self.dtype)
+        return t, got
 
     def rows(self, name: str, shape: tuple[int, int]) -> QRows:
         """Matrix `name` kept encoded (mapped), for row lookups."""
@@ -109,10 +124,10 @@ def layer_weights(load: Loader, m: ModelMeta, spec: ArchSpec, i: int) -> LayerWe
     bias = load if spec.qkv_bias else load.optional
     return LayerWeights(
         attn_norm=load(p + "attn_norm.weight", (h,)),
-        wq=load(p + "attn_q.weight", (q_out, h)),
-        wk=load(p + "attn_k.weight", (kv_out, h)),
-        wv=load(p + "attn_v.weight", (kv_out, h)),
-        wo=load(p + "attn_output.weight", (h, q_out)),
+        wq=load.matrix(p + "attn_q.weight", (q_out, h)),
+        wk=load.matrix(p + "attn_k.weight", (kv_out, h)),
+        wv=load.matrix(p + "attn_v.weight", (kv_out, h)),
+        wo=load.matrix(p + "attn_output.weight", (h, q_out)),
         ffn_norm=load(p + "ffn_norm.weight", (h,)),
         router=load(p + "ffn_gate_inp.weight", (m.expert_count, h)),
         q_norm=load(p + "attn_q_norm.weight", (d,)) if spec.qk_norm else None,
@@ -132,14 +147,14 @@ def _shared_expert(load: Loader, m: ModelMeta, p: str) -> SharedExpert:
             f"{m.arch}.expert_shared_feed_forward_length nor blk.0.ffn_up_shexp.weight"
         )
     return SharedExpert(
-        gate=load(p + "ffn_gate_shexp.weight", (f, h)),
-        up=load(p + "ffn_up_shexp.weight", (f, h)),
-        down=load(p + "ffn_down_shexp.weight", (h, f)),
+        gate=load.matrix(p + "ffn_gate_shexp.weight", (f, h)),
+        up=load.matrix(p + "ffn_up_shexp.weight", (f, h)),
+        down=load.matrix(p + "ffn_down_shexp.weight", (h, f)),
         gate_inp=load(p + "ffn_gate_inp_shexp.weight", (h,)),
     )
 
 
-def output_weight(load: Loader, m: ModelMeta) -> torch.Tensor:
+def output_weight(load: Loader, m: ModelMeta) -> Weight:
     """`output.weight`, or the token embedding when the file ties them (no output tensor)."""
     name = "output.weight" if load.has("output.weight") else "token_embd.weight"
-    return load(name, (m.vocab_size, m.embedding_length))
+    return load.matrix(name, (m.vocab_size, m.embedding_length))

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.quant import dequantize, row_bytes
+from kvq.quant import dequantize, kernels, row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,13 @@ class QStack:
         """Expert `e` (local index) dequantized to `dtype`: [rows, cols]."""
         return dequantize(self.raw[e], self.qtype, self.shape[1:], dtype, out)
 
+    def weight(self, e: int, dtype: torch.dtype) -> torch.Tensor | QMatrix:
+        """Expert `e`'s matrix as it computes fastest in `dtype` on this device: encoded
+        (`QMatrix`, no copy) where a fused kernel covers the type, else dequantized."""
+        if kernels.keeps_encoded(self.qtype, self.raw.device, dtype):
+            return QMatrix(self.raw[e].view(self.shape[1], -1), self.qtype, self.shape[1:])
+        return self.matrix(e, dtype)
+
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert dequantized: [n, rows, cols] (tests and references only)."""
         out = torch.empty(self.shape, dtype=dtype, device=self.raw.device)
@@ -94,6 +101,38 @@ class QStack:
         n = shape[0]
         raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         return cls(raw.reshape(n, -1) if n else raw.reshape(0, 0), qtype, shape)
+
+
+@dataclass(frozen=True, slots=True)
+class QMatrix:
+    """One weight matrix [rows, cols] kept encoded and multiplied as it is (`matmul`)."""
+
+    raw: torch.Tensor  # uint8 [rows, row_bytes]
+    qtype: int
+    shape: tuple[int, int]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, cols] @ W.T -> [B, rows] in x.dtype: the fused kernel for a few rows, else
+        the matrix dequantized for this call (float32 bytes are used in place)."""
+        if kernels.covers(self.qtype, int(x.shape[0]), x):
+            return kernels.matmul(x, self.raw, self.qtype)
+        if self.qtype == GGMLQuantizationType.F32 and x.dtype == torch.float32:
+            return x @ self.raw.view(torch.float32).view(self.shape).T
+        return x @ self.dense(x.dtype).T
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.raw, self.qtype, self.shape, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
+Weight = torch.Tensor | QMatrix  # a dense matrix or an encoded one
 
 
 @dataclass(frozen=True, slots=True)

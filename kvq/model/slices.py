@@ -17,7 +17,7 @@ from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
-from kvq.model.qstack import FileMap, QStack
+from kvq.model.qstack import FileMap, QStack, Weight
 
 Stack = torch.Tensor | QStack  # [n, rows, cols]: dense, or encoded bytes
 
@@ -59,11 +59,12 @@ class ExpertSlice:
     def stacks(self) -> tuple[Stack, Stack, Stack]:
         return self.gate, self.up, self.down
 
-    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert `e` (local index) as dense gate, up, down in the compute dtype."""
+    def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
+        """Expert `e` (local index) as gate, up, down for the compute dtype: dense, or encoded
+        where a fused kernel computes it (`QStack.weight`)."""
         dt = self.compute_dtype
         return tuple(  # type: ignore[return-value]
-            t.matrix(e, dt) if isinstance(t, QStack) else t[e] for t in self.stacks
+            t.weight(e, dt) if isinstance(t, QStack) else t[e] for t in self.stacks
         )
 
     def dense_copy(self, dtype: torch.dtype | None = None) -> ExpertSlice:

@@ -35,7 +35,7 @@ def make_slice(
 
 def per_expert(sl: ExpertSlice) -> int:
     """Hot-bank bytes of one expert: dense in the compute dtype (what the budget counts)."""
-    return resident_bytes(sl)
+    return resident_bytes(sl, torch.device("cpu"))
 
 
 def opts(**kw: Any) -> BankOptions:

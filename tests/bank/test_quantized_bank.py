@@ -35,8 +35,12 @@ def test_experts_stay_encoded_and_swaps_are_bit_exact(quant_model: Path) -> None
     bb = Backbone.from_gguf(quant_model)
     sl = bb.experts[0]
     assert sl.quantized and all(isinstance(t, QStack) for t in sl.stacks)
-    bank = Bank(bb.experts, opts(hot_bytes=3 * resident_bytes(sl), dynamic=True, dyn_steps=2))
-    assert bank.hot_bytes == 3 * resident_bytes(sl)  # what the hot bank really stores
+    per = resident_bytes(sl, torch.device("cpu"))
+    encoded = sum(t.expert_nbytes for t in sl.stacks if isinstance(t, QStack))
+    # a CPU computing in float32 keeps hot experts encoded where a fused kernel covers the type
+    assert per == (encoded if quant_model.stem != "tiny-f32" else 3 * 64 * 64 * 4)
+    bank = Bank(bb.experts, opts(hot_bytes=3 * per, dynamic=True, dyn_steps=2))
+    assert bank.hot_bytes == 3 * per  # what the hot bank really stores
     assert bank.cold_bytes == sum(s.nbytes() for s in bb.experts)  # the encoded bytes
     tok = load_tokenizer(quant_model)
     prompt = tok.encode("quantized hot and cold")

@@ -1,0 +1,245 @@
+"""Matrix products straight from GGUF-encoded weights on the CPU: `y = x @ W.T` without
+dequantizing W first.
+
+A decode step multiplies a handful of rows by each weight matrix, so the cost is reading the
+weights. Dequantizing an encoded matrix into float32 writes and reads 8x more bytes than the
+encoding (`kvq.quant.dequantize`: about 4 ms for a 2048x1024 Q4_K matrix on two cores); these
+kernels read the encoded bytes once and compute in float32 as they go (about 0.33 ms).
+
+Each kernel follows its type's block layout in ggml (`dequantize_row_*` in ggml-quants.c). A
+block's weights are `d * q` (Q8_0, Q6_K per sub-block) or `d * q + m` (Q4_0, the K-quants), so
+the dot product of a sub-block with x is `d * sum(q * x) + m * sum(x)`: the quants are
+multiplied as small integers converted to float32, the scales applied once per sub-block, and
+the sums of x per sub-block computed once per call. Bit fields are split in float32
+arithmetic (`_split`), which is exact for small integers and vectorizes 8 lanes wide with
+AVX2, where numba's integer shifts widen to int64 and run 4 lanes wide or scalar.
+
+Precision: activations and accumulation are float32, as in the dequantize-then-matmul path
+(the precision rule: nothing is computed at lower precision than it is stored). The order of
+the float32 additions differs from a matmul's, so the results agree with it to float32
+rounding, not bit for bit; the error against the float64 reference is pinned by
+tests/quant/test_kernels.py and stated in docs/limits.md. Each output is computed by one
+thread in a fixed order, so a kernel's result does not depend on the thread count or on the
+other rows of the batch: a worker and a coordinator with the same kernel agree bit for bit.
+
+Threads: numba's parallel loops (`prange`) over output rows, as many threads as torch uses.
+numba's default threading layer does not allow two parallel launches at once, so calls take a
+process-wide lock; the kernel already uses every core.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+import numpy.typing as npt
+import torch
+from gguf import GGMLQuantizationType
+
+Q = GGMLQuantizationType
+MAX_ROWS = 16  # above this many rows, dequantize once and use a dense matmul instead
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+
+# float32 value of every float16 bit pattern: numba has no float16 type on the CPU
+_F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_jit = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+_inline = numba.njit(inline="always", cache=True)
+
+
+@_inline
+def _f16(row: U8, at: int) -> np.float32:
+    """The little-endian float16 at byte `at` of `row`, as float32."""
+    return np.float32(_F16[np.int64(row[at]) | (np.int64(row[at + 1]) << 8)])
+
+
+@_inline
+def _split(f: np.float32, base: float) -> tuple[np.float32, np.float32]:
+    """(f mod base, f // base) for a small non-negative integer f held in a float32: exact,
+    and unlike integer shifts (which numba widens to int64) it vectorizes 8 lanes wide."""
+    hi = np.floor(f * np.float32(1.0 / base))
+    return f - np.float32(base) * hi, hi
+
+
+@_inline
+def _sums(x: F32, size: int) -> F32:
+    """Sums of x [B, K] over consecutive runs of `size` values: [B, K // size]."""
+    b_n, k = x.shape
+    out = np.zeros((b_n, k // size), np.float32)
+    for b in range(b_n):
+        for s in range(k // size):
+            t = np.float32(0)
+            for i in range(size):
+                t += x[b, s * size + i]
+            out[b, s] = t
+    return out
+
+
+@_jit
+def _q8_0(w: U8, x: F32, out: F32) -> None:  # block 32: d f16, 32 x int8
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 32):
+                o, k0 = blk * 34, blk * 32
+                dot = np.float32(0)
+                for i in range(32):
+                    _, neg = _split(np.float32(row[o + 2 + i]), 128)  # the int8's sign bit
+                    dot += (np.float32(row[o + 2 + i]) - np.float32(256) * neg) * x[b, k0 + i]
+                acc += _f16(row, o) * dot
+            out[b, n] = acc
+
+
+@_jit
+def _q4_0(w: U8, x: F32, out: F32) -> None:  # block 32: d f16, 16 bytes of nibble pairs
+    xs = _sums(x, 32)
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 32):
+                o, k0 = blk * 18, blk * 32
+                dot = np.float32(0)
+                for i in range(16):  # element i: low nibble, element i + 16: high nibble
+                    lo, hi = _split(np.float32(row[o + 2 + i]), 16)
+                    dot += lo * x[b, k0 + i] + hi * x[b, k0 + 16 + i]
+                acc += _f16(row, o) * (dot - np.float32(8) * xs[b, blk])
+            out[b, n] = acc
+
+
+@_inline
+def _k_scale_min(row: U8, o: int, j: int) -> tuple[np.float32, np.float32]:
+    """Sub-block j's 6-bit scale and min of the K-quant block at byte o (ggml's
+    get_scale_min_k4); the 12 packed bytes start at o + 4."""
+    s = o + 4
+    if j < 4:
+        return np.float32(row[s + j] & 63), np.float32(row[s + j + 4] & 63)
+    sc = (row[s + j + 4] & 15) | ((row[s + j - 4] >> 6) << 4)
+    m = (row[s + j + 4] >> 4) | ((row[s + j] >> 6) << 4)
+    return np.float32(sc), np.float32(m)
+
+
+@_jit
+def _q4_k(w: U8, x: F32, out: F32) -> None:  # block 256: d, dmin, scales[12], qs[128]
+    xs = _sums(x, 32)
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 256):
+                o, k0 = blk * 144, blk * 256
+                d, dmin = _f16(row, o), _f16(row, o + 2)
+                for c in range(4):  # 32 bytes: sub-block 2c in low nibbles, 2c + 1 in high
+                    s0, m0 = _k_scale_min(row, o, 2 * c)
+                    s1, m1 = _k_scale_min(row, o, 2 * c + 1)
+                    q, xo = o + 16 + 32 * c, k0 + 64 * c
+                    lo = np.float32(0)
+                    hi = np.float32(0)
+                    for i in range(32):
+                        v_lo, v_hi = _split(np.float32(row[q + i]), 16)
+                        lo += v_lo * x[b, xo + i]
+                        hi += v_hi * x[b, xo + 32 + i]
+                    sb = blk * 8 + 2 * c
+                    acc += d * (s0 * lo + s1 * hi) - dmin * (m0 * xs[b, sb] + m1 * xs[b, sb + 1])
+            out[b, n] = acc
+
+
+@_jit
+def _q5_k(w: U8, x: F32, out: F32) -> None:  # block 256: d, dmin, scales[12], qh[32], qs[128]
+    xs = _sums(x, 32)
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 256):
+                o, k0 = blk * 176, blk * 256
+                d, dmin = _f16(row, o), _f16(row, o + 2)
+                for c in range(4):  # like Q4_K, plus bit 2c / 2c + 1 of qh[i] as the fifth bit
+                    s0, m0 = _k_scale_min(row, o, 2 * c)
+                    s1, m1 = _k_scale_min(row, o, 2 * c + 1)
+                    q, xo = o + 48 + 32 * c, k0 + 64 * c
+                    lo = np.float32(0)
+                    hi = np.float32(0)
+                    shift = np.float32(1.0 / (1 << (2 * c)))
+                    for i in range(32):
+                        v_lo, v_hi = _split(np.float32(row[q + i]), 16)
+                        h = np.floor(np.float32(row[o + 16 + i]) * shift)  # qh[i] >> 2c
+                        b0, h1 = _split(h, 2)
+                        b1, _ = _split(h1, 2)
+                        lo += (v_lo + np.float32(16) * b0) * x[b, xo + i]
+                        hi += (v_hi + np.float32(16) * b1) * x[b, xo + 32 + i]
+                    sb = blk * 8 + 2 * c
+                    acc += d * (s0 * lo + s1 * hi) - dmin * (m0 * xs[b, sb] + m1 * xs[b, sb + 1])
+            out[b, n] = acc
+
+
+@_jit
+def _q6_k(w: U8, x: F32, out: F32) -> None:  # block 256: ql[128], qh[64], int8 scales[16], d
+    xs = _sums(x, 16)
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 256):
+                o, k0 = blk * 210, blk * 256
+                d = _f16(row, o + 208)
+                for half in range(2):  # 128 values: ql[64], qh[32], scales[8]
+                    ql, qh, y0 = o + 64 * half, o + 128 + 32 * half, k0 + 128 * half
+                    for g in range(2):  # l in [16g, 16g + 16): sub-blocks 8 half + g + {0,2,4,6}
+                        t1 = np.float32(0)
+                        t2 = np.float32(0)
+                        t3 = np.float32(0)
+                        t4 = np.float32(0)
+                        for i in range(16):
+                            l = 16 * g + i  # noqa: E741 (ggml's name)
+                            a_lo, a_hi = _split(np.float32(row[ql + l]), 16)
+                            c_lo, c_hi = _split(np.float32(row[ql + l + 32]), 16)
+                            h0, r = _split(np.float32(row[qh + l]), 4)  # four 2-bit fields
+                            h1, r = _split(r, 4)
+                            h2, h3 = _split(r, 4)
+                            t1 += (a_lo + np.float32(16) * h0) * x[b, y0 + l]
+                            t2 += (c_lo + np.float32(16) * h1) * x[b, y0 + l + 32]
+                            t3 += (a_hi + np.float32(16) * h2) * x[b, y0 + l + 64]
+                            t4 += (c_hi + np.float32(16) * h3) * x[b, y0 + l + 96]
+                        sc = o + 192 + 8 * half + g
+                        sb = (y0 + 16 * g) // 16  # x sums of the four sub-blocks: sb + 2j
+                        part = np.float32(0)
+                        for j, t in enumerate((t1, t2, t3, t4)):
+                            s = np.int32(row[sc + 2 * j])
+                            s = s - ((s >> 7) << 8)  # int8
+                            part += np.float32(s) * (t - np.float32(32) * xs[b, sb + 2 * j])
+                        acc += d * part
+            out[b, n] = acc
+
+
+_KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
+_lock = threading.Lock()
+_MAX_THREADS: int = getattr(numba.config, "NUMBA_NUM_THREADS", 1)  # numba's pool size
+
+
+def keeps_encoded(qtype: int, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a matrix of `qtype` computes fastest encoded here (a kernel covers it)."""
+    return qtype in _KERNELS and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
+    """Whether `matmul` has a kernel for `rows` rows of x (CPU, float32) times `qtype`."""
+    return (
+        qtype in _KERNELS and 0 < rows <= MAX_ROWS and x.device.type == "cpu"
+        and x.dtype == torch.float32
+    )  # fmt: skip
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [B, K] float32 @ W.T for W [N, K] encoded as `raw` (uint8 [N, row bytes] of qtype).
+    Returns [B, N] float32. The caller checks `covers` and the shapes."""
+    xa = np.ascontiguousarray(x.detach().numpy())
+    wa = raw.numpy() if raw.is_contiguous() else np.ascontiguousarray(raw.numpy())
+    out = np.empty((xa.shape[0], wa.shape[0]), dtype=np.float32)
+    with _lock:
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), _MAX_THREADS)))
+        _KERNELS[GGMLQuantizationType(qtype)](wa, xa, out)
+    return torch.from_numpy(out)

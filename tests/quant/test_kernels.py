@@ -1,0 +1,57 @@
+"""The fused quantized matmul kernels against the float64 reference, for every kernel type,
+odd shapes and batch sizes; and the properties the bank relies on (row and thread
+independence)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvq.model.quants import random_blocks
+from kvq.quant import kernels
+
+# float32 accumulation against float64: a few float32 ulps of the largest output
+TOL = 2e-6
+
+
+def _case(qtype: Q, rows: int, cols: int, batch: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, (rows, cols), 0.02, rng)  # [rows, row bytes]
+    x = rng.standard_normal((batch, cols), dtype=np.float32)
+    ref = x.astype(np.float64) @ gguf_dequantize(raw, qtype).astype(np.float64).T  # [B, rows]
+    return torch.from_numpy(raw), torch.from_numpy(x), ref
+
+
+@pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("rows", "cols", "batch"), [(1, 256, 1), (37, 512, 3), (130, 768, 16)])
+def test_kernel_matches_float64_reference(qtype: Q, rows: int, cols: int, batch: int) -> None:
+    raw, x, ref = _case(qtype, rows, cols, batch)
+    assert kernels.covers(qtype, batch, x)
+    got = kernels.matmul(x, raw, qtype).numpy().astype(np.float64)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < TOL, f"{qtype.name}: max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES, ids=lambda t: t.name)
+def test_kernel_rows_do_not_depend_on_the_batch_or_threads(qtype: Q) -> None:
+    raw, x, _ = _case(qtype, 64, 512, 8, seed=1)
+    full = kernels.matmul(x, raw, qtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernels.matmul(x[i : i + 1], raw, qtype) for i in range(8)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(full, alone)
+
+
+def test_covers_only_small_cpu_float32_batches() -> None:
+    x = torch.zeros(4, 256)
+    assert kernels.covers(Q.Q4_K, 4, x)
+    assert not kernels.covers(Q.Q4_K, kernels.MAX_ROWS + 1, x)
+    assert not kernels.covers(Q.Q4_K, 4, x.to(torch.bfloat16))
+    assert not kernels.covers(Q.IQ4_NL, 4, x)
+    assert not kernels.covers(Q.F16, 4, x)
