@@ -8,6 +8,9 @@ Dequantization lives in `kvq.quant`.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,29 @@ READABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 )
 
 
+_READERS: OrderedDict[tuple[str, int, int, int], GGUFReader] = OrderedDict()
+_READERS_KEPT = 4  # parsed headers kept: a real model's vocabulary takes seconds to parse
+_readers_lock = threading.Lock()
+
+
 def open_reader(path: str | Path) -> GGUFReader:
-    """Memory-map `path` as GGUF; any failure becomes a ModelError naming the file."""
+    """Memory-map `path` as GGUF; any failure becomes a ModelError naming the file.
+
+    Parsing the metadata of a real model (a 150k-token vocabulary) takes seconds, and loading
+    reads it three times (metadata, tensors, tokenizer), so the last few readers are kept,
+    keyed by the file's identity (path, inode, size, mtime): a rewritten file is parsed anew.
+    """
     try:
-        return GGUFReader(str(path), "r")
+        st = os.stat(path)
+        key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        with _readers_lock:
+            reader = _READERS.get(key)
+            if reader is None:
+                reader = _READERS[key] = GGUFReader(str(path), "r")
+                while len(_READERS) > _READERS_KEPT:
+                    _READERS.popitem(last=False)
+            _READERS.move_to_end(key)
+            return reader
     except FileNotFoundError as exc:
         raise ModelError(f"model file {str(path)!r} does not exist; check the path") from exc
     except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:

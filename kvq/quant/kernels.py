@@ -237,9 +237,11 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [B, K] float32 @ W.T for W [N, K] encoded as `raw` (uint8 [N, row bytes] of qtype).
     Returns [B, N] float32. The caller checks `covers` and the shapes."""
     xa = np.ascontiguousarray(x.detach().numpy())
-    wa = raw.numpy() if raw.is_contiguous() else np.ascontiguousarray(raw.numpy())
+    wa = np.ascontiguousarray(raw.numpy())
     out = np.empty((xa.shape[0], wa.shape[0]), dtype=np.float32)
+    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
     with _lock:
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), _MAX_THREADS)))
-        _KERNELS[GGMLQuantizationType(qtype)](wa, xa, out)
+        if numba.get_num_threads() != threads:
+            numba.set_num_threads(threads)
+        _KERNELS[qtype](wa, xa, out)  # type: ignore[index]
     return torch.from_numpy(out)
