@@ -243,5 +243,5 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     with _lock:
         if numba.get_num_threads() != threads:
             numba.set_num_threads(threads)
-        _KERNELS[qtype](wa, xa, out)  # type: ignore[index]
+        _KERNELS[qtype](wa, xa, out)
     return torch.from_numpy(out)
