@@ -100,6 +100,9 @@ class Settings(BaseSettings):
         "for quantized experts)",
     )
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
+    load_retry_max_s: float = Field(
+        60.0, gt=0, description="longest wait before volunteering again after a failed slice load"
+    )
 
     # -- monitor ------------------------------------------------------------------------
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
@@ -217,7 +220,7 @@ class Settings(BaseSettings):
     def worker(self) -> WorkerSettings:
         return WorkerSettings(
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
-            self.block_ms, self.reconnect_max_s, self.compute_dtype,
+            self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
         )  # fmt: skip
 
     @property

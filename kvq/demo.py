@@ -108,8 +108,8 @@ def _quarter_of_experts_gib(model_path: str) -> float:
 
 
 def _ready_workers(board: RedisBoard) -> int:
-    """Workers holding a slice whose heartbeat is up (it is set once the slice is loaded)."""
-    return sum(v.alive for v in board.workers(MODEL_ID))
+    """Workers that have loaded their slice and whose heartbeat is up."""
+    return sum(v.alive and v.ready for v in board.workers(MODEL_ID))
 
 
 def _stats(board: RedisBoard) -> CoordStats:

@@ -71,6 +71,7 @@ class WorkerSettings:
     block_ms: int
     reconnect_max_s: float
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
+    load_retry_max_s: float = 60.0  # cap of the back-off after a failed slice load
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,15 @@ class Backoff:
         self.cap_s, self.base_s, self.failures = cap_s, base_s, 0
 
     def wait(self) -> float:
-        self.failures += 1
-        delay: float = min(self.cap_s, self.base_s * 2.0 ** (self.failures - 1))
-        delay *= 0.5 + random.random() / 2
+        delay = self.next_delay()
         time.sleep(delay)
         return delay
+
+    def next_delay(self) -> float:
+        """Count a failure and return how long to wait before the next try (no sleep)."""
+        self.failures += 1
+        delay: float = min(self.cap_s, self.base_s * 2.0 ** (self.failures - 1))
+        return delay * (0.5 + random.random() / 2)
 
     def reset(self) -> None:
         self.failures = 0

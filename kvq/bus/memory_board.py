@@ -165,7 +165,8 @@ class MemoryBoard:
             info = self.worker_info(w)
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
             last = info.last_serve_ms if info is not None else 0
-            out.append(WorkerView(w, sid, alive=alive, last_serve_ms=last))
+            ready = info.ready if info is not None else True
+            out.append(WorkerView(w, sid, alive, last, ready=ready))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:

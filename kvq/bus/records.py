@@ -137,14 +137,27 @@ class CoordStats(DispatchCounters, kw_only=True):
     claimed: int = 0
 
 
+IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state
+
+
 class WorkerInfo(Record, frozen=True, kw_only=True):
-    """What a serving worker says of itself on each heartbeat."""
+    """What a worker says of itself on each heartbeat, from the moment it takes a slice.
+
+    While it downloads (`state` "loading") it beats like a serving worker, so it is never
+    reaped for a slow download and its reservation holds; routers skip it until "serving"."""
 
     model: str
     slice: str
     device: str
     served: int = 0
     last_serve_ms: int = 0  # > 0: it has really computed experts (K3)
+    state: str = SERVING  # IDLE before it takes a slice, LOADING while it downloads one
+    loaded_bytes: int = 0  # download progress while loading
+    total_bytes: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state not in (IDLE, LOADING)
 
 
 class SliceDemand(NamedTuple):

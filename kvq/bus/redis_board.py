@@ -129,7 +129,8 @@ class RedisBoard:
         for i, (w, sid) in enumerate(assigned):
             info = WorkerInfo.from_hash(got[2 * i + 1])
             last = info.last_serve_ms if info is not None else 0
-            out.append(WorkerView(w, sid, alive=bool(got[2 * i]), last_serve_ms=last))
+            ready = info.ready if info is not None else True
+            out.append(WorkerView(w, sid, bool(got[2 * i]), last, ready=ready))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:

@@ -51,7 +51,8 @@ class SliceRouter:
         if not force and now - self._at < self.refresh_s:
             return
         self._at = now
-        views = self.board.workers(self.model)
+        # a worker still downloading its slice is alive but not routable yet
+        views = [v for v in self.board.workers(self.model) if v.ready]
         listed = {v.worker_id for v in views}
         # dead since the last read, or already reaped by the monitor (no longer listed)
         down = {v.worker_id for v in views if not v.alive} | (self._alive - listed)

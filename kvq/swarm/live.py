@@ -46,6 +46,7 @@ class WorkerView:
     last_serve_ms: int = 0  # from its info hash; > 0 means it has computed experts (K3)
     load: float | None = None  # its own load in [0, 1] if it reports one
     first_seen_ms: float | None = None  # K4 grace start; None: when this router first saw it
+    ready: bool = True  # False while it still downloads its slice (alive, not routable)
 
 
 @dataclass(frozen=True, slots=True)

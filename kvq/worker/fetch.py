@@ -1,11 +1,18 @@
-"""Download exactly one slice's bytes (file path or http(s) Range requests) and verify them."""
+"""Download exactly one slice's bytes (file path or http(s) Range requests) and verify them.
+
+Progress shows on a terminal as a tqdm bar; without one (a service, a container log) as a log
+line every `LOG_EVERY_S` with bytes, rate and ETA; and to a callback (the worker's heartbeat
+record, `WorkerInfo.loaded_bytes`).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
+import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 from tqdm import tqdm
@@ -13,12 +20,48 @@ from tqdm import tqdm
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.slices import SliceSpec
 
+log = logging.getLogger("kvq.worker")
+LOG_EVERY_S = 5.0
+Progress = Callable[[int, int], None]  # (bytes so far, bytes in all)
 
-def fetch_slice(source: str, spec: SliceSpec, timeout_s: float) -> list[bytes]:
+
+class _Bar:
+    """tqdm on a terminal, log lines elsewhere, and the progress callback."""
+
+    def __init__(self, spec: SliceSpec, progress: Progress | None) -> None:
+        self.sid, self.total, self.done = spec.sid, spec.nbytes, 0
+        self.progress = progress
+        self.t0 = self.logged = time.monotonic()
+        show = sys.stderr.isatty()
+        self.bar = tqdm(total=spec.nbytes, unit="B", unit_scale=True, desc=spec.sid,
+                        disable=not show)  # fmt: skip
+        self.log = not show
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        now = time.monotonic()
+        if self.log and now - self.logged >= LOG_EVERY_S and self.done < self.total:
+            self.logged = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            log.info(
+                "downloading %s: %.1f of %.1f MB (%.2f MB/s, ETA %.0fs)", self.sid,
+                self.done / 1e6, self.total / 1e6, rate / 1e6, (self.total - self.done) / rate,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def fetch_slice(
+    source: str, spec: SliceSpec, timeout_s: float, progress: Progress | None = None
+) -> list[bytes]:
     """The bytes of every range of `spec`, checked against its published sizes and sha256."""
     scheme = urlparse(source).scheme
-    show = sys.stderr.isatty()
-    with tqdm(total=spec.nbytes, unit="B", unit_scale=True, desc=spec.sid, disable=not show) as bar:
+    bar = _Bar(spec, progress)
+    try:
         if scheme in ("http", "https"):
             blobs = [_http_range(source, r.offset, r.nbytes, timeout_s, bar) for r in spec.ranges]
         elif scheme in ("", "file"):
@@ -26,6 +69,8 @@ def fetch_slice(source: str, spec: SliceSpec, timeout_s: float) -> list[bytes]:
             blobs = _file_ranges(path, [(r.offset, r.nbytes) for r in spec.ranges], bar)
         else:
             raise ModelError(f"unsupported model source {source!r}: use a path or http(s) URL")
+    finally:
+        bar.close()
     verify(spec, blobs)
     return blobs
 
@@ -46,7 +91,7 @@ def verify(spec: SliceSpec, blobs: Sequence[bytes]) -> None:
             )
 
 
-def _file_ranges(path: str, ranges: list[tuple[int, int]], bar: tqdm) -> list[bytes]:
+def _file_ranges(path: str, ranges: list[tuple[int, int]], bar: _Bar) -> list[bytes]:
     out = []
     try:
         with open(path, "rb") as f:
@@ -59,7 +104,7 @@ def _file_ranges(path: str, ranges: list[tuple[int, int]], bar: tqdm) -> list[by
     return out
 
 
-def _http_range(url: str, offset: int, n: int, timeout_s: float, bar: tqdm) -> bytes:
+def _http_range(url: str, offset: int, n: int, timeout_s: float, bar: _Bar) -> bytes:
     req = urllib.request.Request(url, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - http(s) only

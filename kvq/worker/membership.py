@@ -2,19 +2,25 @@
 
 Everything goes through a `Board`, so this runs the same on Redis and in memory. One lock keeps
 a heartbeat from re-asserting a slice the worker is giving back.
+
+The heartbeat starts before the worker asks for a slice (state "idle") and goes on while it
+downloads one (state "loading", with its progress), so the monitor never reaps a worker for a
+slow download: the slice stays reserved to it and is not offered again. Routers skip a
+loading worker (`WorkerInfo.ready`) until it beats "serving".
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
 from kvq.bus.board import Board
-from kvq.bus.records import WorkerInfo
+from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
 
 log = logging.getLogger("kvq.worker")
 
@@ -33,49 +39,72 @@ class Membership:
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:  # fmt: skip
         self.board, self.id, self.device, self.served = board, worker_id, device, served
-        self.held: Held | None = None
+        self.held: Held | None = None  # loaded and serving
+        self.loading: Held | None = None  # taken from the market, still downloading
+        self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
+        self._idle_beat = float("-inf")  # last heartbeat while holding nothing
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def volunteer(self) -> Held | None:
-        """Ask every model's market for a slice (K9); the first one offered is taken."""
+        """Ask every model's market for a slice (K9); the first one offered is taken and is
+        `loading` until `hold` (or `give_back`). The heartbeat is up before the market is
+        asked, so the monitor never sees this worker assigned without one."""
+        now = time.monotonic()
+        if now - self._idle_beat >= self.board.lifetimes.beat_every_s():
+            self._idle_beat = now
+            idle = WorkerInfo(model="", slice="", device=self.device, state=IDLE)
+            self.board.beat(self.id, idle)
         for model in self.board.models():
             sid = self.board.volunteer(model, self.id)
             if sid is not None:
-                return Held(model, sid)
+                with self._lock:
+                    self.loading, self.progress = Held(model, sid), (0, 0)
+                    self._beat_locked()
+                return self.loading
         return None
+
+    def loaded(self, done: int, total: int) -> None:
+        """Download progress of the slice being loaded (shown on the next beat)."""
+        self.progress = (done, total)
 
     def hold(self, held: Held) -> None:
         """The slice is loaded: count it and start beating for it."""
         with self._lock:
-            self.held = held
+            self.held, self.loading = held, None
             self._beat_locked()
 
     def give_back(self, held: Held) -> None:
         """The offered slice could not be loaded: return it to the market."""
-        self.board.release(held.model, self.id)
+        with self._lock:
+            self.loading = None
+            self.board.release(held.model, self.id)
 
     def beat(self) -> None:
         with self._lock:
             self._beat_locked()
 
     def _beat_locked(self) -> None:
-        h = self.held
+        h = self.held or self.loading
         if h is None:
             return
         self.board.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
         served, last = self.served()
+        done, total = self.progress
         info = WorkerInfo(
-            model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last
-        )
+            model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
+            state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
+            total_bytes=total,
+        )  # fmt: skip
         self.board.beat(self.id, info)
 
     def leave(self) -> None:
         """Give the slice back and drop this worker's keys (its inbox's jobs are recomputed by
         their coordinators)."""
         with self._lock:
-            h, self.held = self.held, None
+            h, self.held = self.held or self.loading, None
+            self.loading = None
             if h is None:
                 return
             try:

@@ -46,6 +46,8 @@ class Worker:
         self.membership = Membership(board, worker_id, str(self.device), self._served)
         self.stop = threading.Event()
         self._idle_since = time.monotonic()
+        # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
+        self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
@@ -107,11 +109,16 @@ class Worker:
         try:
             self._load(held)
         except KvqError as exc:
-            log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
             self.membership.give_back(held)
             if isinstance(exc, BankError):
+                log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
                 raise  # this node's bank settings cannot work: retrying would loop forever
+            delay = self._load_backoff.next_delay()
+            log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
+                      held.model, held.sid, exc, delay)  # fmt: skip
+            self.stop.wait(delay)
             return False
+        self._load_backoff.reset()
         return True
 
     def _load(self, held: Held) -> None:
@@ -121,7 +128,10 @@ class Worker:
         spec = info.slices[held.sid]
         dtype = compute_dtype(self.device, self.s.compute_dtype, (r.ggml_type for r in spec.ranges))
         t0 = time.monotonic()
-        blobs = fetch_slice(info.source, spec, self.s.download_timeout_s)
+        log.info("loading %s %s (%.1f MB from %s)", held.model, held.sid, spec.nbytes / 1e6,
+                 info.source)  # fmt: skip
+        self.membership.loaded(0, spec.nbytes)
+        blobs = fetch_slice(info.source, spec, self.s.download_timeout_s, self.membership.loaded)
         experts, at = [], 0
         for layer in spec.layers():  # blobs come in range order: layer by layer
             ranges = spec.ranges_of(layer)

@@ -24,6 +24,14 @@ def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "cond
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def wait_ready(mon: Monitor, model_id: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until `n` workers of `model_id` have loaded their slice and beat "serving"."""
+    wait_for(
+        lambda: sum(v.alive and v.ready for v in mon.board.workers(model_id)) == n, timeout_s,
+        f"{n} workers loaded and serving",
+    )  # fmt: skip
+
+
 def local_tokens(model: Path, prompt: str, n: int) -> list[int]:
     """Greedy tokens of all-local generation: what every remote path must reproduce."""
     bb = Backbone.from_gguf(model)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from e2e_helpers import wait_for
+from e2e_helpers import wait_for, wait_ready
 
 from kvq import client, wire
 from kvq.config import Settings, child_env
@@ -140,10 +140,7 @@ def test_killed_worker_jobs_answered_exactly_once(
         for i in range(4):  # 2 slices (one per layer) x 2 replicas
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         wait_for(lambda: mon.board.r.hlen(keys.model_workers("tiny")) == 4, 60, "4 workers")
-        ready = [keys.worker_heartbeat(f"w{i}") for i in range(4)]
-        wait_for(
-            lambda: mon.board.r.exists(*ready) == 4, 60, "4 workers loaded (heartbeat = ready)"
-        )
+        wait_ready(mon, "tiny", 4)
         coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
         run_in_thread(coord)
         coord.dispatch.routing.refresh(force=True)

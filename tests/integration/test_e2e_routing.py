@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_helpers import local_tokens, start_with_worker, wait_for
+from e2e_helpers import local_tokens, start_with_worker, wait_for, wait_ready
 
 from kvq import client
 from kvq.config import Settings, child_env
@@ -101,8 +101,7 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         wait_for(lambda: mon.board.r.hlen(keys.model_workers("m")) == 2, 60, "2 workers")
-        ready = [keys.worker_heartbeat(f"w{i}") for i in range(2)]
-        wait_for(lambda: mon.board.r.exists(*ready) == 2, 60, "both loaded (heartbeat = ready)")
+        wait_ready(mon, "m", 2)
         coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
         run_in_thread(coord)
         routing = coord.dispatch.routing

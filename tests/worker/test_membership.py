@@ -82,14 +82,22 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     m = Membership(board, "w", "gpu0", served=lambda: (3, 1234))
     held = m.volunteer()
     assert held is not None
-    assert board.workers("m") == [WorkerView("w", b, alive=False)], "offered, not yet loaded"
-    assert board.worker_info("w") is None
+    # offered, not yet loaded: beating (never reaped while it downloads), not routable
+    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, ready=False)]
+    assert board.worker_info("w") == WorkerInfo(
+        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading"
+    )
+    m.loaded(10, 100)
+    m.beat()
+    info = board.worker_info("w")
+    assert info is not None and (info.loaded_bytes, info.total_bytes) == (10, 100)
     m.hold(held)
     assert m.held == held
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234)]
     assert board.worker_info("w") == WorkerInfo(
-        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234
-    )
+        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
+        total_bytes=100,
+    )  # fmt: skip
 
 
 def test_beat_reports_fresh_counters_and_rejoins_after_release(
