@@ -172,6 +172,20 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.kernels import KernelsBench, run_kernels_bench
+
+    r = run_kernels_bench(KernelsBench(rows=args.rows, cols=args.cols, batches=tuple(args.batches)))
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK
+    print(f"{r['shape'][0]}x{r['shape'][1]} matrices, {r['threads']} threads, ms per call")
+    for row in r["results"]:
+        print(f"  {row['type']:<5} rows {row['rows']:>3}  fused {row['fused_ms']:7.3f}  "
+              f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}")  # fmt: skip
+    return EXIT_OK
+
+
 def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     import os
     from dataclasses import asdict
@@ -290,6 +304,13 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     be.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
     be.add_argument("--json", action="store_true")
     be.set_defaults(fn=cmd_bench_experts)
+
+    bk = bench.add_parser("kernels", help="fused quantized matmul vs dequantize + matmul")
+    bk.add_argument("--rows", type=int, default=2048)
+    bk.add_argument("--cols", type=int, default=1024, help="a multiple of 256")
+    bk.add_argument("--batches", type=_int_list("--batches"), default=[1, 8])
+    bk.add_argument("--json", action="store_true")
+    bk.set_defaults(fn=cmd_bench_kernels)
 
     bm = bench.add_parser("model", help="load, memory and decode tok/s of a GGUF vs llama.cpp")
     bm.add_argument("--model", required=True, help="GGUF file")

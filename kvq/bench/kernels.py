@@ -1,0 +1,63 @@
+"""`kvq bench kernels`: the fused quantized matmul against dequantize-then-matmul, per type.
+
+Each timing multiplies by `matrices` distinct random matrices in turn (so the weights come
+from RAM, not cache, as in a model) and reports ms per call, best of `repeat` passes; both
+paths run in the same process, alternating, so the ratio is what to read on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvq.model.quants import random_blocks
+from kvq.quant import dequantize, kernels
+
+
+@dataclass(frozen=True)
+class KernelsBench:
+    rows: int = 2048
+    cols: int = 1024
+    batches: tuple[int, ...] = (1, 8)
+    matrices: int = 32
+    repeat: int = 3
+
+
+def _per_call(fn: Any, mats: list[torch.Tensor], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for m in mats:
+            fn(m)
+        best = min(best, (time.perf_counter() - t) / len(mats))
+    return best * 1e3
+
+
+def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    out: list[dict[str, Any]] = []
+    shape = (cfg.rows, cfg.cols)
+    for qtype in kernels.KERNEL_TYPES:
+        mats = [
+            torch.from_numpy(random_blocks(qtype, (cfg.rows, cfg.cols), 0.02, rng))
+            for _ in range(cfg.matrices)
+        ]
+        for b in cfg.batches:
+            x = torch.randn(b, cfg.cols)
+
+            def fused(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
+                kernels.matmul(x, m, qt)
+
+            def dense(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
+                _ = x @ dequantize(m, qt, shape, torch.float32).T
+
+            fused(mats[0])  # compile / load the kernel
+            f_ms = _per_call(fused, mats, cfg.repeat)
+            d_ms = _per_call(dense, mats[: max(4, cfg.matrices // 4)], cfg.repeat)
+            out.append({"type": qtype.name, "rows": b, "fused_ms": f_ms, "dequant_matmul_ms": d_ms,
+                        "speedup": d_ms / f_ms})  # fmt: skip
+    return {"shape": [cfg.rows, cfg.cols], "threads": torch.get_num_threads(), "results": out}
