@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     worker_grace_ms: float = Field(
         10_000.0, ge=0, description="an unproven worker's window for its one first try (K4)"
     )
+    reprobe_ms: float = Field(
+        5_000.0,
+        gt=0,
+        description="under load, a live worker the route does not use gets one "
+        "job this often, so a worker priced out by slow samples can win work back",
+    )
     cost_w_latency: float = Field(1.0, ge=0, le=1000, description="H3 weight of node latency")
     cost_w_load: float = Field(1.0, ge=0, le=1000, description="H3 weight of node load")
     cost_w_score: float = Field(1.0, ge=0, le=1000, description="H3 weight of 100/score")
@@ -202,6 +208,7 @@ class Settings(BaseSettings):
             self.saturation_threshold, self.worker_grace_ms, self.swarm_ewma_alpha,
             self.cost_w_latency, self.cost_w_load, self.cost_w_score, self.cost_w_hops,
             self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
+            self.reprobe_ms,
         )  # fmt: skip
 
     @property

@@ -35,6 +35,7 @@ class RoutingSettings:
     w_tokens: float
     refresh_ms: int
     local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
+    reprobe_ms: float = 5_000.0  # KVQ_REPROBE_MS
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,13 @@ costs 120 more, and copies of proven workers win unless they are slow (K3). Unpr
 are in no copy (K4); under load each one still gets one first try while
 `now - first_seen < grace_ms`: `route` returns a trial route that sends it its slice once.
 
+Re-probes: a worker's latency only moves when it gets work, so one slow sample (a cold cache,
+a busy moment) would price it out for good. Under load, a live worker that has served or been
+tried, that the chosen copy does not use and that has had no job for `reprobe_ms` gets one: `route` returns a probe route
+sending it its slice once, and the sample it brings back replaces its latency estimate. A worker that got
+faster wins work back within about `reprobe_ms` plus one refresh; a slow one costs one slow
+layer call per `reprobe_ms` per worker.
+
 Threading: `set_slots` may be called from the slot-poll thread (it only stores two ints, applied
 by the next `route`); every other method belongs to the dispatch thread.
 """
@@ -51,21 +58,22 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class LivePolicy:
-    """K2 threshold, K4 grace window, EWMA weight, H3 weights."""
+    """K2 threshold, K4 grace window, EWMA weight, H3 weights, re-probe interval."""
 
     saturation_threshold: int = 2
     grace_ms: float = 10_000.0
     alpha: float = 0.3
     weights: CostWeights = field(default_factory=CostWeights)
+    reprobe_ms: float = 5_000.0  # under load, an unused live worker gets one job this often
 
 
 @dataclass(frozen=True, slots=True)
 class LiveRoute:
     """Where each slice goes: `remote[sid]` is a worker id; a slice not in it is local."""
 
-    pipeline_id: int  # -1 for a K4 trial route
+    pipeline_id: int  # -1 for a K4 trial route or a re-probe
     remote: dict[str, str]
-    trial: str | None = None
+    trial: str | None = None  # the worker this route tries (K4) or re-probes
 
     def worker(self, sid: str) -> str | None:
         return self.remote.get(sid)
@@ -90,6 +98,9 @@ class LiveRouter:
         self._served: set[str] = set()
         self._tried: set[str] = set()
         self._candidates: list[str] = []  # unproven, untried: K4 trials, oldest first
+        self._last_job: dict[str, float] = {}  # worker -> when a route last sent it work
+        self._probing: set[str] = set()  # re-probed workers whose sample has not come back
+        self.probes = 0
         self._slots = (0, 1)
         self._applied = (-1, -1)
         self._key: tuple[tuple[str, ...], ...] | None = None
@@ -119,12 +130,13 @@ class LiveRouter:
                 self._first_seen[wid] = w.first_seen_ms
             t = self._tele.setdefault(wid, NodeTelemetry())
             if w.load is not None:
-                self._observe(wid, load=w.load)
+                self._observe(wid, None, load=w.load)
             if t.alive != w.alive:
                 self._set_alive(wid, w.alive)
         for wid in set(self._workers) - set(views):
             self._tele.pop(wid, None)
             self._first_seen.pop(wid, None)
+            self._last_job.pop(wid, None)
             self._served.discard(wid)
             self._tried.discard(wid)
         self._workers = views
@@ -142,7 +154,10 @@ class LiveRouter:
         """A worker's result arrived `latency_ms` after its job was sent: it is proven now."""
         if worker not in self._tele:
             return
-        self._observe(worker, latency_ms=latency_ms, score=1.0)
+        # a re-probe's sample replaces the stale estimate it was sent to refresh
+        alpha = 1.0 if worker in self._probing else None
+        self._probing.discard(worker)
+        self._observe(worker, alpha, latency_ms=latency_ms, score=1.0)
         if worker not in self._served:
             self._served.add(worker)
             self._replan()
@@ -150,7 +165,8 @@ class LiveRouter:
     def observe_failure(self, worker: str, latency_ms: float | None = None) -> None:
         """A job failed or missed its deadline (pass the deadline as `latency_ms`)."""
         if worker in self._tele:
-            self._observe(worker, latency_ms=latency_ms, score=0.0)
+            self._probing.discard(worker)
+            self._observe(worker, None, latency_ms=latency_ms, score=0.0)
 
     def mark_down(self, worker: str) -> Rescue | None:
         """Heartbeat expired: computes the rescue of the route that used it (None if the current
@@ -199,7 +215,40 @@ class LiveRouter:
             trial = self._trial(now_ms, r.pipeline, active)
             if trial is not None:
                 return trial
+        if loaded:
+            probe = self._probe(now_ms, r.pipeline, active)
+            if probe is not None:
+                return probe
+            for n in r.pipeline.nodes:
+                self._last_job[n] = now_ms
         return self._routes[r.pipeline_id]
+
+    def _probe(
+        self, now_ms: float, base: Pipeline, active: Collection[str] | None
+    ) -> LiveRoute | None:
+        """A live worker outside `base`, idle here for `reprobe_ms`, gets one job."""
+        used = set(base.nodes)
+        for wid in sorted(self._workers, key=lambda w: (self._last_job.get(w, -1.0), w)):
+            w = self._workers[wid]
+            if wid in used or not w.alive or not (self._proven(w) or wid in self._tried):
+                continue  # K4: an unproven worker past its grace window is not recruited
+            if active is not None and w.slice_id not in active:
+                continue
+            last = self._last_job.get(wid, self._first_seen.get(wid, now_ms))
+            if now_ms - last < self.policy.reprobe_ms:
+                continue
+            self._last_job[wid] = now_ms
+            self._probing.add(wid)
+            self.probes += 1
+            return self._with(base, w)
+        return None
+
+    def _with(self, base: Pipeline, w: WorkerView) -> LiveRoute:
+        """`base`'s route with worker `w` serving its slice: a one-off route (-1)."""
+        c = self.coordinator
+        remote = {s: n for s, n in zip(self._sids, base.assignment, strict=True) if n != c}
+        remote[w.slice_id] = w.worker_id
+        return LiveRoute(-1, remote, w.worker_id)
 
     def _trial(
         self, now_ms: float, base: Pipeline, active: Collection[str] | None
@@ -221,10 +270,8 @@ class LiveRouter:
         if chosen is None:
             return None
         self._tried.add(chosen.worker_id)
-        c = self.coordinator
-        remote = {s: n for s, n in zip(self._sids, base.assignment, strict=True) if n != c}
-        remote[chosen.slice_id] = chosen.worker_id
-        return LiveRoute(-1, remote, chosen.worker_id)
+        self._last_job[chosen.worker_id] = now_ms
+        return self._with(base, chosen)
 
     def describe(self) -> dict[str, object]:
         """For stats and logs: load, copies, uncovered slices, proven and pending workers."""
@@ -234,17 +281,18 @@ class LiveRouter:
             "copies": len(self._routes), "replans": self.replans, "uncovered": list(self.uncovered),
             "proven": sorted(w for w, v in self._workers.items() if v.alive and self._proven(v)),
             "trials_pending": list(self._candidates), "last_cost": round(self.last_cost, 3),
+            "probes": self.probes,
         }  # fmt: skip
 
     # -- internals --------------------------------------------------------------------------
     def _proven(self, w: WorkerView) -> bool:
         return w.last_serve_ms > 0 or w.worker_id in self._served
 
-    def _observe(self, node: str, **samples: float | None) -> None:
+    def _observe(self, node: str, alpha: float | None, **samples: float | None) -> None:
         if node in self.state.telemetry:
-            self.state.observe(node, **samples)
+            self.state.observe(node, **samples, alpha=alpha)
         else:
-            self._tele[node].observe(self.policy.alpha, **samples)
+            self._tele[node].observe(self.policy.alpha if alpha is None else alpha, **samples)
 
     def _set_alive(self, node: str, alive: bool) -> None:
         if node in self.state.telemetry:

@@ -103,11 +103,12 @@ class SwarmState:
 
     def observe(
         self, node_id: str, latency_ms: float | None = None, load: float | None = None,
-        score: float | None = None,
+        score: float | None = None, alpha: float | None = None,
     ) -> None:  # fmt: skip
-        """Blends one telemetry sample into the node's EWMAs (H5)."""
+        """Blends one telemetry sample into the node's EWMAs (H5); `alpha` overrides the
+        state's weight of the new sample (1: it replaces the estimate)."""
         t = self.node(node_id)
-        t.observe(self.alpha, latency_ms, load, score)
+        t.observe(self.alpha if alpha is None else alpha, latency_ms, load, score)
         self._touch(self._index[node_id], t)
 
     def set_load(self, node_id: str, load: float) -> None:

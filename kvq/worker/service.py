@@ -2,7 +2,8 @@
 
 Life cycle:
 1. idle: poll every model's demand through the atomic volunteer script (K9, K11);
-2. given a slice: fetch exactly its bytes, verify checksums, decode into tensors;
+2. given a slice: fetch exactly its bytes, verify checksums, decode into tensors, and run
+   each expert once (warm-up) before announcing "serving", so first results are warm (K4);
 3. heartbeat on a thread (a key that expires), re-asserting its slice after a reap or a Redis
    restart;
 4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job's result is
@@ -16,6 +17,7 @@ import threading
 import time
 
 import redis
+import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
@@ -142,14 +144,15 @@ class Worker:
             ))  # fmt: skip
         bank = Bank(experts, self.bank_options, self.device)
         hidden = info.meta.embedding_length
+        warm_s = warm_up(bank, hidden, dtype, self.device)
         self.server = ExpertServer(self.id, held.model, bank, hidden, dtype)
         self._idle_since = time.monotonic()  # idleness counts from getting the slice
         inbox = self.board.keys.worker_inbox(self.id)
         self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
         self.membership.hold(held)
         log.info(
-            "serving %s %s (%d bytes in %.2fs) on %s",
-            held.model, held.sid, spec.nbytes, time.monotonic() - t0, self.device,
+            "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s",
+            held.model, held.sid, spec.nbytes, time.monotonic() - t0, warm_s, self.device,
         )  # fmt: skip
 
     # -- serving -------------------------------------------------------------------------
@@ -202,3 +205,18 @@ class Worker:
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Run every expert the bank holds once (one row each) before the worker says it serves
+    (K4): page faults, kernel compilation and allocator growth happen here, not in the first
+    jobs, so the coordinator's first samples of this worker are warm. Returns the seconds."""
+    t0 = time.monotonic()
+    with torch.no_grad():
+        for layer in bank.layers:
+            lo, hi = bank.expert_range(layer)
+            n = hi - lo
+            x = torch.ones(n, hidden, dtype=dtype, device=device)  # [n, H]
+            ids = torch.arange(lo, hi, device=device)[:, None]  # [n, 1]: one expert per row
+            bank.forward(layer, x, ids, torch.ones(n, 1, device=device))
+    return time.monotonic() - t0

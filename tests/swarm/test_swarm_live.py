@@ -227,3 +227,32 @@ def test_live_routes_only_send_to_live_eligible_holders(
         assert proven or forced or wid == route.trial
     if route.trial is not None:
         assert r.loaded and now < 1000.0
+
+
+def test_a_priced_out_worker_is_re_probed_and_wins_work_back() -> None:
+    """One slow sample (a cold start) prices w0 out; under load it gets one job every
+    `reprobe_ms`, and a fast answer to the probe brings it back into the route."""
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0, reprobe_ms=5000.0))
+    _feed(r, _proven("w0", S0), now=0.0, latency=400.0)
+    r.set_slots(4, 4)
+    assert r.route(0.0).remote == {}, "priced out by its slow sample"
+    assert r.route(4999.0, [S0]).remote == {}, "no probe before reprobe_ms"
+    assert r.route(5000.0, [S1]).remote == {}, "a probe only goes where the layer has work"
+    probe = r.route(5000.0, [S0])
+    assert probe.pipeline_id == -1 and probe.trial == "w0" and probe.remote == {S0: "w0"}
+    assert r.route(5001.0, [S0]).remote == {}, "one job per probe"
+    r.observe_result("w0", 5.0)  # it got faster
+    assert r.route(5002.0, [S0]).remote == {S0: "w0"}, "won work back"
+    assert r.describe()["probes"] == 1
+
+
+def test_no_probes_at_rest_and_a_still_slow_worker_stays_out() -> None:
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0, reprobe_ms=1000.0))
+    _feed(r, _proven("w0", S0), now=0.0, latency=400.0)
+    r.set_slots(0, 4)
+    assert r.route(10_000.0, [S0]).remote == {}, "at rest everything stays local (K1)"
+    r.set_slots(4, 4)
+    assert r.route(10_000.0, [S0]).trial == "w0"
+    r.observe_result("w0", 450.0)  # still slow: stays out until the next probe
+    assert r.route(10_500.0, [S0]).remote == {}
+    assert r.route(11_000.0, [S0]).trial == "w0"
