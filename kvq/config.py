@@ -115,6 +115,12 @@ class Settings(BaseSettings):
     slice_layers: int = Field(1, ge=1, description="layers per slice (layer grain)")
     base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
     boost_replicas: int = Field(1, ge=0, description="extra replicas while saturated")
+    saturation_enter_s: float = Field(
+        2.0, ge=0, description="busy must stay >= threshold this long before the boost starts"
+    )
+    saturation_leave_s: float = Field(
+        30.0, ge=0, description="busy must stay < threshold this long before the boost ends"
+    )
     monitor_poll_s: float = Field(1.0, gt=0, description="how often slot state is polled")
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
@@ -235,7 +241,7 @@ class Settings(BaseSettings):
         return MonitorSettings(
             self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
             self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
-            self.http_host, self.http_port,
+            self.http_host, self.http_port, self.saturation_enter_s, self.saturation_leave_s,
         )  # fmt: skip
 
 

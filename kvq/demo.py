@@ -61,6 +61,8 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
             idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
             dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
+            saturation_enter_s=min(s.saturation_enter_s, 0.5),  # and boosts come and go
+            saturation_leave_s=min(s.saturation_leave_s, 2.0),
         )  # fmt: skip
         # several torch processes share this machine's cores: one thread each avoids OpenMP
         # threads spinning against each other

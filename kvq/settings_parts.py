@@ -88,3 +88,5 @@ class MonitorSettings:
     reconnect_max_s: float
     http_host: str
     http_port: int
+    saturation_enter_s: float = 0.0  # K6 hysteresis (kvq.monitor.hysteresis)
+    saturation_leave_s: float = 0.0

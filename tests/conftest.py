@@ -34,6 +34,7 @@ def settings(redis_server: EmbeddedRedis, prefix: str) -> Iterator[Settings]:
     yield load_settings(
         redis_url=redis_server.url, prefix=prefix, block_ms=100, heartbeat_ttl_s=1.0,
         volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50, slot_poll_s=0.02,
+        saturation_enter_s=0.0, saturation_leave_s=0.0,  # tests of hysteresis set their own
     )  # fmt: skip
     # the Redis clients a test's components opened are closed by their finalizers now, while
     # the test runs, not at session end as unclosed sockets (warnings are errors)

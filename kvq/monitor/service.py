@@ -1,8 +1,9 @@
 """The monitor: registers models, watches saturation, sets demand, reaps dead workers.
 
 Each tick, per model:
-- read every coordinator's slot state; the model is saturated while a coordinator with fresh
-  state has `busy >= saturation_threshold` (K6);
+- read every coordinator's slot state; the model is saturated once some coordinator with
+  fresh state has had `busy >= saturation_threshold` for `saturation_enter_s`, and stays so
+  until none has for `saturation_leave_s` (K6, `kvq.monitor.hysteresis`);
 - write the replica target of every slice: base, plus boost while saturated (K7, K10);
 - reap workers whose heartbeat expired: give their slice back to the market and move the jobs
   still in their inbox to a live worker of the same slice (the coordinator's deadline fallback
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -24,6 +26,7 @@ from kvq.bus.records import ModelState
 from kvq.bus.redis_board import open_board
 from kvq.config import MonitorSettings, Settings
 from kvq.model.registry import ModelInfo, plan_model
+from kvq.monitor.hysteresis import Hysteresis
 
 log = logging.getLogger("kvq.monitor")
 
@@ -31,8 +34,12 @@ log = logging.getLogger("kvq.monitor")
 class Monitor:
     """The control plane over one board; `run()` until `stop` is set."""
 
-    def __init__(self, board: Board, settings: MonitorSettings) -> None:
-        self.board, self.s = board, settings
+    def __init__(
+        self, board: Board, settings: MonitorSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.board, self.s, self.clock = board, settings, clock
+        self._saturation: dict[str, Hysteresis] = {}
         self.stop = threading.Event()
         self.reaped = 0
         self.requeued = 0
@@ -82,6 +89,14 @@ class Monitor:
             b, t = view.state.busy, view.state.total
             busy, total, live = busy + b, total + t, live + 1
             saturated |= b >= self.s.saturation_threshold
+        sat = self._saturation.setdefault(
+            model, Hysteresis(self.s.saturation_enter_s, self.s.saturation_leave_s)
+        )
+        was = sat.on
+        saturated = sat.update(saturated, self.clock())
+        if saturated != was:
+            log.info("%s: %s (busy %d of %d)", model,
+                     "saturated: boosting" if saturated else "drained: boost off", busy, total)  # fmt: skip
         effective = self.s.base_replicas + (self.s.boost_replicas if saturated else 0)
         state = ModelState(
             saturated=saturated, busy=busy, total=total, coordinators=live,

@@ -18,7 +18,8 @@ from kvq.keys import WORKER_GROUP, Keys
 from kvq.model import make_tiny, read_meta
 from kvq.monitor import Monitor
 
-BASE = load_settings().monitor
+# saturation follows busy at once here; tests/monitor/test_hysteresis.py covers the holds
+BASE = load_settings(saturation_enter_s=0.0, saturation_leave_s=0.0).monitor
 
 
 @pytest.fixture(scope="module")
