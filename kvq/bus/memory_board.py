@@ -166,7 +166,8 @@ class MemoryBoard:
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
             last = info.last_serve_ms if info is not None else 0
             ready = info.ready if info is not None else True
-            out.append(WorkerView(w, sid, alive, last, ready=ready))
+            load = info.load if info is not None and ready else None
+            out.append(WorkerView(w, sid, alive, last, load, ready=ready))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:

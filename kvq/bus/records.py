@@ -154,6 +154,8 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     state: str = SERVING  # IDLE before it takes a slice, LOADING while it downloads one
     loaded_bytes: int = 0  # download progress while loading
     total_bytes: int = 0
+    load: float = 0.0  # share of the last beat interval spent computing jobs, in [0, 1] (H5)
+    ms_per_row: float = 0.0  # its own compute time per token row over that interval (0: none)
 
     @property
     def ready(self) -> bool:

@@ -130,7 +130,8 @@ class RedisBoard:
             info = WorkerInfo.from_hash(got[2 * i + 1])
             last = info.last_serve_ms if info is not None else 0
             ready = info.ready if info is not None else True
-            out.append(WorkerView(w, sid, bool(got[2 * i]), last, ready=ready))
+            load = info.load if info is not None and ready else None
+            out.append(WorkerView(w, sid, bool(got[2 * i]), last, load, ready=ready))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:

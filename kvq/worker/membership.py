@@ -39,6 +39,9 @@ class Membership:
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:  # fmt: skip
         self.board, self.id, self.device, self.served = board, worker_id, device, served
+        # (busy seconds, rows) so far, from the server: load and per-row rate per beat interval
+        self.work: Callable[[], tuple[float, int]] = lambda: (0.0, 0)
+        self._last_work = (time.monotonic(), 0.0, 0)
         self.held: Held | None = None  # loaded and serving
         self.loading: Held | None = None  # taken from the market, still downloading
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
@@ -91,13 +94,24 @@ class Membership:
             return
         self.board.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
         served, last = self.served()
+        load, ms_per_row = self._load()
         done, total = self.progress
         info = WorkerInfo(
             model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
             state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
-            total_bytes=total,
+            total_bytes=total, load=load, ms_per_row=ms_per_row,
         )  # fmt: skip
         self.board.beat(self.id, info)
+
+    def _load(self) -> tuple[float, float]:
+        """(share of the time since the last beat spent computing, ms per row over it)."""
+        now = time.monotonic()
+        busy, rows = self.work()
+        t0, busy0, rows0 = self._last_work
+        self._last_work = (now, busy, rows)
+        dt, dbusy, drows = now - t0, busy - busy0, rows - rows0
+        load = min(1.0, max(0.0, dbusy / dt)) if dt > 0 else 0.0
+        return load, (dbusy * 1000 / drows if drows > 0 else 0.0)
 
     def leave(self) -> None:
         """Give the slice back and drop this worker's keys (its inbox's jobs are recomputed by

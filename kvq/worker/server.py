@@ -44,6 +44,8 @@ class ExpertServer:
         self.clock_ms = clock_ms
         self.served = 0
         self.last_serve_ms = 0
+        self.busy_s = 0.0  # seconds spent computing jobs (the heartbeat derives load from it)
+        self.rows = 0  # token rows computed
 
     def compute(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int
@@ -82,6 +84,8 @@ class ExpertServer:
             return self._failed(job, wire.failure(exc), t0)
         self.served += 1
         self.last_serve_ms = int(self.clock_ms())
+        self.busy_s += time.perf_counter() - t0
+        self.rows += int(out.shape[0])
         return result
 
     def check(self, job: wire.Job) -> None:

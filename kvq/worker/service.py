@@ -46,6 +46,7 @@ class Worker:
         self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
         self.membership = Membership(board, worker_id, str(self.device), self._served)
+        self.membership.work = self._work
         self.stop = threading.Event()
         self._idle_since = time.monotonic()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
@@ -64,6 +65,10 @@ class Worker:
     def served(self) -> int:
         """Jobs served since the slice was loaded."""
         return self._served()[0]
+
+    def _work(self) -> tuple[float, int]:
+        sv = self.server
+        return (sv.busy_s, sv.rows) if sv is not None else (0.0, 0)
 
     def _served(self) -> tuple[int, int]:
         sv = self.server

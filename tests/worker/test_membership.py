@@ -93,7 +93,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert info is not None and (info.loaded_bytes, info.total_bytes) == (10, 100)
     m.hold(held)
     assert m.held == held
-    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234)]
+    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
         total_bytes=100,
@@ -116,7 +116,7 @@ def test_beat_reports_fresh_counters_and_rejoins_after_release(
     counters[0] = (7, 99)
     m.beat()
     assert board.assignments("m") == {"w": a} and _coverage(board, a) == 1
-    assert board.workers("m") == [WorkerView("w", a, alive=True, last_serve_ms=99)]
+    assert board.workers("m") == [WorkerView("w", a, alive=True, last_serve_ms=99, load=0.0)]
     info = board.worker_info("w")
     assert info is not None and info.served == 7
     m.beat()
@@ -277,3 +277,33 @@ def test_a_beat_racing_a_reader_that_expires_the_old_one_is_kept(gguf: Path) -> 
         t.join(timeout=2)
     assert threads and not threads[0].is_alive()
     assert _alive(board, "w") and board.worker_info("w") is not None, "the fresh beat counts"
+
+
+def test_beats_report_load_and_per_row_rate(board_case: BoardCase, gguf: Path) -> None:
+    """H5: each beat carries the share of the interval spent computing and ms per row; the
+    coordinators' views carry the load into the cost."""
+    import time
+
+    board = board_case.board
+    _, b = _register(board, gguf)
+    board.set_target("m", b, 1)
+    work = [(0.0, 0)]
+    m = Membership(board, "w", "cpu")
+    m.work = lambda: work[0]
+    held = m.volunteer()
+    assert held is not None
+    m.hold(held)
+    t0 = time.monotonic()
+    time.sleep(0.05)
+    work[0] = (0.02, 8)  # 20 ms of compute over 8 rows during the interval
+    m.beat()
+    dt = time.monotonic() - t0
+    info = board.worker_info("w")
+    assert info is not None
+    assert info.ms_per_row == pytest.approx(2.5)
+    assert 0.02 / (dt + 0.05) < info.load <= 0.02 / 0.05 + 1e-9
+    (view,) = board.workers("m")
+    assert view.load == info.load
+    m.beat()  # no work since: idle
+    info = board.worker_info("w")
+    assert info is not None and info.load == 0.0 and info.ms_per_row == 0.0
