@@ -23,9 +23,10 @@ class Sequence:
     max_tokens: int
     cache: KVCache
     entry_id: bytes = b""
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # EOS is never part of it
     next_input: list[int] = field(default_factory=list)
     finish: str | None = None
+    new_token: int | None = None  # the token this step produced for the client; None at EOS
 
 
 TokenSink = Callable[[list[Sequence]], None]  # called once per step with every sequence
@@ -69,11 +70,14 @@ class Engine:
         # sequence's cache ahead of its token list
         done = []
         for seq, tok in zip(self.active, next_ids, strict=True):
-            seq.generated.append(tok)
             seq.next_input = [tok]
-            if tok == self.tokenizer.eos_id:
-                seq.finish = "eos"
-            elif len(seq.generated) >= seq.max_tokens:
+            if tok == self.tokenizer.eos_id:  # the end, not a token: as `kvq generate` does
+                seq.finish, seq.new_token = "eos", None
+                done.append(seq)
+                continue
+            seq.generated.append(tok)
+            seq.new_token = tok
+            if len(seq.generated) >= seq.max_tokens:
                 seq.finish = "length"
             elif seq.cache.length + 1 >= self.backbone.meta.context_length:
                 seq.finish = "context"

@@ -186,16 +186,18 @@ class Coordinator:
         replies: list[tuple[str, Fields, int]] = []
         finished: list[bytes] = []
         for seq in seqs:
-            tok = seq.generated[-1]
-            self.tokens += 1
-            index = len(seq.generated) - 1
-            token = wire.ReplyEvent(
-                kind="token", index=index, token_id=tok, text=self.tokenizer.decode([tok])
-            )
-            replies.append(self._reply(seq.request_id, token))
+            tok = seq.new_token
+            if tok is not None:  # None: this step ended the sequence at EOS
+                self.tokens += 1
+                token = wire.ReplyEvent(
+                    kind="token", index=len(seq.generated) - 1, token_id=tok,
+                    text=self.tokenizer.decode([tok]),
+                )  # fmt: skip
+                replies.append(self._reply(seq.request_id, token))
             if seq.finish:
                 text = self.tokenizer.decode(seq.generated)
-                done = wire.ReplyEvent(kind="done", index=index + 1, text=text, finish=seq.finish)
+                n = len(seq.generated)  # tokens streamed: EOS is not one of them
+                done = wire.ReplyEvent(kind="done", index=n, text=text, finish=seq.finish)
                 replies.append(self._reply(seq.request_id, done))
                 finished.append(seq.entry_id)
                 self.completed += 1
