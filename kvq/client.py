@@ -10,6 +10,7 @@ import redis
 
 from kvq import wire
 from kvq.bus import xadd
+from kvq.bus.redis_board import is_registered
 from kvq.errors import KvqError
 from kvq.keys import Keys
 
@@ -22,7 +23,15 @@ def send(
     r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
     prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
 ) -> str:  # fmt: skip
-    """Queue a request; returns its id (the reply stream is keyed by it)."""
+    """Queue a request; returns its id (the reply stream is keyed by it). RequestFailed at
+    once, before anything is queued, for `max_tokens < 1` or a model nobody registered."""
+    if max_tokens < 1:
+        raise RequestFailed(f"max_tokens must be at least 1, got {max_tokens}")
+    if not is_registered(r, keys, model):
+        raise RequestFailed(
+            f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
+            "start a monitor with --model, or check KVQ_PREFIX"
+        )
     request_id = uuid.uuid4().hex
     req = wire.Request(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,

@@ -183,3 +183,24 @@ def unpack(raw: bytes, expect: type[M]) -> M:
 
 def failure(exc: BaseException, retryable: bool = False) -> Failure:
     return Failure(type=type(exc).__name__, message=str(exc), retryable=retryable)
+
+
+def request_id_of(fields: Any) -> str | None:
+    """The `request_id` of a request entry that does not decode as a `Request` (wrong
+    version, a bad field), so that its sender can still be told: read from the msgpack map if
+    it is one, else from the readable copy. None if neither holds a usable id."""
+    rid: Any = None
+    try:
+        raw = fields.get(b"m", fields.get("m"))
+        body = msgspec.msgpack.decode(raw) if isinstance(raw, bytes) else None
+        if isinstance(body, dict):
+            rid = body.get("request_id")
+        if rid is None:
+            rid = fields.get(b"request_id", fields.get("request_id"))
+        if isinstance(rid, bytes):
+            rid = rid.decode()
+    except Exception:  # noqa: BLE001 - whatever the entry holds, the answer is "no id"
+        return None
+    if not isinstance(rid, str) or not 0 < len(rid) <= 512 or not rid.isprintable():
+        return None
+    return rid

@@ -208,3 +208,9 @@ class RedisBoard:
 def open_board(bus: BusSettings, lifetimes: Lifetimes) -> RedisBoard:
     """A board on a new client for `KVQ_REDIS_URL` (see `kvq.bus.connect`)."""
     return RedisBoard(connect(bus), Keys(bus.prefix), lifetimes, bus.stream_maxlen)
+
+
+def is_registered(r: redis.Redis, keys: Keys, model: str) -> bool:
+    """Whether a monitor has registered `model` under this prefix (clients check before
+    queueing a request nobody would answer)."""
+    return bool(r.sismember(keys.models(), model))

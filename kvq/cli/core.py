@@ -85,15 +85,16 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     r, keys = connect(settings.bus), Keys(settings.prefix)
     rid = client.send(r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens)
     ids: list[int] = []
-    text = ""
+    text, finish = "", None
     for ev in client.events(r, keys, rid, timeout_s=args.timeout):
         if ev.kind == "token" and ev.token_id is not None:
             ids.append(ev.token_id)
             if not args.json:
                 print(ev.text, end="", flush=True)
         elif ev.kind == "done":
-            text = ev.text
-    print(json.dumps({"request_id": rid, "token_ids": ids, "text": text}) if args.json else "")
+            text, finish = ev.text, ev.finish
+    out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
+    print(json.dumps(out) if args.json else "")
     return EXIT_OK
 
 

@@ -144,7 +144,14 @@ class Coordinator:
                 self.board.r, self.board.keys, self._requests_key, eid, fields, str(exc),
                 self.board.maxlen,
             )  # fmt: skip
-            self.requests.ack(eid)
+            rid = wire.request_id_of(fields)
+            if rid is None:  # nobody to tell: the dead letter is the only record
+                self.requests.ack(eid)
+                return
+            event = wire.ReplyEvent(
+                kind="error", error=wire.Failure(type="BadRequest", message=f"refused: {exc}")
+            )
+            self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
             return
         ids = (
             req.prompt_ids

@@ -1,0 +1,62 @@
+"""Refused requests are answered, not left hanging (issue 12 item 1), on a real Redis with a
+real coordinator: the client refuses what it can check itself; the coordinator answers an
+entry it cannot decode with an error event on the sender's reply stream, and dead-letters it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from e2e_helpers import start_with_worker, wait_for
+
+from kvq import client, wire
+from kvq.config import Settings
+from kvq.coordinator import Coordinator
+
+
+def test_client_refuses_what_it_can_check(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    mon, keys, _ = start_with_worker(settings, "tiny", tiny_model, run_in_thread)
+    r = mon.board.r
+    with pytest.raises(client.RequestFailed, match="max_tokens"):
+        client.send(r, keys, "tiny", prompt="hi", max_tokens=0)
+    t0 = time.monotonic()
+    with pytest.raises(client.RequestFailed, match="not registered"):
+        client.send(r, keys, "nope", prompt="hi")
+    assert time.monotonic() - t0 < 1.0
+    assert not r.exists(keys.model_requests("nope")), "no stream left behind"
+
+
+@pytest.mark.parametrize("bad", ["version", "max_tokens", "unknown_field", "negative_id"])
+def test_undecodable_request_gets_an_error_event(
+    settings: Settings, tiny_model: Path, run_in_thread, bad: str
+) -> None:
+    mon, keys, _ = start_with_worker(settings, "tiny", tiny_model, run_in_thread)
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    r = mon.board.r
+    body: dict[str, object] = {"v": 1, "request_id": f"bad-{bad}", "model": "tiny",
+                               "prompt": "hi", "max_tokens": 4}  # fmt: skip
+    if bad == "version":
+        body["v"] = 2
+    elif bad == "max_tokens":
+        body["max_tokens"] = 0
+    elif bad == "unknown_field":
+        body["surprise"] = True
+    else:
+        body.pop("prompt")
+        body["prompt_ids"] = [-1]
+    r.xadd(keys.model_requests("tiny"), {"m": msgspec.msgpack.encode(body)})
+    t0 = time.monotonic()
+    with pytest.raises(client.RequestFailed, match="refused"):
+        list(client.events(r, keys, f"bad-{bad}", timeout_s=20))
+    assert time.monotonic() - t0 < 10, "answered, not timed out"
+    dead = wait_for(lambda: r.xrange(keys.deadletter()), what="the dead letter")
+    (entry,) = [f for _, f in dead if f[b"source"] == keys.model_requests("tiny").encode()]
+    assert entry[b"reason"] and f"bad-{bad}".encode() in entry[b"f.m"]
+    # a healthy request still goes through after the bad one
+    assert client.generate(r, keys, "tiny", prompt="hi", max_tokens=2, timeout_s=60)
+    assert wire.request_id_of({b"m": msgspec.msgpack.encode(body)}) == f"bad-{bad}"
