@@ -53,6 +53,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _check_free(port: int) -> None:
+    """ServerError if something already listens on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ServerError(
+                f"port {port} is in use ({exc.strerror}); pick a free --port"
+            ) from None
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return ""
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -76,17 +95,22 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def logfile(self) -> Path:
+        return self.data_dir / "server.log"
+
+    @property
     def pidfile(self) -> Path:
         return self.data_dir / "server.pid"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        _check_free(self.port)
         args = [
             find_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.data_dir), "--pidfile", str(self.pidfile),
             "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
             "--appendonly", "no", "--save", "60 1" if self.persist else "",
-            "--dbfilename", "dump.rdb",
+            "--dbfilename", "dump.rdb", "--logfile", str(self.logfile),
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args,
@@ -102,10 +126,21 @@ class EmbeddedRedis:
                     err = (
                         self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
                     )
-                    raise ServerError(f"Redis server exited at start (port {self.port}): {err}")
+                    self.stop()
+                    log = _tail(self.logfile)
+                    raise ServerError(
+                        f"Redis server exited at start (port {self.port}): {err}{log}"
+                    )
                 with contextlib.suppress(redis.ConnectionError):
-                    if client.ping():
+                    pid = int(client.info("server").get("process_id", -1))
+                    if pid == self.proc.pid:
                         return self
+                    if self.proc.poll() is None and pid > 0:  # another server has the port
+                        self.stop()
+                        raise ServerError(
+                            f"port {self.port} is in use by another Redis server (pid {pid}); "
+                            "pick a free --port"
+                        )
                 time.sleep(0.05)
         finally:
             client.close()
