@@ -21,8 +21,23 @@ from kvq.errors import ModelError, SliceIntegrityError
 from kvq.quant import dequantize, kernels, row_bytes
 
 
+class _Encoded:
+    """What every holder of encoded bytes (`raw`, uint8) says about them."""
+
+    __slots__ = ()
+    raw: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
 @dataclass(frozen=True, slots=True)
-class QStack:
+class QStack(_Encoded):
     """`n` matrices `[rows, cols]` of one ggml type as raw bytes `[n, bytes_per_expert]`."""
 
     raw: torch.Tensor  # uint8 [n, bytes_per_expert]
@@ -45,14 +60,6 @@ class QStack:
     @property
     def expert_nbytes(self) -> int:
         return int(self.raw.shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.raw.numel())
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
 
     def dense_nbytes(self, dtype: torch.dtype) -> int:
         """Bytes of one expert's matrix once dequantized to `dtype`."""
@@ -104,7 +111,7 @@ class QStack:
 
 
 @dataclass(frozen=True, slots=True)
-class QMatrix:
+class QMatrix(_Encoded):
     """One weight matrix [rows, cols] kept encoded and multiplied as it is (`matmul`)."""
 
     raw: torch.Tensor  # uint8 [rows, row_bytes]
@@ -122,14 +129,6 @@ class QMatrix:
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.raw, self.qtype, self.shape, dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.raw.numel())
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
 
 
 Weight = torch.Tensor | QMatrix  # a dense matrix or an encoded one
