@@ -20,10 +20,12 @@ $K server --port 6391 > "$work/server.log" 2>&1 & pids+=($!)
 sleep 2
 $K monitor --model "bo=$M" > "$work/monitor.log" 2>&1 & pids+=($!)
 until grep -q "registered" "$work/monitor.log" 2>/dev/null; do sleep 1; done
-# one worker at a time: a worker has no heartbeat while it loads (docs/limits.md)
+# both at once: a loading worker heartbeats, so neither is reaped while it downloads
 for w in w0 w1; do
   $K worker --id $w > "$work/$w.log" 2>&1 & pids+=($!)
-  until grep -q serving "$work/$w.log" 2>/dev/null; do sleep 1; done
+done
+for w in w0 w1; do
+  until grep -q "serving bo" "$work/$w.log" 2>/dev/null; do sleep 1; done
 done
 $K coordinator --model "$M" --model-id bo --id c1 > "$work/coord.log" 2>&1 & pids+=($!)
 P="The quick brown fox"
