@@ -96,16 +96,22 @@ class Consumer:
         return [(eid, flds) for eid, flds in entries if flds], entries[-1][0]
 
     def ack(self, *entry_ids: bytes) -> None:
+        """Acknowledge and delete the entries: an answered entry is never needed again, and
+        kept it would hold memory until the stream's MAXLEN (issue 12 item 6)."""
         if entry_ids:
-            self.r.xack(self.stream, self.group, *entry_ids)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(self.stream, self.group, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+            pipe.execute()
 
     def answer(
         self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
         maxlen: int,
     ) -> None:  # fmt: skip
         """Append each `(stream, fields, ttl_s)` (an answer: a result, reply events), then ack
-        `entry_ids`, in one round trip and in that order: an entry is never acked before its
-        answer is written, so a crash in between re-delivers it instead of losing it."""
+        and delete `entry_ids`, in one round trip and in that order: an entry is never acked
+        before its answer is written, so a crash in between re-delivers it instead of losing
+        it."""
         pipe = self.r.pipeline(transaction=False)
         for stream, fields, ttl_s in appends:
             xadd(pipe, stream, fields, maxlen)
@@ -113,6 +119,7 @@ class Consumer:
                 pipe.expire(stream, ttl_s)
         if entry_ids:
             pipe.xack(self.stream, self.group, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)  # answered: see `ack`
         pipe.execute()
 
     def reset_pending(self) -> None:
@@ -177,8 +184,10 @@ class Tail:
         self.last_id = b"0-0"
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
+        """New entries, deleted from the stream once read: this reader is its only one."""
         resp = self.r.xread({self.stream: self.last_id}, count=count, block=block_ms)
         entries: list[Entry] = [e for _, batch in resp or [] for e in batch]
         if entries:
             self.last_id = entries[-1][0]
+            self.r.xdel(self.stream, *(eid for eid, _ in entries))
         return entries

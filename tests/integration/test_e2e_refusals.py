@@ -60,3 +60,24 @@ def test_undecodable_request_gets_an_error_event(
     # a healthy request still goes through after the bad one
     assert client.generate(r, keys, "tiny", prompt="hi", max_tokens=2, timeout_s=60)
     assert wire.request_id_of({b"m": msgspec.msgpack.encode(body)}) == f"bad-{bad}"
+
+
+def test_answered_entries_leave_the_streams(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    """Issue 12 item 6: a job answered, a result read, a request done are deleted, so the
+    inbox, results and request streams hold only work in flight, not the last MAXLEN."""
+    s = settings.model_copy(
+        update={"coordinator_experts": "none", "slice_experts": 8, "slice_layers": 2}
+    )
+    mon, keys, w = start_with_worker(s, "tiny", tiny_model, run_in_thread)
+    coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    r = mon.board.r
+    for p in ("one", "two", "three"):
+        assert client.generate(r, keys, "tiny", prompt=p, max_tokens=4, timeout_s=60)
+    assert coord.dispatch.stats.remote_jobs > 0 and w.served > 0
+    wait_for(lambda: r.xlen(keys.model_requests("tiny")) == 0, what="requests deleted")
+    assert r.xlen(keys.worker_inbox("w0")) == 0
+    assert r.xlen(keys.coord_results("c1")) == 0
+    assert r.exists(keys.worker_inbox("w0")), "the stream and its group stay"

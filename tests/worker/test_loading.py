@@ -96,7 +96,8 @@ def test_slow_download_is_not_reaped_nor_offered_twice(
             assert w.total_bytes == spec.nbytes or w.loaded_bytes == w.total_bytes == 0
         assert board.assignments("m") == {"slow": sid}, "reaped, or the slice was offered twice"
         assert board.r.hget(keys.model_coverage("m"), sid) == b"1"
-        assert not [v for v in board.workers("m") if v.ready], "routable before it serves"
+        if [v for v in board.workers("m") if v.ready]:  # it may have just finished loading
+            assert slow.holding is not None, "routable before it serves"
         assert time.monotonic() - t0 < 30, "download did not finish"
         time.sleep(0.1)
     elapsed = time.monotonic() - t0
