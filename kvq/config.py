@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         description="under load, a live worker the route does not use gets one "
         "job this often, so a worker priced out by slow samples can win work back",
     )
+    estimate_half_life_ms: float = Field(
+        60_000.0,
+        gt=0,
+        description="a worker's latency estimate fades toward the 50 ms prior "
+        "with this half-life while it sends no samples",
+    )
     cost_w_latency: float = Field(1.0, ge=0, le=1000, description="H3 weight of node latency")
     cost_w_load: float = Field(1.0, ge=0, le=1000, description="H3 weight of node load")
     cost_w_score: float = Field(1.0, ge=0, le=1000, description="H3 weight of 100/score")
@@ -214,7 +220,7 @@ class Settings(BaseSettings):
             self.saturation_threshold, self.worker_grace_ms, self.swarm_ewma_alpha,
             self.cost_w_latency, self.cost_w_load, self.cost_w_score, self.cost_w_hops,
             self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
-            self.reprobe_ms,
+            self.reprobe_ms, self.estimate_half_life_ms,
         )  # fmt: skip
 
     @property

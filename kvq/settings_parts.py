@@ -36,6 +36,7 @@ class RoutingSettings:
     refresh_ms: int
     local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
     reprobe_ms: float = 5_000.0  # KVQ_REPROBE_MS
+    half_life_ms: float = 60_000.0  # KVQ_ESTIMATE_HALF_LIFE_MS
 
 
 @dataclass(frozen=True, slots=True)

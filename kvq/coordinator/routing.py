@@ -25,8 +25,9 @@ def policy_from(s: RoutingSettings) -> LivePolicy:
         w_l=s.w_latency, w_c=s.w_load, w_k=s.w_score, w_h=s.w_hops, w_p=s.w_tokens
     )
     return LivePolicy(
-        s.saturation_threshold, s.worker_grace_ms, s.ewma_alpha, weights, s.reprobe_ms
-    )
+        s.saturation_threshold, s.worker_grace_ms, s.ewma_alpha, weights, s.reprobe_ms,
+        s.half_life_ms,
+    )  # fmt: skip
 
 
 class SliceRouter:

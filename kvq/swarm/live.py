@@ -65,6 +65,7 @@ class LivePolicy:
     alpha: float = 0.3
     weights: CostWeights = field(default_factory=CostWeights)
     reprobe_ms: float = 5_000.0  # under load, an unused live worker gets one job this often
+    half_life_ms: float = 60_000.0  # a worker's latency estimate halves its gap to the prior
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,8 @@ class LiveRouter:
         self._candidates: list[str] = []  # unproven, untried: K4 trials, oldest first
         self._last_job: dict[str, float] = {}  # worker -> when a route last sent it work
         self._probing: set[str] = set()  # re-probed workers whose sample has not come back
+        self._sampled: dict[str, float] = {}  # worker -> when its estimate was last refreshed
+        self._now = 0.0  # the latest now_ms given to update_workers or route
         self.probes = 0
         self._slots = (0, 1)
         self._applied = (-1, -1)
@@ -124,6 +127,8 @@ class LiveRouter:
     def update_workers(self, workers: Iterable[WorkerView], now_ms: float) -> bool:
         """The model's workers as of now (others' slices ignored); True if it re-planned."""
         views = {w.worker_id: w for w in workers if w.slice_id in self._sid_set}
+        self._now = max(self._now, now_ms)
+        self._relax(now_ms)
         for wid, w in views.items():
             seen = self._first_seen.setdefault(wid, now_ms)
             if w.first_seen_ms is not None and w.first_seen_ms != seen:
@@ -137,6 +142,7 @@ class LiveRouter:
             self._tele.pop(wid, None)
             self._first_seen.pop(wid, None)
             self._last_job.pop(wid, None)
+            self._sampled.pop(wid, None)
             self._served.discard(wid)
             self._tried.discard(wid)
         self._workers = views
@@ -157,6 +163,7 @@ class LiveRouter:
         # a re-probe's sample replaces the stale estimate it was sent to refresh
         alpha = 1.0 if worker in self._probing else None
         self._probing.discard(worker)
+        self._sampled[worker] = self._now  # fresh: its fading restarts from here
         self._observe(worker, alpha, latency_ms=latency_ms, score=1.0)
         if worker not in self._served:
             self._served.add(worker)
@@ -204,6 +211,7 @@ class LiveRouter:
         """Where each slice of the next MoE layer goes. `active`: the slice ids that have work
         in this call (a K4 trial is only spent on one of them). Raises `UncoveredSlice`."""
         self.check()
+        self._now = max(self._now, now_ms)
         slots = self._slots  # one read: the poll thread may replace it meanwhile
         loaded = slots[0] >= self.policy.saturation_threshold
         if slots != self._applied:
@@ -285,6 +293,21 @@ class LiveRouter:
         }  # fmt: skip
 
     # -- internals --------------------------------------------------------------------------
+    def _relax(self, now_ms: float) -> None:
+        """Latency estimates fade toward the prior (H4's 50 ms) with `half_life_ms` while a
+        worker sends no samples (a sample resets its clock)."""
+        for wid in self._workers:
+            last = self._sampled.get(wid)
+            if last is None or now_ms <= last:
+                self._sampled.setdefault(wid, now_ms)
+                continue
+            fraction = 1.0 - 0.5 ** ((now_ms - last) / self.policy.half_life_ms)
+            self._sampled[wid] = now_ms
+            if wid in self.state.telemetry:
+                self.state.relax(wid, fraction)
+            elif wid in self._tele:
+                self._tele[wid].relax(fraction)
+
     def _proven(self, w: WorkerView) -> bool:
         return w.last_serve_ms > 0 or w.worker_id in self._served
 

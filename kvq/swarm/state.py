@@ -111,6 +111,12 @@ class SwarmState:
         t.observe(self.alpha if alpha is None else alpha, latency_ms, load, score)
         self._touch(self._index[node_id], t)
 
+    def relax(self, node_id: str, fraction: float) -> None:
+        """The node's latency estimate moved `fraction` of the way to the prior."""
+        t = self.node(node_id)
+        t.relax(fraction)
+        self._touch(self._index[node_id], t)
+
     def set_load(self, node_id: str, load: float) -> None:
         """Sets a load that is known exactly (the coordinator's own slots), not blended."""
         t = self.node(node_id)

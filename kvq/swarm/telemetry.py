@@ -61,6 +61,12 @@ class NodeTelemetry:
         if score is not None:
             self.score = self.score + alpha * (max(0.0, score) - self.score)
 
+    def relax(self, fraction: float, prior_ms: float = UNMEASURED_LATENCY_MS) -> None:
+        """Move the latency estimate `fraction` (0..1) of the way back to `prior_ms`: what
+        is known of a node fades when it sends no samples."""
+        if self.latency_ms is not None and 0.0 < fraction <= 1.0:
+            self.latency_ms += fraction * (prior_ms - self.latency_ms)
+
     def effective(self) -> tuple[float, float, float]:
         """(latency_ms, load, score) as the cost sees them, H4 penalty included."""
         declared = (

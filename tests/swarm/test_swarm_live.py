@@ -256,3 +256,19 @@ def test_no_probes_at_rest_and_a_still_slow_worker_stays_out() -> None:
     r.observe_result("w0", 450.0)  # still slow: stays out until the next probe
     assert r.route(10_500.0, [S0]).remote == {}
     assert r.route(11_000.0, [S0]).trial == "w0"
+
+
+def test_estimates_fade_toward_the_prior_without_samples() -> None:
+    """No samples for three half-lives: a 400 ms verdict fades to ~94 ms and the worker wins
+    the route under load again, without any probe."""
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(reprobe_ms=1e12, half_life_ms=10_000.0))
+    w0 = _proven("w0", S0)
+    _feed(r, w0, now=0.0, latency=400.0)
+    r.set_slots(4, 4)
+    assert r.route(0.0).remote == {}
+    r.update_workers([w0], 10_000.0)  # one half-life: 400 -> 225 ms, still out
+    assert r.route(10_000.0).remote == {}
+    r.update_workers([w0], 30_000.0)  # three: 50 + 350 / 8 = 93.75 ms
+    lat = r.state.telemetry["w0"].latency_ms
+    assert lat is not None and abs(lat - 93.75) < 1e-6
+    assert r.route(30_000.0).remote == {S0: "w0"}
