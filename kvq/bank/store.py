@@ -127,8 +127,7 @@ class LayerStore:
         out: list[QMatrix] = []
         for k, c in enumerate(self.cold):
             assert isinstance(c, QStack)
-            raw = self.hot[k][slot] if slot >= 0 else c.raw[e]
-            out.append(QMatrix(raw.view(c.shape[1], -1), c.qtype, c.shape[1:]))
+            out.append(c.encoded(e, self.hot[k][slot] if slot >= 0 else None))
         return out[0], out[1], out[2]
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:

@@ -73,8 +73,14 @@ class QStack(_Encoded):
         """Expert `e`'s matrix as it computes fastest in `dtype` on this device: encoded
         (`QMatrix`, no copy) where a fused kernel covers the type, else dequantized."""
         if kernels.keeps_encoded(self.qtype, self.raw.device, dtype):
-            return QMatrix(self.raw[e].view(self.shape[1], -1), self.qtype, self.shape[1:])
+            return self.encoded(e)
         return self.matrix(e, dtype)
+
+    def encoded(self, e: int, raw: torch.Tensor | None = None) -> QMatrix:
+        """Expert `e`'s matrix kept encoded: its bytes here, or `raw`, a copy of them (a hot
+        slot)."""
+        b = self.raw[e] if raw is None else raw
+        return QMatrix(b.view(self.shape[1], -1), self.qtype, self.shape[1:])
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert dequantized: [n, rows, cols] (tests and references only)."""

@@ -38,7 +38,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 Q = GGMLQuantizationType
-MAX_ROWS = 16  # above this many rows, dequantize once and use a dense matmul instead
+MAX_ROWS = 16  # above this many rows (fewer for some types), dequantize and use a matmul
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 
@@ -215,6 +215,10 @@ def _q6_k(w: U8, x: F32, out: F32) -> None:  # block 256: ql[128], qh[64], int8 
 
 
 _KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+# rows up to which the fused kernel beats dequantize + matmul: its cost grows with the rows,
+# the other's barely (`kvq bench kernels`, 2048x1024, 2 AVX2 cores: at 8 rows Q4_0 0.8x,
+# Q8_0 1.2x, Q5_K/Q6_K 1.7x, Q4_K 2.4x)
+_MAX_ROWS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_K: MAX_ROWS, Q.Q5_K: 12, Q.Q6_K: 12}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _MAX_THREADS: int = getattr(numba.config, "NUMBA_NUM_THREADS", 1)  # numba's pool size
@@ -228,7 +232,7 @@ def keeps_encoded(qtype: int, device: torch.device | str, dtype: torch.dtype) ->
 def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
     """Whether `matmul` has a kernel for `rows` rows of x (CPU, float32) times `qtype`."""
     return (
-        qtype in _KERNELS and 0 < rows <= MAX_ROWS and x.device.type == "cpu"
+        qtype in _KERNELS and 0 < rows <= _MAX_ROWS[qtype] and x.device.type == "cpu"
         and x.dtype == torch.float32
     )  # fmt: skip
 

@@ -32,15 +32,16 @@ class Held:
 
 
 class Membership:
-    """`worker_id`'s slice on `board`; `served()` gives (jobs served, last_serve_ms)."""
+    """`worker_id`'s slice on `board`; `served()` gives (jobs served, last_serve_ms),
+    `work()` (seconds spent computing, rows computed) since the worker started."""
 
     def __init__(
         self, board: Board, worker_id: str, device: str,
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        work: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
     ) -> None:  # fmt: skip
         self.board, self.id, self.device, self.served = board, worker_id, device, served
-        # (busy seconds, rows) so far, from the server: load and per-row rate per beat interval
-        self.work: Callable[[], tuple[float, int]] = lambda: (0.0, 0)
+        self.work = work  # (busy seconds, rows) so far: load and ms per row per beat interval
         self._last_work = (time.monotonic(), 0.0, 0)
         self.held: Held | None = None  # loaded and serving
         self.loading: Held | None = None  # taken from the market, still downloading

@@ -45,8 +45,7 @@ class Worker:
         self.device = pick_device(settings.device)
         self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
-        self.membership = Membership(board, worker_id, str(self.device), self._served)
-        self.membership.work = self._work
+        self.membership = Membership(board, worker_id, str(self.device), self._served, self._work)
         self.stop = threading.Event()
         self._idle_since = time.monotonic()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s

@@ -79,5 +79,7 @@ def test_answered_entries_leave_the_streams(
     assert coord.dispatch.stats.remote_jobs > 0 and w.served > 0
     wait_for(lambda: r.xlen(keys.model_requests("tiny")) == 0, what="requests deleted")
     assert r.xlen(keys.worker_inbox("w0")) == 0
-    assert r.xlen(keys.coord_results("c1")) == 0
+    # the results the coordinator read last go with its next read (no extra round trip):
+    # at most one layer call's worth stays, not the 12 layer calls x 3 requests it has read
+    assert r.xlen(keys.coord_results("c1")) <= 1
     assert r.exists(keys.worker_inbox("w0")), "the stream and its group stay"

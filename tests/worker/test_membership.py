@@ -288,8 +288,7 @@ def test_beats_report_load_and_per_row_rate(board_case: BoardCase, gguf: Path) -
     _, b = _register(board, gguf)
     board.set_target("m", b, 1)
     work = [(0.0, 0)]
-    m = Membership(board, "w", "cpu")
-    m.work = lambda: work[0]
+    m = Membership(board, "w", "cpu", work=lambda: work[0])
     held = m.volunteer()
     assert held is not None
     m.hold(held)
