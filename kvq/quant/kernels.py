@@ -1,26 +1,35 @@
 """Matrix products straight from GGUF-encoded weights on the CPU: `y = x @ W.T` without
 dequantizing W first.
 
-A decode step multiplies a handful of rows by each weight matrix, so the cost is reading the
-weights. Dequantizing an encoded matrix into float32 writes and reads 8x more bytes than the
-encoding (`kvq.quant.dequantize`: about 4 ms for a 2048x1024 Q4_K matrix on two cores); these
-kernels read the encoded bytes once and compute in float32 as they go (about 0.33 ms).
+A decode step multiplies a handful of rows by each weight matrix, so the cost is reading and
+unpacking the weights. Dequantizing a whole encoded matrix into float32 writes and reads 8x
+more bytes than the encoding (`kvq.quant.dequantize`: about 3 ms for a 2048x1024 Q4_K matrix
+on two cores); these kernels read the encoded bytes once (about 0.2 ms at one row, 0.5 ms at 8).
 
-Each kernel follows its type's block layout in ggml (`dequantize_row_*` in ggml-quants.c). A
-block's weights are `d * q` (Q8_0, Q6_K per sub-block) or `d * q + m` (Q4_0, the K-quants), so
-the dot product of a sub-block with x is `d * sum(q * x) + m * sum(x)`: the quants are
-multiplied as small integers converted to float32, the scales applied once per sub-block, and
-the sums of x per sub-block computed once per call. Bit fields are split in float32
-arithmetic (`_split`), which is exact for small integers and vectorizes 8 lanes wide with
-AVX2, where numba's integer shifts widen to int64 and run 4 lanes wide or scalar.
+Two kernels per type, each following the type's block layout in ggml (`dequantize_row_*` in
+ggml-quants.c):
+
+- **one row** (`_q8_0` ... `_q6_k`): a block's weights are `d * q` (Q8_0, Q6_K per sub-block)
+  or `d * q + m` (Q4_0, the K-quants), so the dot product of a sub-block with x is
+  `d * sum(q * x) + m * sum(x)`: the quants are multiplied as small integers converted to
+  float32, the scales applied once per sub-block, the sums of x per sub-block computed once.
+- **two rows or more** (`_tiled`): each weight row is dequantized to float32 once, into a
+  buffer that stays in L1, and dotted with every row of x, four rows per pass. Unpacking is
+  what the one-row kernel spends its time on, so a batch shares it: 8 rows cost about 2.5x
+  one row instead of 8x.
+
+Bit fields are split in float32 arithmetic (`_split`), which is exact for small integers and
+vectorizes 8 lanes wide with AVX2, where numba's integer shifts widen to int64 and run 4 lanes
+wide or scalar.
 
 Precision: activations and accumulation are float32, as in the dequantize-then-matmul path
 (the precision rule: nothing is computed at lower precision than it is stored). The order of
-the float32 additions differs from a matmul's, so the results agree with it to float32
-rounding, not bit for bit; the error against the float64 reference is pinned by
-tests/quant/test_kernels.py and stated in docs/limits.md. Each output is computed by one
-thread in a fixed order, so a kernel's result does not depend on the thread count or on the
-other rows of the batch: a worker and a coordinator with the same kernel agree bit for bit.
+the float32 additions differs from a matmul's (and between the one-row and the batched
+kernel), so results agree with it to float32 rounding, not bit for bit; the error against the
+float64 reference is pinned by tests/quant/test_kernels.py and stated in docs/models.md. Each
+output is computed by one thread in a fixed order, so for the same rows a kernel's result does
+not depend on the thread count: a worker and a coordinator that compute the same rows of the
+same expert (which is what dispatch sends) agree bit for bit.
 
 Threads: numba's parallel loops (`prange`) over output rows, as many threads as torch uses.
 numba's default threading layer does not allow two parallel launches at once, so calls take a
@@ -38,7 +47,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 Q = GGMLQuantizationType
-MAX_ROWS = 16  # above this many rows (fewer for some types), dequantize and use a matmul
+MAX_ROWS = 64  # above this many rows (fewer for some types), dequantize and use a matmul
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 
@@ -214,11 +223,136 @@ def _q6_k(w: U8, x: F32, out: F32) -> None:  # block 256: ql[128], qh[64], int8 
             out[b, n] = acc
 
 
+# ---- two or more rows: dequantize each weight row once, then dot it with every row of x ----
+
+
+@_inline
+def _i8(row: U8, at: int) -> np.float32:
+    """The int8 at byte `at` of `row`, as float32."""
+    v = np.int32(row[at])
+    return np.float32(v - ((v >> 7) << 8))
+
+
+@_inline
+def _row_q8_0(row: U8, buf: F32, k: int) -> None:
+    for blk in range(k // 32):
+        o, k0 = blk * 34, blk * 32
+        d = _f16(row, o)
+        for i in range(32):
+            v = np.float32(row[o + 2 + i])
+            _, neg = _split(v, 128)
+            buf[k0 + i] = d * (v - np.float32(256) * neg)
+
+
+@_inline
+def _row_q4_0(row: U8, buf: F32, k: int) -> None:
+    for blk in range(k // 32):
+        o, k0 = blk * 18, blk * 32
+        d = _f16(row, o)
+        for i in range(16):
+            lo, hi = _split(np.float32(row[o + 2 + i]), 16)
+            buf[k0 + i] = d * (lo - np.float32(8))
+            buf[k0 + 16 + i] = d * (hi - np.float32(8))
+
+
+@_inline
+def _row_q45_k(row: U8, buf: F32, k: int, five: bool) -> None:
+    """Q4_K, or Q5_K with `five` (its qh[32] before qs and the fifth bit from it)."""
+    size, qs = (176, 48) if five else (144, 16)
+    for blk in range(k // 256):
+        o, k0 = blk * size, blk * 256
+        d, dmin = _f16(row, o), _f16(row, o + 2)
+        for c in range(4):
+            s0, m0 = _k_scale_min(row, o, 2 * c)
+            s1, m1 = _k_scale_min(row, o, 2 * c + 1)
+            a0, z0, a1, z1 = d * s0, dmin * m0, d * s1, dmin * m1
+            q, y = o + qs + 32 * c, k0 + 64 * c
+            shift = np.float32(1.0 / (1 << (2 * c)))
+            for i in range(32):
+                lo, hi = _split(np.float32(row[q + i]), 16)
+                if five:
+                    b0, h1 = _split(np.floor(np.float32(row[o + 16 + i]) * shift), 2)
+                    b1, _ = _split(h1, 2)
+                    lo += np.float32(16) * b0
+                    hi += np.float32(16) * b1
+                buf[y + i] = a0 * lo - z0
+                buf[y + 32 + i] = a1 * hi - z1
+
+
+@_inline
+def _row_q6_k(row: U8, buf: F32, k: int) -> None:
+    for blk in range(k // 256):
+        o, k0 = blk * 210, blk * 256
+        d = _f16(row, o + 208)
+        for half in range(2):
+            ql, qh, y0 = o + 64 * half, o + 128 + 32 * half, k0 + 128 * half
+            sc = o + 192 + 8 * half
+            for g in range(2):  # l in [16g, 16g + 16): scales sc + g + {0, 2, 4, 6}
+                s0, s1 = d * _i8(row, sc + g), d * _i8(row, sc + g + 2)
+                s2, s3 = d * _i8(row, sc + g + 4), d * _i8(row, sc + g + 6)
+                for i in range(16):
+                    l = 16 * g + i  # noqa: E741 (ggml's name)
+                    a_lo, a_hi = _split(np.float32(row[ql + l]), 16)
+                    c_lo, c_hi = _split(np.float32(row[ql + l + 32]), 16)
+                    h0, r = _split(np.float32(row[qh + l]), 4)
+                    h1, r = _split(r, 4)
+                    h2, h3 = _split(r, 4)
+                    buf[y0 + l] = s0 * (a_lo + np.float32(16) * h0 - np.float32(32))
+                    buf[y0 + l + 32] = s1 * (c_lo + np.float32(16) * h1 - np.float32(32))
+                    buf[y0 + l + 64] = s2 * (a_hi + np.float32(16) * h2 - np.float32(32))
+                    buf[y0 + l + 96] = s3 * (c_hi + np.float32(16) * h3 - np.float32(32))
+
+
+@_inline
+def _dot_rows(buf: F32, x: F32, out: F32, n: int) -> None:
+    """out[:, n] = x @ buf, four rows of x per pass over buf (one load of w for four FMAs)."""
+    b, k = 0, x.shape[1]
+    while b + 4 <= x.shape[0]:
+        t0, t1, t2, t3 = np.float32(0), np.float32(0), np.float32(0), np.float32(0)
+        for i in range(k):
+            v = buf[i]
+            t0 += v * x[b, i]
+            t1 += v * x[b + 1, i]
+            t2 += v * x[b + 2, i]
+            t3 += v * x[b + 3, i]
+        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = t0, t1, t2, t3
+        b += 4
+    while b < x.shape[0]:
+        t = np.float32(0)
+        for i in range(k):
+            t += buf[i] * x[b, i]
+        out[b, n] = t
+        b += 1
+
+
+_T_Q8_0, _T_Q4_0, _T_Q4_K, _T_Q5_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K)
+_CHUNK = 16  # weight rows per parallel task (one float32 row buffer each)
+
+
+@_jit
+def _tiled(qtype: int, w: U8, x: F32, out: F32) -> None:
+    """x [B, K] @ W.T for B >= 2: each weight row is dequantized to float32 once (the same
+    values as `kvq.quant.dequantize`) into a buffer that stays in L1, then dotted with all B
+    rows, so the unpacking, which is what the one-row kernels spend their time on, is shared."""
+    n_rows, k = w.shape[0], x.shape[1]
+    for chunk in numba.prange((n_rows + _CHUNK - 1) // _CHUNK):
+        buf = np.empty(k, np.float32)
+        for n in range(chunk * _CHUNK, min(n_rows, chunk * _CHUNK + _CHUNK)):
+            if qtype == _T_Q8_0:
+                _row_q8_0(w[n], buf, k)
+            elif qtype == _T_Q4_0:
+                _row_q4_0(w[n], buf, k)
+            elif qtype == _T_Q4_K or qtype == _T_Q5_K:
+                _row_q45_k(w[n], buf, k, qtype == _T_Q5_K)
+            else:
+                _row_q6_k(w[n], buf, k)
+            _dot_rows(buf, x, out, n)
+
+
 _KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
-# rows up to which the fused kernel beats dequantize + matmul: its cost grows with the rows,
-# the other's barely (`kvq bench kernels`, 2048x1024, 2 AVX2 cores: at 8 rows Q4_0 0.8x,
-# Q8_0 1.2x, Q5_K/Q6_K 1.7x, Q4_K 2.4x)
-_MAX_ROWS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_K: MAX_ROWS, Q.Q5_K: 12, Q.Q6_K: 12}
+# rows up to which the kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
+# 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
+_MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _MAX_THREADS: int = getattr(numba.config, "NUMBA_NUM_THREADS", 1)  # numba's pool size
@@ -247,5 +381,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     with _lock:
         if numba.get_num_threads() != threads:
             numba.set_num_threads(threads)
-        _KERNELS[qtype](wa, xa, out)
+        if xa.shape[0] == 1:
+            _KERNELS[qtype](wa, xa, out)
+        else:
+            _tiled(int(qtype), wa, xa, out)
     return torch.from_numpy(out)
