@@ -83,6 +83,11 @@ class Settings(BaseSettings):
         description="a worker's latency estimate fades toward the 50 ms prior "
         "with this half-life while it sends no samples",
     )
+    dispatch_policy: Literal["capacity", "copies"] = Field(
+        "capacity",
+        description="under load, capacity: split each MoE layer's slices over the coordinator "
+        "and eligible workers so the layer finishes soonest; copies: the cheapest whole copy",
+    )
     cost_w_latency: float = Field(1.0, ge=0, le=1000, description="H3 weight of node latency")
     cost_w_load: float = Field(1.0, ge=0, le=1000, description="H3 weight of node load")
     cost_w_score: float = Field(1.0, ge=0, le=1000, description="H3 weight of 100/score")
@@ -220,7 +225,7 @@ class Settings(BaseSettings):
             self.saturation_threshold, self.worker_grace_ms, self.swarm_ewma_alpha,
             self.cost_w_latency, self.cost_w_load, self.cost_w_score, self.cost_w_hops,
             self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
-            self.reprobe_ms, self.estimate_half_life_ms,
+            self.reprobe_ms, self.estimate_half_life_ms, self.dispatch_policy,
         )  # fmt: skip
 
     @property

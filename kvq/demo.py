@@ -63,6 +63,9 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
             saturation_enter_s=min(s.saturation_enter_s, 0.5),  # and boosts come and go
             saturation_leave_s=min(s.saturation_leave_s, 2.0),
+            # the tiny model's experts cost less than a round trip, so the default capacity
+            # split would keep them local; whole copies show the remote path (docs/routing.md)
+            dispatch_policy="copies",
         )  # fmt: skip
         # several torch processes share this machine's cores: one thread each avoids OpenMP
         # threads spinning against each other

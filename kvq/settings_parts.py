@@ -37,6 +37,7 @@ class RoutingSettings:
     local_experts: bool  # KVQ_COORDINATOR_EXPERTS=all
     reprobe_ms: float = 5_000.0  # KVQ_REPROBE_MS
     half_life_ms: float = 60_000.0  # KVQ_ESTIMATE_HALF_LIFE_MS
+    policy: str = "capacity"  # KVQ_DISPATCH_POLICY: capacity | copies
 
 
 @dataclass(frozen=True, slots=True)

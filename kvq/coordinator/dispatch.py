@@ -73,9 +73,9 @@ class Dispatcher:
     def slices_of(self, layer: int) -> list[SliceSpec]:
         return self._layer_slices[layer]
 
-    def route(self, active: set[str], busy: int, total: int) -> LiveRoute | None:
+    def route(self, rows: dict[str, int], busy: int, total: int) -> LiveRoute | None:
         try:
-            return self.routing.route(active, busy, total)
+            return self.routing.route(rows, busy, total)
         except UncoveredSlice as exc:
             # admitted before coverage was lost: the weights are here, so finish locally
             self.stats.uncovered_local += 1
@@ -118,7 +118,7 @@ class _LayerCall:
             rows = hit.nonzero().squeeze(1)  # [R]
             if rows.numel():
                 order.append((spec, rows))
-        route = d.route({spec.sid for spec, _ in order}, busy, total)
+        route = d.route({spec.sid: int(rows.numel()) for spec, rows in order}, busy, total)
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
         for spec, rows in order:
@@ -153,10 +153,13 @@ class _LayerCall:
         )  # fmt: skip
 
     def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
-        return self.d.server.compute(
+        t0 = time.perf_counter()
+        y = self.d.server.compute(
             self.layer, self.x[rows], self.ids[rows], self.w[rows],
             spec.expert_start, spec.expert_end,
         )  # fmt: skip
+        self.d.routing.observe_local(int(rows.numel()), (time.perf_counter() - t0) * 1000)
+        return y
 
     def fallback(self, p: _Pending, latency_ms: float) -> None:
         """A remote job failed or timed out: compute it here and count it, never lose it."""
@@ -198,7 +201,7 @@ class _LayerCall:
             self.fallback(p, latency_ms)
             return
         stats.remote_jobs += 1
-        d.routing.observe_result(p.worker, latency_ms)
+        d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
         d.per_worker[res.worker] = d.per_worker.get(res.worker, 0) + 1
         if d.s.verify_remote:
             self._verify(p, y)

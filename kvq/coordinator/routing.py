@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 
 from kvq.bus.board import Board
 from kvq.config import RoutingSettings
+from kvq.coordinator.capacity import Capacity
 from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter
+
+CAPACITY_ROUTE = -2  # LiveRoute.pipeline_id of a capacity split
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -42,6 +45,9 @@ class SliceRouter:
         ]
         local = sids if settings.local_experts else []
         self.router = LiveRouter(info.model, sids, coord_id, policy_from(settings), local)
+        self.capacity = Capacity(coord_id, settings.ewma_alpha)
+        self.split = settings.policy == "capacity"
+        self.coord = coord_id
         self.board, self.model = board, info.model
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
@@ -59,6 +65,8 @@ class SliceRouter:
         listed = {v.worker_id for v in views}
         # dead since the last read, or already reaped by the monitor (no longer listed)
         down = {v.worker_id for v in views if not v.alive} | (self._alive - listed)
+        for worker in self._alive - listed:
+            self.capacity.forget(worker)
         for worker in sorted(down & self._alive):
             rescue = self.router.mark_down(worker)
             if rescue is not None:
@@ -72,19 +80,41 @@ class SliceRouter:
         self.refresh()
         self.router.check()
 
-    def route(self, active: Collection[str], busy: int, total: int) -> LiveRoute:
-        """Where each active slice of this MoE layer goes, under the coordinator's load
-        (`busy` of `total` slots); raises UncoveredSlice."""
+    def route(self, rows: Mapping[str, int], busy: int, total: int) -> LiveRoute:
+        """Where each active slice of this MoE layer goes (`rows`: token rows per active
+        slice), under the coordinator's load (`busy` of `total` slots); raises UncoveredSlice.
+
+        At rest, and for K4 trials and re-probes, the router's copy decides. Under load with
+        `KVQ_DISPATCH_POLICY=capacity`, the active slices are split over the coordinator and
+        the eligible workers so that the layer finishes soonest (`capacity.assign`)."""
         self.router.set_slots(busy, total)
         self.refresh()
-        return self.router.route(time.time() * 1000, active)
+        route = self.router.route(time.time() * 1000, rows.keys())
+        if not self.split or not self.router.loaded or route.trial is not None:
+            return route
+        candidates = {}
+        for sid in rows:
+            local = (self.coord,) if self.router.holds_locally(sid) else ()
+            candidates[sid] = local + self.router.eligible(sid)
+            if not candidates[sid]:  # nothing eligible: keep what the copy chose
+                candidates[sid] = (route.worker(sid) or self.coord,)
+        split = self.capacity.assign(rows, candidates)
+        return LiveRoute(
+            CAPACITY_ROUTE, {sid: node for sid, node in split.items() if node != self.coord}
+        )
+
+    def observe_local(self, rows: int, ms: float) -> None:
+        self.capacity.observe_local(rows, ms)
 
     @property
     def replans(self) -> int:
         return self.router.replans
 
-    def observe_result(self, worker: str, latency_ms: float) -> None:
+    def observe_result(
+        self, worker: str, latency_ms: float, rows: int = 0, compute_ms: float = 0.0
+    ) -> None:
         self.router.observe_result(worker, latency_ms)
+        self.capacity.observe_remote(worker, rows, latency_ms, compute_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:
         self.router.observe_failure(worker, latency_ms)

@@ -41,6 +41,7 @@ from kvq.swarm.telemetry import NodeTelemetry
 from kvq.swarm.types import CostWeights, FailoverOptions, ModelSpec, NodeProfile, Pipeline, Slice
 
 _NO_DEGRADE = FailoverOptions(allow_degraded=False)
+ELIGIBLE_SCORE = 0.5  # success EWMA below which a worker gets no share of a capacity split
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +281,24 @@ class LiveRouter:
         self._tried.add(chosen.worker_id)
         self._last_job[chosen.worker_id] = now_ms
         return self._with(base, chosen)
+
+    def eligible(self, sid: str) -> tuple[str, ...]:
+        """The workers that may take slice `sid` in a capacity split: those the copies may use
+        for it (proven, or any live one where nothing else holds it), alive, and not failing
+        (score >= `ELIGIBLE_SCORE`: a worker that failed its last two jobs waits for a
+        re-probe to succeed)."""
+        if self._key is None or sid not in self._sid_set:
+            return ()
+        ws = self._key[self._sids.index(sid)]
+        out = []
+        for wid in ws:
+            t = self.state.telemetry.get(wid) or self._tele.get(wid)
+            if t is not None and t.alive and t.score >= ELIGIBLE_SCORE:
+                out.append(wid)
+        return tuple(out)
+
+    def holds_locally(self, sid: str) -> bool:
+        return sid in self._local
 
     def describe(self) -> dict[str, object]:
         """For stats and logs: load, copies, uncovered slices, proven and pending workers."""

@@ -30,7 +30,9 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _routing(**overrides: Any) -> RoutingSettings:
-    return load_settings(**{"dispatch_refresh_ms": 10, **overrides}).routing
+    """The copy policy unless a test asks for the capacity split (tests at the end)."""
+    base = {"dispatch_refresh_ms": 10, "dispatch_policy": "copies"}
+    return load_settings(**{**base, **overrides}).routing
 
 
 def _router(board: Board, gguf: Path, **overrides: Any) -> tuple[SliceRouter, list[str]]:
@@ -52,7 +54,7 @@ def _serve(board: Board, worker: str, sid: str, proven: bool = True) -> None:
 
 
 def _remote(router: SliceRouter, sids: list[str], busy: int) -> dict[str, str]:
-    route = router.route(sids, busy, TOTAL)
+    route = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
     assert route.trial is None
     return {s: w for s in sids if (w := route.worker(s)) is not None}
 
@@ -64,7 +66,7 @@ def test_at_rest_every_slice_is_local(board_case: BoardCase, gguf: Path) -> None
         _serve(board, f"w{i}", sid)
     threshold = _routing().saturation_threshold
     for busy in (0, threshold - 1):
-        route = router.route(sids, busy, TOTAL)
+        route = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
         assert all(route.worker(s) is None for s in sids)
         assert route.remote == {} and route.trial is None
     router.check()
@@ -91,13 +93,13 @@ def test_under_load_an_unproven_worker_gets_one_trial_in_its_window(
     s1 = sids[1]
     _serve(board, "new", s1, proven=False)
     busy = _routing().saturation_threshold
-    assert router.route(sids, 0, TOTAL).remote == {}, "at rest: no trial"
-    trial = router.route(sids, busy, TOTAL)
+    assert router.route(dict.fromkeys(sids, 1), 0, TOTAL).remote == {}, "at rest: no trial"
+    trial = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
     assert (trial.trial, trial.worker(s1)) == ("new", "new")
-    again = router.route(sids, busy, TOTAL)
+    again = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
     assert again.trial is None and again.worker(s1) is None, "one try only"
     router.observe_result("new", 5.0)  # it answered: proven
-    assert router.route(sids, busy, TOTAL).worker(s1) == "new"
+    assert router.route(dict.fromkeys(sids, 1), busy, TOTAL).worker(s1) == "new"
 
 
 def test_a_dead_proven_worker_is_rescued_and_routing_goes_local(
@@ -177,7 +179,7 @@ def test_workers_only_coordinator_refuses_until_a_worker_beats(
     with pytest.raises(UncoveredSlice, match=sids[0]):
         router.check()
     with pytest.raises(UncoveredSlice):
-        router.route(sids, 0, TOTAL)
+        router.route(dict.fromkeys(sids, 1), 0, TOTAL)
     for i, sid in enumerate(sids[1:], start=1):
         _serve(board, f"w{i}", sid, proven=False)
     router.refresh(force=True)
@@ -191,7 +193,7 @@ def test_workers_only_coordinator_refuses_until_a_worker_beats(
     _serve(board, "w0", sids[0], proven=False)
     time.sleep(0.03)  # past dispatch_refresh_ms: check() rereads by itself
     router.check()
-    route = router.route(sids, 0, TOTAL)
+    route = router.route(dict.fromkeys(sids, 1), 0, TOTAL)
     assert {s: route.worker(s) for s in sids} == {s: f"w{i}" for i, s in enumerate(sids)}, (
         "no local experts: the only holders serve even unproven and at rest"
     )
@@ -199,3 +201,55 @@ def test_workers_only_coordinator_refuses_until_a_worker_beats(
     router.refresh(force=True)
     with pytest.raises(UncoveredSlice, match=sids[0]):
         router.check()
+
+
+# -- KVQ_DISPATCH_POLICY=capacity: under load the layer's slices are split by measured rates --
+
+
+def _measured(
+    router: SliceRouter, worker: str, ms_per_row: float, overhead_ms: float, own: float = 0.0
+) -> None:
+    """What dispatch feeds the router: the coordinator's local compute (`own` ms per row,
+    default the worker's) and one result of the worker."""
+    router.observe_local(rows=100, ms=100 * (own or ms_per_row))
+    router.observe_result(worker, overhead_ms + 100 * ms_per_row, 100, 100 * ms_per_row)
+
+
+def test_capacity_split_uses_coordinator_and_worker_under_load(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0)
+    s0, s1 = sids[0], sids[1]  # both slices of layer 0
+    _serve(board, "w", s0)
+    _serve(board, "w2", s1)
+    _measured(router, "w", 1.0, 2.0)
+    _measured(router, "w2", 1.0, 2.0)
+    busy = _routing().saturation_threshold
+    assert router.route({s0: 10, s1: 10}, 0, TOTAL).remote == {}, "at rest: all local (K1)"
+    split = router.route({s0: 10, s1: 10}, busy, TOTAL)
+    # 10 rows each at 1 ms/row: both local 20 ms; one on a worker 12 ms, both remote 12 ms
+    assert split.pipeline_id == -2 and len(split.remote) >= 1
+    assert split.remote.get(s0, "w") == "w" and split.remote.get(s1, "w2") == "w2"
+
+
+def test_capacity_keeps_work_local_when_the_round_trip_costs_more(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0)
+    _serve(board, "w", sids[0])
+    _measured(router, "w", 0.01, 5.0)  # 0.1 ms of work against a 5 ms round trip
+    busy = _routing().saturation_threshold
+    assert router.route({sids[0]: 10, sids[1]: 10}, busy, TOTAL).remote == {}
+
+
+def test_capacity_gives_a_failing_worker_nothing(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0)
+    _serve(board, "w", sids[0])
+    _measured(router, "w", 0.5, 0.5, own=1.0)  # twice as fast: 10.5 ms against 20 here
+    busy = _routing().saturation_threshold
+    assert router.route({sids[0]: 20}, busy, TOTAL).remote == {sids[0]: "w"}
+    router.observe_failure("w", 2000.0)  # score 0 with alpha 1: not eligible
+    assert router.route({sids[0]: 20}, busy, TOTAL).remote == {}

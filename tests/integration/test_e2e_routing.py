@@ -41,7 +41,12 @@ def test_unproven_worker_outside_grace_gets_no_work_under_load(
 ) -> None:
     """K4: a worker that never served is not recruited under load once its window is over."""
     s = settings.model_copy(
-        update={"saturation_threshold": 1, "worker_grace_ms": 0.0, "slice_experts": 8}
+        update={
+            "saturation_threshold": 1,
+            "worker_grace_ms": 0.0,
+            "slice_experts": 8,
+            "dispatch_policy": "copies",
+        }  # K4 and the copy ladder, not the split
     )
     mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
     coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
@@ -89,6 +94,7 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
 ) -> None:
     s = settings.model_copy(update={
         "saturation_threshold": 1, "slice_experts": 8, "base_replicas": 2,
+        "dispatch_policy": "copies",  # H8: the rescue moves the copy to the live worker
         "heartbeat_ttl_s": 1.0, "job_deadline_ms": 10_000,  # a cold first try may be slow
         # one slow first sample (a cold worker process) must not price w1 out of every copy
         "cost_w_latency": 0.01,
