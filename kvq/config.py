@@ -107,8 +107,14 @@ class Settings(BaseSettings):
     # -- worker -------------------------------------------------------------------------
     heartbeat_ttl_s: float = Field(6.0, gt=0, description="a worker silent this long is dead")
     volunteer_poll_s: float = Field(0.5, gt=0, description="idle worker's demand poll period")
+    idle_release_s: float = Field(
+        90.0,
+        ge=0,
+        description="a worker with no job for this long gives back a slice covered beyond its "
+        "target and volunteers again (wind-down; 0 = keep it)",
+    )
     idle_shutdown_s: float = Field(
-        0.0, ge=0, description="idle worker exits after this long (0 = never)"
+        0.0, ge=0, description="a worker holding no slice exits after this long (0 = never)"
     )
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -245,6 +251,7 @@ class Settings(BaseSettings):
         return WorkerSettings(
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
             self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
+            self.idle_release_s,
         )  # fmt: skip
 
     @property

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq.server import _die_with_parent
+
+
+def _pinned(cpus: set[int]) -> Callable[[], None]:
+    def preexec() -> None:  # in the child between fork and exec
+        _die_with_parent()
+        os.sched_setaffinity(0, cpus)
+
+    return preexec
 
 
 @dataclass
@@ -20,18 +30,23 @@ class Children:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: str | None = None
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, *args: str, cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:  # fmt: skip
+        """`python -m kvq *args` as `name`; `cpus`: pinned to those CPUs from its start (every
+        thread it makes inherits them); `env`: instead of the shared environment."""
         out: int | object = subprocess.DEVNULL
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(f"{self.log_dir}/{name}.log", "wb")  # noqa: SIM115 - closed with the child
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvq", *args],
-            env=self.env,
+            env=self.env if env is None else env,
             stdout=out,  # type: ignore[arg-type]
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            preexec_fn=_die_with_parent if cpus is None else _pinned(cpus),  # noqa: PLW1509
         )
         if self.log_dir and hasattr(out, "close"):
             out.close()  # the child holds its own descriptor

@@ -75,6 +75,7 @@ class WorkerSettings:
     reconnect_max_s: float
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
     load_retry_max_s: float = 60.0  # cap of the back-off after a failed slice load
+    idle_release_s: float = 90.0  # KVQ_IDLE_RELEASE_S: wind-down of a surplus slice
 
 
 @dataclass(frozen=True, slots=True)

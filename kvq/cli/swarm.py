@@ -1,4 +1,4 @@
-"""Swarm routing commands (issue 5): `kvq swarm-sim`, `kvq bench swarm`."""
+"""Swarm routing commands (issue 5): `kvq swarm-sim`, `kvq bench swarm`, `kvq bench offload`."""
 
 from __future__ import annotations
 
@@ -64,8 +64,36 @@ def _positive(v: str) -> int:
     return n
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of numbers, got {text!r}"
+        ) from None
+
+
+def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.offload import OffloadBench, run_offload_bench
+
+    cfg = OffloadBench(
+        model=args.model, rtts_ms=args.rtt_ms, sequences=args.sequences,
+        max_tokens=args.max_tokens, warmup_s=args.warmup_s, measure_s=args.measure_s,
+        log_dir=args.log_dir,
+    )  # fmt: skip
+    r = run_offload_bench(cfg)
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK
+    print(f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s")
+    for run in r["runs"]:
+        print(f"  rtt {run['rtt_ms']:>5} ms: {run['tok_s']} tok/s, speedup {run['speedup']}, "
+              f"remote share {run['remote_share']}")  # fmt: skip
+    return EXIT_OK
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """swarm-sim, bench swarm."""
+    """swarm-sim, bench swarm, bench offload."""
     s = sub.add_parser("swarm-sim", help="run the swarm lifecycle in memory and print JSON")
     s.add_argument("--topology", required=True, metavar="FILE.json", help="nodes and models")
     s.add_argument("--kill", action="append", metavar="NODE", help="node that dies (repeatable)")
@@ -86,3 +114,14 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench_swarm)
+
+    o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
+    o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
+    o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
+    o.add_argument("--sequences", type=_positive, default=8, help="concurrent client loops")
+    o.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
+    o.add_argument("--warmup-s", type=float, default=10.0, help="load before measuring")
+    o.add_argument("--measure-s", type=float, default=30.0, help="measured window per run")
+    o.add_argument("--log-dir", help="keep the processes' logs here")
+    o.add_argument("--json", action="store_true")
+    o.set_defaults(fn=cmd_bench_offload)

@@ -4,15 +4,19 @@ Under load the aim is aggregate throughput: a layer is done when its slowest nod
 each layer's active slices go to the nodes that make that finish time smallest. A node's finish
 time is the time its own part of the layer takes:
 
-- the coordinator: `rows x ms_per_row` summed over the slices it keeps (it computes them while
+- the coordinator: `compute_ms(rows)` summed over the slices it keeps (it computes them while
   the remote jobs are in flight, so its overhead is 0);
-- a worker: `overhead_ms + rows x ms_per_row` over the slices sent to it (its jobs go out
+- a worker: `overhead_ms + compute_ms(rows)` over the slices sent to it (its jobs go out
   together, so the round trip is paid once per layer).
 
-Estimates are EWMAs per node, fed by what dispatch measures: the coordinator's local compute
-time per row, and per result a worker's `compute_ms / rows` and `latency - compute_ms` (the
-round trip, queueing and serialisation). A worker with no sample yet is priced at the
-coordinator's rate plus `prior_overhead_ms` (H4's 50 ms): its trial or re-probe measures it.
+`compute_ms(rows) = fixed + per_row x rows` per node: a slice call costs a fixed part (the
+experts it touches are unpacked once, whatever the rows) plus a part per row, so a plain
+per-row rate would be 4x off between an 8-row decode call and a 200-row prefill. Both terms
+come from an exponentially weighted least-squares fit of (rows, ms) samples, fed by what
+dispatch measures: the coordinator's local compute, and per result a worker's `compute_ms`
+and `latency - compute_ms` (round trip, queueing, serialisation; an EWMA). A worker with no
+sample yet is priced like the coordinator plus `prior_overhead_ms` (H4's 50 ms): its trial
+or re-probe measures it.
 
 `assign` is greedy longest-first (each slice, largest first, to the node it finishes earliest
 on) followed by moves of slices off the slowest node (alone, as swaps or as chains of two)
@@ -31,19 +35,57 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-Rate = Callable[[str], float]  # node -> ms per row, or node -> overhead ms
+Compute = Callable[[str, int], float]  # (node, rows of one slice) -> ms to compute them
+Overhead = Callable[[str], float]  # node -> ms its part of a layer costs besides compute
 _MAX_ROUNDS = 8  # improvement rounds per layer (each O(slices^2) makespans with chains)
 _CHAIN_MAX_SLICES = 16  # above this many active slices, only single moves (time per layer)
 
 
 @dataclass(slots=True)
+class CostFit:
+    """Exponentially weighted least squares of `ms = fixed + per_row x rows`."""
+
+    alpha: float
+    n: float = 0.0  # decayed sample weight and sums
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, rows: int, ms: float) -> None:
+        k = 1.0 - self.alpha
+        self.n, self.sx, self.sy = k * self.n + 1, k * self.sx + rows, k * self.sy + ms
+        self.sxx, self.sxy = k * self.sxx + rows * rows, k * self.sxy + rows * ms
+
+    @property
+    def empty(self) -> bool:
+        return self.n == 0.0
+
+    def terms(self) -> tuple[float, float]:
+        """(fixed ms, ms per row), both >= 0; one row count seen: all of it per row."""
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):
+            return 0.0, my / mx if mx > 0 else 0.0
+        slope = max(0.0, (self.sxy / self.n - mx * my) / var)
+        fixed = my - slope * mx
+        if fixed < 0:  # the line through 0 that fits best
+            return 0.0, self.sxy / self.sxx
+        return fixed, slope
+
+    def ms(self, rows: int) -> float:
+        fixed, per_row = self.terms()
+        return fixed + per_row * rows
+
+
+@dataclass(slots=True)
 class _Estimate:
-    ms_per_row: float | None = None
+    fit: CostFit
     overhead_ms: float | None = None
 
 
 class Capacity:
-    """Per-node compute-rate and overhead estimates, and the layer assignment they imply."""
+    """Per-node compute-cost and overhead estimates, and the layer assignment they imply."""
 
     def __init__(
         self, coordinator: str, alpha: float = 0.3, prior_overhead_ms: float = 50.0,
@@ -51,26 +93,26 @@ class Capacity:
     ) -> None:  # fmt: skip
         self.coordinator, self.alpha = coordinator, alpha
         self.prior_overhead_ms, self.prior_ms_per_row = prior_overhead_ms, prior_ms_per_row
-        self._est: dict[str, _Estimate] = {coordinator: _Estimate(overhead_ms=0.0)}
+        self._est: dict[str, _Estimate] = {coordinator: _Estimate(CostFit(alpha), 0.0)}
 
     def observe_local(self, rows: int, ms: float) -> None:
         """The coordinator computed `rows` token rows of a slice in `ms`."""
-        self._blend(self.coordinator, rows, ms, None)
+        self._add(self.coordinator, rows, ms, None)
 
     def observe_remote(self, worker: str, rows: int, latency_ms: float, compute_ms: float) -> None:
         """A worker's result: `latency_ms` from send to arrival, `compute_ms` of it computing."""
         compute = min(max(0.0, compute_ms), latency_ms)
-        self._blend(worker, rows, compute, latency_ms - compute)
+        self._add(worker, rows, compute, latency_ms - compute)
 
     def forget(self, worker: str) -> None:
         self._est.pop(worker, None)
 
-    def ms_per_row(self, node: str) -> float:
+    def compute_ms(self, node: str, rows: int) -> float:
+        """Estimated ms for `node` to compute `rows` rows of one slice."""
         e = self._est.get(node)
-        if e is not None and e.ms_per_row is not None:
-            return e.ms_per_row
-        own = self._est[self.coordinator].ms_per_row
-        return own if own is not None else self.prior_ms_per_row
+        if e is None or e.fit.empty:
+            e = self._est[self.coordinator]
+        return self.prior_ms_per_row * rows if e.fit.empty else e.fit.ms(rows)
 
     def overhead_ms(self, node: str) -> float:
         if node == self.coordinator:
@@ -83,47 +125,49 @@ class Capacity:
     def assign(
         self, work: Mapping[str, int], candidates: Mapping[str, Sequence[str]]
     ) -> dict[str, str]:
-        return assign(work, candidates, self.ms_per_row, self.overhead_ms)
+        return assign(work, candidates, self.compute_ms, self.overhead_ms)
 
     def describe(self) -> dict[str, dict[str, float]]:
-        return {
-            n: {"ms_per_row": round(self.ms_per_row(n), 4), "overhead_ms": round(self.overhead_ms(n), 3)}
-            for n in sorted(self._est)
-        }  # fmt: skip
+        out = {}
+        for n in sorted(self._est):
+            fixed, per_row = (0.0, 0.0) if self._est[n].fit.empty else self._est[n].fit.terms()
+            out[n] = {"fixed_ms": round(fixed, 3), "ms_per_row": round(per_row, 4),
+                      "overhead_ms": round(self.overhead_ms(n), 3)}  # fmt: skip
+        return out
 
-    def _blend(self, node: str, rows: int, compute_ms: float, overhead_ms: float | None) -> None:
+    def _add(self, node: str, rows: int, compute_ms: float, overhead_ms: float | None) -> None:
         if rows <= 0 or not math.isfinite(compute_ms):
             return
-        e = self._est.setdefault(node, _Estimate())
-        rate = compute_ms / rows
-        a = self.alpha
-        e.ms_per_row = rate if e.ms_per_row is None else e.ms_per_row + a * (rate - e.ms_per_row)
+        e = self._est.setdefault(node, _Estimate(CostFit(self.alpha)))
+        e.fit.add(rows, compute_ms)
         if overhead_ms is not None and math.isfinite(overhead_ms):
-            o = e.overhead_ms
+            o, a = e.overhead_ms, self.alpha
             e.overhead_ms = overhead_ms if o is None else o + a * (overhead_ms - o)
 
 
 def finish_times(
-    assignment: Mapping[str, str], work: Mapping[str, int], ms_per_row: Rate, overhead_ms: Rate
-) -> dict[str, float]:
+    assignment: Mapping[str, str], work: Mapping[str, int], compute_ms: Compute,
+    overhead_ms: Overhead,
+) -> dict[str, float]:  # fmt: skip
     """Each used node's finish time for this layer under `assignment` (slice -> node)."""
     out: dict[str, float] = {}
     for sid, node in assignment.items():
         start = out.get(node, overhead_ms(node))
-        out[node] = start + work[sid] * ms_per_row(node)
+        out[node] = start + compute_ms(node, work[sid])
     return out
 
 
 def makespan(
-    assignment: Mapping[str, str], work: Mapping[str, int], ms_per_row: Rate, overhead_ms: Rate
-) -> float:
+    assignment: Mapping[str, str], work: Mapping[str, int], compute_ms: Compute,
+    overhead_ms: Overhead,
+) -> float:  # fmt: skip
     """The layer's finish time: its slowest node's."""
-    return max(finish_times(assignment, work, ms_per_row, overhead_ms).values(), default=0.0)
+    return max(finish_times(assignment, work, compute_ms, overhead_ms).values(), default=0.0)
 
 
 def assign(
-    work: Mapping[str, int], candidates: Mapping[str, Sequence[str]], ms_per_row: Rate,
-    overhead_ms: Rate,
+    work: Mapping[str, int], candidates: Mapping[str, Sequence[str]], compute_ms: Compute,
+    overhead_ms: Overhead,
 ) -> dict[str, str]:  # fmt: skip
     """slice -> node for every slice in `work` (rows per slice), each on one of its
     `candidates` (in preference order: the first wins ties). Greedy longest-first, then moves
@@ -133,27 +177,27 @@ def assign(
     for sid in sorted(work, key=lambda s: (-work[s], s)):
         best, best_t = "", math.inf
         for node in candidates[sid]:
-            t = finish.get(node, overhead_ms(node)) + work[sid] * ms_per_row(node)
+            t = finish.get(node, overhead_ms(node)) + compute_ms(node, work[sid])
             if t < best_t:
                 best, best_t = node, t
         out[sid] = best
         finish[best] = best_t
     chains = len(out) <= _CHAIN_MAX_SLICES
     for _ in range(min(_MAX_ROUNDS, 2 * len(out))):
-        if not _improve(out, work, candidates, ms_per_row, overhead_ms, chains):
+        if not _improve(out, work, candidates, compute_ms, overhead_ms, chains):
             break
     return out
 
 
 def _improve(
     out: dict[str, str], work: Mapping[str, int], candidates: Mapping[str, Sequence[str]],
-    ms_per_row: Rate, overhead_ms: Rate, chains: bool,
+    compute_ms: Compute, overhead_ms: Overhead, chains: bool,
 ) -> bool:  # fmt: skip
     """Applies the change that shortens the layer most among: one slice off the slowest node
     to another, plus at most one slice of that node moved on (a swap, or a chain of two);
     False if none does."""
-    now = makespan(out, work, ms_per_row, overhead_ms)
-    finish = finish_times(out, work, ms_per_row, overhead_ms)
+    now = makespan(out, work, compute_ms, overhead_ms)
+    finish = finish_times(out, work, compute_ms, overhead_ms)
     slowest = max(finish, key=lambda n: finish[n])
     best: tuple[float, dict[str, str]] | None = None
     for sid in sorted(s for s, n in out.items() if n == slowest):
@@ -170,7 +214,7 @@ def _improve(
                 if dest != node
             ]  # fmt: skip
         for change in trials:
-            t = makespan({**out, **change}, work, ms_per_row, overhead_ms)
+            t = makespan({**out, **change}, work, compute_ms, overhead_ms)
             if t < now - 1e-9 and (best is None or t < best[0]):
                 best = (t, change)
     if best is None:

@@ -40,7 +40,8 @@ class _Pending:
     spec: SliceSpec
     rows: torch.Tensor  # [R] rows of the layer's x that this job carries
     worker: str
-    sent_at: float
+    sent_at: float  # time.monotonic()
+    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
 
 
 class Dispatcher:
@@ -81,6 +82,19 @@ class Dispatcher:
             self.stats.uncovered_local += 1
             log.warning("%s; computing locally", exc)
             return None
+
+
+def _latency_ms(p: _Pending, eid: bytes) -> float:
+    """Send-to-arrival time of a result. The result is read only after the local slices are
+    computed, so the read time overstates a fast worker's round trip by that compute; the
+    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
+    NTP-close across machines). The smaller of the two non-negative values is used."""
+    read = (time.monotonic() - p.sent_at) * 1000
+    try:
+        stored = int(eid.split(b"-", 1)[0]) - p.sent_ms
+    except ValueError:
+        return read
+    return stored if 0 <= stored < read else read
 
 
 class _StepMoe:
@@ -128,7 +142,9 @@ class _LayerCall:
             else:
                 job_id = d.next_job_id()
                 jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
-                self.pending[job_id] = _Pending(spec, rows, worker, time.monotonic())
+                self.pending[job_id] = _Pending(
+                    spec, rows, worker, time.monotonic(), time.time() * 1000
+                )
         d.board.send_jobs(jobs)
         stats.remote_sent += len(jobs)
         for spec, rows in local:  # while the remote jobs are in flight
@@ -191,7 +207,7 @@ class _LayerCall:
         if p is None:  # duplicate or late: the job was already answered once
             stats.late_results += 1
             return
-        latency_ms = (time.monotonic() - p.sent_at) * 1000
+        latency_ms = _latency_ms(p, eid)
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)

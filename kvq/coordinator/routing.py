@@ -19,6 +19,7 @@ from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter
 
 CAPACITY_ROUTE = -2  # LiveRoute.pipeline_id of a capacity split
+_LOG_EVERY_S = 10.0  # how often a split and its estimates are logged
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -47,6 +48,7 @@ class SliceRouter:
         self.router = LiveRouter(info.model, sids, coord_id, policy_from(settings), local)
         self.capacity = Capacity(coord_id, settings.ewma_alpha)
         self.split = settings.policy == "capacity"
+        self._logged_at = float("-inf")
         self.coord = coord_id
         self.board, self.model = board, info.model
         self.refresh_s = settings.refresh_ms / 1000
@@ -99,6 +101,11 @@ class SliceRouter:
             if not candidates[sid]:  # nothing eligible: keep what the copy chose
                 candidates[sid] = (route.worker(sid) or self.coord,)
         split = self.capacity.assign(rows, candidates)
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            self._logged_at = now
+            log.info("capacity split %s of rows %s; estimates %s", split, dict(rows),
+                     self.capacity.describe())  # fmt: skip
         return LiveRoute(
             CAPACITY_ROUTE, {sid: node for sid, node in split.items() if node != self.coord}
         )

@@ -120,11 +120,10 @@ class Membership:
         with self._lock:
             h, self.held = self.held or self.loading, None
             self.loading = None
-            if h is None:
-                return
             try:
-                self.board.release(h.model, self.id)
-                self.board.forget_worker(self.id)
+                if h is not None:
+                    self.board.release(h.model, self.id)
+                self.board.forget_worker(self.id)  # an idle worker's beat goes too
             except redis.RedisError:
                 pass  # the monitor reaps us once the heartbeat expires
 

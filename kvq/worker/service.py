@@ -1,13 +1,16 @@
 """The worker process: volunteer → download → register → serve, over outbound Redis only.
 
 Life cycle:
-1. idle: poll every model's demand through the atomic volunteer script (K9, K11);
+1. idle: poll every model's demand through the atomic volunteer script (K9, K11); holding no
+   slice for `KVQ_IDLE_SHUTDOWN_S` (> 0) it exits;
 2. given a slice: fetch exactly its bytes, verify checksums, decode into tensors, and run
    each expert once (warm-up) before announcing "serving", so first results are warm (K4);
 3. heartbeat on a thread (a key that expires), re-asserting its slice after a reap or a Redis
    restart;
 4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job's result is
-   written before the job is acknowledged; malformed entries go to the dead-letter stream.
+   written before the job is acknowledged; malformed entries go to the dead-letter stream;
+5. wind-down (K10): no job for `KVQ_IDLE_RELEASE_S` while its slice is covered beyond the
+   target → give the slice back, drop it from memory, and go back to 1.
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ class Worker:
             self.membership.leave()
 
     def _maybe_idle_out(self) -> None:
+        """Holding no slice for `idle_shutdown_s` (> 0): exit (code 0)."""
         if self._idle_for() > self.s.idle_shutdown_s > 0:
-            log.info("no demand for %.0fs; shutting down", self._idle_for())
+            log.info("no slice for %.0fs; shutting down", self._idle_for())
             self.stop.set()
 
     def _idle_for(self) -> float:
@@ -168,17 +172,19 @@ class Worker:
         if entries:
             self._idle_since = time.monotonic()
             self.server.bank.step()  # B5: a batch of jobs is this node's engine step
-        elif self._idle_for() > self.s.idle_shutdown_s > 0:
-            self._retire_if_surplus()
+        elif self._idle_for() > self.s.idle_release_s > 0:
+            self._release_if_surplus()
 
-    def _retire_if_surplus(self) -> None:
-        """K10: idle and beyond its slice's target → give the slice back and exit."""
+    def _release_if_surplus(self) -> None:
+        """K10 wind-down: idle and beyond its slice's target → give the slice back, free its
+        memory and volunteer again (exiting is `idle_shutdown_s`'s business)."""
         h = self.membership.retire()
+        self._idle_since = time.monotonic()  # still needed: look again later; else idle anew
         if h is None:
-            self._idle_since = time.monotonic()  # still needed; look again later
             return
-        log.info("idle %.0fs and %s is over-covered: leaving", self._idle_for(), h.sid)
-        self.stop.set()
+        log.info("no job for %.0fs and %s is over-covered: released it; volunteering again",
+                 self.s.idle_release_s, h.sid)  # fmt: skip
+        self.server, self.consumer = None, None
 
     def _serve_one(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
         """Decode, serve, write the result, then ack; bad entries are dead-lettered."""

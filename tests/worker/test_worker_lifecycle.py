@@ -1,4 +1,4 @@
-"""Worker life cycle on a real Redis: wind-down when demand falls (K10)."""
+"""Worker life cycle on a real Redis: wind-down when demand falls (K10), back up when it rises."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
 ) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=8)
-    s = settings.model_copy(update={"slice_experts": 8, "base_replicas": 2, "idle_shutdown_s": 0.3})
+    s = settings.model_copy(update={
+        "slice_experts": 8, "base_replicas": 2, "idle_release_s": 0.3, "idle_shutdown_s": 0.3,
+    })  # fmt: skip
     keys = Keys(s.prefix)
     info = Monitor.from_settings(s).register("m", model)
     (sid,) = info.slices
@@ -43,3 +45,32 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
 
     time.sleep(1.0)
     assert (ta.is_alive(), tb.is_alive()).count(True) == 1, "the last replica stays"
+
+
+def test_wind_down_releases_the_surplus_and_the_worker_comes_back_for_a_second_burst(
+    settings: Settings, tmp_path: Path, run_in_thread
+) -> None:
+    """The default wind-down (KVQ_IDLE_SHUTDOWN_S=0): the surplus worker gives its slice back
+    and stays, idle and beating; when the target rises again it takes the slice again."""
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=1, experts=8)
+    s = settings.model_copy(update={"slice_experts": 8, "base_replicas": 2, "idle_release_s": 0.3})
+    keys = Keys(s.prefix)
+    info = Monitor.from_settings(s).register("m", model)
+    (sid,) = info.slices
+    a, b = Worker.from_settings(s, "a"), Worker.from_settings(s, "b")
+    ta, tb = run_in_thread(a), run_in_thread(b)
+    _wait(lambda: a.holding is not None and b.holding is not None)
+    r = a.board.r
+    r.hset(keys.model_target("m"), sid, 1)  # the burst is over: base is one replica
+    _wait(lambda: (a.holding is None) != (b.holding is None))
+    released = a if a.holding is None else b
+    assert r.hget(keys.model_coverage("m"), sid) == b"1"
+    assert not r.exists(keys.worker_inbox(released.id)), "its inbox went with the slice"
+    assert released.server is None, "the slice's memory is freed"
+    _wait(lambda: r.exists(keys.worker_heartbeat(released.id)) == 1)  # idle beats
+    assert ta.is_alive() and tb.is_alive(), "nobody exits with KVQ_IDLE_SHUTDOWN_S=0"
+    r.hset(keys.model_target("m"), sid, 2)  # a second burst raises the target
+    _wait(lambda: released.holding is not None)
+    assert r.hget(keys.model_coverage("m"), sid) == b"2"
+    assert released.server is not None

@@ -1,0 +1,227 @@
+"""`kvq bench offload`: does a worker make the coordinator faster? (issue 10)
+
+Real processes on one machine: a coordinator pinned to CPU 0 and, in the offload runs, one
+worker pinned to CPU 1, each with one torch thread; the embedded Redis, the monitor and the
+client loops share CPU 1 (light work that runs while the worker waits for jobs). The model's experts
+are cut into two slices (every layer, half the experts each); the worker volunteers for one.
+A closed loop of `sequences` clients keeps the coordinator saturated; after `warmup_s` the
+tokens streamed back during `measure_s` give the aggregate tok/s.
+
+- baseline: no worker (all-local on one CPU), measured before and after the offload runs (the
+  machine drifts; their mean is the baseline);
+- one run per `--rtt-ms` value: a fresh worker that reaches Redis through a `DelayProxy` adding
+  that round trip (0: directly). `speedup` = its tok/s / baseline tok/s; `remote_share` = the
+  coordinator's remote jobs / all expert jobs in the window.
+
+Default settings otherwise (the capacity split, `KVQ_DISPATCH_POLICY=capacity`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from kvq import client
+from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.config import Settings, child_env, load_settings
+from kvq.errors import ConfigError, KvqError
+from kvq.keys import Keys
+from kvq.model import make_tiny
+from kvq.model.meta import read_meta
+from kvq.procs import Children
+from kvq.server import EmbeddedRedis
+
+from .delay_proxy import DelayProxy
+
+MODEL_ID = "bench"
+COORD_ID = "bench-coord"
+# when no --model is given: 8 layers, 32 experts top-4, hidden 1024, Q4_K (about 240 MB)
+DEFAULT_MODEL = {"layers": 8, "experts": 32, "experts_used": 4, "hidden": 1024,
+                 "expert_ffn": 512, "heads": 8, "kv_heads": 4, "head_dim": 128, "quant": "q4_k"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OffloadBench:
+    model: str | None = None  # a GGUF file; None: DEFAULT_MODEL written to a temp dir
+    rtts_ms: tuple[float, ...] = (0.0,)
+    sequences: int = 8
+    max_tokens: int = 16
+    warmup_s: float = 10.0
+    measure_s: float = 30.0
+    log_dir: str | None = None
+
+    def check(self) -> None:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise ConfigError(
+                "kvq bench offload needs 2 CPUs (coordinator and worker pinned apart)"
+            )
+        if self.sequences < 2 or self.max_tokens < 1 or self.measure_s <= 0 or self.warmup_s < 0:
+            raise ConfigError(
+                "--sequences >= 2, --max-tokens >= 1, --measure-s > 0, --warmup-s >= 0"
+            )
+        if any(r < 0 for r in self.rtts_ms):
+            raise ConfigError(f"--rtt-ms values must be >= 0, got {list(self.rtts_ms)}")
+
+
+def run_offload_bench(cfg: OffloadBench) -> dict[str, Any]:
+    cfg.check()
+    mine = os.sched_getaffinity(0)
+    cpus = sorted(mine)
+    coord_cpu, worker_cpu = cpus[0], cpus[1]
+    # the coordinator has its CPU to itself; Redis, the monitor and the clients share the
+    # worker's. They are light and mostly run while the worker waits for a job (measured: with
+    # Redis on the coordinator's CPU a worker's round trip cost 6-13 ms, as Redis waited for
+    # the coordinator's compute to yield)
+    os.sched_setaffinity(0, {worker_cpu})
+    try:
+        return _run(cfg, coord_cpu, worker_cpu)
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvq-offload-") as tmp, EmbeddedRedis() as server:
+        model = cfg.model or str(Path(tmp) / "model.gguf")
+        if cfg.model is None:
+            make_tiny(model, **DEFAULT_MODEL)  # type: ignore[arg-type]
+        meta, file_mb = read_meta(model), Path(model).stat().st_size / 1e6
+        s = load_settings(
+            redis_url=server.url, prefix="kvqbench", n_slots=cfg.sequences,
+            slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
+            max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
+        )  # fmt: skip
+        env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+        kids = Children(env, log_dir=cfg.log_dir or str(Path(tmp) / "logs"))
+        board = open_board(s.bus, s.lifetimes)
+        try:
+            kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
+            _wait(lambda: MODEL_ID in board.models(), kids, 600, "model registration")
+            kids.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model,
+                       "--id", COORD_ID, cpus={coord_cpu})  # fmt: skip
+            _wait(lambda: board.coordinator_alive(COORD_ID), kids, 600, "the coordinator")
+            before = _phase(board, s, cfg, kids)
+            runs = []
+            for i, rtt in enumerate(cfg.rtts_ms):
+                runs.append({"rtt_ms": rtt} | _with_worker(board, s, cfg, kids, i, rtt, worker_cpu))
+            after = _phase(board, s, cfg, kids)
+        finally:
+            kids.stop_all()
+    base = (before["tok_s"] + after["tok_s"]) / 2
+    for run in runs:
+        run["speedup"] = round(run["tok_s"] / base, 3) if base else None
+    return {
+        "model": cfg.model or f"generated {DEFAULT_MODEL}", "file_mb": round(file_mb, 1),
+        "sequences": cfg.sequences, "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
+        "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
+        "baseline": {"tok_s": round(base, 3), "before": before, "after": after}, "runs": runs,
+    }  # fmt: skip
+
+
+def _with_worker(
+    board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, i: int, rtt: float,
+    cpu: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One offload run: a fresh worker behind a proxy adding `rtt` ms, then the load."""
+    host, port = _host_port(s.redis_url)
+    proxy = DelayProxy(host, port, rtt) if rtt > 0 else None
+    try:
+        url = s.redis_url if proxy is None else f"redis://127.0.0.1:{proxy.port}/0"
+        name = f"worker-{i}"
+        env = dict(kids.env) | {"KVQ_REDIS_URL": url}
+        t0 = time.monotonic()
+        kids.spawn(name, "worker", "--id", name, cpus={cpu}, env=env)
+        _wait(lambda: _ready(board, name), kids, 900, f"{name} to load its slice")
+        load_s = time.monotonic() - t0
+        phase = _phase(board, s, cfg, kids)
+        proc = kids.procs.pop(name)
+        proc.terminate()  # it leaves; the next run's worker takes the slice
+        proc.wait(60)
+        _wait(lambda: not any(v.worker_id == name for v in board.workers(MODEL_ID)), kids, 60,
+              f"{name} to leave")  # fmt: skip
+        return phase | {"worker_load_s": round(load_s, 1)}
+    finally:
+        if proxy is not None:
+            proxy.close()
+
+
+def _phase(board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children) -> dict[str, Any]:
+    """The closed loop of `cfg.sequences` clients; tok/s and job shares in the window."""
+    stop = threading.Event()
+    stamps: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def loop(n: int) -> None:
+        r = redis.Redis.from_url(s.redis_url)
+        keys = Keys(s.prefix)
+        k = 0
+        try:
+            while not stop.is_set():
+                rid = client.send(r, keys, MODEL_ID, prompt=f"Request {n}.{k}: the quick brown fox",
+                                  max_tokens=cfg.max_tokens)  # fmt: skip
+                k += 1
+                for ev in client.events(r, keys, rid, timeout_s=600):
+                    if ev.kind == "token":
+                        with lock:
+                            stamps.append(time.monotonic())
+        except KvqError as exc:
+            errors.append(str(exc))
+        finally:
+            r.close()
+
+    threads = [threading.Thread(target=loop, args=(n,), daemon=True) for n in range(cfg.sequences)]
+    for t in threads:
+        t.start()
+    time.sleep(cfg.warmup_s)
+    start, st0 = time.monotonic(), board.coord_stats(COORD_ID)
+    deadline = start + cfg.measure_s
+    while time.monotonic() < deadline:
+        if kids.dead():
+            stop.set()
+            raise KvqError(f"{', '.join(kids.dead())} exited during the bench; see its log")
+        time.sleep(0.2)
+    end, st1 = time.monotonic(), board.coord_stats(COORD_ID)
+    stop.set()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise KvqError(f"requests failed during the bench: {errors[0]}")
+    tokens = sum(start <= t < end for t in stamps)
+    local = (st1.local_jobs - st0.local_jobs) if st0 and st1 else 0
+    remote = (st1.remote_jobs - st0.remote_jobs) if st0 and st1 else 0
+    fallback = (st1.fallback_jobs - st0.fallback_jobs) if st0 and st1 else 0
+    jobs = local + remote + fallback
+    return {
+        "tok_s": round(tokens / (end - start), 3), "tokens": tokens, "local_jobs": local,
+        "remote_jobs": remote, "fallback_jobs": fallback,
+        "remote_share": round(remote / jobs, 3) if jobs else 0.0,
+    }  # fmt: skip
+
+
+def _ready(board: RedisBoard, worker: str) -> bool:
+    return any(v.worker_id == worker and v.alive and v.ready for v in board.workers(MODEL_ID))
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    return u.hostname or "127.0.0.1", u.port or 6379
+
+
+def _wait(cond: Any, kids: Children, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if kids.dead():
+            raise KvqError(f"{', '.join(kids.dead())} exited while waiting for {what}; see its log")
+        if cond():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")

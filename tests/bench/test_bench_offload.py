@@ -1,0 +1,39 @@
+"""`kvq bench offload` end to end on a tiny model (real processes, pinned; short windows): the
+JSON it reports, and bad options refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvq.bench.offload import OffloadBench, run_offload_bench
+from kvq.errors import ConfigError
+from kvq.model import make_tiny
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=2, experts=8, experts_used=2)
+    r = run_offload_bench(
+        OffloadBench(model=str(model), rtts_ms=(0.0, 10.0), sequences=4, max_tokens=4,
+                     warmup_s=1.0, measure_s=2.0, log_dir=str(tmp_path / "logs"))
+    )  # fmt: skip
+    assert r["baseline"]["tok_s"] > 0 and r["baseline"]["before"]["tokens"] > 0
+    assert [run["rtt_ms"] for run in r["runs"]] == [0.0, 10.0]
+    for run in r["runs"]:
+        assert run["tok_s"] > 0 and run["speedup"] > 0 and run["worker_load_s"] >= 0
+        assert 0.0 <= run["remote_share"] <= 1.0
+        assert run["local_jobs"] + run["remote_jobs"] > 0
+    assert r["cpus"]["coordinator"] != r["cpus"]["worker"]
+    assert len(os.sched_getaffinity(0)) >= 2, "the bench gives this process its CPUs back"
+
+
+@pytest.mark.parametrize(
+    "bad", [{"rtts_ms": (-1.0,)}, {"sequences": 1}, {"measure_s": 0.0}, {"max_tokens": 0}]
+)
+def test_bad_options_are_refused_first(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        OffloadBench(**bad).check()
