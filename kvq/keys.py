@@ -12,6 +12,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:slices               | hash   | monitor: slice id → JSON layout + sha256   |
 | P:{m:M}:target               | hash   | monitor: slice id → wanted replicas        |
 | P:{m:M}:coverage             | hash   | volunteer script / reaper: slice → workers |
+| P:{m:M}:routed               | hash   | coordinators: slice → token rows routed (a counter) |
 | P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
@@ -68,6 +69,9 @@ class Keys:
 
     def model_coverage(self, model: str) -> str:
         return self._m(model, "coverage")
+
+    def model_routed(self, model: str) -> str:
+        return self._m(model, "routed")
 
     def model_workers(self, model: str) -> str:
         return self._m(model, "workers")

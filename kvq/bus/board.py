@@ -69,8 +69,19 @@ class Board(Protocol):
         """The registered model, or None."""
         ...
 
-    def publish_model_state(self, model: str, state: ModelState) -> None:
-        """The monitor's poll result; every slice's target becomes `effective_target`."""
+    def publish_model_state(
+        self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
+    ) -> None:
+        """The monitor's poll result; every slice's target becomes `targets[slice]`, or
+        `effective_target` for slices `targets` leaves out (all of them when None)."""
+        ...
+
+    def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
+        """A coordinator routed these token rows to these slices since its last call."""
+        ...
+
+    def routed(self, model: str) -> dict[str, int]:
+        """Token rows routed to each slice of `model` so far, by every coordinator."""
         ...
 
     def model_state(self, model: str) -> ModelState | None: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields
 from kvq.bus.records import (
@@ -36,6 +36,7 @@ class MemoryBoard:
         self._models: dict[str, ModelInfo] = {}
         self._state: dict[str, ModelState] = {}
         self._target: dict[str, dict[str, int]] = {}
+        self._routed: dict[str, dict[str, int]] = {}  # model -> slice -> rows routed
         self._coverage: dict[str, dict[str, int]] = {}
         self._workers: dict[str, dict[str, str]] = {}
         self._expiring: dict[tuple[str, str], tuple[object, float]] = {}  # (kind, id) → value
@@ -76,13 +77,28 @@ class MemoryBoard:
     def model_info(self, model: str) -> ModelInfo | None:
         return self._models.get(model)
 
-    def publish_model_state(self, model: str, state: ModelState) -> None:
+    def publish_model_state(
+        self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
+    ) -> None:
         with self._lock:
             info = self._models.get(model)
             if info is not None and info.slices:
                 target = self._target.setdefault(model, {})
-                target.update(dict.fromkeys(info.slices, state.effective_target))
+                target.update(
+                    {s: (targets or {}).get(s, state.effective_target) for s in info.slices}
+                )
             self._state[model] = state
+
+    def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
+        with self._lock:
+            routed = self._routed.setdefault(model, {})
+            for sid, n in rows.items():
+                if n > 0:
+                    routed[sid] = routed.get(sid, 0) + n
+
+    def routed(self, model: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._routed.get(model, {}))
 
     def model_state(self, model: str) -> ModelState | None:
         return self._state.get(model)

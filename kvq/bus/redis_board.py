@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 
@@ -75,14 +75,27 @@ class RedisBoard:
         slices = {_s(k): SliceSpec.from_json(_s(k), v) for k, v in table.items()}
         return ModelInfo(model, entry.source, meta_from_dict(json.loads(entry.meta)), slices)
 
-    def publish_model_state(self, model: str, state: ModelState) -> None:
+    def publish_model_state(
+        self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
+    ) -> None:
         k = self.keys
-        sids = self.r.hkeys(k.model_slices(model))
+        sids = [_s(x) for x in self.r.hkeys(k.model_slices(model))]
         pipe = self.r.pipeline(transaction=False)
         if sids:
-            pipe.hset(k.model_target(model), mapping=dict.fromkeys(sids, state.effective_target))
+            wanted = {sid: (targets or {}).get(sid, state.effective_target) for sid in sids}
+            pipe.hset(k.model_target(model), mapping=wanted)
         pipe.hset(k.model_state(model), mapping=state.to_hash())
         pipe.execute()
+
+    def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for sid, n in rows.items():
+            if n > 0:
+                pipe.hincrby(self.keys.model_routed(model), sid, n)
+        pipe.execute()
+
+    def routed(self, model: str) -> dict[str, int]:
+        return {_s(k): int(v) for k, v in self.r.hgetall(self.keys.model_routed(model)).items()}
 
     def model_state(self, model: str) -> ModelState | None:
         return ModelState.from_hash(self.r.hgetall(self.keys.model_state(model)))

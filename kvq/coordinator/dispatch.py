@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class Dispatcher:
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
         self.per_worker: dict[str, int] = {}  # results accepted per worker
+        self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
+        self._routed_lock = threading.Lock()
         self.results_key = keys.coord_results(coord_id)
         self.results = Tail(r, self.results_key)
         self._seq = itertools.count()
@@ -67,6 +70,17 @@ class Dispatcher:
     def for_step(self, busy: int, total: int) -> _StepMoe:
         """The backbone's MoeFn for one engine step, under this load (K2)."""
         return _StepMoe(self, busy, total)
+
+    def count_routed(self, rows: dict[str, int]) -> None:
+        with self._routed_lock:
+            for sid, n in rows.items():
+                self._routed[sid] = self._routed.get(sid, 0) + n
+
+    def take_routed(self) -> dict[str, int]:
+        """Rows routed per slice since the last call (read by the slot-poll thread)."""
+        with self._routed_lock:
+            out, self._routed = self._routed, {}
+        return out
 
     def next_job_id(self) -> str:
         return f"{self.coord}:{next(self._seq)}"
@@ -132,7 +146,9 @@ class _LayerCall:
             rows = hit.nonzero().squeeze(1)  # [R]
             if rows.numel():
                 order.append((spec, rows))
-        route = d.route({spec.sid: int(rows.numel()) for spec, rows in order}, busy, total)
+        work = {spec.sid: int(rows.numel()) for spec, rows in order}
+        d.count_routed(work)  # the monitor weights replica targets by it (K7)
+        route = d.route(work, busy, total)
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
         for spec, rows in order:

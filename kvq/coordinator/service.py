@@ -228,3 +228,6 @@ class Coordinator:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
         state = SlotState(model=self.model, busy=busy, total=total, ts_ms=int(time.time() * 1000))
         self.board.publish_slots(self.id, state, self.snapshot())
+        routed = self.dispatch.take_routed()
+        if routed:
+            self.board.add_routed(self.model, routed)

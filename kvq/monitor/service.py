@@ -4,7 +4,8 @@ Each tick, per model:
 - read every coordinator's slot state; the model is saturated once some coordinator with
   fresh state has had `busy >= saturation_threshold` for `saturation_enter_s`, and stays so
   until none has for `saturation_leave_s` (K6, `kvq.monitor.hysteresis`);
-- write the replica target of every slice: base, plus boost while saturated (K7, K10);
+- write the replica target of every slice: base, plus while saturated the boost copies
+  shared by each slice's routed demand (K7, K10; `kvq.monitor.popularity`);
 - reap workers whose heartbeat expired: give their slice back to the market and move the jobs
   still in their inbox to a live worker of the same slice (the coordinator's deadline fallback
   covers the rest).
@@ -27,6 +28,7 @@ from kvq.bus.redis_board import open_board
 from kvq.config import MonitorSettings, Settings
 from kvq.model.registry import ModelInfo, plan_model
 from kvq.monitor.hysteresis import Hysteresis
+from kvq.monitor.popularity import Popularity, spread
 
 log = logging.getLogger("kvq.monitor")
 
@@ -40,6 +42,7 @@ class Monitor:
     ) -> None:  # fmt: skip
         self.board, self.s, self.clock = board, settings, clock
         self._saturation: dict[str, Hysteresis] = {}
+        self.popularity = Popularity()
         self.stop = threading.Event()
         self.reaped = 0
         self.requeued = 0
@@ -98,12 +101,18 @@ class Monitor:
             log.info("%s: %s (busy %d of %d)", model,
                      "saturated: boosting" if saturated else "drained: boost off", busy, total)  # fmt: skip
         effective = self.s.base_replicas + (self.s.boost_replicas if saturated else 0)
+        rates = self.popularity.update(model, self.board.routed(model))
+        targets = None
+        if saturated:
+            info = self.board.model_info(model)
+            sids = sorted(info.slices) if info is not None else []
+            targets = spread(self.s.base_replicas, self.s.boost_replicas, rates, sids)
         state = ModelState(
             saturated=saturated, busy=busy, total=total, coordinators=live,
             base_target=self.s.base_replicas, effective_target=effective,
             ts_ms=int(time.time() * 1000),
         )  # fmt: skip
-        self.board.publish_model_state(model, state)
+        self.board.publish_model_state(model, state, targets)
         return state
 
     def reap(self, model: str) -> list[str]:
