@@ -114,8 +114,10 @@ class DispatchCounters(Counters, kw_only=True):
     """The dispatcher's counters since the coordinator started (counted in place)."""
 
     local_jobs: int = 0
-    remote_sent: int = 0
+    remote_sent: int = 0  # jobs whose results the layer waits for
     remote_jobs: int = 0
+    trials_sent: int = 0  # K4 trials and re-probes: also computed locally, not waited for
+    trials_answered: int = 0
     fallback_jobs: int = 0
     remote_errors: int = 0
     late_results: int = 0

@@ -184,9 +184,10 @@ class Tail:
         self.last_id = b"0-0"
         self._read: list[bytes] = []  # ids returned by the last read, deleted by the next
 
-    def read(self, count: int, block_ms: int) -> list[Entry]:
-        """New entries. This reader is the stream's only one, so what it has read is deleted,
-        in the same round trip as the next read (no extra round trip per batch)."""
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries (`block_ms` None: do not block). This reader is the stream's only one,
+        so what it has read is deleted, in the same round trip as the next read (no extra
+        round trip per batch)."""
         pipe = self.r.pipeline(transaction=False)
         if self._read:
             pipe.xdel(self.stream, *self._read)

@@ -57,6 +57,7 @@ class Dispatcher:
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
         self.per_worker: dict[str, int] = {}  # results accepted per worker
+        self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
         self.results_key = keys.coord_results(coord_id)
@@ -151,23 +152,34 @@ class _LayerCall:
         route = d.route(work, busy, total)
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
+        trial = route.trial if route is not None else None
         for spec, rows in order:
             worker = route.worker(spec.sid) if route is not None else None
             if worker is None:
                 local.append((spec, rows))
+                continue
+            job_id = d.next_job_id()
+            jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
+            p = _Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
+            if worker == trial and d.routing.router.holds_locally(spec.sid):
+                # a K4 trial or re-probe only measures the worker: computed here as well and
+                # not waited for, so a slow worker costs no layer call its round trip
+                d.shadows[job_id] = p
+                local.append((spec, rows))
             else:
-                job_id = d.next_job_id()
-                jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
-                self.pending[job_id] = _Pending(
-                    spec, rows, worker, time.monotonic(), time.time() * 1000
-                )
+                self.pending[job_id] = p
         d.board.send_jobs(jobs)
-        stats.remote_sent += len(jobs)
+        stats.remote_sent += len(self.pending)
+        stats.trials_sent += len(jobs) - len(self.pending)
         for spec, rows in local:  # while the remote jobs are in flight
             self.partials[spec.sid] = self.local(spec, rows)
             stats.local_jobs += 1
         if self.pending:
             self._gather()
+        elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
+            for eid, fields in d.results.read(count=256, block_ms=None):
+                self._accept(eid, fields)
+        self._expire_shadows()
         out = torch.zeros_like(self.x)
         for spec, rows in order:
             out.index_add_(0, rows, self.partials[spec.sid])
@@ -219,6 +231,10 @@ class _LayerCall:
         except WireError as exc:
             dead_letter(d.r, d.keys, d.results_key, eid, fields, str(exc), d.maxlen)
             return
+        shadow = d.shadows.pop(res.job_id, None)
+        if shadow is not None:
+            self._measure(shadow, res, eid)
+            return
         p = self.pending.pop(res.job_id, None)
         if p is None:  # duplicate or late: the job was already answered once
             stats.late_results += 1
@@ -238,6 +254,24 @@ class _LayerCall:
         if d.s.verify_remote:
             self._verify(p, y)
         self.partials[p.spec.sid] = y
+
+    def _measure(self, p: _Pending, res: wire.Result, eid: bytes) -> None:
+        """A trial's or re-probe's answer: it moves the worker's estimates, nothing else."""
+        latency_ms = _latency_ms(p, eid)
+        y = res.y.array() if res.error is None and res.y is not None else None
+        if y is not None and y.shape == (p.rows.numel(), self.x.shape[1]):
+            self.d.stats.trials_answered += 1
+            self.d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
+        else:
+            self.d.routing.observe_failure(p.worker, latency_ms)
+
+    def _expire_shadows(self) -> None:
+        d = self.d
+        now = time.monotonic()
+        for job_id, p in list(d.shadows.items()):
+            if (now - p.sent_at) * 1000 > d.s.job_deadline_ms:
+                del d.shadows[job_id]
+                d.routing.observe_failure(p.worker, float(d.s.job_deadline_ms))
 
     def _verify(self, p: _Pending, y: torch.Tensor) -> None:
         stats = self.d.stats
