@@ -96,6 +96,10 @@ class ModelState(Record, frozen=True, kw_only=True):
     effective_target: int = 0
     ts_ms: int = 0
 
+    def fresh(self, now_ms: float, within_s: float) -> bool:
+        """Written by a monitor tick within `within_s`: some monitor is running."""
+        return now_ms - self.ts_ms <= within_s * 1000
+
     def public(self) -> dict[str, int | bool]:
         """As `GET /api/moe/recruitment` shows it (K13): every field but the timestamp."""
         return {f: getattr(self, f) for f in self.__struct_fields__ if f != "ts_ms"}
@@ -135,6 +139,11 @@ class CoordStats(DispatchCounters, kw_only=True):
     completed: int = 0
     tokens: int = 0
     claimed: int = 0
+    finishes: str = "{}"  # JSON {finish reason or "error": requests}
+    # `kvq.bus.histogram.Histogram` texts, seconds ("" before the first observation)
+    job_rtt_s: str = ""  # a remote job: sent -> its result read
+    ttft_s: str = ""  # a request: admitted -> its first token event written
+    token_gap_s: str = ""  # between two token events of one request
 
 
 IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state

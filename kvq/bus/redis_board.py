@@ -145,6 +145,9 @@ class RedisBoard:
     def worker_info(self, worker: str) -> WorkerInfo | None:
         return WorkerInfo.from_hash(self.r.hgetall(self.keys.worker_info(worker)))
 
+    def worker_alive(self, worker: str) -> bool:
+        return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
+
     def forget_worker(self, worker: str) -> None:
         k = self.keys
         self.r.delete(k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker))

@@ -22,6 +22,7 @@ import torch
 from kvq import wire
 from kvq.bus import Tail, dead_letter
 from kvq.bus.board import Board, Fields
+from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
@@ -54,6 +55,7 @@ class Dispatcher:
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
+        self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.results_key = keys.coord_results(coord_id)
         self.results = Tail(r, self.results_key)
@@ -189,6 +191,7 @@ class _LayerCall:
             stats.late_results += 1
             return
         latency_ms = (time.monotonic() - p.sent_at) * 1000
+        d.job_rtt.observe(latency_ms / 1000)
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)

@@ -28,6 +28,7 @@ from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
+from kvq.coordinator.telemetry import RequestTimes
 from kvq.device import compute_dtype
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
@@ -71,6 +72,7 @@ class Coordinator:
         self.completed = 0
         self.tokens = 0
         self.claimed = 0
+        self.times = RequestTimes()
         self._claim_at = 0.0
 
     @classmethod
@@ -151,6 +153,7 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=f"refused: {exc}")
             )
+            self.times.finished(rid, "error")
             self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
             return
         ids = (
@@ -163,9 +166,11 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
             )
+            self.times.finished(req.request_id, "error")
             self.requests.answer([self._reply(req.request_id, event)], [eid], self.board.maxlen)
             return
         self.engine.admit(req.request_id, ids, req.max_tokens, eid)
+        self.times.admitted(req.request_id)
 
     def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
         """Why the request cannot be served, or None."""
@@ -201,6 +206,7 @@ class Coordinator:
                     text=self.tokenizer.decode([tok]),
                 )  # fmt: skip
                 replies.append(self._reply(seq.request_id, token))
+                self.times.token(seq.request_id)
             if seq.finish:
                 text = self.tokenizer.decode(seq.generated)
                 n = len(seq.generated)  # tokens streamed: EOS is not one of them
@@ -208,6 +214,7 @@ class Coordinator:
                 replies.append(self._reply(seq.request_id, done))
                 finished.append(seq.entry_id)
                 self.completed += 1
+                self.times.finished(seq.request_id, seq.finish)
         self.requests.answer(replies, finished, self.board.maxlen)
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
@@ -222,6 +229,8 @@ class Coordinator:
             **counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
             replans=self.routing.replans, rescues=self.routing.rescues,
             completed=self.completed, tokens=self.tokens, claimed=self.claimed,
+            finishes=self.times.finishes_text(), job_rtt_s=self.dispatch.job_rtt.to_text(),
+            ttft_s=self.times.ttft.to_text(), token_gap_s=self.times.gap.to_text(),
         )  # fmt: skip
 
     def _publish_slots(self, busy: int, total: int) -> None:
