@@ -46,7 +46,8 @@ class SliceRouter:
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
-        self.rescues = 0
+        self._failing: set[str] = set()  # a job failed or missed since its last good result
+        self.rescues = 0  # workers lost while in use (docs/streams.md, `stats`)
 
     def refresh(self, force: bool = False) -> None:
         """Reread workers if `dispatch_refresh_ms` has passed (or `force`)."""
@@ -60,10 +61,13 @@ class SliceRouter:
         # dead since the last read, or already reaped by the monitor (no longer listed)
         down = {v.worker_id for v in views if not v.alive} | (self._alive - listed)
         for worker in sorted(down & self._alive):
+            # on the route now, or priced off it by the misses its death caused (the jobs were
+            # recomputed here): either way it was lost while in use
             rescue = self.router.mark_down(worker)
-            if rescue is not None:
+            if rescue is not None or worker in self._failing:
                 self.rescues += 1
-                log.info("worker %s is down; rescue: %s", worker, rescue)
+                log.info("worker %s is down; rescue: %s", worker, rescue or "local fallback")
+        self._failing -= down
         self.router.update_workers(views, time.time() * 1000)
         self._alive = {v.worker_id for v in views if v.alive}
 
@@ -84,7 +88,9 @@ class SliceRouter:
         return self.router.replans
 
     def observe_result(self, worker: str, latency_ms: float) -> None:
+        self._failing.discard(worker)
         self.router.observe_result(worker, latency_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:
+        self._failing.add(worker)
         self.router.observe_failure(worker, latency_ms)
