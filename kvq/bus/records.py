@@ -83,6 +83,7 @@ class ModelEntry(Record, frozen=True, kw_only=True):
     expert_used_count: int
     slice_count: int
     meta: str  # kvq.model.meta_to_dict(...) as JSON
+    header_sha256: str = ""  # of the GGUF bytes before the tensor data ("": an older monitor)
 
 
 class ModelState(Record, frozen=True, kw_only=True):

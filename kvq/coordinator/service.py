@@ -33,6 +33,7 @@ from kvq.device import compute_dtype
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
 from kvq.model import Backbone, load_tokenizer, read_meta
+from kvq.model.registry import check_model_file
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
@@ -47,6 +48,8 @@ class Coordinator:
         coord_id: str, model: str, model_path: str | Path,
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
+        self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
+        check_model_file(self.info, model_path)  # before loading: the wrong file fails fast
         meta = read_meta(model_path)
         dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, meta.expert_types())
         self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
@@ -54,7 +57,6 @@ class Coordinator:
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         self.bank = Bank(self.backbone.experts, bank, cpu)
-        self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.routing = SliceRouter(board, routing, coord_id, self.info)
