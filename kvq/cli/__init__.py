@@ -7,6 +7,7 @@ its own subcommands (`core`, `model`, `bank`, `swarm`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings()
     except ConfigError as exc:
+        if args.command == "config" and args.json:  # `config check --json`: an answer too
+            print(json.dumps({"valid": False, "error": str(exc)}))
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
