@@ -86,7 +86,9 @@ class EmbeddedRedis:
     ) -> None:
         self.port = port or free_port()
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvq-redis-"))
+        # absolute: the server changes into --dir before it opens --logfile (a relative
+        # `kvq server --dir redis-data` could not open redis-data/redis-data/server.log)
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvq-redis-")).resolve()
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
 
