@@ -25,6 +25,7 @@ class GroupStats:
     """One group of one stream; `exists` is False until a consumer has created it."""
 
     exists: bool
+    length: int  # XLEN
     lag: int  # entries nobody in the group has read yet
     pending: int  # delivered, not acknowledged
     oldest_pending_age_s: float | None  # age of the oldest unacknowledged entry
@@ -66,7 +67,7 @@ def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupSt
     if info is None:
         first = r.xrange(stream, count=1) if length else []
         age = _age_s(now_ms, first[0][0]) if first else None
-        return GroupStats(False, length, 0, None, age)
+        return GroupStats(False, length, length, 0, None, age)
     pending = int(info["pending"])
     lag = info.get("lag")
     lag = int(lag) if lag is not None else max(0, length - pending)
@@ -83,4 +84,4 @@ def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupSt
         ConsumerStats(_name(c["name"]), int(c["pending"]), int(c["idle"]) / 1000)
         for c in r.xinfo_consumers(stream, group)
     )
-    return GroupStats(True, lag, pending, oldest_pending, oldest_unread, consumers)
+    return GroupStats(True, length, lag, pending, oldest_pending, oldest_unread, consumers)

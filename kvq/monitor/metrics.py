@@ -61,6 +61,7 @@ class _Queues:
         )  # fmt: skip
 
     def add(self, labels: list[str], g: GroupStats) -> None:
+        self.length.add_metric(labels, g.length)
         self.lag.add_metric(labels, g.lag)
         self.oldest_unread.add_metric(labels, g.oldest_unread_age_s or 0.0)
         if not g.exists:
@@ -107,15 +108,12 @@ class RedisCollector(Collector):
         )  # fmt: skip
         per_coord = CoordMetrics()
         for m in board.models():
-            req = k.model_requests(m)
-            q.length.add_metric(["requests", m, "", ""], r.xlen(req))
-            g = group_stats(r, req, COORDINATOR_GROUP, now_ms)
+            g = group_stats(r, k.model_requests(m), COORDINATOR_GROUP, now_ms)
             q.add(["requests", m, "", ""], g)
             views = board.workers(m)
             for v in views:
-                inbox = k.worker_inbox(v.worker_id)
-                q.length.add_metric(["inbox", m, v.worker_id, ""], r.xlen(inbox))
-                q.add(["inbox", m, v.worker_id, ""], group_stats(r, inbox, WORKER_GROUP, now_ms))
+                inbox = group_stats(r, k.worker_inbox(v.worker_id), WORKER_GROUP, now_ms)
+                q.add(["inbox", m, v.worker_id, ""], inbox)
             cviews = board.coordinators(m)
             up = {c.coord for c in cviews if c.alive}
             for c in cviews:
