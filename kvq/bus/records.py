@@ -83,6 +83,7 @@ class ModelEntry(Record, frozen=True, kw_only=True):
     expert_used_count: int
     slice_count: int
     meta: str  # kvq.model.meta_to_dict(...) as JSON
+    header_sha256: str = ""  # of the GGUF bytes before the tensor data ("": an older monitor)
 
 
 class ModelState(Record, frozen=True, kw_only=True):
@@ -95,6 +96,10 @@ class ModelState(Record, frozen=True, kw_only=True):
     base_target: int = 0
     effective_target: int = 0
     ts_ms: int = 0
+
+    def fresh(self, now_ms: float, within_s: float) -> bool:
+        """Written by a monitor tick within `within_s`: some monitor is running."""
+        return now_ms - self.ts_ms <= within_s * 1000
 
     def public(self) -> dict[str, int | bool]:
         """As `GET /api/moe/recruitment` shows it (K13): every field but the timestamp."""
@@ -137,6 +142,11 @@ class CoordStats(DispatchCounters, kw_only=True):
     completed: int = 0
     tokens: int = 0
     claimed: int = 0
+    finishes: str = "{}"  # JSON {finish reason or "error": requests}
+    # `kvq.bus.histogram.Histogram` texts, seconds ("" before the first observation)
+    job_rtt_s: str = ""  # a remote job: sent -> its result read
+    ttft_s: str = ""  # a request: admitted -> its first token event written
+    token_gap_s: str = ""  # between two token events of one request
 
 
 IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state

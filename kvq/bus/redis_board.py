@@ -58,6 +58,7 @@ class RedisBoard:
             source=info.source, arch=meta.arch, block_count=meta.block_count,
             expert_count=meta.expert_count, expert_used_count=meta.expert_used_count,
             slice_count=len(info.slices), meta=json.dumps(meta_to_dict(meta)),
+            header_sha256=info.header_sha256,
         )  # fmt: skip
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(k.model_meta(m), mapping=entry.to_hash())
@@ -73,7 +74,8 @@ class RedisBoard:
             return None
         table = self.r.hgetall(self.keys.model_slices(model))
         slices = {_s(k): SliceSpec.from_json(_s(k), v) for k, v in table.items()}
-        return ModelInfo(model, entry.source, meta_from_dict(json.loads(entry.meta)), slices)
+        meta = meta_from_dict(json.loads(entry.meta))
+        return ModelInfo(model, entry.source, meta, slices, entry.header_sha256)
 
     def publish_model_state(
         self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
@@ -157,6 +159,9 @@ class RedisBoard:
 
     def worker_info(self, worker: str) -> WorkerInfo | None:
         return WorkerInfo.from_hash(self.r.hgetall(self.keys.worker_info(worker)))
+
+    def worker_alive(self, worker: str) -> bool:
+        return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
 
     def forget_worker(self, worker: str) -> None:
         k = self.keys

@@ -7,11 +7,12 @@ its own subcommands (`core`, `model`, `bank`, `swarm`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from kvq.cli import bank, core, model, swarm
+from kvq.cli import bank, core, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
-    for area in (core, model, bank, swarm):
+    for area in (core, health, model, bank, swarm):
         area.register(sub, bench)
     return p
 
@@ -42,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings()
     except ConfigError as exc:
+        if args.command == "config" and args.json:  # `config check --json`: an answer too
+            print(json.dumps({"valid": False, "error": str(exc)}))
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -18,7 +18,8 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "check":
-        print("settings are valid")
+        n = len(Settings.model_fields)
+        print(json.dumps({"valid": True, "settings": n}) if args.json else "settings are valid")
         return EXIT_OK
     rows = describe(settings)
     if args.json:

@@ -23,6 +23,7 @@ import torch
 from kvq import wire
 from kvq.bus import Tail, dead_letter
 from kvq.bus.board import Board, Fields
+from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
@@ -56,6 +57,7 @@ class Dispatcher:
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
+        self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
@@ -240,6 +242,7 @@ class _LayerCall:
             stats.late_results += 1
             return
         latency_ms = _latency_ms(p, eid)
+        d.job_rtt.observe(latency_ms / 1000)
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)

@@ -54,7 +54,8 @@ class SliceRouter:
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
-        self.rescues = 0
+        self._failing: set[str] = set()  # a job failed or missed since its last good result
+        self.rescues = 0  # workers lost while in use (docs/streams.md, `stats`)
 
     def refresh(self, force: bool = False) -> None:
         """Reread workers if `dispatch_refresh_ms` has passed (or `force`)."""
@@ -70,10 +71,13 @@ class SliceRouter:
         for worker in self._alive - listed:
             self.capacity.forget(worker)
         for worker in sorted(down & self._alive):
+            # on the route now, or priced off it by the misses its death caused (the jobs were
+            # recomputed here): either way it was lost while in use
             rescue = self.router.mark_down(worker)
-            if rescue is not None:
+            if rescue is not None or worker in self._failing:
                 self.rescues += 1
-                log.info("worker %s is down; rescue: %s", worker, rescue)
+                log.info("worker %s is down; rescue: %s", worker, rescue or "local fallback")
+        self._failing -= down
         self.router.update_workers(views, time.time() * 1000)
         self._alive = {v.worker_id for v in views if v.alive}
 
@@ -120,8 +124,10 @@ class SliceRouter:
     def observe_result(
         self, worker: str, latency_ms: float, rows: int = 0, compute_ms: float = 0.0
     ) -> None:
+        self._failing.discard(worker)
         self.router.observe_result(worker, latency_ms)
         self.capacity.observe_remote(worker, rows, latency_ms, compute_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:
+        self._failing.add(worker)
         self.router.observe_failure(worker, latency_ms)

@@ -28,10 +28,12 @@ from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
+from kvq.coordinator.telemetry import RequestTimes
 from kvq.device import compute_dtype
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
 from kvq.model import Backbone, load_tokenizer, read_meta
+from kvq.model.registry import check_model_file
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
@@ -46,6 +48,8 @@ class Coordinator:
         coord_id: str, model: str, model_path: str | Path,
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
+        self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
+        check_model_file(self.info, model_path)  # before loading: the wrong file fails fast
         meta = read_meta(model_path)
         dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, meta.expert_types())
         self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
@@ -53,7 +57,6 @@ class Coordinator:
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         self.bank = Bank(self.backbone.experts, bank, cpu)
-        self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.routing = SliceRouter(board, routing, coord_id, self.info)
@@ -71,6 +74,7 @@ class Coordinator:
         self.completed = 0
         self.tokens = 0
         self.claimed = 0
+        self.times = RequestTimes()
         self._claim_at = 0.0
 
     @classmethod
@@ -151,6 +155,7 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=f"refused: {exc}")
             )
+            self.times.finished(rid, "error")
             self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
             return
         ids = (
@@ -163,9 +168,11 @@ class Coordinator:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
             )
+            self.times.finished(req.request_id, "error")
             self.requests.answer([self._reply(req.request_id, event)], [eid], self.board.maxlen)
             return
         self.engine.admit(req.request_id, ids, req.max_tokens, eid)
+        self.times.admitted(req.request_id)
 
     def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
         """Why the request cannot be served, or None."""
@@ -201,6 +208,7 @@ class Coordinator:
                     text=self.tokenizer.decode([tok]),
                 )  # fmt: skip
                 replies.append(self._reply(seq.request_id, token))
+                self.times.token(seq.request_id)
             if seq.finish:
                 text = self.tokenizer.decode(seq.generated)
                 n = len(seq.generated)  # tokens streamed: EOS is not one of them
@@ -208,6 +216,7 @@ class Coordinator:
                 replies.append(self._reply(seq.request_id, done))
                 finished.append(seq.entry_id)
                 self.completed += 1
+                self.times.finished(seq.request_id, seq.finish)
         self.requests.answer(replies, finished, self.board.maxlen)
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
@@ -222,6 +231,8 @@ class Coordinator:
             **counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
             replans=self.routing.replans, rescues=self.routing.rescues,
             completed=self.completed, tokens=self.tokens, claimed=self.claimed,
+            finishes=self.times.finishes_text(), job_rtt_s=self.dispatch.job_rtt.to_text(),
+            ttft_s=self.times.ttft.to_text(), token_gap_s=self.times.gap.to_text(),
         )  # fmt: skip
 
     def _publish_slots(self, busy: int, total: int) -> None:

@@ -8,12 +8,18 @@ through the board (`Board.register_model`), workers and coordinators read it bac
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvq.errors import ModelMismatch
+from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import ModelMeta, read_meta
 from kvq.slices import SliceSpec, slice_grid
+
+log = logging.getLogger("kvq.model")
 
 
 def plan_slices(
@@ -41,6 +47,7 @@ class ModelInfo:
     source: str  # a path or an http(s) URL workers fetch slices from
     meta: ModelMeta
     slices: dict[str, SliceSpec]
+    header_sha256: str = ""  # of the file's bytes before its tensor data ("": not recorded)
 
     def layer_slices(self, layer: int) -> list[SliceSpec]:
         return sorted(
@@ -57,4 +64,41 @@ def plan_model(
     path = Path(path).resolve()
     meta = read_meta(path)
     slices = plan_slices(meta, path, slice_layers, slice_experts)
-    return ModelInfo(model, source or str(path), meta, {s.sid: s for s in slices})
+    by_id = {s.sid: s for s in slices}
+    return ModelInfo(model, source or str(path), meta, by_id, header_sha256(path))
+
+
+def header_sha256(path: str | Path) -> str:
+    """sha256 of everything before the tensor data: the GGUF header, every metadata key and
+    value (architecture, hyper-parameters, tokenizer) and the tensor table."""
+    end = int(gio.open_reader(path).data_offset)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(end)).hexdigest()
+
+
+def check_model_file(info: ModelInfo, path: str | Path) -> None:
+    """Refuse (ModelMismatch) a file that is not the one registered as `info.model`: its size,
+    its metadata hash, and the checksum of one expert range must match the registration."""
+    what = (
+        f"{str(path)!r} is not the file registered as model {info.model!r} (from {info.source!r})"
+    )
+    fix = "start the coordinator with that file, or register this one (kvq monitor --model)"
+    size = os.path.getsize(path)
+    if size != info.meta.file_size:
+        raise ModelMismatch(f"{what}: {size} bytes, registered {info.meta.file_size}; {fix}")
+    if not info.header_sha256:
+        log.warning("model %s was registered without a metadata hash; only its size and expert "
+                    "checksums are checked", info.model)  # fmt: skip
+    elif (got := header_sha256(path)) != info.header_sha256:
+        raise ModelMismatch(f"{what}: metadata sha256 {got[:16]}..., registered "
+                            f"{info.header_sha256[:16]}...; {fix}")  # fmt: skip
+    first = min(info.slices.values(), key=lambda s: (s.layer_start, s.expert_start), default=None)
+    if first is None or not first.ranges:
+        return
+    r, want = first.ranges[0], first.sha256[0]
+    with open(path, "rb") as f:
+        f.seek(r.offset)
+        got = hashlib.sha256(f.read(r.nbytes)).hexdigest()
+    if got != want:  # same layout, other weights (another seed, another fine-tune)
+        raise ModelMismatch(f"{what}: expert bytes of {r.name} at offset {r.offset} differ "
+                            f"(sha256 {got[:16]}..., registered {want[:16]}...); {fix}")  # fmt: skip

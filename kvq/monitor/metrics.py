@@ -1,8 +1,13 @@
-"""Prometheus metrics of a kvq deployment, read from Redis on every scrape (D7, K13).
+"""Prometheus metrics of a kvq deployment, read from Redis on every scrape (D7, K13, X5).
 
-Nothing is counted in-process: each scrape reads stream lengths, pending counts, saturation,
-demand and liveness straight from the keys of `kvq.keys`, so any monitor replica (or a restarted
-one) reports the same numbers.
+Nothing is counted in the monitor: each scrape reads the keys of `kvq.keys`, so any monitor
+replica (or a restarted one) reports the same numbers.
+- queues: stream lengths, and per consumer group lag, pending, the oldest pending and unread
+  entries' ages, per consumer pending and idle (`kvq.bus.groups`);
+- the market: target, coverage and live workers per slice, live coordinators per model;
+- counters and histograms that each coordinator counts in process and publishes in its stats
+  record at every slot poll (`kvq.monitor.coord_metrics`).
+`docs/api.md` lists every metric; `deploy/alerts.yml` alerts on them.
 """
 
 from __future__ import annotations
@@ -10,74 +15,149 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import redis
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvq.bus.groups import GroupStats, group_stats, server_ms
 from kvq.bus.redis_board import RedisBoard
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
+from kvq.monitor.coord_metrics import CoordMetrics
 
 _STREAM_LABELS = ["stream", "model", "worker", "coordinator"]
+_CONSUMER_LABELS = ["stream", "model", "worker", "consumer"]
 
 
-def _pending(r: redis.Redis, stream: str, group: str) -> int | None:
-    """Entries delivered to `group` but not acknowledged; None if the group does not exist."""
-    try:
-        return int(r.xpending(stream, group)["pending"])
-    except redis.ResponseError:  # NOGROUP: no consumer has read this stream yet
-        return None
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class _Queues:
+    """The stream and consumer-group families of one scrape."""
+
+    def __init__(self) -> None:
+        self.length = _gauge("kvq_stream_length", "entries in a kvq stream (XLEN)", _STREAM_LABELS)
+        self.pending = _gauge(
+            "kvq_group_pending",
+            "entries delivered to the consumer group but not acknowledged", _STREAM_LABELS,
+        )  # fmt: skip
+        self.lag = _gauge(
+            "kvq_group_lag",
+            "entries no consumer of the group has read yet (XINFO GROUPS lag)", _STREAM_LABELS,
+        )  # fmt: skip
+        self.oldest_pending = _gauge(
+            "kvq_group_oldest_pending_age_seconds",
+            "age of the oldest delivered, unacknowledged entry (0 when none)", _STREAM_LABELS,
+        )  # fmt: skip
+        self.oldest_unread = _gauge(
+            "kvq_group_oldest_unread_age_seconds",
+            "age of the oldest entry no consumer has read (0 when none)", _STREAM_LABELS,
+        )  # fmt: skip
+        self.c_pending = _gauge(
+            "kvq_consumer_pending", "entries pending under one consumer", _CONSUMER_LABELS
+        )
+        self.c_idle = _gauge(
+            "kvq_consumer_idle_seconds", "since the consumer's last read or claim",
+            _CONSUMER_LABELS,
+        )  # fmt: skip
+
+    def add(self, labels: list[str], g: GroupStats) -> None:
+        self.length.add_metric(labels, g.length)
+        self.lag.add_metric(labels, g.lag)
+        self.oldest_unread.add_metric(labels, g.oldest_unread_age_s or 0.0)
+        if not g.exists:
+            return
+        self.pending.add_metric(labels, g.pending)
+        self.oldest_pending.add_metric(labels, g.oldest_pending_age_s or 0.0)
+        for c in g.consumers:
+            self.c_pending.add_metric([*labels[:3], c.name], c.pending)
+            self.c_idle.add_metric([*labels[:3], c.name], c.idle_s)
+
+    def families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (self.length, self.pending, self.lag, self.oldest_pending, self.oldest_unread,
+                self.c_pending, self.c_idle)  # fmt: skip
 
 
 class RedisCollector(Collector):
-    """Gauges computed from Redis at scrape time."""
+    """Every kvq metric, computed from Redis at scrape time."""
 
     def __init__(self, board: RedisBoard) -> None:
         self.board = board
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         board, r, k = self.board, self.board.r, self.board.keys
-        length = GaugeMetricFamily(
-            "kvq_stream_length", "entries in a kvq stream (XLEN)", labels=_STREAM_LABELS
+        now_ms = server_ms(r)
+        q = _Queues()
+        saturated = _gauge("kvq_model_saturated", "1 while the model is saturated", ["model"])
+        demand = _gauge("kvq_slice_demand", "replicas wanted beyond coverage", ["model", "slice"])
+        target = _gauge("kvq_slice_target", "replicas wanted", ["model", "slice"])
+        coverage = _gauge("kvq_slice_coverage", "workers holding the slice", ["model", "slice"])
+        live = _gauge(
+            "kvq_slice_live_workers", "serving workers of the slice with a live heartbeat",
+            ["model", "slice"],
+        )  # fmt: skip
+        no_live = _gauge(
+            "kvq_slices_without_live_worker", "slices no live serving worker holds", ["model"]
         )
-        pending = GaugeMetricFamily(
-            "kvq_group_pending",
-            "entries delivered to a consumer group but not acknowledged (XPENDING)",
-            labels=_STREAM_LABELS,
+        alive = _gauge(
+            "kvq_workers_alive", "workers holding a slice with a live heartbeat", ["model"]
         )
-        saturated = GaugeMetricFamily(
-            "kvq_model_saturated", "1 while the monitor sees the model saturated", labels=["model"]
-        )
-        demand = GaugeMetricFamily(
-            "kvq_slice_demand", "replicas wanted beyond coverage", labels=["model", "slice"]
-        )
-        alive = GaugeMetricFamily(
-            "kvq_workers_alive", "workers holding a slice with a live heartbeat", labels=["model"]
-        )
+        coords = _gauge("kvq_coordinators_alive", "coordinators with fresh slot state", ["model"])
+        orphaned = _gauge(
+            "kvq_requests_orphaned",
+            "requests pending under a consumer that is no live coordinator", ["model"],
+        )  # fmt: skip
+        per_coord = CoordMetrics()
         for m in board.models():
-            req = k.model_requests(m)
-            length.add_metric(["requests", m, "", ""], r.xlen(req))
-            if (n := _pending(r, req, COORDINATOR_GROUP)) is not None:
-                pending.add_metric(["requests", m, "", ""], n)
+            g = group_stats(r, k.model_requests(m), COORDINATOR_GROUP, now_ms)
+            q.add(["requests", m, "", ""], g)
             views = board.workers(m)
             for v in views:
-                inbox = k.worker_inbox(v.worker_id)
-                length.add_metric(["inbox", m, v.worker_id, ""], r.xlen(inbox))
-                if (n := _pending(r, inbox, WORKER_GROUP)) is not None:
-                    pending.add_metric(["inbox", m, v.worker_id, ""], n)
-            for c in board.coordinators(m):
-                length.add_metric(["results", m, "", c.coord], r.xlen(k.coord_results(c.coord)))
+                inbox = group_stats(r, k.worker_inbox(v.worker_id), WORKER_GROUP, now_ms)
+                q.add(["inbox", m, v.worker_id, ""], inbox)
+            cviews = board.coordinators(m)
+            up = {c.coord for c in cviews if c.alive}
+            for c in cviews:
+                q.length.add_metric(["results", m, "", c.coord], r.xlen(k.coord_results(c.coord)))
+                stats = board.coord_stats(c.coord)
+                if stats is not None:
+                    per_coord.add(m, c.coord, stats)
+            coords.add_metric([m], len(up))
+            orphaned.add_metric([m], sum(c.pending for c in g.consumers if c.name not in up))
             state = board.model_state(m)
             saturated.add_metric([m], int(state is not None and state.saturated))
-            for sid, d in board.slice_demand(m).items():
+            serving: dict[str, int] = {}
+            for v in views:
+                if v.alive and v.ready:
+                    serving[v.slice_id] = serving.get(v.slice_id, 0) + 1
+            slices = board.slice_demand(m)
+            for sid, d in slices.items():
                 demand.add_metric([m, sid], d.demand)
+                target.add_metric([m, sid], d.target)
+                coverage.add_metric([m, sid], d.coverage)
+                live.add_metric([m, sid], serving.get(sid, 0))
+            no_live.add_metric([m], sum(1 for sid in slices if not serving.get(sid)))
             alive.add_metric([m], sum(v.alive for v in views))
         dead = r.xlen(k.deadletter())
-        length.add_metric(["deadletter", "", "", ""], dead)
-        yield from (length, pending, saturated, demand, alive)
+        q.length.add_metric(["deadletter", "", "", ""], dead)
+        yield from q.families()
+        yield from (saturated, demand, target, coverage, live, no_live, alive, coords, orphaned)
         yield GaugeMetricFamily("kvq_deadletter_length", "entries in the dead-letter stream", dead)
+        yield CounterMetricFamily(
+            "kvq_deadletter_added", "entries ever added to the dead-letter stream (survives "
+            "trimming)", _entries_added(r, k.deadletter()),
+        )  # fmt: skip
+        yield from per_coord.families()
+
+
+def _entries_added(r: redis.Redis, stream: str) -> int:
+    try:
+        return int(r.xinfo_stream(stream)["entries-added"])
+    except redis.ResponseError:  # no such key: nothing was ever dead-lettered
+        return 0
 
 
 def make_registry(board: RedisBoard) -> CollectorRegistry:
-    """A private registry (no process metrics of this Python) holding only the Redis gauges."""
+    """A private registry (no process metrics of this Python) holding only kvq's metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(board))
     return registry

@@ -130,6 +130,8 @@ def test_workers_view_applies_the_liveness_rule(board_case: BoardCase) -> None:
     views = {v.worker_id: v for v in board.workers("m")}
     assert views["a"].alive and views["a"].last_serve_ms == 5
     assert not views["b"].alive and views["b"].slice_id == SIDS[0]
+    assert board.worker_alive("a") and not board.worker_alive("b")
+    assert not board.worker_alive("nobody")
     board.forget_worker("a")
     assert board.worker_info("a") is None and not board.workers("m")[0].alive
 

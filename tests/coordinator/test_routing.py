@@ -253,3 +253,38 @@ def test_capacity_gives_a_failing_worker_nothing(board_case: BoardCase, gguf: Pa
     assert router.route({sids[0]: 20}, busy, TOTAL).remote == {sids[0]: "w"}
     router.observe_failure("w", 2000.0)  # score 0 with alpha 1: not eligible
     assert router.route({sids[0]: 20}, busy, TOTAL).remote == {}
+
+
+def test_a_worker_that_died_mid_use_is_a_rescue_after_its_misses_priced_it_out(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 12 item 7: a dead worker's jobs miss their deadlines first (each a failure, so the
+    router prices it out), and only then does its heartbeat expire: it was on the route when
+    it died, so it is a rescue even though the current route no longer uses it."""
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a"}
+    for _ in range(3):  # the dispatcher's missed deadlines
+        router.observe_failure("a", 2000.0)
+    assert _remote(router, sids, busy) == {}, "priced out before its heartbeat expires"
+    board_case.kill_worker("a")
+    router.refresh(force=True)
+    assert router.rescues == 1
+
+
+def test_a_worker_that_recovered_before_dying_is_no_rescue(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a"}
+    router.observe_failure("a", 2000.0)
+    router.observe_result("a", 5.0)  # it answered again
+    assert _remote(router, sids, 0) == {}, "at rest: all local, a is off the route"
+    board_case.kill_worker("a")
+    router.refresh(force=True)
+    assert router.rescues == 0

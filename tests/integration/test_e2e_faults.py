@@ -166,3 +166,49 @@ def test_killed_worker_jobs_answered_exactly_once(
         assert mon.requeued > 0 or st.fallback_jobs > 0
     finally:
         kids.stop_all()
+
+
+def test_rescues_count_workers_killed_while_in_use(
+    settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path
+) -> None:
+    """Issue 12 item 7: two workers on the coordinator's route are SIGKILLed one after the
+    other under load; the published `rescues` counter counts both."""
+    s = settings.model_copy(update={
+        "saturation_threshold": 1, "job_deadline_ms": 2000, "slice_experts": 8,
+        "base_replicas": 1, "heartbeat_ttl_s": 1.5, "worker_grace_ms": 60_000,
+        # latency out of the cost: on a busy machine slow results must not price the workers
+        # off the route before they are killed (score still drops with each miss)
+        "cost_w_latency": 0.0,
+    })  # fmt: skip
+    keys = Keys(s.prefix)
+    mon = Monitor.from_settings(s)
+    mon.register("tiny", tiny_model)
+    kids = Children(child_env(s), log_dir=str(tmp_path))
+    try:
+        for i in range(2):  # one worker per slice (one slice per layer)
+            kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
+        wait_ready(mon, "tiny", 2)
+        coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
+        run_in_thread(coord)
+        r = mon.board.r
+
+        def load_until(cond, what: str) -> None:  # keep the coordinator loaded meanwhile
+            def step() -> bool:
+                rid = client.send(r, keys, "tiny", prompt="keep busy", max_tokens=6)
+                list(client.events(r, keys, rid, 60))
+                return bool(cond())
+
+            wait_for(step, 60, what)
+
+        served = coord.dispatch.per_worker
+        load_until(lambda: served.get("w0", 0) and served.get("w1", 0), "both workers used")
+        assert coord.routing.rescues == 0
+        for n, victim in enumerate(("w0", "w1"), start=1):
+            kids.kill(victim)
+            load_until(lambda n=n: coord.routing.rescues >= n, f"rescue {n}")
+        coord.slots.poll_once()
+        stats = mon.board.coord_stats("c1")
+        assert stats is not None and stats.rescues == 2
+        assert stats.fallback_jobs > 0
+    finally:
+        kids.stop_all()

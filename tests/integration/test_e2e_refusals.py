@@ -14,6 +14,8 @@ from e2e_helpers import start_with_worker, wait_for
 from kvq import client, wire
 from kvq.config import Settings
 from kvq.coordinator import Coordinator
+from kvq.keys import Keys
+from kvq.monitor import Monitor
 
 
 def test_client_refuses_what_it_can_check(
@@ -83,3 +85,21 @@ def test_answered_entries_leave_the_streams(
     # at most one layer call's worth stays, not the 12 layer calls x 3 requests it has read
     assert r.xlen(keys.coord_results("c1")) <= 1
     assert r.exists(keys.worker_inbox("w0")), "the stream and its group stay"
+
+
+def test_an_empty_text_prompt_is_served_and_no_tokens_are_refused(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    """Issue 12 item 14 (docs/streams.md): `prompt=""` starts from BOS with a tokenizer that
+    adds one (make-tiny's); a prompt of no tokens at all is refused."""
+    mon = Monitor.from_settings(settings)
+    mon.register("tiny", tiny_model)
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    r, keys = mon.board.r, Keys(settings.prefix)
+    rid = client.send(r, keys, "tiny", prompt="", max_tokens=3)
+    events = list(client.events(r, keys, rid, timeout_s=60))
+    assert events[-1].kind == "done" and any(e.kind == "token" for e in events)
+    rid = client.send(r, keys, "tiny", prompt_ids=[], max_tokens=3)
+    with pytest.raises(client.RequestFailed, match="empty prompt"):
+        list(client.events(r, keys, rid, timeout_s=60))

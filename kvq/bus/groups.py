@@ -1,0 +1,87 @@
+"""What a consumer group says about its stream: lag, pending, consumers, oldest entries' ages.
+
+Read for `/metrics` (`kvq.monitor.metrics`) with native stream commands only (`XINFO GROUPS`,
+`XINFO CONSUMERS`, `XPENDING`, `XRANGE`), as redis_exporter's `--check-streams` and KEDA's
+redis-streams scaler read them. Ages come from entry ids, which the server stamps with its own
+clock, against the server's `TIME`: no client clock is compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStats:
+    name: str
+    pending: int  # entries delivered to this consumer, not acknowledged
+    idle_s: float  # since its last read or claim
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """One group of one stream; `exists` is False until a consumer has created it."""
+
+    exists: bool
+    length: int  # XLEN
+    lag: int  # entries nobody in the group has read yet
+    pending: int  # delivered, not acknowledged
+    oldest_pending_age_s: float | None  # age of the oldest unacknowledged entry
+    oldest_unread_age_s: float | None  # age of the oldest entry nobody has read
+    consumers: tuple[ConsumerStats, ...] = ()
+
+
+def _id_ms(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+def _age_s(now_ms: int, entry_id: bytes | str) -> float:
+    return max(0, now_ms - _id_ms(entry_id)) / 1000
+
+
+def _name(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def server_ms(r: redis.Redis) -> int:
+    sec, usec = r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupStats:
+    """Stats of `group` on `stream` (`now_ms`: the server's clock, `server_ms`).
+
+    Without the group (no consumer started yet) every entry is unread: lag = `XLEN`. When
+    Redis cannot tell the lag (`XINFO GROUPS` answers nil after some deletions) it is taken as
+    `XLEN - pending`, which holds for kvq's streams since answered entries are deleted."""
+    length = int(r.xlen(stream))
+    info = None
+    if length or r.type(stream) == b"stream":
+        try:
+            info = next((g for g in r.xinfo_groups(stream) if _name(g["name"]) == group), None)
+        except redis.ResponseError:  # no such key
+            info = None
+    if info is None:
+        first = r.xrange(stream, count=1) if length else []
+        age = _age_s(now_ms, first[0][0]) if first else None
+        return GroupStats(False, length, length, 0, None, age)
+    pending = int(info["pending"])
+    lag = info.get("lag")
+    lag = int(lag) if lag is not None else max(0, length - pending)
+    oldest_pending = None
+    if pending:
+        summary = r.xpending(stream, group)
+        if summary.get("min"):
+            oldest_pending = _age_s(now_ms, summary["min"])
+    oldest_unread = None
+    if lag:
+        after = r.xrange(stream, min=f"({_name(info['last-delivered-id'])}", count=1)
+        oldest_unread = _age_s(now_ms, after[0][0]) if after else None
+    consumers = tuple(
+        ConsumerStats(_name(c["name"]), int(c["pending"]), int(c["idle"]) / 1000)
+        for c in r.xinfo_consumers(stream, group)
+    )
+    return GroupStats(True, length, lag, pending, oldest_pending, oldest_unread, consumers)

@@ -1,0 +1,95 @@
+"""`kvq health` (the compose healthchecks) on a real Redis, and compose.yaml's healthchecks and
+published metrics port (issue 12 item 12)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvq.bus.records import CoordStats, ModelState, SlotState, WorkerInfo
+from kvq.bus.redis_board import open_board
+from kvq.cli import build_parser, main
+from kvq.config import Settings
+from kvq.model import make_tiny
+from kvq.model.registry import plan_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    for name in list(os.environ):
+        if name.startswith("KVQ_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVQ_REDIS_URL", settings.redis_url)
+    monkeypatch.setenv("KVQ_PREFIX", settings.prefix)
+    return settings
+
+
+def health(*args: str) -> int:
+    return main(["health", *args])
+
+
+def test_each_role_is_healthy_only_while_alive(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    board = open_board(env.bus, env.lifetimes)
+    assert health("redis") == 0
+    assert health("coordinator", "--id", "c1") == 1
+    assert "unhealthy: coordinator c1" in capsys.readouterr().out
+    stale = int(time.time() * 1000) - int(env.lifetimes.slot_state_stale_s * 1000) - 1000
+    board.publish_slots("c1", SlotState(model="m", busy=0, total=4, ts_ms=stale), CoordStats())
+    assert health("coordinator", "--id", "c1") == 1, "stale slot state is a dead coordinator"
+    now = int(time.time() * 1000)
+    board.publish_slots("c1", SlotState(model="m", busy=0, total=4, ts_ms=now), CoordStats())
+    assert health("coordinator", "--id", "c1") == 0
+
+    assert health("worker", "--id", "w1") == 1
+    board.beat("w1", WorkerInfo(model="", slice="", device="cpu", state="idle"))
+    assert health("worker", "--id", "w1") == 0
+    board.forget_worker("w1")
+    assert health("worker", "--id", "w1") == 1
+
+    gguf = tmp_path / "m.gguf"
+    make_tiny(gguf, layers=2, experts=8)
+    assert health("monitor", "--id", "m") == 1
+    board.register_model(plan_model("m", gguf, 1, 4), 1)
+    assert health("monitor", "--id", "m") == 1, "registered, but no monitor tick yet"
+    board.publish_model_state("m", ModelState(ts_ms=int(time.time() * 1000)))
+    assert health("monitor", "--id", "m") == 0
+    board.r.close()
+
+
+def test_an_unreachable_redis_is_unhealthy(
+    env: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVQ_REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("KVQ_SOCKET_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("KVQ_RECONNECT_MAX_S", "0.1")
+    assert health("redis") == 1
+    assert "unhealthy: redis:" in capsys.readouterr().out
+
+
+def test_compose_has_healthchecks_and_publishes_metrics() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"redis", "model", "monitor", "coordinator", "worker"}
+    parser = build_parser()
+    for name, svc in services.items():
+        check = svc.get("healthcheck", {}).get("test")
+        assert check, f"service {name} has no healthcheck"
+        if check[:2] == ["CMD", "kvq"]:
+            parser.parse_args(check[2:])  # a real kvq command line (SystemExit if not)
+    mon = services["monitor"]
+    port = mon["environment"]["KVQ_HTTP_PORT"]
+    assert any(p.endswith(f":{port}:{port}") for p in mon["ports"]), mon["ports"]
+    assert mon["environment"]["KVQ_HTTP_HOST"] == "0.0.0.0"
+    assert mon["environment"]["KVQ_REDIS_URL"] == compose["x-kvq"]["environment"]["KVQ_REDIS_URL"]
+    coord = services["coordinator"]
+    ident = coord["command"][coord["command"].index("--id") + 1]
+    assert shlex.join(coord["healthcheck"]["test"]).endswith(f"--id {ident}")

@@ -1,0 +1,163 @@
+"""`/metrics` on a real Redis: lag, pending, ages, consumers, coverage, coordinators, counters
+and histograms published by coordinators (X5, issue 12 item 12)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvq.bus import dead_letter
+from kvq.bus.histogram import Histogram
+from kvq.bus.records import CoordStats, SlotState, WorkerInfo
+from kvq.config import Settings
+from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
+from kvq.model import make_tiny
+from kvq.monitor import Monitor
+from kvq.monitor.metrics import make_registry
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+SLICES = 4  # 2 layers x 2 groups of 4 experts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("metrics") / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    return path
+
+
+@pytest.fixture
+def mon(settings: Settings, model: Path) -> Monitor:
+    m = Monitor.from_settings(settings.model_copy(update={"slice_experts": 4}))
+    m.register("m", model)
+    return m
+
+
+def scrape(mon: Monitor) -> Samples:
+    text = generate_latest(make_registry(mon.board)).decode()  # type: ignore[arg-type]
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+REQ = (("model", "m"), ("stream", "requests"))
+
+
+def test_request_lag_counts_what_no_coordinator_has_read(mon: Monitor, r: redis.Redis) -> None:
+    req = mon.board.keys.model_requests("m")
+    for i in range(5):
+        r.xadd(req, {"i": i})
+    before = scrape(mon)
+    assert before["kvq_group_lag", REQ] == 5, "no group yet: every request is unread"
+    assert ("kvq_group_pending", REQ) not in before
+    r.xgroup_create(req, COORDINATOR_GROUP, id="0")
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {req: ">"}, count=2)
+    time.sleep(0.05)
+    got = scrape(mon)
+    assert got["kvq_group_lag", REQ] == 3
+    assert got["kvq_group_pending", REQ] == 2
+    assert got["kvq_group_oldest_pending_age_seconds", REQ] >= 0.04
+    assert got["kvq_group_oldest_unread_age_seconds", REQ] >= 0.04
+    c1 = (("consumer", "c1"), ("model", "m"), ("stream", "requests"))
+    assert got["kvq_consumer_pending", c1] == 2
+    assert got["kvq_consumer_idle_seconds", c1] >= 0.04
+    # c1 publishes no slot state: its two requests have nobody to finish them
+    assert got["kvq_requests_orphaned", (("model", "m"),)] == 2
+    assert got["kvq_coordinators_alive", (("model", "m"),)] == 0
+
+
+def test_answered_requests_leave_no_lag_or_age(mon: Monitor, r: redis.Redis) -> None:
+    req = mon.board.keys.model_requests("m")
+    r.xgroup_create(req, COORDINATOR_GROUP, id="0", mkstream=True)
+    ids = [r.xadd(req, {"i": i}) for i in range(3)]
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {req: ">"}, count=3)
+    for eid in ids:  # what a coordinator does with each answered request
+        r.xack(req, COORDINATOR_GROUP, eid)
+        r.xdel(req, eid)
+    ts = int(time.time() * 1000)
+    mon.board.publish_slots("c1", SlotState(model="m", busy=0, total=4, ts_ms=ts), CoordStats())
+    got = scrape(mon)
+    assert got["kvq_group_lag", REQ] == 0
+    assert got["kvq_group_pending", REQ] == 0
+    assert got["kvq_group_oldest_pending_age_seconds", REQ] == 0
+    assert got["kvq_group_oldest_unread_age_seconds", REQ] == 0
+    assert got["kvq_coordinators_alive", (("model", "m"),)] == 1
+    assert got["kvq_requests_orphaned", (("model", "m"),)] == 0
+
+
+def test_inbox_lag_and_per_slice_coverage(mon: Monitor, r: redis.Redis) -> None:
+    board = mon.board
+    sid = board.volunteer("m", "w0")
+    assert sid is not None
+    board.beat("w0", WorkerInfo(model="m", slice=sid, device="cpu"))
+    board.volunteer("m", "w1")  # holds a slice but never beats: not live
+    inbox = board.keys.worker_inbox("w0")
+    r.xgroup_create(inbox, WORKER_GROUP, id="0", mkstream=True)
+    board.send_jobs([("w0", {"i": str(i)}) for i in range(4)])
+    got = scrape(mon)
+    w0 = (("model", "m"), ("stream", "inbox"), ("worker", "w0"))
+    assert got["kvq_group_lag", w0] == 4
+    assert got["kvq_group_pending", w0] == 0
+    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_live_workers"}
+    assert len(live) == SLICES and sum(live.values()) == 1
+    assert live[(("model", "m"), ("slice", sid))] == 1
+    cover = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_coverage"}
+    assert sum(cover.values()) == 2
+    assert got["kvq_slices_without_live_worker", (("model", "m"),)] == SLICES - 1
+    assert got["kvq_slice_target", (("model", "m"), ("slice", sid))] == 1
+
+
+def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
+    rtt = Histogram()
+    for s in (0.002, 0.003, 0.2):
+        rtt.observe(s)
+    stats = CoordStats(
+        local_jobs=7, remote_jobs=3, fallback_jobs=2, remote_errors=1, tokens=40,
+        finishes='{"eos": 2, "length": 3, "error": 1}', job_rtt_s=rtt.to_text(),
+    )  # fmt: skip
+    ts = int(time.time() * 1000)
+    mon.board.publish_slots("c1", SlotState(model="m", busy=1, total=4, ts_ms=ts), stats)
+    got = scrape(mon)
+    c = (("coordinator", "c1"), ("model", "m"))
+    jobs = {dict(k[1])["kind"]: v for k, v in got.items() if k[0] == "kvq_jobs_total"}
+    assert jobs == {"local": 7, "remote": 3, "fallback": 2, "error": 1}
+    assert got["kvq_tokens_total", c] == 40
+    fin = {dict(k[1])["finish"]: v for k, v in got.items() if k[0] == "kvq_requests_total"}
+    assert fin == {"eos": 2, "length": 3, "context": 0, "error": 1}
+    assert got["kvq_job_round_trip_seconds_count", c] == 3
+    assert got["kvq_job_round_trip_seconds_bucket", (*c[:1], ("le", "0.005"), c[1])] == 2
+    assert got["kvq_job_round_trip_seconds_bucket", (*c[:1], ("le", "+Inf"), c[1])] == 3
+    assert got["kvq_job_round_trip_seconds_sum", c] == pytest.approx(0.205)
+    assert got["kvq_time_to_first_token_seconds_count", c] == 0
+
+
+def test_dead_letters_are_counted_past_the_trim(mon: Monitor, r: redis.Redis) -> None:
+    k = mon.board.keys
+    assert scrape(mon)["kvq_deadletter_added_total", ()] == 0
+    for i in range(3):
+        eid = r.xadd(k.model_requests("m"), {"junk": i})
+        dead_letter(r, k, k.model_requests("m"), eid, {b"junk": b"x"}, "bad", 100)
+    r.xtrim(
+        k.deadletter(), maxlen=1, approximate=False
+    )  # a full dead-letter stream stays at its cap
+    got = scrape(mon)
+    assert got["kvq_deadletter_length", ()] == 1
+    assert got["kvq_deadletter_added_total", ()] == 3
+
+
+def test_histogram_text_round_trip() -> None:
+    h = Histogram()
+    for s in (0.0005, 0.001, 0.07, 100.0):
+        h.observe(s)
+    back = Histogram.from_text(h.to_text())
+    assert back is not None and back.count == 4
+    assert back.cumulative()[:2] == [("0.001", 2), ("0.0025", 2)]
+    assert back.cumulative()[-1] == ("+Inf", 4)
+    assert Histogram.from_text("") is None and Histogram.from_text("{") is None
