@@ -139,6 +139,12 @@ class Settings(BaseSettings):
         30.0, ge=0, description="busy must stay < threshold this long before the boost ends"
     )
     monitor_poll_s: float = Field(1.0, gt=0, description="how often slot state is polled")
+    monitor_lease_s: float = Field(
+        5.0,
+        gt=0,
+        description="the active monitor's lease; a standby takes over this long after the "
+        "active one stops renewing it (must exceed KVQ_MONITOR_POLL_S)",
+    )
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
     )
@@ -201,6 +207,16 @@ class Settings(BaseSettings):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
 
+    @field_validator("monitor_lease_s")
+    @classmethod
+    def _outlasts_a_poll(cls, v: float, info: ValidationInfo) -> float:
+        poll = info.data.get("monitor_poll_s")
+        if poll is not None and v <= poll:
+            raise ValueError(
+                f"must be > KVQ_MONITOR_POLL_S ({poll}): the active monitor renews it each poll"
+            )
+        return v
+
     @field_validator("saturation_threshold")
     @classmethod
     def _reachable(cls, v: int, info: ValidationInfo) -> int:
@@ -260,6 +276,7 @@ class Settings(BaseSettings):
             self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
             self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
             self.http_host, self.http_port, self.saturation_enter_s, self.saturation_leave_s,
+            self.monitor_lease_s,
         )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:deadletter                 | stream | any consumer → operators                   |
+| P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
 """
 
@@ -49,6 +50,9 @@ class Keys:
 
     def deadletter(self) -> str:
         return f"{self.prefix}:deadletter"
+
+    def monitor_lease(self) -> str:
+        return f"{self.prefix}:monitor:lease"
 
     def bench(self, name: str) -> str:
         """Scratch streams of `kvq bench` (deleted before each round)."""

@@ -93,3 +93,4 @@ class MonitorSettings:
     http_port: int
     saturation_enter_s: float = 0.0  # K6 hysteresis (kvq.monitor.hysteresis)
     saturation_leave_s: float = 0.0
+    lease_s: float = 5.0  # KVQ_MONITOR_LEASE_S: one active monitor, standbys take over

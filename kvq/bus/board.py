@@ -76,6 +76,17 @@ class Board(Protocol):
         `effective_target` for slices `targets` leaves out (all of them when None)."""
         ...
 
+    def hold_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take or renew the monitors' lease for `ttl_s`; True while `holder` has it (one
+        active monitor, the others standing by)."""
+        ...
+
+    def drop_lease(self, holder: str) -> None:
+        """Give the lease up if `holder` has it (a clean stop: a standby takes over at once)."""
+        ...
+
+    def lease_holder(self) -> str | None: ...
+
     def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
         """A coordinator routed these token rows to these slices since its last call."""
         ...

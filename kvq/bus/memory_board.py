@@ -37,6 +37,7 @@ class MemoryBoard:
         self._state: dict[str, ModelState] = {}
         self._target: dict[str, dict[str, int]] = {}
         self._routed: dict[str, dict[str, int]] = {}  # model -> slice -> rows routed
+        self._lease: tuple[str, float] | None = None  # (holder, monotonic expiry)
         self._coverage: dict[str, dict[str, int]] = {}
         self._workers: dict[str, dict[str, str]] = {}
         self._expiring: dict[tuple[str, str], tuple[object, float]] = {}  # (kind, id) → value
@@ -88,6 +89,25 @@ class MemoryBoard:
                     {s: (targets or {}).get(s, state.effective_target) for s in info.slices}
                 )
             self._state[model] = state
+
+    def hold_lease(self, holder: str, ttl_s: float) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            cur = self._lease if self._lease and self._lease[1] > now else None
+            if cur is None or cur[0] == holder:
+                self._lease = (holder, now + ttl_s)
+                return True
+            return False
+
+    def drop_lease(self, holder: str) -> None:
+        with self._lock:
+            if self._lease and self._lease[0] == holder:
+                self._lease = None
+
+    def lease_holder(self) -> str | None:
+        with self._lock:
+            cur = self._lease
+            return cur[0] if cur and cur[1] > time.monotonic() else None
 
     def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
         with self._lock:

@@ -89,6 +89,16 @@ class RedisBoard:
         pipe.hset(k.model_state(model), mapping=state.to_hash())
         pipe.execute()
 
+    def hold_lease(self, holder: str, ttl_s: float) -> bool:
+        return self.scripts.lease(self.r, holder, max(1, int(ttl_s * 1000)))
+
+    def drop_lease(self, holder: str) -> None:
+        self.scripts.lease(self.r, holder, 0)
+
+    def lease_holder(self) -> str | None:
+        got = self.r.get(self.keys.monitor_lease())
+        return _s(got) if got else None
+
     def add_routed(self, model: str, rows: Mapping[str, int]) -> None:
         pipe = self.r.pipeline(transaction=False)
         for sid, n in rows.items():

@@ -22,6 +22,7 @@ class Scripts:
         self._release = r.register_script(_source("release"))
         self._rejoin = r.register_script(_source("rejoin"))
         self._retire = r.register_script(_source("retire"))
+        self._lease = r.register_script(_source("lease"))
 
     def volunteer(self, r: redis.Redis, model: str, worker: str) -> str | None:
         """Atomically take the rarest slice of `model` with positive demand, or None."""
@@ -58,3 +59,7 @@ class Scripts:
             client=r,
         )
         return got.decode() if got else None
+
+    def lease(self, r: redis.Redis, holder: str, ms: int) -> bool:
+        """Take or renew the monitor lease for `ms` (0: drop it if held); True if held now."""
+        return bool(self._lease(keys=[self.keys.monitor_lease()], args=[holder, ms], client=r))

@@ -35,7 +35,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.monitor import Monitor
 
     board = open_board(settings.bus, settings.lifetimes)
-    mon = Monitor(board, settings.monitor)
+    mon = Monitor(board, settings.monitor, monitor_id=args.id)
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
@@ -162,6 +162,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mon = sub.add_parser("monitor", help="run the control plane")
     mon.add_argument("--model", action="append", metavar="ID=PATH", help="register a model")
     mon.add_argument("--source", help="URL workers download the model from (default: PATH)")
+    mon.add_argument("--id", help="monitor id for the lease (default monitor-HOSTNAME-PID)")
     mon.set_defaults(fn=cmd_monitor)
 
     co = sub.add_parser("coordinator", help="run a coordinator for one model")

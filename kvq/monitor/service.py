@@ -1,5 +1,10 @@
 """The monitor: registers models, watches saturation, sets demand, reaps dead workers.
 
+Several may run: one is active, holding a lease in Redis (`P:monitor:lease`, renewed every
+poll, `KVQ_MONITOR_LEASE_S`); the others stand by, serve their HTTP API and metrics (read from
+Redis), and take the lease once it expires, so reaping and demand go on after the active one
+dies. A clean stop drops the lease at once.
+
 Each tick, per model:
 - read every coordinator's slot state; the model is saturated once some coordinator with
   fresh state has had `busy >= saturation_threshold` for `saturation_enter_s`, and stays so
@@ -14,6 +19,8 @@ Each tick, per model:
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -38,9 +45,13 @@ class Monitor:
 
     def __init__(
         self, board: Board, settings: MonitorSettings,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, monitor_id: str | None = None,
     ) -> None:  # fmt: skip
         self.board, self.s, self.clock = board, settings, clock
+        # unique per process: two monitors on one host must not share the lease
+        self.id = monitor_id or f"monitor-{socket.gethostname()}-{os.getpid()}"
+        self.active = False
+        self._led_once = False
         self._saturation: dict[str, Hysteresis] = {}
         self.popularity = Popularity()
         self.stop = threading.Event()
@@ -60,9 +71,20 @@ class Monitor:
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
+        try:
+            self._run(backoff)
+        finally:
+            if self.active:
+                try:
+                    self.board.drop_lease(self.id)
+                except redis.RedisError:
+                    pass  # it expires by itself
+
+    def _run(self, backoff: Backoff) -> None:
         while not self.stop.is_set():
             try:
-                self.tick()
+                if self._lead():
+                    self.tick()
                 backoff.reset()
             except redis.RedisError as exc:
                 if not is_connection_error(exc):
@@ -71,6 +93,17 @@ class Monitor:
                 backoff.wait()
                 continue
             self.stop.wait(self.s.poll_s)
+
+    def _lead(self) -> bool:
+        """Take or renew the lease; logs each change between active and standby."""
+        held = self.board.hold_lease(self.id, self.s.lease_s)
+        if held != self.active or not self._led_once:
+            self.active, self._led_once = held, True
+            if held:
+                log.info("monitor %s is active", self.id)
+            else:
+                log.info("monitor %s stands by (%s is active)", self.id, self.board.lease_holder())
+        return held
 
     def tick(self) -> list[tuple[str, ModelState]]:
         models = self.board.models()

@@ -20,7 +20,7 @@ prefixes = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 
 # every key builder, by the hash tag it must carry
 SCOPES: dict[str, str] = {"model_": "m", "worker_": "w", "coord_": "c", "request_": "r"}
-GLOBAL = {"models", "deadletter"}
+GLOBAL = {"models", "deadletter", "monitor_lease"}
 
 
 def builders() -> dict[str, Callable[..., str]]:
