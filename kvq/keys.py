@@ -15,6 +15,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
+| P:{m:M}:cancel               | stream | clients → coordinators: requests given up  |
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
@@ -26,6 +27,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
+| P:api:key:<sha>:<minute>     | string | `kvq api`: requests of one API key per     |
+|                              |        | minute (expires after two minutes)         |
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ class Keys:
 
     def model_state(self, model: str) -> str:
         return self._m(model, "state")
+
+    def model_cancels(self, model: str) -> str:
+        return self._m(model, "cancel")
+
+    # per API key (the gateway's request limit); the key itself is never stored, its hash is
+    def api_key_window(self, key_sha: str, minute: int) -> str:
+        return f"{self.prefix}:api:key:{key_sha}:{minute}"
 
     # per worker
     def worker_inbox(self, worker: str) -> str:
