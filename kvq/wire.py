@@ -176,8 +176,8 @@ class ReplyEvent(_Msg, frozen=True, kw_only=True):
     text: str = ""
     finish: str | None = None
     error: Failure | None = None
-    logprob: float | None = None  # v2: of `token_id`, when the request asked for logprobs
-    top_logprobs: list[TokenLogprob] | None = None  # v2
+    logprob: TokenLogprob | None = None  # v2: `token_id`'s own, when logprobs were asked
+    top_logprobs: list[TokenLogprob] | None = None  # v2: the best alternatives
     prompt_tokens: NonNeg = 0  # v2, on `done`: the prompt's length in tokens
 
 

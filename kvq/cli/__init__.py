@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from kvq.cli import bank, core, model, swarm
+from kvq.cli import api, bank, core, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
-    for area in (core, model, bank, swarm):
+    for area in (core, api, model, bank, swarm):
         area.register(sub, bench)
     return p
 

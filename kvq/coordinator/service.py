@@ -223,8 +223,7 @@ class Coordinator:
                 self.tokens += 1
                 token = wire.ReplyEvent(
                     kind="token", index=len(seq.generated) - 1, token_id=tok, text=seq.new_text,
-                    logprob=seq.new_logprob.logprob if seq.new_logprob else None,
-                    top_logprobs=seq.new_top,
+                    logprob=seq.new_logprob, top_logprobs=seq.new_top,
                 )  # fmt: skip
                 replies.append(self._reply(seq.request_id, token))
             if seq.finish:
