@@ -187,9 +187,7 @@ def create_app(api: Api) -> Starlette:
     )  # fmt: skip
 
 
-def serve_api(
-    board: RedisBoard, host: str, port: int
-) -> tuple[ThreadedServer, threading.Thread]:
+def serve_api(board: RedisBoard, host: str, port: int) -> tuple[ThreadedServer, threading.Thread]:
     """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`).
 
     Stop with `server.shutdown()`.

@@ -79,7 +79,11 @@ def test_chat_streamed_and_not(oai: OpenAI) -> None:
     assert c.message.role == "assistant" and c.finish_reason in ("stop", "length")
     chunks = list(
         oai.chat.completions.create(
-            model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True  # type: ignore[arg-type]
+            model=MODEL,
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
         )
     )
     assert chunks[0].object == "chat.completion.chunk"
@@ -89,9 +93,7 @@ def test_chat_streamed_and_not(oai: OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == c.finish_reason
 
 
-def test_chat_prompt_is_the_files_template_rendered(
-    oai: OpenAI, system: System
-) -> None:
+def test_chat_prompt_is_the_files_template_rendered(oai: OpenAI, system: System) -> None:
     msgs = [{"role": "system", "content": " terse "}, {"role": "user", "content": "hi there"}]
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     ref = env.from_string(CHAT_TEMPLATE).render(messages=msgs, add_generation_prompt=True)
@@ -109,6 +111,7 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(oai: OpenAI, system
     ids = tok.encode(PROMPT)
     gen = generate(Backbone.from_gguf(system.model_path), ids, 24)
     pieces = [tok.decode(gen[:i]) for i in range(len(gen) + 1)]
+
     def span(k: int) -> tuple[int, int]:  # last char of token k .. first char of token k+2
         return len(pieces[k]) - 1, len(pieces[k + 1]) + 1
 

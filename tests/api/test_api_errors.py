@@ -94,9 +94,15 @@ def test_refused_by_the_coordinator_is_400(system: System) -> None:
     long = [65 + i % 26 for i in range(500)]  # + max_tokens > the tiny model's 512 context
     for stream in (False, True):
         body = {"model": MODEL, "prompt": long, "max_tokens": 20, "stream": stream}
-        assert "context length" in assert_error(post(system.url, "/v1/completions", body), 400)["message"]
+        assert (
+            "context length"
+            in assert_error(post(system.url, "/v1/completions", body), 400)["message"]
+        )
     chat = {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
-    assert "unknown role" in assert_error(post(system.url, "/v1/chat/completions", chat), 400)["message"]
+    assert (
+        "unknown role"
+        in assert_error(post(system.url, "/v1/chat/completions", chat), 400)["message"]
+    )
     wait(lambda: system.queued() == 0, "refused requests acknowledged")
 
 
@@ -168,7 +174,9 @@ def test_api_keys_and_the_per_key_limit(system: System) -> None:
         time.sleep(61 - time.time() % 60)
     assert_error(httpx.get(url + "/v1/models"), 401)
     bad = {"Authorization": "Bearer sk-kvq-wrong-key"}
-    assert assert_error(httpx.get(url + "/v1/models", headers=bad), 401)["code"] == "invalid_api_key"
+    assert (
+        assert_error(httpx.get(url + "/v1/models", headers=bad), 401)["code"] == "invalid_api_key"
+    )
     with pytest.raises(openai.AuthenticationError):
         OpenAI(base_url=url + "/v1", api_key="nope-nope", max_retries=0).models.list()
     one = OpenAI(base_url=url + "/v1", api_key=keys[0], max_retries=0)
