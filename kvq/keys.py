@@ -27,8 +27,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
-| P:api:key:<sha>:<minute>     | string | `kvq api`: requests of one API key per     |
-|                              |        | minute (expires after two minutes)         |
+| P:{k:K}:calls                | string | `kvq api`: calls of API key K (a hash of   |
+|                              |        | it) in its current minute (expires)        |
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Keys:
         return self._m(model, "cancel")
 
     # per API key (the gateway's request limit); the key itself is never stored, its hash is
-    def api_key_window(self, key_sha: str, minute: int) -> str:
-        return f"{self.prefix}:api:key:{key_sha}:{minute}"
+    def apikey_calls(self, key_sha: str) -> str:
+        return f"{self.prefix}:{{k:{key_sha}}}:calls"
 
     # per worker
     def worker_inbox(self, worker: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import time
+import math
 
 from kvq import client, wire
 from kvq.api.params import Call
@@ -46,20 +46,13 @@ class Gate:
         return key
 
     def _count(self, key: str) -> None:
-        now = time.time()
-        minute = int(now // WINDOW_S)
         sha = hashlib.sha256(key.encode()).hexdigest()[:16]
-        name = self.board.keys.api_key_window(sha, minute)
-        pipe = self.board.r.pipeline(transaction=False)
-        pipe.incr(name)
-        pipe.expire(name, 2 * WINDOW_S)
-        n = int(pipe.execute()[0])
+        n, left_s = self.board.count_api_call(sha, WINDOW_S)
         if n > self.s.key_rpm:
-            wait = max(1, int((minute + 1) * WINDOW_S - now) + 1)
             raise ApiError(
                 429, f"this API key is over its limit of {self.s.key_rpm} requests per minute "
                 "(KVQ_API_KEY_RPM)", kind="rate_limit_error", code="rate_limit_exceeded",
-                retry_after_s=wait,
+                retry_after_s=max(1, math.ceil(left_s)),
             )  # fmt: skip
 
     def check_model(self, model: str) -> None:

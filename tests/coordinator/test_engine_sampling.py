@@ -4,8 +4,6 @@ stops, penalties and logprobs."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
