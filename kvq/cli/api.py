@@ -34,7 +34,7 @@ def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
 
     opts = ApiBenchOptions(
         streams=args.streams, requests=args.requests, max_tokens=args.max_tokens,
-        model_path=args.model, workers=args.workers,
+        rounds=args.rounds, model_path=args.model, workers=args.workers,
     )  # fmt: skip
     result = run_api_bench(settings, opts)
     if args.json:
@@ -56,6 +56,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     b.add_argument("--streams", type=int, default=8, help="concurrent streams")
     b.add_argument("--requests", type=int, default=32, help="requests per side")
     b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--rounds", type=int, default=2, help="rounds per side, alternating")
     b.add_argument("--model", help="GGUF file (default: make a tiny one)")
     b.add_argument("--workers", type=int, default=0, help="workers to start (0: local experts)")
     b.add_argument("--json", action="store_true")
