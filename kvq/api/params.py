@@ -93,7 +93,7 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     if not isinstance(model, str) or not 0 < len(model) <= 512:
         raise _bad("model", f"'model' must be a model id, got {model!r}")
     for name in REFUSED:
-        if b.get(name) not in (None, [], ""):
+        if b.get(name) not in (None, [], "", {"type": "text"}):  # plain text is what kvq gives
             raise _bad(name, f"'{name}' is not supported by kvq")
     b.integer("n", 1, 1, 1)  # one choice per call
     b.integer("best_of", 1, 1, 1)

@@ -122,8 +122,20 @@ def test_no_stop_hands_out_everything() -> None:
 
 
 def test_unfinished_characters_are_held_back() -> None:
-    st = StopText(lambda ids: "ab" + "\ufffd" * ids[-1], [])
-    assert st.push([1]) == "ab" and st.push([0]) == "" and st.text == "ab"
+    # ids ending in 1 decode to an unfinished character; a 0 completes it
+    st = StopText(lambda ids: ("ab" + "\ufffd" * ids[-1]) if ids else "", [])
+    assert st.push([1]) == "" and st.text == ""
+    assert st.push([1, 0]) == "ab" and st.flush([1, 0]) == ""
+
+
+def test_incremental_text_equals_decoding_everything(tiny: Path) -> None:
+    tok = load_tokenizer(tiny)
+    ids = tok.encode("héllo wörld, the quick brown fox — 日本語 ok")[1:]
+    st, out = StopText(tok.decode, []), []
+    for i in range(1, len(ids) + 1):
+        out.append(st.push(ids[:i]))
+    out.append(st.flush(ids))
+    assert "".join(out) == tok.decode(ids) == st.text
 
 
 # -- chat templates -----------------------------------------------------------------------
