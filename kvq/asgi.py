@@ -14,11 +14,12 @@ import uvicorn
 from kvq.errors import ServerError
 
 
-def config(app: Any, host: str, port: int) -> uvicorn.Config:
-    # no uvicorn log config: kvq's logging (kvq.cli) decides what is printed
+def config(app: Any, host: str, port: int, loop: str = "auto") -> uvicorn.Config:
+    # no uvicorn log config: kvq's logging (kvq.cli) decides what is printed; the lifespan
+    # lets an app close its clients when the server stops
     return uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
-        timeout_graceful_shutdown=2,
+        app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=2, loop=loop,
     )  # fmt: skip
 
 
@@ -26,7 +27,8 @@ class ThreadedServer:
     """uvicorn on a daemon thread; `server_address` once started, `shutdown()` to stop."""
 
     def __init__(self, app: Any, host: str, port: int, start_timeout_s: float = 10.0) -> None:
-        self.server = uvicorn.Server(config(app, host, port))
+        # plain asyncio on a thread: uvloop is for the foreground servers (`kvq api`)
+        self.server = uvicorn.Server(config(app, host, port, loop="asyncio"))
         self.thread = threading.Thread(target=self.server.run, name="kvq-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s

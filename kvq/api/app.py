@@ -15,6 +15,7 @@ goes away before the end cancels its request. Errors are OpenAI's `{"error": {..
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -158,7 +159,7 @@ def create_app(settings: Settings) -> Starlette:
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
-        await run_in_threadpool(gw.gate.authorize, request.headers.get("authorization"))
+        await authorize(request)
         return JSONResponse(models_list(await run_in_threadpool(gw.gate.models), gw.started))
 
     async def completions(request: Request) -> Response:
@@ -167,9 +168,13 @@ def create_app(settings: Settings) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await _complete(request, chat=True)
 
+    async def authorize(request: Request) -> None:
+        if gw.s.keys:  # no thread hop when auth is off
+            await run_in_threadpool(gw.gate.authorize, request.headers.get("authorization"))
+
     async def _complete(request: Request, chat: bool) -> Response:
         t0 = time.monotonic()
-        await run_in_threadpool(gw.gate.authorize, request.headers.get("authorization"))
+        await authorize(request)
         if int(request.headers.get("content-length") or 0) > MAX_BODY:
             raise ApiError(413, f"the body is over {MAX_BODY} bytes")
         call = parse(
@@ -272,7 +277,14 @@ def create_app(settings: Settings) -> Starlette:
         err = ApiError(503, f"redis: {exc}", kind="server_error", code="bus_error")
         return JSONResponse(err.body(), 503, headers={"Retry-After": str(gw.s.retry_after_s)})
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await gw.ar.aclose()  # its sockets go with the loop that opened them
+        gw.board.r.close()
+
     return Starlette(
+        lifespan=lifespan,
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

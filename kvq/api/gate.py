@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import uuid
 
 from kvq import client, wire
 from kvq.api.params import Call
+from kvq.bus import xadd
 from kvq.bus.redis_board import RedisBoard, is_registered
 from kvq.errors import ApiError
 from kvq.settings_parts import ApiSettings
@@ -27,6 +29,7 @@ class Gate:
     def __init__(self, board: RedisBoard, s: ApiSettings) -> None:
         self.board, self.s = board, s
         self.keys = [k.encode() for k in s.keys]
+        self._registered: set[str] = set()  # a registered model stays registered: cache it
 
     def authorize(self, header: str | None) -> str | None:
         """The caller's key (None when auth is off); 401 without a valid one, 429 over its
@@ -57,7 +60,11 @@ class Gate:
 
     def check_model(self, model: str) -> None:
         """404 for a model nobody registered; creates no key."""
-        if not is_registered(self.board.r, self.board.keys, model):
+        if model in self._registered:
+            return
+        if is_registered(self.board.r, self.board.keys, model):
+            self._registered.add(model)
+        else:
             raise ApiError(
                 404, f"model {model!r} does not exist; GET /v1/models lists the served ones",
                 param="model", code="model_not_found",
@@ -80,11 +87,16 @@ class Gate:
                 f"(KVQ_API_MAX_QUEUE {self.s.max_queue}); retry later",
                 kind="rate_limit_error", code="queue_full", retry_after_s=self.s.retry_after_s,
             )  # fmt: skip
-        return client.send(
-            self.board.r, self.board.keys, call.model, prompt=call.prompt,
+        request_id = uuid.uuid4().hex
+        req = wire.Request(
+            request_id=request_id, model=call.model, prompt=call.prompt,
             prompt_ids=call.prompt_ids, messages=call.messages, max_tokens=call.max_tokens,
-            sampling=call.sampling, maxlen=self.board.maxlen,
+            sampling=call.sampling,
         )  # fmt: skip
+        # as kvq.client.send, whose checks are done above
+        xadd(self.board.r, self.board.keys.model_requests(call.model), wire.encode(req),
+             self.board.maxlen)  # fmt: skip
+        return request_id
 
     def cancel(self, model: str, request_id: str) -> None:
         client.cancel(self.board.r, self.board.keys, model, request_id)

@@ -179,6 +179,10 @@ def run_api_bench(settings: Settings, opts: ApiBenchOptions) -> dict[str, Any]:
             "streams": opts.streams, "requests": opts.requests, "max_tokens": opts.max_tokens,
             "rounds": opts.rounds, "workers": opts.workers, "direct": d, "api": a,
             "ratio": round(a["tokens_per_s"] / d["tokens_per_s"], 3),
+            # each api round against the direct round just before it: robust to load drift
+            "ratio_paired_median": round(statistics.median(
+                x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a_rounds, d_rounds, strict=True)
+            ), 3),
             "ttft_ratio": round(a["ttft_p50_ms"] / max(d["ttft_p50_ms"], 1e-3), 3),
             "direct_rounds": d_rounds, "api_rounds": a_rounds,
         }  # fmt: skip

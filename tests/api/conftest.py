@@ -2,7 +2,8 @@
 worker and one coordinator (threads), and `kvq api` as its own process on a free port.
 
 One system per module (starting it is most of a test's cost); each module has its own key
-prefix. Extra gateways with other settings join the same system (`gateway`)."""
+prefix. Extra gateways with other settings join the same system (`gateway`): the same app on
+uvicorn, in a thread of the test process, as they start in milliseconds."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import httpx
 import pytest
 import redis
 
+from kvq.api import create_app
+from kvq.asgi import ThreadedServer
 from kvq.config import Settings, child_env, load_settings
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
@@ -61,7 +64,7 @@ def start_gateway(s: Settings, log: Path, **overrides: Any) -> Gateway:
             [sys.executable, "-m", "kvq", "api"], env=env, stdout=out, stderr=subprocess.STDOUT
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # a loaded machine imports slowly
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError("kvq api exited:\n" + log.read_text())
@@ -86,12 +89,14 @@ class System:
     mon: Monitor
     tmp: Path
     gateways: list[Gateway] = field(default_factory=list)
+    threaded: list[ThreadedServer] = field(default_factory=list)
 
     def gateway(self, **overrides: Any) -> str:
-        """Another `kvq api` on the same system, with other settings; its base URL."""
-        gw = start_gateway(self.settings, self.tmp / f"api-{len(self.gateways)}.log", **overrides)
-        self.gateways.append(gw)
-        return gw.url
+        """Another gateway on the same system, with other settings; its base URL."""
+        s = self.settings.model_copy(update={"api_port": 0, **overrides})
+        srv = ThreadedServer(create_app(s), "127.0.0.1", 0)
+        self.threaded.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
 
     def prefix_keys(self) -> set[bytes]:
         return set(self.r.scan_iter(f"{self.keys.prefix}:*", count=1000))
@@ -130,6 +135,8 @@ def system(
     yield sysm
     for gw in sysm.gateways:
         gw.stop()
+    for srv in sysm.threaded:
+        srv.shutdown()
     worker.stop.set()
     coord.stop.set()
     for t in threads:
