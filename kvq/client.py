@@ -16,15 +16,22 @@ from kvq.keys import Keys
 
 
 class RequestFailed(KvqError):
-    """The coordinator answered the request with an error event."""
+    """The coordinator answered the request with an error event (`failure`, when it did)."""
+
+    def __init__(self, message: str, failure: wire.Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 def send(
     r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
     prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
+    sampling: wire.SamplingParams | None = None, messages: list[wire.ChatMessage] | None = None,
+    request_id: str | None = None,
 ) -> str:  # fmt: skip
     """Queue a request; returns its id (the reply stream is keyed by it). RequestFailed at
-    once, before anything is queued, for `max_tokens < 1` or a model nobody registered."""
+    once, before anything is queued, for `max_tokens < 1` or a model nobody registered.
+    `messages`: a chat, rendered by the model's chat template (instead of `prompt`)."""
     if max_tokens < 1:
         raise RequestFailed(f"max_tokens must be at least 1, got {max_tokens}")
     if not is_registered(r, keys, model):
@@ -32,13 +39,19 @@ def send(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
         )
-    request_id = uuid.uuid4().hex
+    request_id = request_id or uuid.uuid4().hex
     req = wire.Request(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
+        messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
     )  # fmt: skip
     xadd(r, keys.model_requests(model), wire.encode(req), maxlen)
     return request_id
+
+
+def cancel(r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = 1000) -> None:
+    """Give up on a request: its coordinator drops it at its next step (or when it would
+    admit it, if it is still queued)."""
+    xadd(r, keys.model_cancels(model), wire.encode(wire.Cancel(request_id=request_id)), maxlen)
 
 
 def events(
@@ -59,7 +72,7 @@ def events(
                 ev = wire.decode(fields, wire.ReplyEvent)
                 if ev.kind == "error":
                     msg = ev.error.message if ev.error else "unknown error"
-                    raise RequestFailed(f"request {request_id} failed: {msg}")
+                    raise RequestFailed(f"request {request_id} failed: {msg}", ev.error)
                 yield ev
                 if ev.kind == "done":
                     return

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvq.errors import ConfigError
 from kvq.settings_parts import (
+    ApiSettings,
     BusSettings,
     CoordinatorSettings,
     DispatchSettings,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from kvq.bus.records import Lifetimes
 
 __all__ = [
-    "NUMA_POLICIES", "BusSettings", "CoordinatorSettings", "DispatchSettings", "MonitorSettings",
+    "NUMA_POLICIES", "ApiSettings", "BusSettings", "CoordinatorSettings", "DispatchSettings", "MonitorSettings",
     "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
     "env_name", "load_settings",
 ]  # fmt: skip
@@ -153,6 +154,26 @@ class Settings(BaseSettings):
         0, ge=0, le=65535, description="port of the monitor's HTTP API and /metrics (0 = off)"
     )
 
+    # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
+    api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")
+    api_port: int = Field(8000, ge=0, le=65535, description="port of `kvq api` (0 = any free)")
+    api_keys: str = Field(
+        "", description="comma-separated bearer tokens `kvq api` accepts (empty = no auth)"
+    )
+    api_key_rpm: int = Field(
+        0, ge=0, description="requests per minute per API key, over all gateways (0 = no limit)"
+    )
+    api_max_queue: int = Field(
+        64, ge=1, description="a model's queued requests at which `kvq api` answers 429"
+    )
+    api_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="longest wait of `kvq api` for a request's next event"
+    )
+    api_retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503")
+    api_max_tokens_default: int = Field(
+        16, ge=1, description="max_tokens of a request that does not say"
+    )
+
     # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
     hot_gib: float | None = Field(
         None, ge=0, allow_inf_nan=False,
@@ -198,6 +219,25 @@ class Settings(BaseSettings):
     def _check_prefix(cls, v: str) -> str:
         if not v or any(c in v for c in "{}: \t\n"):
             raise ValueError("must be non-empty, without spaces, ':' or braces")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, v: str) -> str:
+        for key in (k.strip() for k in v.split(",")):
+            if key and (len(key) < 8 or any(c.isspace() or not c.isprintable() for c in key)):
+                raise ValueError(
+                    "must be comma-separated tokens of at least 8 printable characters "
+                    "without spaces"
+                )
+        return v
+
+    @field_validator("api_max_tokens_default")
+    @classmethod
+    def _default_in_limit(cls, v: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_tokens_limit")
+        if limit is not None and v > limit:
+            raise ValueError(f"must be <= KVQ_MAX_TOKENS_LIMIT ({limit})")
         return v
 
     @field_validator("device")
@@ -268,6 +308,14 @@ class Settings(BaseSettings):
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
             self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
             self.idle_release_s,
+        )  # fmt: skip
+
+    @property
+    def api(self) -> ApiSettings:
+        keys = tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
+        return ApiSettings(
+            self.api_host, self.api_port, keys, self.api_key_rpm, self.api_max_queue,
+            self.api_timeout_s, self.api_retry_after_s, self.api_max_tokens_default,
         )  # fmt: skip
 
     @property

@@ -16,7 +16,8 @@
     │   ├── UncoveredSlice     a slice has no live node: refuse the model's requests
     │   ├── CapacityError      the nodes' memory cannot hold one copy of a model
     │   └── TopologyError      a swarm topology or plan is malformed or invalid
-    └── ServerError        the embedded Redis server could not be started
+    ├── ServerError        the embedded Redis server could not be started
+    └── ApiError           an HTTP request `kvq api` answers with an error status
 
 Every message carries the bad value and what to do about it.
 """
@@ -97,3 +98,22 @@ class TopologyError(RoutingError):
 
 class ServerError(KvqError):
     """The embedded Redis server could not be started or stopped."""
+
+
+class ApiError(KvqError):
+    """An HTTP answer other than 2xx from `kvq api`, sent in OpenAI's error shape
+    `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None, retry_after_s: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {"message": str(self), "type": self.kind, "param": self.param,
+                      "code": self.code}
+        }  # fmt: skip

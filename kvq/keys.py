@@ -16,6 +16,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
+| P:{m:M}:cancel               | stream | clients → coordinators: requests given up  |
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
@@ -28,6 +29,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
+| P:{k:K}:calls                | string | `kvq api`: calls of API key K (a hash of   |
+|                              |        | it) in its current minute (expires)        |
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ class Keys:
 
     def model_state(self, model: str) -> str:
         return self._m(model, "state")
+
+    def model_cancels(self, model: str) -> str:
+        return self._m(model, "cancel")
+
+    # per API key (the gateway's request limit); the key itself is never stored, its hash is
+    def apikey_calls(self, key_sha: str) -> str:
+        return f"{self.prefix}:{{k:{key_sha}}}:calls"
 
     # per worker
     def worker_inbox(self, worker: str) -> str:

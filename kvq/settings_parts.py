@@ -94,3 +94,17 @@ class MonitorSettings:
     saturation_enter_s: float = 0.0  # K6 hysteresis (kvq.monitor.hysteresis)
     saturation_leave_s: float = 0.0
     lease_s: float = 5.0  # KVQ_MONITOR_LEASE_S: one active monitor, standbys take over
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """The OpenAI-compatible gateway (`kvq api`)."""
+
+    host: str
+    port: int
+    keys: tuple[str, ...]  # bearer tokens; empty: no auth
+    key_rpm: int  # requests per minute per key; 0: no limit
+    max_queue: int  # a model's waiting requests at which new ones get 429
+    timeout_s: float  # longest wait for a request's next event
+    retry_after_s: int
+    max_tokens_default: int

@@ -24,6 +24,9 @@ import numpy as np
 from kvq.errors import WireError
 
 VERSION = 1
+REQUEST_VERSION = 2  # requests and reply events; v1 ones still decode
+MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 5
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
 _NP: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4"),
@@ -111,25 +114,77 @@ class Result(_Msg, frozen=True):
     error: Failure | None = None
 
 
-class Request(_Msg, frozen=True):
-    """A client's generation request."""
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a request's tokens are picked (defaults: greedy, no stops, no penalties)."""
 
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0  # 0 = greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: NonNeg = 0  # 0 = no limit
+    seed: int | None = None  # None: a fresh seed per request
+    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
+                    msgspec.Meta(max_length=MAX_STOPS)] = []  # fmt: skip
+    stop_token_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top-n
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax of the raw logits: no temperature, penalty, stop string or logprob work."""
+        return self.temperature == 0 and not self.presence_penalty and not self.frequency_penalty
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One message of a chat; rendered into a prompt by the model's chat template."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    content: str
+
+
+class Request(_Msg, frozen=True, kw_only=True):
+    """A client's generation request. v1 (no sampling, no messages) still decodes: greedy."""
+
+    v: Literal[1, 2] = 2  # type: ignore[assignment]  # REQUEST_VERSION
     request_id: Name
     model: Name
     prompt: str | None = None
     prompt_ids: list[NonNeg] | None = None
+    messages: list[ChatMessage] | None = None  # v2: a chat, rendered by the coordinator
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    sampling: SamplingParams = SamplingParams()  # v2
 
 
-class ReplyEvent(_Msg, frozen=True):
-    """One event on a request's reply stream: a token, the end, or an error."""
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A candidate token and its log-probability under the model (log_softmax of the logits)."""
 
+    token_id: int
+    text: str
+    logprob: float
+
+
+class ReplyEvent(_Msg, frozen=True, kw_only=True):
+    """One event on a request's reply stream: a token, the end, or an error.
+
+    A token event's `text` is the new text it makes final, which may be empty (held back while
+    it could be the start of a stop string or of a multi-byte character) or cover several
+    tokens; `done.text` is the whole completion, stop string excluded."""
+
+    v: Literal[1, 2] = 2  # type: ignore[assignment]
     kind: Literal["token", "done", "error"]
     index: NonNeg = 0
     token_id: int | None = None
     text: str = ""
     finish: str | None = None
     error: Failure | None = None
+    logprob: TokenLogprob | None = None  # v2: `token_id`'s own, when logprobs were asked
+    top_logprobs: list[TokenLogprob] | None = None  # v2: the best alternatives
+    prompt_tokens: NonNeg = 0  # v2, on `done`: the prompt's length in tokens
+
+
+class Cancel(_Msg, frozen=True):
+    """A client gave up on a request (disconnected, interrupted): free its slot."""
+
+    request_id: Name
 
 
 M = TypeVar("M", bound=_Msg)
@@ -138,8 +193,12 @@ _NAMES: dict[type[_Msg], str] = {
     Result: "result",
     Request: "request",
     ReplyEvent: "reply",
+    Cancel: "cancel",
 }
-_READABLE = {"request": ("request_id", "model", "max_tokens"), "reply": ("kind", "index", "text")}
+_READABLE = {
+    "request": ("request_id", "model", "max_tokens"), "reply": ("kind", "index", "text"),
+    "cancel": ("request_id",),
+}  # fmt: skip
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in _NAMES}
 

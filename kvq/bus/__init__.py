@@ -1,6 +1,6 @@
 """The bus: Redis connections, streams with consumer groups, dead letters and Lua scripts."""
 
-from kvq.bus.connection import Backoff, connect, is_connection_error, redacted_url
+from kvq.bus.connection import Backoff, connect, connect_async, is_connection_error, redacted_url
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import Consumer, Tail, claim_from_dead, dead_letter, ensure_group, xadd
 
@@ -11,6 +11,7 @@ __all__ = [
     "Tail",
     "claim_from_dead",
     "connect",
+    "connect_async",
     "dead_letter",
     "ensure_group",
     "is_connection_error",

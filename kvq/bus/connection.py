@@ -7,6 +7,8 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+import redis.asyncio.retry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -20,6 +22,21 @@ def connect(settings: BusSettings) -> redis.Redis:
     """
     retry = Retry(ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=3)
     return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
+        socket_connect_timeout=settings.socket_timeout_s,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+    )
+
+
+def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
+    """The asyncio twin of `connect` (for `kvq api`), with the same timeouts and retries."""
+    retry = redis.asyncio.retry.Retry(
+        ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=3
+    )
+    return redis.asyncio.Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
         socket_connect_timeout=settings.socket_timeout_s,

@@ -232,6 +232,19 @@ class RedisBoard:
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
 
+    # -- the gateway's per-key request counter ---------------------------------------------
+    def count_api_call(self, key_sha: str, window_s: int) -> tuple[int, float]:
+        """Count one call of an API key (by its hash) in its current window: the calls in it
+        so far, and the seconds until it ends. The window opens at the key's first call after
+        the last one closed; shared by every gateway."""
+        name = self.keys.apikey_calls(key_sha)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(name, 0, ex=window_s, nx=True)
+        pipe.incr(name)
+        pipe.pttl(name)
+        _, n, left_ms = pipe.execute()
+        return int(n), max(0, int(left_ms)) / 1000
+
 
 def open_board(bus: BusSettings, lifetimes: Lifetimes) -> RedisBoard:
     """A board on a new client for `KVQ_REDIS_URL` (see `kvq.bus.connect`)."""

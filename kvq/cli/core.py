@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import threading
 from typing import Any
 
@@ -79,21 +80,35 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq import client
+    from kvq import client, wire
     from kvq.bus import connect
     from kvq.keys import Keys
 
     r, keys = connect(settings.bus), Keys(settings.prefix)
-    rid = client.send(r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens)
+    sampling = wire.SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=args.stop or [],
+    )  # fmt: skip
+    rid = client.send(
+        r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling
+    )
     ids: list[int] = []
-    text, finish = "", None
-    for ev in client.events(r, keys, rid, timeout_s=args.timeout):
-        if ev.kind == "token" and ev.token_id is not None:
-            ids.append(ev.token_id)
-            if not args.json:
-                print(ev.text, end="", flush=True)
-        elif ev.kind == "done":
-            text, finish = ev.text, ev.finish
+    text, finish, shown = "", None, ""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
+    try:
+        for ev in client.events(r, keys, rid, timeout_s=args.timeout):
+            if ev.kind == "token" and ev.token_id is not None:
+                ids.append(ev.token_id)
+                shown += ev.text
+                if not args.json:
+                    print(ev.text, end="", flush=True)
+            elif ev.kind == "done":
+                text, finish = ev.text, ev.finish
+                if not args.json and text.startswith(shown):  # text held back until the end
+                    print(text[len(shown) :], end="", flush=True)
+    except (KeyboardInterrupt, TimeoutError):
+        client.cancel(r, keys, args.model, rid)  # free the slot now, not at max_tokens
+        raise
     out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
     print(json.dumps(out) if args.json else "")
     return EXIT_OK
@@ -179,6 +194,11 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     s.add_argument("--model", required=True)
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    s.add_argument("--seed", type=int, help="reproducible sampling")
+    s.add_argument("--stop", action="append", help="stop string (repeatable, up to 4)")
     s.add_argument("--timeout", type=float, default=120.0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_submit)

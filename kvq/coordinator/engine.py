@@ -6,12 +6,15 @@ one decode token of the others), so each MoE layer sees all their token rows at 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 
+from kvq import wire
+from kvq.coordinator.detok import StopText
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
+from kvq.model.sampling import Sampler, Sampling, top_logprobs
 
 
 @dataclass
@@ -23,17 +26,28 @@ class Sequence:
     max_tokens: int
     cache: KVCache
     entry_id: bytes = b""
-    generated: list[int] = field(default_factory=list)  # EOS is never part of it
+    generated: list[int] = field(default_factory=list)  # EOS and stop tokens are not in it
     next_input: list[int] = field(default_factory=list)
-    finish: str | None = None
+    finish: str | None = None  # eos, stop, length, context, cancelled
     new_token: int | None = None  # the token this step produced for the client; None at EOS
+    new_text: str = ""  # the text this step made final (see kvq.coordinator.detok)
+    new_logprob: wire.TokenLogprob | None = None
+    new_top: list[wire.TokenLogprob] | None = None
+    params: wire.SamplingParams = wire.SamplingParams()
+    sampler: Sampler | None = None
+    text: StopText | None = None
+
+    @property
+    def completion(self) -> str:
+        """The text handed out so far (all of it once finished; a stop string never is)."""
+        return self.text.text if self.text is not None else ""
 
 
 TokenSink = Callable[[list[Sequence]], None]  # called once per step with every sequence
 
 
 class Engine:
-    """Greedy generation for up to `n_slots` sequences at a time."""
+    """Generation for up to `n_slots` sequences at a time, each with its own sampling."""
 
     def __init__(self, backbone: Backbone, tokenizer: Tokenizer, n_slots: int) -> None:
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
@@ -48,15 +62,31 @@ class Engine:
         return self.n_slots - len(self.active)
 
     def admit(
-        self, request_id: str, prompt_ids: list[int], max_tokens: int, entry_id: bytes
-    ) -> Sequence:
+        self, request_id: str, prompt_ids: list[int], max_tokens: int, entry_id: bytes,
+        params: wire.SamplingParams | None = None,
+    ) -> Sequence:  # fmt: skip
         assert self.free > 0, "admit() called with no free slot"
+        p = params or wire.SamplingParams()
+        sampling = Sampling(
+            p.temperature, p.top_k, p.top_p, p.seed, p.presence_penalty, p.frequency_penalty
+        )
         seq = Sequence(
             request_id, list(prompt_ids), max_tokens, self.backbone.new_cache(), entry_id,
-            next_input=list(prompt_ids),
+            next_input=list(prompt_ids), params=p,
+            sampler=Sampler(sampling, self.backbone.meta.vocab_size),
+            text=StopText(self.tokenizer.decode, p.stop),
         )  # fmt: skip
         self.active.append(seq)
         return seq
+
+    def cancel(self, request_ids: Collection[str]) -> list[Sequence]:
+        """Drop the sequences of these requests now (their slots are free for the next
+        admission); returns them, finished as `cancelled`."""
+        gone = [s for s in self.active if s.request_id in request_ids]
+        for seq in gone:
+            seq.finish, seq.new_token, seq.new_text = "cancelled", None, ""
+        self.active = [s for s in self.active if s.finish is None]
+        return gone
 
     def step(self, moe: MoeFn | None, on_tokens: TokenSink) -> list[Sequence]:
         """One forward over all active sequences; returns the sequences that finished."""
@@ -65,25 +95,48 @@ class Engine:
         steps = [SeqStep(s.next_input, s.cache) for s in self.active]
         with torch.inference_mode():
             logits = self.backbone.forward(steps, moe=moe)  # [S, vocab]
-        next_ids = logits.argmax(dim=-1).tolist()
-        # update every sequence before telling anyone: a failed send must not leave one
-        # sequence's cache ahead of its token list
-        done = []
-        for seq, tok in zip(self.active, next_ids, strict=True):
-            seq.next_input = [tok]
-            if tok == self.tokenizer.eos_id:  # the end, not a token: as `kvq generate` does
-                seq.finish, seq.new_token = "eos", None
-                done.append(seq)
-                continue
-            seq.generated.append(tok)
-            seq.new_token = tok
-            if len(seq.generated) >= seq.max_tokens:
-                seq.finish = "length"
-            elif seq.cache.length + 1 >= self.backbone.meta.context_length:
-                seq.finish = "context"
-            if seq.finish:
-                done.append(seq)
+            greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
+            # update every sequence before telling anyone: a failed send must not leave one
+            # sequence's cache ahead of its token list
+            done = []
+            for i, seq in enumerate(self.active):
+                assert seq.sampler is not None
+                tok = greedy_ids[i] if seq.sampler.greedy else seq.sampler.pick(logits[i])
+                self._advance(seq, tok, logits[i])
+                if seq.finish:
+                    done.append(seq)
         emitted = self.active
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
+
+    def _advance(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
+        """Record `tok` for `seq`: its text, logprobs and whether it ends the sequence."""
+        assert seq.text is not None
+        seq.next_input, seq.new_logprob, seq.new_top, seq.new_text = [tok], None, None, ""
+        if tok == self.tokenizer.eos_id or tok in seq.params.stop_token_ids:
+            # the end, not a token: as `kvq generate` does at EOS
+            seq.finish = "eos" if tok == self.tokenizer.eos_id else "stop"
+            seq.new_token = None
+            seq.new_text = seq.text.flush(seq.generated)
+            return
+        seq.generated.append(tok)
+        seq.new_token = tok
+        if seq.params.logprobs is not None:
+            self._logprobs(seq, tok, logits)
+        seq.new_text = seq.text.push(seq.generated)
+        if seq.text.stopped:
+            seq.finish = "stop"
+        elif len(seq.generated) >= seq.max_tokens:
+            seq.finish = "length"
+        elif seq.cache.length + 1 >= self.backbone.meta.context_length:
+            seq.finish = "context"
+        if seq.finish in ("length", "context"):
+            seq.new_text += seq.text.flush(seq.generated)
+
+    def _logprobs(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
+        n = seq.params.logprobs or 0
+        chosen, best = top_logprobs(logits, tok, n)
+        dec = self.tokenizer.decode
+        seq.new_logprob = wire.TokenLogprob(tok, dec([tok]), chosen)
+        seq.new_top = [wire.TokenLogprob(t, dec([t]), lp) for t, lp in best]

@@ -24,15 +24,17 @@ from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
+from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.telemetry import RequestTimes
 from kvq.device import compute_dtype
-from kvq.errors import UncoveredSlice, WireError
+from kvq.errors import ModelError, UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
 from kvq.model import Backbone, load_tokenizer, read_meta
+from kvq.model.chat import load_chat_template
 from kvq.model.registry import check_model_file
 from kvq.worker.server import ExpertServer
 
@@ -54,6 +56,7 @@ class Coordinator:
         dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, meta.expert_types())
         self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
+        self.chat = load_chat_template(model_path)  # the file's own, or ChatML
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         self.bank = Bank(self.backbone.experts, bank, cpu)
@@ -66,12 +69,14 @@ class Coordinator:
         )  # fmt: skip
         self._requests_key = board.keys.model_requests(model)
         self.requests = Consumer(board.r, self._requests_key, COORDINATOR_GROUP, coord_id)
+        self.cancels = CancelFeed(board.r, board.keys.model_cancels(model))
         self.slots = SlotPoller(
             lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
             self._publish_slots, settings.slot_poll_s, board.lifetimes.load_fresh_s(),
         )  # fmt: skip
         self.stop = threading.Event()
         self.completed = 0
+        self.cancelled = 0
         self.tokens = 0
         self.claimed = 0
         self.times = RequestTimes()
@@ -112,12 +117,17 @@ class Coordinator:
                 self.requests.reset_pending()
 
     def tick(self) -> None:
-        """Take over orphans, admit what fits, run one step."""
+        """Take over orphans, drop cancelled requests, admit what fits, run one step."""
         self._claim_orphans()
+        new = []
         if self.engine.free:
             block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
-            for eid, fields in self.requests.read(self.engine.free, block):
-                self._admit(eid, fields)
+            new = self.requests.read(self.engine.free, block)
+        gone = self.cancels.poll()
+        if gone:
+            self._retire(self.engine.cancel(gone))
+        for eid, fields in new:
+            self._admit(eid, fields)
         self.slots.note(self.engine.busy)
         if self.engine.busy:
             self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
@@ -158,12 +168,10 @@ class Coordinator:
             self.times.finished(rid, "error")
             self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
             return
-        ids = (
-            req.prompt_ids
-            if req.prompt_ids is not None
-            else self.tokenizer.encode(req.prompt or "")
-        )
-        problem = self._validate(req, ids)
+        problem, ids = self._prompt(req)
+        problem = problem or self._validate(req, ids)
+        if problem is None and self.cancels.cancelled(req.request_id):
+            problem = "cancelled by its client before it started"
         if problem is not None:
             event = wire.ReplyEvent(
                 kind="error", error=wire.Failure(type="BadRequest", message=problem)
@@ -171,8 +179,23 @@ class Coordinator:
             self.times.finished(req.request_id, "error")
             self.requests.answer([self._reply(req.request_id, event)], [eid], self.board.maxlen)
             return
-        self.engine.admit(req.request_id, ids, req.max_tokens, eid)
+        self.engine.admit(req.request_id, ids, req.max_tokens, eid, req.sampling)
         self.times.admitted(req.request_id)
+
+    def _prompt(self, req: wire.Request) -> tuple[str | None, list[int]]:
+        """The prompt's token ids: given, encoded, or a chat rendered by the model's template."""
+        if req.prompt_ids is not None:
+            return None, req.prompt_ids
+        if req.messages is None:
+            return None, self.tokenizer.encode(req.prompt or "")
+        try:
+            text = self.chat.render([{"role": m.role, "content": m.content} for m in req.messages])
+        except ModelError as exc:
+            return str(exc), []
+        bos = self.chat.bos_token
+        if bos and text.startswith(bos):  # the template wrote BOS itself: encode adds it
+            text = text[len(bos) :]
+        return None, self.tokenizer.encode(text)
 
     def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
         """Why the request cannot be served, or None."""
@@ -188,7 +211,9 @@ class Coordinator:
         if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             return f"prompt_ids must be in [0, {vocab})"
         if not ids:
-            return "empty prompt: give prompt or prompt_ids"
+            return "empty prompt: give prompt, prompt_ids or messages"
+        if any(not 0 <= t < vocab for t in req.sampling.stop_token_ids):
+            return f"stop_token_ids must be in [0, {vocab})"
         n = len(ids)  # tokens of this model's vocabulary
         if n + req.max_tokens >= self.backbone.meta.context_length:
             return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
@@ -201,23 +226,37 @@ class Coordinator:
         finished: list[bytes] = []
         for seq in seqs:
             tok = seq.new_token
-            if tok is not None:  # None: this step ended the sequence at EOS
+            if tok is not None:  # None: this step ended the sequence at EOS or a stop token
                 self.tokens += 1
                 token = wire.ReplyEvent(
-                    kind="token", index=len(seq.generated) - 1, token_id=tok,
-                    text=self.tokenizer.decode([tok]),
+                    kind="token", index=len(seq.generated) - 1, token_id=tok, text=seq.new_text,
+                    logprob=seq.new_logprob, top_logprobs=seq.new_top,
                 )  # fmt: skip
                 replies.append(self._reply(seq.request_id, token))
                 self.times.token(seq.request_id)
             if seq.finish:
-                text = self.tokenizer.decode(seq.generated)
-                n = len(seq.generated)  # tokens streamed: EOS is not one of them
-                done = wire.ReplyEvent(kind="done", index=n, text=text, finish=seq.finish)
-                replies.append(self._reply(seq.request_id, done))
+                replies.append(self._reply(seq.request_id, self._done(seq)))
                 finished.append(seq.entry_id)
                 self.completed += 1
                 self.times.finished(seq.request_id, seq.finish)
         self.requests.answer(replies, finished, self.board.maxlen)
+
+    def _retire(self, seqs: list[Sequence]) -> None:
+        """Answer and ack cancelled sequences (their client may be gone; the stream expires)."""
+        if seqs:
+            self.cancelled += len(seqs)
+            for s in seqs:
+                self.times.finished(s.request_id, "cancelled")
+            replies = [self._reply(s.request_id, self._done(s)) for s in seqs]
+            self.requests.answer(replies, [s.entry_id for s in seqs], self.board.maxlen)
+
+    @staticmethod
+    def _done(seq: Sequence) -> wire.ReplyEvent:
+        n = len(seq.generated)  # tokens streamed: EOS and stop tokens are not among them
+        return wire.ReplyEvent(
+            kind="done", index=n, text=seq.completion, finish=seq.finish,
+            prompt_tokens=len(seq.prompt_ids),
+        )  # fmt: skip
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
         key = self.board.keys.request_reply(request_id)

@@ -5,14 +5,58 @@ Shapes are numpy order throughout (the reverse of GGUF/ggml dims): the stacked e
 are gate/up `[experts, ffn, hidden]` and down `[experts, hidden, ffn]`.
 """
 
-from kvq.model.backbone import Backbone, KVCache, MoeFn, SeqStep
-from kvq.model.experts import expert_forward, expert_forward_reference
-from kvq.model.layout import slice_layout, slice_nbytes
-from kvq.model.meta import ModelMeta, TensorRange, read_meta
-from kvq.model.meta_dict import meta_from_dict, meta_to_dict
-from kvq.model.slices import ExpertSlice, decode_slice, load_slice, read_slice_file
-from kvq.model.tiny import make_tiny
-from kvq.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from kvq.model.backbone import Backbone, KVCache, MoeFn, SeqStep
+    from kvq.model.experts import expert_forward, expert_forward_reference
+    from kvq.model.layout import slice_layout, slice_nbytes
+    from kvq.model.meta import ModelMeta, TensorRange, read_meta
+    from kvq.model.meta_dict import meta_from_dict, meta_to_dict
+    from kvq.model.slices import ExpertSlice, decode_slice, load_slice, read_slice_file
+    from kvq.model.tiny import make_tiny
+    from kvq.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+# public name -> the module that defines it, imported on first access: a process that only
+# needs the registry (the board, `kvq api`) does not load torch
+_LAZY = {
+    "Backbone": "kvq.model.backbone",
+    "ByteTokenizer": "kvq.model.tokenizer",
+    "ExpertSlice": "kvq.model.slices",
+    "KVCache": "kvq.model.backbone",
+    "ModelMeta": "kvq.model.meta",
+    "MoeFn": "kvq.model.backbone",
+    "SeqStep": "kvq.model.backbone",
+    "TensorRange": "kvq.model.meta",
+    "Tokenizer": "kvq.model.tokenizer",
+    "decode_slice": "kvq.model.slices",
+    "expert_forward": "kvq.model.experts",
+    "expert_forward_reference": "kvq.model.experts",
+    "load_slice": "kvq.model.slices",
+    "load_tokenizer": "kvq.model.tokenizer",
+    "make_tiny": "kvq.model.tiny",
+    "meta_from_dict": "kvq.model.meta_dict",
+    "meta_to_dict": "kvq.model.meta_dict",
+    "read_meta": "kvq.model.meta",
+    "read_slice_file": "kvq.model.slices",
+    "slice_layout": "kvq.model.layout",
+    "slice_nbytes": "kvq.model.layout",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvq.model' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups no longer come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Backbone",

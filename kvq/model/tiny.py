@@ -9,7 +9,8 @@ included: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, else F16).
 Tokenizer (`tokenizer=`): `bytes`, kvq's own byte tokenizer (`kvq-bytes`: ids 0-255 = bytes,
 then BOS, EOS; only kvq reads it), or `bpe`, the GPT-2-style byte-level BPE of
 `kvq.model.bpe` that llama.cpp and other GGUF tools load too (ids 0-255 are again the bytes,
-256 BOS, 257 EOS, then merged tokens). Real-sized models: `kvq.model.presets`.
+256 BOS, 257 EOS, then merged tokens). Both carry a `tokenizer.chat_template`
+(`CHAT_TEMPLATE`). Real-sized models: `kvq.model.presets`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ FILE_TYPES = {
     "q6_k": LlamaFileType.MOSTLY_Q6_K, "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
 }  # fmt: skip
 TokenizerArg = str | Callable[[GGUFWriter], object]
+# `tokenizer.chat_template` of the built-in tokenizers: not ChatML, so that a test can tell the
+# file's template from the fallback; it refuses unknown roles as real templates do
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "### {{ m['role'] | capitalize }}:\n{{ m['content'] | trim }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
 
 
 def make_tiny(
@@ -113,6 +124,8 @@ def write_tiny(
         add_metadata(writer, cfg, spec, name, quant=quant)
         _add_rope_scaling(writer, *rope)
         add_tokenizer(writer)
+        if isinstance(tokenizer, str):
+            writer.add_chat_template(CHAT_TEMPLATE)
         if extra is not None:
             extra(writer)
         for tname, arr in tensors.items():

@@ -1,4 +1,5 @@
-"""The monitor's HTTP API (K13) and Prometheus endpoint (D7), on a background thread.
+"""The monitor's HTTP API (K13) and Prometheus endpoint (D7): Starlette, served by uvicorn on a
+background thread (`kvq.asgi`).
 
 | method | path                     | answer                                                   |
 |--------|--------------------------|----------------------------------------------------------|
@@ -17,12 +18,17 @@ import json
 import logging
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from kvq.asgi import ThreadedServer
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
 from kvq.monitor.metrics import make_registry
@@ -31,7 +37,7 @@ log = logging.getLogger("kvq.monitor.http")
 MAX_BODY = 64 * 1024
 
 
-class ApiError(Exception):
+class HttpError(Exception):
     """An answer other than 2xx, sent as `{type, message, retryable}`."""
 
     def __init__(
@@ -72,7 +78,7 @@ class Api:
         worker, model = _parse_volunteer(body)
         models = self.board.models()
         if model is not None and model not in models:
-            raise ApiError(HTTPStatus.NOT_FOUND, "UnknownModel", f"model {model!r} not registered")
+            raise HttpError(HTTPStatus.NOT_FOUND, "UnknownModel", f"model {model!r} not registered")
         for m in [model] if model is not None else models:
             sid = self.board.volunteer(m, worker)
             info = self.board.model_info(m) if sid is not None else None
@@ -99,106 +105,92 @@ def _parse_volunteer(body: bytes) -> tuple[str, str | None]:
     try:
         d = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "BadRequest", f"body is not JSON: {exc}") from None
+        raise HttpError(HTTPStatus.BAD_REQUEST, "BadRequest", f"body is not JSON: {exc}") from None
     if not isinstance(d, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "BadRequest", 'want a JSON object {"worker": id}')
+        raise HttpError(HTTPStatus.BAD_REQUEST, "BadRequest", 'want a JSON object {"worker": id}')
     worker, model = d.get("worker"), d.get("model")
     if not isinstance(worker, str) or not 0 < len(worker) <= 200 or worker.strip() != worker:
-        raise ApiError(
+        raise HttpError(
             HTTPStatus.BAD_REQUEST, "BadRequest",
             f"'worker' must be a non-empty id of at most 200 characters, got {worker!r}",
         )  # fmt: skip
     if model is not None and (not isinstance(model, str) or not model):
-        raise ApiError(
+        raise HttpError(
             HTTPStatus.BAD_REQUEST, "BadRequest", f"'model' must be an id, got {model!r}"
         )
     return worker, model
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], api: Api) -> None:
-        super().__init__(address, _Handler)
-        self.api = api
+def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSONResponse:
+    return JSONResponse({"type": kind, "message": message, "retryable": retryable}, int(status))
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    server_version = "kvq-monitor"
+def create_app(api: Api) -> Starlette:
+    """The monitor's endpoints as a Starlette app (sync handlers: they run in a thread pool)."""
 
-    def do_GET(self) -> None:
-        self._answer("GET")
+    def metrics(request: Request) -> Response:
+        return Response(api.metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    def do_POST(self) -> None:
-        self._answer("POST")
+    def healthz(request: Request) -> Response:
+        ok = api.healthy()
+        return JSONResponse({"ok": ok}, 200 if ok else 503)
 
-    def _answer(self, method: str) -> None:
-        api = self.server.api
-        path = self.path.split("?", 1)[0]
+    def recruitment(request: Request) -> Response:
+        return JSONResponse(api.recruitment())
+
+    def demand(request: Request) -> Response:
+        return JSONResponse(api.demand())
+
+    async def volunteer(request: Request) -> Response:
         try:
-            if (method, path) == ("GET", "/metrics"):
-                self._send(HTTPStatus.OK, api.metrics(), CONTENT_TYPE_LATEST)
-            elif (method, path) == ("GET", "/healthz"):
-                ok = api.healthy()
-                self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, {"ok": ok})
-            elif (method, path) == ("GET", "/api/moe/recruitment"):
-                self._json(HTTPStatus.OK, api.recruitment())
-            elif (method, path) == ("GET", "/api/expert-demand"):
-                self._json(HTTPStatus.OK, api.demand())
-            elif (method, path) == ("POST", "/api/expert-volunteer"):
-                got = api.volunteer(self._body())
-                if got is None:
-                    self._send(HTTPStatus.NO_CONTENT, b"", "application/json")
-                else:
-                    self._json(HTTPStatus.OK, got)
-            else:
-                raise ApiError(HTTPStatus.NOT_FOUND, "NotFound", f"no endpoint {method} {path}")
-        except ApiError as exc:
-            self._error(exc.status, exc.kind, str(exc), exc.retryable)
-        except redis.RedisError as exc:
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "BusError", f"redis: {exc}", True)
-        except Exception as exc:  # one bad request must not take the monitor down
-            log.exception("%s %s failed", method, path)
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, type(exc).__name__, str(exc), False)
-
-    def _body(self) -> bytes:
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
+            n = int(request.headers.get("content-length") or 0)
         except ValueError:
             n = -1
         if not 0 <= n <= MAX_BODY:
-            raise ApiError(
+            raise HttpError(
                 HTTPStatus.BAD_REQUEST, "BadRequest", f"body length must be 0..{MAX_BODY}"
             )
-        return self.rfile.read(n)
+        body = await request.body()
+        got = await run_in_threadpool(api.volunteer, body)
+        if got is None:
+            return Response(b"", 204, media_type="application/json")
+        return JSONResponse(got)
 
-    def _json(self, status: HTTPStatus, obj: object) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HttpError)
+        return _error(exc.status, exc.kind, str(exc), exc.retryable)
 
-    def _error(self, status: HTTPStatus, kind: str, message: str, retryable: bool) -> None:
-        self._json(status, {"type": kind, "message": message, "retryable": retryable})
+    async def not_found(request: Request, exc: Exception) -> Response:
+        msg = f"no endpoint {request.method} {request.url.path}"
+        return _error(HTTPStatus.NOT_FOUND, "NotFound", msg, False)
 
-    def _send(self, status: HTTPStatus, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if body:
-            self.wfile.write(body)
+    async def bus_error(request: Request, exc: Exception) -> Response:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, "BusError", f"redis: {exc}", True)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
+    async def other(request: Request, exc: Exception) -> Response:
+        # one bad request must not take the monitor down
+        log.error("%s %s failed: %r", request.method, request.url.path, exc)
+        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, type(exc).__name__, str(exc), False)
+
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/api/moe/recruitment", recruitment, methods=["GET"]),
+            Route("/api/expert-demand", demand, methods=["GET"]),
+            Route("/api/expert-volunteer", volunteer, methods=["POST"]),
+        ],
+        exception_handlers={
+            HttpError: api_error, 404: not_found, 405: not_found,
+            redis.RedisError: bus_error, Exception: other,
+        },
+    )  # fmt: skip
 
 
-def serve_api(
-    board: RedisBoard, host: str, port: int
-) -> tuple[ThreadingHTTPServer, threading.Thread]:
+def serve_api(board: RedisBoard, host: str, port: int) -> tuple[ThreadedServer, threading.Thread]:
     """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`).
 
-    Stop with `server.shutdown(); server.server_close()`.
+    Stop with `server.shutdown()`.
     """
-    server = _Server((host, port), Api(board))
-    thread = threading.Thread(target=server.serve_forever, name="kvq-http", daemon=True)
-    thread.start()
-    return server, thread
+    server = ThreadedServer(create_app(Api(board)), host, port)
+    return server, server.thread

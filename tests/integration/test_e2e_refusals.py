@@ -43,7 +43,7 @@ def test_undecodable_request_gets_an_error_event(
     body: dict[str, object] = {"v": 1, "request_id": f"bad-{bad}", "model": "tiny",
                                "prompt": "hi", "max_tokens": 4}  # fmt: skip
     if bad == "version":
-        body["v"] = 2
+        body["v"] = 99
     elif bad == "max_tokens":
         body["max_tokens"] = 0
     elif bad == "unknown_field":

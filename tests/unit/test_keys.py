@@ -19,7 +19,9 @@ ids = st.from_regex(r"[A-Za-z0-9._-]{1,24}", fullmatch=True)
 prefixes = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 
 # every key builder, by the hash tag it must carry
-SCOPES: dict[str, str] = {"model_": "m", "worker_": "w", "coord_": "c", "request_": "r"}
+SCOPES: dict[str, str] = {
+    "model_": "m", "worker_": "w", "coord_": "c", "request_": "r", "apikey_": "k",
+}  # fmt: skip
 GLOBAL = {"models", "deadletter", "monitor_lease"}
 
 

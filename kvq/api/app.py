@@ -1,0 +1,298 @@
+"""`kvq api`: the OpenAI-compatible HTTP gateway, a Starlette app.
+
+| method | path                   | answer                                                  |
+|--------|------------------------|---------------------------------------------------------|
+| GET    | /v1/models             | the registered models                                   |
+| POST   | /v1/completions        | a completion; `stream: true` as server-sent events      |
+| POST   | /v1/chat/completions   | a chat completion (the model's chat template)           |
+| GET    | /health                | 200 while Redis answers PING, else 503                  |
+| GET    | /metrics               | Prometheus text: this gateway's calls, tokens, latency  |
+
+Stateless: a call is checked (`params`), admitted and queued (`gate`), then its reply stream is
+read until `done`, an `error` event, or `KVQ_API_TIMEOUT_S` without an event. A client that
+goes away before the end cancels its request. Errors are OpenAI's `{"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import redis
+import redis.asyncio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvq import wire
+from kvq.api.gate import Gate, failure_status
+from kvq.api.metrics import ApiMetrics
+from kvq.api.params import Call, parse
+from kvq.api.shape import Answer, models_list
+from kvq.bus import connect_async
+from kvq.bus.redis_board import open_board
+from kvq.config import Settings
+from kvq.errors import ApiError, WireError
+
+MAX_BODY = 1 << 20
+T = TypeVar("T")
+
+
+class Gateway:
+    """The state one gateway process holds: clients, settings, its own metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.board = open_board(settings.bus, settings.lifetimes)
+        self.gate = Gate(self.board, settings.api)
+        self.ar = connect_async(settings.bus)
+        self.s, self.block_ms = settings.api, settings.block_ms
+        self.max_tokens_limit = settings.max_tokens_limit
+        self.started = int(time.time())
+        self.registry = CollectorRegistry()
+        self.metrics = ApiMetrics(self.registry)
+
+    async def events(self, request_id: str) -> AsyncIterator[wire.ReplyEvent]:
+        """The reply events of a request until `done`; ApiError for an `error` event or for
+        `KVQ_API_TIMEOUT_S` without any event (a lost request is never waited on longer)."""
+        key = self.board.keys.request_reply(request_id)
+        last, deadline = b"0-0", time.monotonic() + self.s.timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise ApiError(
+                    504, f"no answer for request {request_id} in {self.s.timeout_s}s "
+                    "(KVQ_API_TIMEOUT_S): the request was lost or its coordinator is stuck",
+                    kind="timeout", code="timeout",
+                )  # fmt: skip
+            resp = await self.ar.xread({key: last}, count=256, block=min(left_ms, self.block_ms))
+            for _, entries in resp or []:
+                deadline = time.monotonic() + self.s.timeout_s
+                for eid, fields in entries:
+                    last = eid
+                    try:
+                        ev = wire.decode(fields, wire.ReplyEvent)
+                    except WireError as exc:
+                        raise ApiError(500, str(exc), kind="server_error") from None
+                    if ev.kind == "error":
+                        raise failure_status(ev.error)
+                    yield ev
+                    if ev.kind == "done":
+                        await self.ar.delete(key)  # this gateway is its only reader
+                        return
+
+    async def cancel(self, call: Call, request_id: str) -> None:
+        with anyio.CancelScope(shield=True):  # also when the caller's task is being cancelled
+            await run_in_threadpool(self.gate.cancel, call.model, request_id)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that cancels its request if it ends before its last event (the client
+    went away, the server is stopping)."""
+
+    def __init__(self, body: AsyncIterator[bytes], abort: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.abort, self.finished = abort, False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.finished:
+                await self.abort()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _or_disconnect(request: Request, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run `fn` unless the client disconnects first: (gone, its result)."""
+    result: list[T] = []
+    errors: list[Exception] = []
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            try:
+                result.append(await fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the group
+                errors.append(exc)
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            nonlocal gone
+            await _until_disconnect(request)
+            gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    if errors:
+        raise errors[0]
+    return gone and not result, result[0] if result else None
+
+
+def create_app(settings: Settings) -> Starlette:
+    """The gateway's app; every answer is read from Redis at call time."""
+    gw = Gateway(settings)
+
+    async def health(request: Request) -> Response:
+        ok = await run_in_threadpool(gw.gate.healthy)
+        return JSONResponse({"ok": ok}, 200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(request: Request) -> Response:
+        await authorize(request)
+        return JSONResponse(models_list(await run_in_threadpool(gw.gate.models), gw.started))
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, chat=True)
+
+    async def authorize(request: Request) -> None:
+        if gw.s.keys:  # no thread hop when auth is off
+            await run_in_threadpool(gw.gate.authorize, request.headers.get("authorization"))
+
+    async def _complete(request: Request, chat: bool) -> Response:
+        t0 = time.monotonic()
+        await authorize(request)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            raise ApiError(413, f"the body is over {MAX_BODY} bytes")
+        call = parse(
+            await request.body(), chat=chat, max_tokens_default=gw.s.max_tokens_default,
+            max_tokens_limit=gw.max_tokens_limit,
+        )  # fmt: skip
+        rid = await run_in_threadpool(gw.gate.admit, call)
+        answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
+        events = gw.events(rid)
+        try:
+            first = await _first(request, events)  # errors before any byte: a real status
+        except BaseException:
+            await gw.cancel(call, rid)
+            raise
+        gw.metrics.first_token(time.monotonic() - t0)
+        if call.stream:
+            return _stream(call, answer, rid, first, events)
+        return await _whole(request, call, answer, rid, first, events)
+
+    async def _first(request: Request, events: AsyncIterator[wire.ReplyEvent]) -> wire.ReplyEvent:
+        gone, ev = await _or_disconnect(request, lambda: anext(events))
+        if gone or ev is None:
+            raise ApiError(499, "the client went away", code="client_closed")
+        return ev
+
+    async def _whole(
+        request: Request, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
+        events: AsyncIterator[wire.ReplyEvent],
+    ) -> Response:  # fmt: skip
+        answer.add(first)
+
+        async def rest() -> bool:
+            async for ev in events:
+                answer.add(ev)
+            return True
+
+        done = first.kind == "done"
+        try:
+            if not done:
+                _, got = await _or_disconnect(request, rest)
+                done = bool(got)
+        finally:
+            if not done:
+                await gw.cancel(call, rid)
+        if not done:
+            raise ApiError(499, "the client went away", code="client_closed")
+        gw.metrics.finished(call, answer.tokens)
+        return JSONResponse(answer.whole())
+
+    def _stream(
+        call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
+        events: AsyncIterator[wire.ReplyEvent],
+    ) -> Response:  # fmt: skip
+        lp = call.sampling.logprobs is not None
+
+        async def body() -> AsyncIterator[bytes]:
+            if call.chat:
+                yield _sse(answer.chunk("", [], first=True))
+            try:
+                ev: wire.ReplyEvent | None = first
+                while ev is not None:
+                    text = answer.add(ev)
+                    if ev.kind == "token" and (text or lp):
+                        yield _sse(answer.chunk(text, [ev] if lp else []))
+                    elif ev.kind == "done":
+                        if text:
+                            yield _sse(answer.chunk(text, []))
+                        yield _sse(answer.chunk("", [], finish=answer.finish))
+                        if call.include_usage:
+                            yield _sse(answer.usage_chunk())
+                        break
+                    ev = await anext(events, None)
+                resp.finished = True
+                gw.metrics.finished(call, answer.tokens)
+            except ApiError as exc:  # headers are sent: the error travels as an event
+                gw.metrics.failed(exc.status)
+                yield _sse(exc.body())
+            yield b"data: [DONE]\n\n"
+
+        async def abort() -> None:
+            await gw.cancel(call, rid)
+            gw.metrics.cancelled()
+
+        resp = _Stream(body(), abort)
+        return resp
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        gw.metrics.failed(exc.status)
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+        return JSONResponse(exc.body(), exc.status, headers=headers)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        msg = f"no endpoint {request.method} {request.url.path}"
+        return JSONResponse(ApiError(status, msg, code="not_found").body(), status)
+
+    async def bus_error(request: Request, exc: Exception) -> Response:
+        gw.metrics.failed(503)
+        err = ApiError(503, f"redis: {exc}", kind="server_error", code="bus_error")
+        return JSONResponse(err.body(), 503, headers={"Retry-After": str(gw.s.retry_after_s)})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await gw.ar.aclose()  # its sockets go with the loop that opened them
+        gw.board.r.close()
+
+    return Starlette(
+        lifespan=lifespan,
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        ],
+        exception_handlers={
+            ApiError: api_error, 404: not_found, 405: not_found, redis.RedisError: bus_error,
+        },
+    )  # fmt: skip

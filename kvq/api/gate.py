@@ -1,0 +1,121 @@
+"""What a call must pass before it is queued: its API key, its key's request limit, a model
+that is registered and served, and room in the model's queue. Then it is queued.
+
+Everything is read from Redis at call time (through the board), so any number of gateways
+agree; the per-key counter lives in Redis for the same reason. Blocking redis-py calls: the
+app runs them on its thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import uuid
+
+from kvq import client, wire
+from kvq.api.params import Call
+from kvq.bus import xadd
+from kvq.bus.redis_board import RedisBoard, is_registered
+from kvq.errors import ApiError
+from kvq.settings_parts import ApiSettings
+
+WINDOW_S = 60  # the per-key limit counts requests per minute
+
+
+class Gate:
+    """Auth and admission of `kvq api`."""
+
+    def __init__(self, board: RedisBoard, s: ApiSettings) -> None:
+        self.board, self.s = board, s
+        self.keys = [k.encode() for k in s.keys]
+        self._registered: set[str] = set()  # a registered model stays registered: cache it
+
+    def authorize(self, header: str | None) -> str | None:
+        """The caller's key (None when auth is off); 401 without a valid one, 429 over its
+        per-minute limit."""
+        if not self.keys:
+            return None
+        scheme, _, token = (header or "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.keys):
+            raise ApiError(
+                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                kind="invalid_request_error", code="invalid_api_key",
+            )  # fmt: skip
+        key = given.decode()
+        if self.s.key_rpm:
+            self._count(key)
+        return key
+
+    def _count(self, key: str) -> None:
+        sha = hashlib.sha256(key.encode()).hexdigest()[:16]
+        n, left_s = self.board.count_api_call(sha, WINDOW_S)
+        if n > self.s.key_rpm:
+            raise ApiError(
+                429, f"this API key is over its limit of {self.s.key_rpm} requests per minute "
+                "(KVQ_API_KEY_RPM)", kind="rate_limit_error", code="rate_limit_exceeded",
+                retry_after_s=max(1, math.ceil(left_s)),
+            )  # fmt: skip
+
+    def check_model(self, model: str) -> None:
+        """404 for a model nobody registered; creates no key."""
+        if model in self._registered:
+            return
+        if is_registered(self.board.r, self.board.keys, model):
+            self._registered.add(model)
+        else:
+            raise ApiError(
+                404, f"model {model!r} does not exist; GET /v1/models lists the served ones",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def admit(self, call: Call) -> str:
+        """Queue the call; its request id. 404, 503 (no coordinator) or 429 (queue full) first."""
+        self.check_model(call.model)
+        alive = [c for c in self.board.coordinators(call.model) if c.alive]
+        if not alive:
+            raise ApiError(
+                503, f"no coordinator serves model {call.model!r} right now",
+                kind="server_error", code="model_not_served", retry_after_s=self.s.retry_after_s,
+            )  # fmt: skip
+        busy = sum(c.state.busy for c in alive if c.state is not None)
+        queued = self.board.r.xlen(self.board.keys.model_requests(call.model)) - busy
+        if queued >= self.s.max_queue:
+            raise ApiError(
+                429, f"model {call.model!r} has {queued} requests waiting "
+                f"(KVQ_API_MAX_QUEUE {self.s.max_queue}); retry later",
+                kind="rate_limit_error", code="queue_full", retry_after_s=self.s.retry_after_s,
+            )  # fmt: skip
+        request_id = uuid.uuid4().hex
+        req = wire.Request(
+            request_id=request_id, model=call.model, prompt=call.prompt,
+            prompt_ids=call.prompt_ids, messages=call.messages, max_tokens=call.max_tokens,
+            sampling=call.sampling,
+        )  # fmt: skip
+        # as kvq.client.send, whose checks are done above
+        xadd(self.board.r, self.board.keys.model_requests(call.model), wire.encode(req),
+             self.board.maxlen)  # fmt: skip
+        return request_id
+
+    def cancel(self, model: str, request_id: str) -> None:
+        client.cancel(self.board.r, self.board.keys, model, request_id)
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self.board.r.ping())
+        except Exception:  # noqa: BLE001 - any failure to reach Redis is "unhealthy"
+            return False
+
+    def models(self) -> list[str]:
+        return self.board.models()
+
+
+def failure_status(f: wire.Failure | None) -> ApiError:
+    """The HTTP answer for a request the coordinator refused or failed."""
+    msg = f.message if f is not None else "the request failed"
+    if f is not None and f.type == "BadRequest":
+        return ApiError(400, msg, code="refused")
+    if f is not None and f.retryable:
+        return ApiError(503, msg, kind="server_error", code=f.type)
+    return ApiError(500, msg, kind="server_error", code=f.type if f else None)
