@@ -176,6 +176,7 @@ def test_rescues_count_workers_killed_while_in_use(
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 2000, "slice_experts": 8,
         "base_replicas": 1, "heartbeat_ttl_s": 1.5, "worker_grace_ms": 60_000,
+        "dispatch_policy": "copies",  # whole copies put both workers on the route
         # latency out of the cost: on a busy machine slow results must not price the workers
         # off the route before they are killed (score still drops with each miss)
         "cost_w_latency": 0.0,
