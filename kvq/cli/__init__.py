@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from kvq.cli import api, bank, core, deadletter, health, model, swarm
@@ -32,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C / SIGINT raises KeyboardInterrupt even when this process inherited SIGINT as
+    # ignored (started with `&` from a script, or under nohup): `kvq submit` cancels its
+    # request on it, `kvq demo` stops its children
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
