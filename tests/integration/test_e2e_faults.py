@@ -129,7 +129,7 @@ def test_killed_worker_jobs_answered_exactly_once(
     """SIGSTOP a worker so jobs pile up on it, then SIGKILL it: nothing is lost or doubled."""
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 4000, "slice_experts": 8,
-        "base_replicas": 2, "heartbeat_ttl_s": 2.0,
+        "base_replicas": 2, "heartbeat_ttl_s": 2.0, "dispatch_policy": "copies",
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)

@@ -22,7 +22,10 @@ def test_remote_generation_equals_local(
     settings: Settings, tiny_model: Path, run_in_thread
 ) -> None:
     # threshold 1: every step is "under load", so every covered slice goes remote
-    s = settings.model_copy(update={"saturation_threshold": 1, "job_deadline_ms": 10_000})
+    s = settings.model_copy(update={
+        "saturation_threshold": 1, "job_deadline_ms": 10_000,
+        "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
+    })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)

@@ -142,7 +142,9 @@ def test_stuck_slot_poll_never_blocks_dispatch(
     """K5: the self-poll hangs in its publish; requests are still served, remote under load."""
     import threading
 
-    s = settings.model_copy(update={"saturation_threshold": 1, "slice_experts": 8})
+    s = settings.model_copy(
+        update={"saturation_threshold": 1, "slice_experts": 8, "dispatch_policy": "copies"}
+    )
     mon, keys, w = start_with_worker(s, "m", one_slice_model, run_in_thread)
     coord = Coordinator.from_settings(s, "c1", "m", one_slice_model)
     release = threading.Event()
