@@ -21,7 +21,7 @@ from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
 from kvq.model import make_tiny, read_meta
-from kvq.procs import Children
+from kvq.procs import ChildDied, Children
 from kvq.server import EmbeddedRedis
 
 MODEL_ID = "tiny"
@@ -37,10 +37,6 @@ class DemoOptions:
     max_tokens: int = 32
     timeout_s: float = 120.0
     log_dir: str | None = None
-
-
-class ChildDied(KvqError):
-    """A process the demo started exited early."""
 
 
 def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[str, Any]:
@@ -74,7 +70,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         board = open_board(s.bus, s.lifetimes)
         _flush_prefix(board)
         children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}")
-        _wait(lambda: MODEL_ID in board.models(), children, 30, "model registration")
+        children.wait_for(lambda: MODEL_ID in board.models(), 30, "model registration")
         children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
                        "--model", model_path, "--id", COORD_ID)  # fmt: skip
         for i in range(opts.workers):
@@ -82,17 +78,16 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         # every worker that the base demand has room for takes its slice before the burst
         info = board.model_info(MODEL_ID)
         wanted = min(opts.workers, (len(info.slices) if info else 0) * s.base_replicas)
-        _wait(lambda: _ready_workers(board) >= wanted, children, 60,
+        children.wait_for(lambda: _ready_workers(board) >= wanted, 60,
               "workers to volunteer and load their slices")  # fmt: skip
-        _wait(lambda: board.coordinator_alive(COORD_ID), children, 60, "the coordinator")
+        children.wait_for(lambda: board.coordinator_alive(COORD_ID), 60, "the coordinator")
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
         burst = _burst(board, opts, children)
         say("burst done; waiting for the monitor to see the load drain")
-        _wait(
-            lambda: _stats(board).completed >= opts.requests,
-            children, 30, "final coordinator stats",
-        )  # fmt: skip
-        _wait(lambda: not _saturated(board), children, 30, "drain")
+        children.wait_for(
+            lambda: _stats(board).completed >= opts.requests, 30, "final coordinator stats"
+        )
+        children.wait_for(lambda: not _saturated(board), 30, "drain")
         summary = _summary(board, burst, redacted_url(url) if not server else "embedded", t0)
         return summary
     finally:
@@ -130,18 +125,6 @@ def _flush_prefix(board: RedisBoard) -> None:
     """Remove keys of an earlier demo run on a shared server (our prefix only)."""
     for key in board.r.scan_iter(match=f"{board.keys.prefix}:*", count=1000):
         board.r.delete(key)
-
-
-def _wait(cond: Any, children: Children, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dead = children.dead()
-        if dead:
-            raise ChildDied(f"{', '.join(dead)} exited while waiting for {what}; see its log")
-        if cond():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _burst(board: RedisBoard, opts: DemoOptions, children: Children) -> dict[str, Any]:

@@ -7,11 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvq.errors import KvqError
 from kvq.server import _die_with_parent
+
+
+class ChildDied(KvqError):
+    """A child process exited while the caller waited on something it should provide."""
 
 
 def _pinned(cpus: set[int]) -> Callable[[], None]:
@@ -52,6 +58,21 @@ class Children:
             out.close()  # the child holds its own descriptor
         self.procs[name] = proc
         return proc
+
+    def wait_for(
+        self, cond: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1
+    ) -> None:
+        """Until `cond()` is true; ChildDied at once if a child exits, TimeoutError after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.dead()
+            if dead:
+                raise ChildDied(f"{', '.join(dead)} exited while waiting for {what}; see its log")
+            if cond():
+                return
+            time.sleep(poll_s)
+        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
     def dead(self) -> list[str]:
         """Names of children that exited on their own."""

@@ -102,10 +102,10 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         board = open_board(s.bus, s.lifetimes)
         try:
             kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
-            _wait(lambda: MODEL_ID in board.models(), kids, 600, "model registration")
+            kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
             kids.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model,
                        "--id", COORD_ID, cpus={coord_cpu})  # fmt: skip
-            _wait(lambda: board.coordinator_alive(COORD_ID), kids, 600, "the coordinator")
+            kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
             before = _phase(board, s, cfg, kids)
             runs = []
             for i, rtt in enumerate(cfg.rtts_ms):
@@ -137,13 +137,13 @@ def _with_worker(
         env = dict(kids.env) | {"KVQ_REDIS_URL": url}
         t0 = time.monotonic()
         kids.spawn(name, "worker", "--id", name, cpus={cpu}, env=env)
-        _wait(lambda: _ready(board, name), kids, 900, f"{name} to load its slice")
+        kids.wait_for(lambda: _ready(board, name), 900, f"{name} to load its slice")
         load_s = time.monotonic() - t0
         phase = _phase(board, s, cfg, kids)
         proc = kids.procs.pop(name)
         proc.terminate()  # it leaves; the next run's worker takes the slice
         proc.wait(60)
-        _wait(lambda: not any(v.worker_id == name for v in board.workers(MODEL_ID)), kids, 60,
+        kids.wait_for(lambda: not any(v.worker_id == name for v in board.workers(MODEL_ID)), 60,
               f"{name} to leave")  # fmt: skip
         return phase | {"worker_load_s": round(load_s, 1)}
     finally:
@@ -214,14 +214,3 @@ def _host_port(url: str) -> tuple[str, int]:
 
     u = urlparse(url)
     return u.hostname or "127.0.0.1", u.port or 6379
-
-
-def _wait(cond: Any, kids: Children, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if kids.dead():
-            raise KvqError(f"{', '.join(kids.dead())} exited while waiting for {what}; see its log")
-        if cond():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
