@@ -102,6 +102,13 @@ class Settings(BaseSettings):
         300.0, gt=0, description="how long a coordinator waits for its model's registration"
     )
     verify_remote: bool = Field(False, description="recompute every remote result locally")
+    microbatches: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="micro-batches per engine step while remote expert jobs are in use: one "
+        "micro-batch's attention runs while another's remote experts are in flight",
+    )
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
 
@@ -267,6 +274,16 @@ class Settings(BaseSettings):
             )
         return v
 
+    @field_validator("microbatches")
+    @classmethod
+    def _fits_slots(cls, v: int, info: ValidationInfo) -> int:
+        n_slots = info.data.get("n_slots")
+        if n_slots is not None and v > n_slots:
+            raise ValueError(
+                f"must be <= KVQ_N_SLOTS ({n_slots}): a micro-batch holds at least one sequence"
+            )
+        return v
+
     # -- the sub-settings each component takes (STYLE habit 4) ----------------------------
     @property
     def bus(self) -> BusSettings:
@@ -292,7 +309,7 @@ class Settings(BaseSettings):
 
     @property
     def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(self.job_deadline_ms, self.verify_remote)
+        return DispatchSettings(self.job_deadline_ms, self.verify_remote, self.microbatches)
 
     @property
     def coordinator(self) -> CoordinatorSettings:

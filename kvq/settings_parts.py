@@ -42,10 +42,12 @@ class RoutingSettings:
 
 @dataclass(frozen=True, slots=True)
 class DispatchSettings:
-    """Remote expert jobs: deadline before the local fallback, and verification."""
+    """Remote expert jobs: deadline before the local fallback, verification, and how many
+    micro-batches an engine step is cut into while remote jobs are in use."""
 
     job_deadline_ms: int
     verify_remote: bool
+    microbatches: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ The swarm router (`routing.SliceRouter`) decides by cost: at rest the all-local 
 under load copies of proven workers win (K3), an unproven worker gets one first try inside its
 grace window (K4). Remote jobs go out pipelined, local slices are computed while they are in
 flight, and a result that misses its deadline is computed locally (counted as a fallback, never
-lost). Partial sums are added in slice order whatever the arrival order, so remote and local
-generation agree bit for bit when the worker computes with the same dtype.
+lost). One layer's work is a `LayerCall` (`layer_call.py`); with micro-batches several are in
+flight at once, and the dispatcher hands each result read to the call that sent its job.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import numpy as np
 import redis
 import torch
 
 from kvq import wire
 from kvq.bus import Tail, dead_letter
-from kvq.bus.board import Board, Fields
+from kvq.bus.board import Board
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
+from kvq.coordinator.layer_call import LayerCall, _latency_ms, _Pending
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
@@ -34,16 +34,9 @@ from kvq.slices import SliceSpec
 from kvq.swarm import LiveRoute
 from kvq.worker.server import ExpertServer
 
+__all__ = ["Dispatcher", "LayerCall", "_Pending", "_latency_ms"]
+
 log = logging.getLogger("kvq.coordinator")
-
-
-@dataclass
-class _Pending:
-    spec: SliceSpec
-    rows: torch.Tensor  # [R] rows of the layer's x that this job carries
-    worker: str
-    sent_at: float  # time.monotonic()
-    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
 
 
 class Dispatcher:
@@ -60,6 +53,9 @@ class Dispatcher:
         self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
+        self.inflight: dict[str, LayerCall] = {}  # job id -> the layer call waiting for it
+        self.sent_remote = False  # a layer call of the current step sent remote jobs
+        self.microbatched_steps = 0  # engine steps offered more than one micro-batch
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
         self.results_key = keys.coord_results(coord_id)
@@ -71,8 +67,14 @@ class Dispatcher:
         r.delete(self.results_key)
 
     def for_step(self, busy: int, total: int) -> _StepMoe:
-        """The backbone's MoeFn for one engine step, under this load (K2)."""
-        return _StepMoe(self, busy, total)
+        """The backbone's MoeFn for one engine step, under this load (K2). It asks for
+        `KVQ_MICROBATCHES` micro-batches only when the previous step sent remote jobs: with
+        every slice local there is no round trip to hide, and a second micro-batch would
+        only unpack each expert twice."""
+        mb = self.s.microbatches if self.sent_remote else 1
+        self.sent_remote = False
+        self.microbatched_steps += mb > 1
+        return _StepMoe(self, busy, total, mb)
 
     def count_routed(self, rows: dict[str, int]) -> None:
         with self._routed_lock:
@@ -100,188 +102,57 @@ class Dispatcher:
             log.warning("%s; computing locally", exc)
             return None
 
-
-def _latency_ms(p: _Pending, eid: bytes) -> float:
-    """Send-to-arrival time of a result. The result is read only after the local slices are
-    computed, so the read time overstates a fast worker's round trip by that compute; the
-    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
-    NTP-close across machines). The smaller of the two non-negative values is used."""
-    read = (time.monotonic() - p.sent_at) * 1000
-    try:
-        stored = int(eid.split(b"-", 1)[0]) - p.sent_ms
-    except ValueError:
-        return read
-    return stored if 0 <= stored < read else read
-
-
-class _StepMoe:
-    """`(layer, x, ids, w) -> [T, H]` for the backbone, with the step's load bound."""
-
-    def __init__(self, d: Dispatcher, busy: int, total: int) -> None:
-        self.d, self.busy, self.total = d, busy, total
-
-    def __call__(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-    ) -> torch.Tensor:
-        return _LayerCall(self.d, layer, x, ids, w).run(self.busy, self.total)
-
-
-class _LayerCall:
-    """One MoE layer's dispatch: owns its rows, jobs in flight and partial sums.
-
-    Partial sums are added in slice order whatever the arrival order, so remote and local
-    generation agree bit for bit when the worker computes with the same dtype.
-    """
-
-    def __init__(
-        self, d: Dispatcher, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-    ) -> None:
-        self.d, self.layer, self.x, self.ids, self.w = d, layer, x, ids, w  # [T,H] [T,k] [T,k]
-        self.partials: dict[str, torch.Tensor] = {}
-        self.pending: dict[str, _Pending] = {}
-        self.deadline_ms = int(time.time() * 1000) + d.s.job_deadline_ms
-
-    def run(self, busy: int, total: int) -> torch.Tensor:
-        d, stats = self.d, self.d.stats
-        order: list[tuple[SliceSpec, torch.Tensor]] = []
-        for spec in d.slices_of(self.layer):
-            hit = ((self.ids >= spec.expert_start) & (self.ids < spec.expert_end)).any(dim=1)
-            rows = hit.nonzero().squeeze(1)  # [R]
-            if rows.numel():
-                order.append((spec, rows))
-        work = {spec.sid: int(rows.numel()) for spec, rows in order}
-        d.count_routed(work)  # the monitor weights replica targets by it (K7)
-        route = d.route(work, busy, total)
-        local: list[tuple[SliceSpec, torch.Tensor]] = []
-        jobs: list[tuple[str, Fields]] = []
-        trial = route.trial if route is not None else None
-        for spec, rows in order:
-            worker = route.worker(spec.sid) if route is not None else None
-            if worker is None:
-                local.append((spec, rows))
-                continue
-            job_id = d.next_job_id()
-            jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
-            p = _Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
-            if worker == trial and d.routing.router.holds_locally(spec.sid):
-                # a K4 trial or re-probe only measures the worker: computed here as well and
-                # not waited for, so a slow worker costs no layer call its round trip
-                d.shadows[job_id] = p
-                local.append((spec, rows))
-            else:
-                self.pending[job_id] = p
-        d.board.send_jobs(jobs)
-        stats.remote_sent += len(self.pending)
-        stats.trials_sent += len(jobs) - len(self.pending)
-        for spec, rows in local:  # while the remote jobs are in flight
-            self.partials[spec.sid] = self.local(spec, rows)
-            stats.local_jobs += 1
-        if self.pending:
-            self._gather()
-        elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
-            for eid, fields in d.results.read(count=256, block_ms=None):
-                self._accept(eid, fields)
-        self._expire_shadows()
-        out = torch.zeros_like(self.x)
-        for spec, rows in order:
-            out.index_add_(0, rows, self.partials[spec.sid])
-        return out
-
-    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor) -> wire.Job:
-        d = self.d
-        return wire.Job(
-            job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
-            expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=d.coord, reply_to=d.results_key, deadline_ms=self.deadline_ms,
-            x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
-            ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
-            weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
-        )  # fmt: skip
-
-    def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        y = self.d.server.compute(
-            self.layer, self.x[rows], self.ids[rows], self.w[rows],
-            spec.expert_start, spec.expert_end,
-        )  # fmt: skip
-        self.d.routing.observe_local(int(rows.numel()), (time.perf_counter() - t0) * 1000)
-        return y
-
-    def fallback(self, p: _Pending, latency_ms: float) -> None:
-        """A remote job failed or timed out: compute it here and count it, never lose it."""
-        self.d.routing.observe_failure(p.worker, latency_ms)
-        self.d.stats.fallback_jobs += 1
-        self.partials[p.spec.sid] = self.local(p.spec, p.rows)
-
-    def _gather(self) -> None:
-        d = self.d
-        while self.pending:
-            left_ms = self.deadline_ms - int(time.time() * 1000)
-            if left_ms <= 0:
-                break
-            for eid, fields in d.results.read(count=256, block_ms=left_ms):
-                self._accept(eid, fields)
-        for job_id, p in list(self.pending.items()):
-            log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
-            self.fallback(p, float(d.s.job_deadline_ms))
-        self.pending.clear()
-
-    def _accept(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        d, stats = self.d, self.d.stats
+    def accept(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        """One entry of the results stream: to the layer call that waits for it, to its
+        trial's estimates, or counted late."""
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
-            dead_letter(d.r, d.keys, d.results_key, eid, fields, str(exc), d.maxlen)
+            dead_letter(self.r, self.keys, self.results_key, eid, fields, str(exc), self.maxlen)
             return
-        shadow = d.shadows.pop(res.job_id, None)
+        shadow = self.shadows.pop(res.job_id, None)
         if shadow is not None:
             self._measure(shadow, res, eid)
             return
-        p = self.pending.pop(res.job_id, None)
-        if p is None:  # duplicate or late: the job was already answered once
-            stats.late_results += 1
+        owner = self.inflight.pop(res.job_id, None)
+        if owner is None:  # duplicate or late: the job was already answered once
+            self.stats.late_results += 1
             return
-        latency_ms = _latency_ms(p, eid)
-        d.job_rtt.observe(latency_ms / 1000)
-        y = None
-        if res.error is None and res.y is not None:
-            y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
-        if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
-            log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
-            stats.remote_errors += 1
-            self.fallback(p, latency_ms)
-            return
-        stats.remote_jobs += 1
-        d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
-        d.per_worker[res.worker] = d.per_worker.get(res.worker, 0) + 1
-        if d.s.verify_remote:
-            self._verify(p, y)
-        self.partials[p.spec.sid] = y
+        owner.deliver(eid, res)
 
     def _measure(self, p: _Pending, res: wire.Result, eid: bytes) -> None:
         """A trial's or re-probe's answer: it moves the worker's estimates, nothing else."""
         latency_ms = _latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
-        if y is not None and y.shape == (p.rows.numel(), self.x.shape[1]):
-            self.d.stats.trials_answered += 1
-            self.d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
+        if y is not None and y.shape == (p.rows.numel(), self.server.hidden):
+            self.stats.trials_answered += 1
+            self.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
         else:
-            self.d.routing.observe_failure(p.worker, latency_ms)
+            self.routing.observe_failure(p.worker, latency_ms)
 
-    def _expire_shadows(self) -> None:
-        d = self.d
+    def expire_shadows(self) -> None:
         now = time.monotonic()
-        for job_id, p in list(d.shadows.items()):
-            if (now - p.sent_at) * 1000 > d.s.job_deadline_ms:
-                del d.shadows[job_id]
-                d.routing.observe_failure(p.worker, float(d.s.job_deadline_ms))
+        for job_id, p in list(self.shadows.items()):
+            if (now - p.sent_at) * 1000 > self.s.job_deadline_ms:
+                del self.shadows[job_id]
+                self.routing.observe_failure(p.worker, float(self.s.job_deadline_ms))
 
-    def _verify(self, p: _Pending, y: torch.Tensor) -> None:
-        stats = self.d.stats
-        ref = self.local(p.spec, p.rows)
-        err = float((ref - y).abs().max()) if y.numel() else 0.0
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        stats.verified += 1
-        stats.max_abs_err = max(stats.max_abs_err, err)
-        if err > 1e-4 * max(1.0, scale):
-            stats.mismatches += 1
+
+class _StepMoe:
+    """`(layer, x, ids, w) -> [T, H]` for the backbone, with the step's load bound; `start`
+    splits a call in two so that micro-batches can interleave (`kvq.model.microbatch`)."""
+
+    def __init__(self, d: Dispatcher, busy: int, total: int, microbatches: int) -> None:
+        self.d, self.busy, self.total, self.microbatches = d, busy, total, microbatches
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        return self.start(layer, x, ids, w)()
+
+    def start(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        call = LayerCall(self.d, layer, x, ids, w)
+        call.start(self.busy, self.total)
+        return call.finish

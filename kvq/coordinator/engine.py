@@ -14,6 +14,7 @@ import torch
 from kvq import wire
 from kvq.coordinator.detok import StopText
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
+from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
 from kvq.model.sampling import Sampler, Sampling, top_logprobs
 
 
@@ -94,7 +95,7 @@ class Engine:
             return []
         steps = [SeqStep(s.next_input, s.cache) for s in self.active]
         with torch.inference_mode():
-            logits = self.backbone.forward(steps, moe=moe)  # [S, vocab]
+            logits = self._forward(steps, moe)  # [S, vocab]
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
@@ -109,6 +110,21 @@ class Engine:
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
+
+    def _forward(self, steps: list[SeqStep], moe: MoeFn | None) -> torch.Tensor:
+        """One forward of `steps`, cut into the micro-batches `moe` asks for (if it can)."""
+        parts = moe.microbatches if isinstance(moe, SplitMoe) else 1
+        groups = split_rows([len(s.tokens) for s in steps], parts)
+        if len(groups) < 2 or not isinstance(moe, SplitMoe):
+            return self.backbone.forward(steps, moe=moe)
+        outs = forward_microbatched(
+            self.backbone, [[steps[i] for i in g] for g in groups], moe.start
+        )
+        order = torch.tensor([i for g in groups for i in g])
+        cat = torch.cat(outs)
+        logits = torch.empty_like(cat)  # [S, vocab], rows back in step order
+        logits[order] = cat
+        return logits
 
     def _advance(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
         """Record `tok` for `seq`: its text, logprobs and whether it ends the sequence."""

@@ -9,7 +9,7 @@ A shared expert (qwen2moe) is dense and always runs here, next to the routed Moe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import torch
@@ -26,10 +26,12 @@ from kvq.model.meta import ModelMeta, read_meta
 from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
 
-__all__ = ["Backbone", "KVCache", "LayerWeights", "MoeFn", "SeqStep"]
+__all__ = ["Backbone", "KVCache", "LayerCalls", "LayerWeights", "MoeCall", "MoeFn", "SeqStep"]
 
 # (layer, x [T, H] after ffn_norm, topk_ids [T, k] int64, topk_w [T, k] float32) -> [T, H]
 MoeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MoeCall = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # MoeFn's arguments
+LayerCalls = Generator[MoeCall, torch.Tensor, torch.Tensor]  # see Backbone.layer_calls
 
 
 class Backbone:
@@ -95,8 +97,25 @@ class Backbone:
     def forward(self, steps: list[SeqStep], moe: MoeFn | None = None) -> torch.Tensor:
         """Run the new tokens of every step; return float32 logits [len(steps), vocab] at
         each sequence's last new position. Caches advance only if the whole pass succeeds."""
-        lens = self._check_steps(steps)
         moe_fn = moe if moe is not None else self.local_moe
+        layers = self.layer_calls(steps)
+        try:
+            call = next(layers)
+            while True:
+                call = layers.send(moe_fn(*call))
+        except StopIteration as done:
+            logits: torch.Tensor = done.value
+        self.advance(steps)
+        return logits
+
+    @torch.no_grad()
+    def layer_calls(self, steps: list[SeqStep]) -> LayerCalls:
+        """The forward of `steps` as a generator: it yields each MoE layer's call
+        `(layer, x, ids, w)`, expects that call's `[N, H]` result sent back, and returns the
+        logits `[len(steps), V]`. Caches are filled but not advanced (`advance`): several
+        such passes can be interleaved (`kvq.model.microbatch`) and each computes exactly
+        what `forward` computes for its steps."""
+        lens = self._check_steps(steps)
         tokens = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
         pos = torch.cat(
             [
@@ -111,7 +130,7 @@ class Backbone:
             h = h + self._attention(i, lw, rms_norm(h, lw.attn_norm, eps), steps, lens, pos)
             x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
             ids, w = route(lw.router, x, k, m.expert_weights_norm, m.expert_weights_scale)  # [N, k]
-            y = moe_fn(i, x, ids, w)  # [N, H]
+            y = yield i, x, ids, w  # [N, H]
             if tuple(y.shape) != tuple(x.shape):
                 raise ModelError(
                     f"moe fn returned shape {tuple(y.shape)} for layer {i}, "
@@ -121,11 +140,15 @@ class Backbone:
             if lw.shared is not None:
                 y = y + _shared_ffn(lw.shared, x)
             h = h + y
-        for s, n in zip(steps, lens, strict=True):
-            s.cache.advance(n)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
         hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
         return linear(hl, self.output).float()  # [B, V]
+
+    @staticmethod
+    def advance(steps: list[SeqStep]) -> None:
+        """Commit a finished pass: each cache now holds its step's tokens."""
+        for s in steps:
+            s.cache.advance(len(s.tokens))
 
     def _attention(
         self,

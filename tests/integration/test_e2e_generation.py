@@ -18,13 +18,15 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["hello world", "the quick brown fox", "MoE experts over Redis", "kvq"]
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_remote_generation_equals_local(
-    settings: Settings, tiny_model: Path, run_in_thread
+    settings: Settings, tiny_model: Path, run_in_thread, microbatches: int
 ) -> None:
     # threshold 1: every step is "under load", so every covered slice goes remote
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 10_000,
         "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
+        "microbatches": microbatches,  # 2: layer calls of two micro-batches in flight at once
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
@@ -51,6 +53,7 @@ def test_remote_generation_equals_local(
     assert st.remote_sent == st.remote_jobs
     assert sum(w.served for w in workers) >= st.remote_jobs
     assert all(w.served > 0 for w in workers), "every slice's worker took part"
+    assert (coord.dispatch.microbatched_steps > 0) == (microbatches > 1)
 
 
 def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:
