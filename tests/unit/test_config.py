@@ -139,6 +139,21 @@ def test_saturation_threshold_equal_to_n_slots_is_fine(monkeypatch: pytest.Monke
     assert load_settings().saturation_threshold == 3
 
 
+@pytest.mark.parametrize("value", ["0", "9", "5"])
+def test_microbatches_out_of_range_is_rejected(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("KVQ_N_SLOTS", "4")  # 5: within 1-8 but more than the slots
+    monkeypatch.setenv("KVQ_MICROBATCHES", value)
+    with pytest.raises(ConfigError, match="KVQ_MICROBATCHES"):
+        load_settings()
+
+
+def test_microbatches_reach_the_dispatch_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVQ_MICROBATCHES", "2")
+    assert load_settings().dispatch.microbatches == 2
+
+
 def test_unknown_override_is_rejected() -> None:
     with pytest.raises(ConfigError, match="KVQ_NO_SUCH_SETTING"):
         load_settings(no_such_setting=1)
