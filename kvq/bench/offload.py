@@ -11,7 +11,10 @@ tokens streamed back during `measure_s` give the aggregate tok/s.
   machine drifts; their mean is the baseline);
 - one run per `--rtt-ms` value: a fresh worker that reaches Redis through a `DelayProxy` adding
   that round trip (0: directly). `speedup` = its tok/s / baseline tok/s; `remote_share` = the
-  coordinator's remote jobs / all expert jobs in the window.
+  coordinator's remote jobs / all expert jobs in the window;
+- with several `--microbatches` values, each RTT gets one run per value, side by side, each
+  with a coordinator started with that `KVQ_MICROBATCHES` (micro-batches change nothing
+  without a worker, so the baseline is shared).
 
 Default settings otherwise (the capacity split, `KVQ_DISPATCH_POLICY=capacity`).
 """
@@ -51,6 +54,7 @@ DEFAULT_MODEL = {"layers": 8, "experts": 32, "experts_used": 4, "hidden": 1024,
 class OffloadBench:
     model: str | None = None  # a GGUF file; None: DEFAULT_MODEL written to a temp dir
     rtts_ms: tuple[float, ...] = (0.0,)
+    microbatches: tuple[int, ...] = (1,)
     sequences: int = 8
     max_tokens: int = 16
     warmup_s: float = 10.0
@@ -65,6 +69,13 @@ class OffloadBench:
         if self.sequences < 2 or self.max_tokens < 1 or self.measure_s <= 0 or self.warmup_s < 0:
             raise ConfigError(
                 "--sequences >= 2, --max-tokens >= 1, --measure-s > 0, --warmup-s >= 0"
+            )
+        if not self.microbatches or any(
+            not 1 <= m <= min(8, self.sequences) for m in self.microbatches
+        ):
+            raise ConfigError(
+                f"--microbatches values must be in 1..min(8, --sequences), "
+                f"got {list(self.microbatches)}"
             )
         if any(r < 0 for r in self.rtts_ms):
             raise ConfigError(f"--rtt-ms values must be >= 0, got {list(self.rtts_ms)}")
@@ -103,14 +114,16 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         try:
             kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
             kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
-            kids.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model,
-                       "--id", COORD_ID, cpus={coord_cpu})  # fmt: skip
-            kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
-            before = _phase(board, s, cfg, kids)
+            coord = _coordinator(kids, board, model, cfg.microbatches[0], coord_cpu)
+            before = _phase(board, s, cfg, kids, coord)
             runs = []
             for i, rtt in enumerate(cfg.rtts_ms):
-                runs.append({"rtt_ms": rtt} | _with_worker(board, s, cfg, kids, i, rtt, worker_cpu))
-            after = _phase(board, s, cfg, kids)
+                for j, mb in enumerate(cfg.microbatches):  # side by side: the machine drifts
+                    if not coord.endswith(f"-mb{mb}"):
+                        coord = _coordinator(kids, board, model, mb, coord_cpu)
+                    run = _with_worker(board, s, cfg, kids, coord, f"{i}-{j}", rtt, worker_cpu)
+                    runs.append({"rtt_ms": rtt, "microbatches": mb} | run)
+            after = _phase(board, s, cfg, kids, coord)
         finally:
             kids.stop_all()
     base = (before["tok_s"] + after["tok_s"]) / 2
@@ -118,15 +131,29 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         run["speedup"] = round(run["tok_s"] / base, 3) if base else None
     return {
         "model": cfg.model or f"generated {DEFAULT_MODEL}", "file_mb": round(file_mb, 1),
-        "sequences": cfg.sequences, "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
+        "sequences": cfg.sequences, "microbatches": list(cfg.microbatches), "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
         "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
         "baseline": {"tok_s": round(base, 3), "before": before, "after": after}, "runs": runs,
     }  # fmt: skip
 
 
+def _coordinator(kids: Children, board: RedisBoard, model: str, mb: int, cpu: int) -> str:
+    """A coordinator with `mb` micro-batches (the previous one stopped first); its id."""
+    for name in [n for n in kids.procs if n.startswith("coordinator")]:
+        proc = kids.procs.pop(name)
+        proc.terminate()
+        proc.wait(60)
+    coord = f"{COORD_ID}-mb{mb}"
+    env = dict(kids.env) | {"KVQ_MICROBATCHES": str(mb)}
+    kids.spawn(f"coordinator-mb{mb}", "coordinator", "--model-id", MODEL_ID, "--model", model,
+               "--id", coord, cpus={cpu}, env=env)  # fmt: skip
+    kids.wait_for(lambda: board.coordinator_alive(coord), 600, f"coordinator {coord}")
+    return coord
+
+
 def _with_worker(
-    board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, i: int, rtt: float,
-    cpu: int,
+    board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, coord: str, i: str,
+    rtt: float, cpu: int,
 ) -> dict[str, Any]:  # fmt: skip
     """One offload run: a fresh worker behind a proxy adding `rtt` ms, then the load."""
     host, port = _host_port(s.redis_url)
@@ -139,7 +166,7 @@ def _with_worker(
         kids.spawn(name, "worker", "--id", name, cpus={cpu}, env=env)
         kids.wait_for(lambda: _ready(board, name), 900, f"{name} to load its slice")
         load_s = time.monotonic() - t0
-        phase = _phase(board, s, cfg, kids)
+        phase = _phase(board, s, cfg, kids, coord)
         proc = kids.procs.pop(name)
         proc.terminate()  # it leaves; the next run's worker takes the slice
         proc.wait(60)
@@ -151,7 +178,9 @@ def _with_worker(
             proxy.close()
 
 
-def _phase(board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children) -> dict[str, Any]:
+def _phase(
+    board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, coord: str
+) -> dict[str, Any]:
     """The closed loop of `cfg.sequences` clients; tok/s and job shares in the window."""
     stop = threading.Event()
     stamps: list[float] = []
@@ -180,14 +209,14 @@ def _phase(board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children) ->
     for t in threads:
         t.start()
     time.sleep(cfg.warmup_s)
-    start, st0 = time.monotonic(), board.coord_stats(COORD_ID)
+    start, st0 = time.monotonic(), board.coord_stats(coord)
     deadline = start + cfg.measure_s
     while time.monotonic() < deadline:
         if kids.dead():
             stop.set()
             raise KvqError(f"{', '.join(kids.dead())} exited during the bench; see its log")
         time.sleep(0.2)
-    end, st1 = time.monotonic(), board.coord_stats(COORD_ID)
+    end, st1 = time.monotonic(), board.coord_stats(coord)
     stop.set()
     for t in threads:
         t.join(600)
@@ -197,11 +226,12 @@ def _phase(board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children) ->
     local = (st1.local_jobs - st0.local_jobs) if st0 and st1 else 0
     remote = (st1.remote_jobs - st0.remote_jobs) if st0 and st1 else 0
     fallback = (st1.fallback_jobs - st0.fallback_jobs) if st0 and st1 else 0
+    mb_steps = (st1.microbatched_steps - st0.microbatched_steps) if st0 and st1 else 0
     jobs = local + remote + fallback
     return {
         "tok_s": round(tokens / (end - start), 3), "tokens": tokens, "local_jobs": local,
         "remote_jobs": remote, "fallback_jobs": fallback,
-        "remote_share": round(remote / jobs, 3) if jobs else 0.0,
+        "remote_share": round(remote / jobs, 3) if jobs else 0.0, "microbatched_steps": mb_steps,
     }  # fmt: skip
 
 

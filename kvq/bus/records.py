@@ -127,6 +127,7 @@ class DispatchCounters(Counters, kw_only=True):
     remote_errors: int = 0
     late_results: int = 0
     uncovered_local: int = 0
+    microbatched_steps: int = 0  # engine steps offered KVQ_MICROBATCHES > 1 micro-batches
     verified: int = 0
     mismatches: int = 0
     max_abs_err: float = 0.0

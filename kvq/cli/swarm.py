@@ -73,11 +73,21 @@ def _floats(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of integers, got {text!r}"
+        ) from None
+
+
 def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.offload import OffloadBench, run_offload_bench
 
     cfg = OffloadBench(
-        model=args.model, rtts_ms=args.rtt_ms, sequences=args.sequences,
+        model=args.model, rtts_ms=args.rtt_ms, microbatches=args.microbatches,
+        sequences=args.sequences,
         max_tokens=args.max_tokens, warmup_s=args.warmup_s, measure_s=args.measure_s,
         log_dir=args.log_dir,
     )  # fmt: skip
@@ -87,7 +97,8 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     print(f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s")
     for run in r["runs"]:
-        print(f"  rtt {run['rtt_ms']:>5} ms: {run['tok_s']} tok/s, speedup {run['speedup']}, "
+        print(f"  rtt {run['rtt_ms']:>5} ms, {run['microbatches']} micro-batch(es): "
+              f"{run['tok_s']} tok/s, speedup {run['speedup']}, "
               f"remote share {run['remote_share']}")  # fmt: skip
     return EXIT_OK
 
@@ -118,6 +129,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
     o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
     o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
+    o.add_argument("--microbatches", type=_ints, default=(1,),
+                   help="comma list of KVQ_MICROBATCHES values run side by side, e.g. 1,2")
     o.add_argument("--sequences", type=_positive, default=8, help="concurrent client loops")
     o.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
     o.add_argument("--warmup-s", type=float, default=10.0, help="load before measuring")

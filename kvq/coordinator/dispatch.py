@@ -55,7 +55,6 @@ class Dispatcher:
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self.inflight: dict[str, LayerCall] = {}  # job id -> the layer call waiting for it
         self.sent_remote = False  # a layer call of the current step sent remote jobs
-        self.microbatched_steps = 0  # engine steps offered more than one micro-batch
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
         self.results_key = keys.coord_results(coord_id)
@@ -73,7 +72,7 @@ class Dispatcher:
         only unpack each expert twice."""
         mb = self.s.microbatches if self.sent_remote else 1
         self.sent_remote = False
-        self.microbatched_steps += mb > 1
+        self.stats.microbatched_steps += mb > 1
         return _StepMoe(self, busy, total, mb)
 
     def count_routed(self, rows: dict[str, int]) -> None:

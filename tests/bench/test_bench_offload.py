@@ -18,21 +18,27 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=2, experts=8, experts_used=2)
     r = run_offload_bench(
-        OffloadBench(model=str(model), rtts_ms=(0.0, 10.0), sequences=4, max_tokens=4,
+        OffloadBench(model=str(model), rtts_ms=(0.0, 10.0), microbatches=(1, 2), sequences=4,
+                     max_tokens=4,
                      warmup_s=1.0, measure_s=2.0, log_dir=str(tmp_path / "logs"))
     )  # fmt: skip
     assert r["baseline"]["tok_s"] > 0 and r["baseline"]["before"]["tokens"] > 0
-    assert [run["rtt_ms"] for run in r["runs"]] == [0.0, 10.0]
+    assert [(run["rtt_ms"], run["microbatches"]) for run in r["runs"]] == [
+        (0.0, 1), (0.0, 2), (10.0, 1), (10.0, 2)
+    ]
     for run in r["runs"]:
         assert run["tok_s"] > 0 and run["speedup"] > 0 and run["worker_load_s"] >= 0
         assert 0.0 <= run["remote_share"] <= 1.0
         assert run["local_jobs"] + run["remote_jobs"] > 0
+        if run["microbatches"] == 1:
+            assert run["microbatched_steps"] == 0
     assert r["cpus"]["coordinator"] != r["cpus"]["worker"]
     assert len(os.sched_getaffinity(0)) >= 2, "the bench gives this process its CPUs back"
 
 
 @pytest.mark.parametrize(
-    "bad", [{"rtts_ms": (-1.0,)}, {"sequences": 1}, {"measure_s": 0.0}, {"max_tokens": 0}]
+    "bad", [{"rtts_ms": (-1.0,)}, {"sequences": 1}, {"measure_s": 0.0}, {"max_tokens": 0},
+            {"microbatches": (0,)}, {"microbatches": (9,)}, {"microbatches": ()}],
 )
 def test_bad_options_are_refused_first(bad: dict) -> None:
     with pytest.raises(ConfigError):

@@ -53,7 +53,7 @@ def test_remote_generation_equals_local(
     assert st.remote_sent == st.remote_jobs
     assert sum(w.served for w in workers) >= st.remote_jobs
     assert all(w.served > 0 for w in workers), "every slice's worker took part"
-    assert (coord.dispatch.microbatched_steps > 0) == (microbatches > 1)
+    assert (coord.dispatch.stats.microbatched_steps > 0) == (microbatches > 1)
 
 
 def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:
