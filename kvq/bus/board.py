@@ -153,6 +153,10 @@ class Board(Protocol):
         """Move `dead`'s unanswered jobs round-robin to `peers`, then drop its inbox."""
         ...
 
+    def inbox_unread(self, worker: str) -> int:
+        """Jobs in `worker`'s inbox that it has not read yet (its group's lag)."""
+        ...
+
     # -- coordinators ---------------------------------------------------------------------
     def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
         """Slot state and counters of a coordinator, which joins its model's set."""
@@ -167,6 +171,18 @@ class Board(Protocol):
     def coordinator_alive(self, coord: str) -> bool: ...
 
     def coord_stats(self, coord: str) -> CoordStats | None: ...
+
+
+def worker_view(worker: str, sid: str, alive: bool, info: WorkerInfo | None) -> WorkerView:
+    """What routers see of a worker: its liveness and what its last beat said."""
+    if info is None:
+        return WorkerView(worker, sid, alive)
+    ready = info.ready
+    return WorkerView(
+        worker, sid, alive, info.last_serve_ms, info.load if ready else None, ready=ready,
+        ms_per_row=info.ms_per_row, queued_rows=info.busy_rows + info.queued_rows,
+        queued_by=tuple(sorted(info.queued_by_coord().items())),
+    )  # fmt: skip
 
 
 def wait_for_model(board: Board, model: str, give_up_s: float, backoff_cap_s: float) -> ModelInfo:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvq.bus.board import CoordinatorView, Fields
+from kvq.bus.board import CoordinatorView, Fields, worker_view
 from kvq.bus.records import (
     CoordStats,
     Lifetimes,
@@ -200,10 +200,7 @@ class MemoryBoard:
         for w, sid in sorted(self.assignments(model).items()):
             info = self.worker_info(w)
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
-            last = info.last_serve_ms if info is not None else 0
-            ready = info.ready if info is not None else True
-            load = info.load if info is not None and ready else None
-            out.append(WorkerView(w, sid, alive, last, load, ready=ready))
+            out.append(worker_view(w, sid, alive, info))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:
@@ -228,6 +225,10 @@ class MemoryBoard:
         with self._lock:
             for worker, fields in jobs:
                 self.inboxes.setdefault(worker, []).append(dict(fields))
+
+    def inbox_unread(self, worker: str) -> int:
+        with self._lock:  # nothing reads the twin's inboxes: every job is unread
+            return len(self.inboxes.get(worker, []))
 
     def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
         entries = self.inboxes.pop(dead, [])

@@ -16,6 +16,8 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 
 from __future__ import annotations
 
+import json
+
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -169,6 +171,19 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     total_bytes: int = 0
     load: float = 0.0  # share of the last beat interval spent computing jobs, in [0, 1] (H5)
     ms_per_row: float = 0.0  # its own compute time per token row over that interval (0: none)
+    busy_rows: int = 0  # rows of the job it was computing at the beat
+    queued_rows: int = 0  # rows waiting: read and not started, plus unread jobs x mean rows
+    queued_by: str = "{}"  # JSON {coordinator: rows} of busy + read rows (not the unread)
+
+    def queued_by_coord(self) -> dict[str, int]:
+        """`queued_by` decoded; {} when it does not decode (an older or corrupt beat)."""
+        try:
+            got = json.loads(self.queued_by)
+        except ValueError:
+            return {}
+        if not isinstance(got, dict):
+            return {}
+        return {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
 
     @property
     def ready(self) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
-from kvq.bus.board import CoordinatorView, Fields
+from kvq.bus.board import CoordinatorView, Fields, worker_view
 from kvq.bus.connection import connect
 from kvq.bus.records import (
     CoordStats,
@@ -26,7 +26,7 @@ from kvq.bus.records import (
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import unanswered, xadd
 from kvq.config import BusSettings
-from kvq.keys import Keys
+from kvq.keys import WORKER_GROUP, Keys
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
@@ -153,10 +153,7 @@ class RedisBoard:
         out = []
         for i, (w, sid) in enumerate(assigned):
             info = WorkerInfo.from_hash(got[2 * i + 1])
-            last = info.last_serve_ms if info is not None else 0
-            ready = info.ready if info is not None else True
-            load = info.load if info is not None and ready else None
-            out.append(WorkerView(w, sid, bool(got[2 * i]), last, load, ready=ready))
+            out.append(worker_view(w, sid, bool(got[2 * i]), info))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> None:
@@ -184,6 +181,22 @@ class RedisBoard:
         for worker, fields in jobs:
             xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
         pipe.execute()
+
+    def inbox_unread(self, worker: str) -> int:
+        inbox = self.keys.worker_inbox(worker)
+        try:
+            groups = self.r.xinfo_groups(inbox)
+        except redis.ResponseError:  # no inbox yet
+            return 0
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            if name == WORKER_GROUP:
+                lag = g.get("lag")
+                # nil after some deletions; answered entries are deleted, so XLEN - pending
+                if lag is None:
+                    lag = max(0, int(self.r.xlen(inbox)) - int(g["pending"]))
+                return int(lag)
+        return int(self.r.xlen(inbox))  # no group yet: nothing was read
 
     def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
         inbox = self.keys.worker_inbox(dead)

@@ -7,7 +7,8 @@ time is the time its own part of the layer takes:
 - the coordinator: `compute_ms(rows)` summed over the slices it keeps (it computes them while
   the remote jobs are in flight, so its overhead is 0);
 - a worker: `overhead_ms + compute_ms(rows)` over the slices sent to it (its jobs go out
-  together, so the round trip is paid once per layer).
+  together, so the round trip is paid once per layer). `overhead_ms` includes the backlog its
+  last heartbeat reported from other coordinators (rows x its ms per row).
 
 `compute_ms(rows) = fixed + per_row x rows` per node: a slice call costs a fixed part (the
 experts it touches are unpacked once, whatever the rows) plus a part per row, so a plain
@@ -94,6 +95,7 @@ class Capacity:
         self.coordinator, self.alpha = coordinator, alpha
         self.prior_overhead_ms, self.prior_ms_per_row = prior_overhead_ms, prior_ms_per_row
         self._est: dict[str, _Estimate] = {coordinator: _Estimate(CostFit(alpha), 0.0)}
+        self._backlog: dict[str, float] = {}  # worker -> ms of others' rows queued on it
 
     def observe_local(self, rows: int, ms: float) -> None:
         """The coordinator computed `rows` token rows of a slice in `ms`."""
@@ -106,6 +108,13 @@ class Capacity:
 
     def forget(self, worker: str) -> None:
         self._est.pop(worker, None)
+        self._backlog.pop(worker, None)
+
+    def set_backlog(self, worker: str, ms: float) -> None:
+        """What rows queued on `worker` by others will cost before it reaches ours (its
+        heartbeat, `kvq.coordinator.routing`): added to its overhead until the next beat."""
+        if worker != self.coordinator and math.isfinite(ms):
+            self._backlog[worker] = max(0.0, ms)
 
     def compute_ms(self, node: str, rows: int) -> float:
         """Estimated ms for `node` to compute `rows` rows of one slice."""
@@ -118,9 +127,10 @@ class Capacity:
         if node == self.coordinator:
             return 0.0
         e = self._est.get(node)
-        return (
+        base = (
             e.overhead_ms if e is not None and e.overhead_ms is not None else self.prior_overhead_ms
         )
+        return base + self._backlog.get(node, 0.0)
 
     def assign(
         self, work: Mapping[str, int], candidates: Mapping[str, Sequence[str]]
@@ -132,7 +142,8 @@ class Capacity:
         for n in sorted(self._est):
             fixed, per_row = (0.0, 0.0) if self._est[n].fit.empty else self._est[n].fit.terms()
             out[n] = {"fixed_ms": round(fixed, 3), "ms_per_row": round(per_row, 4),
-                      "overhead_ms": round(self.overhead_ms(n), 3)}  # fmt: skip
+                      "overhead_ms": round(self.overhead_ms(n), 3),
+                      "backlog_ms": round(self._backlog.get(n, 0.0), 3)}  # fmt: skip
         return out
 
     def _add(self, node: str, rows: int, compute_ms: float, overhead_ms: float | None) -> None:

@@ -16,7 +16,7 @@ from kvq.bus.board import Board
 from kvq.config import RoutingSettings
 from kvq.coordinator.capacity import Capacity
 from kvq.model.registry import ModelInfo
-from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter
+from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
 
 CAPACITY_ROUTE = -2  # LiveRoute.pipeline_id of a capacity split
 _LOG_EVERY_S = 10.0  # how often a split and its estimates are logged
@@ -80,6 +80,20 @@ class SliceRouter:
         self._failing -= down
         self.router.update_workers(views, time.time() * 1000)
         self._alive = {v.worker_id for v in views if v.alive}
+        for v in views:
+            self.capacity.set_backlog(v.worker_id, self._backlog_ms(v))
+
+    def _backlog_ms(self, v: WorkerView) -> float:
+        """How long the rows other coordinators have queued on `v` delay work sent to it now
+        (issue 10 item 3): its last beat's rows less this coordinator's own, at the worker's
+        reported ms per row (or this coordinator's estimate of it). Its measured overhead
+        already holds the queueing it saw; this adds what its last results could not show."""
+        own = dict(v.queued_by).get(self.coord, 0)
+        rows = max(0, v.queued_rows - own)
+        if not rows:
+            return 0.0
+        per_row = v.ms_per_row or self.capacity.compute_ms(v.worker_id, rows) / rows
+        return rows * per_row
 
     def check(self) -> None:
         """Raises UncoveredSlice while some slice has no live node (requests are refused)."""

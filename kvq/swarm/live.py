@@ -55,6 +55,9 @@ class WorkerView:
     load: float | None = None  # its own load in [0, 1] if it reports one
     first_seen_ms: float | None = None  # K4 grace start; None: when this router first saw it
     ready: bool = True  # False while it still downloads its slice (alive, not routable)
+    ms_per_row: float = 0.0  # its own compute time per row over its last beat (0: none)
+    queued_rows: int = 0  # rows it computes or has waiting, all coordinators (its last beat)
+    queued_by: tuple[tuple[str, int], ...] = ()  # the part of those it knows per coordinator
 
 
 @dataclass(frozen=True, slots=True)

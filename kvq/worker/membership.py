@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import redis
 
 from kvq.bus.board import Board
+from kvq.worker.backlog import Backlog
 from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
 
 log = logging.getLogger("kvq.worker")
@@ -39,9 +40,11 @@ class Membership:
         self, board: Board, worker_id: str, device: str,
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
         work: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
+        backlog: Backlog | None = None,
     ) -> None:  # fmt: skip
         self.board, self.id, self.device, self.served = board, worker_id, device, served
         self.work = work  # (busy seconds, rows) so far: load and ms per row per beat interval
+        self.backlog = backlog or Backlog()  # rows on its plate, filled by the serving loop
         self._last_work = (time.monotonic(), 0.0, 0)
         self.held: Held | None = None  # loaded and serving
         self.loading: Held | None = None  # taken from the market, still downloading
@@ -97,12 +100,23 @@ class Membership:
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress
+        plate = self.backlog.view()
         info = WorkerInfo(
             model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
             state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
-            total_bytes=total, load=load, ms_per_row=ms_per_row,
+            total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
+            queued_rows=plate.queued_rows + self._unread_rows(served),
+            queued_by=plate.by_coord_text(),
         )  # fmt: skip
         self.board.beat(self.id, info)
+
+    def _unread_rows(self, served: int) -> int:
+        """Rows of the jobs still unread in the inbox, at this worker's mean rows per job."""
+        if self.held is None:
+            return 0
+        unread = self.board.inbox_unread(self.id)
+        rows = self.work()[1]
+        return round(unread * rows / served) if unread and served else unread
 
     def _load(self) -> tuple[float, float]:
         """(share of the time since the last beat spent computing, ms per row over it)."""

@@ -167,8 +167,18 @@ class Worker:
     def _serve_batch(self) -> None:
         assert self.consumer is not None and self.server is not None
         entries = self.consumer.read(count=32, block_ms=self.s.block_ms)
-        for eid, fields in entries:
-            self._serve_one(eid, fields)
+        jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
+        plate = self.membership.backlog
+        # decoded before serving: the heartbeat reports the batch's rows per coordinator
+        plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None])
+        try:
+            for eid, fields, job in jobs:
+                if job is not None:
+                    plate.start(job.coord, _rows(job))
+                    self._serve_one(eid, fields, job)
+                    plate.done()
+        finally:
+            plate.read([])
         if entries:
             self._idle_since = time.monotonic()
             self.server.bank.step()  # B5: a batch of jobs is this node's engine step
@@ -186,14 +196,17 @@ class Worker:
                  self.s.idle_release_s, h.sid)  # fmt: skip
         self.server, self.consumer = None, None
 
-    def _serve_one(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        """Decode, serve, write the result, then ack; bad entries are dead-lettered."""
-        assert self.consumer is not None and self.server is not None
+    def _decode(self, eid: bytes, fields: dict[bytes, bytes]) -> wire.Job | None:
+        """The entry's job, or None after dead-lettering an entry that does not decode."""
         try:
-            job = wire.decode(fields, wire.Job)
+            return wire.decode(fields, wire.Job)
         except WireError as exc:
             self._dead_letter(eid, fields, str(exc))
-            return
+            return None
+
+    def _serve_one(self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job) -> None:
+        """Serve, write the result, then ack; jobs this server cannot serve are dead-lettered."""
+        assert self.consumer is not None and self.server is not None
         result = self.server.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
@@ -215,6 +228,10 @@ class Worker:
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+def _rows(job: wire.Job) -> int:
+    return int(job.x.shape[0]) if job.x.shape else 0
 
 
 def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:

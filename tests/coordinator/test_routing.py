@@ -288,3 +288,41 @@ def test_a_worker_that_recovered_before_dying_is_no_rescue(
     board_case.kill_worker("a")
     router.refresh(force=True)
     assert router.rescues == 0
+
+
+def _beat_queue(board: Board, worker: str, sid: str, rows: int, by: str) -> None:
+    """`worker`'s heartbeat reports `rows` waiting (JSON `by` coordinator), 1 ms per row."""
+    board.beat(worker, WorkerInfo(
+        model="m", slice=sid, device="cpu", last_serve_ms=int(time.time() * 1000),
+        ms_per_row=1.0, busy_rows=rows // 4, queued_rows=rows - rows // 4, queued_by=by,
+    ))  # fmt: skip
+
+
+def test_capacity_gives_a_worker_busy_with_another_coordinator_less(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 10 item 3: rows another coordinator queued on a worker (its heartbeat) delay
+    work sent to it, so the split keeps more here; this coordinator's own rows do not."""
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0)
+    s0, s1 = sids[0], sids[1]
+    _serve(board, "w", s0)
+    _serve(board, "w2", s1)
+    _measured(router, "w", 0.5, 1.0, own=1.0)  # 6 ms for 10 rows there, 10 ms here
+    _measured(router, "w2", 0.5, 1.0, own=1.0)
+    busy = _routing().saturation_threshold
+    work = {s0: 10, s1: 10}
+    assert router.route(work, busy, TOTAL).remote == {s0: "w", s1: "w2"}
+
+    _beat_queue(board, "w", s0, 200, '{"coord":200}')  # its own rows: no change
+    router.refresh(force=True)
+    assert router.route(work, busy, TOTAL).remote == {s0: "w", s1: "w2"}
+
+    _beat_queue(board, "w", s0, 200, '{"other":160}')  # 200 rows x 1 ms ahead of ours
+    router.refresh(force=True)
+    assert router.capacity.describe()["w"]["backlog_ms"] == 200.0
+    assert router.route(work, busy, TOTAL).remote == {s1: "w2"}
+
+    _beat_queue(board, "w", s0, 0, "{}")  # the queue drained
+    router.refresh(force=True)
+    assert router.route(work, busy, TOTAL).remote == {s0: "w", s1: "w2"}

@@ -306,3 +306,41 @@ def test_beats_report_load_and_per_row_rate(board_case: BoardCase, gguf: Path) -
     m.beat()  # no work since: idle
     info = board.worker_info("w")
     assert info is not None and info.load == 0.0 and info.ms_per_row == 0.0
+
+
+def test_beats_report_busy_and_queued_rows_per_coordinator(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 10 item 3: rows on the worker's plate (the job computing, the batch read, the
+    inbox unread at its mean rows per job) reach the coordinators' views."""
+    board = board_case.board
+    _, b = _register(board, gguf)
+    board.set_target("m", b, 1)
+    m = Membership(board, "w", "cpu", served=lambda: (4, 1), work=lambda: (0.01, 40))
+    held = m.volunteer()
+    assert held is not None
+    m.hold(held)
+    m.backlog.read([("c1", 8), ("c2", 30), ("c1", 4)])
+    m.backlog.start("c1", 8)
+    board.send_jobs([("w", {b"j": b"1"}), ("w", {b"j": b"2"})])  # 2 unread x 10 rows/job
+    m.beat()
+    info = board.worker_info("w")
+    assert info is not None
+    assert (info.busy_rows, info.queued_rows) == (8, 34 + 20)
+    assert info.queued_by_coord() == {"c1": 12, "c2": 30}
+    (view,) = board.workers("m")
+    assert view.queued_rows == 8 + 54 and dict(view.queued_by) == {"c1": 12, "c2": 30}
+    m.backlog.done()
+    m.backlog.read([])
+    board.forget_worker("w")  # its inbox too
+    board.rejoin("m", "w", b)
+    m.beat()
+    info = board.worker_info("w")
+    assert info is not None and (info.busy_rows, info.queued_rows) == (0, 0)
+    assert info.queued_by_coord() == {}
+
+
+@pytest.mark.parametrize("text", ["", "[1]", "{bad", '{"c": "x"}'])
+def test_a_queued_by_field_that_does_not_decode_reads_as_empty(text: str) -> None:
+    info = WorkerInfo(model="m", slice="s", device="cpu", queued_by=text)
+    assert info.queued_by_coord() == {}
