@@ -79,9 +79,11 @@ def _settings(cfg: ElasticBench, url: str, model: str) -> Settings:
     meta = read_meta(model)
     extra: dict[str, Any] = {
         k: v
-        for k, v in (("saturation_enter_s", cfg.saturation_enter_s),
-                     ("saturation_leave_s", cfg.saturation_leave_s),
-                     ("monitor_poll_s", cfg.monitor_poll_s))  # fmt: skip
+        for k, v in (
+            ("saturation_enter_s", cfg.saturation_enter_s),
+            ("saturation_leave_s", cfg.saturation_leave_s),
+            ("monitor_poll_s", cfg.monitor_poll_s),
+        )
         if v is not None
     }
     if "monitor_poll_s" in extra:

@@ -17,7 +17,6 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 from __future__ import annotations
 
 import json
-
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass

@@ -129,8 +129,12 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
     o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
     o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
-    o.add_argument("--microbatches", type=_ints, default=(1,),
-                   help="comma list of KVQ_MICROBATCHES values run side by side, e.g. 1,2")
+    o.add_argument(
+        "--microbatches",
+        type=_ints,
+        default=(1,),
+        help="comma list of KVQ_MICROBATCHES values run side by side, e.g. 1,2",
+    )
     o.add_argument("--sequences", type=_positive, default=8, help="concurrent client loops")
     o.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
     o.add_argument("--warmup-s", type=float, default=10.0, help="load before measuring")

@@ -38,9 +38,7 @@ class SplitMoe(Protocol):
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor: ...
 
-    def start(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-    ) -> Finish: ...
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Finish: ...
 
 
 def split_rows(rows: Sequence[int], parts: int) -> list[list[int]]:

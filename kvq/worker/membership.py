@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import redis
 
 from kvq.bus.board import Board
-from kvq.worker.backlog import Backlog
 from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
+from kvq.worker.backlog import Backlog
 
 log = logging.getLogger("kvq.worker")
 

@@ -24,7 +24,10 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r["baseline"]["tok_s"] > 0 and r["baseline"]["before"]["tokens"] > 0
     assert [(run["rtt_ms"], run["microbatches"]) for run in r["runs"]] == [
-        (0.0, 1), (0.0, 2), (10.0, 1), (10.0, 2)
+        (0.0, 1),
+        (0.0, 2),
+        (10.0, 1),
+        (10.0, 2),
     ]
     for run in r["runs"]:
         assert run["tok_s"] > 0 and run["speedup"] > 0 and run["worker_load_s"] >= 0
@@ -37,8 +40,16 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"rtts_ms": (-1.0,)}, {"sequences": 1}, {"measure_s": 0.0}, {"max_tokens": 0},
-            {"microbatches": (0,)}, {"microbatches": (9,)}, {"microbatches": ()}],
+    "bad",
+    [
+        {"rtts_ms": (-1.0,)},
+        {"sequences": 1},
+        {"measure_s": 0.0},
+        {"max_tokens": 0},
+        {"microbatches": (0,)},
+        {"microbatches": (9,)},
+        {"microbatches": ()},
+    ],
 )
 def test_bad_options_are_refused_first(bad: dict) -> None:
     with pytest.raises(ConfigError):

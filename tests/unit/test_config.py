@@ -140,9 +140,7 @@ def test_saturation_threshold_equal_to_n_slots_is_fine(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("value", ["0", "9", "5"])
-def test_microbatches_out_of_range_is_rejected(
-    monkeypatch: pytest.MonkeyPatch, value: str
-) -> None:
+def test_microbatches_out_of_range_is_rejected(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("KVQ_N_SLOTS", "4")  # 5: within 1-8 but more than the slots
     monkeypatch.setenv("KVQ_MICROBATCHES", value)
     with pytest.raises(ConfigError, match="KVQ_MICROBATCHES"):
