@@ -103,6 +103,28 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.microbatch import MicrobatchBench, run_microbatch_bench
+
+    cfg = MicrobatchBench(
+        model=args.model, rtt_ms=args.rtt_ms, microbatches=args.microbatches,
+        sequences=args.sequences, max_tokens=args.max_tokens, warmup_steps=args.warmup_steps,
+        pairs=args.pairs, dispatch_policy=args.policy, log_dir=args.log_dir,
+    )  # fmt: skip
+    r = run_microbatch_bench(cfg)
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK
+    for arm, a in r["arms"].items():
+        print(
+            f"{arm} micro-batch(es): {a['mean_ms']} ms per step (decode median "
+            f"{a['decode_median_ms']} ms), {a['remote_jobs_per_step']} remote jobs per step"
+        )
+    print(f"ratio {r['microbatches']}/1: mean {r['mean_ratio']}, decode median "
+          f"{r['decode_median_ratio']} (< 1: micro-batches win)")  # fmt: skip
+    return EXIT_OK
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
     """swarm-sim, bench swarm, bench offload."""
     s = sub.add_parser("swarm-sim", help="run the swarm lifecycle in memory and print JSON")
@@ -142,3 +164,21 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o.add_argument("--log-dir", help="keep the processes' logs here")
     o.add_argument("--json", action="store_true")
     o.set_defaults(fn=cmd_bench_offload)
+
+    m = bench.add_parser("microbatch", help="engine step time, 1 vs n micro-batches, paired")
+    m.add_argument("--model", help="GGUF file (default: the offload bench's 240 MB model)")
+    m.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to the worker's")
+    m.add_argument("--microbatches", type=_positive, default=2, help="the arm against 1")
+    m.add_argument("--sequences", type=_positive, default=8, help="slots, all busy")
+    m.add_argument("--max-tokens", type=_positive, default=48, help="tokens per sequence")
+    m.add_argument("--warmup-steps", type=int, default=30, help="steps not measured")
+    m.add_argument("--pairs", type=_positive, default=60, help="measured steps per arm")
+    m.add_argument(
+        "--policy",
+        choices=("capacity", "copies"),
+        default="capacity",
+        help="KVQ_DISPATCH_POLICY (copies: the worker's slice goes remote in every layer)",
+    )
+    m.add_argument("--log-dir", help="keep the worker's log here")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_bench_microbatch)
