@@ -4,8 +4,9 @@ A coordinator's capacity split prices each worker by what it measured itself; it
 rows that other coordinators queued on the same worker. The worker can: it reads its inbox in
 batches, decodes a batch before serving it, and so knows the rows of the job it computes
 (`busy`) and of the jobs read but not started (`queued`), per coordinator. Entries still
-unread in its inbox are known only by count (its consumer group's lag, read at each beat) and
-are priced at its mean rows per job. The heartbeat carries the total and the per-coordinator part
+unread in its inbox are known only by count (its consumer group's lag, asked only when a read
+came back full: otherwise the inbox was empty when it read) and are priced at its mean rows
+per job. The heartbeat carries the total and the per-coordinator part
 it knows, so a coordinator can leave its own rows out (`kvq.coordinator.routing`).
 """
 
@@ -22,6 +23,7 @@ class BacklogView:
     busy_rows: int  # rows of the job being computed
     queued_rows: int  # rows read and not started (the unread inbox is added by the beat)
     by_coord: dict[str, int]  # busy + queued rows per coordinator
+    unread_jobs: int = 0  # entries left in the inbox after the last read
 
     def by_coord_text(self) -> str:
         """`by_coord` as the heartbeat's JSON field (sorted, compact)."""
@@ -35,11 +37,14 @@ class Backlog:
         self._lock = threading.Lock()
         self._queued: Counter[str] = Counter()
         self._busy: tuple[str, int] | None = None
+        self._unread = 0
 
-    def read(self, jobs: list[tuple[str, int]]) -> None:
-        """A batch `(coordinator, rows)` was read; whatever was left of the last one is not
-        there any more (a failed batch is read again from the pending entries)."""
+    def read(self, jobs: list[tuple[str, int]], unread: int = 0) -> None:
+        """A batch `(coordinator, rows)` was read, `unread` entries left behind; whatever
+        was left of the last batch is not there any more (a failed batch is read again from
+        the pending entries)."""
         with self._lock:
+            self._unread = unread
             self._queued = Counter()
             for coord, rows in jobs:
                 self._queued[coord] += rows
@@ -63,4 +68,4 @@ class Backlog:
             if self._busy is not None:
                 by[self._busy[0]] += self._busy[1]
                 busy = self._busy[1]
-            return BacklogView(busy, sum(self._queued.values()), dict(by))
+            return BacklogView(busy, sum(self._queued.values()), dict(by), self._unread)

@@ -105,16 +105,14 @@ class Membership:
             model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
             state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
             total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
-            queued_rows=plate.queued_rows + self._unread_rows(served),
+            queued_rows=plate.queued_rows + self._unread_rows(plate.unread_jobs, served),
             queued_by=plate.by_coord_text(),
         )  # fmt: skip
         self.board.beat(self.id, info)
 
-    def _unread_rows(self, served: int) -> int:
-        """Rows of the jobs still unread in the inbox, at this worker's mean rows per job."""
-        if self.held is None:
-            return 0
-        unread = self.board.inbox_unread(self.id)
+    def _unread_rows(self, unread: int, served: int) -> int:
+        """Rows of the jobs still unread in the inbox, at this worker's mean rows per job
+        (no Redis call here: a beat through a slow link must stay one round trip)."""
         rows = self.work()[1]
         return round(unread * rows / served) if unread and served else unread
 

@@ -36,6 +36,7 @@ from kvq.worker.membership import Held, Membership
 from kvq.worker.server import BAD_JOB, ExpertServer
 
 log = logging.getLogger("kvq.worker")
+_BATCH = 32  # inbox entries read at once
 
 
 class Worker:
@@ -166,11 +167,13 @@ class Worker:
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:
         assert self.consumer is not None and self.server is not None
-        entries = self.consumer.read(count=32, block_ms=self.s.block_ms)
+        entries = self.consumer.read(count=_BATCH, block_ms=self.s.block_ms)
         jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
         plate = self.membership.backlog
-        # decoded before serving: the heartbeat reports the batch's rows per coordinator
-        plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None])
+        # decoded before serving: the heartbeat reports the batch's rows per coordinator; a
+        # full batch may have left more behind (a short one emptied the inbox)
+        unread = self.board.inbox_unread(self.id) if len(entries) == _BATCH else 0
+        plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None], unread)
         try:
             for eid, fields, job in jobs:
                 if job is not None:
