@@ -9,9 +9,9 @@ steps alternate between one micro-batch and `microbatches`, under load (busy = a
 capacity split as configured). Alternate steps see the same machine within a few hundred ms,
 so the ratio of their times is what micro-batching changes.
 
-Every step runs through `Engine.step` with the dispatcher's `_StepMoe`; the usual rule that
-only a step after a remote one is cut (`Dispatcher.for_step`) is bypassed so that both arms
-get every step. Finished sequences are replaced at once; steps that prefill a new sequence are
+Every step runs through `Engine.step` with `Dispatcher.for_step(..., microbatches=arm)`: the
+usual rule that only a step after a remote one is cut is bypassed, so both arms get every
+step. Finished sequences are replaced at once; steps that prefill a new sequence are
 reported apart (`decode_*`: steps of decode tokens only).
 """
 
@@ -31,7 +31,6 @@ from kvq.bench.delay_proxy import DelayProxy
 from kvq.bench.offload import DEFAULT_MODEL, _host_port
 from kvq.config import child_env, load_settings
 from kvq.coordinator import Coordinator
-from kvq.coordinator.dispatch import _StepMoe
 from kvq.errors import ConfigError
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
@@ -133,7 +132,7 @@ def _steps(cfg: MicrobatchBench, coord: Coordinator) -> dict[int, list[tuple[flo
         decode = all(len(s.next_input) == 1 for s in eng.active)
         sent0 = d.stats.remote_sent
         t0 = time.perf_counter()
-        eng.step(_StepMoe(d, cfg.sequences, cfg.sequences, arm), lambda _: None)
+        eng.step(d.for_step(cfg.sequences, cfg.sequences, arm), lambda _: None)
         ms = (time.perf_counter() - t0) * 1000
         if i >= cfg.warmup_steps:
             out[arm].append((ms, decode, d.stats.remote_sent - sent0))

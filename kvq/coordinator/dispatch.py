@@ -25,7 +25,7 @@ from kvq.bus.board import Board
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
-from kvq.coordinator.layer_call import LayerCall, _latency_ms, _Pending
+from kvq.coordinator.layer_call import LayerCall, Pending, result_latency_ms
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
@@ -33,8 +33,6 @@ from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
 from kvq.swarm import LiveRoute
 from kvq.worker.server import ExpertServer
-
-__all__ = ["Dispatcher", "LayerCall", "_Pending", "_latency_ms"]
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -52,7 +50,7 @@ class Dispatcher:
         self.stats = DispatchCounters()
         self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
-        self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
+        self.shadows: dict[str, Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self.inflight: dict[str, LayerCall] = {}  # job id -> the layer call waiting for it
         self.sent_remote = False  # a layer call of the current step sent remote jobs
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
@@ -65,12 +63,13 @@ class Dispatcher:
         }
         r.delete(self.results_key)
 
-    def for_step(self, busy: int, total: int) -> _StepMoe:
+    def for_step(self, busy: int, total: int, microbatches: int | None = None) -> _StepMoe:
         """The backbone's MoeFn for one engine step, under this load (K2). It asks for
         `KVQ_MICROBATCHES` micro-batches only when the previous step sent remote jobs: with
         every slice local there is no round trip to hide, and a second micro-batch would
-        only unpack each expert twice."""
+        only unpack each weight twice. `microbatches` overrides that rule (benches)."""
         mb = self.s.microbatches if self.sent_remote else 1
+        mb = mb if microbatches is None else microbatches
         self.sent_remote = False
         self.stats.microbatched_steps += mb > 1
         return _StepMoe(self, busy, total, mb)
@@ -119,9 +118,9 @@ class Dispatcher:
             return
         owner.deliver(eid, res)
 
-    def _measure(self, p: _Pending, res: wire.Result, eid: bytes) -> None:
+    def _measure(self, p: Pending, res: wire.Result, eid: bytes) -> None:
         """A trial's or re-probe's answer: it moves the worker's estimates, nothing else."""
-        latency_ms = _latency_ms(p, eid)
+        latency_ms = result_latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
         if y is not None and y.shape == (p.rows.numel(), self.server.hidden):
             self.stats.trials_answered += 1

@@ -31,7 +31,7 @@ log = logging.getLogger("kvq.coordinator")
 
 
 @dataclass
-class _Pending:
+class Pending:
     spec: SliceSpec
     rows: torch.Tensor  # [R] rows of the layer's x that this job carries
     worker: str
@@ -39,7 +39,7 @@ class _Pending:
     sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
 
 
-def _latency_ms(p: _Pending, eid: bytes) -> float:
+def result_latency_ms(p: Pending, eid: bytes) -> float:
     """Send-to-arrival time of a result. The result is read only after the local slices are
     computed, so the read time overstates a fast worker's round trip by that compute; the
     entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
@@ -60,7 +60,7 @@ class LayerCall:
     ) -> None:
         self.d, self.layer, self.x, self.ids, self.w = d, layer, x, ids, w  # [T,H] [T,k] [T,k]
         self.partials: dict[str, torch.Tensor] = {}
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, Pending] = {}
         self.order: list[tuple[SliceSpec, torch.Tensor]] = []
         self.deadline_ms = int(time.time() * 1000) + d.s.job_deadline_ms
 
@@ -85,7 +85,7 @@ class LayerCall:
                 continue
             job_id = d.next_job_id()
             jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
-            p = _Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
+            p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
             if worker == trial and d.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
                 # not waited for, so a slow worker costs no layer call its round trip
@@ -137,7 +137,7 @@ class LayerCall:
         self.d.routing.observe_local(int(rows.numel()), (time.perf_counter() - t0) * 1000)
         return y
 
-    def fallback(self, p: _Pending, latency_ms: float) -> None:
+    def fallback(self, p: Pending, latency_ms: float) -> None:
         """A remote job failed or timed out: compute it here and count it, never lose it."""
         self.d.routing.observe_failure(p.worker, latency_ms)
         self.d.stats.fallback_jobs += 1
@@ -161,7 +161,7 @@ class LayerCall:
         """The result of one of this call's jobs (the dispatcher found its owner)."""
         d, stats = self.d, self.d.stats
         p = self.pending.pop(res.job_id)
-        latency_ms = _latency_ms(p, eid)
+        latency_ms = result_latency_ms(p, eid)
         d.job_rtt.observe(latency_ms / 1000)
         y = None
         if res.error is None and res.y is not None:
@@ -178,7 +178,7 @@ class LayerCall:
             self._verify(p, y)
         self.partials[p.spec.sid] = y
 
-    def _verify(self, p: _Pending, y: torch.Tensor) -> None:
+    def _verify(self, p: Pending, y: torch.Tensor) -> None:
         stats = self.d.stats
         ref = self.local(p.spec, p.rows)
         err = float((ref - y).abs().max()) if y.numel() else 0.0
