@@ -130,8 +130,9 @@ class Board(Protocol):
         """Every worker assigned a slice of `model`, sorted, with the one liveness rule."""
         ...
 
-    def beat(self, worker: str, info: WorkerInfo) -> None:
-        """Heartbeat and info of a serving worker, with their lifetimes."""
+    def beat(self, worker: str, info: WorkerInfo) -> int:
+        """Heartbeat and info of a serving worker, with their lifetimes; returns the length
+        of its inbox read in the same round trip (its backlog, `kvq.worker.backlog`)."""
         ...
 
     def worker_info(self, worker: str) -> WorkerInfo | None: ...
@@ -151,10 +152,6 @@ class Board(Protocol):
 
     def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
         """Move `dead`'s unanswered jobs round-robin to `peers`, then drop its inbox."""
-        ...
-
-    def inbox_unread(self, worker: str) -> int:
-        """Jobs in `worker`'s inbox that it has not read yet (its group's lag)."""
         ...
 
     # -- coordinators ---------------------------------------------------------------------

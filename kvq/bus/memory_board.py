@@ -203,10 +203,11 @@ class MemoryBoard:
             out.append(worker_view(w, sid, alive, info))
         return out
 
-    def beat(self, worker: str, info: WorkerInfo) -> None:
+    def beat(self, worker: str, info: WorkerInfo) -> int:
         with self._lock:
             self._put("hb", worker, info.slice, self.lifetimes.heartbeat_ms() / 1000)
             self._put("info", worker, info, self.lifetimes.worker_info_s())
+            return len(self.inboxes.get(worker, []))
 
     def worker_info(self, worker: str) -> WorkerInfo | None:
         got = self._get("info", worker)
@@ -225,10 +226,6 @@ class MemoryBoard:
         with self._lock:
             for worker, fields in jobs:
                 self.inboxes.setdefault(worker, []).append(dict(fields))
-
-    def inbox_unread(self, worker: str) -> int:
-        with self._lock:  # nothing reads the twin's inboxes: every job is unread
-            return len(self.inboxes.get(worker, []))
 
     def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
         entries = self.inboxes.pop(dead, [])

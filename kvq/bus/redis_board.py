@@ -26,7 +26,7 @@ from kvq.bus.records import (
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import unanswered, xadd
 from kvq.config import BusSettings
-from kvq.keys import WORKER_GROUP, Keys
+from kvq.keys import Keys
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
@@ -156,13 +156,14 @@ class RedisBoard:
             out.append(worker_view(w, sid, bool(got[2 * i]), info))
         return out
 
-    def beat(self, worker: str, info: WorkerInfo) -> None:
+    def beat(self, worker: str, info: WorkerInfo) -> int:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
         pipe.set(k.worker_heartbeat(worker), info.slice, px=life.heartbeat_ms())
         pipe.hset(k.worker_info(worker), mapping=info.to_hash())
         pipe.expire(k.worker_info(worker), life.worker_info_s())
-        pipe.execute()
+        pipe.xlen(k.worker_inbox(worker))  # answered entries are deleted: what is left waits
+        return int(pipe.execute()[-1])
 
     def worker_info(self, worker: str) -> WorkerInfo | None:
         return WorkerInfo.from_hash(self.r.hgetall(self.keys.worker_info(worker)))
@@ -181,22 +182,6 @@ class RedisBoard:
         for worker, fields in jobs:
             xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
         pipe.execute()
-
-    def inbox_unread(self, worker: str) -> int:
-        inbox = self.keys.worker_inbox(worker)
-        try:
-            groups = self.r.xinfo_groups(inbox)
-        except redis.ResponseError:  # no inbox yet
-            return 0
-        for g in groups:
-            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-            if name == WORKER_GROUP:
-                lag = g.get("lag")
-                # nil after some deletions; answered entries are deleted, so XLEN - pending
-                if lag is None:
-                    lag = max(0, int(self.r.xlen(inbox)) - int(g["pending"]))
-                return int(lag)
-        return int(self.r.xlen(inbox))  # no group yet: nothing was read
 
     def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
         inbox = self.keys.worker_inbox(dead)

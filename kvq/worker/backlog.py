@@ -4,10 +4,11 @@ A coordinator's capacity split prices each worker by what it measured itself; it
 rows that other coordinators queued on the same worker. The worker can: it reads its inbox in
 batches, decodes a batch before serving it, and so knows the rows of the job it computes
 (`busy`) and of the jobs read but not started (`queued`), per coordinator. Entries still
-unread in its inbox are known only by count (its consumer group's lag, asked only when a read
-came back full: otherwise the inbox was empty when it read) and are priced at its mean rows
-per job. The heartbeat carries the total and the per-coordinator part
-it knows, so a coordinator can leave its own rows out (`kvq.coordinator.routing`).
+unread in its inbox are known only by count: each heartbeat reads the inbox's length in its
+own round trip (answered entries are deleted, so the length less the batch's unanswered jobs
+is what waits unread), used by the next beat and priced at the worker's mean rows per job.
+The heartbeat carries the total and the per-coordinator part it knows, so a coordinator can
+leave its own rows out (`kvq.coordinator.routing`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class BacklogView:
     busy_rows: int  # rows of the job being computed
     queued_rows: int  # rows read and not started (the unread inbox is added by the beat)
     by_coord: dict[str, int]  # busy + queued rows per coordinator
-    unread_jobs: int = 0  # entries left in the inbox after the last read
+    jobs: int = 0  # jobs of the batch not answered yet (busy included)
 
     def by_coord_text(self) -> str:
         """`by_coord` as the heartbeat's JSON field (sorted, compact)."""
@@ -37,14 +38,13 @@ class Backlog:
         self._lock = threading.Lock()
         self._queued: Counter[str] = Counter()
         self._busy: tuple[str, int] | None = None
-        self._unread = 0
+        self._jobs = 0
 
-    def read(self, jobs: list[tuple[str, int]], unread: int = 0) -> None:
-        """A batch `(coordinator, rows)` was read, `unread` entries left behind; whatever
-        was left of the last batch is not there any more (a failed batch is read again from
-        the pending entries)."""
+    def read(self, jobs: list[tuple[str, int]]) -> None:
+        """A batch `(coordinator, rows)` was read; whatever was left of the last one is not
+        there any more (a failed batch is read again from the pending entries)."""
         with self._lock:
-            self._unread = unread
+            self._jobs = len(jobs)
             self._queued = Counter()
             for coord, rows in jobs:
                 self._queued[coord] += rows
@@ -60,6 +60,7 @@ class Backlog:
     def done(self) -> None:
         with self._lock:
             self._busy = None
+            self._jobs = max(0, self._jobs - 1)
 
     def view(self) -> BacklogView:
         with self._lock:
@@ -68,4 +69,4 @@ class Backlog:
             if self._busy is not None:
                 by[self._busy[0]] += self._busy[1]
                 busy = self._busy[1]
-            return BacklogView(busy, sum(self._queued.values()), dict(by), self._unread)
+            return BacklogView(busy, sum(self._queued.values()), dict(by), self._jobs)

@@ -45,6 +45,7 @@ class Membership:
         self.board, self.id, self.device, self.served = board, worker_id, device, served
         self.work = work  # (busy seconds, rows) so far: load and ms per row per beat interval
         self.backlog = backlog or Backlog()  # rows on its plate, filled by the serving loop
+        self._unread = 0  # inbox entries not read yet, as of the last beat
         self._last_work = (time.monotonic(), 0.0, 0)
         self.held: Held | None = None  # loaded and serving
         self.loading: Held | None = None  # taken from the market, still downloading
@@ -105,14 +106,16 @@ class Membership:
             model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
             state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
             total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
-            queued_rows=plate.queued_rows + self._unread_rows(plate.unread_jobs, served),
+            queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
             queued_by=plate.by_coord_text(),
         )  # fmt: skip
-        self.board.beat(self.id, info)
+        inbox = self.board.beat(self.id, info)
+        # for the next beat: what waits unread now (one beat stale, no extra round trip)
+        self._unread = max(0, inbox - plate.jobs) if self.held is not None else 0
 
     def _unread_rows(self, unread: int, served: int) -> int:
-        """Rows of the jobs still unread in the inbox, at this worker's mean rows per job
-        (no Redis call here: a beat through a slow link must stay one round trip)."""
+        """Rows of the jobs unread in the inbox at the last beat, at this worker's mean rows
+        per job (no Redis call here: a beat through a slow link must stay one round trip)."""
         rows = self.work()[1]
         return round(unread * rows / served) if unread and served else unread
 

@@ -170,10 +170,8 @@ class Worker:
         entries = self.consumer.read(count=_BATCH, block_ms=self.s.block_ms)
         jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
         plate = self.membership.backlog
-        # decoded before serving: the heartbeat reports the batch's rows per coordinator; a
-        # full batch may have left more behind (a short one emptied the inbox)
-        unread = self.board.inbox_unread(self.id) if len(entries) == _BATCH else 0
-        plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None], unread)
+        # decoded before serving: the heartbeat reports the batch's rows per coordinator
+        plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None])
         try:
             for eid, fields, job in jobs:
                 if job is not None:

@@ -320,8 +320,10 @@ def test_beats_report_busy_and_queued_rows_per_coordinator(
     held = m.volunteer()
     assert held is not None
     m.hold(held)
-    m.backlog.read([("c1", 8), ("c2", 30), ("c1", 4)], unread=2)  # 2 x 10 rows per job
+    m.backlog.read([("c1", 8), ("c2", 30), ("c1", 4)])
     m.backlog.start("c1", 8)
+    board.send_jobs([("w", {b"j": str(i).encode()}) for i in range(5)])  # its batch + 2 more
+    m.beat()  # learns the inbox's length: 2 unread, priced at 10 rows per job
     m.beat()
     info = board.worker_info("w")
     assert info is not None
@@ -331,6 +333,9 @@ def test_beats_report_busy_and_queued_rows_per_coordinator(
     assert view.queued_rows == 8 + 54 and dict(view.queued_by) == {"c1": 12, "c2": 30}
     m.backlog.done()
     m.backlog.read([])
+    board.forget_worker("w")  # its inbox too
+    board.rejoin("m", "w", b)
+    m.beat()
     m.beat()
     info = board.worker_info("w")
     assert info is not None and (info.busy_rows, info.queued_rows) == (0, 0)
@@ -341,10 +346,3 @@ def test_beats_report_busy_and_queued_rows_per_coordinator(
 def test_a_queued_by_field_that_does_not_decode_reads_as_empty(text: str) -> None:
     info = WorkerInfo(model="m", slice="s", device="cpu", queued_by=text)
     assert info.queued_by_coord() == {}
-
-
-def test_inbox_unread_counts_what_the_worker_has_not_read(board_case: BoardCase) -> None:
-    board = board_case.board
-    assert board.inbox_unread("w") == 0  # no inbox yet
-    board.send_jobs([("w", {b"j": b"1"}), ("w", {b"j": b"2"})])
-    assert board.inbox_unread("w") == 2
