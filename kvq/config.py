@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     verify_remote: bool = Field(False, description="recompute every remote result locally")
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
+    max_attempts: int = Field(
+        3, ge=1, le=100,
+        description="a request started this many times without finishing (its coordinators "
+        "died or stopped mid-request) is dead-lettered with an error event, not started again",
+    )  # fmt: skip
 
     # -- worker -------------------------------------------------------------------------
     heartbeat_ttl_s: float = Field(6.0, gt=0, description="a worker silent this long is dead")
@@ -299,7 +304,7 @@ class Settings(BaseSettings):
         return CoordinatorSettings(
             self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms,
             self.model_wait_s, self.max_tokens_limit, self.block_ms, self.reconnect_max_s,
-            self.compute_dtype,
+            self.compute_dtype, self.max_attempts,
         )  # fmt: skip
 
     @property

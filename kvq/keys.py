@@ -26,6 +26,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
+| P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
@@ -122,3 +123,7 @@ class Keys:
     # per request
     def request_reply(self, request: str) -> str:
         return f"{self.prefix}:{{r:{request}}}:reply"
+
+    def request_run(self, request: str) -> str:
+        """Which request entry owns the id, and how many runs it has had (attempt.lua)."""
+        return f"{self.prefix}:{{r:{request}}}:run"

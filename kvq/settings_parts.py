@@ -61,6 +61,7 @@ class CoordinatorSettings:
     block_ms: int
     reconnect_max_s: float
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
+    max_attempts: int = 3  # KVQ_MAX_ATTEMPTS
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
+from kvq import wire
 from kvq.bus.board import CoordinatorView, Fields
 from kvq.bus.connection import connect
 from kvq.bus.records import (
@@ -26,6 +27,7 @@ from kvq.bus.records import (
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import unanswered, xadd
 from kvq.config import BusSettings
+from kvq.errors import WireError
 from kvq.keys import Keys
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
@@ -231,6 +233,23 @@ class RedisBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
+
+    # -- requests: runs and what their reply streams already hold --------------------------
+    def start_attempt(self, request: str, entry: bytes) -> int:
+        """Start a run of `request` from its stream entry: 1 for the first, more after a
+        restart or takeover; 0 if a different entry owns the id (a duplicate request id)."""
+        return self.scripts.attempt(self.r, request, entry.decode(), self.lifetimes.reply_s())
+
+    def reply_events(self, request: str) -> list[wire.ReplyEvent]:
+        """The events written so far on `request`'s reply stream, in order (undecodable
+        entries skipped: only coordinators write there)."""
+        out = []
+        for _, fields in self.r.xrange(self.keys.request_reply(request)):
+            try:
+                out.append(wire.decode(fields, wire.ReplyEvent))
+            except WireError:
+                continue
+        return out
 
     # -- the gateway's per-key request counter ---------------------------------------------
     def count_api_call(self, key_sha: str, window_s: int) -> tuple[int, float]:

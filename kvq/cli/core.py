@@ -89,14 +89,14 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=args.stop or [],
     )  # fmt: skip
-    rid = client.send(
+    rid, entry = client.submit(
         r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling
     )
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
     try:
-        for ev in client.events(r, keys, rid, timeout_s=args.timeout):
+        for ev in client.events(r, keys, rid, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
                 ids.append(ev.token_id)
                 shown += ev.text
