@@ -78,7 +78,7 @@ def submit(
 ) -> Submitted:  # fmt: skip
     """Queue a request (a fresh id unless `request_id` is given; ids must be unique: a reused
     one is refused with an error event). RequestFailed at once, before anything is queued, for
-    `max_tokens < 1` or a model nobody registered. `messages`: a chat, rendered by the model's
+    `max_tokens < 1`, a model nobody registered, or `maxlen` requests already queued. `messages`: a chat, rendered by the model's
     chat template (instead of `prompt`)."""
     if max_tokens < 1:
         raise RequestFailed(f"max_tokens must be at least 1, got {max_tokens}")
@@ -92,7 +92,15 @@ def submit(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
         messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
     )  # fmt: skip
-    entry = xadd(r, keys.model_requests(model), wire.encode(req), maxlen)
+    stream = keys.model_requests(model)
+    queued = r.xlen(stream)
+    if queued >= maxlen:
+        raise RequestFailed(
+            f"model {model!r} has {queued} requests queued, the cap ({maxlen}, "
+            "KVQ_STREAM_MAXLEN); retry later"
+        )
+    # never trimmed: trimming would drop queued requests without an answer
+    entry = xadd(r, stream, wire.encode(req), None)
     return Submitted(request_id, entry.decode() if isinstance(entry, bytes) else str(entry))
 
 

@@ -94,8 +94,9 @@ class Gate:
             sampling=call.sampling,
         )  # fmt: skip
         # as kvq.client.send, whose checks are done above
+        # never trimmed (as kvq.client.submit): the queue check above bounds it
         entry = xadd(self.board.r, self.board.keys.model_requests(call.model),
-                     wire.encode(req), self.board.maxlen)  # fmt: skip
+                     wire.encode(req), None)  # fmt: skip
         return client.Submitted(request_id, entry.decode())
 
     def cancel(self, model: str, request_id: str) -> None:

@@ -14,10 +14,13 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 def xadd(
-    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any], maxlen: int
-) -> Any:
-    """XADD with approximate MAXLEN trimming, so no stream grows without bound."""
-    return r.xadd(stream, dict(fields), maxlen=maxlen, approximate=True)
+    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any],
+    maxlen: int | None,
+) -> Any:  # fmt: skip
+    """XADD with approximate MAXLEN trimming, so no stream grows without bound; `maxlen` None
+    for a stream whose unread entries must never be trimmed (requests: the writer checks the
+    length first and refuses instead)."""
+    return r.xadd(stream, dict(fields), maxlen=maxlen, approximate=maxlen is not None)
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str) -> None:

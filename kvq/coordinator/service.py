@@ -39,6 +39,7 @@ from kvq.model.registry import check_model_file
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
+READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)
 
 
 def streamed_tokens(history: list[wire.ReplyEvent]) -> list[int]:
@@ -132,19 +133,29 @@ class Coordinator:
     def tick(self) -> None:
         """Take over orphans, drop cancelled requests, admit what fits, run one step."""
         self._claim_orphans()
-        new = []
-        if self.engine.free:
-            block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
-            new = self.requests.read(self.engine.free, block)
         gone = self.cancels.poll()
         if gone:
             self._retire(self.engine.cancel(gone))
-        for eid, fields in new:
-            self._admit(eid, fields)
+        self._take_requests()
         self.slots.note(self.engine.busy)
         if self.engine.busy:
             self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
             self.bank.step()  # B5: dynamic updates count engine steps
+
+    def _take_requests(self) -> None:
+        """Admit new requests while slots are free. Refused ones take no slot, so reading
+        goes on (up to READ_PER_TICK entries): a flood of bad entries is answered at Redis
+        speed, not one slot's worth per engine step."""
+        block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
+        left = READ_PER_TICK
+        while self.engine.free and left > 0:
+            new = self.requests.read(min(self.engine.free, left), block)
+            if not new:
+                return
+            for eid, fields in new:
+                self._admit(eid, fields)
+            left -= len(new)
+            block = None
 
     def _claim_orphans(self) -> None:
         """Take over requests left pending by coordinators that stopped publishing slots."""
