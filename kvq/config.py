@@ -48,6 +48,10 @@ class Settings(BaseSettings):
 
     # -- Redis / bus --------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")
+    rq_url: str = Field(
+        "", description="standalone Redis for RQ's coarse jobs ('' = KVQ_REDIS_URL); RQ is not "
+        "cluster-safe"
+    )  # fmt: skip
     prefix: str = Field("kvq", description="first part of every key")
     stream_maxlen: int = Field(10_000, ge=100, description="approximate cap of every stream")
     block_ms: int = Field(1000, ge=1, le=60_000, description="blocking read timeout")
@@ -206,9 +210,11 @@ class Settings(BaseSettings):
         # "" is the documented "unset"; "None" is what child_env writes for it
         return None if isinstance(v, str) and v.strip() in ("", "None") else v
 
-    @field_validator("redis_url")
+    @field_validator("redis_url", "rq_url")
     @classmethod
-    def _check_url(cls, v: str) -> str:
+    def _check_url(cls, v: str, info: ValidationInfo) -> str:
+        if info.field_name == "rq_url" and v == "":
+            return v
         parsed = urlparse(v)
         if parsed.scheme not in _REDIS_SCHEMES:
             raise ValueError(
@@ -294,6 +300,11 @@ class Settings(BaseSettings):
             self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
             self.reprobe_ms, self.estimate_half_life_ms, self.dispatch_policy,
         )  # fmt: skip
+
+    @property
+    def coarse_url(self) -> str:
+        """Where RQ's coarse jobs live (`kvq.monitor.coarse`)."""
+        return self.rq_url or self.redis_url
 
     @property
     def dispatch(self) -> DispatchSettings:

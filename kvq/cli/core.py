@@ -33,15 +33,27 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bus.redis_board import open_board
-    from kvq.monitor import Monitor
+    from kvq.model import read_meta
+    from kvq.monitor import Monitor, coarse
 
     board = open_board(settings.bus, settings.lifetimes)
     mon = Monitor(board, settings.monitor, monitor_id=args.id)
+    models = []
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
-        mon.register(model, path, args.source)
+        read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
+        models.append((model, path))
+    jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
+    jobs.serve(board)
+    m = settings.monitor
+    for model, path in models:
+        job = jobs.enqueue(coarse.register_model, model, path, args.source, m.slice_layers,
+                           m.slice_experts, m.base_replicas)  # fmt: skip
+        log.info(
+            "registering %s from %s: RQ job %s on queue %s", model, path, job.id, jobs.queue.name
+        )
     stop_on_signals(mon.stop)
     server = None
     if settings.http_port:
@@ -53,6 +65,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     try:
         mon.run()
     finally:
+        jobs.close()
         if server is not None:
             server.shutdown()
             server.server_close()

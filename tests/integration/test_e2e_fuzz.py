@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from e2e_helpers import local_tokens, wait_for, wait_ready
 
-from kvq import client, wire
+from kvq import client
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
 from kvq.monitor import Monitor
