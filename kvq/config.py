@@ -34,7 +34,19 @@ __all__ = [
     "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
     "env_name", "load_settings",
 ]  # fmt: skip
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_SCHEMES = (
+    "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+    "rediss+sentinel",
+)  # fmt: skip
+RedisMode = Literal["auto", "standalone", "cluster", "sentinel"]
+
+
+def mode_of_url(url: str) -> str:
+    """standalone, cluster or sentinel, as the URL's scheme says (`redis+cluster://...`)."""
+    scheme = urlparse(url).scheme
+    return scheme.split("+", 1)[1] if "+" in scheme else "standalone"
+
+
 NumaPolicy = Literal["preferred", "bind", "off"]
 NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
 
@@ -48,6 +60,10 @@ class Settings(BaseSettings):
 
     # -- Redis / bus --------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")
+    redis_mode: RedisMode = Field(
+        "auto", description="standalone, cluster (Redis/Valkey Cluster) or sentinel; auto: as "
+        "KVQ_REDIS_URL's scheme says (redis+cluster://, redis+sentinel://host:port/master)"
+    )  # fmt: skip
     rq_url: str = Field(
         "", description="standalone Redis for RQ's coarse jobs ('' = KVQ_REDIS_URL); RQ is not "
         "cluster-safe"
@@ -215,6 +231,8 @@ class Settings(BaseSettings):
     def _check_url(cls, v: str, info: ValidationInfo) -> str:
         if info.field_name == "rq_url" and v == "":
             return v
+        if info.field_name == "rq_url" and mode_of_url(v) != "standalone":
+            raise ValueError("RQ is not cluster-safe: give a standalone redis:// URL")
         parsed = urlparse(v)
         if parsed.scheme not in _REDIS_SCHEMES:
             raise ValueError(
@@ -224,6 +242,28 @@ class Settings(BaseSettings):
         if parsed.scheme != "unix" and not parsed.hostname:
             raise ValueError("must name a host, e.g. redis://127.0.0.1:6379/0")
         return v
+
+    @field_validator("redis_mode")
+    @classmethod
+    def _check_mode(cls, v: str, info: ValidationInfo) -> str:
+        url = info.data.get("redis_url")
+        if url is None:
+            return v
+        implied = mode_of_url(url)
+        if v != "auto" and implied != "standalone" and implied != v:
+            raise ValueError(f"{v} contradicts KVQ_REDIS_URL's scheme, which says {implied}")
+        mode = implied if v == "auto" else v
+        if mode != "standalone" and urlparse(url).scheme == "unix":
+            raise ValueError(f"{mode} needs host:port URLs, not unix://")
+        if mode == "sentinel" and not urlparse(url).path.strip("/"):
+            raise ValueError(
+                "sentinel needs the master's name: redis+sentinel://host:26379/mymaster"
+            )
+        return v
+
+    @property
+    def redis_mode_resolved(self) -> str:
+        return mode_of_url(self.redis_url) if self.redis_mode == "auto" else self.redis_mode
 
     @field_validator("prefix")
     @classmethod
@@ -283,7 +323,7 @@ class Settings(BaseSettings):
     def bus(self) -> BusSettings:
         return BusSettings(
             self.redis_url, self.prefix, self.stream_maxlen, self.block_ms,
-            self.reconnect_max_s, self.socket_timeout_s,
+            self.reconnect_max_s, self.socket_timeout_s, self.redis_mode_resolved,
         )  # fmt: skip
 
     @property
@@ -303,8 +343,11 @@ class Settings(BaseSettings):
 
     @property
     def coarse_url(self) -> str:
-        """Where RQ's coarse jobs live (`kvq.monitor.coarse`)."""
-        return self.rq_url or self.redis_url
+        """Where RQ's coarse jobs live (`kvq.monitor.coarse`); "" when there is no standalone
+        server for them (KVQ_RQ_URL unset on a cluster or Sentinel): they then run inline."""
+        if self.rq_url:
+            return self.rq_url
+        return self.redis_url if self.redis_mode_resolved == "standalone" else ""
 
     @property
     def dispatch(self) -> DispatchSettings:

@@ -18,6 +18,7 @@ from kvq import client, wire
 from kvq.bus import redacted_url
 from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings, child_env
 from kvq.errors import KvqError
 from kvq.model import make_tiny, read_meta
@@ -37,12 +38,17 @@ class DemoOptions:
     max_tokens: int = 32
     timeout_s: float = 120.0
     log_dir: str | None = None
+    cluster: int = 0  # > 0: a local Redis Cluster of this many masters instead of one server
 
 
 def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[str, Any]:
     """Run the demo; returns the summary (the `--json` document)."""
     t0 = time.monotonic()
-    server = None if opts.redis_url else EmbeddedRedis().start()
+    server: EmbeddedRedis | EmbeddedCluster | None = None
+    if opts.cluster:
+        server = EmbeddedCluster(opts.cluster).start()
+    elif not opts.redis_url:
+        server = EmbeddedRedis().start()
     url = opts.redis_url or (server.url if server else "")
     tmp = tempfile.TemporaryDirectory(prefix="kvq-demo-")
     children: Children | None = None
@@ -88,7 +94,14 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             lambda: _stats(board).completed >= opts.requests, 30, "final coordinator stats"
         )
         children.wait_for(lambda: not _saturated(board), 30, "drain")
-        summary = _summary(board, burst, redacted_url(url) if not server else "embedded", t0)
+        label = (
+            redacted_url(url)
+            if not server
+            else f"cluster of {opts.cluster}"
+            if opts.cluster
+            else "embedded"
+        )
+        summary = _summary(board, burst, label, t0)
         return summary
     finally:
         if children is not None:
@@ -142,10 +155,17 @@ def _burst(board: RedisBoard, opts: DemoOptions, children: Children) -> dict[str
         if children.dead():
             raise ChildDied(f"{', '.join(children.dead())} exited during the burst")
         peak_saturated |= _saturated(board)
-        streams = {keys.request_reply(i): cursors[i] for i in ids if i not in done}
-        for key, entries in r.xread(streams, count=256, block=200) or []:
-            rid = key.decode().split("{r:")[1].split("}")[0]
-            for eid, fields in entries:
+        # one XREAD per reply stream, pipelined: each has its own hash tag (a cluster spreads
+        # them), so no one command may name several
+        waiting = [i for i in ids if i not in done]
+        pipe = r.pipeline(transaction=False)
+        for i in waiting:
+            pipe.xread({keys.request_reply(i): cursors[i]}, count=256)
+        got = pipe.execute()
+        if not any(got):
+            time.sleep(0.02)
+        for rid, resp in zip(waiting, got, strict=True):
+            for eid, fields in resp[0][1] if resp else []:
                 cursors[rid] = eid
                 ev = wire.decode(fields, wire.ReplyEvent)
                 if ev.kind == "done":

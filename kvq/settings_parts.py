@@ -19,6 +19,7 @@ class BusSettings:
     block_ms: int
     reconnect_max_s: float
     socket_timeout_s: float
+    mode: str = "standalone"  # KVQ_REDIS_MODE resolved: standalone, cluster or sentinel
 
 
 @dataclass(frozen=True, slots=True)

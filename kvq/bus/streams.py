@@ -13,6 +13,13 @@ from kvq.keys import Keys
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
+def is_cluster(r: Any) -> bool:
+    """Whether `r` is a Redis Cluster client (pipelines there are split per node)."""
+    from redis.cluster import RedisCluster
+
+    return isinstance(r, RedisCluster)
+
+
 def xadd(
     r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any],
     maxlen: int | None,
@@ -120,6 +127,11 @@ class Consumer:
             xadd(pipe, stream, fields, maxlen)
             if ttl_s is not None:
                 pipe.expire(stream, ttl_s)
+        if entry_ids and is_cluster(self.r):
+            # a cluster pipeline runs per node, in no order between nodes: the answers
+            # (other hash tags) must be written before the ack, so that takes a round trip
+            pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
         if entry_ids:
             pipe.xack(self.stream, self.group, *entry_ids)
             pipe.xdel(self.stream, *entry_ids)  # answered: see `ack`

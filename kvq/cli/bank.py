@@ -18,8 +18,11 @@ def _on_rq(settings: Settings, func: Any, *args: Any) -> Any:
     """Run a coarse job on RQ (a running `kvq monitor` executes it) and wait for its result."""
     import os
 
+    from kvq.errors import ConfigError
     from kvq.monitor.coarse import JOB_TIMEOUT_S, CoarseJobs
 
+    if not settings.coarse_url:
+        raise ConfigError("--rq needs a standalone Redis for RQ: set KVQ_RQ_URL")
     jobs = CoarseJobs(settings.coarse_url, settings.prefix, f"cli-{os.getpid()}")
     try:
         job = jobs.enqueue(func, *args)

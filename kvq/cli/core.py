@@ -45,15 +45,21 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
         read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
         models.append((model, path))
-    jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
-    jobs.serve(board)
+    jobs = None
+    if settings.coarse_url:
+        jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
+        jobs.serve(board)
+    elif models:
+        log.info("KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
+                 "inline (RQ needs a standalone Redis)")  # fmt: skip
     m = settings.monitor
     for model, path in models:
+        if jobs is None:
+            mon.register(model, path, args.source)
+            continue
         job = jobs.enqueue(coarse.register_model, model, path, args.source, m.slice_layers,
                            m.slice_experts, m.base_replicas)  # fmt: skip
-        log.info(
-            "registering %s from %s: RQ job %s on queue %s", model, path, job.id, jobs.queue.name
-        )
+        log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
     stop_on_signals(mon.stop)
     server = None
     if settings.http_port:
@@ -65,7 +71,8 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     try:
         mon.run()
     finally:
-        jobs.close()
+        if jobs is not None:
+            jobs.close()
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -133,6 +140,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     opts = DemoOptions(
         redis_url=args.redis, model_path=args.model, workers=args.workers,
         requests=args.requests, max_tokens=args.max_tokens, log_dir=args.log_dir,
+        cluster=args.cluster,
     )  # fmt: skip
 
     def say(msg: str) -> None:
@@ -170,6 +178,13 @@ def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
 
     stop = threading.Event()
     stop_on_signals(stop)
+    if args.cluster:
+        from kvq.cluster import EmbeddedCluster
+
+        with EmbeddedCluster(args.cluster, args.cluster_replicas, data_dir=args.dir) as cl:
+            print(cl.url, flush=True)  # KVQ_REDIS_URL for every kvq process
+            stop.wait()
+        return EXIT_OK
     with EmbeddedRedis(port=args.port, data_dir=args.dir, persist=args.dir is not None) as srv:
         print(srv.url, flush=True)
         stop.wait()
@@ -223,12 +238,18 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     d.add_argument("--requests", type=int, default=16)
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--log-dir", help="write each process's log here")
+    d.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run on a local Redis Cluster of N masters (not with --redis)")  # fmt: skip
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
     sv.add_argument("--port", type=int, default=6379)
     sv.add_argument("--dir", help="data directory (persists across restarts)")
+    sv.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="a local Redis Cluster of N masters on free ports instead")  # fmt: skip
+    sv.add_argument("--cluster-replicas", type=int, default=0, metavar="R",
+                    help="with --cluster: R replicas per master")  # fmt: skip
     sv.set_defaults(fn=cmd_server)
 
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
