@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -13,6 +12,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvq.config import BusSettings
+from kvq.redact import redacted_url
+
+__all__ = ["Backoff", "connect", "connect_async", "is_connection_error", "redacted_url"]
 
 
 def connect(settings: BusSettings) -> redis.Redis:
@@ -69,12 +71,3 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
-
-
-def redacted_url(url: str) -> str:
-    """The URL without its password, for printing."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))

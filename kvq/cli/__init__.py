@@ -18,6 +18,7 @@ from kvq.cli import api, bank, core, deadletter, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
+from kvq.redact import install_log_redaction, redacted_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("gguf").setLevel(logging.WARNING)
+    install_log_redaction()
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
     try:
         settings = load_settings()
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KvqError as exc:
-        print(f"kvq: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvq: {type(exc).__name__}: {redacted_text(str(exc))}", file=sys.stderr)
         return EXIT_FAIL
     except TimeoutError as exc:
         print(f"kvq: timed out: {exc}", file=sys.stderr)

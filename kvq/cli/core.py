@@ -32,11 +32,10 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bus.redis_board import open_board
     from kvq.monitor import Monitor
 
-    board = open_board(settings.bus, settings.lifetimes)
-    mon = Monitor(board, settings.monitor, monitor_id=args.id)
+    mon = Monitor.from_settings(settings, monitor_id=args.id)
+    board = mon.board
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
@@ -73,7 +72,9 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.worker import Worker
 
-    worker = Worker.from_settings(settings, node_id(args.id, "worker"))
+    from kvq.identity import default_worker_id
+
+    worker = Worker.from_settings(settings, args.id or default_worker_id(settings.state_dir))
     stop_on_signals(worker.stop)
     worker.run()
     return EXIT_OK
@@ -187,7 +188,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     co.set_defaults(fn=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run a worker (outbound connections only)")
-    w.add_argument("--id", help="worker id (default worker-HOSTNAME)")
+    w.add_argument(
+        "--id", help="worker id: 1-64 of A-Z a-z 0-9 _ . - (default: HOSTNAME-<kept suffix>)"
+    )
     w.set_defaults(fn=cmd_worker)
 
     s = sub.add_parser("submit", help="send a prompt and stream the completion")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import redis
 import torch
@@ -25,11 +26,12 @@ import torch
 from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
+from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import compute_dtype, pick_device
 from kvq.errors import BankError, KvqError, ModelError, WireError
-from kvq.keys import WORKER_GROUP
+from kvq.keys import WORKER_GROUP, check_id
 from kvq.model import decode_slice
 from kvq.worker.fetch import fetch_slice
 from kvq.worker.membership import Held, Membership
@@ -42,13 +44,17 @@ class Worker:
     """One worker; `run()` until `stop` is set (or it idles out)."""
 
     def __init__(
-        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str
-    ) -> None:
-        self.board, self.s, self.bank_options, self.id = board, settings, bank, worker_id
+        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str,
+        market: Market | None = None, instance: str | None = None,
+    ) -> None:  # fmt: skip
+        self.board, self.s, self.bank_options = board, settings, bank
+        self.id = check_id("worker id", worker_id)
         self.device = pick_device(settings.device)
         self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
-        self.membership = Membership(board, worker_id, str(self.device), self._served, self._work)
+        self.membership = Membership(
+            board, worker_id, str(self.device), self._served, self._work, market, instance
+        )
         self.stop = threading.Event()
         self._idle_since = time.monotonic()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
@@ -57,7 +63,14 @@ class Worker:
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
         board = open_board(settings.bus, settings.lifetimes)
-        return cls(board, settings.worker, BankOptions.from_settings(settings), worker_id)
+        instance = uuid.uuid4().hex
+        market: Market | None = None
+        if _through_monitor(board, settings.worker.market):
+            market = MarketDoor(
+                board.r, board.keys, instance, settings.worker.market_wait_s, board.maxlen
+            )
+        bank = BankOptions.from_settings(settings)
+        return cls(board, settings.worker, bank, worker_id, market, instance)
 
     @property
     def holding(self) -> Held | None:
@@ -79,6 +92,7 @@ class Worker:
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
+        self.membership.claim(self.board.lifetimes.claim_wait_s())
         self.membership.start()
         try:
             while not self.stop.is_set():
@@ -194,13 +208,16 @@ class Worker:
         except WireError as exc:
             self._dead_letter(eid, fields, str(exc))
             return
+        own = self.board.keys.worker_results(self.id, job.coord)
+        if job.reply_to != own:  # results are attributed by the stream they arrive in
+            self._dead_letter(eid, fields, f"reply_to {job.reply_to!r} is not {own!r}")
+            return
         result = self.server.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
+        ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
         try:
-            self.consumer.answer(
-                [(job.reply_to, wire.encode(result), None)], [eid], self.board.maxlen
-            )
+            self.consumer.answer([(own, wire.encode(result), ttl_s)], [eid], self.board.maxlen)
         except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
             self._dead_letter(eid, fields, f"cannot write the result to {job.reply_to!r}: {exc}")
 
@@ -215,6 +232,15 @@ class Worker:
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+def _through_monitor(board: RedisBoard, mode: str) -> bool:
+    """`KVQ_WORKER_MARKET`: auto asks the monitor unless connected as the default user (which
+    may run the market's scripts itself)."""
+    if mode != "auto":
+        return mode == "monitor"
+    who = board.r.execute_command("ACL", "WHOAMI")
+    return bool(who not in (b"default", "default"))
 
 
 def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
