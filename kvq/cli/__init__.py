@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from kvq.cli import api, bank, core, deadletter, health, model, swarm
+from kvq.cli import acl, api, bank, core, deadletter, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
-    for area in (core, api, health, model, bank, swarm, deadletter):
+    for area in (core, api, health, model, bank, swarm, deadletter, acl):
         area.register(sub, bench)
     return p
 

@@ -32,10 +32,11 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bus.redis_board import open_board
     from kvq.monitor import Monitor
 
-    mon = Monitor.from_settings(settings, monitor_id=args.id)
-    board = mon.board
+    board = open_board(settings.bus, settings.lifetimes)
+    mon = Monitor.on_redis(board, settings.monitor, monitor_id=args.id)
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
@@ -70,9 +71,8 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.worker import Worker
-
     from kvq.identity import default_worker_id
+    from kvq.worker import Worker
 
     worker = Worker.from_settings(settings, args.id or default_worker_id(settings.state_dir))
     stop_on_signals(worker.stop)

@@ -35,7 +35,7 @@ from kvq.bus import Backoff, is_connection_error
 from kvq.bus.board import Board
 from kvq.bus.market import MarketDesk
 from kvq.bus.records import ModelState
-from kvq.bus.redis_board import open_board
+from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import MonitorSettings, Settings
 from kvq.model.registry import ModelInfo, plan_model
 from kvq.monitor.hysteresis import Hysteresis
@@ -66,8 +66,15 @@ class Monitor:
     @classmethod
     def from_settings(cls, settings: Settings, monitor_id: str | None = None) -> Monitor:
         board = open_board(settings.bus, settings.lifetimes)
+        return cls.on_redis(board, settings.monitor, monitor_id)
+
+    @classmethod
+    def on_redis(
+        cls, board: RedisBoard, settings: MonitorSettings, monitor_id: str | None = None
+    ) -> Monitor:
+        """A monitor that also answers workers' market asks (`kvq.bus.market`)."""
         desk = MarketDesk(board, board.r, board.keys, board.maxlen)
-        return cls(board, settings.monitor, monitor_id=monitor_id, desk=desk)
+        return cls(board, settings, monitor_id=monitor_id, desk=desk)
 
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""

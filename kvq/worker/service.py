@@ -24,13 +24,14 @@ import redis
 import torch
 
 from kvq import wire
+from kvq.acl import user_name
 from kvq.bank import Bank, BankOptions
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import compute_dtype, pick_device
-from kvq.errors import BankError, KvqError, ModelError, WireError
+from kvq.errors import BankError, ConfigError, KvqError, ModelError, WireError
 from kvq.keys import WORKER_GROUP, check_id
 from kvq.model import decode_slice
 from kvq.worker.fetch import fetch_slice
@@ -62,10 +63,11 @@ class Worker:
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
+        check_id("worker id", worker_id)
         board = open_board(settings.bus, settings.lifetimes)
         instance = uuid.uuid4().hex
         market: Market | None = None
-        if _through_monitor(board, settings.worker.market):
+        if _through_monitor(board, settings.worker.market, worker_id):
             market = MarketDoor(
                 board.r, board.keys, instance, settings.worker.market_wait_s, board.maxlen
             )
@@ -234,13 +236,21 @@ class Worker:
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
 
 
-def _through_monitor(board: RedisBoard, mode: str) -> bool:
+def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     """`KVQ_WORKER_MARKET`: auto asks the monitor unless connected as the default user (which
-    may run the market's scripts itself)."""
+    may run the market's scripts itself). A worker logged in as another worker's ACL user
+    fails here, at start, rather than on its first NOPERM."""
+    got = board.r.execute_command("ACL", "WHOAMI")
+    who = got.decode() if isinstance(got, bytes) else str(got)
+    mine = user_name(board.keys.prefix, "worker", worker_id)
+    if who.startswith(user_name(board.keys.prefix, "worker", "x")[:-1]) and who != mine:
+        raise ConfigError(
+            f"logged in as ACL user {who!r}, which may only serve as its own worker id; "
+            f"--id {worker_id!r} needs the user {mine!r}"
+        )
     if mode != "auto":
         return mode == "monitor"
-    who = board.r.execute_command("ACL", "WHOAMI")
-    return bool(who not in (b"default", "default"))
+    return who != "default"
 
 
 def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
