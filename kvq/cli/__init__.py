@@ -14,6 +14,8 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+import redis
+
 from kvq.cli import acl, api, bank, core, deadletter, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
@@ -66,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAIL
     except TimeoutError as exc:
         print(f"kvq: timed out: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except redis.RedisError as exc:  # e.g. NOPERM, or a TLS failure met after the start
+        line = " ".join(redacted_text(str(exc)).split())
+        print(f"kvq: redis: {type(exc).__name__}: {line}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         print("kvq: interrupted", file=sys.stderr)

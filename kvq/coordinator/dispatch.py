@@ -73,10 +73,11 @@ class Dispatcher:
         return self.keys.worker_results(worker, self.coord)
 
     def send(self, jobs: list[tuple[str, Fields]]) -> None:
-        """Post jobs; a worker's results stream is read from its first job on, emptied first
+        """Post jobs. The results stream of every worker serving this model is read from then
+        on (the monitor may move a dead worker's jobs to a peer of its slice), emptied first
         (job ids restart with each run: an earlier run's results must not match)."""
         fresh = []
-        for worker in dict.fromkeys(w for w, _ in jobs):
+        for worker in dict.fromkeys([*(w for w, _ in jobs), *self.routing.holders]):
             key = self.results_key(worker)
             if self.results.watch(key):
                 self.senders[key] = worker
@@ -248,10 +249,11 @@ class _LayerCall:
         except WireError as exc:
             dead_letter(d.r, d.keys, stream, eid, fields, str(exc), d.maxlen)
             return
-        sender = d.senders.get(stream)
-        # who answered is where it arrived, never the result's `worker` field
+        sender = d.senders.get(stream, "")
+        # who answered is where it arrived, never the result's `worker` field: the worker the
+        # job went to, or a peer of its slice the monitor moved it to when that worker died
         p = d.shadows.get(res.job_id) or self.pending.get(res.job_id)
-        if p is not None and p.worker != sender:
+        if p is not None and sender != p.worker and d.routing.holders.get(sender) != p.spec.sid:
             stats.foreign_results += 1
             log.warning("result for job %s sent to %s arrived from %s; ignored",
                         res.job_id, p.worker, sender)  # fmt: skip
@@ -276,7 +278,7 @@ class _LayerCall:
             return
         stats.remote_jobs += 1
         d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
-        d.per_worker[p.worker] = d.per_worker.get(p.worker, 0) + 1
+        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
         if d.s.verify_remote:
             self._verify(p, y)
         self.partials[p.spec.sid] = y

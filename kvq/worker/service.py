@@ -210,10 +210,10 @@ class Worker:
         except WireError as exc:
             self._dead_letter(eid, fields, str(exc))
             return
+        # always this worker's own results stream for the job's coordinator, whatever
+        # `reply_to` says (a job moved here from a dead peer names the peer's): results are
+        # attributed by where they arrive, and a forged job cannot aim a result elsewhere
         own = self.board.keys.worker_results(self.id, job.coord)
-        if job.reply_to != own:  # results are attributed by the stream they arrive in
-            self._dead_letter(eid, fields, f"reply_to {job.reply_to!r} is not {own!r}")
-            return
         result = self.server.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
@@ -221,7 +221,7 @@ class Worker:
         try:
             self.consumer.answer([(own, wire.encode(result), ttl_s)], [eid], self.board.maxlen)
         except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
-            self._dead_letter(eid, fields, f"cannot write the result to {job.reply_to!r}: {exc}")
+            self._dead_letter(eid, fields, f"cannot write the result to {own!r}: {exc}")
 
     def _dead_letter(
         self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
