@@ -21,11 +21,12 @@ import redis
 import torch
 
 from kvq import wire
-from kvq.bus import Tail, dead_letter
+from kvq.bus import dead_letter
 from kvq.bus.board import Board, Fields
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
+from kvq.coordinator.results import WorkerResults
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
@@ -62,28 +63,16 @@ class Dispatcher:
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
-        self.results = Tail(r)  # one results stream per worker: P:{w:W}:results:<coord>
-        self.senders: dict[str, str] = {}  # results stream -> the worker it belongs to
+        self.results = WorkerResults(r, keys, coord_id)
         self._seq = itertools.count()
         self._layer_slices = {
             layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
         }
 
-    def results_key(self, worker: str) -> str:
-        return self.keys.worker_results(worker, self.coord)
-
     def send(self, jobs: list[tuple[str, Fields]]) -> None:
-        """Post jobs. The results stream of every worker serving this model is read from then
-        on (the monitor may move a dead worker's jobs to a peer of its slice), emptied first
-        (job ids restart with each run: an earlier run's results must not match)."""
-        fresh = []
-        for worker in dict.fromkeys([*(w for w, _ in jobs), *self.routing.holders]):
-            key = self.results_key(worker)
-            if self.results.watch(key):
-                self.senders[key] = worker
-                fresh.append(key)
-        if fresh:
-            self.r.delete(*fresh)
+        """Post jobs; the results of every worker serving this model are read from then on
+        (the monitor may move a dead worker's jobs to a peer of its slice)."""
+        self.results.watch([*(w for w, _ in jobs), *self.routing.holders])
         self.board.send_jobs(jobs)
 
     def for_step(self, busy: int, total: int) -> _StepMoe:
@@ -195,8 +184,8 @@ class _LayerCall:
         if self.pending:
             self._gather()
         elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
-            for stream, eid, fields in d.results.read_from(count=256, block_ms=None):
-                self._accept(stream, eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=None):
+                self._accept(sender, stream, eid, fields)
         self._expire_shadows()
         out = torch.zeros_like(self.x)
         for spec, rows in order:
@@ -208,7 +197,7 @@ class _LayerCall:
         return wire.Job(
             job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
             expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=d.coord, reply_to=d.results_key(worker), deadline_ms=self.deadline_ms,
+            coord=d.coord, reply_to=d.results.key(worker), deadline_ms=self.deadline_ms,
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
@@ -235,21 +224,20 @@ class _LayerCall:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
-            for stream, eid, fields in d.results.read_from(count=256, block_ms=left_ms):
-                self._accept(stream, eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
+                self._accept(sender, stream, eid, fields)
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             self.fallback(p, float(d.s.job_deadline_ms))
         self.pending.clear()
 
-    def _accept(self, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
+    def _accept(self, sender: str, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
         d, stats = self.d, self.d.stats
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
             dead_letter(d.r, d.keys, stream, eid, fields, str(exc), d.maxlen)
             return
-        sender = d.senders.get(stream, "")
         # who answered is where it arrived, never the result's `worker` field: the worker the
         # job went to, or a peer of its slice the monitor moved it to when that worker died
         p = d.shadows.get(res.job_id) or self.pending.get(res.job_id)
@@ -277,7 +265,7 @@ class _LayerCall:
             self.fallback(p, latency_ms)
             return
         stats.remote_jobs += 1
-        d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
+        d.routing.observe_result(sender, latency_ms, int(p.rows.numel()), res.compute_ms)
         d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
         if d.s.verify_remote:
             self._verify(p, y)
