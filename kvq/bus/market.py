@@ -175,7 +175,10 @@ class MarketDesk:
         entries = self.r.xrange(asks, count=_ASKS_MAXLEN)
         for eid, f in entries:
             ask = {_s(k): _s(v) for k, v in f.items()}
-            answer = self._answer(worker, ask)
+            try:
+                answer = self._answer(worker, ask)
+            except (KvqError, redis.ResponseError) as exc:  # answered, never retried forever
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
             answer |= {"v": "1", "nonce": ask.get("nonce", "")}
             pipe = self.r.pipeline(transaction=False)
             xadd(pipe, self.keys.worker_answers(worker), answer, _ASKS_MAXLEN)

@@ -127,6 +127,9 @@ class Monitor:
             except redis.RedisError as exc:
                 log.warning("market: %s; retrying", exc)
                 self.stop.wait(self.s.poll_s)
+            except Exception:  # noqa: BLE001 - one bad ask must not stop recruitment
+                log.exception("market: answering asks failed; going on")
+                self.stop.wait(self.s.poll_s)
 
     def _lead(self) -> bool:
         """Take or renew the lease; logs each change between active and standby."""

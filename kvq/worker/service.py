@@ -240,7 +240,10 @@ def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     """`KVQ_WORKER_MARKET`: auto asks the monitor unless connected as the default user (which
     may run the market's scripts itself). A worker logged in as another worker's ACL user
     fails here, at start, rather than on its first NOPERM."""
-    got = board.r.execute_command("ACL", "WHOAMI")
+    try:
+        got = board.r.execute_command("ACL", "WHOAMI")
+    except redis.ResponseError:  # a server before ACLs (Redis < 6): everyone is "default"
+        got = b"default"
     who = got.decode() if isinstance(got, bytes) else str(got)
     mine = user_name(board.keys.prefix, "worker", worker_id)
     if who.startswith(user_name(board.keys.prefix, "worker", "x")[:-1]) and who != mine:
