@@ -9,8 +9,9 @@
 | worker W    | `P-worker-W`            | its own `P:{w:W}:*` keys (inbox, beat, asks, results);  |
 |             |                         | read the model tables; `XADD` to `P:market` and         |
 |             |                         | `P:deadletter`; no scripts                              |
-| client      | `P-client`              | `XADD` requests and cancels, read reply streams, read   |
-|             |                         | the model list and tables, the API key counters         |
+| client      | `P-client`              | `XADD` requests and cancels, read (and delete) reply    |
+|             |                         | streams, read the model list and tables, slot state,    |
+|             |                         | the requests' length; the API key counters              |
 
 `P` is the prefix. ACL key patterns are globs: the prefix is escaped and worker ids are limited to
 `[A-Za-z0-9_.-]` (`kvq.keys.check_id`), so `P:{w:W}:*` reaches no other worker's keys. `%R~`/`%W~`
@@ -90,7 +91,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         rules = [
             "resetkeys", "-@all", *_CONNECT,
             f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
-            f"(%R~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl)",
+            # `kvq api` deletes a reply stream it has read to its end (its only reader)
+            f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
             f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xinfo|stream)",
             f"(%R~{p}:{{c:*}}:slots +hgetall +hget +exists)",

@@ -57,6 +57,21 @@ CLIENT_FORBIDDEN = {
     "write a reply": ("XADD", "{reply}", "*", "kind", "done"),
     "write the model table": ("HSET", "{meta}", "source", "x"),
 }
+CLIENT_ALLOWED = {  # what kvq.client and `kvq api` do
+    "queue a request": ("XADD", "{requests}", "MAXLEN", "~", "10000", "*", "t", "request"),
+    "cancel one": ("XADD", "{cancel}", "*", "t", "cancel"),
+    "read its reply stream": ("XREAD", "COUNT", "256", "STREAMS", "{reply}", "0-0"),
+    "drop the reply stream it read": ("DEL", "{reply}"),
+    "check the model is registered": ("SISMEMBER", "{models}", "tiny"),
+    "list models": ("SMEMBERS", "{models}"),
+    "list coordinators": ("SMEMBERS", "{coordinators}"),
+    "read a coordinator's slots": ("HGETALL", "{slots}"),
+    "measure the queue": ("XLEN", "{requests}"),
+    "count an API key's calls": ("SET", "{calls}", "0", "EX", "60", "NX"),
+    "count one more": ("INCR", "{calls}"),
+    "see the window left": ("PTTL", "{calls}"),
+    "ping": ("PING",),
+}
 COORD_FORBIDDEN = {
     "repoint meta.source": ("HSET", "{meta}", "source", "x"),
     "raise demand": ("HSET", "{target}", "{sid}", "99"),
@@ -89,7 +104,9 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
         "meta": k.model_meta("tiny"), "reply": k.request_reply("R"),
         "requests": k.model_requests("tiny"), "asks_b": k.worker_asks("b"),
         "answers_b": k.worker_answers("b"), "deadletter": k.deadletter(), "models": k.models(),
-        "market": k.market(),
+        "market": k.market(), "cancel": k.model_cancels("tiny"),
+        "coordinators": k.model_coordinators("tiny"), "slots": k.coord_slots("c1"),
+        "calls": k.apikey_calls("0123456789abcdef"),
     }  # fmt: skip
 
 
@@ -116,6 +133,11 @@ def test_a_worker_can(what: str, world: dict[str, str], as_role: RoleSettings) -
 def test_a_client_cannot(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
     with pytest.raises(redis.exceptions.NoPermissionError):
         _run(as_role("client"), CLIENT_FORBIDDEN[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(CLIENT_ALLOWED))
+def test_a_client_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("client"), CLIENT_ALLOWED[what], world)
 
 
 @pytest.mark.parametrize("what", sorted(COORD_FORBIDDEN))
