@@ -107,6 +107,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
 def users(keys: Keys, roles: list[str], workers: list[str]) -> list[AclUser]:
     """The users of `roles` (every role when empty), one per worker id for the worker role."""
     out = []
+    if "worker" in roles and not workers:
+        raise ConfigError("--role worker needs at least one --worker ID (one user per worker)")
     for role in roles or list(ROLES):
         if role == "worker":
             out += [role_user(keys, role, w) for w in workers]

@@ -26,7 +26,7 @@ import redis
 
 from kvq.bus.board import Board
 from kvq.bus.streams import xadd
-from kvq.errors import BusError, IdentityInUse, KvqError
+from kvq.errors import IdentityInUse, KvqError
 from kvq.keys import Keys, check_id
 
 log = logging.getLogger("kvq.bus")
@@ -118,9 +118,11 @@ class MarketDoor:
             for _, f in entries:
                 got = {_s(k): _s(v) for k, v in f.items()}
                 if got.get("nonce") == nonce:
-                    if got.get("error"):
-                        why = f"the monitor refused {op} of {worker}: {got['error']}"
-                        raise IdentityInUse(why) if got.get("in_use") else BusError(why)
+                    if got.get("in_use"):
+                        raise IdentityInUse(f"the monitor refused {op} of {worker}: {got['error']}")
+                    if got.get("error"):  # as if unanswered: the caller asks again later
+                        log.warning("the monitor refused %s of %s: %s", op, worker, got["error"])
+                        return None
                     return got
         log.info("no monitor answered %s of %s within %.1fs", op, worker, self.wait_s)
         return None
@@ -191,7 +193,7 @@ class MarketDesk:
     def _answer(self, worker: str, ask: dict[str, str]) -> dict[str, str]:
         op, model, sid = ask.get("op", ""), ask.get("model", ""), ask.get("slice", "")
         live = self.board.worker_instance(worker)
-        if live is not None and live != ask.get("instance"):
+        if live and live != ask.get("instance"):  # "" or None: no process claims it now
             self.refused += 1
             log.warning("refused %s of %s: another live process uses this id", op, worker)
             return {"error": f"worker id {worker!r} is in use by another live process",

@@ -22,7 +22,7 @@ import redis
 from kvq.bus.board import Board
 from kvq.bus.market import BoardMarket, Held, Market
 from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
-from kvq.errors import IdentityInUse
+from kvq.errors import IdentityInUse, KvqError
 
 log = logging.getLogger("kvq.worker")
 
@@ -135,10 +135,12 @@ class Membership:
             h, self.held = self.held or self.loading, None
             self.loading = None
             try:
+                if self.board.worker_instance(self.id) not in (None, "", self.instance):
+                    return  # another live process has this id: its keys are not ours to drop
                 if h is not None:
                     self.market.release(h.model, self.id)
                 self.board.forget_worker(self.id)  # an idle worker's beat goes too
-            except redis.RedisError:
+            except (redis.RedisError, KvqError):
                 pass  # the monitor reaps us once the heartbeat expires
 
     def retire(self) -> Held | None:
@@ -167,3 +169,5 @@ class Membership:
                 self.beat()
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
+            except KvqError as exc:  # e.g. IdentityInUse: the main loop meets it at its next ask
+                log.error("heartbeat: %s", exc)
