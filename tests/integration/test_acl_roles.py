@@ -81,6 +81,22 @@ COORD_FORBIDDEN = {
 }
 
 
+COORD_ALLOWED = {  # a dead coordinator's requests taken over, jobs posted, results emptied
+    "list the request group's consumers": ("XINFO", "CONSUMERS", "{requests}", "coordinators"),
+    "count pending requests": ("XPENDING", "{requests}", "coordinators"),
+    "claim them": ("XCLAIM", "{requests}", "coordinators", "c1", "0", "0-1"),
+    "drop the dead consumer": ("XGROUP", "DELCONSUMER", "{requests}", "coordinators", "dead"),
+    "post a job": ("XADD", "{inbox_b}", "*", "t", "job"),
+    "read a worker's results": ("XREAD", "STREAMS", "{results_b}", "0-0"),
+    "empty them": ("DEL", "{results_b}"),
+    "read the cancels": ("XREAD", "STREAMS", "{cancel}", "0-0"),
+    "write a reply": ("XADD", "{reply}", "*", "kind", "token"),
+    "renew it": ("EXPIRE", "{reply}", "600"),
+    "read a beat": ("EXISTS", "{hb_b}"),
+    "read the assignments": ("HGETALL", "{workers}"),
+}
+
+
 @pytest.fixture
 def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str]:
     """A registered model, a peer worker `b` with one job pending in its inbox, a request."""
@@ -95,6 +111,7 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
     r.set(k.worker_heartbeat("b"), "x", px=60_000)
     r.xadd(k.request_reply("R"), {"kind": "token"})
     r.xadd(k.model_requests("tiny"), {"t": "request"})
+    r.xgroup_create(k.model_requests("tiny"), "coordinators", id="0")
     return {
         "sid": sid, "eid": eid, "inbox_a": k.worker_inbox("a"), "inbox_b": k.worker_inbox("b"),
         "results_a": k.worker_results("a", "c1"), "results_b": k.worker_results("b", "c1"),
@@ -138,6 +155,11 @@ def test_a_client_cannot(what: str, world: dict[str, str], as_role: RoleSettings
 @pytest.mark.parametrize("what", sorted(CLIENT_ALLOWED))
 def test_a_client_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
     _run(as_role("client"), CLIENT_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(COORD_ALLOWED))
+def test_a_coordinator_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("coordinator"), COORD_ALLOWED[what], world)
 
 
 @pytest.mark.parametrize("what", sorted(COORD_FORBIDDEN))
