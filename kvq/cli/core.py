@@ -121,6 +121,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     opts = DemoOptions(
         redis_url=args.redis, model_path=args.model, workers=args.workers,
         requests=args.requests, max_tokens=args.max_tokens, log_dir=args.log_dir,
+        acl=args.acl,
     )  # fmt: skip
 
     def say(msg: str) -> None:
@@ -214,6 +215,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--log-dir", help="write each process's log here")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--acl", action="store_true",
+                   help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
     d.set_defaults(fn=cmd_demo)
 
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
