@@ -76,6 +76,14 @@ class Settings(BaseSettings):
     )
     reconnect_max_s: float = Field(10.0, gt=0, description="longest backoff between reconnects")
     socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout")
+    tls_ca_file: str = Field(
+        "", description="CA bundle (PEM) that signs the Redis server's certificate (rediss://)"
+    )
+    tls_cert_file: str = Field("", description="client certificate (PEM) for mutual TLS")
+    tls_key_file: str = Field("", description="private key (PEM) of KVQ_TLS_CERT_FILE")
+    tls_insecure: bool = Field(
+        False, description="do not verify the server's certificate (logs a warning; tests only)"
+    )
 
     # -- coordinator --------------------------------------------------------------------
     n_slots: int = Field(4, ge=1, le=1024, description="sequences generated together")
@@ -151,6 +159,17 @@ class Settings(BaseSettings):
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
     load_retry_max_s: float = Field(
         60.0, gt=0, description="longest wait before volunteering again after a failed slice load"
+    )
+    worker_market: Literal["auto", "direct", "monitor"] = Field(
+        "auto",
+        description="how a worker takes slices: direct (runs the market scripts), monitor "
+        "(asks the monitor), auto (monitor unless connected as the default user)",
+    )
+    market_wait_s: float = Field(
+        5.0, gt=0, le=600, description="longest wait of a worker for the monitor's market answer"
+    )
+    state_dir: str = Field(
+        "", description="where a worker keeps its default id (empty = ~/.config/kvq)"
     )
 
     # -- monitor ------------------------------------------------------------------------
@@ -265,6 +284,20 @@ class Settings(BaseSettings):
     def redis_mode_resolved(self) -> str:
         return mode_of_url(self.redis_url) if self.redis_mode == "auto" else self.redis_mode
 
+    @field_validator("tls_key_file")
+    @classmethod
+    def _cert_with_key(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v) != bool(info.data.get("tls_cert_file")):
+            raise ValueError("KVQ_TLS_CERT_FILE and KVQ_TLS_KEY_FILE go together: set both or none")
+        return v
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable(cls, v: str) -> str:
+        if v and not os.path.isfile(v):
+            raise ValueError("must be the path of a readable PEM file")
+        return v
+
     @field_validator("prefix")
     @classmethod
     def _check_prefix(cls, v: str) -> str:
@@ -323,7 +356,8 @@ class Settings(BaseSettings):
     def bus(self) -> BusSettings:
         return BusSettings(
             self.redis_url, self.prefix, self.stream_maxlen, self.block_ms,
-            self.reconnect_max_s, self.socket_timeout_s, self.redis_mode_resolved,
+            self.reconnect_max_s, self.socket_timeout_s, self.tls_ca_file, self.tls_cert_file,
+            self.tls_key_file, self.tls_insecure, self.redis_mode_resolved,
         )  # fmt: skip
 
     @property
@@ -366,7 +400,7 @@ class Settings(BaseSettings):
         return WorkerSettings(
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
             self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
-            self.idle_release_s,
+            self.idle_release_s, self.worker_market, self.market_wait_s,
         )  # fmt: skip
 
     @property
@@ -409,21 +443,36 @@ def load_settings(**overrides: Any) -> Settings:
         for err in exc.errors():
             loc = err.get("loc") or ()
             name = env_name(str(loc[0])) if loc else "settings"
-            got = err.get("input")
+            got = redact(str(loc[0]), err.get("input")) if loc else err.get("input")
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
             lines.append(f"{name}: {msg} (got {got!r})" if loc else f"{name}: {msg}")
         raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
+SECRET_SETTINGS = ("redis_url", "api_keys")  # printed only redacted
+
+
+def redact(name: str, value: Any) -> Any:
+    """`value` of setting `name` as it may be printed: no password, no API key."""
+    if name == "redis_url" and isinstance(value, str):
+        from kvq.redact import redacted_url
+
+        return redacted_url(value)
+    if name == "api_keys" and value:
+        return "***"
+    return value
+
+
 def describe(settings: Settings) -> list[dict[str, Any]]:
-    """Each setting with its env name, value, default and description (for `config show`)."""
+    """Each setting with its env name, value (secrets redacted), default and description (for
+    `config show`)."""
     out = []
     for name, field in Settings.model_fields.items():
         out.append(
             {
                 "name": name,
                 "env": env_name(name),
-                "value": getattr(settings, name),
+                "value": redact(name, getattr(settings, name)),
                 "default": field.default,
                 "description": field.description or "",
             }

@@ -18,7 +18,6 @@ from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings, load_settings
 from kvq.server import EmbeddedRedis
 
-
 # CLUSTER_TESTS=1: the same tests against a local 3-master Redis Cluster (issue 14); tests
 # that need a single server (restarting it, raw multi-key commands) are marked `standalone`
 ON_CLUSTER = os.environ.get("CLUSTER_TESTS") == "1"

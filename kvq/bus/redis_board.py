@@ -164,7 +164,7 @@ class RedisBoard:
     def beat(self, worker: str, info: WorkerInfo) -> None:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(k.worker_heartbeat(worker), info.slice, px=life.heartbeat_ms())
+        pipe.set(k.worker_heartbeat(worker), info.instance, px=life.heartbeat_ms())
         pipe.hset(k.worker_info(worker), mapping=info.to_hash())
         pipe.expire(k.worker_info(worker), life.worker_info_s())
         pipe.execute()
@@ -175,9 +175,22 @@ class RedisBoard:
     def worker_alive(self, worker: str) -> bool:
         return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
 
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        hb = self.keys.worker_heartbeat(worker)
+        if self.r.set(hb, instance, nx=True, px=self.lifetimes.heartbeat_ms()):
+            return True
+        return self.worker_instance(worker) == instance
+
+    def worker_instance(self, worker: str) -> str | None:
+        got = self.r.get(self.keys.worker_heartbeat(worker))
+        return _s(got) if got is not None else None
+
     def forget_worker(self, worker: str) -> None:
         k = self.keys
-        self.r.delete(k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker))
+        self.r.delete(
+            k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker),
+            k.worker_asks(worker), k.worker_answers(worker),
+        )  # fmt: skip
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         if not jobs:
@@ -207,7 +220,6 @@ class RedisBoard:
         pipe.sadd(k.model_coordinators(state.model), coord)
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
-        pipe.expire(k.coord_results(coord), life.coordinator_s())
         pipe.execute()
 
     def coordinators(self, model: str) -> list[CoordinatorView]:

@@ -192,24 +192,49 @@ def _id_gt(a: bytes, b: bytes) -> bool:
 
 
 class Tail:
-    """Reads one stream from where it left off, without a group (a coordinator's results)."""
+    """Reads streams from where it left off, without a group: a coordinator's results, one
+    stream per worker (`Keys.worker_results`), so where an entry arrived says who wrote it."""
 
-    def __init__(self, r: redis.Redis, stream: str) -> None:
-        self.r, self.stream = r, stream
-        self.last_id = b"0-0"
-        self._read: list[bytes] = []  # ids returned by the last read, deleted by the next
+    def __init__(self, r: redis.Redis, *streams: str) -> None:
+        self.r = r
+        self.cursors: dict[str, bytes] = dict.fromkeys(streams, b"0-0")
+        self._read: dict[str, list[bytes]] = {}  # ids returned by the last read, deleted next
+
+    @property
+    def stream(self) -> str:
+        """The first stream read (a one-stream tail's only one)."""
+        return next(iter(self.cursors))
+
+    def watch(self, stream: str) -> bool:
+        """Read `stream` too, from its start; True if it was not read yet."""
+        if stream in self.cursors:
+            return False
+        self.cursors[stream] = b"0-0"
+        return True
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries (`block_ms` None: do not block). This reader is the stream's only one,
-        so what it has read is deleted, in the same round trip as the next read (no extra
-        round trip per batch)."""
+        """New entries of every stream (`block_ms` None: do not block)."""
+        return [(eid, f) for _, eid, f in self.read_from(count, block_ms)]
+
+    def read_from(
+        self, count: int, block_ms: int | None
+    ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """New `(stream, id, fields)` entries. This reader is each stream's only one, so what
+        it has read is deleted, in the same round trip as the next read (no extra round trip
+        per batch)."""
+        if not self.cursors:
+            return []
         pipe = self.r.pipeline(transaction=False)
-        if self._read:
-            pipe.xdel(self.stream, *self._read)
-        pipe.xread({self.stream: self.last_id}, count=count, block=block_ms)
+        for stream, ids in self._read.items():
+            pipe.xdel(stream, *ids)
+        pipe.xread(dict(self.cursors), count=count, block=block_ms)
         resp = pipe.execute()[-1]
-        entries: list[Entry] = [e for _, batch in resp or [] for e in batch]
-        self._read = [eid for eid, _ in entries]
-        if entries:
-            self.last_id = entries[-1][0]
-        return entries
+        out: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+        self._read = {}
+        for name, batch in resp or []:
+            stream = name.decode() if isinstance(name, bytes) else str(name)
+            if batch:
+                self._read[stream] = [eid for eid, _ in batch]
+                self.cursors[stream] = batch[-1][0]
+                out.extend((stream, eid, f) for eid, f in batch)
+        return out

@@ -37,7 +37,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.monitor import Monitor, coarse
 
     board = open_board(settings.bus, settings.lifetimes)
-    mon = Monitor(board, settings.monitor, monitor_id=args.id)
+    mon = Monitor.on_redis(board, settings.monitor, monitor_id=args.id)
     models = []
     for spec in args.model or []:
         model, _, path = spec.partition("=")
@@ -91,9 +91,10 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.identity import default_worker_id
     from kvq.worker import Worker
 
-    worker = Worker.from_settings(settings, node_id(args.id, "worker"))
+    worker = Worker.from_settings(settings, args.id or default_worker_id(settings.state_dir))
     stop_on_signals(worker.stop)
     worker.run()
     return EXIT_OK
@@ -140,7 +141,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     opts = DemoOptions(
         redis_url=args.redis, model_path=args.model, workers=args.workers,
         requests=args.requests, max_tokens=args.max_tokens, log_dir=args.log_dir,
-        cluster=args.cluster,
+        cluster=args.cluster, acl=args.acl,
     )  # fmt: skip
 
     def say(msg: str) -> None:
@@ -215,7 +216,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     co.set_defaults(fn=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run a worker (outbound connections only)")
-    w.add_argument("--id", help="worker id (default worker-HOSTNAME)")
+    w.add_argument(
+        "--id", help="worker id: 1-64 of A-Z a-z 0-9 _ . - (default: HOSTNAME-<kept suffix>)"
+    )
     w.set_defaults(fn=cmd_worker)
 
     s = sub.add_parser("submit", help="send a prompt and stream the completion")
@@ -241,6 +244,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on a local Redis Cluster of N masters (not with --redis)")  # fmt: skip
     d.add_argument("--json", action="store_true")
+    d.add_argument("--acl", action="store_true",
+                   help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
     d.set_defaults(fn=cmd_demo)
 
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
