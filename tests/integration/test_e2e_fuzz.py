@@ -99,7 +99,7 @@ def test_fuzz_into_every_stream_loses_no_canary(
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
     r, keys = mon.board.r, Keys(s.prefix)
-    kids = Children(child_env(s), log_dir=str(tmp_path / "logs"))
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path / "logs"))
     want = local_tokens(tiny_model, "canary", 4)
     outcomes: list[str] = []
     stop = threading.Event()
@@ -134,7 +134,7 @@ def test_fuzz_into_every_stream_loses_no_canary(
         for t in loops:
             t.start()
         streams = [(keys.model_requests("tiny"), "request"), (keys.worker_inbox("w0"), "job"),
-                   (keys.coord_results("c1"), "result")]  # fmt: skip
+                   (keys.worker_results("w0", "c1"), "result")]  # fmt: skip
         t0 = time.monotonic()
         for seed, (stream, kind) in enumerate(streams):
             _flood(r, stream, kind, seed)

@@ -66,7 +66,7 @@ def test_a_killed_coordinator_s_requests_stream_each_token_once(
     run_in_thread(mon)
     r, keys = mon.board.r, Keys(s.prefix)
     n_tokens, n_requests = 120, 3
-    kids = Children(child_env(s), log_dir=str(tmp_path / "logs"))
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path / "logs"))
     try:
         kids.spawn("c1", *_coordinator_args(tiny_model, "c1"))
         subs = [
