@@ -161,6 +161,12 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.bus import run_bus_bench
 
+    if args.cluster:
+        from kvq.bench.cluster import run_cluster_bench
+
+        out = run_cluster_bench(args.cluster, args.seconds)
+        print(json.dumps(out) if args.json else "\n".join(f"{k:<20} {v}" for k, v in out.items()))
+        return EXIT_OK
     result = run_bus_bench(settings, jobs=args.jobs, redis_url=args.redis)
     if args.json:
         print(json.dumps(result))
@@ -260,5 +266,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
     bb.add_argument("--jobs", type=int, default=2000)
     bb.add_argument("--redis", help="Redis URL (default: start an embedded server)")
+    bb.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="instead: N pairs over a local N-master cluster vs one server")  # fmt: skip
+    bb.add_argument("--seconds", type=float, default=5.0, help="with --cluster: each run's length")
     bb.add_argument("--json", action="store_true")
     bb.set_defaults(fn=cmd_bench)
