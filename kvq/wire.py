@@ -33,6 +33,7 @@ _NP: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
+ComputeDType = Literal["float32", "float16", "bfloat16"]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
@@ -110,8 +111,9 @@ class Result(_Msg, frozen=True):
     job_id: Name
     worker: Name
     compute_ms: float = 0.0
-    y: Tensor | None = None  # [T, H]
+    y: Tensor | None = None  # [T, H], float32 on the wire whatever the compute dtype
     error: Failure | None = None
+    dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
