@@ -9,9 +9,11 @@ tolerance relative to almost nothing):
     err = max_r ||y_r - ref_r|| / max(||ref_r||, mean_r ||ref_r||, 1e-30)
 
 and a result agrees when it is finite and `err <= tolerance(remote dtype, local dtype)`.
-`ROW_TOLERANCE` is about 16x the worst error measured over 10,000 random jobs for bfloat16
-(`tests/coordinator/test_check.py`): honest rounding stays far below it, while wrong numbers
-(noise, a scaled or shifted answer, another expert's output) land far above.
+`ROW_TOLERANCE` is 6-7x the worst error measured over 10,000 random jobs of real kernels
+(`tests/coordinator/test_check.py`: bfloat16 0.0096 on BF16 and Q4_K weights, float16 0.0059;
+the test keeps a 4x margin): honest rounding stays well below it, while wrong numbers (noise,
+a scaled, shifted, negated or permuted answer, a row moved by a third of the job's scale) land
+far above.
 A liar can still hide an error smaller than the tolerance: that is the limit of any check by
 recomputation in another precision (`docs/security.md`).
 """
@@ -24,7 +26,7 @@ import torch
 
 # relative row error an honest worker of this compute dtype may show against float32;
 # epsilons: float32 1.2e-7, float16 4.9e-4, bfloat16 3.9e-3
-ROW_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
+ROW_TOLERANCE = {"float32": 1e-3, "float16": 4e-2, "bfloat16": 6e-2}
 _FALLBACK = "bfloat16"  # the loosest known: an unknown name is not held to float32
 
 
