@@ -79,8 +79,10 @@ def test_an_honest_lower_precision_worker_is_never_flagged_over_10000_jobs(hones
     assert flagged == 0
     assert worst < tol / 4, "the tolerance keeps a margin over honest rounding"
     # and it is not loose for nothing: the same results are flagged against float32's own
-    assert sum(not compare(y, r, ROW_TOLERANCE["float32"]).ok for y, r in zip(got, ref,
-                                                                              strict=True)) > 0
+    assert (
+        sum(not compare(y, r, ROW_TOLERANCE["float32"]).ok for y, r in zip(got, ref, strict=True))
+        > 0
+    )
 
 
 def _liars(y: torch.Tensor, rng: np.random.Generator) -> dict[str, torch.Tensor]:
