@@ -1,0 +1,174 @@
+"""Verified results with graded trust, end to end (issue 11 items 3 and 4).
+
+A real `kvq worker` process lies (`liar_worker.py`: well-formed results, wrong numbers, on every
+job or on 10% of them, or NaN); an honest one holds the other layer. The coordinator holds no
+experts (`KVQ_COORDINATOR_EXPERTS=none`), so every job goes to a worker, and checks results by
+recomputing them from the memory-mapped file. The liar must be caught on its first lie, within
+100 of its jobs, quarantined in Redis (and so in the monitor's API and metrics), and every
+generated token must equal the all-local reference: no lie is ever used.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from e2e_helpers import local_tokens, wait_ready
+
+from kvq import client, wire
+from kvq.config import Settings, child_env
+from kvq.coordinator import Coordinator
+from kvq.keys import Keys
+from kvq.monitor import Monitor
+from kvq.monitor.http import Api
+from kvq.procs import Children
+
+pytestmark = pytest.mark.slow
+LIAR = Path(__file__).with_name("liar_worker.py")
+PROMPTS = ["liars get caught", "the quick brown fox", "trust but verify", "kvq", "MoE",
+           "spot checks", "graded trust", "no garbage", "ten percent", "a hundred jobs"]  # fmt: skip
+MAX_TOKENS = 12
+
+
+@pytest.fixture
+def s(settings: Settings) -> Settings:
+    return settings.model_copy(update={
+        "coordinator_experts": "none",  # every job remote, checked from the mapped file
+        "slice_experts": 8,  # one slice per layer: the liar holds one, the honest one the other
+        "job_deadline_ms": 10_000,
+    })  # fmt: skip
+
+
+@pytest.fixture
+def kids(s: Settings, tmp_path: Path) -> Iterator[Children]:
+    k = Children(child_env(s), log_dir=str(tmp_path))
+    yield k
+    k.stop_all()
+
+
+def _spawn_liar(kids: Children, s: Settings, tmp_path: Path, wid: str, garbage: float,
+                seed: int, kind: str = "noise") -> None:  # fmt: skip
+    log = (tmp_path / f"{wid}.log").open("wb")
+    kids.procs[wid] = subprocess.Popen(
+        [sys.executable, str(LIAR), "--id", wid, "--garbage", str(garbage), "--seed",
+         str(seed), "--kind", kind],
+        env=child_env(s), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+
+
+def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
+           spawn_first) -> tuple[Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Register, start `first` (it takes layer 0's slice), then an honest worker, then the
+    coordinator."""
+    mon = Monitor.from_settings(s)
+    info = mon.register("tiny", model)
+    spawn_first()
+    kids.wait_for(lambda: mon.board.assignments("tiny").get(first) == min(info.slices), 60,
+                  f"{first} holding layer 0")  # fmt: skip
+    kids.spawn("honest", "worker", "--id", "honest")
+    wait_ready(mon, "tiny", 2)
+    coord = Coordinator.from_settings(s, "c1", "tiny", model)
+    run_in_thread(coord)
+    return mon, coord
+
+
+def _generate_until_caught(r: redis.Redis, keys: Keys, board_quarantined, model: Path,
+                           suspect: str) -> int:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Requests one at a time, each checked against all-local generation, until `suspect`
+    is quarantined; how many requests it took."""
+    for n, prompt in enumerate(PROMPTS, start=1):
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        assert got == local_tokens(model, prompt, MAX_TOKENS), prompt
+        if suspect in board_quarantined("tiny"):
+            return n
+    raise AssertionError(f"{suspect} not caught after {len(PROMPTS)} requests")
+
+
+def _lies(tmp_path: Path, wid: str) -> int:
+    return len(re.findall(r"LIE job", (tmp_path / f"{wid}.log").read_text()))
+
+
+@pytest.mark.parametrize(
+    ("garbage", "seed", "kind", "verify"),
+    [(1.0, 0, "noise", "sampled"), (0.1, 0, "noise", "sampled"), (1.0, 0, "nan", "off")],
+    ids=["every-job", "ten-percent", "nan-with-verification-off"],
+)
+def test_a_liar_is_caught_and_its_garbage_never_used(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path,
+    garbage: float, seed: int, kind: str, verify: str,
+) -> None:  # fmt: skip
+    s = s.model_copy(update={"verify_remote": verify})
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
+                        lambda: _spawn_liar(kids, s, tmp_path, "liar", garbage, seed, kind))  # fmt: skip
+    _generate_until_caught(mon.board.r, Keys(s.prefix), mon.board.quarantined, tiny_model, "liar")
+    verdict = mon.board.quarantined("tiny")["liar"]
+    assert verdict.active(time.time() * 1000) and verdict.coord == "c1" and not verdict.banned
+    t = coord.trust.workers["liar"]
+    print(
+        f"{kind} liar ({garbage:.0%}): caught at its result {t.checked}, after "
+        f"{t.checked - 1} verified ones; lies told {_lies(tmp_path, 'liar')}"
+    )
+    assert t.mismatches == 1 and t.checked <= 100, "caught within 100 of its jobs"
+    assert _lies(tmp_path, "liar") == 1, "caught on its first lie: no lie was ever used"
+    st = coord.dispatch.stats
+    if kind == "nan":
+        assert st.nonfinite_results == 1 and st.verified == 0, "refused with checks off"
+    else:
+        assert st.mismatches == 1 and st.verified >= t.checked
+    assert st.quarantines == 1 and "honest" not in mon.board.quarantined("tiny")
+    api = Api(mon.board)
+    (entry,) = api.trust()["models"]
+    assert [(w["worker"], w["quarantined"]) for w in entry["workers"]] == [("liar", True)]
+    assert 'kvq_worker_quarantined{model="tiny",worker="liar"} 1.0' in api.metrics().decode()
+    # quarantined: no work, no result used; the model is refused until the slice is covered
+    assert coord.routing.trust.barred("liar")
+
+
+def test_an_impersonator_is_caught_but_blamed_on_the_worker_it_names(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A process that can read an honest worker's inbox and write to the results stream
+    answers its jobs first with garbage. Results naming another worker are ignored (and
+    dead-lettered); results naming the honest worker are checked as its own, so the lie is
+    caught and never used, but the honest id takes the blame: attribution by the name in a
+    result is the limit until per-worker result streams (branch `acl`)."""
+    keys = Keys(s.prefix)
+    stop = threading.Event()
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "victim",
+                        lambda: kids.spawn("victim", "worker", "--id", "victim"))  # fmt: skip
+    r = redis.Redis.from_url(s.redis_url)
+    t = threading.Thread(target=_impersonate, args=(r, keys, "victim", stop), daemon=True)
+    t.start()
+    try:
+        _generate_until_caught(mon.board.r, keys, mon.board.quarantined, tiny_model, "victim")
+    finally:
+        stop.set()
+        t.join(5)
+        r.close()
+    assert coord.trust.workers["victim"].mismatches == 1
+    reasons = [f[b"reason"].decode() for _, f in mon.board.r.xrange(keys.deadletter())]
+    assert any("names 'mallory', sent to 'victim'" in x for x in reasons), reasons
+
+
+def _impersonate(r: redis.Redis, keys: Keys, victim: str, stop: threading.Event) -> None:
+    last = "$"
+    inbox = keys.worker_inbox(victim)
+    while not stop.is_set():
+        got = r.xread({inbox: last}, count=16, block=100)
+        for _, entries in got or []:
+            for eid, fields in entries:
+                last = eid
+                job = wire.decode(fields, wire.Job)
+                y = wire.Tensor.of(job.x.array() * 3.0)  # well-formed, wrong
+                for name in ("mallory", victim):
+                    res = wire.Result(job_id=job.job_id, worker=name, y=y)
+                    r.xadd(job.reply_to, wire.encode(res))
