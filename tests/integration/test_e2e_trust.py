@@ -172,3 +172,33 @@ def _impersonate(r: redis.Redis, keys: Keys, victim: str, stop: threading.Event)
                 for name in ("mallory", victim):
                     res = wire.Result(job_id=job.job_id, worker=name, y=y)
                     r.xadd(job.reply_to, wire.encode(res))
+
+
+def test_an_honest_bfloat16_worker_is_never_flagged(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path
+) -> None:
+    """A worker computing in bfloat16 (what a CUDA worker does with BF16 weights) differs from
+    the coordinator's float32 by rounding: checked through its full-check phase and into
+    sampling, it is never flagged (the 10,000-job claim is `tests/coordinator/test_check.py`)."""
+    bf16 = child_env(s.model_copy(update={"compute_dtype": "bfloat16"}))
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "bf16",
+                        lambda: kids.spawn("bf16", "worker", "--id", "bf16", env=bf16))  # fmt: skip
+    keys, r = Keys(s.prefix), mon.board.r
+    want = s.trust_full_checks + 100
+    for i in range(40):
+        if coord.dispatch.per_worker.get("bf16", 0) >= want:
+            break
+        rid = client.send(r, keys, "tiny", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS)
+        events = list(client.events(r, keys, rid, 60))
+        assert events[-1].kind == "done", events[-1]
+    results = coord.dispatch.per_worker.get("bf16", 0)
+    t = coord.trust.workers["bf16"]
+    st = coord.dispatch.stats
+    print(
+        f"bf16 worker: {results} results, {t.checked} checked, none flagged; largest "
+        f"difference {st.max_abs_err:.3g}"
+    )
+    assert results >= want and t.mismatches == 0 and st.mismatches == 0
+    assert t.checked >= s.trust_full_checks and t.checked < results, "sampling has begun"
+    assert st.max_abs_err > 0, "its results did differ from float32"
+    assert mon.board.quarantined("tiny") == {}
