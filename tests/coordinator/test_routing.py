@@ -12,7 +12,7 @@ import pytest
 from boards import BoardCase
 
 from kvq.bus.board import Board
-from kvq.bus.records import WorkerInfo
+from kvq.bus.records import Quarantine, WorkerInfo
 from kvq.config import RoutingSettings, load_settings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice
@@ -309,3 +309,31 @@ def test_a_worker_that_recovered_before_dying_is_no_rescue(
     board_case.kill_worker("a")
     router.refresh(force=True)
     assert router.rescues == 0
+
+
+def test_a_quarantined_worker_gets_no_work_until_its_quarantine_ends(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 11: a verdict on the board (any coordinator's) leaves the worker out of routing
+    at the next refresh, without counting it as a death; after the quarantine it is back as
+    an unproven worker, and a banned one never comes back."""
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    _serve(board, "b", sids[1])
+    _prove(router, "a", "b")
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a", sids[1]: "b"}
+    now = int(time.time() * 1000)
+    board.quarantine("m", "a", Quarantine(until_ms=now + 300, mismatches=1, coord="other"))
+    board.quarantine("m", "b", Quarantine(until_ms=0, mismatches=3, banned=True))
+    router.refresh(force=True)
+    assert _remote(router, sids, busy) == {} and router.rescues == 0
+    assert router.trust.barred("a") and router.trust.p("a") == 1.0
+    time.sleep(0.35)
+    router.refresh(force=True)
+    back = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
+    assert (back.trial, back.remote) == ("a", {sids[0]: "a"}), "back as new: one K4 trial"
+    assert _remote(router, sids, busy) == {}, "unproven until a checked answer"
+    _prove(router, "a", "b")
+    assert _remote(router, sids, busy) == {sids[0]: "a"}, "b stays banned"
