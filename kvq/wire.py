@@ -105,8 +105,11 @@ class Job(_Msg, frozen=True):
             raise ValueError(f"empty expert range [{self.expert_start}, {self.expert_end})")
 
 
-class Result(_Msg, frozen=True):
-    """A worker's answer: the gate-weighted sum over the slice's experts per row."""
+class Result(_Msg, frozen=True, omit_defaults=True):
+    """A worker's answer: the gate-weighted sum over the slice's experts per row.
+
+    Fields at their default are left out of the map, so a float32 worker's results still
+    decode on a coordinator that predates `dtype` (which refuses unknown fields)."""
 
     job_id: Name
     worker: Name

@@ -247,6 +247,7 @@ class _LayerCall:
             return
         if d.verifier.barred(p.worker):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
+            stats.fallback_jobs += 1
             self.partials[p.spec.sid] = self.local(p.spec, p.rows)
             return
         y, verdict = d.verifier.judge(p.worker, y, res.dtype, lambda: self.local(p.spec, p.rows))
