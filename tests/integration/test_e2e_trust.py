@@ -29,6 +29,7 @@ from kvq.keys import Keys
 from kvq.monitor import Monitor
 from kvq.monitor.http import Api
 from kvq.procs import Children
+from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow
 LIAR = Path(__file__).with_name("liar_worker.py")
@@ -202,3 +203,36 @@ def test_an_honest_bfloat16_worker_is_never_flagged(
     assert t.checked >= s.trust_full_checks and t.checked < results, "sampling has begun"
     assert st.max_abs_err > 0, "its results did differ from float32"
     assert mon.board.quarantined("tiny") == {}
+
+
+def test_checks_cost_under_five_percent_once_trust_is_earned(
+    s: Settings, run_in_thread, tiny_model: Path
+) -> None:
+    """Two honest workers (threads), every job remote: after each has sent 1,100 results
+    (trust earned: p at its 2% floor), the rows recomputed to check results are <= 5% of the
+    remote rows (measured: 2.0-2.6%; 3.3% when counted from the start over 10,000 jobs)."""
+    mon = Monitor.from_settings(s)
+    mon.register("tiny", tiny_model)
+    workers = [Worker.from_settings(s, f"w{i}") for i in range(2)]
+    for w in workers:
+        run_in_thread(w)
+    wait_ready(mon, "tiny", 2)
+    coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    keys, r, st = Keys(s.prefix), mon.board.r, coord.dispatch.stats
+
+    def jobs() -> int:
+        return min(coord.dispatch.per_worker.get(f"w{i}", 0) for i in range(2))
+
+    snap: tuple[int, int] | None = None
+    while jobs() < 2_100:
+        rid = client.send(r, keys, "tiny", prompt="what checks cost", max_tokens=48)
+        assert list(client.events(r, keys, rid, 120))[-1].kind == "done"
+        if snap is None and jobs() >= 1_100:
+            snap = (st.remote_rows, st.verified_rows)
+    assert snap is not None
+    share = (st.verified_rows - snap[1]) / (st.remote_rows - snap[0])
+    print(f"once trusted: {share:.4f} of remote rows recomputed; from the start "
+          f"{st.verified_rows / st.remote_rows:.4f}")  # fmt: skip
+    assert share <= 0.05 and st.mismatches == 0
+    assert all(coord.trust.p(f"w{i}") == s.trust_p_min for i in range(2))
