@@ -15,7 +15,7 @@ Why the bound holds: at a worker's i-th job (from 0) its streak is at most i, an
 never rises with the streak, so that job is checked with probability >= p(i) whatever happened
 before. A worker that returns garbage on a share g of its jobs, independently of being checked
 (it cannot know), escapes detection for n jobs with probability <= prod_{i<n} (1 - g p(i));
-`catch_probability` is 1 minus that product. The defaults give >= 0.994 for g = 0.1 within 100
+`catch_probability` is 1 minus that product. The defaults give 0.99923 for g = 0.1 within 100
 jobs (and 1 for g = 1: its first job is checked), at a steady cost of p_min = 2% of remote rows.
 """
 
