@@ -19,6 +19,11 @@ class BusSettings:
     block_ms: int
     reconnect_max_s: float
     socket_timeout_s: float
+    tls_ca_file: str = ""  # KVQ_TLS_CA_FILE: CA bundle that signs the server's certificate
+    tls_cert_file: str = ""  # KVQ_TLS_CERT_FILE + KVQ_TLS_KEY_FILE: client certificate (mTLS)
+    tls_key_file: str = ""
+    tls_insecure: bool = False  # KVQ_TLS_INSECURE: no certificate check (logged as a warning)
+    mode: str = "standalone"  # KVQ_REDIS_MODE resolved: standalone, cluster or sentinel
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,7 @@ class CoordinatorSettings:
     block_ms: int
     reconnect_max_s: float
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
+    max_attempts: int = 3  # KVQ_MAX_ATTEMPTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,8 @@ class WorkerSettings:
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
     load_retry_max_s: float = 60.0  # cap of the back-off after a failed slice load
     idle_release_s: float = 90.0  # KVQ_IDLE_RELEASE_S: wind-down of a surplus slice
+    market: str = "auto"  # KVQ_WORKER_MARKET: auto | direct | monitor (kvq.bus.market)
+    market_wait_s: float = 5.0  # KVQ_MARKET_WAIT_S: longest wait for the monitor's answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,16 @@ class Board(Protocol):
 
     def worker_info(self, worker: str) -> WorkerInfo | None: ...
 
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        """Take the id `worker` for the process `instance` (its heartbeat, set only if absent);
+        True if it is now, or already was, this instance's. False: another live process beats
+        under this id."""
+        ...
+
+    def worker_instance(self, worker: str) -> str | None:
+        """The instance token of the live process beating as `worker`, or None."""
+        ...
+
     def worker_alive(self, worker: str) -> bool:
         """THE worker liveness rule for one worker: its heartbeat is up (idle, loading or
         serving)."""

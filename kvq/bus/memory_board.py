@@ -210,7 +210,7 @@ class MemoryBoard:
 
     def beat(self, worker: str, info: WorkerInfo) -> None:
         with self._lock:
-            self._put("hb", worker, info.slice, self.lifetimes.heartbeat_ms() / 1000)
+            self._put("hb", worker, info.instance, self.lifetimes.heartbeat_ms() / 1000)
             self._put("info", worker, info, self.lifetimes.worker_info_s())
 
     def worker_info(self, worker: str) -> WorkerInfo | None:
@@ -219,6 +219,18 @@ class MemoryBoard:
 
     def worker_alive(self, worker: str) -> bool:
         return self._get("hb", worker) is not None
+
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        with self._lock:
+            held = self._get("hb", worker)
+            if held is None:
+                self._put("hb", worker, instance, self.lifetimes.heartbeat_ms() / 1000)
+                return True
+            return held == instance
+
+    def worker_instance(self, worker: str) -> str | None:
+        got = self._get("hb", worker)
+        return got if isinstance(got, str) else None
 
     def forget_worker(self, worker: str) -> None:
         with self._lock:

@@ -127,6 +127,7 @@ class DispatchCounters(Counters, kw_only=True):
     fallback_jobs: int = 0
     remote_errors: int = 0
     late_results: int = 0
+    foreign_results: int = 0  # a result for a job sent to another worker: ignored
     uncovered_local: int = 0
     verified: int = 0  # remote results recomputed here before use (spot-checks)
     mismatches: int = 0  # of those, how many disagreed beyond the dtype's tolerance
@@ -203,6 +204,7 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     total_bytes: int = 0
     load: float = 0.0  # share of the last beat interval spent computing jobs, in [0, 1] (H5)
     ms_per_row: float = 0.0  # its own compute time per token row over that interval (0: none)
+    instance: str = ""  # the process's random token: two live workers cannot share an id
 
     @property
     def ready(self) -> bool:
@@ -244,6 +246,11 @@ class Lifetimes:
 
     def heartbeat_ms(self) -> int:
         return int(self.heartbeat_ttl_s * 1000)
+
+    def claim_wait_s(self) -> float:
+        """How long a starting worker waits for its id's beat to lapse (a crashed
+        predecessor's does within one TTL; a live twin's never does)."""
+        return self.heartbeat_ttl_s * 1.5
 
     def beat_every_s(self) -> float:
         return self.heartbeat_ttl_s / 3

@@ -20,13 +20,14 @@ import redis
 import torch
 
 from kvq import wire
-from kvq.bus import Tail, dead_letter
+from kvq.bus import dead_letter
 from kvq.bus.board import Board, Fields
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
 from kvq.coordinator.pending import Pending as _Pending
 from kvq.coordinator.pending import latency_ms as _latency_ms
+from kvq.coordinator.results import WorkerResults
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.verify import Verdict, Verifier
 from kvq.device import dtype_name
@@ -60,13 +61,17 @@ class Dispatcher:
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
-        self.results_key = keys.coord_results(coord_id)
-        self.results = Tail(r, self.results_key)
+        self.results = WorkerResults(r, keys, coord_id)
         self._seq = itertools.count()
         self._layer_slices = {
             layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
         }
-        r.delete(self.results_key)
+
+    def send(self, jobs: list[tuple[str, Fields]]) -> None:
+        """Post jobs; the results of every worker serving this model are read from then on
+        (the monitor may move a dead worker's jobs to a peer of its slice)."""
+        self.results.watch([*(w for w, _ in jobs), *self.routing.holders])
+        self.board.send_jobs(jobs)
 
     def for_step(self, busy: int, total: int) -> _StepMoe:
         """The backbone's MoeFn for one engine step, under this load (K2)."""
@@ -146,7 +151,7 @@ class _LayerCall:
                 local.append((spec, rows))
                 continue
             job_id = d.next_job_id()
-            jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
+            jobs.append((worker, wire.encode(self._job(job_id, spec, rows, worker))))
             p = _Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
             if worker == trial and d.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
@@ -155,7 +160,7 @@ class _LayerCall:
                 local.append((spec, rows))
             else:
                 self.pending[job_id] = p
-        d.board.send_jobs(jobs)
+        d.send(jobs)
         stats.remote_sent += len(self.pending)
         stats.trials_sent += len(jobs) - len(self.pending)
         for spec, rows in local:  # while the remote jobs are in flight
@@ -167,20 +172,20 @@ class _LayerCall:
         if self.pending:
             self._gather()
         elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
-            for eid, fields in d.results.read(count=256, block_ms=None):
-                self._accept(eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=None):
+                self._accept(sender, stream, eid, fields)
         self._expire_shadows()
         out = torch.zeros_like(self.x)
         for spec, rows in order:
             out.index_add_(0, rows, self.partials[spec.sid])
         return out
 
-    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor) -> wire.Job:
+    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor, worker: str) -> wire.Job:
         d = self.d
         return wire.Job(
             job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
             expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=d.coord, reply_to=d.results_key, deadline_ms=self.deadline_ms,
+            coord=d.coord, reply_to=d.results.key(worker), deadline_ms=self.deadline_ms,
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
@@ -207,29 +212,31 @@ class _LayerCall:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
-            for eid, fields in d.results.read(count=256, block_ms=left_ms):
-                self._accept(eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
+                self._accept(sender, stream, eid, fields)
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             self.fallback(p, float(d.s.job_deadline_ms))
         self.pending.clear()
 
-    def _accept(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+    def _accept(self, sender: str, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
         d, stats = self.d, self.d.stats
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
-            dead_letter(d.r, d.keys, d.results_key, eid, fields, str(exc), d.maxlen)
+            dead_letter(d.r, d.keys, stream, eid, fields, str(exc), d.maxlen)
             return
+        # who answered is where it arrived, never the result's `worker` field: the worker the
+        # job went to, or a peer of its slice the monitor moved it to when that worker died
         p = d.shadows.get(res.job_id) or self.pending.get(res.job_id)
-        if p is not None and res.worker != p.worker:
-            # not from the worker the job went to: ignored, the real answer may still come
-            reason = f"result for {res.job_id} names {res.worker!r}, sent to {p.worker!r}"
-            dead_letter(d.r, d.keys, d.results_key, eid, fields, reason, d.maxlen)
+        if p is not None and sender != p.worker and d.routing.holders.get(sender) != p.spec.sid:
+            stats.foreign_results += 1
+            log.warning("result for job %s sent to %s arrived from %s; ignored",
+                        res.job_id, p.worker, sender)  # fmt: skip
             return
         shadow = d.shadows.pop(res.job_id, None)
         if shadow is not None:
-            self._measure(shadow, res, eid)
+            self._measure(shadow, res, eid, sender)
             return
         p = self.pending.pop(res.job_id, None)
         if p is None:  # duplicate or late: the job was already answered once
@@ -241,30 +248,31 @@ class _LayerCall:
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
         if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
-            log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
+            log.warning("worker %s failed job %s: %s", p.worker, res.job_id, res.error)
             stats.remote_errors += 1
             self.fallback(p, latency_ms)
             return
-        if d.verifier.barred(p.worker):  # caught earlier: nothing it sends is used
+        if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
             stats.fallback_jobs += 1
             self.partials[p.spec.sid] = self.local(p.spec, p.rows)
             return
-        y, verdict = d.verifier.judge(p.worker, y, res.dtype, lambda: self.local(p.spec, p.rows))
+        y, verdict = d.verifier.judge(sender, y, res.dtype, lambda: self.local(p.spec, p.rows))
         self.partials[p.spec.sid] = y
         if verdict is Verdict.REJECTED:
             stats.fallback_jobs += 1
             return
         stats.remote_jobs += 1
         d.routing.observe_result(
-            p.worker, latency_ms, int(p.rows.numel()), res.compute_ms,
+            sender, latency_ms, int(p.rows.numel()), res.compute_ms,
             verified=verdict is Verdict.VERIFIED,
         )  # fmt: skip
-        d.per_worker[res.worker] = d.per_worker.get(res.worker, 0) + 1
+        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
 
-    def _measure(self, p: _Pending, res: wire.Result, eid: bytes) -> None:
-        """A trial's or re-probe's answer: it moves the worker's estimates and, checked against
-        the local result computed anyway, may prove the worker or catch it."""
+    def _measure(self, p: _Pending, res: wire.Result, eid: bytes, sender: str) -> None:
+        """A trial's or re-probe's answer (from `sender`, the job's worker or a peer of its
+        slice): it moves the worker's estimates and, checked against the local result computed
+        anyway, may prove the worker or catch it."""
         latency_ms = _latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
         if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
@@ -272,12 +280,12 @@ class _LayerCall:
             return
         self.d.stats.trials_answered += 1
         verdict = Verdict.USED
-        if p.ref is not None and not self.d.verifier.barred(p.worker):
+        if p.ref is not None and not self.d.verifier.barred(sender):
             self.d.stats.remote_rows += int(y.shape[0])
-            verdict = self.d.verifier.check(p.worker, torch.from_numpy(y.copy()), res.dtype, p.ref)
+            verdict = self.d.verifier.check(sender, torch.from_numpy(y.copy()), res.dtype, p.ref)
         if verdict is not Verdict.REJECTED:
             self.d.routing.observe_result(
-                p.worker, latency_ms, int(p.rows.numel()), res.compute_ms,
+                sender, latency_ms, int(p.rows.numel()), res.compute_ms,
                 verified=verdict is Verdict.VERIFIED,
             )  # fmt: skip
 

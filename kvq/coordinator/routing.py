@@ -58,6 +58,7 @@ class SliceRouter:
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
+        self.holders: dict[str, str] = {}  # worker -> the slice it serves (ready ones)
         self._failing: set[str] = set()  # a job failed or missed since its last good result
         self.rescues = 0  # workers lost while in use (docs/streams.md, `stats`)
         self.trust = trust if trust is not None else Trust(TrustPolicy(), coord_id)
@@ -90,6 +91,7 @@ class SliceRouter:
         self._failing -= down
         self.router.update_workers(views, time.time() * 1000)
         self._alive = {v.worker_id for v in views if v.alive}
+        self.holders = {v.worker_id: v.slice_id for v in views}
 
     def bar(self, worker: str) -> None:
         """`worker` was just caught: reread coverage before the next route (it is left out)."""

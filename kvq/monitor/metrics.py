@@ -149,7 +149,9 @@ class RedisCollector(Collector):
             cviews = board.coordinators(m)
             up = {c.coord for c in cviews if c.alive}
             for c in cviews:
-                q.length.add_metric(["results", m, "", c.coord], r.xlen(k.coord_results(c.coord)))
+                # results wait in one stream per (worker, coordinator)
+                waiting = sum(int(r.xlen(k.worker_results(v.worker_id, c.coord))) for v in views)
+                q.length.add_metric(["results", m, "", c.coord], waiting)
                 stats = board.coord_stats(c.coord)
                 if stats is not None:
                     per_coord.add(m, c.coord, stats)

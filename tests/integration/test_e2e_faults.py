@@ -77,9 +77,9 @@ def test_malformed_inbox_entries_are_dead_lettered(
         b"float32", b"float16", 1
     )
     r.xadd(inbox, {"t": "job", "m": bad_shape})
-    job, ref = _job(tiny_model, "j1", f"{settings.prefix}:out", only.sid)
+    job, ref = _job(tiny_model, "j1", "ignored: a worker answers into its own stream", only.sid)
     r.xadd(inbox, wire.encode(job))
-    res = _await_result(r, f"{settings.prefix}:out", "j1")
+    res = _await_result(r, keys.worker_results("w0", "test"), "j1")
     assert res.error is None and res.y is not None
     np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
     dl = r.xrange(keys.deadletter())
@@ -107,14 +107,14 @@ def test_worker_survives_redis_restart(tiny_model: Path, tmp_path: Path, run_in_
         wait_for(lambda: w.holding is not None, what="volunteer")
         job, ref = _job(tiny_model, "before", "rs:out", sid)
         r.xadd(keys.worker_inbox("w0"), wire.encode(job))
-        _await_result(r, "rs:out", "before")
+        _await_result(r, keys.worker_results("w0", "test"), "before")
 
         server.stop(save=True)
         time.sleep(1.5)  # the worker sees connection errors and backs off
         server.start()
         job, ref = _job(tiny_model, "after", "rs:out", sid)
         r.xadd(keys.worker_inbox("w0"), wire.encode(job))
-        res = _await_result(r, "rs:out", "after")
+        res = _await_result(r, keys.worker_results("w0", "test"), "after")
         assert res.y is not None
         np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
         wait_for(lambda: r.exists(keys.worker_heartbeat("w0")), what="heartbeat after restart")
