@@ -130,6 +130,11 @@ class EmbeddedCluster:
                         raise ServerError(f"replica on port {node.port} not synced in {timeout_s}s")
                     time.sleep(0.1)
 
+    def healthy(self) -> bool:
+        """Every live node says `cluster_state:ok` (after a failover: the slots are served)."""
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        return bool(live) and all(self._state(n) == "ok" for n in live)
+
     def _state(self, node: EmbeddedRedis) -> str:
         with contextlib.closing(self._client(node)) as c:
             try:

@@ -160,8 +160,17 @@ def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
 
 
 def is_connection_error(exc: BaseException) -> bool:
-    """A failure worth waiting out (the server is down or unreachable); TLS failures are not:
-    the same certificate fails the same way."""
+    """A failure worth waiting out (the server, a cluster node or the whole cluster is down,
+    unreachable or failing over); TLS failures are not: the same certificate fails the same
+    way."""
+    from redis.exceptions import (
+        ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError,
+    )  # fmt: skip
+
+    if isinstance(exc, ClusterDownError | SlotNotCoveredError | TryAgainError):
+        return True  # a cluster failover in progress
+    if isinstance(exc, RedisClusterException):  # no node reachable; others (cross-slot) are bugs
+        return "cannot be connected" in str(exc)
     transient = isinstance(exc, redis.ConnectionError | redis.TimeoutError | ConnectionError)
     return transient and not is_tls_error(exc)
 

@@ -224,11 +224,35 @@ class Tail:
         per batch)."""
         if not self.cursors:
             return []
+        if is_cluster(self.r):
+            return self._poll(count, block_ms)
         pipe = self.r.pipeline(transaction=False)
         for stream, ids in self._read.items():
             pipe.xdel(stream, *ids)
         pipe.xread(dict(self.cursors), count=count, block=block_ms)
-        resp = pipe.execute()[-1]
+        return self._take(pipe.execute()[-1])
+
+    def _poll(
+        self, count: int, block_ms: int | None
+    ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """On a cluster: the streams have their own hash tags, so no one XREAD may name
+        several, and one cannot block on several nodes: one XREAD per stream, pipelined,
+        polled every millisecond until `block_ms`."""
+        deadline = time.monotonic() + (block_ms or 0) / 1000
+        while True:
+            pipe = self.r.pipeline(transaction=False)
+            for stream, ids in self._read.items():
+                pipe.xdel(stream, *ids)
+            streams = list(self.cursors)
+            for stream in streams:
+                pipe.xread({stream: self.cursors[stream]}, count=count)
+            resp = pipe.execute()[-len(streams) :]
+            out = self._take([pair for got in resp for pair in got or []])
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.001)
+
+    def _take(self, resp: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         out: list[tuple[str, bytes, dict[bytes, bytes]]] = []
         self._read = {}
         for name, batch in resp or []:
