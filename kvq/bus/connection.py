@@ -164,7 +164,10 @@ def is_connection_error(exc: BaseException) -> bool:
     unreachable or failing over); TLS failures are not: the same certificate fails the same
     way."""
     from redis.exceptions import (
-        ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError,
+        ClusterDownError,
+        RedisClusterException,
+        SlotNotCoveredError,
+        TryAgainError,
     )  # fmt: skip
 
     if isinstance(exc, ClusterDownError | SlotNotCoveredError | TryAgainError):
