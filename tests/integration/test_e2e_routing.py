@@ -124,7 +124,14 @@ def test_worker_whose_heartbeat_expires_is_marked_down(
         assert _generate(mon.board.r, keys, prompts, 8) == [
             local_tokens(one_slice_model, p, 8) for p in prompts
         ]
-        wait_for(lambda: len(routing.router.describe()["proven"]) == 2, 20, "both proven")  # type: ignore[arg-type]
+        # proven means a result checked here (issue 11): a worker the monitor reaped and took
+        # back on a starved machine (1 s heartbeats) is new again and needs another checked
+        # trial, which only comes under load, so keep the load on until both are proven
+        for i in range(20):
+            if len(routing.router.describe()["proven"]) == 2:  # type: ignore[arg-type]
+                break
+            _generate(mon.board.r, keys, [f"prove {i}"], 4)
+        assert len(routing.router.describe()["proven"]) == 2, "both proven"  # type: ignore[arg-type]
 
         os.kill(kids.procs["w0"].pid, signal.SIGSTOP)
         wait_for(
