@@ -5,7 +5,8 @@
 | monitor     | `P-monitor`             | every `P:*` key, the market's scripts                   |
 | coordinator | `P-coordinator`         | requests, replies, its own `{c:..}` keys, post jobs to  |
 |             |                         | inboxes, read and empty workers' results streams; read  |
-|             |                         | the model tables and workers' beats; no model writes    |
+|             |                         | the model tables and workers' beats; record and read    |
+|             |                         | quarantine verdicts; no other model writes              |
 | worker W    | `P-worker-W`            | its own `P:{w:W}:*` keys (inbox, beat, asks, results);  |
 |             |                         | read the model tables; `XADD` to `P:market` and         |
 |             |                         | `P:deadletter`; no scripts                              |
@@ -74,7 +75,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         rules = [
             *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
             f"%R~{p}:{{m:*}}:state", f"~{p}:{{m:*}}:requests", f"~{p}:{{m:*}}:routed",
-            f"~{p}:{{m:*}}:coordinators", f"~{p}:{{c:*}}:*", f"%W~{p}:{{w:*}}:inbox",
+            f"~{p}:{{m:*}}:coordinators", f"~{p}:{{m:*}}:quarantine", f"~{p}:{{c:*}}:*",
+            f"%W~{p}:{{w:*}}:inbox",
             f"%R~{p}:{{w:*}}:hb", f"%R~{p}:{{w:*}}:info", f"~{p}:{{w:*}}:results:*",
             f"~{p}:{{r:*}}:reply", f"%W~{p}:deadletter", *_SAFE, "-@scripting",
         ]  # fmt: skip

@@ -34,6 +34,8 @@ __all__ = [
     "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
     "env_name", "load_settings",
 ]  # fmt: skip
+_BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
+            "no": False}  # fmt: skip
 _REDIS_SCHEMES = (
     "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
     "rediss+sentinel",
@@ -129,7 +131,28 @@ class Settings(BaseSettings):
     model_wait_s: float = Field(
         300.0, gt=0, description="how long a coordinator waits for its model's registration"
     )
-    verify_remote: bool = Field(False, description="recompute every remote result locally")
+    verify_remote: Literal["sampled", "all", "off"] = Field(
+        "sampled",
+        description="remote results recomputed here before use: sampled by graded trust "
+        "(KVQ_TRUST_*), all, or off (results used unchecked; NaN/inf are still refused)",
+    )
+    trust_full_checks: int = Field(
+        50, ge=0, le=100_000, description="a worker's first verified results, all checked"
+    )
+    trust_decay: float = Field(
+        0.95, gt=0, le=1, allow_inf_nan=False,
+        description="check probability factor per further verified result",
+    )  # fmt: skip
+    trust_p_min: float = Field(
+        0.02, gt=0, le=1, allow_inf_nan=False,
+        description="floor of the check probability: a trusted worker's share recomputed",
+    )  # fmt: skip
+    trust_quarantine_s: float = Field(
+        600.0, ge=0, allow_inf_nan=False, description="a worker caught lying gets no work this long"
+    )
+    trust_ban_after: int = Field(
+        3, ge=1, description="mismatches after which a worker id is banned for good"
+    )
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
     max_attempts: int = Field(
@@ -244,6 +267,17 @@ class Settings(BaseSettings):
     def _empty_hot_gib(cls, v: object) -> object:
         # "" is the documented "unset"; "None" is what child_env writes for it
         return None if isinstance(v, str) and v.strip() in ("", "None") else v
+
+    @field_validator("verify_remote", mode="before")
+    @classmethod
+    def _legacy_verify(cls, v: object) -> object:
+        # KVQ_VERIFY_REMOTE was a bool: 1/true meant "recompute every result", 0/false "none"
+        if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in _BOOLISH):
+            on = v if isinstance(v, bool) else _BOOLISH[v.strip().lower()]
+            return "all" if on else "off"
+        if isinstance(v, str) and v not in ("sampled", "all", "off"):
+            raise ValueError("must be sampled, all or off (1/true = all, 0/false = off)")
+        return v
 
     @field_validator("redis_url", "rq_url")
     @classmethod
@@ -385,7 +419,10 @@ class Settings(BaseSettings):
 
     @property
     def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(self.job_deadline_ms, self.verify_remote)
+        return DispatchSettings(
+            self.job_deadline_ms, self.verify_remote, self.trust_full_checks, self.trust_decay,
+            self.trust_p_min, self.trust_quarantine_s, self.trust_ban_after,
+        )  # fmt: skip
 
     @property
     def coordinator(self) -> CoordinatorSettings:

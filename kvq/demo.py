@@ -65,7 +65,7 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             say(f"made a tiny MoE model: {model_path}")
         s = settings.model_copy(update={"redis_url": url})
         env = child_env(
-            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote=True, heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
+            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote="all", heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
             idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
             dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
             saturation_enter_s=min(s.saturation_enter_s, 0.5),  # and boosts come and go
@@ -217,9 +217,10 @@ def _summary(
         "remote_verified": st.verified,
         "hot_hit_rate": st.hot_hit_rate,
         "cold_hit_rate": st.cold_hit_rate,
-        "remote_matches_local": remote > 0 and st.verified == remote and st.mismatches == 0,
+        # trials and re-probes are verified too: at least every remote result was
+        "remote_matches_local": remote > 0 and st.verified >= remote and st.mismatches == 0,
         "remote_max_abs_err": st.max_abs_err,
-        "tolerance": "max |remote - local| <= 1e-4 * max(1, max|local|) per job",
+        "tolerance": "per row |remote - local| <= tol(dtype) * |local| (docs/security.md)",
         "redis": redis_label,
         "wall_s": round(time.monotonic() - t0, 2),
     }

@@ -18,6 +18,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
 | P:{m:M}:cancel               | stream | clients → coordinators: requests given up  |
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
+| P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
+|                              |        | mismatches, banned) → coordinators, monitor|
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
 | P:{w:W}:info                 | hash   | worker W: model, slice, device, served,    |
@@ -120,6 +122,10 @@ class Keys:
 
     def model_cancels(self, model: str) -> str:
         return self._m(model, "cancel")
+
+    def model_quarantine(self, model: str) -> str:
+        """Workers caught returning wrong results (`records.Quarantine` JSON per worker)."""
+        return self._m(model, "quarantine")
 
     # per API key (the gateway's request limit); the key itself is never stored, its hash is
     def apikey_calls(self, key_sha: str) -> str:

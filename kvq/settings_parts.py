@@ -47,10 +47,15 @@ class RoutingSettings:
 
 @dataclass(frozen=True, slots=True)
 class DispatchSettings:
-    """Remote expert jobs: deadline before the local fallback, and verification."""
+    """Remote expert jobs: deadline before the local fallback, and verification (trust)."""
 
     job_deadline_ms: int
-    verify_remote: bool
+    verify_remote: str = "sampled"  # sampled | all | off (KVQ_VERIFY_REMOTE)
+    trust_full_checks: int = 50
+    trust_decay: float = 0.95
+    trust_p_min: float = 0.02
+    trust_quarantine_s: float = 600.0
+    trust_ban_after: int = 3
 
 
 @dataclass(frozen=True, slots=True)

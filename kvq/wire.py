@@ -34,6 +34,7 @@ _NP: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
+ComputeDType = Literal["float32", "float16", "bfloat16"]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
@@ -105,14 +106,18 @@ class Job(_Msg, frozen=True):
             raise ValueError(f"empty expert range [{self.expert_start}, {self.expert_end})")
 
 
-class Result(_Msg, frozen=True):
-    """A worker's answer: the gate-weighted sum over the slice's experts per row."""
+class Result(_Msg, frozen=True, omit_defaults=True):
+    """A worker's answer: the gate-weighted sum over the slice's experts per row.
+
+    Fields at their default are left out of the map, so a float32 worker's results still
+    decode on a coordinator that predates `dtype` (which refuses unknown fields)."""
 
     job_id: Name
     worker: Name
     compute_ms: float = 0.0
-    y: Tensor | None = None  # [T, H]
+    y: Tensor | None = None  # [T, H], float32 on the wire whatever the compute dtype
     error: Failure | None = None
+    dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -29,6 +29,7 @@ from kvq.bus.records import (
     CoordStats,
     Lifetimes,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -153,6 +154,14 @@ class Board(Protocol):
 
     def forget_worker(self, worker: str) -> None:
         """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
+        ...
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        """Record a coordinator's verdict on `worker` (replacing any earlier one)."""
+        ...
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        """Every verdict recorded for `model`'s workers, active or past (`Quarantine.active`)."""
         ...
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:

@@ -16,6 +16,7 @@ from kvq.bus.records import (
     CoordStats,
     Lifetimes,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -44,6 +45,7 @@ class MemoryBoard:
         self.inboxes: dict[str, list[Fields]] = {}  # unanswered jobs per worker
         self._coords: dict[str, set[str]] = {}
         self._stats: dict[str, CoordStats] = {}
+        self._quarantine: dict[str, dict[str, Quarantine]] = {}  # model -> worker -> verdict
 
     # -- expiry ---------------------------------------------------------------------------
     def _put(self, kind: str, ident: str, value: object, ttl_s: float) -> None:
@@ -235,6 +237,14 @@ class MemoryBoard:
             self.lapse("hb", worker)
             self.lapse("info", worker)
             self.inboxes.pop(worker, None)
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        with self._lock:
+            self._quarantine.setdefault(model, {})[worker] = verdict
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        with self._lock:
+            return dict(sorted(self._quarantine.get(model, {}).items()))
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         with self._lock:

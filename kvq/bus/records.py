@@ -12,6 +12,7 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 | `CoordStats` | P:{c:C}:stats       | coordinator C       | `Lifetimes.coordinator_s()`         |
 | `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
 | heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
+| `Quarantine` | P:{m:M}:quarantine  | coordinators        | permanent, one JSON field per worker|
 """
 
 from __future__ import annotations
@@ -128,9 +129,16 @@ class DispatchCounters(Counters, kw_only=True):
     late_results: int = 0
     foreign_results: int = 0  # a result for a job sent to another worker: ignored
     uncovered_local: int = 0
-    verified: int = 0
-    mismatches: int = 0
-    max_abs_err: float = 0.0
+    verified: int = 0  # remote results recomputed here before use (spot-checks)
+    mismatches: int = 0  # of those, how many disagreed beyond the dtype's tolerance
+    max_abs_err: float = (
+        0.0  # largest relative row error among the verified (kvq.coordinator.check)
+    )
+    nonfinite_results: int = 0  # results holding NaN or infinity: rejected, recomputed here
+    barred_results: int = 0  # results of quarantined or banned workers: not used
+    quarantines: int = 0  # workers this coordinator caught and quarantined
+    remote_rows: int = 0  # token rows of remote results received
+    verified_rows: int = 0  # of those, rows recomputed here to check them
 
 
 class CoordStats(DispatchCounters, kw_only=True):
@@ -148,6 +156,33 @@ class CoordStats(DispatchCounters, kw_only=True):
     job_rtt_s: str = ""  # a remote job: sent -> its result read
     ttft_s: str = ""  # a request: admitted -> its first token event written
     token_gap_s: str = ""  # between two token events of one request
+
+
+class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
+    """A coordinator's verdict on a worker whose result did not match its own recomputation
+    (one JSON value per worker in the model's `quarantine` hash; the latest verdict wins)."""
+
+    until_ms: int  # no work and no result used before then (Redis-independent wall clock)
+    mismatches: int  # mismatches counted for this id so far, by any coordinator
+    banned: bool = False  # never trusted again (the `ban_after`-th mismatch)
+    coord: str = ""  # the coordinator that caught it
+    reason: str = ""
+    ts_ms: int = 0  # when it was caught
+
+    def active(self, now_ms: float) -> bool:
+        return self.banned or now_ms < self.until_ms
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Quarantine | None:
+        """The record, or None when the value does not decode (logged, treated as absent)."""
+        try:
+            return msgspec.json.decode(raw, type=cls)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring a quarantine value that does not decode (%s): %r", exc, raw)
+            return None
 
 
 IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state

@@ -20,6 +20,7 @@ from kvq.bus.records import (
     Lifetimes,
     ModelEntry,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -191,6 +192,14 @@ class RedisBoard:
             k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker),
             k.worker_asks(worker), k.worker_answers(worker),
         )  # fmt: skip
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        raw = self.r.hgetall(self.keys.model_quarantine(model))
+        got = {_s(w): Quarantine.from_json(v) for w, v in raw.items()}
+        return {w: q for w, q in sorted(got.items()) if q is not None}
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         if not jobs:

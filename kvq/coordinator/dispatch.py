@@ -14,7 +14,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -26,8 +25,12 @@ from kvq.bus.board import Board, Fields
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
+from kvq.coordinator.pending import Pending as _Pending
+from kvq.coordinator.pending import latency_ms as _latency_ms
 from kvq.coordinator.results import WorkerResults
 from kvq.coordinator.routing import SliceRouter
+from kvq.coordinator.verify import Verdict, Verifier
+from kvq.device import dtype_name
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
 from kvq.model.registry import ModelInfo
@@ -36,15 +39,6 @@ from kvq.swarm import LiveRoute
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
-
-
-@dataclass
-class _Pending:
-    spec: SliceSpec
-    rows: torch.Tensor  # [R] rows of the layer's x that this job carries
-    worker: str
-    sent_at: float  # time.monotonic()
-    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
 
 
 class Dispatcher:
@@ -58,6 +52,10 @@ class Dispatcher:
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
+        self.verifier = Verifier(
+            board, info.model, routing.trust, settings.verify_remote, dtype_name(server.dtype),
+            self.stats, routing.bar,
+        )  # fmt: skip
         self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.shadows: dict[str, _Pending] = {}  # trial/probe jobs nobody waits for (K4)
@@ -104,19 +102,6 @@ class Dispatcher:
             self.stats.uncovered_local += 1
             log.warning("%s; computing locally", exc)
             return None
-
-
-def _latency_ms(p: _Pending, eid: bytes) -> float:
-    """Send-to-arrival time of a result. The result is read only after the local slices are
-    computed, so the read time overstates a fast worker's round trip by that compute; the
-    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
-    NTP-close across machines). The smaller of the two non-negative values is used."""
-    read = (time.monotonic() - p.sent_at) * 1000
-    try:
-        stored = int(eid.split(b"-", 1)[0]) - p.sent_ms
-    except ValueError:
-        return read
-    return stored if 0 <= stored < read else read
 
 
 class _StepMoe:
@@ -181,6 +166,9 @@ class _LayerCall:
         for spec, rows in local:  # while the remote jobs are in flight
             self.partials[spec.sid] = self.local(spec, rows)
             stats.local_jobs += 1
+        for shadow in d.shadows.values():  # this call's trials: the local answer checks theirs
+            if shadow.ref is None and shadow.spec.sid in self.partials:
+                shadow.ref = self.partials[shadow.spec.sid]
         if self.pending:
             self._gather()
         elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
@@ -248,7 +236,7 @@ class _LayerCall:
             return
         shadow = d.shadows.pop(res.job_id, None)
         if shadow is not None:
-            self._measure(shadow, res, eid)
+            self._measure(shadow, res, eid, sender)
             return
         p = self.pending.pop(res.job_id, None)
         if p is None:  # duplicate or late: the job was already answered once
@@ -264,22 +252,42 @@ class _LayerCall:
             stats.remote_errors += 1
             self.fallback(p, latency_ms)
             return
-        stats.remote_jobs += 1
-        d.routing.observe_result(sender, latency_ms, int(p.rows.numel()), res.compute_ms)
-        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
-        if d.s.verify_remote:
-            self._verify(p, y)
+        if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
+            stats.barred_results += 1
+            stats.fallback_jobs += 1
+            self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+            return
+        y, verdict = d.verifier.judge(sender, y, res.dtype, lambda: self.local(p.spec, p.rows))
         self.partials[p.spec.sid] = y
+        if verdict is Verdict.REJECTED:
+            stats.fallback_jobs += 1
+            return
+        stats.remote_jobs += 1
+        d.routing.observe_result(
+            sender, latency_ms, int(p.rows.numel()), res.compute_ms,
+            verified=verdict is Verdict.VERIFIED,
+        )  # fmt: skip
+        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
 
-    def _measure(self, p: _Pending, res: wire.Result, eid: bytes) -> None:
-        """A trial's or re-probe's answer: it moves the worker's estimates, nothing else."""
+    def _measure(self, p: _Pending, res: wire.Result, eid: bytes, sender: str) -> None:
+        """A trial's or re-probe's answer (from `sender`, the job's worker or a peer of its
+        slice): it moves the worker's estimates and, checked against the local result computed
+        anyway, may prove the worker or catch it."""
         latency_ms = _latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
-        if y is not None and y.shape == (p.rows.numel(), self.x.shape[1]):
-            self.d.stats.trials_answered += 1
-            self.d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
-        else:
+        if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
             self.d.routing.observe_failure(p.worker, latency_ms)
+            return
+        self.d.stats.trials_answered += 1
+        verdict = Verdict.USED
+        if p.ref is not None and not self.d.verifier.barred(sender):
+            self.d.stats.remote_rows += int(y.shape[0])
+            verdict = self.d.verifier.check(sender, torch.from_numpy(y.copy()), res.dtype, p.ref)
+        if verdict is not Verdict.REJECTED:
+            self.d.routing.observe_result(
+                sender, latency_ms, int(p.rows.numel()), res.compute_ms,
+                verified=verdict is Verdict.VERIFIED,
+            )  # fmt: skip
 
     def _expire_shadows(self) -> None:
         d = self.d
@@ -288,13 +296,3 @@ class _LayerCall:
             if (now - p.sent_at) * 1000 > d.s.job_deadline_ms:
                 del d.shadows[job_id]
                 d.routing.observe_failure(p.worker, float(d.s.job_deadline_ms))
-
-    def _verify(self, p: _Pending, y: torch.Tensor) -> None:
-        stats = self.d.stats
-        ref = self.local(p.spec, p.rows)
-        err = float((ref - y).abs().max()) if y.numel() else 0.0
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        stats.verified += 1
-        stats.max_abs_err = max(stats.max_abs_err, err)
-        if err > 1e-4 * max(1.0, scale):
-            stats.mismatches += 1

@@ -30,6 +30,7 @@ from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.telemetry import RequestTimes
+from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
 from kvq.errors import ModelError, UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
@@ -76,7 +77,8 @@ class Coordinator:
         self.bank = Bank(self.backbone.experts, bank, cpu)
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
-        self.routing = SliceRouter(board, routing, coord_id, self.info)
+        self.trust = Trust(trust_policy(dispatch), coord_id)
+        self.routing = SliceRouter(board, routing, coord_id, self.info, self.trust)
         self.dispatch = Dispatcher(
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,

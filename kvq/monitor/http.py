@@ -6,6 +6,7 @@ background thread (`kvq.asgi`).
 | GET    | /api/moe/recruitment     | per model: busy, total, saturated, base vs effective     |
 | GET    | /api/expert-demand       | per model and slice: target, coverage, demand, recruiting|
 | POST   | /api/expert-volunteer    | `{"worker", "model"?}` → a slice to fetch, or 204        |
+| GET    | /api/trust               | per model: quarantined and banned workers (issue 11)     |
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 
@@ -17,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -71,6 +74,19 @@ class Api:
             ]  # fmt: skip
             recruiting = any(s["recruiting"] for s in slices)
             out.append({"model": m, "recruiting": recruiting, "slices": slices})
+        return {"models": out}
+
+    def trust(self) -> dict[str, Any]:
+        """Coordinators' verdicts on workers caught with wrong results; `quarantined` while
+        its quarantine runs (or banned)."""
+        now_ms = time.time() * 1000
+        out = []
+        for m in self.board.models():
+            workers = [
+                {"worker": w, "quarantined": q.active(now_ms)} | msgspec.structs.asdict(q)
+                for w, q in self.board.quarantined(m).items()
+            ]
+            out.append({"model": m, "workers": workers})
         return {"models": out}
 
     def volunteer(self, body: bytes) -> dict[str, Any] | None:
@@ -141,6 +157,9 @@ def create_app(api: Api) -> Starlette:
     def demand(request: Request) -> Response:
         return JSONResponse(api.demand())
 
+    def trust(request: Request) -> Response:
+        return JSONResponse(api.trust())
+
     async def volunteer(request: Request) -> Response:
         try:
             n = int(request.headers.get("content-length") or 0)
@@ -178,6 +197,7 @@ def create_app(api: Api) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
             Route("/api/expert-demand", demand, methods=["GET"]),
+            Route("/api/trust", trust, methods=["GET"]),
             Route("/api/expert-volunteer", volunteer, methods=["POST"]),
         ],
         exception_handlers={

@@ -203,7 +203,9 @@ class Worker:
         self.server, self.consumer = None, None
 
     def _serve_one(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        """Decode, serve, write the result, then ack; bad entries are dead-lettered."""
+        """Decode, serve, write the result, then ack. No entry stops the worker: one that
+        cannot be decoded, served or answered (a `reply_to` of another type or outside its
+        ACL, a slice it does not hold) is dead-lettered with the reason."""
         assert self.consumer is not None and self.server is not None
         try:
             job = wire.decode(fields, wire.Job)
@@ -220,20 +222,38 @@ class Worker:
         ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
         try:
             self.consumer.answer([(own, wire.encode(result), ttl_s)], [eid], self.board.maxlen)
-        except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
-            self._dead_letter(eid, fields, f"cannot write the result to {own!r}: {exc}")
+        except redis.RedisError as exc:  # WRONGTYPE, NOPERM, ...: this job's problem only
+            if is_connection_error(exc):
+                raise
+            reason = f"cannot write the result to {own!r}: {_redis_reason(exc)}"
+            self._dead_letter(eid, fields, reason)
 
     def _dead_letter(
         self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
     ) -> None:
+        """Park the entry with its reason; if even that is refused (an ACL without the
+        dead-letter stream), log it: the entry is still acknowledged, never retried forever."""
         assert self.consumer is not None
-        dead_letter(
-            self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
-            self.board.maxlen,
-        )  # fmt: skip
+        try:
+            dead_letter(
+                self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
+                self.board.maxlen,
+            )  # fmt: skip
+        except redis.RedisError as exc:
+            if is_connection_error(exc):
+                raise
+            log.error("cannot dead-letter %s (%s): %s", eid.decode(), reason, _redis_reason(exc))
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+def _redis_reason(exc: redis.RedisError) -> str:
+    """The server's own words, without redis-py's pipeline preamble (which quotes the
+    command's binary arguments)."""
+    text = str(exc)
+    _, sep, tail = text.partition(" of pipeline caused error: ")
+    return f"{type(exc).__name__}: {tail if sep else text}"
 
 
 def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:

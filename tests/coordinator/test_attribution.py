@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -11,8 +12,11 @@ import torch
 
 from kvq import wire
 from kvq.bus.histogram import Histogram
+from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import DispatchCounters
 from kvq.coordinator.dispatch import _LayerCall, _Pending
+from kvq.coordinator.trust import Trust, TrustPolicy
+from kvq.coordinator.verify import Verifier
 
 H = 4
 
@@ -22,13 +26,16 @@ def _call() -> tuple[_LayerCall, Any]:
     seen: list[str] = []
     routing = SimpleNamespace(
         holders={"w0": "A", "w1": "B", "w2": "A"},
-        observe_result=lambda worker, *a: seen.append(worker),
+        observe_result=lambda worker, *a, **kw: seen.append(worker),
         observe_failure=lambda *a: None,
     )
+    stats = DispatchCounters()
+    board = MemoryBoard()
+    trust = Trust(TrustPolicy(), "c", rng=random.Random(0))
     d = SimpleNamespace(
-        shadows={}, routing=routing,
-        stats=DispatchCounters(), job_rtt=Histogram(), per_worker={},
-        s=SimpleNamespace(verify_remote=False, job_deadline_ms=1000), seen=seen,
+        shadows={}, routing=routing, stats=stats, job_rtt=Histogram(), per_worker={},
+        s=SimpleNamespace(verify_remote="off", job_deadline_ms=1000), seen=seen, board=board,
+        verifier=Verifier(board, "m", trust, "off", "float32", stats),
     )  # fmt: skip
     call = object.__new__(_LayerCall)
     call.d, call.x, call.partials = d, torch.zeros(2, H), {}  # type: ignore[assignment]
@@ -59,3 +66,17 @@ def test_a_peer_of_the_slice_answering_a_moved_job_is_credited_as_itself() -> No
     call, d = _call()
     call._accept("w2", "s2", b"1-0", _result(claims="w0"))  # the monitor moved j1 from w0 to w2
     assert d.stats.remote_jobs == 1 and d.per_worker == {"w2": 1}
+
+
+def test_a_lie_is_blamed_on_the_stream_it_arrived_in() -> None:
+    """Issue 11: a NaN answer from the peer the job was moved to quarantines the peer, not
+    the worker the job was first sent to (whatever the result claims)."""
+    call, d = _call()
+    call.local = lambda spec, rows: torch.zeros(2, H)  # type: ignore[method-assign]
+    fields = wire.encode(wire.Result(
+        job_id="j1", worker="w0", y=wire.Tensor.of(np.full((2, H), np.nan, dtype=np.float32)),
+    ))  # fmt: skip
+    call._accept("w2", "s2", b"1-0", {k.encode() if isinstance(k, str) else k: v
+                                      for k, v in fields.items()})  # fmt: skip
+    assert list(d.board.quarantined("m")) == ["w2"] and d.stats.nonfinite_results == 1
+    assert torch.equal(call.partials["A"], torch.zeros(2, H)) and d.per_worker == {}

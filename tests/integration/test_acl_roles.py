@@ -26,6 +26,8 @@ WORKER_FORBIDDEN = {
     "write a result as another worker": ("XADD", "{results_b}", "*", "t", "result"),
     "write a result to a coordinator stream": ("XADD", "{coord_results}", "*", "t", "result"),
     "raise demand (target)": ("HSET", "{target}", "{sid}", "99"),
+    "pardon itself (quarantine)": ("HDEL", "{quarantine}", "a"),
+    "read the quarantine verdicts": ("HGETALL", "{quarantine}"),
     "fake coverage": ("HINCRBY", "{coverage}", "{sid}", "-1"),
     "assign itself a slice": ("HSET", "{workers}", "a", "{sid}"),
     "delete a peer's heartbeat": ("DEL", "{hb_b}"),
@@ -94,6 +96,8 @@ COORD_ALLOWED = {  # a dead coordinator's requests taken over, jobs posted, resu
     "renew it": ("EXPIRE", "{reply}", "600"),
     "read a beat": ("EXISTS", "{hb_b}"),
     "read the assignments": ("HGETALL", "{workers}"),
+    "record a quarantine verdict": ("HSET", "{quarantine}", "a", '{{"until_ms": 1}}'),
+    "read the quarantine verdicts": ("HGETALL", "{quarantine}"),
 }
 
 
@@ -123,7 +127,7 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
         "answers_b": k.worker_answers("b"), "deadletter": k.deadletter(), "models": k.models(),
         "market": k.market(), "cancel": k.model_cancels("tiny"),
         "coordinators": k.model_coordinators("tiny"), "slots": k.coord_slots("c1"),
-        "calls": k.apikey_calls("0123456789abcdef"),
+        "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
     }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvq.bus.records import CoordStats, SlotState
+from kvq.bus.records import CoordStats, Quarantine, SlotState
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP
 from kvq.model import make_tiny
@@ -144,3 +144,33 @@ def test_healthz_and_unknown_path(url: str) -> None:
     status, got = call(url, "/api/nothing")
     assert status == 404 and got["type"] == "NotFound"
     assert call(url, "/healthz")[0] == 200  # still serving after the error
+
+
+def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> None:
+    """Issue 11: a coordinator's verdicts (P:{m:M}:quarantine) in the API and the metrics."""
+    now = int(time.time() * 1000)
+    assert call(url, "/api/trust") == (200, {"models": [{"model": "m", "workers": []}]})
+    mon.board.quarantine("m", "liar", Quarantine(until_ms=now + 60_000, mismatches=1,
+                                                 coord="c1", reason="row error 2.3", ts_ms=now))  # fmt: skip
+    mon.board.quarantine("m", "served-time", Quarantine(until_ms=now - 1, mismatches=1))
+    mon.board.quarantine("m", "banned", Quarantine(until_ms=0, mismatches=3, banned=True))
+    status, got = call(url, "/api/trust")
+    assert status == 200
+    (entry,) = got["models"]
+    by_worker = {w["worker"]: w for w in entry["workers"]}
+    assert by_worker["liar"] == {
+        "worker": "liar", "quarantined": True, "until_ms": now + 60_000, "mismatches": 1,
+        "banned": False, "coord": "c1", "reason": "row error 2.3", "ts_ms": now,
+    }  # fmt: skip
+    assert not by_worker["served-time"]["quarantined"]
+    assert by_worker["banned"]["quarantined"] and by_worker["banned"]["banned"]
+    status, text = call(url, "/metrics")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text) for s in fam.samples
+    }  # fmt: skip
+    assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "liar"))] == 1
+    assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "served-time"))] == 0
+    assert samples["kvq_worker_banned", (("model", "m"), ("worker", "banned"))] == 1
+    assert samples["kvq_worker_mismatches", (("model", "m"), ("worker", "banned"))] == 3
+    assert samples["kvq_workers_quarantined", (("model", "m"),)] == 2
