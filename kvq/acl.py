@@ -70,7 +70,10 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
     """The ACL user of `role` under `keys.prefix` (`worker` names the worker for that role)."""
     p = _glob(keys.prefix)
     if role == "monitor":
-        rules = [f"~{p}:*", *_SAFE]
+        # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
+        # worker's command channel, and INFO (it reads the server's version)
+        rules = [f"~{p}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
+                 "-@admin", "-scan", "+info"]  # fmt: skip
     elif role == "coordinator":
         rules = [
             *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
@@ -78,7 +81,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"~{p}:{{m:*}}:coordinators", f"~{p}:{{m:*}}:quarantine", f"~{p}:{{c:*}}:*",
             f"%W~{p}:{{w:*}}:inbox",
             f"%R~{p}:{{w:*}}:hb", f"%R~{p}:{{w:*}}:info", f"~{p}:{{w:*}}:results:*",
-            f"~{p}:{{r:*}}:reply", f"%W~{p}:deadletter", *_SAFE, "-@scripting",
+            f"~{p}:{{r:*}}:reply", f"~{p}:{{r:*}}:run", f"%W~{p}:deadletter", *_SAFE,
+            "-@scripting",
         ]  # fmt: skip
     elif role == "worker":
         if worker is None:

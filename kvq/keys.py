@@ -165,5 +165,5 @@ class Keys:
         return f"{self.prefix}:{{r:{request}}}:reply"
 
     def request_run(self, request: str) -> str:
-        """Which request entry owns the id, and how many runs it has had (attempt.lua)."""
+        """Which request entry owns the id, and how many runs it has had (`start_attempt`)."""
         return f"{self.prefix}:{{r:{request}}}:run"

@@ -259,7 +259,22 @@ class RedisBoard:
     def start_attempt(self, request: str, entry: bytes) -> int:
         """Start a run of `request` from its stream entry: 1 for the first, more after a
         restart or takeover; 0 if a different entry owns the id (a duplicate request id)."""
-        return self.scripts.attempt(self.r, request, entry.decode(), self.lifetimes.reply_s())
+        key, eid = self.keys.request_run(request), entry.decode()
+        # WATCH/MULTI rather than a script: a coordinator's ACL user runs no scripts
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    owner = pipe.hget(key, "entry")
+                    if owner is not None and owner.decode() != eid:
+                        return 0
+                    pipe.multi()
+                    pipe.hset(key, "entry", eid)
+                    pipe.hincrby(key, "attempts", 1)
+                    pipe.expire(key, self.lifetimes.reply_s())
+                    return int(pipe.execute()[1])
+                except redis.WatchError:
+                    continue  # another coordinator started it meanwhile: look again
 
     def reply_events(self, request: str) -> list[wire.ReplyEvent]:
         """The events written so far on `request`'s reply stream, in order (undecodable

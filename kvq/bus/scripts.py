@@ -23,7 +23,6 @@ class Scripts:
         self._rejoin = r.register_script(_source("rejoin"))
         self._retire = r.register_script(_source("retire"))
         self._lease = r.register_script(_source("lease"))
-        self._attempt = r.register_script(_source("attempt"))
 
     def volunteer(self, r: redis.Redis, model: str, worker: str) -> str | None:
         """Atomically take the rarest slice of `model` with positive demand, or None."""
@@ -64,9 +63,3 @@ class Scripts:
     def lease(self, r: redis.Redis, holder: str, ms: int) -> bool:
         """Take or renew the monitor lease for `ms` (0: drop it if held); True if held now."""
         return bool(self._lease(keys=[self.keys.monitor_lease()], args=[holder, ms], client=r))
-
-    def attempt(self, r: redis.Redis, request: str, entry: str, ttl_s: int) -> int:
-        """Start a run of request `request` from stream entry `entry`: its number (1, 2, ...),
-        or 0 if another entry owns the id (a duplicate)."""
-        got = self._attempt(keys=[self.keys.request_run(request)], args=[entry, ttl_s], client=r)
-        return int(got)
