@@ -220,6 +220,10 @@ class Settings(BaseSettings):
     http_port: int = Field(
         0, ge=0, le=65535, description="port of the monitor's HTTP API and /metrics (0 = off)"
     )
+    http_volunteer: Literal["acl", "open", "off"] = Field(
+        "acl", description="POST /api/expert-volunteer: acl = only with the worker's ACL "
+        "password as bearer token (checked by AUTH); open = anyone (development); off = 403"
+    )  # fmt: skip
 
     # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
     api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")

@@ -65,7 +65,9 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     if settings.http_port:
         from kvq.monitor.http import serve_api
 
-        server, _ = serve_api(board, settings.http_host, settings.http_port)
+        server, _ = serve_api(
+            board, settings.http_host, settings.http_port, settings.http_volunteer
+        )
         host, port = server.server_address[:2]
         log.info("HTTP API and /metrics on http://%s:%s/", host, port)
     try:

@@ -41,7 +41,7 @@ def mon(settings: Settings, model: Path) -> Monitor:
 
 @pytest.fixture
 def url(mon: Monitor) -> Iterator[str]:
-    server, thread = serve_api(mon.board, "127.0.0.1", 0)
+    server, thread = serve_api(mon.board, "127.0.0.1", 0, volunteer="open")
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -174,3 +174,41 @@ def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> N
     assert samples["kvq_worker_banned", (("model", "m"), ("worker", "banned"))] == 1
     assert samples["kvq_worker_mismatches", (("model", "m"), ("worker", "banned"))] == 3
     assert samples["kvq_workers_quarantined", (("model", "m"),)] == 2
+
+
+@pytest.mark.parametrize("mode", ["acl", "off"])
+def test_http_volunteering_is_bound_to_the_worker_s_acl_user(mon: Monitor, mode: str) -> None:
+    """Issue 11: with KVQ_HTTP_VOLUNTEER=acl only a caller holding worker W's `kvq acl`
+    password may take a slice as W (checked by an AUTH as that user); off refuses everyone."""
+    from kvq import acl
+
+    made = acl.apply(mon.board.r, [acl.role_user(mon.board.keys, "worker", "wa")])
+    (password,) = made.values()
+    server, thread = serve_api(mon.board, "127.0.0.1", 0, volunteer=mode)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    body = json.dumps({"worker": "wa"}).encode()
+
+    def post(token: str | None) -> int:
+        req = urllib.request.Request(base + "/api/expert-volunteer", data=body, method="POST")
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return int(exc.code)
+
+    try:
+        if mode == "off":
+            assert post(password) == 403
+        else:
+            assert post(None) == 401 and post("wrong-password") == 401
+            assert mon.board.assignments("m") == {}, "nothing taken without the password"
+            assert post(password) == 200
+            assert "wa" in mon.board.assignments("m")
+    finally:
+        mon.board.r.execute_command("ACL", "DELUSER", *made)
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
