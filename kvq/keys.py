@@ -35,6 +35,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
+| P:bench:{T}:inbox, :results  | stream | `kvq bench bus --cluster` scratch          |
 | P:{k:K}:calls                | string | `kvq api`: calls of API key K (a hash of   |
 |                              |        | it) in its current minute (expires)        |
 """
@@ -88,6 +89,10 @@ class Keys:
     def bench(self, name: str) -> str:
         """Scratch streams of `kvq bench` (deleted before each round)."""
         return f"{self.prefix}:bench:{name}"
+
+    def bench_tagged(self, tag: str, name: str) -> str:
+        """Scratch streams of `kvq bench bus --cluster`, under hash tag `{tag}`."""
+        return f"{self.prefix}:bench:{{{tag}}}:{name}"
 
     # per model
     def _m(self, model: str, what: str) -> str:

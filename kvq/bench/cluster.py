@@ -39,7 +39,8 @@ def pair_tags(n: int) -> list[str]:
 
 
 def _streams(tag: str) -> tuple[str, str]:
-    return f"kvq:bench:{{{tag}}}:inbox", f"kvq:bench:{{{tag}}}:results"
+    keys = Keys("kvq")
+    return keys.bench_tagged(tag, "inbox"), keys.bench_tagged(tag, "results")
 
 
 def _worker(url: str, tag: str, stop_at: float) -> None:

@@ -23,7 +23,7 @@ SCOPES: dict[str, str] = {
     "model_": "m", "worker_": "w", "coord_": "c", "request_": "r", "apikey_": "k",
 }  # fmt: skip
 GLOBAL = {"models", "deadletter", "monitor_lease", "market"}
-TWO_IDS = {"worker_results"}  # (worker, coordinator): the worker's tag
+TWO_IDS = {"worker_results", "bench_tagged"}  # (worker, coordinator): the worker's tag
 
 
 def builders() -> dict[str, Callable[..., str]]:
@@ -50,7 +50,7 @@ def hash_tag(key: str) -> str | None:
 
 def test_every_builder_is_classified() -> None:
     for name in builders():
-        scratch = name == "bench"  # per-run benchmark streams, no hash tag needed
+        scratch = name.startswith("bench")  # per-run benchmark streams
         assert name in GLOBAL or scratch or any(name.startswith(p) for p in SCOPES), name
     assert GLOBAL <= set(builders())
 
