@@ -123,9 +123,6 @@ def test_worker_survives_redis_restart(tiny_model: Path, tmp_path: Path, run_in_
         server.close()
 
 
-# on the cluster run the three short requests end before the trials prove a worker per slice
-# (results are polled per stream there), so no job reaches the victim: a timing assumption
-@pytest.mark.standalone
 def test_killed_worker_jobs_answered_exactly_once(
     settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path
 ) -> None:
@@ -150,7 +147,9 @@ def test_killed_worker_jobs_answered_exactly_once(
         victim = kids.procs["w0"]
         os.kill(victim.pid, signal.SIGSTOP)
         prompts = ["kill me softly", "exactly once", "no job lost"]
-        rids = [client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=8) for p in prompts]
+        # long enough that the trials are answered and checked while the requests still run,
+        # also on a loaded machine (proven means verified: remote work starts after them)
+        rids = [client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=32) for p in prompts]
         wait_for(
             lambda: mon.board.r.xlen(keys.worker_inbox("w0")) > 0, 20, "jobs sent to the victim"
         )
@@ -160,7 +159,7 @@ def test_killed_worker_jobs_answered_exactly_once(
         bb = Backbone.from_gguf(tiny_model)
         tok = ByteTokenizer.from_meta(bb.meta)
         for prompt, tokens in zip(prompts, got, strict=True):
-            assert tokens == bb.generate(tok.encode(prompt), 8), prompt
+            assert tokens == bb.generate(tok.encode(prompt), 32), prompt
         st = coord.dispatch.stats
         assert st.remote_sent == st.remote_jobs + st.fallback_jobs, "each job answered once"
         assert st.remote_jobs > 0
