@@ -22,8 +22,13 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/kvq demo
 
+# the second run: the end-to-end and fault tests again, on a local 3-master Redis Cluster
+CLUSTER_SUITE := tests/integration/test_e2e_generation.py tests/integration/test_e2e_refusals.py \
+	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py
+
 test: setup
 	$(BIN)/python -m pytest -p no:cacheprovider
+	CLUSTER_TESTS=1 $(BIN)/python -m pytest -p no:cacheprovider -m "not standalone" $(CLUSTER_SUITE)
 
 test-fast: setup
 	$(BIN)/python -m pytest -p no:cacheprovider -m "not slow"

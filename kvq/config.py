@@ -34,7 +34,21 @@ __all__ = [
     "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
     "env_name", "load_settings",
 ]  # fmt: skip
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
+            "no": False}  # fmt: skip
+_REDIS_SCHEMES = (
+    "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+    "rediss+sentinel",
+)  # fmt: skip
+RedisMode = Literal["auto", "standalone", "cluster", "sentinel"]
+
+
+def mode_of_url(url: str) -> str:
+    """standalone, cluster or sentinel, as the URL's scheme says (`redis+cluster://...`)."""
+    scheme = urlparse(url).scheme
+    return scheme.split("+", 1)[1] if "+" in scheme else "standalone"
+
+
 NumaPolicy = Literal["preferred", "bind", "off"]
 NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
 
@@ -48,6 +62,14 @@ class Settings(BaseSettings):
 
     # -- Redis / bus --------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")
+    redis_mode: RedisMode = Field(
+        "auto", description="standalone, cluster (Redis/Valkey Cluster) or sentinel; auto: as "
+        "KVQ_REDIS_URL's scheme says (redis+cluster://, redis+sentinel://host:port/master)"
+    )  # fmt: skip
+    rq_url: str = Field(
+        "", description="standalone Redis for RQ's coarse jobs ('' = KVQ_REDIS_URL); RQ is not "
+        "cluster-safe"
+    )  # fmt: skip
     prefix: str = Field("kvq", description="first part of every key")
     stream_maxlen: int = Field(10_000, ge=100, description="approximate cap of every stream")
     block_ms: int = Field(1000, ge=1, le=60_000, description="blocking read timeout")
@@ -56,6 +78,14 @@ class Settings(BaseSettings):
     )
     reconnect_max_s: float = Field(10.0, gt=0, description="longest backoff between reconnects")
     socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout")
+    tls_ca_file: str = Field(
+        "", description="CA bundle (PEM) that signs the Redis server's certificate (rediss://)"
+    )
+    tls_cert_file: str = Field("", description="client certificate (PEM) for mutual TLS")
+    tls_key_file: str = Field("", description="private key (PEM) of KVQ_TLS_CERT_FILE")
+    tls_insecure: bool = Field(
+        False, description="do not verify the server's certificate (logs a warning; tests only)"
+    )
 
     # -- coordinator --------------------------------------------------------------------
     n_slots: int = Field(4, ge=1, le=1024, description="sequences generated together")
@@ -101,7 +131,28 @@ class Settings(BaseSettings):
     model_wait_s: float = Field(
         300.0, gt=0, description="how long a coordinator waits for its model's registration"
     )
-    verify_remote: bool = Field(False, description="recompute every remote result locally")
+    verify_remote: Literal["sampled", "all", "off"] = Field(
+        "sampled",
+        description="remote results recomputed here before use: sampled by graded trust "
+        "(KVQ_TRUST_*), all, or off (results used unchecked; NaN/inf are still refused)",
+    )
+    trust_full_checks: int = Field(
+        50, ge=0, le=100_000, description="a worker's first verified results, all checked"
+    )
+    trust_decay: float = Field(
+        0.95, gt=0, le=1, allow_inf_nan=False,
+        description="check probability factor per further verified result",
+    )  # fmt: skip
+    trust_p_min: float = Field(
+        0.02, gt=0, le=1, allow_inf_nan=False,
+        description="floor of the check probability: a trusted worker's share recomputed",
+    )  # fmt: skip
+    trust_quarantine_s: float = Field(
+        600.0, ge=0, allow_inf_nan=False, description="a worker caught lying gets no work this long"
+    )
+    trust_ban_after: int = Field(
+        3, ge=1, description="mismatches after which a worker id is banned for good"
+    )
     microbatches: int = Field(
         1,
         ge=1,
@@ -111,6 +162,11 @@ class Settings(BaseSettings):
     )
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
+    max_attempts: int = Field(
+        3, ge=1, le=100,
+        description="a request started this many times without finishing (its coordinators "
+        "died or stopped mid-request) is dead-lettered with an error event, not started again",
+    )  # fmt: skip
 
     # -- worker -------------------------------------------------------------------------
     heartbeat_ttl_s: float = Field(6.0, gt=0, description="a worker silent this long is dead")
@@ -133,6 +189,17 @@ class Settings(BaseSettings):
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
     load_retry_max_s: float = Field(
         60.0, gt=0, description="longest wait before volunteering again after a failed slice load"
+    )
+    worker_market: Literal["auto", "direct", "monitor"] = Field(
+        "auto",
+        description="how a worker takes slices: direct (runs the market scripts), monitor "
+        "(asks the monitor), auto (monitor unless connected as the default user)",
+    )
+    market_wait_s: float = Field(
+        5.0, gt=0, le=600, description="longest wait of a worker for the monitor's market answer"
+    )
+    state_dir: str = Field(
+        "", description="where a worker keeps its default id (empty = ~/.config/kvq)"
     )
 
     # -- monitor ------------------------------------------------------------------------
@@ -160,6 +227,10 @@ class Settings(BaseSettings):
     http_port: int = Field(
         0, ge=0, le=65535, description="port of the monitor's HTTP API and /metrics (0 = off)"
     )
+    http_volunteer: Literal["acl", "open", "off"] = Field(
+        "acl", description="POST /api/expert-volunteer: acl = only with the worker's ACL "
+        "password as bearer token (checked by AUTH); open = anyone (development); off = 403"
+    )  # fmt: skip
 
     # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
     api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")
@@ -208,9 +279,24 @@ class Settings(BaseSettings):
         # "" is the documented "unset"; "None" is what child_env writes for it
         return None if isinstance(v, str) and v.strip() in ("", "None") else v
 
-    @field_validator("redis_url")
+    @field_validator("verify_remote", mode="before")
     @classmethod
-    def _check_url(cls, v: str) -> str:
+    def _legacy_verify(cls, v: object) -> object:
+        # KVQ_VERIFY_REMOTE was a bool: 1/true meant "recompute every result", 0/false "none"
+        if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in _BOOLISH):
+            on = v if isinstance(v, bool) else _BOOLISH[v.strip().lower()]
+            return "all" if on else "off"
+        if isinstance(v, str) and v not in ("sampled", "all", "off"):
+            raise ValueError("must be sampled, all or off (1/true = all, 0/false = off)")
+        return v
+
+    @field_validator("redis_url", "rq_url")
+    @classmethod
+    def _check_url(cls, v: str, info: ValidationInfo) -> str:
+        if info.field_name == "rq_url" and v == "":
+            return v
+        if info.field_name == "rq_url" and mode_of_url(v) != "standalone":
+            raise ValueError("RQ is not cluster-safe: give a standalone redis:// URL")
         parsed = urlparse(v)
         if parsed.scheme not in _REDIS_SCHEMES:
             raise ValueError(
@@ -219,6 +305,42 @@ class Settings(BaseSettings):
             )
         if parsed.scheme != "unix" and not parsed.hostname:
             raise ValueError("must name a host, e.g. redis://127.0.0.1:6379/0")
+        return v
+
+    @field_validator("redis_mode")
+    @classmethod
+    def _check_mode(cls, v: str, info: ValidationInfo) -> str:
+        url = info.data.get("redis_url")
+        if url is None:
+            return v
+        implied = mode_of_url(url)
+        if v != "auto" and implied != "standalone" and implied != v:
+            raise ValueError(f"{v} contradicts KVQ_REDIS_URL's scheme, which says {implied}")
+        mode = implied if v == "auto" else v
+        if mode != "standalone" and urlparse(url).scheme == "unix":
+            raise ValueError(f"{mode} needs host:port URLs, not unix://")
+        if mode == "sentinel" and not urlparse(url).path.strip("/"):
+            raise ValueError(
+                "sentinel needs the master's name: redis+sentinel://host:26379/mymaster"
+            )
+        return v
+
+    @property
+    def redis_mode_resolved(self) -> str:
+        return mode_of_url(self.redis_url) if self.redis_mode == "auto" else self.redis_mode
+
+    @field_validator("tls_key_file")
+    @classmethod
+    def _cert_with_key(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v) != bool(info.data.get("tls_cert_file")):
+            raise ValueError("KVQ_TLS_CERT_FILE and KVQ_TLS_KEY_FILE go together: set both or none")
+        return v
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable(cls, v: str) -> str:
+        if v and not os.path.isfile(v):
+            raise ValueError("must be the path of a readable PEM file")
         return v
 
     @field_validator("prefix")
@@ -289,7 +411,8 @@ class Settings(BaseSettings):
     def bus(self) -> BusSettings:
         return BusSettings(
             self.redis_url, self.prefix, self.stream_maxlen, self.block_ms,
-            self.reconnect_max_s, self.socket_timeout_s,
+            self.reconnect_max_s, self.socket_timeout_s, self.tls_ca_file, self.tls_cert_file,
+            self.tls_key_file, self.tls_insecure, self.redis_mode_resolved,
         )  # fmt: skip
 
     @property
@@ -308,15 +431,26 @@ class Settings(BaseSettings):
         )  # fmt: skip
 
     @property
+    def coarse_url(self) -> str:
+        """Where RQ's coarse jobs live (`kvq.monitor.coarse`); "" when there is no standalone
+        server for them (KVQ_RQ_URL unset on a cluster or Sentinel): they then run inline."""
+        if self.rq_url:
+            return self.rq_url
+        return self.redis_url if self.redis_mode_resolved == "standalone" else ""
+
+    @property
     def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(self.job_deadline_ms, self.verify_remote, self.microbatches)
+        return DispatchSettings(
+            self.job_deadline_ms, self.verify_remote, self.trust_full_checks, self.trust_decay,
+            self.trust_p_min, self.trust_quarantine_s, self.trust_ban_after, self.microbatches,
+        )  # fmt: skip
 
     @property
     def coordinator(self) -> CoordinatorSettings:
         return CoordinatorSettings(
             self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms,
             self.model_wait_s, self.max_tokens_limit, self.block_ms, self.reconnect_max_s,
-            self.compute_dtype,
+            self.compute_dtype, self.max_attempts,
         )  # fmt: skip
 
     @property
@@ -324,7 +458,7 @@ class Settings(BaseSettings):
         return WorkerSettings(
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
             self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
-            self.idle_release_s,
+            self.idle_release_s, self.worker_market, self.market_wait_s,
         )  # fmt: skip
 
     @property
@@ -367,21 +501,36 @@ def load_settings(**overrides: Any) -> Settings:
         for err in exc.errors():
             loc = err.get("loc") or ()
             name = env_name(str(loc[0])) if loc else "settings"
-            got = err.get("input")
+            got = redact(str(loc[0]), err.get("input")) if loc else err.get("input")
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
             lines.append(f"{name}: {msg} (got {got!r})" if loc else f"{name}: {msg}")
         raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
+SECRET_SETTINGS = ("redis_url", "api_keys")  # printed only redacted
+
+
+def redact(name: str, value: Any) -> Any:
+    """`value` of setting `name` as it may be printed: no password, no API key."""
+    if name == "redis_url" and isinstance(value, str):
+        from kvq.redact import redacted_url
+
+        return redacted_url(value)
+    if name == "api_keys" and value:
+        return "***"
+    return value
+
+
 def describe(settings: Settings) -> list[dict[str, Any]]:
-    """Each setting with its env name, value, default and description (for `config show`)."""
+    """Each setting with its env name, value (secrets redacted), default and description (for
+    `config show`)."""
     out = []
     for name, field in Settings.model_fields.items():
         out.append(
             {
                 "name": name,
                 "env": env_name(name),
-                "value": getattr(settings, name),
+                "value": redact(name, getattr(settings, name)),
                 "default": field.default,
                 "description": field.description or "",
             }

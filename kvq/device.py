@@ -33,6 +33,12 @@ def compute_dtype(
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NAMES = {dt: name for name, dt in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`KVQ_COMPUTE_DTYPE`'s name of a compute dtype (results carry it: `wire.Result.dtype`)."""
+    return _NAMES.get(dtype, "float32")
 
 
 def timed_call(fn: Callable[[], object], device: torch.device) -> float:

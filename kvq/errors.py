@@ -4,6 +4,8 @@
     ├── ConfigError        a setting is missing or out of range (names the setting)
     ├── WireError          a message cannot be decoded or fails validation
     ├── BusError           Redis transport problems that survived reconnection
+    │   ├── IdentityInUse      another live process already serves under this worker id
+    │   └── TlsError           the TLS handshake failed (wrong CA, certificate or key)
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
     │   ├── SliceIntegrityError   downloaded slice bytes do not match what was published
     │   └── ModelMismatch         a coordinator's GGUF is not the file registered for its id
@@ -45,6 +47,14 @@ class WireError(KvqError):
 
 class BusError(KvqError):
     """Talking to Redis failed after the reconnect policy gave up."""
+
+
+class IdentityInUse(BusError):
+    """Another live process beats under this worker id: pick another `--id` (or stop it)."""
+
+
+class TlsError(BusError):
+    """The TLS connection to Redis failed in a way retrying cannot fix (certificate, CA)."""
 
 
 class ModelError(KvqError):

@@ -18,27 +18,52 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:requests             | stream | clients → coordinators (group)             |
 | P:{m:M}:cancel               | stream | clients → coordinators: requests given up  |
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
+| P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
+|                              |        | mismatches, banned) → coordinators, monitor|
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
 | P:{w:W}:info                 | hash   | worker W: model, slice, device, served,    |
 |                              |        | last_serve_ms (expires)                    |
-| P:{c:C}:results              | stream | workers → coordinator C                    |
+| P:{w:W}:results:C            | stream | worker W → coordinator C (W's results to C) |
+| P:{w:W}:asks                 | stream | worker W → monitor: market requests        |
+| P:{w:W}:answers              | stream | monitor → worker W: market answers         |
+| P:market                     | stream | workers → monitor: "look at my asks"       |
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
+| P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | any consumer → operators                   |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
+| P:bench:{T}:inbox, :results  | stream | `kvq bench bus --cluster` scratch          |
 | P:{k:K}:calls                | string | `kvq api`: calls of API key K (a hash of   |
 |                              |        | it) in its current minute (expires)        |
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from kvq.errors import ConfigError
 
 WORKER_GROUP = "workers"
 COORDINATOR_GROUP = "coordinators"
+
+# Worker and coordinator ids appear inside ACL key patterns (`P:{w:<id>}:*`), where `*`, `?`,
+# `[`, `]` and `\\` are glob syntax and `{`, `}` or `:` would let one id's pattern reach another's
+# keys: ids are limited to these characters.
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_id(what: str, value: str) -> str:
+    """`value` if it is a safe worker/coordinator id, else ConfigError saying what is allowed."""
+    if not _SAFE_ID.fullmatch(value):
+        raise ConfigError(
+            f"{what} {value!r} is not allowed: use 1 to 64 of A-Z a-z 0-9 _ . - (ids appear in "
+            "ACL key patterns, where other characters are glob syntax or separators)"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +82,17 @@ class Keys:
     def monitor_lease(self) -> str:
         return f"{self.prefix}:monitor:lease"
 
+    def market(self) -> str:
+        """Doorbells of workers with market requests waiting in their own `asks` stream."""
+        return f"{self.prefix}:market"
+
     def bench(self, name: str) -> str:
         """Scratch streams of `kvq bench` (deleted before each round)."""
         return f"{self.prefix}:bench:{name}"
+
+    def bench_tagged(self, tag: str, name: str) -> str:
+        """Scratch streams of `kvq bench bus --cluster`, under hash tag `{tag}`."""
+        return f"{self.prefix}:bench:{{{tag}}}:{name}"
 
     # per model
     def _m(self, model: str, what: str) -> str:
@@ -95,6 +128,10 @@ class Keys:
     def model_cancels(self, model: str) -> str:
         return self._m(model, "cancel")
 
+    def model_quarantine(self, model: str) -> str:
+        """Workers caught returning wrong results (`records.Quarantine` JSON per worker)."""
+        return self._m(model, "quarantine")
+
     # per API key (the gateway's request limit); the key itself is never stored, its hash is
     def apikey_calls(self, key_sha: str) -> str:
         return f"{self.prefix}:{{k:{key_sha}}}:calls"
@@ -109,9 +146,18 @@ class Keys:
     def worker_info(self, worker: str) -> str:
         return f"{self.prefix}:{{w:{worker}}}:info"
 
+    def worker_results(self, worker: str, coord: str) -> str:
+        """Results of `worker` for `coord`: a worker may write only its own keys, so where a
+        result arrives says who computed it."""
+        return f"{self.prefix}:{{w:{worker}}}:results:{coord}"
+
+    def worker_asks(self, worker: str) -> str:
+        return f"{self.prefix}:{{w:{worker}}}:asks"
+
+    def worker_answers(self, worker: str) -> str:
+        return f"{self.prefix}:{{w:{worker}}}:answers"
+
     # per coordinator
-    def coord_results(self, coord: str) -> str:
-        return f"{self.prefix}:{{c:{coord}}}:results"
 
     def coord_slots(self, coord: str) -> str:
         return f"{self.prefix}:{{c:{coord}}}:slots"
@@ -122,3 +168,7 @@ class Keys:
     # per request
     def request_reply(self, request: str) -> str:
         return f"{self.prefix}:{{r:{request}}}:reply"
+
+    def request_run(self, request: str) -> str:
+        """Which request entry owns the id, and how many runs it has had (`start_attempt`)."""
+        return f"{self.prefix}:{{r:{request}}}:run"

@@ -83,9 +83,11 @@ class EmbeddedRedis:
     """A private server on 127.0.0.1 and a free port; use as a context manager."""
 
     def __init__(
-        self, port: int | None = None, data_dir: str | Path | None = None, persist: bool = False
-    ) -> None:
+        self, port: int | None = None, data_dir: str | Path | None = None, persist: bool = False,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         self.port = port or free_port()
+        self.extra_args = extra_args  # e.g. cluster mode (kvq.cluster)
         self._own_dir = data_dir is None
         # absolute: the server changes into --dir before it opens --logfile (a relative
         # `kvq server --dir redis-data` could not open redis-data/redis-data/server.log)
@@ -113,7 +115,7 @@ class EmbeddedRedis:
             "--dir", str(self.data_dir), "--pidfile", str(self.pidfile),
             "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
             "--appendonly", "no", "--save", "60 1" if self.persist else "",
-            "--dbfilename", "dump.rdb", "--logfile", str(self.logfile),
+            "--dbfilename", "dump.rdb", "--logfile", str(self.logfile), *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args,

@@ -19,6 +19,11 @@ class BusSettings:
     block_ms: int
     reconnect_max_s: float
     socket_timeout_s: float
+    tls_ca_file: str = ""  # KVQ_TLS_CA_FILE: CA bundle that signs the server's certificate
+    tls_cert_file: str = ""  # KVQ_TLS_CERT_FILE + KVQ_TLS_KEY_FILE: client certificate (mTLS)
+    tls_key_file: str = ""
+    tls_insecure: bool = False  # KVQ_TLS_INSECURE: no certificate check (logged as a warning)
+    mode: str = "standalone"  # KVQ_REDIS_MODE resolved: standalone, cluster or sentinel
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +47,16 @@ class RoutingSettings:
 
 @dataclass(frozen=True, slots=True)
 class DispatchSettings:
-    """Remote expert jobs: deadline before the local fallback, verification, and how many
-    micro-batches an engine step is cut into while remote jobs are in use."""
+    """Remote expert jobs: deadline before the local fallback, verification (trust), and how
+    many micro-batches an engine step is cut into while remote jobs are in use."""
 
     job_deadline_ms: int
-    verify_remote: bool
+    verify_remote: str = "sampled"  # sampled | all | off (KVQ_VERIFY_REMOTE)
+    trust_full_checks: int = 50
+    trust_decay: float = 0.95
+    trust_p_min: float = 0.02
+    trust_quarantine_s: float = 600.0
+    trust_ban_after: int = 3
     microbatches: int = 1
 
 
@@ -63,6 +73,7 @@ class CoordinatorSettings:
     block_ms: int
     reconnect_max_s: float
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
+    max_attempts: int = 3  # KVQ_MAX_ATTEMPTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,8 @@ class WorkerSettings:
     compute_dtype: str = "auto"  # KVQ_COMPUTE_DTYPE (kvq.device.compute_dtype)
     load_retry_max_s: float = 60.0  # cap of the back-off after a failed slice load
     idle_release_s: float = 90.0  # KVQ_IDLE_RELEASE_S: wind-down of a surplus slice
+    market: str = "auto"  # KVQ_WORKER_MARKET: auto | direct | monitor (kvq.bus.market)
+    market_wait_s: float = 5.0  # KVQ_MARKET_WAIT_S: longest wait for the monitor's answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ import numpy as np
 from kvq.errors import WireError
 
 VERSION = 1
-REQUEST_VERSION = 2  # requests and reply events; v1 ones still decode
+REQUEST_VERSION = 2  # requests; v1 ones still decode
+REPLY_VERSION = 3  # reply events; v1 and v2 ones still decode
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
@@ -33,6 +34,7 @@ _NP: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
+ComputeDType = Literal["float32", "float16", "bfloat16"]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
@@ -104,14 +106,18 @@ class Job(_Msg, frozen=True):
             raise ValueError(f"empty expert range [{self.expert_start}, {self.expert_end})")
 
 
-class Result(_Msg, frozen=True):
-    """A worker's answer: the gate-weighted sum over the slice's experts per row."""
+class Result(_Msg, frozen=True, omit_defaults=True):
+    """A worker's answer: the gate-weighted sum over the slice's experts per row.
+
+    Fields at their default are left out of the map, so a float32 worker's results still
+    decode on a coordinator that predates `dtype` (which refuses unknown fields)."""
 
     job_id: Name
     worker: Name
     compute_ms: float = 0.0
-    y: Tensor | None = None  # [T, H]
+    y: Tensor | None = None  # [T, H], float32 on the wire whatever the compute dtype
     error: Failure | None = None
+    dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -167,9 +173,13 @@ class ReplyEvent(_Msg, frozen=True, kw_only=True):
 
     A token event's `text` is the new text it makes final, which may be empty (held back while
     it could be the start of a stop string or of a multi-byte character) or cover several
-    tokens; `done.text` is the whole completion, stop string excluded."""
+    tokens; `done.text` is the whole completion, stop string excluded.
 
-    v: Literal[1, 2] = 2  # type: ignore[assignment]
+    `attempt` and `entry` (v3) let a reader follow one run of one request: a coordinator that
+    restarts or takes a request over writes with a higher attempt and never re-sends a token
+    index already written; a second request reusing the id is answered with its own `entry`."""
+
+    v: Literal[1, 2, 3] = 3  # type: ignore[assignment]  # REPLY_VERSION
     kind: Literal["token", "done", "error"]
     index: NonNeg = 0
     token_id: int | None = None
@@ -179,6 +189,8 @@ class ReplyEvent(_Msg, frozen=True, kw_only=True):
     logprob: TokenLogprob | None = None  # v2: `token_id`'s own, when logprobs were asked
     top_logprobs: list[TokenLogprob] | None = None  # v2: the best alternatives
     prompt_tokens: NonNeg = 0  # v2, on `done`: the prompt's length in tokens
+    attempt: NonNeg = 0  # v3: which run of the request wrote it (1 = first; 0 = unknown)
+    entry: str = ""  # v3: the request entry it answers ("" = unknown; see kvq.client)
 
 
 class Cancel(_Msg, frozen=True):

@@ -11,4 +11,8 @@ if [ -z "${KVQ_REDIS_URL:-}" ]; then
     exit 2
 fi
 
-exec kvq worker --id "${WORKER_ID:-worker-$(hostname)}"
+# no WORKER_ID: kvq keeps an id of its own (<hostname>-<suffix>, in KVQ_STATE_DIR)
+if [ -n "${WORKER_ID:-}" ]; then
+    exec kvq worker --id "$WORKER_ID"
+fi
+exec kvq worker

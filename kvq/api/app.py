@@ -39,6 +39,7 @@ from kvq.api.params import Call, parse
 from kvq.api.shape import Answer, models_list
 from kvq.bus import connect_async
 from kvq.bus.redis_board import open_board
+from kvq.client import ReplyFilter
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
 
@@ -59,10 +60,12 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = ApiMetrics(self.registry)
 
-    async def events(self, request_id: str) -> AsyncIterator[wire.ReplyEvent]:
-        """The reply events of a request until `done`; ApiError for an `error` event or for
-        `KVQ_API_TIMEOUT_S` without any event (a lost request is never waited on longer)."""
+    async def events(self, request_id: str, entry: str) -> AsyncIterator[wire.ReplyEvent]:
+        """The reply events of a request until `done`, each token once (`ReplyFilter`);
+        ApiError for an `error` event or for `KVQ_API_TIMEOUT_S` without any event (a lost
+        request is never waited on longer)."""
         key = self.board.keys.request_reply(request_id)
+        seen = ReplyFilter(entry)
         last, deadline = b"0-0", time.monotonic() + self.s.timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -81,6 +84,8 @@ class Gateway:
                         ev = wire.decode(fields, wire.ReplyEvent)
                     except WireError as exc:
                         raise ApiError(500, str(exc), kind="server_error") from None
+                    if not seen.accept(ev):
+                        continue
                     if ev.kind == "error":
                         raise failure_status(ev.error)
                     yield ev
@@ -181,9 +186,9 @@ def create_app(settings: Settings) -> Starlette:
             await request.body(), chat=chat, max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
         )  # fmt: skip
-        rid = await run_in_threadpool(gw.gate.admit, call)
+        rid, entry = await run_in_threadpool(gw.gate.admit, call)
         answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
-        events = gw.events(rid)
+        events = gw.events(rid, entry)
         try:
             first = await _first(request, events)  # errors before any byte: a real status
         except BaseException:

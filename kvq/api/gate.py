@@ -70,8 +70,8 @@ class Gate:
                 param="model", code="model_not_found",
             )  # fmt: skip
 
-    def admit(self, call: Call) -> str:
-        """Queue the call; its request id. 404, 503 (no coordinator) or 429 (queue full) first."""
+    def admit(self, call: Call) -> client.Submitted:
+        """Queue the call; its request id and entry. 404, 503 (no coordinator) or 429 (queue full) first."""
         self.check_model(call.model)
         alive = [c for c in self.board.coordinators(call.model) if c.alive]
         if not alive:
@@ -94,9 +94,10 @@ class Gate:
             sampling=call.sampling,
         )  # fmt: skip
         # as kvq.client.send, whose checks are done above
-        xadd(self.board.r, self.board.keys.model_requests(call.model), wire.encode(req),
-             self.board.maxlen)  # fmt: skip
-        return request_id
+        # never trimmed (as kvq.client.submit): the queue check above bounds it
+        entry = xadd(self.board.r, self.board.keys.model_requests(call.model),
+                     wire.encode(req), None)  # fmt: skip
+        return client.Submitted(request_id, entry.decode())
 
     def cancel(self, model: str, request_id: str) -> None:
         client.cancel(self.board.r, self.board.keys, model, request_id)

@@ -29,6 +29,7 @@ from kvq.bus.records import (
     CoordStats,
     Lifetimes,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -137,6 +138,16 @@ class Board(Protocol):
 
     def worker_info(self, worker: str) -> WorkerInfo | None: ...
 
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        """Take the id `worker` for the process `instance` (its heartbeat, set only if absent);
+        True if it is now, or already was, this instance's. False: another live process beats
+        under this id."""
+        ...
+
+    def worker_instance(self, worker: str) -> str | None:
+        """The instance token of the live process beating as `worker`, or None."""
+        ...
+
     def worker_alive(self, worker: str) -> bool:
         """THE worker liveness rule for one worker: its heartbeat is up (idle, loading or
         serving)."""
@@ -144,6 +155,14 @@ class Board(Protocol):
 
     def forget_worker(self, worker: str) -> None:
         """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
+        ...
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        """Record a coordinator's verdict on `worker` (replacing any earlier one)."""
+        ...
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        """Every verdict recorded for `model`'s workers, active or past (`Quarantine.active`)."""
         ...
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:

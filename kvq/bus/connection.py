@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import ssl
 import time
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -13,22 +16,121 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvq.config import BusSettings
+from kvq.errors import ConfigError, TlsError
+from kvq.redact import redacted_text, redacted_url
+
+__all__ = [
+    "Backoff", "connect", "connect_async", "is_connection_error", "is_tls_error", "redacted_url",
+]  # fmt: skip
+log = logging.getLogger("kvq.bus")
+
+
+def plain_url(url: str) -> str:
+    """The URL redis-py parses: `redis+cluster://h:p` → `redis://h:p`."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(scheme=parts.scheme.split("+", 1)[0]))
+
+
+def tls_options(settings: BusSettings) -> dict[str, Any]:
+    """redis-py's TLS arguments from the `KVQ_TLS_*` settings (none for redis:// or unix://)."""
+    if urlsplit(plain_url(settings.redis_url)).scheme != "rediss":
+        return {}
+    opts: dict[str, Any] = {}
+    if settings.tls_ca_file:
+        opts["ssl_ca_certs"] = settings.tls_ca_file
+    if settings.tls_cert_file:
+        opts["ssl_certfile"], opts["ssl_keyfile"] = settings.tls_cert_file, settings.tls_key_file
+    if settings.tls_insecure:
+        log.warning("KVQ_TLS_INSECURE=1: the Redis server's certificate is NOT verified; "
+                    "anyone on the path can read and change kvq's traffic")  # fmt: skip
+        opts["ssl_cert_reqs"], opts["ssl_check_hostname"] = "none", False
+    return opts
 
 
 def connect(settings: BusSettings) -> redis.Redis:
-    """A client for `KVQ_REDIS_URL` that retries each command across short outages.
+    """A client for `KVQ_REDIS_URL` that retries each command across short outages: a plain
+    client, a `RedisCluster` (mode cluster) or the master of a Sentinel set (mode sentinel).
 
-    Raw bytes in and out (`decode_responses=False`): payloads are msgpack.
+    Raw bytes in and out (`decode_responses=False`): payloads are msgpack. Over TLS the first
+    connection is made now: a certificate problem fails here with a one-line TlsError instead
+    of being retried forever (an unreachable server is still waited for, later).
     """
     retry = Retry(ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=3)
-    return redis.Redis.from_url(
+    if settings.mode == "cluster":
+        return _cluster(settings, retry)
+    if settings.mode == "sentinel":
+        return _sentinel(settings, retry)
+    tls = tls_options(settings)
+    r = redis.Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
         socket_connect_timeout=settings.socket_timeout_s,
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
+        **tls,
     )
+    if urlsplit(settings.redis_url).scheme == "rediss":
+        try:
+            r.ping()
+        except redis.RedisError as exc:
+            if is_tls_error(exc):
+                r.close()
+                raise TlsError(tls_message(settings.redis_url, exc)) from None
+    return r
+
+
+def is_tls_error(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a TLS failure: retrying will not fix it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError | ssl.CertificateError):
+            return True
+        text = str(seen)
+        if "SSL" in text and ("CERTIFICATE" in text.upper() or "HANDSHAKE" in text.upper()):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def tls_message(url: str, exc: BaseException) -> str:
+    """One line: which server, what failed, which settings to check."""
+    why = " ".join(redacted_text(str(exc)).split())
+    return (
+        f"TLS to {redacted_url(url)} failed: {why}; check KVQ_TLS_CA_FILE (the CA that signed "
+        "the server's certificate), KVQ_TLS_CERT_FILE/KVQ_TLS_KEY_FILE (if the server asks for "
+        "a client certificate) and the host name in KVQ_REDIS_URL"
+    )
+
+
+def _timeouts(settings: BusSettings) -> dict[str, Any]:
+    return {
+        "socket_timeout": settings.socket_timeout_s + settings.block_ms / 1000,
+        "socket_connect_timeout": settings.socket_timeout_s,
+    }
+
+
+def _cluster(settings: BusSettings, retry: Retry) -> redis.Redis:
+    from redis.cluster import RedisCluster
+
+    # the board's calls are plain Redis calls that stay inside one hash tag (docs/streams.md)
+    client = RedisCluster.from_url(plain_url(settings.redis_url), retry=retry,
+                                   **_timeouts(settings), **tls_options(settings))  # fmt: skip
+    return cast(redis.Redis, client)
+
+
+def _sentinel(settings: BusSettings, retry: Retry) -> redis.Redis:
+    from redis.sentinel import Sentinel
+
+    parts = urlsplit(plain_url(settings.redis_url))
+    hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1]) if ":" in h else 26379)
+             for h in parts.netloc.rsplit("@", 1)[-1].split(",")]  # fmt: skip
+    master = parts.path.strip("/").split("/")[0]
+    auth = {"username": parts.username, "password": parts.password}
+    sentinel = Sentinel(hosts, sentinel_kwargs=auth, **_timeouts(settings))
+    conn = sentinel.master_for(master, retry=retry, retry_on_error=[redis.ConnectionError,
+                               redis.TimeoutError], **auth, **_timeouts(settings))  # fmt: skip
+    return cast(redis.Redis, conn)
 
 
 def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
@@ -36,6 +138,16 @@ def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
     retry = redis.asyncio.retry.Retry(
         ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=3
     )
+    if settings.mode == "cluster":
+        from redis.asyncio.cluster import RedisCluster
+
+        client = RedisCluster.from_url(plain_url(settings.redis_url), retry=retry,
+                                       **_timeouts(settings))  # fmt: skip
+        return cast(redis.asyncio.Redis, client)
+    if settings.mode == "sentinel":
+        raise ConfigError(
+            "kvq api does not support KVQ_REDIS_MODE=sentinel yet; use the master's URL"
+        )
     return redis.asyncio.Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
@@ -43,11 +155,27 @@ def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
+        **tls_options(settings),
     )
 
 
 def is_connection_error(exc: BaseException) -> bool:
-    return isinstance(exc, redis.ConnectionError | redis.TimeoutError | ConnectionError)
+    """A failure worth waiting out (the server, a cluster node or the whole cluster is down,
+    unreachable or failing over); TLS failures are not: the same certificate fails the same
+    way."""
+    from redis.exceptions import (
+        ClusterDownError,
+        RedisClusterException,
+        SlotNotCoveredError,
+        TryAgainError,
+    )  # fmt: skip
+
+    if isinstance(exc, ClusterDownError | SlotNotCoveredError | TryAgainError):
+        return True  # a cluster failover in progress
+    if isinstance(exc, RedisClusterException):  # no node reachable; others (cross-slot) are bugs
+        return "cannot be connected" in str(exc)
+    transient = isinstance(exc, redis.ConnectionError | redis.TimeoutError | ConnectionError)
+    return transient and not is_tls_error(exc)
 
 
 class Backoff:
@@ -69,12 +197,3 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
-
-
-def redacted_url(url: str) -> str:
-    """The URL without its password, for printing."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))

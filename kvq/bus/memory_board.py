@@ -16,6 +16,7 @@ from kvq.bus.records import (
     CoordStats,
     Lifetimes,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -44,6 +45,7 @@ class MemoryBoard:
         self.inboxes: dict[str, list[Fields]] = {}  # unanswered jobs per worker
         self._coords: dict[str, set[str]] = {}
         self._stats: dict[str, CoordStats] = {}
+        self._quarantine: dict[str, dict[str, Quarantine]] = {}  # model -> worker -> verdict
 
     # -- expiry ---------------------------------------------------------------------------
     def _put(self, kind: str, ident: str, value: object, ttl_s: float) -> None:
@@ -205,7 +207,7 @@ class MemoryBoard:
 
     def beat(self, worker: str, info: WorkerInfo) -> int:
         with self._lock:
-            self._put("hb", worker, info.slice, self.lifetimes.heartbeat_ms() / 1000)
+            self._put("hb", worker, info.instance, self.lifetimes.heartbeat_ms() / 1000)
             self._put("info", worker, info, self.lifetimes.worker_info_s())
             return len(self.inboxes.get(worker, []))
 
@@ -216,11 +218,31 @@ class MemoryBoard:
     def worker_alive(self, worker: str) -> bool:
         return self._get("hb", worker) is not None
 
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        with self._lock:
+            held = self._get("hb", worker)
+            if held is None:
+                self._put("hb", worker, instance, self.lifetimes.heartbeat_ms() / 1000)
+                return True
+            return held == instance
+
+    def worker_instance(self, worker: str) -> str | None:
+        got = self._get("hb", worker)
+        return got if isinstance(got, str) else None
+
     def forget_worker(self, worker: str) -> None:
         with self._lock:
             self.lapse("hb", worker)
             self.lapse("info", worker)
             self.inboxes.pop(worker, None)
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        with self._lock:
+            self._quarantine.setdefault(model, {})[worker] = verdict
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        with self._lock:
+            return dict(sorted(self._quarantine.get(model, {}).items()))
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 | `CoordStats` | P:{c:C}:stats       | coordinator C       | `Lifetimes.coordinator_s()`         |
 | `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
 | heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
+| `Quarantine` | P:{m:M}:quarantine  | coordinators        | permanent, one JSON field per worker|
 """
 
 from __future__ import annotations
@@ -127,11 +128,19 @@ class DispatchCounters(Counters, kw_only=True):
     fallback_jobs: int = 0
     remote_errors: int = 0
     late_results: int = 0
+    foreign_results: int = 0  # a result for a job sent to another worker: ignored
     uncovered_local: int = 0
     microbatched_steps: int = 0  # engine steps offered KVQ_MICROBATCHES > 1 micro-batches
-    verified: int = 0
-    mismatches: int = 0
-    max_abs_err: float = 0.0
+    verified: int = 0  # remote results recomputed here before use (spot-checks)
+    mismatches: int = 0  # of those, how many disagreed beyond the dtype's tolerance
+    max_abs_err: float = (
+        0.0  # largest relative row error among the verified (kvq.coordinator.check)
+    )
+    nonfinite_results: int = 0  # results holding NaN or infinity: rejected, recomputed here
+    barred_results: int = 0  # results of quarantined or banned workers: not used
+    quarantines: int = 0  # workers this coordinator caught and quarantined
+    remote_rows: int = 0  # token rows of remote results received
+    verified_rows: int = 0  # of those, rows recomputed here to check them
 
 
 class CoordStats(DispatchCounters, kw_only=True):
@@ -149,6 +158,33 @@ class CoordStats(DispatchCounters, kw_only=True):
     job_rtt_s: str = ""  # a remote job: sent -> its result read
     ttft_s: str = ""  # a request: admitted -> its first token event written
     token_gap_s: str = ""  # between two token events of one request
+
+
+class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
+    """A coordinator's verdict on a worker whose result did not match its own recomputation
+    (one JSON value per worker in the model's `quarantine` hash; the latest verdict wins)."""
+
+    until_ms: int  # no work and no result used before then (Redis-independent wall clock)
+    mismatches: int  # mismatches counted for this id so far, by any coordinator
+    banned: bool = False  # never trusted again (the `ban_after`-th mismatch)
+    coord: str = ""  # the coordinator that caught it
+    reason: str = ""
+    ts_ms: int = 0  # when it was caught
+
+    def active(self, now_ms: float) -> bool:
+        return self.banned or now_ms < self.until_ms
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Quarantine | None:
+        """The record, or None when the value does not decode (logged, treated as absent)."""
+        try:
+            return msgspec.json.decode(raw, type=cls)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring a quarantine value that does not decode (%s): %r", exc, raw)
+            return None
 
 
 IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state
@@ -183,6 +219,8 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
         if not isinstance(got, dict):
             return {}
         return {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
+
+    instance: str = ""  # the process's random token: two live workers cannot share an id
 
     @property
     def ready(self) -> bool:
@@ -224,6 +262,11 @@ class Lifetimes:
 
     def heartbeat_ms(self) -> int:
         return int(self.heartbeat_ttl_s * 1000)
+
+    def claim_wait_s(self) -> float:
+        """How long a starting worker waits for its id's beat to lapse (a crashed
+        predecessor's does within one TTL; a live twin's never does)."""
+        return self.heartbeat_ttl_s * 1.5
 
     def beat_every_s(self) -> float:
         return self.heartbeat_ttl_s / 3

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
+from kvq import wire
 from kvq.bus.board import CoordinatorView, Fields, worker_view
 from kvq.bus.connection import connect
 from kvq.bus.records import (
@@ -19,6 +20,7 @@ from kvq.bus.records import (
     Lifetimes,
     ModelEntry,
     ModelState,
+    Quarantine,
     SliceDemand,
     SlotState,
     WorkerInfo,
@@ -26,6 +28,7 @@ from kvq.bus.records import (
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import unanswered, xadd
 from kvq.config import BusSettings
+from kvq.errors import WireError
 from kvq.keys import Keys
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
@@ -159,7 +162,7 @@ class RedisBoard:
     def beat(self, worker: str, info: WorkerInfo) -> int:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(k.worker_heartbeat(worker), info.slice, px=life.heartbeat_ms())
+        pipe.set(k.worker_heartbeat(worker), info.instance, px=life.heartbeat_ms())
         pipe.hset(k.worker_info(worker), mapping=info.to_hash())
         pipe.expire(k.worker_info(worker), life.worker_info_s())
         pipe.xlen(k.worker_inbox(worker))  # answered entries are deleted: what is left waits
@@ -171,9 +174,30 @@ class RedisBoard:
     def worker_alive(self, worker: str) -> bool:
         return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
 
+    def claim_worker(self, worker: str, instance: str) -> bool:
+        hb = self.keys.worker_heartbeat(worker)
+        if self.r.set(hb, instance, nx=True, px=self.lifetimes.heartbeat_ms()):
+            return True
+        return self.worker_instance(worker) == instance
+
+    def worker_instance(self, worker: str) -> str | None:
+        got = self.r.get(self.keys.worker_heartbeat(worker))
+        return _s(got) if got is not None else None
+
     def forget_worker(self, worker: str) -> None:
         k = self.keys
-        self.r.delete(k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker))
+        self.r.delete(
+            k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker),
+            k.worker_asks(worker), k.worker_answers(worker),
+        )  # fmt: skip
+
+    def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
+        self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+
+    def quarantined(self, model: str) -> dict[str, Quarantine]:
+        raw = self.r.hgetall(self.keys.model_quarantine(model))
+        got = {_s(w): Quarantine.from_json(v) for w, v in raw.items()}
+        return {w: q for w, q in sorted(got.items()) if q is not None}
 
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         if not jobs:
@@ -203,7 +227,6 @@ class RedisBoard:
         pipe.sadd(k.model_coordinators(state.model), coord)
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
-        pipe.expire(k.coord_results(coord), life.coordinator_s())
         pipe.execute()
 
     def coordinators(self, model: str) -> list[CoordinatorView]:
@@ -229,6 +252,38 @@ class RedisBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
+
+    # -- requests: runs and what their reply streams already hold --------------------------
+    def start_attempt(self, request: str, entry: bytes) -> int:
+        """Start a run of `request` from its stream entry: 1 for the first, more after a
+        restart or takeover; 0 if a different entry owns the id (a duplicate request id)."""
+        key, eid = self.keys.request_run(request), entry.decode()
+        # WATCH/MULTI rather than a script: a coordinator's ACL user runs no scripts
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    owner = pipe.hget(key, "entry")
+                    if owner is not None and owner.decode() != eid:
+                        return 0
+                    pipe.multi()
+                    pipe.hset(key, "entry", eid)
+                    pipe.hincrby(key, "attempts", 1)
+                    pipe.expire(key, self.lifetimes.reply_s())
+                    return int(pipe.execute()[1])
+                except redis.WatchError:
+                    continue  # another coordinator started it meanwhile: look again
+
+    def reply_events(self, request: str) -> list[wire.ReplyEvent]:
+        """The events written so far on `request`'s reply stream, in order (undecodable
+        entries skipped: only coordinators write there)."""
+        out = []
+        for _, fields in self.r.xrange(self.keys.request_reply(request)):
+            try:
+                out.append(wire.decode(fields, wire.ReplyEvent))
+            except WireError:
+                continue
+        return out
 
     # -- the gateway's per-key request counter ---------------------------------------------
     def count_api_call(self, key_sha: str, window_s: int) -> tuple[int, float]:

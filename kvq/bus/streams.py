@@ -13,11 +13,21 @@ from kvq.keys import Keys
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
+def is_cluster(r: Any) -> bool:
+    """Whether `r` is a Redis Cluster client (pipelines there are split per node)."""
+    from redis.cluster import RedisCluster
+
+    return isinstance(r, RedisCluster)
+
+
 def xadd(
-    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any], maxlen: int
-) -> Any:
-    """XADD with approximate MAXLEN trimming, so no stream grows without bound."""
-    return r.xadd(stream, dict(fields), maxlen=maxlen, approximate=True)
+    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any],
+    maxlen: int | None,
+) -> Any:  # fmt: skip
+    """XADD with approximate MAXLEN trimming, so no stream grows without bound; `maxlen` None
+    for a stream whose unread entries must never be trimmed (requests: the writer checks the
+    length first and refuses instead)."""
+    return r.xadd(stream, dict(fields), maxlen=maxlen, approximate=maxlen is not None)
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
@@ -117,6 +127,11 @@ class Consumer:
             xadd(pipe, stream, fields, maxlen)
             if ttl_s is not None:
                 pipe.expire(stream, ttl_s)
+        if entry_ids and is_cluster(self.r):
+            # a cluster pipeline runs per node, in no order between nodes: the answers
+            # (other hash tags) must be written before the ack, so that takes a round trip
+            pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
         if entry_ids:
             pipe.xack(self.stream, self.group, *entry_ids)
             pipe.xdel(self.stream, *entry_ids)  # answered: see `ack`
@@ -177,24 +192,73 @@ def _id_gt(a: bytes, b: bytes) -> bool:
 
 
 class Tail:
-    """Reads one stream from where it left off, without a group (a coordinator's results)."""
+    """Reads streams from where it left off, without a group: a coordinator's results, one
+    stream per worker (`Keys.worker_results`), so where an entry arrived says who wrote it."""
 
-    def __init__(self, r: redis.Redis, stream: str) -> None:
-        self.r, self.stream = r, stream
-        self.last_id = b"0-0"
-        self._read: list[bytes] = []  # ids returned by the last read, deleted by the next
+    def __init__(self, r: redis.Redis, *streams: str) -> None:
+        self.r = r
+        self.cursors: dict[str, bytes] = dict.fromkeys(streams, b"0-0")
+        self._read: dict[str, list[bytes]] = {}  # ids returned by the last read, deleted next
+
+    @property
+    def stream(self) -> str:
+        """The first stream read (a one-stream tail's only one)."""
+        return next(iter(self.cursors))
+
+    def watch(self, stream: str) -> bool:
+        """Read `stream` too, from its start; True if it was not read yet."""
+        if stream in self.cursors:
+            return False
+        self.cursors[stream] = b"0-0"
+        return True
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries (`block_ms` None: do not block). This reader is the stream's only one,
-        so what it has read is deleted, in the same round trip as the next read (no extra
-        round trip per batch)."""
+        """New entries of every stream (`block_ms` None: do not block)."""
+        return [(eid, f) for _, eid, f in self.read_from(count, block_ms)]
+
+    def read_from(
+        self, count: int, block_ms: int | None
+    ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """New `(stream, id, fields)` entries. This reader is each stream's only one, so what
+        it has read is deleted, in the same round trip as the next read (no extra round trip
+        per batch)."""
+        if not self.cursors:
+            return []
+        if is_cluster(self.r):
+            return self._poll(count, block_ms)
         pipe = self.r.pipeline(transaction=False)
-        if self._read:
-            pipe.xdel(self.stream, *self._read)
-        pipe.xread({self.stream: self.last_id}, count=count, block=block_ms)
-        resp = pipe.execute()[-1]
-        entries: list[Entry] = [e for _, batch in resp or [] for e in batch]
-        self._read = [eid for eid, _ in entries]
-        if entries:
-            self.last_id = entries[-1][0]
-        return entries
+        for stream, ids in self._read.items():
+            pipe.xdel(stream, *ids)
+        pipe.xread(dict(self.cursors), count=count, block=block_ms)
+        return self._take(pipe.execute()[-1])
+
+    def _poll(
+        self, count: int, block_ms: int | None
+    ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """On a cluster: the streams have their own hash tags, so no one XREAD may name
+        several, and one cannot block on several nodes: one XREAD per stream, pipelined,
+        polled every millisecond until `block_ms`."""
+        deadline = time.monotonic() + (block_ms or 0) / 1000
+        while True:
+            pipe = self.r.pipeline(transaction=False)
+            for stream, ids in self._read.items():
+                pipe.xdel(stream, *ids)
+            streams = list(self.cursors)
+            for stream in streams:
+                pipe.xread({stream: self.cursors[stream]}, count=count)
+            resp = pipe.execute()[-len(streams) :]
+            out = self._take([pair for got in resp for pair in got or []])
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.001)
+
+    def _take(self, resp: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        out: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+        self._read = {}
+        for name, batch in resp or []:
+            stream = name.decode() if isinstance(name, bytes) else str(name)
+            if batch:
+                self._read[stream] = [eid for eid, _ in batch]
+                self.cursors[stream] = batch[-1][0]
+                out.extend((stream, eid, f) for eid, f in batch)
+        return out

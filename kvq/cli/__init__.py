@@ -14,10 +14,13 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from kvq.cli import api, bank, core, deadletter, elastic, health, model, swarm
+import redis
+
+from kvq.cli import acl, api, bank, core, deadletter, elastic, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
+from kvq.redact import install_log_redaction, redacted_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
-    for area in (core, api, health, model, bank, swarm, elastic, deadletter):
+    for area in (core, api, health, model, bank, swarm, elastic, deadletter, acl):
         area.register(sub, bench)
     return p
 
@@ -46,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("gguf").setLevel(logging.WARNING)
+    install_log_redaction()
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
     try:
         settings = load_settings()
@@ -60,10 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KvqError as exc:
-        print(f"kvq: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvq: {type(exc).__name__}: {redacted_text(str(exc))}", file=sys.stderr)
         return EXIT_FAIL
     except TimeoutError as exc:
         print(f"kvq: timed out: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except redis.RedisError as exc:  # e.g. NOPERM, or a TLS failure met after the start
+        line = " ".join(redacted_text(str(exc)).split())
+        print(f"kvq: redis: {type(exc).__name__}: {line}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         print("kvq: interrupted", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from kvq.cli.common import EXIT_OK
@@ -12,17 +14,36 @@ from kvq.config import Settings
 Subparsers = Any
 
 
-def cmd_collect(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bank.collect import collect_histogram, read_prompts
-    from kvq.bank.hist import save_hist
-    from kvq.device import pick_device
+def _on_rq(settings: Settings, func: Any, *args: Any) -> Any:
+    """Run a coarse job on RQ (a running `kvq monitor` executes it) and wait for its result."""
+    import os
 
-    hist = collect_histogram(
-        args.model, read_prompts(args.prompts), args.tokens, pick_device(settings.device)
-    )
-    save_hist(hist, args.out)
-    routed = sum(int(t.counts.sum()) for t in hist.layers)
-    print(f"wrote {args.out}: {len(hist.layers)} layers, {routed} routed pairs")
+    from kvq.errors import ConfigError
+    from kvq.monitor.coarse import JOB_TIMEOUT_S, CoarseJobs
+
+    if not settings.coarse_url:
+        raise ConfigError("--rq needs a standalone Redis for RQ: set KVQ_RQ_URL")
+    jobs = CoarseJobs(settings.coarse_url, settings.prefix, f"cli-{os.getpid()}")
+    try:
+        job = jobs.enqueue(func, *args)
+        print(f"RQ job {job.id} queued; waiting for a monitor to run it", file=sys.stderr)
+        return jobs.wait(job, JOB_TIMEOUT_S)
+    finally:
+        jobs.close()
+
+
+def cmd_collect(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bank.collect import read_prompts
+    from kvq.device import pick_device
+    from kvq.monitor import coarse
+
+    prompts, device = read_prompts(args.prompts), str(pick_device(settings.device))
+    if args.rq:
+        out = _on_rq(settings, coarse.collect_histogram, str(Path(args.model).resolve()),
+                     prompts, args.tokens, str(Path(args.out).resolve()), device)  # fmt: skip
+    else:
+        out = coarse.collect_histogram(args.model, prompts, args.tokens, args.out, device)
+    print(f"wrote {out['out']}: {out['layers']} layers, {out['routed']} routed pairs")
     return EXIT_OK
 
 
@@ -43,6 +64,13 @@ def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
     if not args.budget_gib >= 0:
         raise ConfigError(f"--budget-gib {args.budget_gib} must be a number >= 0")
+    if args.rq:
+        from kvq.monitor import coarse
+
+        doc = _on_rq(settings, coarse.plan_hot_set, str(Path(args.hist).resolve()),
+                     int(args.budget_gib * GIB))  # fmt: skip
+        print(json.dumps(doc))
+        return EXIT_OK
     hist = load_hist(args.hist)
     plan = plan_hot_set(hist.layers, int(args.budget_gib * GIB))
     if args.json:
@@ -83,6 +111,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     c.add_argument("--prompts", required=True, help="text file, one prompt per line")
     c.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
     c.add_argument("-o", "--out", required=True, help="HIST.json to write")
+    c.add_argument(
+        "--rq", action="store_true", help="run it as an RQ coarse job (a monitor runs it)"
+    )
     c.set_defaults(fn=cmd_collect)
 
     r = bsub.add_parser("rerank", help="re-rank a reference histogram for your own traffic")
@@ -97,6 +128,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     p.add_argument("--hist", required=True, help="HIST.json")
     p.add_argument("--budget-gib", type=float, required=True, help="hot budget in GiB")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rq", action="store_true",
+                   help="run it as an RQ coarse job (a monitor runs it); prints JSON")  # fmt: skip
     p.set_defaults(fn=cmd_plan)
 
     bb = bench.add_parser("bank", help="static vs dynamic hot sets on a drifting trace")

@@ -33,26 +33,48 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bus.redis_board import open_board
-    from kvq.monitor import Monitor
+    from kvq.model import read_meta
+    from kvq.monitor import Monitor, coarse
 
     board = open_board(settings.bus, settings.lifetimes)
-    mon = Monitor(board, settings.monitor, monitor_id=args.id)
+    mon = Monitor.on_redis(board, settings.monitor, monitor_id=args.id)
+    models = []
     for spec in args.model or []:
         model, _, path = spec.partition("=")
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
-        mon.register(model, path, args.source)
+        read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
+        models.append((model, path))
+    jobs = None
+    if settings.coarse_url:
+        jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
+        jobs.serve(board)
+    elif models:
+        log.info("KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
+                 "inline (RQ needs a standalone Redis)")  # fmt: skip
+    m = settings.monitor
+    for model, path in models:
+        if jobs is None:
+            mon.register(model, path, args.source)
+            continue
+        job = jobs.enqueue(coarse.register_model, model, path, args.source, m.slice_layers,
+                           m.slice_experts, m.base_replicas)  # fmt: skip
+        log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
     stop_on_signals(mon.stop)
     server = None
     if settings.http_port:
         from kvq.monitor.http import serve_api
 
-        server, _ = serve_api(board, settings.http_host, settings.http_port)
+        server, _ = serve_api(
+            board, settings.http_host, settings.http_port, settings.http_volunteer
+        )
         host, port = server.server_address[:2]
         log.info("HTTP API and /metrics on http://%s:%s/", host, port)
     try:
         mon.run()
     finally:
+        if jobs is not None:
+            jobs.close()
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -71,9 +93,10 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.identity import default_worker_id
     from kvq.worker import Worker
 
-    worker = Worker.from_settings(settings, node_id(args.id, "worker"))
+    worker = Worker.from_settings(settings, args.id or default_worker_id(settings.state_dir))
     stop_on_signals(worker.stop)
     worker.run()
     return EXIT_OK
@@ -89,14 +112,14 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=args.stop or [],
     )  # fmt: skip
-    rid = client.send(
+    rid, entry = client.submit(
         r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling
     )
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
     try:
-        for ev in client.events(r, keys, rid, timeout_s=args.timeout):
+        for ev in client.events(r, keys, rid, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
                 ids.append(ev.token_id)
                 shown += ev.text
@@ -120,6 +143,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     opts = DemoOptions(
         redis_url=args.redis, model_path=args.model, workers=args.workers,
         requests=args.requests, max_tokens=args.max_tokens, log_dir=args.log_dir,
+        cluster=args.cluster, acl=args.acl,
     )  # fmt: skip
 
     def say(msg: str) -> None:
@@ -139,6 +163,12 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.bus import run_bus_bench
 
+    if args.cluster:
+        from kvq.bench.cluster import run_cluster_bench
+
+        out = run_cluster_bench(args.cluster, args.seconds)
+        print(json.dumps(out) if args.json else "\n".join(f"{k:<20} {v}" for k, v in out.items()))
+        return EXIT_OK
     result = run_bus_bench(settings, jobs=args.jobs, redis_url=args.redis)
     if args.json:
         print(json.dumps(result))
@@ -157,6 +187,13 @@ def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
 
     stop = threading.Event()
     stop_on_signals(stop)
+    if args.cluster:
+        from kvq.cluster import EmbeddedCluster
+
+        with EmbeddedCluster(args.cluster, args.cluster_replicas, data_dir=args.dir) as cl:
+            print(cl.url, flush=True)  # KVQ_REDIS_URL for every kvq process
+            stop.wait()
+        return EXIT_OK
     with EmbeddedRedis(port=args.port, data_dir=args.dir, persist=args.dir is not None) as srv:
         print(srv.url, flush=True)
         stop.wait()
@@ -187,7 +224,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     co.set_defaults(fn=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run a worker (outbound connections only)")
-    w.add_argument("--id", help="worker id (default worker-HOSTNAME)")
+    w.add_argument(
+        "--id", help="worker id: 1-64 of A-Z a-z 0-9 _ . - (default: HOSTNAME-<kept suffix>)"
+    )
     w.set_defaults(fn=cmd_worker)
 
     s = sub.add_parser("submit", help="send a prompt and stream the completion")
@@ -210,16 +249,27 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     d.add_argument("--requests", type=int, default=16)
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--log-dir", help="write each process's log here")
+    d.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run on a local Redis Cluster of N masters (not with --redis)")  # fmt: skip
     d.add_argument("--json", action="store_true")
+    d.add_argument("--acl", action="store_true",
+                   help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
     d.set_defaults(fn=cmd_demo)
 
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
     sv.add_argument("--port", type=int, default=6379)
     sv.add_argument("--dir", help="data directory (persists across restarts)")
+    sv.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="a local Redis Cluster of N masters on free ports instead")  # fmt: skip
+    sv.add_argument("--cluster-replicas", type=int, default=0, metavar="R",
+                    help="with --cluster: R replicas per master")  # fmt: skip
     sv.set_defaults(fn=cmd_server)
 
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
     bb.add_argument("--jobs", type=int, default=2000)
     bb.add_argument("--redis", help="Redis URL (default: start an embedded server)")
+    bb.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="instead: N pairs over a local N-master cluster vs one server")  # fmt: skip
+    bb.add_argument("--seconds", type=float, default=5.0, help="with --cluster: each run's length")
     bb.add_argument("--json", action="store_true")
     bb.set_defaults(fn=cmd_bench)

@@ -41,7 +41,9 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
         coord = node_id(ident, "coord")
         return board.coordinator_alive(coord), f"coordinator {coord} publishes fresh slot state"
     if role == "worker":
-        worker = node_id(ident, "worker")
+        from kvq.identity import default_worker_id
+
+        worker = ident or default_worker_id(s.state_dir)
         return board.worker_alive(worker), f"worker {worker} heartbeats"
     if ident is None:
         return False, "monitor: give the model id it registers (--id MODEL)"
@@ -56,7 +58,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     h = sub.add_parser("health", help="exit 0 if a role is alive (for healthchecks)")
     h.add_argument("role", choices=["redis", "monitor", "coordinator", "worker"])
     h.add_argument(
-        "--id", help="coordinator or worker id (default coord-/worker-HOSTNAME); for monitor, "
+        "--id", help="coordinator or worker id (default coord-HOSTNAME, or the kept worker id); for monitor, "
         "the id of a model it registers",
     )  # fmt: skip
     h.set_defaults(fn=cmd_health)

@@ -20,13 +20,17 @@ import redis
 import torch
 
 from kvq import wire
-from kvq.bus import Tail, dead_letter
-from kvq.bus.board import Board
+from kvq.bus import dead_letter
+from kvq.bus.board import Board, Fields
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import DispatchCounters
 from kvq.config import DispatchSettings
-from kvq.coordinator.layer_call import LayerCall, Pending, result_latency_ms
+from kvq.coordinator.layer_call import LayerCall
+from kvq.coordinator.pending import Pending, latency_ms
+from kvq.coordinator.results import WorkerResults
 from kvq.coordinator.routing import SliceRouter
+from kvq.coordinator.verify import Verdict, Verifier
+from kvq.device import dtype_name
 from kvq.errors import UncoveredSlice, WireError
 from kvq.keys import Keys
 from kvq.model.registry import ModelInfo
@@ -48,6 +52,10 @@ class Dispatcher:
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
         self.stats = DispatchCounters()
+        self.verifier = Verifier(
+            board, info.model, routing.trust, settings.verify_remote, dtype_name(server.dtype),
+            self.stats, routing.bar,
+        )  # fmt: skip
         self.job_rtt = Histogram()  # remote jobs: sent -> result read, answered or failed
         self.per_worker: dict[str, int] = {}  # results accepted per worker
         self.shadows: dict[str, Pending] = {}  # trial/probe jobs nobody waits for (K4)
@@ -55,13 +63,17 @@ class Dispatcher:
         self.sent_remote = False  # a layer call of the current step sent remote jobs
         self._routed: dict[str, int] = {}  # token rows per slice since the last `take_routed`
         self._routed_lock = threading.Lock()
-        self.results_key = keys.coord_results(coord_id)
-        self.results = Tail(r, self.results_key)
+        self.results = WorkerResults(r, keys, coord_id)
         self._seq = itertools.count()
         self._layer_slices = {
             layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
         }
-        r.delete(self.results_key)
+
+    def send(self, jobs: list[tuple[str, Fields]]) -> None:
+        """Post jobs; the results of every worker serving this model are read from then on
+        (the monitor may move a dead worker's jobs to a peer of its slice)."""
+        self.results.watch([*(w for w, _ in jobs), *self.routing.holders])
+        self.board.send_jobs(jobs)
 
     def for_step(self, busy: int, total: int, microbatches: int | None = None) -> _StepMoe:
         """The backbone's MoeFn for one engine step, under this load (K2). It asks for
@@ -100,33 +112,55 @@ class Dispatcher:
             log.warning("%s; computing locally", exc)
             return None
 
-    def accept(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        """One entry of the results stream: to the layer call that waits for it, to its
-        trial's estimates, or counted late."""
+    def accept(self, sender: str, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        """One entry of `sender`'s results stream: to the layer call that waits for it, to its
+        trial's estimates, or counted late (or foreign)."""
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
-            dead_letter(self.r, self.keys, self.results_key, eid, fields, str(exc), self.maxlen)
+            dead_letter(self.r, self.keys, stream, eid, fields, str(exc), self.maxlen)
+            return
+        # who answered is where it arrived, never the result's `worker` field: the worker the
+        # job went to, or a peer of its slice the monitor moved it to when that worker died
+        owner = self.inflight.get(res.job_id)
+        p = self.shadows.get(res.job_id) or (
+            owner.pending.get(res.job_id) if owner is not None else None
+        )
+        if p is not None and sender != p.worker and self.routing.holders.get(sender) != p.spec.sid:
+            self.stats.foreign_results += 1
+            log.warning("result for job %s sent to %s arrived from %s; ignored",
+                        res.job_id, p.worker, sender)  # fmt: skip
             return
         shadow = self.shadows.pop(res.job_id, None)
         if shadow is not None:
-            self._measure(shadow, res, eid)
+            self._measure(shadow, res, eid, sender)
             return
         owner = self.inflight.pop(res.job_id, None)
-        if owner is None:  # duplicate or late: the job was already answered once
+        if owner is None or res.job_id not in owner.pending:
+            # duplicate or late: the job was already answered once
             self.stats.late_results += 1
             return
-        owner.deliver(eid, res)
+        owner.deliver(sender, eid, res)
 
-    def _measure(self, p: Pending, res: wire.Result, eid: bytes) -> None:
-        """A trial's or re-probe's answer: it moves the worker's estimates, nothing else."""
-        latency_ms = result_latency_ms(p, eid)
+    def _measure(self, p: Pending, res: wire.Result, eid: bytes, sender: str) -> None:
+        """A trial's or re-probe's answer (from `sender`, the job's worker or a peer of its
+        slice): it moves the worker's estimates and, checked against the local result computed
+        anyway, may prove the worker or catch it."""
+        ms = latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
-        if y is not None and y.shape == (p.rows.numel(), self.server.hidden):
-            self.stats.trials_answered += 1
-            self.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
-        else:
-            self.routing.observe_failure(p.worker, latency_ms)
+        if y is None or y.shape != (p.rows.numel(), self.server.hidden):
+            self.routing.observe_failure(p.worker, ms)
+            return
+        self.stats.trials_answered += 1
+        verdict = Verdict.USED
+        if p.ref is not None and not self.verifier.barred(sender):
+            self.stats.remote_rows += int(y.shape[0])
+            verdict = self.verifier.check(sender, torch.from_numpy(y.copy()), res.dtype, p.ref)
+        if verdict is not Verdict.REJECTED:
+            self.routing.observe_result(
+                sender, ms, int(p.rows.numel()), res.compute_ms,
+                verified=verdict is Verdict.VERIFIED,
+            )  # fmt: skip
 
     def expire_shadows(self) -> None:
         now = time.monotonic()

@@ -37,6 +37,13 @@ class Sequence:
     params: wire.SamplingParams = wire.SamplingParams()
     sampler: Sampler | None = None
     text: StopText | None = None
+    attempt: int = 1  # which run of the request this is (a restart or takeover adds one)
+    forced: list[int] = field(default_factory=list)  # tokens an earlier run already streamed
+
+    @property
+    def fresh(self) -> bool:
+        """Whether `new_token` is news to the client: not one an earlier run streamed."""
+        return len(self.generated) > len(self.forced)
 
     @property
     def completion(self) -> str:
@@ -64,8 +71,11 @@ class Engine:
 
     def admit(
         self, request_id: str, prompt_ids: list[int], max_tokens: int, entry_id: bytes,
-        params: wire.SamplingParams | None = None,
+        params: wire.SamplingParams | None = None, attempt: int = 1,
+        forced: list[int] | None = None,
     ) -> Sequence:  # fmt: skip
+        """Start a sequence. `forced`: the tokens an earlier run of the request streamed
+        before it stopped; they are generated again as they were (whatever the sampling)."""
         assert self.free > 0, "admit() called with no free slot"
         p = params or wire.SamplingParams()
         sampling = Sampling(
@@ -75,7 +85,8 @@ class Engine:
             request_id, list(prompt_ids), max_tokens, self.backbone.new_cache(), entry_id,
             next_input=list(prompt_ids), params=p,
             sampler=Sampler(sampling, self.backbone.meta.vocab_size),
-            text=StopText(self.tokenizer.decode, p.stop),
+            text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
+            forced=list(forced or []),
         )  # fmt: skip
         self.active.append(seq)
         return seq
@@ -102,7 +113,12 @@ class Engine:
             done = []
             for i, seq in enumerate(self.active):
                 assert seq.sampler is not None
-                tok = greedy_ids[i] if seq.sampler.greedy else seq.sampler.pick(logits[i])
+                n = len(seq.generated)
+                forced = seq.forced[n] if n < len(seq.forced) else None
+                if seq.sampler.greedy:
+                    tok = greedy_ids[i] if forced is None else forced
+                else:
+                    tok = seq.sampler.pick(logits[i], forced)
                 self._advance(seq, tok, logits[i])
                 if seq.finish:
                     done.append(seq)

@@ -4,7 +4,7 @@ A call is `start`ed (route, send the remote jobs, compute the local slices while
 flight) and later `finish`ed (wait for its results, fall back locally on a miss, add the
 partial sums). Between the two the engine may run another micro-batch's attention
 (`kvq.model.microbatch`), so several calls can be in flight at once: results are read from
-the one results stream by the dispatcher and handed to the call that sent the job.
+the workers' results streams by the dispatcher and handed to the call that sent the job.
 
 Partial sums are added in slice order whatever the arrival order, so remote and local
 generation agree bit for bit when the worker computes with the same dtype.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,34 +21,14 @@ import torch
 
 from kvq import wire
 from kvq.bus.board import Fields
+from kvq.coordinator.pending import Pending, latency_ms
+from kvq.coordinator.verify import Verdict
 from kvq.slices import SliceSpec
 
 if TYPE_CHECKING:
     from kvq.coordinator.dispatch import Dispatcher
 
 log = logging.getLogger("kvq.coordinator")
-
-
-@dataclass
-class Pending:
-    spec: SliceSpec
-    rows: torch.Tensor  # [R] rows of the layer's x that this job carries
-    worker: str
-    sent_at: float  # time.monotonic()
-    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
-
-
-def result_latency_ms(p: Pending, eid: bytes) -> float:
-    """Send-to-arrival time of a result. The result is read only after the local slices are
-    computed, so the read time overstates a fast worker's round trip by that compute; the
-    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
-    NTP-close across machines). The smaller of the two non-negative values is used."""
-    read = (time.monotonic() - p.sent_at) * 1000
-    try:
-        stored = int(eid.split(b"-", 1)[0]) - p.sent_ms
-    except ValueError:
-        return read
-    return stored if 0 <= stored < read else read
 
 
 class LayerCall:
@@ -77,6 +56,7 @@ class LayerCall:
         route = d.route(work, busy, total)
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
+        trials: list[Pending] = []
         trial = route.trial if route is not None else None
         for spec, rows in self.order:
             worker = route.worker(spec.sid) if route is not None else None
@@ -84,23 +64,26 @@ class LayerCall:
                 local.append((spec, rows))
                 continue
             job_id = d.next_job_id()
-            jobs.append((worker, wire.encode(self._job(job_id, spec, rows))))
+            jobs.append((worker, wire.encode(self._job(job_id, spec, rows, worker))))
             p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
             if worker == trial and d.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
                 # not waited for, so a slow worker costs no layer call its round trip
                 d.shadows[job_id] = p
+                trials.append(p)
                 local.append((spec, rows))
             else:
                 self.pending[job_id] = p
                 d.inflight[job_id] = self
-        d.board.send_jobs(jobs)
+        d.send(jobs)
         stats.remote_sent += len(self.pending)
         stats.trials_sent += len(jobs) - len(self.pending)
         d.sent_remote = d.sent_remote or bool(self.pending)
         for spec, rows in local:  # while the remote jobs are in flight
             self.partials[spec.sid] = self.local(spec, rows)
             stats.local_jobs += 1
+        for shadow in trials:  # this call's trials: the local answer checks theirs
+            shadow.ref = self.partials[shadow.spec.sid]
 
     def finish(self) -> torch.Tensor:
         """Wait for this call's results (others' are handed to their calls), fall back
@@ -109,20 +92,20 @@ class LayerCall:
         if self.pending:
             self._gather()
         elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
-            for eid, fields in d.results.read(count=256, block_ms=None):
-                d.accept(eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=None):
+                d.accept(sender, stream, eid, fields)
         d.expire_shadows()
         out = torch.zeros_like(self.x)
         for spec, rows in self.order:
             out.index_add_(0, rows, self.partials[spec.sid])
         return out
 
-    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor) -> wire.Job:
+    def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor, worker: str) -> wire.Job:
         d = self.d
         return wire.Job(
             job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
             expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=d.coord, reply_to=d.results_key, deadline_ms=self.deadline_ms,
+            coord=d.coord, reply_to=d.results.key(worker), deadline_ms=self.deadline_ms,
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
@@ -149,41 +132,42 @@ class LayerCall:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
-            for eid, fields in d.results.read(count=256, block_ms=left_ms):
-                d.accept(eid, fields)
+            for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
+                d.accept(sender, stream, eid, fields)
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             d.inflight.pop(job_id, None)
             self.fallback(p, float(d.s.job_deadline_ms))
         self.pending.clear()
 
-    def deliver(self, eid: bytes, res: wire.Result) -> None:
-        """The result of one of this call's jobs (the dispatcher found its owner)."""
+    def deliver(self, sender: str, eid: bytes, res: wire.Result) -> None:
+        """The result of one of this call's jobs, read from `sender`'s stream (the dispatcher
+        found its owner and checked that `sender` may answer it)."""
         d, stats = self.d, self.d.stats
         p = self.pending.pop(res.job_id)
-        latency_ms = result_latency_ms(p, eid)
-        d.job_rtt.observe(latency_ms / 1000)
+        ms = latency_ms(p, eid)
+        d.job_rtt.observe(ms / 1000)
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
         if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
-            log.warning("worker %s failed job %s: %s", res.worker, res.job_id, res.error)
+            log.warning("worker %s failed job %s: %s", p.worker, res.job_id, res.error)
             stats.remote_errors += 1
-            self.fallback(p, latency_ms)
+            self.fallback(p, ms)
+            return
+        if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
+            stats.barred_results += 1
+            stats.fallback_jobs += 1
+            self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+            return
+        y, verdict = d.verifier.judge(sender, y, res.dtype, lambda: self.local(p.spec, p.rows))
+        self.partials[p.spec.sid] = y
+        if verdict is Verdict.REJECTED:
+            stats.fallback_jobs += 1
             return
         stats.remote_jobs += 1
-        d.routing.observe_result(p.worker, latency_ms, int(p.rows.numel()), res.compute_ms)
-        d.per_worker[res.worker] = d.per_worker.get(res.worker, 0) + 1
-        if d.s.verify_remote:
-            self._verify(p, y)
-        self.partials[p.spec.sid] = y
-
-    def _verify(self, p: Pending, y: torch.Tensor) -> None:
-        stats = self.d.stats
-        ref = self.local(p.spec, p.rows)
-        err = float((ref - y).abs().max()) if y.numel() else 0.0
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        stats.verified += 1
-        stats.max_abs_err = max(stats.max_abs_err, err)
-        if err > 1e-4 * max(1.0, scale):
-            stats.mismatches += 1
+        d.routing.observe_result(
+            sender, ms, int(p.rows.numel()), res.compute_ms,
+            verified=verdict is Verdict.VERIFIED,
+        )  # fmt: skip
+        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1

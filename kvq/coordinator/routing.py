@@ -1,8 +1,10 @@
 """Where each slice runs: the swarm's `LiveRouter` fed with Redis state (K1-K4, H1-H7).
 
-Every `dispatch_refresh_ms` the model's workers are reread (slice, heartbeat, `last_serve_ms`).
-A worker whose heartbeat vanished is marked down first, so the router computes the rescue of
-the route it was on (H8) before it re-plans without it. The coordinator's own load comes from
+Every `dispatch_refresh_ms` the model's workers are reread (slice, heartbeat, `last_serve_ms`),
+with the model's quarantine verdicts: a quarantined or banned worker is left out of routing
+altogether (no copy, no trial, no probe) until its quarantine ends. A worker whose heartbeat
+vanished is marked down first, so the router computes the rescue of the route it was on (H8)
+before it re-plans without it. The coordinator's own load comes from
 its slot poll (K2, K5). Routing itself is pure and fast; nothing here re-plans per request.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from kvq.bus.board import Board
 from kvq.config import RoutingSettings
 from kvq.coordinator.capacity import Capacity
+from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
 
@@ -38,8 +41,9 @@ class SliceRouter:
     """The coordinator's routing state for one model, fed from the board's worker views."""
 
     def __init__(
-        self, board: Board, settings: RoutingSettings, coord_id: str, info: ModelInfo
-    ) -> None:
+        self, board: Board, settings: RoutingSettings, coord_id: str, info: ModelInfo,
+        trust: Trust | None = None,
+    ) -> None:  # fmt: skip
         sids = [
             s.sid
             for s in sorted(info.slices.values(), key=lambda s: (s.layer_start, s.expert_start))
@@ -54,8 +58,10 @@ class SliceRouter:
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
+        self.holders: dict[str, str] = {}  # worker -> the slice it serves (ready ones)
         self._failing: set[str] = set()  # a job failed or missed since its last good result
         self.rescues = 0  # workers lost while in use (docs/streams.md, `stats`)
+        self.trust = trust if trust is not None else Trust(TrustPolicy(), coord_id)
 
     def refresh(self, force: bool = False) -> None:
         """Reread workers if `dispatch_refresh_ms` has passed (or `force`)."""
@@ -63,11 +69,16 @@ class SliceRouter:
         if not force and now - self._at < self.refresh_s:
             return
         self._at = now
-        # a worker still downloading its slice is alive but not routable yet
-        views = [v for v in self.board.workers(self.model) if v.ready]
+        # a worker still downloading its slice is alive but not routable yet; a quarantined
+        # one is left out altogether (it comes back as a new, unproven worker)
+        self.trust.merge(self.board.quarantined(self.model))
+        ready = [v for v in self.board.workers(self.model) if v.ready]
+        barred = {v.worker_id for v in ready if self.trust.barred(v.worker_id)}
+        views = [v for v in ready if v.worker_id not in barred]
         listed = {v.worker_id for v in views}
-        # dead since the last read, or already reaped by the monitor (no longer listed)
-        down = {v.worker_id for v in views if not v.alive} | (self._alive - listed)
+        # dead since the last read, or already reaped by the monitor (no longer listed); a
+        # barred worker is not lost, it is dropped
+        down = {v.worker_id for v in views if not v.alive} | (self._alive - listed - barred)
         for worker in self._alive - listed:
             self.capacity.forget(worker)
         for worker in sorted(down & self._alive):
@@ -82,6 +93,7 @@ class SliceRouter:
         self._alive = {v.worker_id for v in views if v.alive}
         for v in views:
             self.capacity.set_backlog(v.worker_id, self._backlog_ms(v))
+        self.holders = {v.worker_id: v.slice_id for v in views}
 
     def _backlog_ms(self, v: WorkerView) -> float:
         """How long the rows other coordinators have queued on `v` delay work sent to it now
@@ -94,6 +106,11 @@ class SliceRouter:
             return 0.0
         per_row = v.ms_per_row or self.capacity.compute_ms(v.worker_id, rows) / rows
         return rows * per_row
+
+    def bar(self, worker: str) -> None:
+        """`worker` was just caught: reread coverage before the next route (it is left out)."""
+        self._at = float("-inf")
+        self._failing.discard(worker)
 
     def check(self) -> None:
         """Raises UncoveredSlice while some slice has no live node (requests are refused)."""
@@ -136,10 +153,12 @@ class SliceRouter:
         return self.router.replans
 
     def observe_result(
-        self, worker: str, latency_ms: float, rows: int = 0, compute_ms: float = 0.0
-    ) -> None:
+        self, worker: str, latency_ms: float, rows: int = 0, compute_ms: float = 0.0,
+        verified: bool = False,
+    ) -> None:  # fmt: skip
+        """A result arrived; `verified`: recomputed here and equal (it proves the worker)."""
         self._failing.discard(worker)
-        self.router.observe_result(worker, latency_ms)
+        self.router.observe_result(worker, latency_ms, verified)
         self.capacity.observe_remote(worker, rows, latency_ms, compute_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:

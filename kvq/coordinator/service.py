@@ -30,6 +30,7 @@ from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.telemetry import RequestTimes
+from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
 from kvq.errors import ModelError, UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP
@@ -39,6 +40,20 @@ from kvq.model.registry import check_model_file
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
+READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)
+
+
+def streamed_tokens(history: list[wire.ReplyEvent]) -> list[int]:
+    """The token ids a request's reply stream already holds, index 0 onwards without a gap:
+    what a new run of the request replays without streaming it again."""
+    by_index: dict[int, int] = {}
+    for ev in history:
+        if ev.kind == "token" and ev.token_id is not None:
+            by_index.setdefault(ev.index, ev.token_id)
+    out: list[int] = []
+    while len(out) in by_index:
+        out.append(by_index[len(out)])
+    return out
 
 
 class Coordinator:
@@ -62,7 +77,8 @@ class Coordinator:
         self.bank = Bank(self.backbone.experts, bank, cpu)
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
-        self.routing = SliceRouter(board, routing, coord_id, self.info)
+        self.trust = Trust(trust_policy(dispatch), coord_id)
+        self.routing = SliceRouter(board, routing, coord_id, self.info, self.trust)
         self.dispatch = Dispatcher(
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,
@@ -119,19 +135,29 @@ class Coordinator:
     def tick(self) -> None:
         """Take over orphans, drop cancelled requests, admit what fits, run one step."""
         self._claim_orphans()
-        new = []
-        if self.engine.free:
-            block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
-            new = self.requests.read(self.engine.free, block)
         gone = self.cancels.poll()
         if gone:
             self._retire(self.engine.cancel(gone))
-        for eid, fields in new:
-            self._admit(eid, fields)
+        self._take_requests()
         self.slots.note(self.engine.busy)
         if self.engine.busy:
             self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
             self.bank.step()  # B5: dynamic updates count engine steps
+
+    def _take_requests(self) -> None:
+        """Admit new requests while slots are free. Refused ones take no slot, so reading
+        goes on (up to READ_PER_TICK entries): a flood of bad entries is answered at Redis
+        speed, not one slot's worth per engine step."""
+        block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
+        left = READ_PER_TICK
+        while self.engine.free and left > 0:
+            new = self.requests.read(min(self.engine.free, left), block)
+            if not new:
+                return
+            for eid, fields in new:
+                self._admit(eid, fields)
+            left -= len(new)
+            block = None
 
     def _claim_orphans(self) -> None:
         """Take over requests left pending by coordinators that stopped publishing slots."""
@@ -154,33 +180,57 @@ class Coordinator:
         try:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
-            dead_letter(
-                self.board.r, self.board.keys, self._requests_key, eid, fields, str(exc),
-                self.board.maxlen,
-            )  # fmt: skip
+            self._dead_letter(eid, fields, str(exc))
             rid = wire.request_id_of(fields)
             if rid is None:  # nobody to tell: the dead letter is the only record
                 self.requests.ack(eid)
                 return
-            event = wire.ReplyEvent(
-                kind="error", error=wire.Failure(type="BadRequest", message=f"refused: {exc}")
-            )
-            self.times.finished(rid, "error")
-            self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
+            self._refuse(rid, eid, 0, "BadRequest", f"refused: {exc}")
             return
+        rid = req.request_id
+        attempt = self.board.start_attempt(rid, eid)
+        if attempt == 0:
+            self._refuse(rid, eid, 0, "BadRequest", f"refused: duplicate request id {rid!r}: "
+                         "another request already uses it; give each request its own id")  # fmt: skip
+            return
+        if attempt > self.s.max_attempts:
+            why = (f"started {attempt - 1} times without finishing (KVQ_MAX_ATTEMPTS "
+                   f"{self.s.max_attempts}): its coordinators died or stopped while serving it")  # fmt: skip
+            self._dead_letter(eid, fields, why)
+            self._refuse(rid, eid, attempt, "Poison", why)
+            return
+        forced: list[int] = []
+        if attempt > 1:
+            history = [e for e in self.board.reply_events(rid) if e.entry in ("", eid.decode())]
+            if any(e.kind != "token" for e in history):
+                self.requests.ack(eid)  # answered before the restart; only its ack was lost
+                return
+            forced = streamed_tokens(history)
         problem, ids = self._prompt(req)
         problem = problem or self._validate(req, ids)
-        if problem is None and self.cancels.cancelled(req.request_id):
+        if problem is None and self.cancels.cancelled(rid):
             problem = "cancelled by its client before it started"
         if problem is not None:
-            event = wire.ReplyEvent(
-                kind="error", error=wire.Failure(type="BadRequest", message=problem)
-            )
-            self.times.finished(req.request_id, "error")
-            self.requests.answer([self._reply(req.request_id, event)], [eid], self.board.maxlen)
+            self._refuse(rid, eid, attempt, "BadRequest", problem)
             return
-        self.engine.admit(req.request_id, ids, req.max_tokens, eid, req.sampling)
-        self.times.admitted(req.request_id)
+        self.engine.admit(rid, ids, req.max_tokens, eid, req.sampling, attempt, forced)
+        if attempt == 1:
+            self.times.admitted(rid)
+
+    def _dead_letter(self, eid: bytes, fields: dict[bytes, bytes], reason: str) -> None:
+        dead_letter(
+            self.board.r, self.board.keys, self._requests_key, eid, fields, reason,
+            self.board.maxlen,
+        )  # fmt: skip
+
+    def _refuse(self, rid: str, eid: bytes, attempt: int, kind: str, message: str) -> None:
+        """Answer request entry `eid` with an error event, and ack it."""
+        event = wire.ReplyEvent(
+            kind="error", error=wire.Failure(type=kind, message=message), attempt=attempt,
+            entry=eid.decode(),
+        )  # fmt: skip
+        self.times.finished(rid, "error")
+        self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
 
     def _prompt(self, req: wire.Request) -> tuple[str | None, list[int]]:
         """The prompt's token ids: given, encoded, or a chat rendered by the model's template."""
@@ -226,11 +276,14 @@ class Coordinator:
         finished: list[bytes] = []
         for seq in seqs:
             tok = seq.new_token
-            if tok is not None:  # None: this step ended the sequence at EOS or a stop token
+            # None: this step ended the sequence at EOS or a stop token; not fresh: an
+            # earlier run of the request streamed this token already
+            if tok is not None and seq.fresh:
                 self.tokens += 1
                 token = wire.ReplyEvent(
                     kind="token", index=len(seq.generated) - 1, token_id=tok, text=seq.new_text,
-                    logprob=seq.new_logprob, top_logprobs=seq.new_top,
+                    logprob=seq.new_logprob, top_logprobs=seq.new_top, attempt=seq.attempt,
+                    entry=seq.entry_id.decode(),
                 )  # fmt: skip
                 replies.append(self._reply(seq.request_id, token))
                 self.times.token(seq.request_id)
@@ -255,7 +308,7 @@ class Coordinator:
         n = len(seq.generated)  # tokens streamed: EOS and stop tokens are not among them
         return wire.ReplyEvent(
             kind="done", index=n, text=seq.completion, finish=seq.finish,
-            prompt_tokens=len(seq.prompt_ids),
+            prompt_tokens=len(seq.prompt_ids), attempt=seq.attempt, entry=seq.entry_id.decode(),
         )  # fmt: skip
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:

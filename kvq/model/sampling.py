@@ -58,13 +58,17 @@ class Sampler:
         """Argmax of the raw logits: the batched fast path may pick for this sequence."""
         return self.gen is None and not self.penalized
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """The next token id from logits [V]; remembers it for the penalties."""
+    def pick(self, logits: torch.Tensor, forced: int | None = None) -> int:
+        """The next token id from logits [V]; remembers it for the penalties. `forced`: a
+        token an earlier run of the request already chose (a replay): it is drawn as usual,
+        so the generator advances as it did then, but `forced` is the one kept."""
         z = logits.float().cpu()  # [V]
         if self.counts is not None:
             seen = (self.counts > 0).float()
             z = z - self.s.presence_penalty * seen - self.s.frequency_penalty * self.counts
         tok = int(z.argmax()) if self.gen is None else self._draw(z)
+        if forced is not None:
+            tok = forced
         if self.counts is not None:
             self.counts[tok] += 1
         return tok

@@ -33,6 +33,13 @@ _COUNTERS = (
     ("kvq_tokens", "tokens", "tokens generated"),
     ("kvq_requests_claimed", "claimed", "requests taken over from dead coordinators"),
     ("kvq_rescues", "rescues", "workers lost while this coordinator was using them"),
+    ("kvq_results_verified", "verified", "remote results recomputed here before use"),
+    ("kvq_result_mismatches", "mismatches", "verified results that disagreed (worker caught)"),
+    ("kvq_results_nonfinite", "nonfinite_results", "results with NaN or inf, recomputed here"),
+    ("kvq_results_barred", "barred_results", "results of quarantined workers, not used"),
+    ("kvq_quarantines", "quarantines", "workers this coordinator quarantined"),
+    ("kvq_remote_rows", "remote_rows", "token rows of remote results received"),
+    ("kvq_verified_rows", "verified_rows", "token rows recomputed here to check results"),
 )
 
 

@@ -5,7 +5,9 @@ background thread (`kvq.asgi`).
 |--------|--------------------------|----------------------------------------------------------|
 | GET    | /api/moe/recruitment     | per model: busy, total, saturated, base vs effective     |
 | GET    | /api/expert-demand       | per model and slice: target, coverage, demand, recruiting|
-| POST   | /api/expert-volunteer    | `{"worker", "model"?}` → a slice to fetch, or 204        |
+| POST   | /api/expert-volunteer    | `{"worker", "model"?}` → a slice to fetch, or 204; the   |
+|        |                          | worker's ACL password as bearer (KVQ_HTTP_VOLUNTEER)     |
+| GET    | /api/trust               | per model: quarantined and banned workers (issue 11)     |
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -28,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvq import acl
 from kvq.asgi import ThreadedServer
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
@@ -50,9 +55,10 @@ class HttpError(Exception):
 class Api:
     """What the endpoints answer, as plain data; the handler only moves bytes."""
 
-    def __init__(self, board: RedisBoard) -> None:
+    def __init__(self, board: RedisBoard, volunteer: str = "acl") -> None:
         self.board = board
         self.registry = make_registry(board)
+        self.volunteer_mode = volunteer  # KVQ_HTTP_VOLUNTEER
 
     def recruitment(self) -> dict[str, Any]:
         out = []
@@ -73,9 +79,24 @@ class Api:
             out.append({"model": m, "recruiting": recruiting, "slices": slices})
         return {"models": out}
 
-    def volunteer(self, body: bytes) -> dict[str, Any] | None:
-        """Hand `worker` a slice through the workers' own atomic script; None: no demand."""
+    def trust(self) -> dict[str, Any]:
+        """Coordinators' verdicts on workers caught with wrong results; `quarantined` while
+        its quarantine runs (or banned)."""
+        now_ms = time.time() * 1000
+        out = []
+        for m in self.board.models():
+            workers = [
+                {"worker": w, "quarantined": q.active(now_ms)} | msgspec.structs.asdict(q)
+                for w, q in self.board.quarantined(m).items()
+            ]
+            out.append({"model": m, "workers": workers})
+        return {"models": out}
+
+    def volunteer(self, body: bytes, authorization: str | None = None) -> dict[str, Any] | None:
+        """Hand `worker` a slice through the workers' own atomic script; None: no demand.
+        Bound to the worker's identity unless KVQ_HTTP_VOLUNTEER=open (`check_caller`)."""
         worker, model = _parse_volunteer(body)
+        self.check_caller(worker, authorization)
         models = self.board.models()
         if model is not None and model not in models:
             raise HttpError(HTTPStatus.NOT_FOUND, "UnknownModel", f"model {model!r} not registered")
@@ -90,6 +111,32 @@ class Api:
                 "bytes": spec["bytes"], "ranges": spec["ranges"],
             }  # fmt: skip
         return None
+
+    def check_caller(self, worker: str, authorization: str | None) -> None:
+        """In `acl` mode the caller must hold `worker`'s `kvq acl` user: its password as a
+        bearer token, proven by an AUTH as that user (no secret is kept here)."""
+        if self.volunteer_mode == "open":
+            return
+        if self.volunteer_mode == "off":
+            raise HttpError(HTTPStatus.FORBIDDEN, "Forbidden",
+                            "volunteering over HTTP is off (KVQ_HTTP_VOLUNTEER=off)")  # fmt: skip
+        scheme, _, token = (authorization or "").partition(" ")
+        user = acl.user_name(self.board.keys.prefix, "worker", worker)
+        pool = self.board.r.connection_pool
+        kwargs = pool.connection_kwargs | {"username": user, "password": token.strip()}
+        probe = pool.connection_class(**kwargs)  # connecting logs in as `user`
+        try:
+            if scheme.lower() != "bearer" or not token.strip():
+                raise redis.AuthenticationError("no bearer token")
+            probe.connect()
+        except (redis.AuthenticationError, redis.ResponseError):
+            raise HttpError(
+                HTTPStatus.UNAUTHORIZED,
+                "Unauthorized",
+                f"send 'Authorization: Bearer <password of ACL user {user}>' (kvq acl)",
+            ) from None
+        finally:
+            probe.disconnect()
 
     def healthy(self) -> bool:
         try:
@@ -141,6 +188,9 @@ def create_app(api: Api) -> Starlette:
     def demand(request: Request) -> Response:
         return JSONResponse(api.demand())
 
+    def trust(request: Request) -> Response:
+        return JSONResponse(api.trust())
+
     async def volunteer(request: Request) -> Response:
         try:
             n = int(request.headers.get("content-length") or 0)
@@ -151,7 +201,7 @@ def create_app(api: Api) -> Starlette:
                 HTTPStatus.BAD_REQUEST, "BadRequest", f"body length must be 0..{MAX_BODY}"
             )
         body = await request.body()
-        got = await run_in_threadpool(api.volunteer, body)
+        got = await run_in_threadpool(api.volunteer, body, request.headers.get("authorization"))
         if got is None:
             return Response(b"", 204, media_type="application/json")
         return JSONResponse(got)
@@ -178,6 +228,7 @@ def create_app(api: Api) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
             Route("/api/expert-demand", demand, methods=["GET"]),
+            Route("/api/trust", trust, methods=["GET"]),
             Route("/api/expert-volunteer", volunteer, methods=["POST"]),
         ],
         exception_handlers={
@@ -187,10 +238,12 @@ def create_app(api: Api) -> Starlette:
     )  # fmt: skip
 
 
-def serve_api(board: RedisBoard, host: str, port: int) -> tuple[ThreadedServer, threading.Thread]:
+def serve_api(
+    board: RedisBoard, host: str, port: int, volunteer: str = "acl"
+) -> tuple[ThreadedServer, threading.Thread]:
     """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`).
 
     Stop with `server.shutdown()`.
     """
-    server = ThreadedServer(create_app(Api(board)), host, port)
+    server = ThreadedServer(create_app(Api(board, volunteer)), host, port)
     return server, server.thread

@@ -5,6 +5,7 @@ replica (or a restarted one) reports the same numbers.
 - queues: stream lengths, and per consumer group lag, pending, the oldest pending and unread
   entries' ages, per consumer pending and idle (`kvq.bus.groups`);
 - the market: target, coverage and live workers per slice, live coordinators per model;
+- trust: workers quarantined or banned by a coordinator's spot-check, and their mismatches;
 - counters and histograms that each coordinator counts in process and publishes in its stats
   record at every slot poll (`kvq.monitor.coord_metrics`).
 `docs/api.md` lists every metric; `deploy/alerts.yml` alerts on them.
@@ -12,13 +13,14 @@ replica (or a restarted one) reports the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvq.bus.groups import GroupStats, group_stats, server_ms
+from kvq.bus.records import Quarantine
 from kvq.bus.redis_board import RedisBoard
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
 from kvq.monitor.coord_metrics import CoordMetrics
@@ -77,6 +79,34 @@ class _Queues:
                 self.c_pending, self.c_idle)  # fmt: skip
 
 
+class _Trust:
+    """Per worker a coordinator caught: quarantined now, banned, mismatches so far."""
+
+    def __init__(self) -> None:
+        labels = ["model", "worker"]
+        self.quarantined = _gauge(
+            "kvq_worker_quarantined", "1 while the worker is quarantined or banned for a "
+            "wrong result (P:{m:M}:quarantine)", labels,
+        )  # fmt: skip
+        self.banned = _gauge("kvq_worker_banned", "1 when the worker id is banned", labels)
+        self.mismatches = _gauge(
+            "kvq_worker_mismatches", "wrong results caught from the worker so far", labels
+        )
+        self.count = _gauge(
+            "kvq_workers_quarantined", "workers quarantined or banned now", ["model"]
+        )
+
+    def add(self, model: str, verdicts: Mapping[str, Quarantine], now_ms: float) -> None:
+        for w, q in verdicts.items():
+            self.quarantined.add_metric([model, w], int(q.active(now_ms)))
+            self.banned.add_metric([model, w], int(q.banned))
+            self.mismatches.add_metric([model, w], q.mismatches)
+        self.count.add_metric([model], sum(q.active(now_ms) for q in verdicts.values()))
+
+    def families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (self.quarantined, self.banned, self.mismatches, self.count)
+
+
 class RedisCollector(Collector):
     """Every kvq metric, computed from Redis at scrape time."""
 
@@ -107,7 +137,9 @@ class RedisCollector(Collector):
             "requests pending under a consumer that is no live coordinator", ["model"],
         )  # fmt: skip
         per_coord = CoordMetrics()
+        trust = _Trust()
         for m in board.models():
+            trust.add(m, board.quarantined(m), now_ms)
             g = group_stats(r, k.model_requests(m), COORDINATOR_GROUP, now_ms)
             q.add(["requests", m, "", ""], g)
             views = board.workers(m)
@@ -117,7 +149,9 @@ class RedisCollector(Collector):
             cviews = board.coordinators(m)
             up = {c.coord for c in cviews if c.alive}
             for c in cviews:
-                q.length.add_metric(["results", m, "", c.coord], r.xlen(k.coord_results(c.coord)))
+                # results wait in one stream per (worker, coordinator)
+                waiting = sum(int(r.xlen(k.worker_results(v.worker_id, c.coord))) for v in views)
+                q.length.add_metric(["results", m, "", c.coord], waiting)
                 stats = board.coord_stats(c.coord)
                 if stats is not None:
                     per_coord.add(m, c.coord, stats)
@@ -147,6 +181,7 @@ class RedisCollector(Collector):
             "trimming)", _entries_added(r, k.deadletter()),
         )  # fmt: skip
         yield from per_coord.families()
+        yield from trust.families()
 
 
 def _entries_added(r: redis.Redis, stream: str) -> int:

@@ -14,6 +14,9 @@ Each tick, per model:
 - reap workers whose heartbeat expired: give their slice back to the market and move the jobs
   still in their inbox to a live worker of the same slice (the coordinator's deadline fallback
   covers the rest).
+
+Beside the ticks, the active monitor answers the market asks of workers that may not run the
+market's scripts themselves (their least-privilege ACL users; `kvq.bus.market`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import redis
 
 from kvq.bus import Backoff, is_connection_error
 from kvq.bus.board import Board
+from kvq.bus.market import MarketDesk
 from kvq.bus.records import ModelState
-from kvq.bus.redis_board import open_board
+from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import MonitorSettings, Settings
 from kvq.model.registry import ModelInfo, plan_model
 from kvq.monitor.hysteresis import Hysteresis
@@ -46,8 +50,9 @@ class Monitor:
     def __init__(
         self, board: Board, settings: MonitorSettings,
         clock: Callable[[], float] = time.monotonic, monitor_id: str | None = None,
+        desk: MarketDesk | None = None,
     ) -> None:  # fmt: skip
-        self.board, self.s, self.clock = board, settings, clock
+        self.board, self.s, self.clock, self.desk = board, settings, clock, desk
         # unique per process: two monitors on one host must not share the lease
         self.id = monitor_id or f"monitor-{socket.gethostname()}-{os.getpid()}"
         self.active = False
@@ -59,8 +64,17 @@ class Monitor:
         self.requeued = 0
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Monitor:
-        return cls(open_board(settings.bus, settings.lifetimes), settings.monitor)
+    def from_settings(cls, settings: Settings, monitor_id: str | None = None) -> Monitor:
+        board = open_board(settings.bus, settings.lifetimes)
+        return cls.on_redis(board, settings.monitor, monitor_id)
+
+    @classmethod
+    def on_redis(
+        cls, board: RedisBoard, settings: MonitorSettings, monitor_id: str | None = None
+    ) -> Monitor:
+        """A monitor that also answers workers' market asks (`kvq.bus.market`)."""
+        desk = MarketDesk(board, board.r, board.keys, board.maxlen)
+        return cls(board, settings, monitor_id=monitor_id, desk=desk)
 
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
@@ -71,9 +85,15 @@ class Monitor:
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
+        desk = None
+        if self.desk is not None:
+            desk = threading.Thread(target=self._serve_market, name="market", daemon=True)
+            desk.start()
         try:
             self._run(backoff)
         finally:
+            if desk is not None:
+                desk.join(timeout=5)
             if self.active:
                 try:
                     self.board.drop_lease(self.id)
@@ -93,6 +113,23 @@ class Monitor:
                 backoff.wait()
                 continue
             self.stop.wait(self.s.poll_s)
+
+    def _serve_market(self) -> None:
+        """Answer workers' market asks while this monitor is the active one."""
+        assert self.desk is not None
+        block_ms = max(1, int(min(1.0, self.s.poll_s) * 1000))
+        while not self.stop.is_set():
+            if not self.active:
+                self.stop.wait(self.s.poll_s)
+                continue
+            try:
+                self.desk.serve(block_ms)
+            except redis.RedisError as exc:
+                log.warning("market: %s; retrying", exc)
+                self.stop.wait(self.s.poll_s)
+            except Exception:  # noqa: BLE001 - one bad ask must not stop recruitment
+                log.exception("market: answering asks failed; going on")
+                self.stop.wait(self.s.poll_s)
 
     def _lead(self) -> bool:
         """Take or renew the lease; logs each change between active and standby."""

@@ -4,8 +4,10 @@ The nodes are the coordinator and the workers covering the model's slices. Copie
 only when coverage changes, never per request):
 - copy 0: every slice on the coordinator (where it holds the slice; elsewhere the first worker);
 - copy k >= 1: slice `i` on its k-th proven worker (cycling when it has fewer), else local.
-Proven (K3) = `last_serve_ms > 0` or a result received here. A slice the coordinator does not
-hold may also use unproven workers, since nothing else can serve it.
+Proven (K3) = a result of it that this coordinator recomputed and found equal (verified,
+`observe_result(..., verified=True)`). A worker's own `last_serve_ms` decides nothing: it only
+makes an untried worker worth a re-probe (whose answer is checked). A slice the coordinator does
+not hold may also use unproven workers, since nothing else can serve it.
 
 Cost decides (H3). A node's latency is what reaching it adds: 0 for the coordinator, the
 measured send-to-result time for a worker. The coordinator's score is 1 and a worker's is the EWMA
@@ -51,7 +53,7 @@ class WorkerView:
     worker_id: str
     slice_id: str
     alive: bool = True  # its heartbeat key exists
-    last_serve_ms: int = 0  # from its info hash; > 0 means it has computed experts (K3)
+    last_serve_ms: int = 0  # from its info hash (self-reported): > 0 makes it worth a re-probe
     load: float | None = None  # its own load in [0, 1] if it reports one
     first_seen_ms: float | None = None  # K4 grace start; None: when this router first saw it
     ready: bool = True  # False while it still downloads its slice (alive, not routable)
@@ -160,8 +162,9 @@ class LiveRouter:
         )
         return self._replan()
 
-    def observe_result(self, worker: str, latency_ms: float) -> None:
-        """A worker's result arrived `latency_ms` after its job was sent: it is proven now."""
+    def observe_result(self, worker: str, latency_ms: float, verified: bool = False) -> None:
+        """A worker's result arrived `latency_ms` after its job was sent; `verified`: it was
+        recomputed here and agreed, which proves the worker (K3)."""
         if worker not in self._tele:
             return
         # a re-probe's sample replaces the stale estimate it was sent to refresh
@@ -169,7 +172,7 @@ class LiveRouter:
         self._probing.discard(worker)
         self._sampled[worker] = self._now  # fresh: its fading restarts from here
         self._observe(worker, alpha, latency_ms=latency_ms, score=1.0)
-        if worker not in self._served:
+        if verified and worker not in self._served:
             self._served.add(worker)
             self._replan()
 
@@ -242,7 +245,7 @@ class LiveRouter:
         used = set(base.nodes)
         for wid in sorted(self._workers, key=lambda w: (self._last_job.get(w, -1.0), w)):
             w = self._workers[wid]
-            if wid in used or not w.alive or not (self._proven(w) or wid in self._tried):
+            if wid in used or not w.alive or not self._probe_worthy(w):
                 continue  # K4: an unproven worker past its grace window is not recruited
             if active is not None and w.slice_id not in active:
                 continue
@@ -331,7 +334,11 @@ class LiveRouter:
                 self._tele[wid].relax(fraction)
 
     def _proven(self, w: WorkerView) -> bool:
-        return w.last_serve_ms > 0 or w.worker_id in self._served
+        return w.worker_id in self._served
+
+    def _probe_worthy(self, w: WorkerView) -> bool:
+        """Proven, tried, or saying it served elsewhere: a probe (checked) may prove it."""
+        return self._proven(w) or w.worker_id in self._tried or w.last_serve_ms > 0
 
     def _observe(self, node: str, alpha: float | None, **samples: float | None) -> None:
         if node in self.state.telemetry:

@@ -14,22 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 
 from kvq.bus.board import Board
+from kvq.bus.market import BoardMarket, Held, Market
 from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
+from kvq.errors import IdentityInUse, KvqError
 from kvq.worker.backlog import Backlog
 
 log = logging.getLogger("kvq.worker")
 
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    model: str
-    sid: str
+__all__ = ["Held", "Membership"]
 
 
 class Membership:
@@ -40,9 +38,12 @@ class Membership:
         self, board: Board, worker_id: str, device: str,
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
         work: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
+        market: Market | None = None, instance: str | None = None,
         backlog: Backlog | None = None,
     ) -> None:  # fmt: skip
         self.board, self.id, self.device, self.served = board, worker_id, device, served
+        self.market = market or BoardMarket(board)
+        self.instance = instance or uuid.uuid4().hex  # this process, among any of the same id
         self.work = work  # (busy seconds, rows) so far: load and ms per row per beat interval
         self.backlog = backlog or Backlog()  # rows on its plate, filled by the serving loop
         self._unread = 0  # inbox entries not read yet, as of the last beat
@@ -62,16 +63,29 @@ class Membership:
         now = time.monotonic()
         if now - self._idle_beat >= self.board.lifetimes.beat_every_s():
             self._idle_beat = now
-            idle = WorkerInfo(model="", slice="", device=self.device, state=IDLE)
+            idle = WorkerInfo(
+                model="", slice="", device=self.device, state=IDLE, instance=self.instance
+            )
             self.board.beat(self.id, idle)
-        for model in self.board.models():
-            sid = self.board.volunteer(model, self.id)
-            if sid is not None:
-                with self._lock:
-                    self.loading, self.progress = Held(model, sid), (0, 0)
-                    self._beat_locked()
-                return self.loading
-        return None
+        got = self.market.volunteer(self.id)
+        if got is None:
+            return None
+        with self._lock:
+            self.loading, self.progress = got, (0, 0)
+            self._beat_locked()
+        return self.loading
+
+    def claim(self, wait_s: float) -> None:
+        """Take this worker id before anything else (IdentityInUse if another live process
+        keeps beating under it for `wait_s`: a crashed predecessor's beat expires by then)."""
+        deadline = time.monotonic() + wait_s
+        while not self.board.claim_worker(self.id, self.instance):
+            if time.monotonic() > deadline:
+                raise IdentityInUse(
+                    f"worker id {self.id!r} is in use by another live worker (its heartbeat "
+                    f"has been renewed for {wait_s:.1f}s); give this one another --id"
+                )
+            time.sleep(min(0.1, wait_s / 10))
 
     def loaded(self, done: int, total: int) -> None:
         """Download progress of the slice being loaded (shown on the next beat)."""
@@ -87,7 +101,7 @@ class Membership:
         """The offered slice could not be loaded: return it to the market."""
         with self._lock:
             self.loading = None
-            self.board.release(held.model, self.id)
+            self.market.release(held.model, self.id)
 
     def beat(self) -> None:
         with self._lock:
@@ -97,7 +111,7 @@ class Membership:
         h = self.held or self.loading
         if h is None:
             return
-        self.board.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
+        self.market.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress
@@ -107,7 +121,7 @@ class Membership:
             state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
             total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
             queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
-            queued_by=plate.by_coord_text(),
+            queued_by=plate.by_coord_text(), instance=self.instance,
         )  # fmt: skip
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
@@ -136,17 +150,19 @@ class Membership:
             h, self.held = self.held or self.loading, None
             self.loading = None
             try:
+                if self.board.worker_instance(self.id) not in (None, "", self.instance):
+                    return  # another live process has this id: its keys are not ours to drop
                 if h is not None:
-                    self.board.release(h.model, self.id)
+                    self.market.release(h.model, self.id)
                 self.board.forget_worker(self.id)  # an idle worker's beat goes too
-            except redis.RedisError:
+            except (redis.RedisError, KvqError):
                 pass  # the monitor reaps us once the heartbeat expires
 
     def retire(self) -> Held | None:
         """K10: give the slice back only if it stays covered; what was given back, or None."""
         with self._lock:
             h = self.held
-            if h is None or self.board.retire(h.model, self.id) is None:
+            if h is None or self.market.retire(h.model, self.id) is None:
                 return None
             self.held = None  # the heartbeat must not rejoin
             self.board.forget_worker(self.id)
@@ -168,3 +184,5 @@ class Membership:
                 self.beat()
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
+            except KvqError as exc:  # e.g. IdentityInUse: the main loop meets it at its next ask
+                log.error("heartbeat: %s", exc)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
 
 from kvq import wire
 from kvq.bank import Bank
+from kvq.device import dtype_name
 from kvq.errors import WireError
 
 log = logging.getLogger("kvq.worker")
@@ -41,6 +43,7 @@ class ExpertServer:
     ) -> None:  # fmt: skip
         self.name, self.model, self.bank, self.hidden = name, model, bank, hidden
         self.dtype = dtype  # what jobs' activations are cast to before compute
+        self.dtype_name = cast(wire.ComputeDType, dtype_name(dtype))  # told in each result
         self.clock_ms = clock_ms
         self.served = 0
         self.last_serve_ms = 0
@@ -68,14 +71,17 @@ class ExpertServer:
                 return self._failed(job, error, t0)
             out = self._run(job)
             if not np.isfinite(out).all():  # overflow: a wrong answer must not look right
+                bad = int((~np.isfinite(out)).sum())
                 error = wire.Failure(
-                    type=NON_FINITE, message=f"job {job.job_id}: output overflowed"
+                    type=NON_FINITE,
+                    message=f"job {job.job_id}: output overflowed ({bad} of {out.size} values "
+                    f"NaN or infinite, computing in {self.dtype_name}); not sent",
                 )
                 return self._failed(job, error, t0)
             y = wire.Tensor.of(out)
             result = wire.Result(
                 job_id=job.job_id, worker=self.name, y=y,
-                compute_ms=(time.perf_counter() - t0) * 1000,
+                compute_ms=(time.perf_counter() - t0) * 1000, dtype=self.dtype_name,
             )  # fmt: skip
         except BadJob as exc:
             return self._failed(job, wire.Failure(type=BAD_JOB, message=str(exc)), t0)

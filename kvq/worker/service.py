@@ -18,18 +18,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import redis
 import torch
 
 from kvq import wire
+from kvq.acl import user_name
 from kvq.bank import Bank, BankOptions
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
+from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import compute_dtype, pick_device
-from kvq.errors import BankError, KvqError, ModelError, WireError
-from kvq.keys import WORKER_GROUP
+from kvq.errors import BankError, ConfigError, KvqError, ModelError, WireError
+from kvq.keys import WORKER_GROUP, check_id
 from kvq.model import decode_slice
 from kvq.worker.fetch import fetch_slice
 from kvq.worker.membership import Held, Membership
@@ -43,13 +46,17 @@ class Worker:
     """One worker; `run()` until `stop` is set (or it idles out)."""
 
     def __init__(
-        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str
-    ) -> None:
-        self.board, self.s, self.bank_options, self.id = board, settings, bank, worker_id
+        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str,
+        market: Market | None = None, instance: str | None = None,
+    ) -> None:  # fmt: skip
+        self.board, self.s, self.bank_options = board, settings, bank
+        self.id = check_id("worker id", worker_id)
         self.device = pick_device(settings.device)
         self.server: ExpertServer | None = None
         self.consumer: Consumer | None = None
-        self.membership = Membership(board, worker_id, str(self.device), self._served, self._work)
+        self.membership = Membership(
+            board, worker_id, str(self.device), self._served, self._work, market, instance
+        )
         self.stop = threading.Event()
         self._idle_since = time.monotonic()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
@@ -57,8 +64,16 @@ class Worker:
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
+        check_id("worker id", worker_id)
         board = open_board(settings.bus, settings.lifetimes)
-        return cls(board, settings.worker, BankOptions.from_settings(settings), worker_id)
+        instance = uuid.uuid4().hex
+        market: Market | None = None
+        if _through_monitor(board, settings.worker.market, worker_id):
+            market = MarketDoor(
+                board.r, board.keys, instance, settings.worker.market_wait_s, board.maxlen
+            )
+        bank = BankOptions.from_settings(settings)
+        return cls(board, settings.worker, bank, worker_id, market, instance)
 
     @property
     def holding(self) -> Held | None:
@@ -80,6 +95,7 @@ class Worker:
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
+        self.membership.claim(self.board.lifetimes.claim_wait_s())
         self.membership.start()
         try:
             while not self.stop.is_set():
@@ -206,26 +222,41 @@ class Worker:
             return None
 
     def _serve_one(self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job) -> None:
-        """Serve, write the result, then ack; jobs this server cannot serve are dead-lettered."""
+        """Serve, write the result, then ack. No entry stops the worker: one that cannot be
+        served or answered (a `reply_to` of another type or outside its ACL, a slice it does
+        not hold) is dead-lettered with the reason (one that cannot be decoded, by `_decode`)."""
         assert self.consumer is not None and self.server is not None
+        # always this worker's own results stream for the job's coordinator, whatever
+        # `reply_to` says (a job moved here from a dead peer names the peer's): results are
+        # attributed by where they arrive, and a forged job cannot aim a result elsewhere
+        own = self.board.keys.worker_results(self.id, job.coord)
         result = self.server.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
+        ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
         try:
-            self.consumer.answer(
-                [(job.reply_to, wire.encode(result), None)], [eid], self.board.maxlen
-            )
-        except redis.ResponseError as exc:  # e.g. reply_to names a key of another type
-            self._dead_letter(eid, fields, f"cannot write the result to {job.reply_to!r}: {exc}")
+            self.consumer.answer([(own, wire.encode(result), ttl_s)], [eid], self.board.maxlen)
+        except redis.RedisError as exc:  # WRONGTYPE, NOPERM, ...: this job's problem only
+            if is_connection_error(exc):
+                raise
+            reason = f"cannot write the result to {own!r}: {_redis_reason(exc)}"
+            self._dead_letter(eid, fields, reason)
 
     def _dead_letter(
         self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
     ) -> None:
+        """Park the entry with its reason; if even that is refused (an ACL without the
+        dead-letter stream), log it: the entry is still acknowledged, never retried forever."""
         assert self.consumer is not None
-        dead_letter(
-            self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
-            self.board.maxlen,
-        )  # fmt: skip
+        try:
+            dead_letter(
+                self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
+                self.board.maxlen,
+            )  # fmt: skip
+        except redis.RedisError as exc:
+            if is_connection_error(exc):
+                raise
+            log.error("cannot dead-letter %s (%s): %s", eid.decode(), reason, _redis_reason(exc))
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
@@ -233,6 +264,34 @@ class Worker:
 
 def _rows(job: wire.Job) -> int:
     return int(job.x.shape[0]) if job.x.shape else 0
+
+
+def _redis_reason(exc: redis.RedisError) -> str:
+    """The server's own words, without redis-py's pipeline preamble (which quotes the
+    command's binary arguments)."""
+    text = str(exc)
+    _, sep, tail = text.partition(" of pipeline caused error: ")
+    return f"{type(exc).__name__}: {tail if sep else text}"
+
+
+def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
+    """`KVQ_WORKER_MARKET`: auto asks the monitor unless connected as the default user (which
+    may run the market's scripts itself). A worker logged in as another worker's ACL user
+    fails here, at start, rather than on its first NOPERM."""
+    try:
+        got = board.r.execute_command("ACL", "WHOAMI")
+    except redis.ResponseError:  # a server before ACLs (Redis < 6): everyone is "default"
+        got = b"default"
+    who = got.decode() if isinstance(got, bytes) else str(got)
+    mine = user_name(board.keys.prefix, "worker", worker_id)
+    if who.startswith(user_name(board.keys.prefix, "worker", "x")[:-1]) and who != mine:
+        raise ConfigError(
+            f"logged in as ACL user {who!r}, which may only serve as its own worker id; "
+            f"--id {worker_id!r} needs the user {mine!r}"
+        )
+    if mode != "auto":
+        return mode == "monitor"
+    return who != "default"
 
 
 def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:

@@ -23,6 +23,7 @@ from kvq.bus.records import (
     CoordStats,
     Lifetimes,
     ModelState,
+    Quarantine,
     SlotState,
     WorkerInfo,
 )
@@ -147,6 +148,29 @@ def test_coordinators_view_and_stats(board_case: BoardCase) -> None:
     assert board.coord_stats("c1") == CoordStats(completed=3, hot_hit_rate=0.5)
     board.forget_coordinator("m", "c1")
     assert board.coordinators("m") == []
+
+
+def test_quarantine_verdicts_round_trip_and_the_latest_wins(board_case: BoardCase) -> None:
+    board = board_case.board
+    assert board.quarantined("m") == {}
+    first = Quarantine(until_ms=5_000, mismatches=1, coord="c1", reason="row error 3.1")
+    board.quarantine("m", "liar", first)
+    board.quarantine("m", "other", Quarantine(until_ms=1, mismatches=1))
+    assert board.quarantined("m")["liar"] == first
+    banned = Quarantine(until_ms=9_000, mismatches=3, banned=True, coord="c2")
+    board.quarantine("m", "liar", banned)
+    got = board.quarantined("m")
+    assert list(got) == ["liar", "other"] and got["liar"] == banned
+    assert got["liar"].active(10**15) and not got["other"].active(2)
+    assert board.quarantined("another-model") == {}
+
+
+def test_a_corrupt_quarantine_value_reads_as_absent(board_case: BoardCase) -> None:
+    board = board_case.board
+    if not isinstance(board, RedisBoard):
+        pytest.skip("only a server can hold a value no board wrote")
+    board.r.hset(board.keys.model_quarantine("m"), "w", b"{not json")
+    assert board.quarantined("m") == {}
 
 
 def test_register_and_read_back_a_model(board_case: BoardCase, tmp_path: Path) -> None:

@@ -112,3 +112,16 @@ def test_bench_bus_json_shape(settings: Settings) -> None:
         assert {"jobs_per_s", "p50_ms", "p99_ms"} <= set(res[name])
         assert res[name]["jobs_per_s"] > 0
     assert res["ratio_vs_raw_batched"] > 0 and res["ratio_vs_rq"] > 0
+
+
+def test_demo_with_every_process_under_its_acl_user() -> None:
+    """`kvq demo --acl`: monitor, coordinator, workers and the client each log in as their
+    `kvq acl` user; the whole burst works with zero ACL denials."""
+    out = subprocess.run(
+        [*KVQ, "demo", "--acl", "--json", "--requests", "6", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["acl_denials"] == 0 and summary["requests_completed"] == 6
+    assert summary["remote_jobs"] > 0 and summary["remote_matches_local"] is True

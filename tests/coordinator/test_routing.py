@@ -12,7 +12,7 @@ import pytest
 from boards import BoardCase
 
 from kvq.bus.board import Board
-from kvq.bus.records import WorkerInfo
+from kvq.bus.records import Quarantine, WorkerInfo
 from kvq.config import RoutingSettings, load_settings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice
@@ -47,10 +47,18 @@ def _router(board: Board, gguf: Path, **overrides: Any) -> tuple[SliceRouter, li
 
 
 def _serve(board: Board, worker: str, sid: str, proven: bool = True) -> None:
-    """`worker` holds `sid` and beats; proven: it has computed experts (K3)."""
+    """`worker` holds `sid` and beats; proven: it says it has computed experts, which alone
+    proves nothing any more (`_prove`)."""
     board.rejoin("m", worker, sid)
     last = int(time.time() * 1000) if proven else 0
     board.beat(worker, WorkerInfo(model="m", slice=sid, device="cpu", last_serve_ms=last))
+
+
+def _prove(router: SliceRouter, *workers: str) -> None:
+    """A result of each worker was recomputed here and agreed: proven (K3)."""
+    router.refresh(force=True)
+    for w in workers:
+        router.observe_result(w, 5.0, verified=True)
 
 
 def _remote(router: SliceRouter, sids: list[str], busy: int) -> dict[str, str]:
@@ -80,6 +88,8 @@ def test_under_load_only_a_proven_worker_gets_its_slice(board_case: BoardCase, g
     _serve(board, "proven", s0)
     _serve(board, "new", s1, proven=False)
     busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {}, "saying it served proves nothing"
+    _prove(router, "proven")
     assert _remote(router, sids, busy) == {s0: "proven"}
     assert _remote(router, sids, busy) == {s0: "proven"}, "and no trial later"
     assert _remote(router, sids, 0) == {}, "load gone: local again"
@@ -98,7 +108,9 @@ def test_under_load_an_unproven_worker_gets_one_trial_in_its_window(
     assert (trial.trial, trial.worker(s1)) == ("new", "new")
     again = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
     assert again.trial is None and again.worker(s1) is None, "one try only"
-    router.observe_result("new", 5.0)  # it answered: proven
+    router.observe_result("new", 5.0)  # it answered, unchecked: not proven yet
+    assert router.route(dict.fromkeys(sids, 1), busy, TOTAL).worker(s1) is None
+    router.observe_result("new", 5.0, verified=True)  # an answer checked here: proven
     assert router.route(dict.fromkeys(sids, 1), busy, TOTAL).worker(s1) == "new"
 
 
@@ -110,6 +122,7 @@ def test_a_dead_proven_worker_is_rescued_and_routing_goes_local(
     s0, s1 = sids[0], sids[1]
     _serve(board, "a", s0)
     _serve(board, "b", s1)
+    _prove(router, "a", "b")
     busy = _routing().saturation_threshold
     assert _remote(router, sids, busy) == {s0: "a", s1: "b"}
     replans = router.replans
@@ -133,6 +146,7 @@ def test_a_worker_reaped_before_the_refresh_is_rescued_too(
     board = board_case.board
     router, sids = _router(board, gguf)
     _serve(board, "a", sids[0])
+    _prove(router, "a")
     busy = _routing().saturation_threshold
     assert _remote(router, sids, busy) == {sids[0]: "a"}
     board_case.kill_worker("a")
@@ -165,7 +179,9 @@ def test_refresh_rereads_only_when_due_or_forced(board_case: BoardCase, gguf: Pa
     router.refresh()
     assert router.replans == replans
     router.refresh(force=True)
-    assert router.replans == replans + 1
+    assert router.replans == replans, "read now, but an unproven worker changes no copy"
+    _prove(router, "a")
+    assert router.replans == replans + 1, "proven: its copy is planned"
     assert _remote(router, sids, busy) == {sids[0]: "a"}
     router.refresh(force=True)
     assert router.replans == replans + 1, "same coverage: no re-plan"
@@ -211,8 +227,11 @@ def _measured(
 ) -> None:
     """What dispatch feeds the router: the coordinator's local compute (`own` ms per row,
     default the worker's) and one result of the worker."""
+    router.refresh(force=True)
     router.observe_local(rows=100, ms=100 * (own or ms_per_row))
-    router.observe_result(worker, overhead_ms + 100 * ms_per_row, 100, 100 * ms_per_row)
+    router.observe_result(
+        worker, overhead_ms + 100 * ms_per_row, 100, 100 * ms_per_row, verified=True
+    )
 
 
 def test_capacity_split_uses_coordinator_and_worker_under_load(
@@ -264,6 +283,7 @@ def test_a_worker_that_died_mid_use_is_a_rescue_after_its_misses_priced_it_out(
     board = board_case.board
     router, sids = _router(board, gguf)
     _serve(board, "a", sids[0])
+    _prove(router, "a")
     busy = _routing().saturation_threshold
     assert _remote(router, sids, busy) == {sids[0]: "a"}
     for _ in range(3):  # the dispatcher's missed deadlines
@@ -280,10 +300,11 @@ def test_a_worker_that_recovered_before_dying_is_no_rescue(
     board = board_case.board
     router, sids = _router(board, gguf)
     _serve(board, "a", sids[0])
+    _prove(router, "a")
     busy = _routing().saturation_threshold
     assert _remote(router, sids, busy) == {sids[0]: "a"}
     router.observe_failure("a", 2000.0)
-    router.observe_result("a", 5.0)  # it answered again
+    router.observe_result("a", 5.0, verified=True)  # it answered again
     assert _remote(router, sids, 0) == {}, "at rest: all local, a is off the route"
     board_case.kill_worker("a")
     router.refresh(force=True)
@@ -326,3 +347,31 @@ def test_capacity_gives_a_worker_busy_with_another_coordinator_less(
     _beat_queue(board, "w", s0, 0, "{}")  # the queue drained
     router.refresh(force=True)
     assert router.route(work, busy, TOTAL).remote == {s0: "w", s1: "w2"}
+
+
+def test_a_quarantined_worker_gets_no_work_until_its_quarantine_ends(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 11: a verdict on the board (any coordinator's) leaves the worker out of routing
+    at the next refresh, without counting it as a death; after the quarantine it is back as
+    an unproven worker, and a banned one never comes back."""
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    _serve(board, "b", sids[1])
+    _prove(router, "a", "b")
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a", sids[1]: "b"}
+    now = int(time.time() * 1000)
+    board.quarantine("m", "a", Quarantine(until_ms=now + 300, mismatches=1, coord="other"))
+    board.quarantine("m", "b", Quarantine(until_ms=0, mismatches=3, banned=True))
+    router.refresh(force=True)
+    assert _remote(router, sids, busy) == {} and router.rescues == 0
+    assert router.trust.barred("a") and router.trust.p("a") == 1.0
+    time.sleep(0.35)
+    router.refresh(force=True)
+    back = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
+    assert (back.trial, back.remote) == ("a", {sids[0]: "a"}), "back as new: one K4 trial"
+    assert _remote(router, sids, busy) == {}, "unproven until a checked answer"
+    _prove(router, "a", "b")
+    assert _remote(router, sids, busy) == {sids[0]: "a"}, "b stays banned"

@@ -83,7 +83,7 @@ def test_answered_entries_leave_the_streams(
     assert r.xlen(keys.worker_inbox("w0")) == 0
     # the results the coordinator read last go with its next read (no extra round trip):
     # at most one layer call's worth stays, not the 12 layer calls x 3 requests it has read
-    assert r.xlen(keys.coord_results("c1")) <= 1
+    assert r.xlen(keys.worker_results("w0", "c1")) <= 1
     assert r.exists(keys.worker_inbox("w0")), "the stream and its group stay"
 
 

@@ -126,7 +126,7 @@ def test_a_worker_from_the_wheel_serves_jobs(
         x = rng.standard_normal((2, meta.embedding_length)).astype(np.float32)
         ids = np.array([[spec.expert_start, spec.expert_end - 1]] * 2, dtype=np.int32)
         w = np.full(ids.shape, 0.5, dtype=np.float32)
-        reply_to = keys.coord_results("wheel-test")
+        reply_to = keys.worker_results("wheel-w", "wheel-test")
         job = wire.Job(
             job_id="wheel-test:0", model="tiny", layer=spec.layer_start, slice=sid,
             expert_start=spec.expert_start, expert_end=spec.expert_end, coord="wheel-test",

@@ -14,7 +14,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvq.bus.records import CoordStats, SlotState
+from kvq.bus.records import CoordStats, Quarantine, SlotState
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP
 from kvq.model import make_tiny
@@ -41,7 +41,7 @@ def mon(settings: Settings, model: Path) -> Monitor:
 
 @pytest.fixture
 def url(mon: Monitor) -> Iterator[str]:
-    server, thread = serve_api(mon.board, "127.0.0.1", 0)
+    server, thread = serve_api(mon.board, "127.0.0.1", 0, volunteer="open")
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -144,3 +144,71 @@ def test_healthz_and_unknown_path(url: str) -> None:
     status, got = call(url, "/api/nothing")
     assert status == 404 and got["type"] == "NotFound"
     assert call(url, "/healthz")[0] == 200  # still serving after the error
+
+
+def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> None:
+    """Issue 11: a coordinator's verdicts (P:{m:M}:quarantine) in the API and the metrics."""
+    now = int(time.time() * 1000)
+    assert call(url, "/api/trust") == (200, {"models": [{"model": "m", "workers": []}]})
+    mon.board.quarantine("m", "liar", Quarantine(until_ms=now + 60_000, mismatches=1,
+                                                 coord="c1", reason="row error 2.3", ts_ms=now))  # fmt: skip
+    mon.board.quarantine("m", "served-time", Quarantine(until_ms=now - 1, mismatches=1))
+    mon.board.quarantine("m", "banned", Quarantine(until_ms=0, mismatches=3, banned=True))
+    status, got = call(url, "/api/trust")
+    assert status == 200
+    (entry,) = got["models"]
+    by_worker = {w["worker"]: w for w in entry["workers"]}
+    assert by_worker["liar"] == {
+        "worker": "liar", "quarantined": True, "until_ms": now + 60_000, "mismatches": 1,
+        "banned": False, "coord": "c1", "reason": "row error 2.3", "ts_ms": now,
+    }  # fmt: skip
+    assert not by_worker["served-time"]["quarantined"]
+    assert by_worker["banned"]["quarantined"] and by_worker["banned"]["banned"]
+    status, text = call(url, "/metrics")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text) for s in fam.samples
+    }  # fmt: skip
+    assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "liar"))] == 1
+    assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "served-time"))] == 0
+    assert samples["kvq_worker_banned", (("model", "m"), ("worker", "banned"))] == 1
+    assert samples["kvq_worker_mismatches", (("model", "m"), ("worker", "banned"))] == 3
+    assert samples["kvq_workers_quarantined", (("model", "m"),)] == 2
+
+
+@pytest.mark.parametrize("mode", ["acl", "off"])
+def test_http_volunteering_is_bound_to_the_worker_s_acl_user(mon: Monitor, mode: str) -> None:
+    """Issue 11: with KVQ_HTTP_VOLUNTEER=acl only a caller holding worker W's `kvq acl`
+    password may take a slice as W (checked by an AUTH as that user); off refuses everyone."""
+    from kvq import acl
+
+    made = acl.apply(mon.board.r, [acl.role_user(mon.board.keys, "worker", "wa")])
+    (password,) = made.values()
+    server, thread = serve_api(mon.board, "127.0.0.1", 0, volunteer=mode)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    body = json.dumps({"worker": "wa"}).encode()
+
+    def post(token: str | None) -> int:
+        req = urllib.request.Request(base + "/api/expert-volunteer", data=body, method="POST")
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return int(exc.code)
+
+    try:
+        if mode == "off":
+            assert post(password) == 403
+        else:
+            assert post(None) == 401 and post("wrong-password") == 401
+            assert mon.board.assignments("m") == {}, "nothing taken without the password"
+            assert post(password) == 200
+            assert "wa" in mon.board.assignments("m")
+    finally:
+        mon.board.r.execute_command("ACL", "DELUSER", *made)
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

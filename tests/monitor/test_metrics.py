@@ -121,6 +121,8 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
     stats = CoordStats(
         local_jobs=7, remote_jobs=3, fallback_jobs=2, remote_errors=1, tokens=40,
         finishes='{"eos": 2, "length": 3, "error": 1}', job_rtt_s=rtt.to_text(),
+        verified=5, mismatches=1, nonfinite_results=2, barred_results=4, quarantines=2,
+        remote_rows=100, verified_rows=20,
     )  # fmt: skip
     ts = int(time.time() * 1000)
     mon.board.publish_slots("c1", SlotState(model="m", busy=1, total=4, ts_ms=ts), stats)
@@ -136,6 +138,12 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
     assert got["kvq_job_round_trip_seconds_bucket", (*c[:1], ("le", "+Inf"), c[1])] == 3
     assert got["kvq_job_round_trip_seconds_sum", c] == pytest.approx(0.205)
     assert got["kvq_time_to_first_token_seconds_count", c] == 0
+    trust = {name: got[f"kvq_{name}_total", c] for name in (
+        "results_verified", "result_mismatches", "results_nonfinite", "results_barred",
+        "quarantines", "remote_rows", "verified_rows")}  # fmt: skip
+    assert trust == {"results_verified": 5, "result_mismatches": 1, "results_nonfinite": 2,
+                     "results_barred": 4, "quarantines": 2, "remote_rows": 100,
+                     "verified_rows": 20}  # fmt: skip
 
 
 def test_dead_letters_are_counted_past_the_trim(mon: Monitor, r: redis.Redis) -> None:

@@ -27,8 +27,8 @@ def _proven(wid: str, sid: str, alive: bool = True) -> WorkerView:
 def _feed(r: LiveRouter, *workers: WorkerView, now: float = 0.0, latency: float = 5.0) -> None:
     r.update_workers(workers, now)
     for w in workers:
-        if w.last_serve_ms:
-            r.observe_result(w.worker_id, latency)
+        if w.last_serve_ms:  # and a result of it was checked here: proven
+            r.observe_result(w.worker_id, latency, verified=True)
 
 
 @pytest.mark.parametrize("latency", [0.0, 0.5, 5.0])
@@ -59,11 +59,17 @@ def test_a_slow_proven_worker_loses_even_under_load() -> None:
     assert r.route(0.0).remote == {}
 
 
-def test_proven_elsewhere_but_unmeasured_here_still_wins_under_load() -> None:
-    r = _router()
-    r.update_workers([_proven("w0", S0)], 0.0)  # last_serve_ms > 0, no result seen here yet
+def test_saying_it_served_elsewhere_earns_a_probe_not_work() -> None:
+    """`last_serve_ms` is self-reported: it decides nothing but makes the worker worth a
+    re-probe, whose checked answer proves it (issue 11)."""
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=0.0, reprobe_ms=100.0))
+    r.update_workers([_proven("w0", S0)], 0.0)  # last_serve_ms > 0, no result checked here
     r.set_slots(2, 4)
-    assert r.route(0.0).remote == {S0: "w0"}
+    assert r.route(50.0).remote == {}, "not proven here: no work under load"
+    probe = r.route(200.0, [S0])
+    assert (probe.trial, probe.remote) == ("w0", {S0: "w0"})
+    r.observe_result("w0", 5.0, verified=True)
+    assert r.route(300.0).remote == {S0: "w0"}
 
 
 def test_unproven_worker_gets_one_trial_in_its_grace_window_under_load_only() -> None:
@@ -76,7 +82,7 @@ def test_unproven_worker_gets_one_trial_in_its_grace_window_under_load_only() ->
     assert (trial.pipeline_id, trial.trial, trial.remote) == (-1, "new", {S1: "new"})
     again = r.route(1300.0)
     assert again.trial is None and "new" not in again.remote.values()  # one try only
-    r.observe_result("new", 6.0)  # it answered: proven
+    r.observe_result("new", 6.0, verified=True)  # it answered: proven
     assert r.route(1400.0).remote == {S1: "new"}
     info = r.describe()
     assert info["proven"] == ["new"] and info["loaded"] is True and info["trials_pending"] == []
@@ -125,7 +131,7 @@ def test_spreads_over_several_workers_of_a_slice_by_cost() -> None:
     r.set_slots(2, 4)
     assert r.route(0.0).remote == {S0: "a"}  # tie → lower pipeline id
     for _ in range(5):
-        r.observe_result("a", 80.0)
+        r.observe_result("a", 80.0, verified=True)
     assert r.route(0.0).remote == {S0: "b"}
 
 
@@ -146,16 +152,18 @@ def test_uncovered_slice_refuses_the_model_until_coverage_returns() -> None:
 def test_replans_only_when_coverage_changes() -> None:
     r = _router()
     views = [_proven("w0", S0), WorkerView("x", "L999-999:E0000-0001")]  # other model's slice
-    assert r.update_workers(views, 0.0) is True
+    assert r.update_workers(views, 0.0) is False, "unproven here: no copy uses it"
+    n = r.replans
+    r.observe_result("w0", 3.0, verified=True)
+    assert r.replans == n + 1, "a checked result proves it: a copy with it"
     n = r.replans
     assert r.update_workers(views, 10.0) is False
-    r.observe_result("w0", 3.0)
     r.set_slots(3, 4)
     r.route(0.0)
     assert r.replans == n
     assert r.update_workers([_proven("w0", S0, alive=False)], 20.0) is True
     assert r.update_workers([], 30.0) is False  # a dead worker leaving changes no copy
-    assert r.update_workers([_proven("w0", S0)], 40.0) is True
+    assert r.update_workers([_proven("w0", S0)], 40.0) is False, "back: to be proven again"
 
 
 def test_route_is_fast_and_allocation_free_on_steady_state() -> None:
@@ -194,7 +202,7 @@ def test_live_routes_only_send_to_live_eligible_holders(
     r.update_workers(workers, 0.0)
     for kind, who, x in events:
         if kind == "result":
-            r.observe_result(str(who), x)
+            r.observe_result(str(who), x, verified=True)
         elif kind == "failure":
             r.observe_failure(str(who), x)
         elif kind == "down":
@@ -219,9 +227,9 @@ def test_live_routes_only_send_to_live_eligible_holders(
     for sid, wid in route.remote.items():
         v = live[wid]
         assert v.slice_id == sid
-        proven = v.last_serve_ms > 0 or wid in served
+        proven = wid in served  # a checked result, never the self-reported last_serve_ms
         forced = sid not in local and not any(
-            u.slice_id == sid and (u.last_serve_ms > 0 or u.worker_id in served)
+            u.slice_id == sid and u.worker_id in served
             for u in live.values()
         )  # fmt: skip
         assert proven or forced or wid == route.trial
@@ -241,7 +249,7 @@ def test_a_priced_out_worker_is_re_probed_and_wins_work_back() -> None:
     probe = r.route(5000.0, [S0])
     assert probe.pipeline_id == -1 and probe.trial == "w0" and probe.remote == {S0: "w0"}
     assert r.route(5001.0, [S0]).remote == {}, "one job per probe"
-    r.observe_result("w0", 5.0)  # it got faster
+    r.observe_result("w0", 5.0, verified=True)  # it got faster
     assert r.route(5002.0, [S0]).remote == {S0: "w0"}, "won work back"
     assert r.describe()["probes"] == 1
 
@@ -253,7 +261,7 @@ def test_no_probes_at_rest_and_a_still_slow_worker_stays_out() -> None:
     assert r.route(10_000.0, [S0]).remote == {}, "at rest everything stays local (K1)"
     r.set_slots(4, 4)
     assert r.route(10_000.0, [S0]).trial == "w0"
-    r.observe_result("w0", 450.0)  # still slow: stays out until the next probe
+    r.observe_result("w0", 450.0, verified=True)  # still slow: stays out until the next probe
     assert r.route(10_500.0, [S0]).remote == {}
     assert r.route(11_000.0, [S0]).trial == "w0"
 

@@ -47,8 +47,10 @@ def test_every_field_has_a_description() -> None:
         ),
         ("KVQ_REDIS_URL", "unix:///tmp/redis.sock", "redis_url", "unix:///tmp/redis.sock"),
         ("KVQ_PREFIX", "prod-a", "prefix", "prod-a"),
-        ("KVQ_VERIFY_REMOTE", "1", "verify_remote", True),
-        ("KVQ_VERIFY_REMOTE", "false", "verify_remote", False),
+        ("KVQ_VERIFY_REMOTE", "1", "verify_remote", "all"),  # the old boolean form
+        ("KVQ_VERIFY_REMOTE", "false", "verify_remote", "off"),
+        ("KVQ_VERIFY_REMOTE", "sampled", "verify_remote", "sampled"),
+        ("KVQ_TRUST_P_MIN", "0.05", "trust_p_min", 0.05),
         ("KVQ_HEARTBEAT_TTL_S", "2.5", "heartbeat_ttl_s", 2.5),
         ("KVQ_DEVICE", "cuda:1", "device", "cuda:1"),
         ("KVQ_DEVICE", "cpu", "device", "cpu"),
@@ -98,6 +100,8 @@ def test_env_name() -> None:
         ("KVQ_PREFIX", "{x}"),
         ("KVQ_PREFIX", "has space"),
         ("KVQ_VERIFY_REMOTE", "perhaps"),
+        ("KVQ_TRUST_DECAY", "1.5"),
+        ("KVQ_TRUST_P_MIN", "nan"),
     ],
 )
 def test_invalid_value_names_the_env_var(
@@ -160,7 +164,7 @@ def test_unknown_override_is_rejected() -> None:
 def test_child_env_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     s = load_settings(n_slots=7, verify_remote=True, heartbeat_ttl_s=1.25, prefix="pfx")
     env = child_env(s, device="cpu")
-    assert env["KVQ_VERIFY_REMOTE"] == "1" and env["KVQ_DEVICE"] == "cpu"
+    assert env["KVQ_VERIFY_REMOTE"] == "all" and env["KVQ_DEVICE"] == "cpu"
     for name, value in env.items():
         if name.startswith("KVQ_"):
             monkeypatch.setenv(name, value)

@@ -22,14 +22,18 @@ prefixes = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 SCOPES: dict[str, str] = {
     "model_": "m", "worker_": "w", "coord_": "c", "request_": "r", "apikey_": "k",
 }  # fmt: skip
-GLOBAL = {"models", "deadletter", "monitor_lease"}
+GLOBAL = {"models", "deadletter", "monitor_lease", "market"}
+TWO_IDS = {"worker_results", "bench_tagged"}  # (worker, coordinator): the worker's tag
 
 
 def builders() -> dict[str, Callable[..., str]]:
+    def one(fn: Callable[..., str]) -> Callable[..., str]:
+        return lambda keys, *ident: fn(keys, *ident, "c0")
+
     return {
-        name: fn
+        name: one(fn) if name in TWO_IDS else fn
         for name, fn in inspect.getmembers(Keys, inspect.isfunction)
-        if not name.startswith("_")
+        if not name.startswith("_") and name != "check_id"
     }
 
 
@@ -46,7 +50,7 @@ def hash_tag(key: str) -> str | None:
 
 def test_every_builder_is_classified() -> None:
     for name in builders():
-        scratch = name == "bench"  # per-run benchmark streams, no hash tag needed
+        scratch = name.startswith("bench")  # per-run benchmark streams
         assert name in GLOBAL or scratch or any(name.startswith(p) for p in SCOPES), name
     assert GLOBAL <= set(builders())
 
@@ -88,7 +92,8 @@ def test_model_keys_differ_per_model_and_prefix() -> None:
     assert a.model_target("m1") != b.model_target("m1")
     assert a.model_target("m1") == "a:{m:m1}:target"
     assert a.worker_inbox("w1") == "a:{w:w1}:inbox"
-    assert a.coord_results("c1") == "a:{c:c1}:results"
+    assert a.coord_slots("c1") == "a:{c:c1}:slots"
+    assert a.worker_results("w1", "c1") == "a:{w:w1}:results:c1"
     assert a.request_reply("r1") == "a:{r:r1}:reply"
 
 

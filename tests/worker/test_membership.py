@@ -79,14 +79,15 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     board = board_case.board
     _, b = _register(board, gguf)
     board.set_target("m", b, 1)
-    m = Membership(board, "w", "gpu0", served=lambda: (3, 1234))
+    m = Membership(board, "w", "gpu0", served=lambda: (3, 1234), instance="i1")
     held = m.volunteer()
     assert held is not None
     # offered, not yet loaded: beating (never reaped while it downloads), not routable
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, ready=False)]
     assert board.worker_info("w") == WorkerInfo(
-        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading"
-    )
+        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading",
+        instance="i1",
+    )  # fmt: skip
     m.loaded(10, 100)
     m.beat()
     info = board.worker_info("w")
@@ -96,7 +97,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100,
+        total_bytes=100, instance="i1",
     )  # fmt: skip
 
 

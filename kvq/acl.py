@@ -1,0 +1,141 @@
+"""Least-privilege Redis ACL users, one per role: what each kvq process may touch, and no more.
+
+| role        | user                    | may                                                     |
+|-------------|-------------------------|---------------------------------------------------------|
+| monitor     | `P-monitor`             | every `P:*` key, the market's scripts                   |
+| coordinator | `P-coordinator`         | requests, replies, its own `{c:..}` keys, post jobs to  |
+|             |                         | inboxes, read and empty workers' results streams; read  |
+|             |                         | the model tables and workers' beats; record and read    |
+|             |                         | quarantine verdicts; no other model writes              |
+| worker W    | `P-worker-W`            | its own `P:{w:W}:*` keys (inbox, beat, asks, results);  |
+|             |                         | read the model tables; `XADD` to `P:market` and         |
+|             |                         | `P:deadletter`; no scripts                              |
+| client      | `P-client`              | `XADD` requests and cancels, read (and delete) reply    |
+|             |                         | streams, read the model list and tables, slot state,    |
+|             |                         | the requests' length; the API key counters              |
+
+`P` is the prefix. ACL key patterns are globs: the prefix is escaped and worker ids are limited to
+`[A-Za-z0-9_.-]` (`kvq.keys.check_id`), so `P:{w:W}:*` reaches no other worker's keys. `%R~`/`%W~`
+(Redis 7, Valkey) grant read-only or write-only access; a `(...)` selector grants a few commands on
+a few keys. `docs/security.md` says what each role can still do and what kvq does not defend.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import redis
+
+from kvq.errors import ConfigError
+from kvq.keys import Keys, check_id
+
+ROLES = ("monitor", "coordinator", "worker", "client")
+# every role: no admin, no server-wide or destructive command, no pub/sub, no key listing
+_SAFE = ["+@all", "-@dangerous", "-@admin", "-@pubsub", "-scan"]
+_READ = ["+smembers", "+sismember", "+hgetall", "+hget", "+hmget", "+hkeys", "+exists"]
+_CONNECT = ["+ping", "+hello", "+auth", "+client|setinfo", "+client|setname", "+acl|whoami"]
+
+
+@dataclass(frozen=True, slots=True)
+class AclUser:
+    """One ACL user: its name and its rules (without the password)."""
+
+    role: str
+    name: str
+    rules: tuple[str, ...]
+
+    def setuser(self, password: str | None = None) -> list[str]:
+        """`ACL SETUSER` arguments; `password` None prints a placeholder."""
+        secret = f">{password}" if password is not None else "><PASSWORD>"
+        return ["ACL", "SETUSER", self.name, "reset", "on", secret, "resetchannels", *self.rules]
+
+
+def _glob(text: str) -> str:
+    """`text` literal inside an ACL key pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _model_tables(p: str) -> list[str]:
+    return [f"%R~{p}:models", f"%R~{p}:{{m:*}}:meta", f"%R~{p}:{{m:*}}:slices"]
+
+
+def user_name(prefix: str, role: str, worker: str | None = None) -> str:
+    return f"{prefix}-worker-{check_id('worker id', worker)}" if worker else f"{prefix}-{role}"
+
+
+def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
+    """The ACL user of `role` under `keys.prefix` (`worker` names the worker for that role)."""
+    p = _glob(keys.prefix)
+    if role == "monitor":
+        # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
+        # worker's command channel, and INFO (it reads the server's version)
+        rules = [f"~{p}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
+                 "-@admin", "-scan", "+info"]  # fmt: skip
+    elif role == "coordinator":
+        rules = [
+            *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
+            f"%R~{p}:{{m:*}}:state", f"~{p}:{{m:*}}:requests", f"~{p}:{{m:*}}:routed",
+            f"~{p}:{{m:*}}:coordinators", f"~{p}:{{m:*}}:quarantine", f"~{p}:{{c:*}}:*",
+            f"%W~{p}:{{w:*}}:inbox",
+            f"%R~{p}:{{w:*}}:hb", f"%R~{p}:{{w:*}}:info", f"~{p}:{{w:*}}:results:*",
+            f"~{p}:{{r:*}}:reply", f"~{p}:{{r:*}}:run", f"%W~{p}:deadletter", *_SAFE,
+            "-@scripting",
+        ]  # fmt: skip
+    elif role == "worker":
+        if worker is None:
+            raise ConfigError("the worker role needs a worker id (kvq acl --worker ID)")
+        w = check_id("worker id", worker)
+        rules = [
+            f"~{p}:{{w:{w}}}:*", *_SAFE, "-@scripting",
+            f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:workers', *_READ])})",
+            f"(%W~{p}:market %W~{p}:deadletter +xadd)",
+        ]  # fmt: skip
+    elif role == "client":
+        rules = [
+            "resetkeys", "-@all", *_CONNECT,
+            f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
+            # `kvq api` deletes a reply stream it has read to its end (its only reader)
+            f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
+            f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
+            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xinfo|stream)",
+            f"(%R~{p}:{{c:*}}:slots +hgetall +hget +exists)",
+            f"(~{p}:{{k:*}}:calls +set +incr +pttl)",
+        ]  # fmt: skip
+    else:
+        raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    return AclUser(role, user_name(keys.prefix, role, worker if role == "worker" else None),
+                   tuple(rules))  # fmt: skip
+
+
+def users(keys: Keys, roles: list[str], workers: list[str]) -> list[AclUser]:
+    """The users of `roles` (every role when empty), one per worker id for the worker role."""
+    out = []
+    if "worker" in roles and not workers:
+        raise ConfigError("--role worker needs at least one --worker ID (one user per worker)")
+    for role in roles or list(ROLES):
+        if role == "worker":
+            out += [role_user(keys, role, w) for w in workers]
+        else:
+            out.append(role_user(keys, role))
+    return out
+
+
+def apply(r: redis.Redis, acl_users: list[AclUser]) -> dict[str, str]:
+    """Create (or reset) each user with a new random password; user name → password."""
+    made = {}
+    for u in acl_users:
+        password = secrets.token_urlsafe(24)
+        r.execute_command(*u.setuser(password))
+        made[u.name] = password
+    return made
+
+
+def user_url(url: str, user: str, password: str) -> str:
+    """`url` logging in as `user` with `password` (any credentials it had replaced)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    cred = f"{quote(user, safe='')}:{quote(password, safe='')}@"
+    return urlunsplit(parts._replace(netloc=cred + host))

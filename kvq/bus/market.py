@@ -1,0 +1,213 @@
+"""How a worker takes and gives back slices: straight through the board, or through the monitor.
+
+- `BoardMarket` runs the market's Lua scripts itself (a worker with the default user or any
+  user allowed `EVALSHA`): the historical path, and the one unit tests use on a `MemoryBoard`.
+- `MarketDoor` asks the monitor (a worker under its least-privilege ACL user, `docs/security.md`):
+  it appends the request to its own `P:{w:W}:asks` stream, rings `P:market` with its id, and
+  waits for the answer in its own `P:{w:W}:answers`. The monitor's `MarketDesk` reads the
+  doorbell, then the asks of that worker, runs the script with the worker id taken from the
+  key the ask was found in, never from a field: only the ACL user of W can write W's keys, so
+  where an ask is proves who asked.
+
+Asks and answers are plain string fields (readable with `redis-cli XRANGE`):
+ask `v=1, op, model, slice, instance, nonce`; answer `v=1, nonce, model, slice, error`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis
+
+from kvq.bus.board import Board
+from kvq.bus.streams import xadd
+from kvq.errors import IdentityInUse, KvqError
+from kvq.keys import Keys, check_id
+
+log = logging.getLogger("kvq.bus")
+
+VOLUNTEER, RELEASE, REJOIN, RETIRE = "volunteer", "release", "rejoin", "retire"
+_OPS = (VOLUNTEER, RELEASE, REJOIN, RETIRE)
+_ASKS_MAXLEN = 100  # a worker's own unanswered asks (no monitor running): capped, not grown
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    model: str
+    sid: str
+
+
+class Market(Protocol):
+    """The four market operations of one worker."""
+
+    def volunteer(self, worker: str) -> Held | None: ...
+
+    def release(self, model: str, worker: str) -> str | None: ...
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool: ...
+
+    def retire(self, model: str, worker: str) -> str | None: ...
+
+
+class BoardMarket:
+    """The market run by the worker itself through the board's atomic scripts."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+
+    def volunteer(self, worker: str) -> Held | None:
+        for model in self.board.models():
+            sid = self.board.volunteer(model, worker)
+            if sid is not None:
+                return Held(model, sid)
+        return None
+
+    def release(self, model: str, worker: str) -> str | None:
+        return self.board.release(model, worker)
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+        return self.board.rejoin(model, worker, sid)
+
+    def retire(self, model: str, worker: str) -> str | None:
+        return self.board.retire(model, worker)
+
+
+def _s(v: bytes | None) -> str:
+    return v.decode() if v is not None else ""
+
+
+class MarketDoor:
+    """The worker's side of the monitor-run market; each call waits up to `wait_s`."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, instance: str, wait_s: float, maxlen: int
+    ) -> None:
+        self.r, self.keys, self.instance, self.wait_s = r, keys, instance, wait_s
+        self.maxlen = maxlen
+        self._seq = itertools.count()
+        self._cursor = b"0-0"
+        self._lock = threading.Lock()  # the heartbeat thread asks too: one reader of answers
+
+    def _ask(self, worker: str, op: str, model: str = "", sid: str = "") -> dict[str, str] | None:
+        """Send one ask and wait for its answer (None: no monitor answered in time)."""
+        with self._lock:
+            return self._ask_locked(worker, op, model, sid)
+
+    def _ask_locked(self, worker: str, op: str, model: str, sid: str) -> dict[str, str] | None:
+        nonce = f"{self.instance}:{next(self._seq)}"
+        fields = {"v": "1", "op": op, "model": model, "slice": sid, "instance": self.instance,
+                  "nonce": nonce}  # fmt: skip
+        pipe = self.r.pipeline(transaction=False)
+        xadd(pipe, self.keys.worker_asks(worker), fields, _ASKS_MAXLEN)
+        xadd(pipe, self.keys.market(), {"worker": worker}, self.maxlen)
+        pipe.execute()
+        deadline = time.monotonic() + self.wait_s
+        answers = self.keys.worker_answers(worker)
+        while (left := deadline - time.monotonic()) > 0:
+            resp = self.r.xread({answers: self._cursor}, count=16, block=max(1, int(left * 1000)))
+            entries = [e for _, batch in resp or [] for e in batch]
+            if not entries:
+                continue
+            self._cursor = entries[-1][0]
+            self.r.xdel(answers, *[eid for eid, _ in entries])
+            for _, f in entries:
+                got = {_s(k): _s(v) for k, v in f.items()}
+                if got.get("nonce") == nonce:
+                    if got.get("in_use"):
+                        raise IdentityInUse(f"the monitor refused {op} of {worker}: {got['error']}")
+                    if got.get("error"):  # as if unanswered: the caller asks again later
+                        log.warning("the monitor refused %s of %s: %s", op, worker, got["error"])
+                        return None
+                    return got
+        log.info("no monitor answered %s of %s within %.1fs", op, worker, self.wait_s)
+        return None
+
+    def volunteer(self, worker: str) -> Held | None:
+        got = self._ask(worker, VOLUNTEER)
+        return Held(got["model"], got["slice"]) if got and got.get("slice") else None
+
+    def release(self, model: str, worker: str) -> str | None:
+        got = self._ask(worker, RELEASE, model)
+        return (got.get("slice") or None) if got else None
+
+    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+        # the workers hash is readable: ask only when the monitor forgot this worker
+        held = self.r.hget(self.keys.model_workers(model), worker)
+        if _s(held) == sid:
+            return False
+        return self._ask(worker, REJOIN, model, sid) is not None
+
+    def retire(self, model: str, worker: str) -> str | None:
+        got = self._ask(worker, RETIRE, model)
+        return (got.get("slice") or None) if got else None
+
+
+class MarketDesk:
+    """The monitor's side: answers the asks of workers that rang the doorbell."""
+
+    def __init__(self, board: Board, r: redis.Redis, keys: Keys, maxlen: int) -> None:
+        self.board, self.r, self.keys, self.maxlen = board, r, keys, maxlen
+        self.market = BoardMarket(board)
+        self._cursor = b"0-0"
+        self.answered = 0
+        self.refused = 0
+
+    def serve(self, block_ms: int | None) -> int:
+        """Answer every ask of the workers whose doorbell rang; the number answered."""
+        resp = self.r.xread({self.keys.market(): self._cursor}, count=256, block=block_ms)
+        entries = [e for _, batch in resp or [] for e in batch]
+        if not entries:
+            return 0
+        self._cursor = entries[-1][0]
+        self.r.xdel(self.keys.market(), *[eid for eid, _ in entries])
+        workers = dict.fromkeys(_s(f.get(b"worker")) for _, f in entries)
+        return sum(self.serve_worker(w) for w in workers)
+
+    def serve_worker(self, worker: str) -> int:
+        try:
+            check_id("worker id", worker)
+        except KvqError:  # no worker can have written under that name: a forged doorbell
+            return 0
+        asks = self.keys.worker_asks(worker)
+        entries = self.r.xrange(asks, count=_ASKS_MAXLEN)
+        for eid, f in entries:
+            ask = {_s(k): _s(v) for k, v in f.items()}
+            try:
+                answer = self._answer(worker, ask)
+            except (KvqError, redis.ResponseError) as exc:  # answered, never retried forever
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            answer |= {"v": "1", "nonce": ask.get("nonce", "")}
+            pipe = self.r.pipeline(transaction=False)
+            xadd(pipe, self.keys.worker_answers(worker), answer, _ASKS_MAXLEN)
+            pipe.expire(self.keys.worker_answers(worker), self.board.lifetimes.worker_info_s())
+            pipe.xdel(asks, eid)
+            pipe.execute()
+            self.answered += 1
+        return len(entries)
+
+    def _answer(self, worker: str, ask: dict[str, str]) -> dict[str, str]:
+        op, model, sid = ask.get("op", ""), ask.get("model", ""), ask.get("slice", "")
+        live = self.board.worker_instance(worker)
+        if live and live != ask.get("instance"):  # "" or None: no process claims it now
+            self.refused += 1
+            log.warning("refused %s of %s: another live process uses this id", op, worker)
+            return {"error": f"worker id {worker!r} is in use by another live process",
+                    "in_use": "1"}  # fmt: skip
+        if op not in _OPS:
+            return {"error": f"unknown op {op!r}"}
+        if op == VOLUNTEER:
+            held = self.market.volunteer(worker)
+            return {"model": held.model, "slice": held.sid} if held else {"slice": ""}
+        if op == REJOIN:
+            info = self.board.model_info(model)
+            if info is None or sid not in info.slices:
+                return {"error": f"no slice {sid!r} of model {model!r}"}
+            self.market.rejoin(model, worker, sid)
+            return {"model": model, "slice": sid}
+        got = (self.market.release if op == RELEASE else self.market.retire)(model, worker)
+        return {"model": model, "slice": got or ""}

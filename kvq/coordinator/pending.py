@@ -1,0 +1,33 @@
+"""A remote job the coordinator waits for (or a trial it does not), and its measured latency."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvq.slices import SliceSpec
+
+
+@dataclass
+class Pending:
+    spec: SliceSpec
+    rows: torch.Tensor  # [R] rows of the layer's x that this job carries
+    worker: str
+    sent_at: float  # time.monotonic()
+    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
+    ref: torch.Tensor | None = None  # a trial's or probe's local result: its answer's check
+
+
+def latency_ms(p: Pending, eid: bytes) -> float:
+    """Send-to-arrival time of a result. The result is read only after the local slices are
+    computed, so the read time overstates a fast worker's round trip by that compute; the
+    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
+    NTP-close across machines). The smaller of the two non-negative values is used."""
+    read = (time.monotonic() - p.sent_at) * 1000
+    try:
+        stored = int(eid.split(b"-", 1)[0]) - p.sent_ms
+    except ValueError:
+        return read
+    return stored if 0 <= stored < read else read

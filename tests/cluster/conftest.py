@@ -1,0 +1,21 @@
+"""Cluster tests: each starts its own local Redis Cluster (`kvq.cluster.EmbeddedCluster`). The
+end-to-end and fault tests also run on a 3-master cluster in `make test`'s second run
+(`CLUSTER_TESTS=1`, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvq.model import make_tiny
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))  # e2e_helpers
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    make_tiny(path, layers=2, experts=8, experts_used=2, seed=3)
+    return path

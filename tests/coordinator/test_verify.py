@@ -1,0 +1,91 @@
+"""`Verifier`: what a coordinator does with one remote result (issue 11 items 3 and 4).
+
+Non-finite results never pass, with checks on or off; a checked result that agrees is replaced
+by the local one and proves the worker; one that does not quarantines the worker on the board;
+a lower-precision result is judged by its own dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvq.bus.memory_board import MemoryBoard
+from kvq.bus.records import DispatchCounters
+from kvq.coordinator.trust import Trust, TrustPolicy
+from kvq.coordinator.verify import Verdict, Verifier
+
+REF = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7 + 0.5  # [R=3, H=4]
+
+
+def _verifier(mode: str = "sampled", policy: TrustPolicy | None = None):  # type: ignore[no-untyped-def]
+    board = MemoryBoard()
+    caught: list[str] = []
+    trust = Trust(policy or TrustPolicy(), "c1", rng=random.Random(0))
+    v = Verifier(board, "m", trust, mode, "float32", DispatchCounters(), caught.append)
+    return v, board, caught
+
+
+class Recompute:
+    """The local recomputation, counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        return REF.clone()
+
+
+@pytest.mark.parametrize("mode", ["sampled", "all", "off"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_is_never_used_whatever_the_mode(mode: str, bad: float) -> None:
+    v, board, caught = _verifier(mode)
+    y = REF.clone()
+    y[2, 1] = bad
+    local = Recompute()
+    used, verdict = v.judge("w", y, "float32", local)
+    assert verdict is Verdict.REJECTED and torch.equal(used, REF) and local.calls == 1
+    assert v.stats.nonfinite_results == 1 and v.stats.quarantines == 1 and caught == ["w"]
+    assert board.quarantined("m")["w"].reason == "its result holds NaN or infinity"
+    assert v.barred("w")
+
+
+def test_a_checked_result_that_agrees_is_replaced_by_the_local_one_and_proves() -> None:
+    v, board, caught = _verifier()
+    y = REF + 1e-6
+    used, verdict = v.judge("w", y, "float32", Recompute())
+    assert verdict is Verdict.VERIFIED and torch.equal(used, REF)
+    assert v.stats.verified == 1 and v.stats.verified_rows == 3 and v.stats.remote_rows == 3
+    assert caught == [] and board.quarantined("m") == {}
+
+
+def test_a_mismatch_quarantines_on_the_board_and_the_local_result_is_used() -> None:
+    v, board, caught = _verifier()
+    used, verdict = v.judge("w", REF * 1.2, "bfloat16", Recompute())
+    assert verdict is Verdict.REJECTED and torch.equal(used, REF)
+    q = board.quarantined("m")["w"]
+    assert q.mismatches == 1 and q.coord == "c1" and "bfloat16 result" in q.reason
+    assert v.stats.mismatches == 1 and caught == ["w"]
+
+
+def test_dtype_decides_the_tolerance() -> None:
+    """The same 2% error: rounding for a bfloat16 worker, a lie for a float32 one."""
+    off = REF * 1.02
+    v, _, _ = _verifier()
+    assert v.check("bf16-worker", off, "bfloat16", REF) is Verdict.VERIFIED
+    assert v.check("f32-worker", off, "float32", REF) is Verdict.REJECTED
+
+
+def test_sampling_skips_checks_once_trusted_and_off_never_checks() -> None:
+    v, _, _ = _verifier(policy=TrustPolicy(full_checks=2, decay=0.5, p_min=0.05))
+    local = Recompute()
+    verdicts = [v.judge("w", REF.clone(), "float32", local)[1] for _ in range(400)]
+    assert verdicts[:2] == [Verdict.VERIFIED] * 2, "the full-check phase"
+    share = local.calls / 400
+    assert 0.03 < share < 0.12, share  # p_min = 5% plus the short decay
+    off, _, _ = _verifier("off")
+    local = Recompute()
+    assert off.judge("w", REF.clone(), "float32", local)[1] is Verdict.USED and local.calls == 0

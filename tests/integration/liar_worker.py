@@ -1,0 +1,56 @@
+"""A dishonest worker for the trust tests: a real `kvq worker` process whose results are
+well-formed but wrong on a share of its jobs (issue 11). Nothing in kvq knows about it: the
+lie is patched in here, the way an adversary would run modified code.
+
+    python tests/integration/liar_worker.py --id ID --garbage 0.1 --seed 3 [--kind noise|nan]
+
+`KVQ_*` settings come from the environment as for `kvq worker`. Each lie is logged ("LIE job"),
+so a test can count the jobs the coordinator received from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+
+import msgspec
+import numpy as np
+
+from kvq import wire
+from kvq.cli import main
+from kvq.worker import server
+
+log = logging.getLogger("liar")
+
+
+def patch(garbage: float, seed: int, kind: str) -> None:
+    rng = random.Random(seed)
+    honest = server.ExpertServer.handle
+
+    def handle(self: server.ExpertServer, job: wire.Job) -> wire.Result:
+        res = honest(self, job)
+        if res.y is None or rng.random() >= garbage:
+            return res
+        y = res.y.array()
+        if kind == "nan":
+            bad = y.copy()
+            bad.flat[0] = np.nan
+        else:  # same shape and scale, wrong numbers
+            noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(y.shape)
+            bad = (noise * (np.abs(y).mean() + 1e-3)).astype(np.float32)
+        log.warning("LIE job %s", job.job_id)
+        return msgspec.structs.replace(res, y=wire.Tensor.of(bad))
+
+    server.ExpertServer.handle = handle  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--garbage", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kind", choices=["noise", "nan"], default="noise")
+    a = ap.parse_args()
+    patch(a.garbage, a.seed, a.kind)
+    raise SystemExit(main(["worker", "--id", a.id]))

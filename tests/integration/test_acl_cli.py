@@ -1,0 +1,101 @@
+"""`kvq acl` prints the rules; `kvq acl --apply` then a whole deployment of `kvq` processes
+(monitor, workers, coordinator, client), each logged in as its role's user: zero NOPERM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from acl_helpers import denials
+from e2e_helpers import local_tokens
+
+from kvq.cli import main
+from kvq.config import Settings, child_env
+from kvq.keys import Keys
+
+LOADED = {"saturation_threshold": 1, "job_deadline_ms": 10_000, "dispatch_policy": "copies"}
+
+
+def test_kvq_acl_prints_every_role(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["acl", "--prefix", "pp", "--worker", "gpu1"]) == 0
+    out = capsys.readouterr().out
+    for user in ("pp-monitor", "pp-coordinator", "pp-worker-gpu1", "pp-client"):
+        assert f"ACL SETUSER {user} reset on" in out
+    assert "'~pp:{w:gpu1}:*'" in out and "><PASSWORD>" in out
+
+
+def test_kvq_acl_refuses_an_unsafe_worker_id(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["acl", "--worker", "a*"]) == 2
+    assert "not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_apply_then_a_whole_deployment_on_those_users(
+    settings: Settings, r: redis.Redis, tiny_model: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    secrets = tmp_path / "acl.json"
+    argv = ["acl", "--apply", settings.redis_url, "--prefix", settings.prefix,
+            "--worker", "w0", "--worker", "w1", "--secrets", str(secrets)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    made = json.loads(secrets.read_text())
+    assert all(s["password"] not in printed for s in made.values()), "passwords never printed"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o600"
+    url = {s["role"] if s["role"] != "worker" else n: s["url"] for n, s in made.items()}
+    s = settings.model_copy(update={**LOADED, "slice_experts": 8})  # 2 slices: one per worker
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(role_url: str, *args: str) -> subprocess.Popen[bytes]:
+        env = child_env(s, redis_url=role_url)
+        with (tmp_path / f"{args[0]}-{len(procs)}.log").open("wb") as log:
+            p = subprocess.Popen([sys.executable, "-m", "kvq", *args], env=env, stdout=log,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
+        procs.append(p)
+        return p
+
+    try:
+        spawn(url["monitor"], "monitor", "--model", f"tiny={tiny_model}")
+        for w in ("w0", "w1"):
+            spawn(url[f"{settings.prefix}-worker-{w}"], "worker", "--id", w)
+        spawn(url["coordinator"], "coordinator", "--model", str(tiny_model), "--model-id", "tiny")
+        keys = Keys(s.prefix)
+        deadline = time.monotonic() + 120
+        while len(r.hgetall(keys.model_workers("tiny"))) < 2 or not r.exists(keys.coord_slots(
+            "coord-" + __import__("socket").gethostname())):  # fmt: skip
+            assert time.monotonic() < deadline, _logs(tmp_path)
+            assert all(p.poll() is None for p in procs), _logs(tmp_path)
+            time.sleep(0.2)
+        time.sleep(1.0)  # the workers' "serving" beat
+        env = child_env(s, redis_url=url["client"])
+        out = subprocess.run(
+            [sys.executable, "-m", "kvq", "submit", "--model", "tiny", "--prompt", "acl",
+             "--max-tokens", "6", "--json", "--timeout", "90"],
+            env=env, capture_output=True, timeout=150,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr.decode() + _logs(tmp_path)
+        got = json.loads(out.stdout)
+        assert got["token_ids"] == local_tokens(tiny_model, "acl", 6)
+        assert denials(r, settings.prefix) == [], _logs(tmp_path)
+        assert "NOPERM" not in _logs(tmp_path)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        r.execute_command("ACL", "DELUSER", *made)
+
+
+def _logs(d: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in d.glob("*.log")
+    )

@@ -1,0 +1,187 @@
+"""What each role's ACL user may not do (`kvq.acl`), against a real server: one case each.
+
+A worker `a` tries what a hostile volunteer would, against a registered model, a peer `b` with
+jobs in its inbox, a coordinator `c1` and a client's request `R`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from acl_helpers import RoleSettings
+
+from kvq.bus.streams import ensure_group
+from kvq.config import Settings
+from kvq.keys import WORKER_GROUP, Keys
+from kvq.monitor import Monitor
+
+# (what it is, the command) — `{k}` is a Keys, `{sid}` a slice id, `{eid}` a job of b's inbox
+WORKER_FORBIDDEN = {
+    "read another worker's inbox": ("XRANGE", "{inbox_b}", "-", "+"),
+    "steal its jobs by reading its group": (
+        "XREADGROUP", "GROUP", WORKER_GROUP, "a", "STREAMS", "{inbox_b}", ">"),
+    "steal its jobs by claiming them": ("XCLAIM", "{inbox_b}", WORKER_GROUP, "a", "0", "{eid}"),
+    "write a result as another worker": ("XADD", "{results_b}", "*", "t", "result"),
+    "write a result to a coordinator stream": ("XADD", "{coord_results}", "*", "t", "result"),
+    "raise demand (target)": ("HSET", "{target}", "{sid}", "99"),
+    "pardon itself (quarantine)": ("HDEL", "{quarantine}", "a"),
+    "read the quarantine verdicts": ("HGETALL", "{quarantine}"),
+    "fake coverage": ("HINCRBY", "{coverage}", "{sid}", "-1"),
+    "assign itself a slice": ("HSET", "{workers}", "a", "{sid}"),
+    "delete a peer's heartbeat": ("DEL", "{hb_b}"),
+    "delete the slice table": ("DEL", "{slices}"),
+    "repoint meta.source": ("HSET", "{meta}", "source", "http://evil.example/x.gguf"),
+    "rewrite a slice's sha256": ("HSET", "{slices}", "{sid}", '{{"sha256": "0"}}'),
+    "write done into a client's reply stream": ("XADD", "{reply}", "*", "kind", "done"),
+    "queue a request": ("XADD", "{requests}", "*", "t", "request"),
+    "run the market script itself": ("EVAL", "return 1", "0"),
+    "load a script": ("SCRIPT", "LOAD", "return 1"),
+    "volunteer as another worker": ("XADD", "{asks_b}", "*", "op", "volunteer"),
+    "read the answers of another worker": ("XRANGE", "{answers_b}", "-", "+"),
+    "delete the dead-letter stream": ("DEL", "{deadletter}"),
+    "list every key": ("SCAN", "0"),
+    "wipe the server": ("FLUSHALL",),
+    "change ACL users": ("ACL", "SETUSER", "a2", "on"),
+}  # fmt: skip
+WORKER_ALLOWED = {
+    "its own inbox": ("XRANGE", "{inbox_a}", "-", "+"),
+    "its own results": ("XADD", "{results_a}", "*", "t", "result"),
+    "the model tables": ("HGETALL", "{slices}"),
+    "the model list": ("SMEMBERS", "{models}"),
+    "the doorbell": ("XADD", "{market}", "*", "worker", "a"),
+}
+CLIENT_FORBIDDEN = {
+    "take requests": ("XREADGROUP", "GROUP", "coordinators", "x", "STREAMS", "{requests}", ">"),
+    "delete the request stream": ("DEL", "{requests}"),
+    "post a job": ("XADD", "{inbox_b}", "*", "t", "job"),
+    "write a reply": ("XADD", "{reply}", "*", "kind", "done"),
+    "write the model table": ("HSET", "{meta}", "source", "x"),
+}
+CLIENT_ALLOWED = {  # what kvq.client and `kvq api` do
+    "queue a request": ("XADD", "{requests}", "MAXLEN", "~", "10000", "*", "t", "request"),
+    "cancel one": ("XADD", "{cancel}", "*", "t", "cancel"),
+    "read its reply stream": ("XREAD", "COUNT", "256", "STREAMS", "{reply}", "0-0"),
+    "drop the reply stream it read": ("DEL", "{reply}"),
+    "check the model is registered": ("SISMEMBER", "{models}", "tiny"),
+    "list models": ("SMEMBERS", "{models}"),
+    "list coordinators": ("SMEMBERS", "{coordinators}"),
+    "read a coordinator's slots": ("HGETALL", "{slots}"),
+    "measure the queue": ("XLEN", "{requests}"),
+    "count an API key's calls": ("SET", "{calls}", "0", "EX", "60", "NX"),
+    "count one more": ("INCR", "{calls}"),
+    "see the window left": ("PTTL", "{calls}"),
+    "ping": ("PING",),
+}
+COORD_FORBIDDEN = {
+    "repoint meta.source": ("HSET", "{meta}", "source", "x"),
+    "raise demand": ("HSET", "{target}", "{sid}", "99"),
+    "fake coverage": ("HSET", "{coverage}", "{sid}", "9"),
+    "read a worker's inbox": ("XRANGE", "{inbox_b}", "-", "+"),
+    "run a script": ("EVAL", "return 1", "0"),
+}
+
+
+COORD_ALLOWED = {  # a dead coordinator's requests taken over, jobs posted, results emptied
+    "list the request group's consumers": ("XINFO", "CONSUMERS", "{requests}", "coordinators"),
+    "count pending requests": ("XPENDING", "{requests}", "coordinators"),
+    "claim them": ("XCLAIM", "{requests}", "coordinators", "c1", "0", "0-1"),
+    "drop the dead consumer": ("XGROUP", "DELCONSUMER", "{requests}", "coordinators", "dead"),
+    "post a job": ("XADD", "{inbox_b}", "*", "t", "job"),
+    "read a worker's results": ("XREAD", "STREAMS", "{results_b}", "0-0"),
+    "empty them": ("DEL", "{results_b}"),
+    "read the cancels": ("XREAD", "STREAMS", "{cancel}", "0-0"),
+    "write a reply": ("XADD", "{reply}", "*", "kind", "token"),
+    "renew it": ("EXPIRE", "{reply}", "600"),
+    "read a beat": ("EXISTS", "{hb_b}"),
+    "read the assignments": ("HGETALL", "{workers}"),
+    "record a quarantine verdict": ("HSET", "{quarantine}", "a", '{{"until_ms": 1}}'),
+    "read the quarantine verdicts": ("HGETALL", "{quarantine}"),
+}
+
+
+@pytest.fixture
+def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str]:
+    """A registered model, a peer worker `b` with one job pending in its inbox, a request."""
+    k = Keys(settings.prefix)
+    mon = Monitor.from_settings(settings)
+    info = mon.register("tiny", tiny_model)
+    mon.board.r.close()
+    sid = sorted(info.slices)[0]
+    ensure_group(r, k.worker_inbox("b"), WORKER_GROUP)
+    eid = r.xadd(k.worker_inbox("b"), {"t": "job"}).decode()
+    r.xreadgroup(WORKER_GROUP, "b", {k.worker_inbox("b"): ">"})
+    r.set(k.worker_heartbeat("b"), "x", px=60_000)
+    r.xadd(k.request_reply("R"), {"kind": "token"})
+    r.xadd(k.model_requests("tiny"), {"t": "request"})
+    r.xgroup_create(k.model_requests("tiny"), "coordinators", id="0")
+    return {
+        "sid": sid, "eid": eid, "inbox_a": k.worker_inbox("a"), "inbox_b": k.worker_inbox("b"),
+        "results_a": k.worker_results("a", "c1"), "results_b": k.worker_results("b", "c1"),
+        "coord_results": f"{settings.prefix}:{{c:c1}}:results", "target": k.model_target("tiny"),
+        "coverage": k.model_coverage("tiny"), "workers": k.model_workers("tiny"),
+        "hb_b": k.worker_heartbeat("b"), "slices": k.model_slices("tiny"),
+        "meta": k.model_meta("tiny"), "reply": k.request_reply("R"),
+        "requests": k.model_requests("tiny"), "asks_b": k.worker_asks("b"),
+        "answers_b": k.worker_answers("b"), "deadletter": k.deadletter(), "models": k.models(),
+        "market": k.market(), "cancel": k.model_cancels("tiny"),
+        "coordinators": k.model_coordinators("tiny"), "slots": k.coord_slots("c1"),
+        "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
+    }  # fmt: skip
+
+
+def _run(s: Settings, cmd: tuple[str, ...], world: dict[str, str]) -> object:
+    conn = redis.Redis.from_url(s.redis_url)
+    try:
+        return conn.execute_command(*[c.format(**world) for c in cmd])
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("what", sorted(WORKER_FORBIDDEN))
+def test_a_worker_cannot(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        _run(as_role("worker", "a"), WORKER_FORBIDDEN[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(WORKER_ALLOWED))
+def test_a_worker_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("worker", "a"), WORKER_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(CLIENT_FORBIDDEN))
+def test_a_client_cannot(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        _run(as_role("client"), CLIENT_FORBIDDEN[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(CLIENT_ALLOWED))
+def test_a_client_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("client"), CLIENT_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(COORD_ALLOWED))
+def test_a_coordinator_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("coordinator"), COORD_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(COORD_FORBIDDEN))
+def test_a_coordinator_cannot(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        _run(as_role("coordinator"), COORD_FORBIDDEN[what], world)
+
+
+def test_the_slice_table_is_unchanged(
+    world: dict[str, str], r: redis.Redis, as_role: RoleSettings
+) -> None:
+    """After every forbidden write, the checksums workers verify against are the monitor's."""
+    before = r.hgetall(world["slices"])
+    for cmd in WORKER_FORBIDDEN.values():
+        try:
+            _run(as_role("worker", "a"), cmd, world)
+        except redis.exceptions.NoPermissionError:
+            pass
+    assert r.hgetall(world["slices"]) == before
+    spec = json.loads(before[world["sid"].encode()])
+    assert all(len(rg["sha256"]) == 64 for rg in spec["ranges"])
