@@ -115,15 +115,19 @@ def test_a_request_whose_runs_keep_dying_is_dead_lettered(
         coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
         coord.tick()  # admits it (one run) and computes the first token
         assert [seq.attempt for seq in coord.engine.active] == [attempt]
-        del coord  # "crashes": nothing acked, the entry stays pending
+        coord.board.r.close()  # "crashes": nothing acked, the entry stays pending
     coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
     coord.tick()
+    coord.board.r.close()
     assert not coord.engine.active, "not started a third time"
-    with pytest.raises(client.RequestFailed, match="KVQ_MAX_ATTEMPTS"):
-        list(client.events(r, keys, rid, 10, entry))
-    dead = wait_for(lambda: r.xrange(keys.deadletter()), what="the dead letter")
-    assert any(b"KVQ_MAX_ATTEMPTS" in f[b"reason"] for _, f in dead)
-    assert r.xlen(keys.model_requests("tiny")) == 0, "acked and deleted"
+    try:
+        with pytest.raises(client.RequestFailed, match="KVQ_MAX_ATTEMPTS"):
+            list(client.events(r, keys, rid, 10, entry))
+        dead = wait_for(lambda: r.xrange(keys.deadletter()), what="the dead letter")
+        assert any(b"KVQ_MAX_ATTEMPTS" in f[b"reason"] for _, f in dead)
+        assert r.xlen(keys.model_requests("tiny")) == 0, "acked and deleted"
+    finally:
+        r.close()
 
 
 def test_reply_filter_skips_replays_stale_runs_and_other_entries() -> None:
