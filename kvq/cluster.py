@@ -15,6 +15,8 @@ import contextlib
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -93,17 +95,15 @@ class EmbeddedCluster:
                 with contextlib.closing(self._client(master)) as c:
                     master_id = c.execute_command("CLUSTER", "MYID")
                 with contextlib.closing(self._client(replica)) as c:
-                    self._retry(
-                        lambda c=c, mid=master_id: c.execute_command("CLUSTER", "REPLICATE", mid)
-                    )
+                    self._retry(partial(c.execute_command, "CLUSTER", "REPLICATE", master_id))
 
     @staticmethod
-    def _retry(call: object, timeout_s: float = 10.0) -> None:
+    def _retry(call: Callable[[], object], timeout_s: float = 10.0) -> None:
         """The replica may not know its master's id yet (gossip): try again until it does."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                call()  # type: ignore[operator]
+                call()
                 return
             except redis.ResponseError:
                 if time.monotonic() > deadline:

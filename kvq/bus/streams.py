@@ -69,6 +69,7 @@ class Consumer:
 
     def __init__(self, r: redis.Redis, stream: str, group: str, name: str) -> None:
         self.r, self.stream, self.group, self.name = r, stream, group, name
+        self._cluster = is_cluster(r)  # asked once: `answer` is on the hot path
         self._cursor: bytes | None = b"0"  # None: the pending pass is over
         ensure_group(r, stream, group)
 
@@ -127,7 +128,7 @@ class Consumer:
             xadd(pipe, stream, fields, maxlen)
             if ttl_s is not None:
                 pipe.expire(stream, ttl_s)
-        if entry_ids and is_cluster(self.r):
+        if entry_ids and self._cluster:
             # a cluster pipeline runs per node, in no order between nodes: the answers
             # (other hash tags) must be written before the ack, so that takes a round trip
             pipe.execute()
@@ -197,6 +198,7 @@ class Tail:
 
     def __init__(self, r: redis.Redis, *streams: str) -> None:
         self.r = r
+        self._cluster = is_cluster(r)  # asked once: every results read checks it
         self.cursors: dict[str, bytes] = dict.fromkeys(streams, b"0-0")
         self._read: dict[str, list[bytes]] = {}  # ids returned by the last read, deleted next
 
@@ -224,7 +226,7 @@ class Tail:
         per batch)."""
         if not self.cursors:
             return []
-        if is_cluster(self.r):
+        if self._cluster:
             return self._poll(count, block_ms)
         pipe = self.r.pipeline(transaction=False)
         for stream, ids in self._read.items():
