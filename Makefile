@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/kvq demo
 
 # the second run: the end-to-end and fault tests again, on a local 3-master Redis Cluster
-CLUSTER_SUITE := tests/integration/test_e2e_generation.py tests/integration/test_e2e_refusals.py \
+CLUSTER_SUITE := tests/bus/test_shards.py tests/integration/test_e2e_generation.py tests/integration/test_e2e_refusals.py \
 	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py
 
 test: setup

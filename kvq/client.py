@@ -11,9 +11,9 @@ import redis
 
 from kvq import wire
 from kvq.bus import xadd
-from kvq.bus.redis_board import is_registered
+from kvq.bus.redis_board import request_shards
 from kvq.errors import KvqError
-from kvq.keys import Keys
+from kvq.keys import Keys, request_shard
 
 
 class RequestFailed(KvqError):
@@ -82,7 +82,8 @@ def submit(
     chat template (instead of `prompt`)."""
     if max_tokens < 1:
         raise RequestFailed(f"max_tokens must be at least 1, got {max_tokens}")
-    if not is_registered(r, keys, model):
+    shards = request_shards(r, keys, model)
+    if shards is None:
         raise RequestFailed(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
@@ -92,12 +93,12 @@ def submit(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
         messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
     )  # fmt: skip
-    stream = keys.model_requests(model)
+    stream = keys.model_requests(model, request_shard(request_id, shards))
     queued = r.xlen(stream)
     if queued >= maxlen:
         raise RequestFailed(
-            f"model {model!r} has {queued} requests queued, the cap ({maxlen}, "
-            "KVQ_STREAM_MAXLEN); retry later"
+            f"model {model!r} has {queued} requests queued on {stream}, the cap ({maxlen}, "
+            "KVQ_STREAM_MAXLEN per request stream); retry later"
         )
     # never trimmed: trimming would drop queued requests without an answer
     entry = xadd(r, stream, wire.encode(req), None)

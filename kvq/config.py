@@ -206,6 +206,11 @@ class Settings(BaseSettings):
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
     slice_layers: int = Field(1, ge=1, description="layers per slice (layer grain)")
     base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
+    request_shards: int = Field(
+        1, ge=1, le=256,
+        description="request streams per model the monitor registers, each with its own hash "
+        "tag: a Redis Cluster spreads them over its masters (clients pick one by request id)",
+    )  # fmt: skip
     boost_replicas: int = Field(1, ge=0, description="extra replicas while saturated")
     saturation_enter_s: float = Field(
         2.0, ge=0, description="busy must stay >= threshold this long before the boost starts"
@@ -475,7 +480,7 @@ class Settings(BaseSettings):
             self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
             self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
             self.http_host, self.http_port, self.saturation_enter_s, self.saturation_leave_s,
-            self.monitor_lease_s,
+            self.monitor_lease_s, self.request_shards,
         )  # fmt: skip
 
 

@@ -15,7 +15,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:routed               | hash   | coordinators: slice → token rows routed (a counter) |
 | P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
-| P:{m:M}:requests             | stream | clients → coordinators (group)             |
+| P:{m:M}:requests             | stream | clients → coordinators (group): shard 0    |
+| P:{m:M#I}:requests           | stream | the same, shard I (1 ≤ I < request_shards) |
 | P:{m:M}:cancel               | stream | clients → coordinators: requests given up  |
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
@@ -43,6 +44,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from kvq.errors import ConfigError
@@ -54,6 +56,18 @@ COORDINATOR_GROUP = "coordinators"
 # `[`, `]` and `\\` are glob syntax and `{`, `}` or `:` would let one id's pattern reach another's
 # keys: ids are limited to these characters.
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def request_shard(request_id: str, shards: int) -> int:
+    """Which of a model's `shards` request streams takes request `request_id`: a CRC-32 of
+    the id, so every client (in any language) picks the same one, and a reused id lands on
+    the stream its first use did."""
+    return zlib.crc32(request_id.encode()) % shards if shards > 1 else 0
+
+
+def request_streams(keys: Keys, model: str, shards: int) -> list[str]:
+    """Every request stream of `model`, shard 0 first."""
+    return [keys.model_requests(model, i) for i in range(max(1, shards))]
 
 
 def check_id(what: str, value: str) -> str:
@@ -119,8 +133,11 @@ class Keys:
     def model_coordinators(self, model: str) -> str:
         return self._m(model, "coordinators")
 
-    def model_requests(self, model: str) -> str:
-        return self._m(model, "requests")
+    def model_requests(self, model: str, shard: int = 0) -> str:
+        """Request stream `shard` of `model` (`KVQ_REQUEST_SHARDS` of them). Shard 0 keeps the
+        model's tag; shard I ≥ 1 has its own, `{m:M#I}` (model ids never hold `#`), so that a
+        cluster spreads the shards over its slots and masters."""
+        return self._m(model if shard == 0 else f"{model}#{shard}", "requests")
 
     def model_state(self, model: str) -> str:
         return self._m(model, "state")

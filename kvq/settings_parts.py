@@ -109,6 +109,7 @@ class MonitorSettings:
     saturation_enter_s: float = 0.0  # K6 hysteresis (kvq.monitor.hysteresis)
     saturation_leave_s: float = 0.0
     lease_s: float = 5.0  # KVQ_MONITOR_LEASE_S: one active monitor, standbys take over
+    request_shards: int = 1  # KVQ_REQUEST_SHARDS: request streams per model it registers
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,9 @@ import uuid
 from kvq import client, wire
 from kvq.api.params import Call
 from kvq.bus import xadd
-from kvq.bus.redis_board import RedisBoard, is_registered
+from kvq.bus.redis_board import RedisBoard, request_shards
 from kvq.errors import ApiError
+from kvq.keys import request_shard, request_streams
 from kvq.settings_parts import ApiSettings
 
 WINDOW_S = 60  # the per-key limit counts requests per minute
@@ -29,7 +30,7 @@ class Gate:
     def __init__(self, board: RedisBoard, s: ApiSettings) -> None:
         self.board, self.s = board, s
         self.keys = [k.encode() for k in s.keys]
-        self._registered: set[str] = set()  # a registered model stays registered: cache it
+        self._registered: dict[str, int] = {}  # model → request shards; registered stays so
 
     def authorize(self, header: str | None) -> str | None:
         """The caller's key (None when auth is off); 401 without a valid one, 429 over its
@@ -58,21 +59,24 @@ class Gate:
                 retry_after_s=max(1, math.ceil(left_s)),
             )  # fmt: skip
 
-    def check_model(self, model: str) -> None:
-        """404 for a model nobody registered; creates no key."""
-        if model in self._registered:
-            return
-        if is_registered(self.board.r, self.board.keys, model):
-            self._registered.add(model)
-        else:
+    def check_model(self, model: str) -> int:
+        """The model's request shard count; 404 for a model nobody registered (creates no
+        key). Kept once seen: a model's shard count changes only when everything restarts."""
+        shards = self._registered.get(model)
+        if shards is not None:
+            return shards
+        shards = request_shards(self.board.r, self.board.keys, model)
+        if shards is None:
             raise ApiError(
                 404, f"model {model!r} does not exist; GET /v1/models lists the served ones",
                 param="model", code="model_not_found",
             )  # fmt: skip
+        self._registered[model] = shards
+        return shards
 
     def admit(self, call: Call) -> client.Submitted:
         """Queue the call; its request id and entry. 404, 503 (no coordinator) or 429 (queue full) first."""
-        self.check_model(call.model)
+        shards = self.check_model(call.model)
         alive = [c for c in self.board.coordinators(call.model) if c.alive]
         if not alive:
             raise ApiError(
@@ -80,7 +84,8 @@ class Gate:
                 kind="server_error", code="model_not_served", retry_after_s=self.s.retry_after_s,
             )  # fmt: skip
         busy = sum(c.state.busy for c in alive if c.state is not None)
-        queued = self.board.r.xlen(self.board.keys.model_requests(call.model)) - busy
+        streams = request_streams(self.board.keys, call.model, shards)
+        queued = self._queued(streams) - busy
         if queued >= self.s.max_queue:
             raise ApiError(
                 429, f"model {call.model!r} has {queued} requests waiting "
@@ -88,6 +93,7 @@ class Gate:
                 kind="rate_limit_error", code="queue_full", retry_after_s=self.s.retry_after_s,
             )  # fmt: skip
         request_id = uuid.uuid4().hex
+        stream = streams[request_shard(request_id, shards)]
         req = wire.Request(
             request_id=request_id, model=call.model, prompt=call.prompt,
             prompt_ids=call.prompt_ids, messages=call.messages, max_tokens=call.max_tokens,
@@ -95,9 +101,16 @@ class Gate:
         )  # fmt: skip
         # as kvq.client.send, whose checks are done above
         # never trimmed (as kvq.client.submit): the queue check above bounds it
-        entry = xadd(self.board.r, self.board.keys.model_requests(call.model),
-                     wire.encode(req), None)  # fmt: skip
+        entry = xadd(self.board.r, stream, wire.encode(req), None)
         return client.Submitted(request_id, entry.decode())
+
+    def _queued(self, streams: list[str]) -> int:
+        """Requests on the model's request streams (one round trip; a cluster client splits
+        the pipeline per node, each XLEN names one key)."""
+        pipe = self.board.r.pipeline(transaction=False)
+        for s in streams:
+            pipe.xlen(s)
+        return sum(int(n) for n in pipe.execute())
 
     def cancel(self, model: str, request_id: str) -> None:
         client.cancel(self.board.r, self.board.keys, model, request_id)

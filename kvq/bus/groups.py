@@ -85,3 +85,27 @@ def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupSt
         for c in r.xinfo_consumers(stream, group)
     )
     return GroupStats(True, length, lag, pending, oldest_pending, oldest_unread, consumers)
+
+
+def merged(parts: list[GroupStats]) -> GroupStats:
+    """The stats of one group over several streams (a model's request shards) as one: counts
+    add up, ages are the oldest, a consumer's pending entries add up and its idle time is its
+    least (it is as idle as its most recent read on any shard)."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def oldest(ages: list[float | None]) -> float | None:
+        known = [a for a in ages if a is not None]
+        return max(known) if known else None
+
+    by_name: dict[str, ConsumerStats] = {}
+    for c in (c for p in parts for c in p.consumers):
+        seen = by_name.get(c.name)
+        by_name[c.name] = c if seen is None else ConsumerStats(
+            c.name, seen.pending + c.pending, min(seen.idle_s, c.idle_s)
+        )  # fmt: skip
+    return GroupStats(
+        any(p.exists for p in parts), sum(p.length for p in parts), sum(p.lag for p in parts),
+        sum(p.pending for p in parts), oldest([p.oldest_pending_age_s for p in parts]),
+        oldest([p.oldest_unread_age_s for p in parts]), tuple(by_name.values()),
+    )  # fmt: skip

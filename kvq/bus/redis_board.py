@@ -28,8 +28,8 @@ from kvq.bus.records import (
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import unanswered, xadd
 from kvq.config import BusSettings
-from kvq.errors import WireError
-from kvq.keys import Keys
+from kvq.errors import ConfigError, WireError
+from kvq.keys import Keys, request_streams
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
@@ -61,8 +61,9 @@ class RedisBoard:
             source=info.source, arch=meta.arch, block_count=meta.block_count,
             expert_count=meta.expert_count, expert_used_count=meta.expert_used_count,
             slice_count=len(info.slices), meta=json.dumps(meta_to_dict(meta)),
-            header_sha256=info.header_sha256,
+            header_sha256=info.header_sha256, request_shards=info.request_shards,
         )  # fmt: skip
+        self._check_shards(m, info.request_shards)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(k.model_meta(m), mapping=entry.to_hash())
         pipe.delete(k.model_slices(m))
@@ -71,6 +72,25 @@ class RedisBoard:
         pipe.execute()
         self.r.sadd(k.models(), m)  # another hash slot: not in the transaction (Redis Cluster)
 
+    def shard_count(self, model: str) -> int:
+        """How many request streams `model` has (1 when not registered)."""
+        return request_shards(self.r, self.keys, model) or 1
+
+    def _check_shards(self, model: str, shards: int) -> None:
+        """A registered model's shard count changes only while its request streams are empty:
+        requests queued on a shard nobody reads any more would never be answered."""
+        old = ModelEntry.from_hash(self.r.hgetall(self.keys.model_meta(model)))
+        if old is None or old.request_shards == shards:
+            return
+        streams = request_streams(self.keys, model, old.request_shards)
+        queued = sum(int(self.r.xlen(s)) for s in streams)
+        if queued:
+            raise ConfigError(
+                f"KVQ_REQUEST_SHARDS={shards}: model {model!r} is registered with "
+                f"{old.request_shards} request shards, and {queued} requests are still queued "
+                "on them; let them drain (or keep the old count), then register again"
+            )
+
     def model_info(self, model: str) -> ModelInfo | None:
         entry = ModelEntry.from_hash(self.r.hgetall(self.keys.model_meta(model)))
         if entry is None:
@@ -78,7 +98,9 @@ class RedisBoard:
         table = self.r.hgetall(self.keys.model_slices(model))
         slices = {_s(k): SliceSpec.from_json(_s(k), v) for k, v in table.items()}
         meta = meta_from_dict(json.loads(entry.meta))
-        return ModelInfo(model, entry.source, meta, slices, entry.header_sha256)
+        return ModelInfo(
+            model, entry.source, meta, slices, entry.header_sha256, entry.request_shards
+        )
 
     def publish_model_state(
         self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
@@ -308,3 +330,19 @@ def is_registered(r: redis.Redis, keys: Keys, model: str) -> bool:
     """Whether a monitor has registered `model` under this prefix (clients check before
     queueing a request nobody would answer)."""
     return bool(r.sismember(keys.models(), model))
+
+
+def request_shards(r: redis.Redis, keys: Keys, model: str) -> int | None:
+    """How many request streams `model` has (`KVQ_REQUEST_SHARDS` of the monitor that
+    registered it), or None if no monitor registered it under this prefix: what a client asks
+    before queueing a request, in one round trip."""
+    pipe = r.pipeline(transaction=False)
+    pipe.sismember(keys.models(), model)
+    pipe.hget(keys.model_meta(model), "request_shards")
+    registered, shards = pipe.execute()
+    if not registered:
+        return None
+    try:
+        return max(1, int(shards)) if shards is not None else 1  # None: an older monitor
+    except ValueError:
+        return 1

@@ -75,12 +75,17 @@ class Consumer:
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries; `block_ms=None` returns at once when there are none."""
+        return self.read_pending(count) or self._read(">", count, block_ms)[0]
+
+    def read_pending(self, count: int) -> list[Entry]:
+        """Up to `count` of this consumer's own pending entries, each once per pass; [] once
+        the pass is over (until `reset_pending`)."""
         while self._cursor is not None:
             got, last = self._read(self._cursor, count, None)
             self._cursor = last
             if got:
                 return got
-        return self._read(">", count, block_ms)[0]
+        return []
 
     def _read(
         self, start: bytes | str, count: int, block_ms: int | None

@@ -27,6 +27,7 @@ class Sequence:
     max_tokens: int
     cache: KVCache
     entry_id: bytes = b""
+    source: str = ""  # the request stream (shard) the entry came from: where it is acked
     generated: list[int] = field(default_factory=list)  # EOS and stop tokens are not in it
     next_input: list[int] = field(default_factory=list)
     finish: str | None = None  # eos, stop, length, context, cancelled
@@ -72,7 +73,7 @@ class Engine:
     def admit(
         self, request_id: str, prompt_ids: list[int], max_tokens: int, entry_id: bytes,
         params: wire.SamplingParams | None = None, attempt: int = 1,
-        forced: list[int] | None = None,
+        forced: list[int] | None = None, source: str = "",
     ) -> Sequence:  # fmt: skip
         """Start a sequence. `forced`: the tokens an earlier run of the request streamed
         before it stopped; they are generated again as they were (whatever the sampling)."""
@@ -86,7 +87,7 @@ class Engine:
             next_input=list(prompt_ids), params=p,
             sampler=Sampler(sampling, self.backbone.meta.vocab_size),
             text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
-            forced=list(forced or []),
+            forced=list(forced or []), source=source,
         )  # fmt: skip
         self.active.append(seq)
         return seq

@@ -19,10 +19,11 @@ import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
-from kvq.bus import Backoff, Consumer, claim_from_dead, dead_letter, is_connection_error
+from kvq.bus import Backoff, claim_from_dead, dead_letter, is_connection_error
 from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.bus.shards import ShardedConsumer
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
 from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.dispatch import Dispatcher
@@ -33,7 +34,7 @@ from kvq.coordinator.telemetry import RequestTimes
 from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
 from kvq.errors import ModelError, UncoveredSlice, WireError
-from kvq.keys import COORDINATOR_GROUP
+from kvq.keys import COORDINATOR_GROUP, request_streams
 from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
 from kvq.model.registry import check_model_file
@@ -83,8 +84,9 @@ class Coordinator:
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,
         )  # fmt: skip
-        self._requests_key = board.keys.model_requests(model)
-        self.requests = Consumer(board.r, self._requests_key, COORDINATOR_GROUP, coord_id)
+        # every shard of the model's requests, through its group (kvq.bus.shards)
+        shards = request_streams(board.keys, model, self.info.request_shards)
+        self.requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, coord_id)
         self.cancels = CancelFeed(board.r, board.keys.model_cancels(model))
         self.slots = SlotPoller(
             lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
@@ -154,8 +156,8 @@ class Coordinator:
             new = self.requests.read(min(self.engine.free, left), block)
             if not new:
                 return
-            for eid, fields in new:
-                self._admit(eid, fields)
+            for stream, eid, fields in new:
+                self._admit(stream, eid, fields)
             left -= len(new)
             block = None
 
@@ -165,45 +167,48 @@ class Coordinator:
         if now - self._claim_at < self.s.claim_idle_ms / 2000:
             return
         self._claim_at = now
-        n = claim_from_dead(
-            self.board.r, self._requests_key, COORDINATOR_GROUP, self.id,
-            self.board.coordinator_alive, self.s.claim_idle_ms,
+        n = sum(
+            claim_from_dead(
+                self.board.r, stream, COORDINATOR_GROUP, self.id, self.board.coordinator_alive,
+                self.s.claim_idle_ms,
+            )
+            for stream in self.requests.streams
         )  # fmt: skip
         if n:
             log.info("claimed %d requests of dead coordinators", n)
             self.claimed += n
             self.requests.reset_pending()
 
-    def _admit(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        if any(seq.entry_id == eid for seq in self.engine.active):
+    def _admit(self, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        if any(s.entry_id == eid and s.source == stream for s in self.engine.active):
             return  # already generating it (re-read during a pending pass)
         try:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
-            self._dead_letter(eid, fields, str(exc))
+            self._dead_letter(stream, eid, fields, str(exc))
             rid = wire.request_id_of(fields)
             if rid is None:  # nobody to tell: the dead letter is the only record
-                self.requests.ack(eid)
+                self.requests.ack(stream, eid)
                 return
-            self._refuse(rid, eid, 0, "BadRequest", f"refused: {exc}")
+            self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: {exc}")
             return
         rid = req.request_id
         attempt = self.board.start_attempt(rid, eid)
         if attempt == 0:
-            self._refuse(rid, eid, 0, "BadRequest", f"refused: duplicate request id {rid!r}: "
+            self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: duplicate request id {rid!r}: "
                          "another request already uses it; give each request its own id")  # fmt: skip
             return
         if attempt > self.s.max_attempts:
             why = (f"started {attempt - 1} times without finishing (KVQ_MAX_ATTEMPTS "
                    f"{self.s.max_attempts}): its coordinators died or stopped while serving it")  # fmt: skip
-            self._dead_letter(eid, fields, why)
-            self._refuse(rid, eid, attempt, "Poison", why)
+            self._dead_letter(stream, eid, fields, why)
+            self._refuse(rid, stream, eid, attempt, "Poison", why)
             return
         forced: list[int] = []
         if attempt > 1:
             history = [e for e in self.board.reply_events(rid) if e.entry in ("", eid.decode())]
             if any(e.kind != "token" for e in history):
-                self.requests.ack(eid)  # answered before the restart; only its ack was lost
+                self.requests.ack(stream, eid)  # answered before the restart; its ack was lost
                 return
             forced = streamed_tokens(history)
         problem, ids = self._prompt(req)
@@ -211,26 +216,27 @@ class Coordinator:
         if problem is None and self.cancels.cancelled(rid):
             problem = "cancelled by its client before it started"
         if problem is not None:
-            self._refuse(rid, eid, attempt, "BadRequest", problem)
+            self._refuse(rid, stream, eid, attempt, "BadRequest", problem)
             return
-        self.engine.admit(rid, ids, req.max_tokens, eid, req.sampling, attempt, forced)
+        self.engine.admit(rid, ids, req.max_tokens, eid, req.sampling, attempt, forced, stream)
         if attempt == 1:
             self.times.admitted(rid)
 
-    def _dead_letter(self, eid: bytes, fields: dict[bytes, bytes], reason: str) -> None:
-        dead_letter(
-            self.board.r, self.board.keys, self._requests_key, eid, fields, reason,
-            self.board.maxlen,
-        )  # fmt: skip
+    def _dead_letter(
+        self, stream: str, eid: bytes, fields: dict[bytes, bytes], reason: str
+    ) -> None:
+        dead_letter(self.board.r, self.board.keys, stream, eid, fields, reason, self.board.maxlen)
 
-    def _refuse(self, rid: str, eid: bytes, attempt: int, kind: str, message: str) -> None:
-        """Answer request entry `eid` with an error event, and ack it."""
+    def _refuse(
+        self, rid: str, stream: str, eid: bytes, attempt: int, kind: str, message: str
+    ) -> None:
+        """Answer request entry `eid` of `stream` with an error event, and ack it."""
         event = wire.ReplyEvent(
             kind="error", error=wire.Failure(type=kind, message=message), attempt=attempt,
             entry=eid.decode(),
         )  # fmt: skip
         self.times.finished(rid, "error")
-        self.requests.answer([self._reply(rid, event)], [eid], self.board.maxlen)
+        self.requests.answer([self._reply(rid, event)], [(stream, eid)], self.board.maxlen)
 
     def _prompt(self, req: wire.Request) -> tuple[str | None, list[int]]:
         """The prompt's token ids: given, encoded, or a chat rendered by the model's template."""
@@ -273,7 +279,7 @@ class Coordinator:
         """One round trip per step: each sequence's new token, `done` for finished ones, then
         the acks of the finished requests."""
         replies: list[tuple[str, Fields, int]] = []
-        finished: list[bytes] = []
+        finished: list[tuple[str, bytes]] = []
         for seq in seqs:
             tok = seq.new_token
             # None: this step ended the sequence at EOS or a stop token; not fresh: an
@@ -289,7 +295,7 @@ class Coordinator:
                 self.times.token(seq.request_id)
             if seq.finish:
                 replies.append(self._reply(seq.request_id, self._done(seq)))
-                finished.append(seq.entry_id)
+                finished.append((seq.source, seq.entry_id))
                 self.completed += 1
                 self.times.finished(seq.request_id, seq.finish)
         self.requests.answer(replies, finished, self.board.maxlen)
@@ -301,7 +307,8 @@ class Coordinator:
             for s in seqs:
                 self.times.finished(s.request_id, "cancelled")
             replies = [self._reply(s.request_id, self._done(s)) for s in seqs]
-            self.requests.answer(replies, [s.entry_id for s in seqs], self.board.maxlen)
+            done = [(s.source, s.entry_id) for s in seqs]
+            self.requests.answer(replies, done, self.board.maxlen)
 
     @staticmethod
     def _done(seq: Sequence) -> wire.ReplyEvent:

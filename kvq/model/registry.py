@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvq.errors import ModelMismatch
+from kvq.errors import ConfigError, ModelMismatch
 from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import ModelMeta, read_meta
@@ -48,6 +48,7 @@ class ModelInfo:
     meta: ModelMeta
     slices: dict[str, SliceSpec]
     header_sha256: str = ""  # of the file's bytes before its tensor data ("": not recorded)
+    request_shards: int = 1  # request streams clients spread requests over (KVQ_REQUEST_SHARDS)
 
     def layer_slices(self, layer: int) -> list[SliceSpec]:
         return sorted(
@@ -58,14 +59,19 @@ class ModelInfo:
 
 def plan_model(
     model: str, path: str | Path, slice_layers: int, slice_experts: int,
-    source: str | None = None,
+    source: str | None = None, request_shards: int = 1,
 ) -> ModelInfo:  # fmt: skip
     """Read `path`'s layout and cut it into slices; `source` defaults to the resolved path."""
+    if "#" in model or not model:
+        raise ConfigError(
+            f"model id {model!r} is not allowed: it must be non-empty and hold no '#' "
+            "(which names a model's request shards: P:{m:MODEL#I}:requests)"
+        )
     path = Path(path).resolve()
     meta = read_meta(path)
     slices = plan_slices(meta, path, slice_layers, slice_experts)
     by_id = {s.sid: s for s in slices}
-    return ModelInfo(model, source or str(path), meta, by_id, header_sha256(path))
+    return ModelInfo(model, source or str(path), meta, by_id, header_sha256(path), request_shards)
 
 
 def header_sha256(path: str | Path) -> str:

@@ -19,10 +19,10 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvq.bus.groups import GroupStats, group_stats, server_ms
+from kvq.bus.groups import GroupStats, group_stats, merged, server_ms
 from kvq.bus.records import Quarantine
 from kvq.bus.redis_board import RedisBoard
-from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
+from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
 from kvq.monitor.coord_metrics import CoordMetrics
 
 _STREAM_LABELS = ["stream", "model", "worker", "coordinator"]
@@ -140,7 +140,8 @@ class RedisCollector(Collector):
         trust = _Trust()
         for m in board.models():
             trust.add(m, board.quarantined(m), now_ms)
-            g = group_stats(r, k.model_requests(m), COORDINATOR_GROUP, now_ms)
+            shards = request_streams(k, m, board.shard_count(m))
+            g = merged([group_stats(r, s, COORDINATOR_GROUP, now_ms) for s in shards])
             q.add(["requests", m, "", ""], g)
             views = board.workers(m)
             for v in views:

@@ -78,7 +78,9 @@ class Monitor:
 
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
-        info = plan_model(model, path, self.s.slice_layers, self.s.slice_experts, source)
+        info = plan_model(
+            model, path, self.s.slice_layers, self.s.slice_experts, source, self.s.request_shards
+        )
         self.board.register_model(info, self.s.base_replicas)
         log.info("registered %s: %d slices", model, len(info.slices))
         return info

@@ -48,3 +48,18 @@ def start_with_worker(
     run_in_thread(w)
     wait_for(lambda: w.holding is not None, what="a worker to volunteer")
     return mon, Keys(s.prefix), w
+
+
+def ids_on_every_shard(n: int, shards: int, stem: str = "req") -> list[str]:
+    """`n` request ids (n ≥ shards) that land on every one of `shards` request streams."""
+    from kvq.keys import request_shard
+
+    out: list[str] = []
+    want = [i % shards for i in range(n)]
+    i = 0
+    while len(out) < n:
+        rid = f"{stem}-{i}"
+        if request_shard(rid, shards) == want[len(out)]:
+            out.append(rid)
+        i += 1
+    return out

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_helpers import local_tokens, start_with_worker, wait_for
+from e2e_helpers import ids_on_every_shard, local_tokens, start_with_worker, wait_for
 
 from kvq import client
 from kvq.config import Settings
 from kvq.coordinator import Coordinator
-from kvq.keys import Keys
+from kvq.keys import Keys, request_streams
 from kvq.monitor import Monitor
 from kvq.worker import Worker
 
@@ -18,15 +18,16 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["hello world", "the quick brown fox", "MoE experts over Redis", "kvq"]
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize(("microbatches", "shards"), [(1, 1), (2, 1), (1, 3)])
 def test_remote_generation_equals_local(
-    settings: Settings, tiny_model: Path, run_in_thread, microbatches: int
+    settings: Settings, tiny_model: Path, run_in_thread, microbatches: int, shards: int
 ) -> None:
     # threshold 1: every step is "under load", so every covered slice goes remote
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 10_000,
         "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
         "microbatches": microbatches,  # 2: layer calls of two micro-batches in flight at once
+        "request_shards": shards,  # 3: the requests spread over three streams (issue 14)
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
@@ -38,7 +39,11 @@ def test_remote_generation_equals_local(
     coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
 
-    rids = [client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=12) for p in PROMPTS]
+    ids = ids_on_every_shard(len(PROMPTS), shards)
+    rids = [
+        client.send(mon.board.r, keys, "tiny", prompt=p, max_tokens=12, request_id=rid)
+        for p, rid in zip(PROMPTS, ids, strict=True)
+    ]
     got = {
         rid: [
             e.token_id for e in client.events(mon.board.r, keys, rid, 60) if e.token_id is not None
@@ -54,6 +59,9 @@ def test_remote_generation_equals_local(
     assert sum(w.served for w in workers) >= st.remote_jobs
     assert all(w.served > 0 for w in workers), "every slice's worker took part"
     assert (coord.dispatch.stats.microbatched_steps > 0) == (microbatches > 1)
+    streams = request_streams(keys, "tiny", shards)
+    assert len(coord.requests.streams) == shards and coord.requests.streams == streams
+    assert all(mon.board.r.xlen(st) == 0 for st in streams), "every shard answered and acked"
 
 
 def test_at_rest_everything_is_local(settings: Settings, tiny_model: Path, run_in_thread) -> None:

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_helpers import local_tokens, wait_for
+from e2e_helpers import ids_on_every_shard, local_tokens, wait_for
 
 from kvq import client, wire
 from kvq.config import Settings, child_env
@@ -56,11 +56,15 @@ def _coordinator_args(model: Path, coord_id: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["restart", "takeover"])
+@pytest.mark.parametrize(("how", "shards"), [("restart", 1), ("takeover", 1), ("takeover", 3)])
 def test_a_killed_coordinator_s_requests_stream_each_token_once(
-    settings: Settings, tiny_model: Path, tmp_path: Path, run_in_thread, how: str
+    settings: Settings, tiny_model: Path, tmp_path: Path, run_in_thread, how: str, shards: int
 ) -> None:
-    s = settings.model_copy(update={"n_slots": 1, "saturation_threshold": 1, "claim_idle_ms": 300})
+    """With 3 request shards, each request on its own: the dead coordinator held entries of
+    every shard (one generating, the others delivered and held back), all taken over."""
+    s = settings.model_copy(update={
+        "n_slots": 1, "saturation_threshold": 1, "claim_idle_ms": 300, "request_shards": shards,
+    })  # fmt: skip
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
@@ -69,10 +73,12 @@ def test_a_killed_coordinator_s_requests_stream_each_token_once(
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path / "logs"))
     try:
         kids.spawn("c1", *_coordinator_args(tiny_model, "c1"))
+        ids = ids_on_every_shard(n_requests, shards, how)
         subs = [
-            client.submit(r, keys, "tiny", prompt=f"{PROMPT} {i}", max_tokens=n_tokens)
+            client.submit(r, keys, "tiny", prompt=f"{PROMPT} {i}", max_tokens=n_tokens,
+                          request_id=ids[i])
             for i in range(n_requests)
-        ]
+        ]  # fmt: skip
         first = subs[0].request_id
         kids.wait_for(lambda: r.xlen(keys.request_reply(first)) >= 10, 60, "tokens streaming")
         kids.procs["c1"].send_signal(signal.SIGKILL)

@@ -126,3 +126,19 @@ def test_key_literal_pattern() -> None:
     assert KEY_LITERAL.search("k = 'kvq:{m:x}:target'")
     assert not KEY_LITERAL.search('print(f"kvq: {exc}")')
     assert not KEY_LITERAL.search('"bench:kvq:inbox"')
+
+
+def test_request_shards_have_their_own_tags() -> None:
+    from kvq.keys import request_shard, request_streams
+
+    keys = Keys("p")
+    streams = request_streams(keys, "m", 4)
+    assert streams[0] == keys.model_requests("m") == "p:{m:m}:requests"
+    assert streams[1:] == ["p:{m:m#1}:requests", "p:{m:m#2}:requests", "p:{m:m#3}:requests"]
+    assert len({hash_tag(s) for s in streams}) == 4
+    assert request_streams(keys, "m", 1) == ["p:{m:m}:requests"]
+    # stable (CRC-32, not Python's salted hash) and spread over the shards
+    assert request_shard("abc", 4) == 0x352441C2 % 4
+    picks = [request_shard(f"req-{i}", 4) for i in range(400)]
+    assert all(60 < picks.count(i) < 140 for i in range(4))
+    assert request_shard("anything", 1) == 0
