@@ -38,6 +38,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_multi_slot_pipelines() -> Iterator[None]:
+    """On the cluster run: a test fails if kvq ran a pipeline over several slots whose order
+    may matter (`tests/slot_guard.py`, issue 14 item 2)."""
+    if not ON_CLUSTER:
+        yield
+        return
+    from slot_guard import guard_pipelines
+
+    with guard_pipelines() as offences:
+        yield
+    assert not offences, "multi-slot pipelines outside slot_guard.ORDER_FREE:\n" + "\n".join(
+        sorted(set(offences))
+    )
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis | EmbeddedCluster]:
     """One private server (or cluster) on free ports for the whole session, stopped at the

@@ -26,7 +26,7 @@ from kvq.bus.records import (
     WorkerInfo,
 )
 from kvq.bus.scripts import Scripts
-from kvq.bus.streams import unanswered, xadd
+from kvq.bus.streams import is_cluster, unanswered, xadd
 from kvq.config import BusSettings
 from kvq.errors import ConfigError, WireError
 from kvq.keys import Keys, request_streams
@@ -49,6 +49,7 @@ class RedisBoard:
         self.r, self.keys, self.lifetimes = r, keys, lifetimes
         self.maxlen = stream_maxlen
         self.scripts = Scripts(r, keys)
+        self.cluster = is_cluster(r)  # pipelines over several slots lose their order there
 
     # -- models ---------------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -245,10 +246,13 @@ class RedisBoard:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(k.coord_slots(coord), mapping=state.to_hash())
         pipe.expire(k.coord_slots(coord), life.slots_s())
-        # after the slots: the monitor drops members whose slots key is gone
-        pipe.sadd(k.model_coordinators(state.model), coord)
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
+        if self.cluster:  # {c:C} and {m:M}: a cluster runs the parts in no order, so wait
+            pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
+        # after the slots: the monitor drops members whose slots key is gone
+        pipe.sadd(k.model_coordinators(state.model), coord)
         pipe.execute()
 
     def coordinators(self, model: str) -> list[CoordinatorView]:
