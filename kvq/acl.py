@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
+from kvq.bus.streams import is_cluster
 from kvq.errors import ConfigError
 from kvq.keys import Keys, check_id
 
@@ -124,13 +126,37 @@ def users(keys: Keys, roles: list[str], workers: list[str]) -> list[AclUser]:
 
 
 def apply(r: redis.Redis, acl_users: list[AclUser]) -> dict[str, str]:
-    """Create (or reset) each user with a new random password; user name → password."""
+    """Create (or reset) each user with a new random password; user name → password. On a
+    Redis Cluster every node keeps its own users: each is set on all nodes."""
     made = {}
     for u in acl_users:
         password = secrets.token_urlsafe(24)
-        r.execute_command(*u.setuser(password))
+        _everywhere(r, *u.setuser(password))
         made[u.name] = password
     return made
+
+
+def remove(r: redis.Redis, names: Iterable[str]) -> None:
+    """Delete these users (from every node of a cluster)."""
+    names = list(names)
+    if names:
+        _everywhere(r, "ACL", "DELUSER", *names)
+
+
+def _everywhere(r: redis.Redis, *command: str) -> None:
+    if is_cluster(r):  # redis-py sends ACL commands to one node by default
+        r.execute_command(*command, target_nodes="all")
+    else:
+        r.execute_command(*command)
+
+
+def node_pool(r: redis.Redis) -> redis.ConnectionPool:
+    """A connection pool of one server: `r`'s own, or a cluster's default node's."""
+    if is_cluster(r):
+        node = r.get_default_node()
+        pool: redis.ConnectionPool = node.redis_connection.connection_pool
+        return pool
+    return r.connection_pool
 
 
 def user_url(url: str, user: str, password: str) -> str:

@@ -48,4 +48,4 @@ class DemoUsers:
 
     def drop(self) -> None:
         if self.names:
-            self.r.execute_command("ACL", "DELUSER", *self.names)
+            acl.remove(self.r, self.names)

@@ -38,6 +38,7 @@ from kvq.api.metrics import ApiMetrics
 from kvq.api.params import Call, parse
 from kvq.api.shape import Answer, models_list
 from kvq.bus import connect_async
+from kvq.bus.connection import close_async
 from kvq.bus.redis_board import open_board
 from kvq.client import ReplyFilter
 from kvq.config import Settings
@@ -285,7 +286,7 @@ def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        await gw.ar.aclose()  # its sockets go with the loop that opened them
+        await close_async(gw.ar)  # its sockets go with the loop that opened them
         gw.board.r.close()
 
     return Starlette(

@@ -6,6 +6,7 @@ import logging
 import random
 import ssl
 import time
+import weakref
 from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -16,13 +17,16 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvq.config import BusSettings
-from kvq.errors import ConfigError, TlsError
+from kvq.errors import TlsError
 from kvq.redact import redacted_text, redacted_url
 
 __all__ = [
     "Backoff", "connect", "connect_async", "is_connection_error", "is_tls_error", "redacted_url",
 ]  # fmt: skip
 log = logging.getLogger("kvq.bus")
+
+
+_SENTINELS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def plain_url(url: str) -> str:
@@ -119,18 +123,30 @@ def _cluster(settings: BusSettings, retry: Retry) -> redis.Redis:
     return cast(redis.Redis, client)
 
 
-def _sentinel(settings: BusSettings, retry: Retry) -> redis.Redis:
-    from redis.sentinel import Sentinel
-
-    parts = urlsplit(plain_url(settings.redis_url))
+def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, str | None]]:
+    """(sentinel addresses, master name, credentials) of `redis+sentinel://h1:p1,h2:p2/name`."""
+    parts = urlsplit(plain_url(url))
     hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1]) if ":" in h else 26379)
              for h in parts.netloc.rsplit("@", 1)[-1].split(",")]  # fmt: skip
     master = parts.path.strip("/").split("/")[0]
-    auth = {"username": parts.username, "password": parts.password}
+    return hosts, master, {"username": parts.username, "password": parts.password}
+
+
+def _sentinel(settings: BusSettings, retry: Retry) -> redis.Redis:
+    from redis.sentinel import Sentinel
+
+    hosts, master, auth = _sentinel_parts(settings.redis_url)
     sentinel = Sentinel(hosts, sentinel_kwargs=auth, **_timeouts(settings))
     conn = sentinel.master_for(master, retry=retry, retry_on_error=[redis.ConnectionError,
                                redis.TimeoutError], **auth, **_timeouts(settings))  # fmt: skip
     return cast(redis.Redis, conn)
+
+
+async def close_async(client: redis.asyncio.Redis) -> None:
+    """Close `connect_async`'s client, and the Sentinel connections it found its master by."""
+    await client.aclose()
+    for s in _SENTINELS.pop(client, []):
+        await s.aclose()
 
 
 def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
@@ -145,9 +161,14 @@ def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
                                        **_timeouts(settings))  # fmt: skip
         return cast(redis.asyncio.Redis, client)
     if settings.mode == "sentinel":
-        raise ConfigError(
-            "kvq api does not support KVQ_REDIS_MODE=sentinel yet; use the master's URL"
-        )
+        from redis.asyncio.sentinel import Sentinel
+
+        hosts, master, auth = _sentinel_parts(settings.redis_url)
+        sentinel = Sentinel(hosts, sentinel_kwargs=auth, **_timeouts(settings))
+        conn = sentinel.master_for(master, retry=retry, retry_on_error=[redis.ConnectionError,
+                                   redis.TimeoutError], **auth, **_timeouts(settings))  # fmt: skip
+        _SENTINELS[conn] = list(sentinel.sentinels)  # closed by `close_async`
+        return cast(redis.asyncio.Redis, conn)
     return redis.asyncio.Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,

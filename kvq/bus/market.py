@@ -25,7 +25,7 @@ from typing import Protocol
 import redis
 
 from kvq.bus.board import Board
-from kvq.bus.streams import xadd
+from kvq.bus.streams import is_cluster, xadd
 from kvq.errors import IdentityInUse, KvqError
 from kvq.keys import Keys, check_id
 
@@ -89,6 +89,7 @@ class MarketDoor:
     ) -> None:
         self.r, self.keys, self.instance, self.wait_s = r, keys, instance, wait_s
         self.maxlen = maxlen
+        self._cluster = is_cluster(r)
         self._seq = itertools.count()
         self._cursor = b"0-0"
         self._lock = threading.Lock()  # the heartbeat thread asks too: one reader of answers
@@ -104,6 +105,9 @@ class MarketDoor:
                   "nonce": nonce}  # fmt: skip
         pipe = self.r.pipeline(transaction=False)
         xadd(pipe, self.keys.worker_asks(worker), fields, _ASKS_MAXLEN)
+        if self._cluster:  # the ask before its doorbell: a cluster runs the parts in no order
+            pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
         xadd(pipe, self.keys.market(), {"worker": worker}, self.maxlen)
         pipe.execute()
         deadline = time.monotonic() + self.wait_s

@@ -122,7 +122,7 @@ class Api:
                             "volunteering over HTTP is off (KVQ_HTTP_VOLUNTEER=off)")  # fmt: skip
         scheme, _, token = (authorization or "").partition(" ")
         user = acl.user_name(self.board.keys.prefix, "worker", worker)
-        pool = self.board.r.connection_pool
+        pool = acl.node_pool(self.board.r)  # on a cluster: any node (users are on all)
         kwargs = pool.connection_kwargs | {"username": user, "password": token.strip()}
         probe = pool.connection_class(**kwargs)  # connecting logs in as `user`
         try:

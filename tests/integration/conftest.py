@@ -9,6 +9,7 @@ import pytest
 import redis
 from acl_helpers import RoleSettings, role_settings
 
+from kvq import acl
 from kvq.config import Settings
 from kvq.model import make_tiny
 
@@ -27,4 +28,4 @@ def as_role(settings: Settings, r: redis.Redis) -> Iterator[RoleSettings]:
     made: list[str] = []
     yield role_settings(settings, r, made)
     if made:
-        r.execute_command("ACL", "DELUSER", *made)
+        acl.remove(r, made)

@@ -14,6 +14,7 @@ import redis
 from acl_helpers import denials
 from e2e_helpers import local_tokens
 
+from kvq import acl
 from kvq.cli import main
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
@@ -92,7 +93,7 @@ def test_apply_then_a_whole_deployment_on_those_users(
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        r.execute_command("ACL", "DELUSER", *made)
+        acl.remove(r, made)
 
 
 def _logs(d: Path) -> str:

@@ -31,6 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.standalone  # RQ needs a standalone server (KVQ_RQ_URL)
 def test_the_monitor_registers_through_rq_and_rq_info_shows_it(
     settings: Settings, model: Path, tmp_path: Path
 ) -> None:
@@ -58,6 +59,7 @@ def test_the_monitor_registers_through_rq_and_rq_info_shows_it(
         board.r.close()
 
 
+@pytest.mark.standalone  # RQ needs a standalone server (KVQ_RQ_URL)
 def test_histogram_and_plan_run_as_rq_jobs(settings: Settings, model: Path, tmp_path: Path) -> None:
     from kvq.bank.collect import collect_histogram
     from kvq.bank.planner import plan_hot_set

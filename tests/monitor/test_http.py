@@ -208,7 +208,7 @@ def test_http_volunteering_is_bound_to_the_worker_s_acl_user(mon: Monitor, mode:
             assert post(password) == 200
             assert "wa" in mon.board.assignments("m")
     finally:
-        mon.board.r.execute_command("ACL", "DELUSER", *made)
+        acl.remove(mon.board.r, made)
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
