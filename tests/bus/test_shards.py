@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import redis
 
 from kvq.bus import xadd
 from kvq.bus.shards import ShardedConsumer
+from kvq.config import Settings
+from kvq.errors import ConfigError
 from kvq.keys import COORDINATOR_GROUP, Keys, request_streams
 
 
@@ -92,3 +96,43 @@ def test_two_coordinators_share_the_shards(r: redis.Redis, prefix: str) -> None:
     assert set(got_a) | set(got_b) == set(made)
     assert not set(got_a) & set(got_b), "the group hands each entry to one coordinator"
     assert got_a and got_b
+
+
+def test_clients_put_requests_on_their_shard_and_the_count_cannot_change_under_them(
+    settings: Settings, tmp_path: Path, r: redis.Redis
+) -> None:
+    from kvq import client
+    from kvq.keys import request_shard
+    from kvq.model import make_tiny
+    from kvq.monitor import Monitor
+
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=1, experts=4, experts_used=2)
+    mon = Monitor.from_settings(settings.model_copy(update={"request_shards": 3}))
+    info = mon.register("m", model)
+    assert info.request_shards == 3 and mon.board.model_info("m").request_shards == 3  # type: ignore[union-attr]
+    keys = mon.board.keys
+    ids = [f"r{i}" for i in range(12)]
+    for rid in ids:
+        client.submit(r, keys, "m", prompt="x", request_id=rid)
+    streams = request_streams(keys, "m", 3)
+    for i, s in enumerate(streams):
+        on = [wire_id(f) for _, f in r.xrange(s)]
+        assert on == [rid for rid in ids if request_shard(rid, 3) == i]
+    assert all(r.xlen(s) for s in streams), "12 ids spread over all three"
+    # a monitor with another count refuses while requests are queued, names the setting
+    other = Monitor.from_settings(settings.model_copy(update={"request_shards": 2}))
+    with pytest.raises(ConfigError, match="KVQ_REQUEST_SHARDS=2.*12 requests are still queued"):
+        other.register("m", model)
+    for s in streams:
+        r.delete(s)
+    assert other.register("m", model).request_shards == 2
+    # a model id holding '#' would collide with a shard's tag
+    with pytest.raises(ConfigError, match="'#'"):
+        mon.register("a#1", model)
+
+
+def wire_id(fields: dict[bytes, bytes]) -> str | None:
+    from kvq import wire
+
+    return wire.request_id_of(fields)

@@ -15,7 +15,7 @@ from kvq.bus import dead_letter
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import CoordStats, SlotState, WorkerInfo
 from kvq.config import Settings
-from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP
+from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
 from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.metrics import make_registry
@@ -71,6 +71,32 @@ def test_request_lag_counts_what_no_coordinator_has_read(mon: Monitor, r: redis.
     # c1 publishes no slot state: its two requests have nobody to finish them
     assert got["kvq_requests_orphaned", (("model", "m"),)] == 2
     assert got["kvq_coordinators_alive", (("model", "m"),)] == 0
+
+
+def test_request_metrics_add_up_every_shard(
+    settings: Settings, model: Path, r: redis.Redis
+) -> None:
+    """Issue 14: a model with 3 request shards shows one `requests` series per metric, the sum
+    (and the oldest age) over its shards; a consumer's pending entries add up too."""
+    mon = Monitor.from_settings(settings.model_copy(update={"request_shards": 3}))
+    mon.register("m", model)
+    shards = request_streams(mon.board.keys, "m", 3)
+    for n, stream in zip((2, 0, 4), shards, strict=True):
+        for i in range(n):
+            r.xadd(stream, {"i": i})
+    for stream in shards:
+        r.xgroup_create(stream, COORDINATOR_GROUP, id="0", mkstream=True)
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {shards[0]: ">"}, count=1)
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {shards[2]: ">"}, count=2)
+    time.sleep(0.05)
+    got = scrape(mon)
+    assert got["kvq_stream_length", REQ] == 6
+    assert got["kvq_group_lag", REQ] == 3
+    assert got["kvq_group_pending", REQ] == 3
+    c1 = (("consumer", "c1"), ("model", "m"), ("stream", "requests"))
+    assert got["kvq_consumer_pending", c1] == 3
+    assert got["kvq_requests_orphaned", (("model", "m"),)] == 3
+    assert got["kvq_group_oldest_unread_age_seconds", REQ] >= 0.04
 
 
 def test_answered_requests_leave_no_lag_or_age(mon: Monitor, r: redis.Redis) -> None:
