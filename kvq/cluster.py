@@ -159,3 +159,9 @@ class EmbeddedCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def local_redis(cluster: int = 0) -> EmbeddedRedis | EmbeddedCluster:
+    """A private server for a benchmark (a context manager that starts it): one node, or a
+    local `cluster`-master Redis Cluster when `cluster` > 0 (its `url` is `redis+cluster://`)."""
+    return EmbeddedCluster(masters=cluster) if cluster > 0 else EmbeddedRedis()

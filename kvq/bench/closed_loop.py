@@ -13,7 +13,8 @@ import time
 import redis
 
 from kvq import client
-from kvq.errors import KvqError
+from kvq.bus import connect
+from kvq.config import load_settings
 from kvq.keys import Keys
 
 
@@ -52,7 +53,7 @@ class ClosedLoop:
             return self._in_flight == 0
 
     def _loop(self, k: int) -> None:
-        r = redis.Redis.from_url(self.url)
+        r = connect(load_settings(redis_url=self.url).bus)  # any mode: standalone or cluster
         n = 0
         try:
             while not self._stop.is_set():
@@ -67,8 +68,8 @@ class ClosedLoop:
                     with self._lock:
                         self._in_flight -= 1
                 n += 1
-        except KvqError as exc:
-            self.errors.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported by the bench, never a silent stop
+            self.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             r.close()
 

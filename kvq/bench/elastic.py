@@ -33,12 +33,12 @@ from typing import Any
 from kvq.bench.closed_loop import ClosedLoop
 from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.cluster import local_redis
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError, KvqError
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
 from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 
 MODEL_ID = "elastic"
 COORD_ID = "elastic-coord"
@@ -65,6 +65,7 @@ class ElasticBench:
     release_timeout_s: float = 300.0
     seed: int = 0
     log_dir: str | None = None
+    cluster: int = 0  # > 0: on a local Redis Cluster of that many masters
 
     def check(self) -> None:
         if self.sequences < 3:
@@ -99,7 +100,10 @@ def _settings(cfg: ElasticBench, url: str, model: str) -> Settings:
 
 def run_elastic_bench(cfg: ElasticBench) -> dict[str, Any]:
     cfg.check()
-    with tempfile.TemporaryDirectory(prefix="kvq-elastic-") as tmp, EmbeddedRedis() as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvq-elastic-") as tmp,
+        local_redis(cfg.cluster) as server,
+    ):
         model = cfg.model or str(Path(tmp) / "model.gguf")
         if cfg.model is None:
             make_tiny(model, **DEFAULT_MODEL)  # type: ignore[arg-type]

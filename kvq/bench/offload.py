@@ -29,17 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from kvq import client
+from kvq.bus import connect
 from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.cluster import local_redis
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError, KvqError
 from kvq.keys import Keys
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
 from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 
 from .delay_proxy import DelayProxy
 
@@ -60,8 +59,14 @@ class OffloadBench:
     warmup_s: float = 10.0
     measure_s: float = 30.0
     log_dir: str | None = None
+    cluster: int = 0  # > 0: on a local Redis Cluster of that many masters
 
     def check(self) -> None:
+        if self.cluster and any(r > 0 for r in self.rtts_ms):
+            raise ConfigError(
+                "--cluster runs at --rtt-ms 0 only (the delaying proxy fronts one server; a "
+                "cluster client follows redirects to every node)"
+            )
         if len(os.sched_getaffinity(0)) < 2:
             raise ConfigError(
                 "kvq bench offload needs 2 CPUs (coordinator and worker pinned apart)"
@@ -98,7 +103,10 @@ def run_offload_bench(cfg: OffloadBench) -> dict[str, Any]:
 
 
 def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="kvq-offload-") as tmp, EmbeddedRedis() as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvq-offload-") as tmp,
+        local_redis(cfg.cluster) as server,
+    ):
         model = cfg.model or str(Path(tmp) / "model.gguf")
         if cfg.model is None:
             make_tiny(model, **DEFAULT_MODEL)  # type: ignore[arg-type]
@@ -188,7 +196,7 @@ def _phase(
     lock = threading.Lock()
 
     def loop(n: int) -> None:
-        r = redis.Redis.from_url(s.redis_url)
+        r = connect(s.bus)  # any mode: standalone or cluster
         keys = Keys(s.prefix)
         k = 0
         try:
@@ -200,8 +208,8 @@ def _phase(
                     if ev.kind == "token":
                         with lock:
                             stamps.append(time.monotonic())
-        except KvqError as exc:
-            errors.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure fails the bench, never a silent 0
+            errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             r.close()
 

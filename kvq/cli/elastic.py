@@ -21,7 +21,7 @@ def cmd_bench_elastic(args: argparse.Namespace, settings: Settings) -> int:
         saturated_s=args.saturated_s, noisy_s=args.noisy_s, idle_release_s=args.idle_release_s,
         saturation_enter_s=args.saturation_enter_s, saturation_leave_s=args.saturation_leave_s,
         monitor_poll_s=args.monitor_poll_s, dispatch_policy=args.policy, seed=args.seed,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, cluster=args.cluster,
     )  # fmt: skip
     r = run_elastic_bench(cfg)
     if args.json:
@@ -67,6 +67,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
         help="KVQ_DISPATCH_POLICY of the coordinator",
     )
     e.add_argument("--seed", type=int, default=0, help="seed of the noisy load")
+    e.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="on a local N-master Redis Cluster")  # fmt: skip
     e.add_argument("--log-dir", help="keep the processes' logs here")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_bench_elastic)

@@ -89,7 +89,7 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
         model=args.model, rtts_ms=args.rtt_ms, microbatches=args.microbatches,
         sequences=args.sequences,
         max_tokens=args.max_tokens, warmup_s=args.warmup_s, measure_s=args.measure_s,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, cluster=args.cluster,
     )  # fmt: skip
     r = run_offload_bench(cfg)
     if args.json:
@@ -151,6 +151,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
     o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
     o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
+    o.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="on a local N-master Redis Cluster (at --rtt-ms 0)")  # fmt: skip
     o.add_argument(
         "--microbatches",
         type=_ints,
