@@ -86,7 +86,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, ready=False)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading",
-        instance="i1",
+        instance="i1", holds="{}",
     )  # fmt: skip
     m.loaded(10, 100)
     m.beat()
@@ -97,7 +97,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100, instance="i1",
+        total_bytes=100, instance="i1", holds=f'{{"m":"{b}"}}',
     )  # fmt: skip
 
 
