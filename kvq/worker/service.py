@@ -19,26 +19,25 @@ Life cycle:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
 
 import redis
-import torch
 
 from kvq import wire
 from kvq.acl import user_name
-from kvq.bank import Bank, BankOptions
+from kvq.bank import BankOptions
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
-from kvq.device import compute_dtype, pick_device
-from kvq.errors import BankError, ConfigError, KvqError, ModelError, WireError
+from kvq.device import pick_device
+from kvq.errors import BankError, ConfigError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, check_id
-from kvq.model import decode_slice
 from kvq.worker.budget import Budget
-from kvq.worker.fetch import fetch_slice
+from kvq.worker.loader import Loaded, Loader
 from kvq.worker.membership import Held, Membership
 from kvq.worker.server import BAD_JOB, ExpertServer
 from kvq.worker.shelf import Shelf
@@ -67,6 +66,10 @@ class Worker:
         self.stop = threading.Event()
         self._idle_since = time.monotonic()  # holding no slice since
         self._next_ask = 0.0  # monotonic time of the next volunteer ask
+        self.loader = Loader(board, self.id, self.device, settings.compute_dtype,
+                             settings.download_timeout_s, bank)  # fmt: skip
+        self._loader: threading.Thread | None = None  # loading a slice beside the serving
+        self._loads: queue.SimpleQueue[Loaded | tuple[Held, Exception]] = queue.SimpleQueue()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
         self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
 
@@ -112,6 +115,7 @@ class Worker:
         try:
             while not self.stop.is_set():
                 try:
+                    self._install_loaded()
                     took = self._volunteer() if self._volunteer_due() else False
                     if self.shelf:
                         self._serve_batch()
@@ -133,7 +137,7 @@ class Worker:
 
     def _maybe_idle_out(self) -> None:
         """Holding no slice for `idle_shutdown_s` (> 0): exit (code 0)."""
-        if self._idle_for() > self.s.idle_shutdown_s > 0:
+        if self._idle_for() > self.s.idle_shutdown_s > 0 and self._loader is None:
             log.info("no slice for %.0fs; shutting down", self._idle_for())
             self.stop.set()
 
@@ -144,7 +148,7 @@ class Worker:
     def _volunteer_due(self) -> bool:
         """Time to ask, room in the budget, and a model it holds no slice of."""
         now = time.monotonic()
-        if now < self._next_ask:
+        if now < self._next_ask or self._loader is not None:
             return False
         if not self.budget.can_take(self.shelf.used_bytes, len(self.shelf)):
             return False
@@ -155,57 +159,72 @@ class Worker:
         return any(m not in self.shelf.servers for m in self.board.models())
 
     def _volunteer(self) -> bool:
+        """Ask for a slice and load it: here while serving nothing, else on a thread beside
+        the serving loop (`_install_loaded` puts it on the shelf). True if one was offered."""
         self._next_ask = max(self._next_ask, time.monotonic() + self.s.volunteer_poll_s)
         held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
         if held is None:
             return False
+        if self.shelf:
+            self._loader = threading.Thread(
+                target=self._load_beside, args=(held,), name="loader", daemon=True
+            )
+            self._loader.start()
+            return True
         try:
-            self._load(held)
+            got = self.loader.load(held, self.membership.loaded)
         except KvqError as exc:
-            self.membership.give_back(held)
-            if isinstance(exc, BankError):
-                log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
-                raise  # this node's bank settings cannot work: retrying would loop forever
-            delay = self._load_backoff.next_delay()
-            log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
-                      held.model, held.sid, exc, delay)  # fmt: skip
-            self._next_ask = time.monotonic() + delay
+            self._failed(held, exc)
             return False
-        self._load_backoff.reset()
-        self._next_ask = 0.0  # room left? ask again at once
+        self._install(got)
         return True
 
-    def _load(self, held: Held) -> None:
-        info = self.board.model_info(held.model)
-        if info is None:
-            raise ModelError(f"model {held.model!r} is no longer registered")
-        spec = info.slices[held.sid]
-        dtype = compute_dtype(self.device, self.s.compute_dtype, (r.ggml_type for r in spec.ranges))
-        t0 = time.monotonic()
-        log.info("loading %s %s (%.1f MB from %s)", held.model, held.sid, spec.nbytes / 1e6,
-                 info.source)  # fmt: skip
-        self.membership.loaded(0, spec.nbytes)
-        blobs = fetch_slice(info.source, spec, self.s.download_timeout_s, self.membership.loaded)
-        experts, at = [], 0
-        for layer in spec.layers():  # blobs come in range order: layer by layer
-            ranges = spec.ranges_of(layer)
-            part, at = blobs[at : at + len(ranges)], at + len(ranges)
-            experts.append(decode_slice(
-                ranges, part, layer, spec.expert_start, spec.expert_end,
-                device=str(self.device), dtype=dtype,
-            ))  # fmt: skip
-        bank = Bank(experts, self.bank_options, self.device)
-        hidden = info.meta.embedding_length
-        warm_s = warm_up(bank, hidden, dtype, self.device)
-        server = ExpertServer(self.id, held.model, bank, hidden, dtype)
-        self.shelf.add(held.model, server, spec.nbytes)
+    def _load_beside(self, held: Held) -> None:
+        try:
+            self._loads.put(self.loader.load(held, self.membership.loaded))
+        except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
+            self._loads.put((held, exc))
+
+    def _install_loaded(self) -> None:
+        """Put a slice loaded beside the serving loop on the shelf (or handle its failure)."""
+        try:
+            got = self._loads.get_nowait()
+        except queue.Empty:
+            return
+        self._loader = None
+        if isinstance(got, Loaded):
+            self._install(got)
+            return
+        held, exc = got
+        if not isinstance(exc, KvqError):
+            self.membership.give_back(held)
+            raise exc
+        self._failed(held, exc)
+
+    def _failed(self, held: Held, exc: KvqError) -> None:
+        """The offered slice could not be loaded: give it back, ask again after a back-off."""
+        self.membership.give_back(held)
+        if isinstance(exc, BankError):
+            log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
+            raise exc  # this node's bank settings cannot work: retrying would loop forever
+        delay = self._load_backoff.next_delay()
+        log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
+                  held.model, held.sid, exc, delay)  # fmt: skip
+        self._next_ask = time.monotonic() + delay
+
+    def _install(self, got: Loaded) -> None:
+        """A loaded slice starts serving: on the shelf, counted, beating."""
+        held = got.held
+        self.shelf.add(held.model, got.server, got.nbytes)
         if self.consumer is None:
             inbox = self.board.keys.worker_inbox(self.id)
             self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
         self.membership.hold(held)
+        self._load_backoff.reset()
+        self._next_ask = 0.0  # room left? ask again at once
         log.info(
             "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s; %d slice(s), %.1f MB",
-            held.model, held.sid, spec.nbytes, time.monotonic() - t0, warm_s, self.device,
+            held.model, held.sid, got.nbytes, got.seconds, got.warm_s, self.device,
             len(self.shelf), self.shelf.used_bytes / 1e6,
         )  # fmt: skip
 
@@ -329,18 +348,3 @@ def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     if mode != "auto":
         return mode == "monitor"
     return who != "default"
-
-
-def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
-    """Run every expert the bank holds once (one row each) before the worker says it serves
-    (K4): page faults, kernel compilation and allocator growth happen here, not in the first
-    jobs, so the coordinator's first samples of this worker are warm. Returns the seconds."""
-    t0 = time.monotonic()
-    with torch.no_grad():
-        for layer in bank.layers:
-            lo, hi = bank.expert_range(layer)
-            n = hi - lo
-            x = torch.ones(n, hidden, dtype=dtype, device=device)  # [n, H]
-            ids = torch.arange(lo, hi, device=device)[:, None]  # [n, 1]: one expert per row
-            bank.forward(layer, x, ids, torch.ones(n, 1, device=device))
-    return time.monotonic() - t0

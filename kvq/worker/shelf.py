@@ -58,7 +58,7 @@ class Shelf:
             error = wire.Failure(
                 type=BAD_JOB,
                 message=f"job {job.job_id} for {job.model} slice {job.slice}: this worker "
-                f"holds no slice of {job.model} (it holds {held or 'nothing'})",
+                f"holds no slice of {job.model}; this server holds {held or 'nothing'}",
             )
             return wire.Result(job_id=job.job_id, worker=self.name, error=error)
         self.last_job[job.model] = time.monotonic()

@@ -9,7 +9,10 @@ it holds and its room.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,8 +212,67 @@ def test_wind_down_is_per_slice(
     )
 
 
-def _fields(obj: object) -> dict[str, Any]:
-    return {f: getattr(obj, f) for f in obj.__dataclass_fields__}  # type: ignore[attr-defined]
+class _HeldBackHandler(http.server.SimpleHTTPRequestHandler):
+    """Range GETs answered only once the class's `go` event is set."""
+
+    go = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.go.wait(30)
+        data = Path(self.translate_path(self.path)).read_bytes()
+        start, end = (int(p) for p in self.headers["Range"].removeprefix("bytes=").split("-"))
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Length", str(end + 1 - start))
+        self.end_headers()
+        self.wfile.write(data[start : end + 1])
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_second_slice_loads_beside_the_serving_of_the_first(
+    settings: Settings, two_models: dict[str, Path], run_in_thread: Callable[[Any], Any]
+) -> None:
+    """While beta's bytes are held back by its server, alpha's jobs are answered, and beta is
+    not routable; once they come, beta serves too."""
+    s = settings.model_copy(update={"slice_experts": 8, "volunteer_poll_s": 0.05})
+    handler = functools.partial(_HeldBackHandler, directory=str(two_models["beta"].parent))
+    _HeldBackHandler.go = threading.Event()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        mon = Monitor.from_settings(s)
+        alpha = mon.register("alpha", two_models["alpha"])
+        beta_url = f"http://127.0.0.1:{srv.server_address[1]}/beta.gguf"
+        beta = mon.register("beta", two_models["beta"], source=beta_url)
+        (sb,) = beta.slices
+        mon.board.set_target("beta", sb, 0)  # alpha first
+        keys, r = Keys(s.prefix), mon.board.r
+        w = Worker.from_settings(s, "both")
+        run_in_thread(w)
+        _until(lambda: w.holding is not None, 30, "alpha")
+        mon.board.set_target("beta", sb, 1)
+        _until(lambda: w.membership.loading is not None, 10, "beta to be loading")
+        assert not _ready(mon, "beta", "both") and _ready(mon, "alpha", "both")
+        job = _job(alpha, "during", "c2", seed=5)
+        r.xadd(keys.worker_inbox("both"), wire.encode(job))
+        out = keys.worker_results("both", "c2")
+        _until(lambda: "during" in _results(r, out), 10, "alpha's job answered while loading")
+        assert w.membership.loading is not None, "beta is still loading"
+        _HeldBackHandler.go.set()
+        _until(lambda: len(w.holdings) == 2, 30, "beta loaded")
+        _until(lambda: _ready(mon, "beta", "both"), 10, "beta routable")
+        job_b = _job(beta, "after", "c2", seed=6)
+        r.xadd(keys.worker_inbox("both"), wire.encode(job_b))
+        _until(lambda: "after" in _results(r, out), 10, "beta's job answered")
+        res = _results(r, out)["after"]
+        assert res.error is None and res.y is not None
+        assert np.array_equal(res.y.array(), _local(two_models["beta"], beta, job_b))
+    finally:
+        _HeldBackHandler.go.set()
+        srv.shutdown()
+        srv.server_close()
 
 
 def _until(cond: Callable[[], object], timeout_s: float, what: str) -> None:
