@@ -201,6 +201,21 @@ class Settings(BaseSettings):
     state_dir: str = Field(
         "", description="where a worker keeps its default id (empty = ~/.config/kvq)"
     )
+    worker_memory_gib: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="memory a worker fills with slices, in GiB of published slice bytes; it "
+        "volunteers while the next slice fits (0 = auto: free memory of its device at start, "
+        "host RAM or CUDA, less KVQ_WORKER_MEMORY_RESERVE_GIB)",
+    )  # fmt: skip
+    worker_memory_reserve_gib: float = Field(
+        1.0, ge=0, allow_inf_nan=False,
+        description="memory the auto worker budget leaves free (KVQ_WORKER_MEMORY_GIB=0)",
+    )  # fmt: skip
+    worker_max_slices: int = Field(
+        0, ge=0, le=4096,
+        description="slices a worker holds at most, at most one per model (0 = as many as "
+        "the memory budget fits; 1 = one slice, the behaviour before issue 10 item 4)",
+    )  # fmt: skip
 
     # -- monitor ------------------------------------------------------------------------
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
@@ -464,6 +479,7 @@ class Settings(BaseSettings):
             self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
             self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
             self.idle_release_s, self.worker_market, self.market_wait_s,
+            self.worker_memory_gib, self.worker_memory_reserve_gib, self.worker_max_slices,
         )  # fmt: skip
 
     @property

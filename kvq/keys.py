@@ -23,8 +23,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 |                              |        | mismatches, banned) → coordinators, monitor|
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
-| P:{w:W}:info                 | hash   | worker W: model, slice, device, served,    |
-|                              |        | last_serve_ms (expires)                    |
+| P:{w:W}:info                 | hash   | worker W: holds (its slices), model, slice,|
+|                              |        | device, served, last_serve_ms (expires)    |
 | P:{w:W}:results:C            | stream | worker W → coordinator C (W's results to C) |
 | P:{w:W}:asks                 | stream | worker W → monitor: market requests        |
 | P:{w:W}:answers              | stream | monitor → worker W: market answers         |

@@ -91,6 +91,9 @@ class WorkerSettings:
     idle_release_s: float = 90.0  # KVQ_IDLE_RELEASE_S: wind-down of a surplus slice
     market: str = "auto"  # KVQ_WORKER_MARKET: auto | direct | monitor (kvq.bus.market)
     market_wait_s: float = 5.0  # KVQ_MARKET_WAIT_S: longest wait for the monitor's answer
+    memory_gib: float = 0.0  # KVQ_WORKER_MEMORY_GIB: slice bytes it may hold (0 = auto)
+    memory_reserve_gib: float = 1.0  # KVQ_WORKER_MEMORY_RESERVE_GIB: what auto leaves free
+    max_slices: int = 0  # KVQ_WORKER_MAX_SLICES: 0 = as many as the budget fits
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import redis
 
+from kvq import wire
 from kvq.bus.connection import Backoff, is_connection_error
 from kvq.bus.records import (
     CoordStats,
@@ -34,13 +35,14 @@ from kvq.bus.records import (
     SlotState,
     WorkerInfo,
 )
-from kvq.errors import ModelError
+from kvq.errors import ModelError, WireError
 from kvq.model.registry import ModelInfo
 from kvq.swarm import WorkerView
 
 log = logging.getLogger("kvq.bus")
 
 Fields = Mapping[Any, Any]  # stream entry fields (str or bytes names)
+Peers = Mapping[tuple[str, str], Sequence[str]]  # (model, slice id) -> live workers holding it
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +111,10 @@ class Board(Protocol):
         """Worker id → the slice it holds."""
         ...
 
-    def volunteer(self, model: str, worker: str) -> str | None:
-        """Take the slice with the largest demand (ties: least covered, then lowest id); a
-        worker that holds one gets it back. None when nothing is wanted."""
+    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
+        """Take the slice with the largest demand (ties: least covered, then lowest id) among
+        those of at most `room` bytes (None: any size); a worker that holds one gets it back.
+        None when nothing (that fits) is wanted."""
         ...
 
     def release(self, model: str, worker: str) -> str | None:
@@ -169,8 +172,9 @@ class Board(Protocol):
         """Append each `(worker, fields)` to that worker's inbox, in one round trip."""
         ...
 
-    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
-        """Move `dead`'s unanswered jobs round-robin to `peers`, then drop its inbox."""
+    def requeue_inbox(self, dead: str, peers: Sequence[str] | Peers) -> int:
+        """Move `dead`'s unanswered jobs round-robin to `peers` (a mapping: each job to the
+        peers of its own model and slice, `spread_jobs`), then drop its inbox."""
         ...
 
     # -- coordinators ---------------------------------------------------------------------
@@ -189,16 +193,45 @@ class Board(Protocol):
     def coord_stats(self, coord: str) -> CoordStats | None: ...
 
 
-def worker_view(worker: str, sid: str, alive: bool, info: WorkerInfo | None) -> WorkerView:
-    """What routers see of a worker: its liveness and what its last beat said."""
+def worker_view(
+    worker: str, sid: str, alive: bool, info: WorkerInfo | None, model: str
+) -> WorkerView:
+    """What routers see of a worker holding `sid` of `model`: its liveness and what its last
+    beat said (ready: it serves that slice, whatever else it holds or loads)."""
     if info is None:
         return WorkerView(worker, sid, alive)
-    ready = info.ready
+    ready = info.ready_for(model, sid)
     return WorkerView(
         worker, sid, alive, info.last_serve_ms, info.load if ready else None, ready=ready,
         ms_per_row=info.ms_per_row, queued_rows=info.busy_rows + info.queued_rows,
         queued_by=tuple(sorted(info.queued_by_coord().items())),
     )  # fmt: skip
+
+
+def spread_jobs(
+    entries: Sequence[Fields], peers: Sequence[str] | Peers
+) -> list[tuple[str, Fields]]:
+    """Where each of a dead worker's jobs goes: round-robin over `peers`, or, for a mapping
+    (a worker may hold slices of several models), over the peers of the job's own model and
+    slice. A job no peer holds is dropped: its coordinator computes it at its deadline. An
+    entry that does not decode goes to any peer, whose worker dead-letters it with the reason
+    (the evidence is kept, as if it had been read where it was sent)."""
+    if not isinstance(peers, Mapping):
+        return [(peers[i % len(peers)], f) for i, f in enumerate(entries)] if peers else []
+    out: list[tuple[str, Fields]] = []
+    turn: dict[tuple[str, str], int] = {}
+    anyone = sorted({w for ws in peers.values() for w in ws})
+    for f in entries:
+        try:
+            job = wire.decode(f, wire.Job)
+            key, them = (job.model, job.slice), peers.get((job.model, job.slice), ())
+        except WireError:
+            key, them = ("", ""), anyone
+        if them:
+            n = turn.get(key, 0)
+            turn[key] = n + 1
+            out.append((them[n % len(them)], f))
+    return out
 
 
 def wait_for_model(board: Board, model: str, give_up_s: float, backoff_cap_s: float) -> ModelInfo:

@@ -10,7 +10,9 @@
   where an ask is proves who asked.
 
 Asks and answers are plain string fields (readable with `redis-cli XRANGE`):
-ask `v=1, op, model, slice, instance, nonce`; answer `v=1, nonce, model, slice, error`.
+ask `v=1, op, model, slice, instance, nonce` and, on a volunteer ask, `skip` (models it holds a
+slice of, comma-separated) and `room` (bytes it can still hold, "" = any); answer `v=1, nonce,
+model, slice, error`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,9 +46,12 @@ class Held:
 
 
 class Market(Protocol):
-    """The four market operations of one worker."""
+    """The four market operations of one worker. `volunteer` leaves out the models in `skip`
+    (it holds a slice of each already) and slices of more than `room` bytes (None: any)."""
 
-    def volunteer(self, worker: str) -> Held | None: ...
+    def volunteer(
+        self, worker: str, skip: Collection[str] = (), room: int | None = None
+    ) -> Held | None: ...
 
     def release(self, model: str, worker: str) -> str | None: ...
 
@@ -60,9 +66,13 @@ class BoardMarket:
     def __init__(self, board: Board) -> None:
         self.board = board
 
-    def volunteer(self, worker: str) -> Held | None:
+    def volunteer(
+        self, worker: str, skip: Collection[str] = (), room: int | None = None
+    ) -> Held | None:
         for model in self.board.models():
-            sid = self.board.volunteer(model, worker)
+            if model in skip:
+                continue
+            sid = self.board.volunteer(model, worker, room)
             if sid is not None:
                 return Held(model, sid)
         return None
@@ -75,6 +85,14 @@ class BoardMarket:
 
     def retire(self, model: str, worker: str) -> str | None:
         return self.board.retire(model, worker)
+
+
+def _room(text: str) -> int | None:
+    """An ask's `room`: bytes, or None (any size) when empty or not a number."""
+    try:
+        return max(0, int(text)) if text else None
+    except ValueError:
+        return None
 
 
 def _s(v: bytes | None) -> str:
@@ -94,15 +112,19 @@ class MarketDoor:
         self._cursor = b"0-0"
         self._lock = threading.Lock()  # the heartbeat thread asks too: one reader of answers
 
-    def _ask(self, worker: str, op: str, model: str = "", sid: str = "") -> dict[str, str] | None:
+    def _ask(
+        self, worker: str, op: str, model: str = "", sid: str = "", **more: str
+    ) -> dict[str, str] | None:
         """Send one ask and wait for its answer (None: no monitor answered in time)."""
         with self._lock:
-            return self._ask_locked(worker, op, model, sid)
+            return self._ask_locked(worker, op, model, sid, more)
 
-    def _ask_locked(self, worker: str, op: str, model: str, sid: str) -> dict[str, str] | None:
+    def _ask_locked(
+        self, worker: str, op: str, model: str, sid: str, more: dict[str, str]
+    ) -> dict[str, str] | None:
         nonce = f"{self.instance}:{next(self._seq)}"
         fields = {"v": "1", "op": op, "model": model, "slice": sid, "instance": self.instance,
-                  "nonce": nonce}  # fmt: skip
+                  "nonce": nonce, **more}  # fmt: skip
         pipe = self.r.pipeline(transaction=False)
         xadd(pipe, self.keys.worker_asks(worker), fields, _ASKS_MAXLEN)
         if self._cluster:  # the ask before its doorbell: a cluster runs the parts in no order
@@ -131,8 +153,11 @@ class MarketDoor:
         log.info("no monitor answered %s of %s within %.1fs", op, worker, self.wait_s)
         return None
 
-    def volunteer(self, worker: str) -> Held | None:
-        got = self._ask(worker, VOLUNTEER)
+    def volunteer(
+        self, worker: str, skip: Collection[str] = (), room: int | None = None
+    ) -> Held | None:
+        more = {"skip": ",".join(sorted(skip)), "room": "" if room is None else str(room)}
+        got = self._ask(worker, VOLUNTEER, **more)
         return Held(got["model"], got["slice"]) if got and got.get("slice") else None
 
     def release(self, model: str, worker: str) -> str | None:
@@ -205,7 +230,8 @@ class MarketDesk:
         if op not in _OPS:
             return {"error": f"unknown op {op!r}"}
         if op == VOLUNTEER:
-            held = self.market.volunteer(worker)
+            skip = {m for m in ask.get("skip", "").split(",") if m}
+            held = self.market.volunteer(worker, skip, _room(ask.get("room", "")))
             return {"model": held.model, "slice": held.sid} if held else {"slice": ""}
         if op == REJOIN:
             info = self.board.model_info(model)

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvq.bus.board import CoordinatorView, Fields, worker_view
+from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
     CoordStats,
     Lifetimes,
@@ -138,15 +138,19 @@ class MemoryBoard:
     def assignments(self, model: str) -> dict[str, str]:
         return dict(self._workers.get(model, {}))
 
-    def volunteer(self, model: str, worker: str) -> str | None:
+    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
         with self._lock:
             held = self._workers.setdefault(model, {}).get(worker)
             if held is not None:
                 return held
             cover = self._coverage.setdefault(model, {})
+            info = self._models.get(model)
             best: tuple[int, int, str] | None = None  # (-demand, coverage, sid): min wins
             for sid, want in self._target.get(model, {}).items():
                 cov = cover.get(sid, 0)
+                if room is not None and (info is None or sid not in info.slices
+                                         or info.slices[sid].nbytes > room):  # fmt: skip
+                    continue
                 if want - cov > 0 and (best is None or (cov - want, cov, sid) < best):
                     best = (cov - want, cov, sid)
             if best is None:
@@ -202,7 +206,7 @@ class MemoryBoard:
         for w, sid in sorted(self.assignments(model).items()):
             info = self.worker_info(w)
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
-            out.append(worker_view(w, sid, alive, info))
+            out.append(worker_view(w, sid, alive, info, model))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> int:
@@ -249,12 +253,10 @@ class MemoryBoard:
             for worker, fields in jobs:
                 self.inboxes.setdefault(worker, []).append(dict(fields))
 
-    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
-        entries = self.inboxes.pop(dead, [])
-        if not peers:
-            return 0
-        self.send_jobs([(peers[i % len(peers)], f) for i, f in enumerate(entries)])
-        return len(entries)
+    def requeue_inbox(self, dead: str, peers: Sequence[str] | Peers) -> int:
+        moves = spread_jobs(self.inboxes.pop(dead, []), peers)
+        self.send_jobs(moves)
+        return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
     def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:

@@ -222,10 +222,30 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
         return {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
 
     instance: str = ""  # the process's random token: two live workers cannot share an id
+    # JSON {model: slice} of every slice it serves (loaded and warm), "{}" for none; `model`,
+    # `slice` and `state` are then the slice it is loading, else the one it loaded last.
+    # "" (a beat from before workers held several slices): `state` alone says it serves.
+    holds: str = ""
 
     @property
     def ready(self) -> bool:
         return self.state not in (IDLE, LOADING)
+
+    def held(self) -> dict[str, str]:
+        """`holds` decoded: model → the slice served; {} when it does not decode."""
+        try:
+            got = json.loads(self.holds) if self.holds else {}
+        except ValueError:
+            return {}
+        if not isinstance(got, dict):
+            return {}
+        return {str(k): str(v) for k, v in got.items() if isinstance(v, str)}
+
+    def ready_for(self, model: str, sid: str) -> bool:
+        """Whether it serves `sid` of `model` now (routable), not just holds it reserved."""
+        if not self.holds:
+            return self.ready
+        return self.held().get(model) == sid
 
 
 class SliceDemand(NamedTuple):

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from kvq import wire
-from kvq.bus.board import CoordinatorView, Fields, worker_view
+from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.connection import connect
 from kvq.bus.records import (
     CoordStats,
@@ -154,8 +154,8 @@ class RedisBoard:
     def assignments(self, model: str) -> dict[str, str]:
         return {_s(w): _s(s) for w, s in self.r.hgetall(self.keys.model_workers(model)).items()}
 
-    def volunteer(self, model: str, worker: str) -> str | None:
-        return self.scripts.volunteer(self.r, model, worker)
+    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
+        return self.scripts.volunteer(self.r, model, worker, room)
 
     def release(self, model: str, worker: str) -> str | None:
         return self.scripts.release(self.r, model, worker)
@@ -179,7 +179,7 @@ class RedisBoard:
         out = []
         for i, (w, sid) in enumerate(assigned):
             info = WorkerInfo.from_hash(got[2 * i + 1])
-            out.append(worker_view(w, sid, bool(got[2 * i]), info))
+            out.append(worker_view(w, sid, bool(got[2 * i]), info, model))
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> int:
@@ -230,15 +230,12 @@ class RedisBoard:
             xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
         pipe.execute()
 
-    def requeue_inbox(self, dead: str, peers: Sequence[str]) -> int:
+    def requeue_inbox(self, dead: str, peers: Sequence[str] | Peers) -> int:
         inbox = self.keys.worker_inbox(dead)
-        entries = unanswered(self.r, inbox)
-        moved = 0
-        if peers and entries:
-            self.send_jobs([(peers[i % len(peers)], f) for i, (_, f) in enumerate(entries)])
-            moved = len(entries)
+        moves = spread_jobs([f for _, f in unanswered(self.r, inbox)], peers)
+        self.send_jobs(moves)
         self.r.delete(inbox)
-        return moved
+        return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
     def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:

@@ -24,12 +24,16 @@ class Scripts:
         self._retire = r.register_script(_source("retire"))
         self._lease = r.register_script(_source("lease"))
 
-    def volunteer(self, r: redis.Redis, model: str, worker: str) -> str | None:
-        """Atomically take the rarest slice of `model` with positive demand, or None."""
+    def volunteer(
+        self, r: redis.Redis, model: str, worker: str, room: int | None = None
+    ) -> str | None:
+        """Atomically take the rarest slice of `model` with positive demand and at most `room`
+        bytes (None: any size), or None."""
         k = self.keys
+        keys = [k.model_target(model), k.model_coverage(model), k.model_workers(model)]
         got = self._volunteer(
-            keys=[k.model_target(model), k.model_coverage(model), k.model_workers(model)],
-            args=[worker],
+            keys=[*keys, k.model_slices(model)],
+            args=[worker, "" if room is None else max(0, room)],
             client=r,
         )
         return got.decode() if got else None

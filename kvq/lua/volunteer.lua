@@ -1,12 +1,17 @@
--- volunteer: give a worker the rarest slice of one model that still has positive demand.
+-- volunteer: give a worker the rarest slice of one model that still has positive demand and
+-- fits in the memory the worker has left.
 -- KEYS[1] target hash   (slice id -> wanted replicas; written by the monitor)
 -- KEYS[2] coverage hash (slice id -> workers holding it; written by this script and release)
 -- KEYS[3] workers hash  (worker id -> slice id)
+-- KEYS[4] slices hash   (slice id -> JSON layout with "bytes"; written by the monitor)
 -- ARGV[1] worker id
+-- ARGV[2] bytes the worker can still hold ("" or absent: no limit); a slice with more is
+--         never taken, so no reservation is wasted on a worker that cannot load it
 -- Returns the slice id, or false when no slice has demand. Idempotent: a worker that already
 -- holds a slice of this model gets the same one back.
 local held = redis.call('HGET', KEYS[3], ARGV[1])
 if held then return held end
+local room = tonumber(ARGV[2] or '')
 local target = redis.call('HGETALL', KEYS[1])
 local best, best_demand, best_cov = false, 0, 0
 for i = 1, #target, 2 do
@@ -14,6 +19,11 @@ for i = 1, #target, 2 do
   local want = tonumber(target[i + 1]) or 0
   local cov = tonumber(redis.call('HGET', KEYS[2], sid) or '0') or 0
   local demand = want - cov
+  if demand > 0 and room and KEYS[4] then
+    local spec = redis.call('HGET', KEYS[4], sid)
+    local size = spec and tonumber(cjson.decode(spec)['bytes']) or nil
+    if not size or size > room then demand = 0 end
+  end
   if demand > 0 then
     local better = (not best) or demand > best_demand
       or (demand == best_demand and cov < best_cov)

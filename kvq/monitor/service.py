@@ -147,8 +147,7 @@ class Monitor:
     def tick(self) -> list[tuple[str, ModelState]]:
         models = self.board.models()
         states = [(model, self.poll(model)) for model in models]
-        for model in models:
-            self.reap(model)
+        self.reap(*models)
         return states
 
     def poll(self, model: str) -> ModelState:
@@ -187,15 +186,23 @@ class Monitor:
         self.board.publish_model_state(model, state, targets)
         return state
 
-    def reap(self, model: str) -> list[str]:
-        """Release the slices of dead workers; move their unanswered jobs to live peers."""
-        views = self.board.workers(model)
-        dead = [v for v in views if not v.alive]
-        for v in dead:
-            self.board.release(model, v.worker_id)
-            peers = [p.worker_id for p in views if p.slice_id == v.slice_id and p.alive]
-            self.requeued += self.board.requeue_inbox(v.worker_id, peers)
-            self.board.forget_worker(v.worker_id)
+    def reap(self, *models: str) -> list[str]:
+        """Release the slices of dead workers in `models`; move their unanswered jobs to live
+        peers of each job's own model and slice (a worker may hold slices of several)."""
+        views = {m: self.board.workers(m) for m in models}
+        peers: dict[tuple[str, str], list[str]] = {}
+        dead: dict[str, list[tuple[str, str]]] = {}  # worker -> its (model, slice)s
+        for m, vs in views.items():
+            for v in vs:
+                if v.alive:
+                    peers.setdefault((m, v.slice_id), []).append(v.worker_id)
+                else:
+                    dead.setdefault(v.worker_id, []).append((m, v.slice_id))
+        for w, held in dead.items():
+            for m, _ in held:
+                self.board.release(m, w)
+            self.requeued += self.board.requeue_inbox(w, peers)
+            self.board.forget_worker(w)
             self.reaped += 1
-            log.info("reaped worker %s (%s of %s)", v.worker_id, v.slice_id, model)
-        return [v.worker_id for v in dead]
+            log.info("reaped worker %s (%s)", w, ", ".join(f"{s} of {m}" for m, s in held))
+        return sorted(dead)

@@ -1,16 +1,19 @@
-"""A worker's place in the market: which slice it holds, its heartbeat, and leaving (K9, K10).
+"""A worker's place in the market: which slices it holds, its heartbeat, and leaving (K9, K10).
 
 Everything goes through a `Board`, so this runs the same on Redis and in memory. One lock keeps
 a heartbeat from re-asserting a slice the worker is giving back.
 
-The heartbeat starts before the worker asks for a slice (state "idle") and goes on while it
-downloads one (state "loading", with its progress), so the monitor never reaps a worker for a
-slow download: the slice stays reserved to it and is not offered again. Routers skip a
-loading worker (`WorkerInfo.ready`) until it beats "serving".
+A worker may hold several slices, at most one per model (issue 10 item 4): it volunteers for
+models it holds nothing of, one slice at a time. The heartbeat starts before the worker asks
+for a slice (state "idle") and goes on while it downloads one (state "loading", with its
+progress), so the monitor never reaps a worker for a slow download: the slice stays reserved
+to it and is not offered again. Every beat re-asserts every slice it holds or loads, and lists
+the ones it serves (`WorkerInfo.holds`): routers skip a slice until it is listed there.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -48,7 +51,7 @@ class Membership:
         self.backlog = backlog or Backlog()  # rows on its plate, filled by the serving loop
         self._unread = 0  # inbox entries not read yet, as of the last beat
         self._last_work = (time.monotonic(), 0.0, 0)
-        self.held: Held | None = None  # loaded and serving
+        self.holds: dict[str, Held] = {}  # model → its slice, loaded and serving (in order)
         self.loading: Held | None = None  # taken from the market, still downloading
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
         self._idle_beat = float("-inf")  # last heartbeat while holding nothing
@@ -56,18 +59,25 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def volunteer(self) -> Held | None:
-        """Ask every model's market for a slice (K9); the first one offered is taken and is
-        `loading` until `hold` (or `give_back`). The heartbeat is up before the market is
-        asked, so the monitor never sees this worker assigned without one."""
+    @property
+    def held(self) -> Held | None:
+        """The slice loaded last (None: it serves none)."""
+        return next(reversed(self.holds.values()), None)
+
+    def volunteer(self, room: int | None = None) -> Held | None:
+        """Ask the market of every model it holds no slice of for one of at most `room` bytes
+        (None: any size) (K9); the first one offered is taken and is `loading` until `hold`
+        (or `give_back`). The heartbeat is up before the market is asked, so the monitor never
+        sees this worker assigned without one."""
         now = time.monotonic()
-        if now - self._idle_beat >= self.board.lifetimes.beat_every_s():
+        if not self.holds and now - self._idle_beat >= self.board.lifetimes.beat_every_s():
             self._idle_beat = now
             idle = WorkerInfo(
-                model="", slice="", device=self.device, state=IDLE, instance=self.instance
-            )
+                model="", slice="", device=self.device, state=IDLE, instance=self.instance,
+                holds="{}",
+            )  # fmt: skip
             self.board.beat(self.id, idle)
-        got = self.market.volunteer(self.id)
+        got = self.market.volunteer(self.id, set(self.holds), room)
         if got is None:
             return None
         with self._lock:
@@ -94,7 +104,7 @@ class Membership:
     def hold(self, held: Held) -> None:
         """The slice is loaded: count it and start beating for it."""
         with self._lock:
-            self.held, self.loading = held, None
+            self.holds[held.model], self.loading = held, None
             self._beat_locked()
 
     def give_back(self, held: Held) -> None:
@@ -108,24 +118,27 @@ class Membership:
             self._beat_locked()
 
     def _beat_locked(self) -> None:
-        h = self.held or self.loading
+        h = self.loading or self.held
         if h is None:
             return
-        self.market.rejoin(h.model, self.id, h.sid)  # after a reap it survived, or lost data
+        for each in [*self.holds.values(), *([self.loading] if self.loading else [])]:
+            # after a reap it survived, or lost data
+            self.market.rejoin(each.model, self.id, each.sid)
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress
         plate = self.backlog.view()
         info = WorkerInfo(
             model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
-            state=SERVING if self.held is not None else LOADING, loaded_bytes=done,
+            state=LOADING if self.loading is not None else SERVING, loaded_bytes=done,
             total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
             queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
             queued_by=plate.by_coord_text(), instance=self.instance,
+            holds=json.dumps({m: x.sid for m, x in self.holds.items()}, separators=(",", ":")),
         )  # fmt: skip
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
-        self._unread = max(0, inbox - plate.jobs) if self.held is not None else 0
+        self._unread = max(0, inbox - plate.jobs) if self.holds else 0
 
     def _unread_rows(self, unread: int, served: int) -> int:
         """Rows of the jobs unread in the inbox at the last beat, at this worker's mean rows
@@ -144,28 +157,32 @@ class Membership:
         return load, (dbusy * 1000 / drows if drows > 0 else 0.0)
 
     def leave(self) -> None:
-        """Give the slice back and drop this worker's keys (its inbox's jobs are recomputed by
-        their coordinators)."""
+        """Give every slice back and drop this worker's keys (its inbox's jobs are recomputed
+        by their coordinators)."""
         with self._lock:
-            h, self.held = self.held or self.loading, None
-            self.loading = None
+            hs = [*self.holds.values(), *([self.loading] if self.loading else [])]
+            self.holds, self.loading = {}, None
             try:
                 if self.board.worker_instance(self.id) not in (None, "", self.instance):
                     return  # another live process has this id: its keys are not ours to drop
-                if h is not None:
+                for h in hs:
                     self.market.release(h.model, self.id)
                 self.board.forget_worker(self.id)  # an idle worker's beat goes too
             except (redis.RedisError, KvqError):
                 pass  # the monitor reaps us once the heartbeat expires
 
-    def retire(self) -> Held | None:
-        """K10: give the slice back only if it stays covered; what was given back, or None."""
+    def retire(self, model: str | None = None) -> Held | None:
+        """K10: give `model`'s slice (default: the one loaded last) back only if it stays
+        covered; what was given back, or None. The worker's keys go with its last slice."""
         with self._lock:
-            h = self.held
+            h = self.holds.get(model) if model is not None else self.held
             if h is None or self.market.retire(h.model, self.id) is None:
                 return None
-            self.held = None  # the heartbeat must not rejoin
-            self.board.forget_worker(self.id)
+            del self.holds[h.model]  # the heartbeat must not rejoin
+            if self.holds or self.loading is not None:
+                self._beat_locked()  # its other slices: no longer listing this one
+            else:
+                self.board.forget_worker(self.id)
             return h
 
     # -- the heartbeat thread -------------------------------------------------------------

@@ -5,38 +5,42 @@ Life cycle:
    slice for `KVQ_IDLE_SHUTDOWN_S` (> 0) it exits;
 2. given a slice: fetch exactly its bytes, verify checksums, decode into tensors, and run
    each expert once (warm-up) before announcing "serving", so first results are warm (K4);
-3. heartbeat on a thread (a key that expires), re-asserting its slice after a reap or a Redis
-   restart;
-4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job's result is
-   written before the job is acknowledged; malformed entries go to the dead-letter stream;
-5. wind-down (K10): no job for `KVQ_IDLE_RELEASE_S` while its slice is covered beyond the
-   target → give the slice back, drop it from memory, and go back to 1.
+   then it keeps volunteering, for models it holds no slice of, while its memory budget has
+   room (`kvq.worker.budget`): it may serve slices of several models (issue 10 item 4);
+3. heartbeat on a thread (a key that expires), re-asserting every slice after a reap or a
+   Redis restart;
+4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job goes to the slice
+   of its model (`kvq.worker.shelf`); its result is written before the job is acknowledged;
+   malformed entries go to the dead-letter stream;
+5. wind-down (K10), per slice: no job for a slice for `KVQ_IDLE_RELEASE_S` while it is covered
+   beyond its target → give it back and drop it from memory; with none left, back to 1.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
 
 import redis
-import torch
 
 from kvq import wire
 from kvq.acl import user_name
-from kvq.bank import Bank, BankOptions
+from kvq.bank import BankOptions
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
-from kvq.device import compute_dtype, pick_device
-from kvq.errors import BankError, ConfigError, KvqError, ModelError, WireError
+from kvq.device import pick_device
+from kvq.errors import BankError, ConfigError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, check_id
-from kvq.model import decode_slice
-from kvq.worker.fetch import fetch_slice
+from kvq.worker.budget import Budget
+from kvq.worker.loader import Loaded, Loader
 from kvq.worker.membership import Held, Membership
 from kvq.worker.server import BAD_JOB, ExpertServer
+from kvq.worker.shelf import Shelf
 
 log = logging.getLogger("kvq.worker")
 _BATCH = 32  # inbox entries read at once
@@ -52,13 +56,20 @@ class Worker:
         self.board, self.s, self.bank_options = board, settings, bank
         self.id = check_id("worker id", worker_id)
         self.device = pick_device(settings.device)
-        self.server: ExpertServer | None = None
+        self.budget = Budget.of(settings, self.device)
+        self.shelf = Shelf(self.id)
         self.consumer: Consumer | None = None
         self.membership = Membership(
-            board, worker_id, str(self.device), self._served, self._work, market, instance
-        )
+            board, worker_id, str(self.device), self.shelf.served, self.shelf.work, market,
+            instance,
+        )  # fmt: skip
         self.stop = threading.Event()
-        self._idle_since = time.monotonic()
+        self._idle_since = time.monotonic()  # holding no slice since
+        self._next_ask = 0.0  # monotonic time of the next volunteer ask
+        self.loader = Loader(board, self.id, self.device, settings.compute_dtype,
+                             settings.download_timeout_s, bank)  # fmt: skip
+        self._loader: threading.Thread | None = None  # loading a slice beside the serving
+        self._loads: queue.SimpleQueue[Loaded | tuple[Held, Exception]] = queue.SimpleQueue()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
         self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
 
@@ -77,20 +88,24 @@ class Worker:
 
     @property
     def holding(self) -> Held | None:
+        """The slice loaded last (None: it serves none)."""
         return self.membership.held
 
     @property
+    def holdings(self) -> list[Held]:
+        """Every slice it serves, in the order loaded."""
+        return list(self.membership.holds.values())
+
+    @property
+    def server(self) -> ExpertServer | None:
+        """The server of the slice loaded last."""
+        h = self.holding
+        return self.shelf.servers.get(h.model) if h is not None else None
+
+    @property
     def served(self) -> int:
-        """Jobs served since the slice was loaded."""
-        return self._served()[0]
-
-    def _work(self) -> tuple[float, int]:
-        sv = self.server
-        return (sv.busy_s, sv.rows) if sv is not None else (0.0, 0)
-
-    def _served(self) -> tuple[int, int]:
-        sv = self.server
-        return (sv.served, sv.last_serve_ms) if sv is not None else (0, 0)
+        """Jobs served by the slices it holds now."""
+        return self.shelf.served()[0]
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> None:
@@ -100,12 +115,13 @@ class Worker:
         try:
             while not self.stop.is_set():
                 try:
-                    if self.membership.held is None:
-                        if not self._volunteer():
-                            self._maybe_idle_out()
-                            self.stop.wait(self.s.volunteer_poll_s)
-                    else:
+                    self._install_loaded()
+                    took = self._volunteer() if self._volunteer_due() else False
+                    if self.shelf:
                         self._serve_batch()
+                    elif not took:
+                        self._maybe_idle_out()
+                        self.stop.wait(self.s.volunteer_poll_s)
                     backoff.reset()
                 except redis.RedisError as exc:
                     if not is_connection_error(exc):
@@ -121,7 +137,7 @@ class Worker:
 
     def _maybe_idle_out(self) -> None:
         """Holding no slice for `idle_shutdown_s` (> 0): exit (code 0)."""
-        if self._idle_for() > self.s.idle_shutdown_s > 0:
+        if self._idle_for() > self.s.idle_shutdown_s > 0 and self._loader is None:
             log.info("no slice for %.0fs; shutting down", self._idle_for())
             self.stop.set()
 
@@ -129,60 +145,92 @@ class Worker:
         return time.monotonic() - self._idle_since
 
     # -- volunteering and loading --------------------------------------------------------
+    def _volunteer_due(self) -> bool:
+        """Time to ask, room in the budget, and a model it holds no slice of."""
+        now = time.monotonic()
+        if now < self._next_ask or self._loader is not None:
+            return False
+        if not self.budget.can_take(self.shelf.used_bytes, len(self.shelf)):
+            return False
+        if not self.shelf:
+            return True
+        # serving already: look for more at the heartbeat's pace, not the idle poll's
+        self._next_ask = now + max(self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s())
+        return any(m not in self.shelf.servers for m in self.board.models())
+
     def _volunteer(self) -> bool:
-        held = self.membership.volunteer()
+        """Ask for a slice and load it: here while serving nothing, else on a thread beside
+        the serving loop (`_install_loaded` puts it on the shelf). True if one was offered."""
+        self._next_ask = max(self._next_ask, time.monotonic() + self.s.volunteer_poll_s)
+        held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
         if held is None:
             return False
+        if self.shelf:
+            self._loader = threading.Thread(
+                target=self._load_beside, args=(held,), name="loader", daemon=True
+            )
+            self._loader.start()
+            return True
         try:
-            self._load(held)
+            got = self.loader.load(held, self.membership.loaded)
         except KvqError as exc:
-            self.membership.give_back(held)
-            if isinstance(exc, BankError):
-                log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
-                raise  # this node's bank settings cannot work: retrying would loop forever
-            delay = self._load_backoff.next_delay()
-            log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
-                      held.model, held.sid, exc, delay)  # fmt: skip
-            self.stop.wait(delay)
+            self._failed(held, exc)
             return False
-        self._load_backoff.reset()
+        self._install(got)
         return True
 
-    def _load(self, held: Held) -> None:
-        info = self.board.model_info(held.model)
-        if info is None:
-            raise ModelError(f"model {held.model!r} is no longer registered")
-        spec = info.slices[held.sid]
-        dtype = compute_dtype(self.device, self.s.compute_dtype, (r.ggml_type for r in spec.ranges))
-        t0 = time.monotonic()
-        log.info("loading %s %s (%.1f MB from %s)", held.model, held.sid, spec.nbytes / 1e6,
-                 info.source)  # fmt: skip
-        self.membership.loaded(0, spec.nbytes)
-        blobs = fetch_slice(info.source, spec, self.s.download_timeout_s, self.membership.loaded)
-        experts, at = [], 0
-        for layer in spec.layers():  # blobs come in range order: layer by layer
-            ranges = spec.ranges_of(layer)
-            part, at = blobs[at : at + len(ranges)], at + len(ranges)
-            experts.append(decode_slice(
-                ranges, part, layer, spec.expert_start, spec.expert_end,
-                device=str(self.device), dtype=dtype,
-            ))  # fmt: skip
-        bank = Bank(experts, self.bank_options, self.device)
-        hidden = info.meta.embedding_length
-        warm_s = warm_up(bank, hidden, dtype, self.device)
-        self.server = ExpertServer(self.id, held.model, bank, hidden, dtype)
-        self._idle_since = time.monotonic()  # idleness counts from getting the slice
-        inbox = self.board.keys.worker_inbox(self.id)
-        self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
+    def _load_beside(self, held: Held) -> None:
+        try:
+            self._loads.put(self.loader.load(held, self.membership.loaded))
+        except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
+            self._loads.put((held, exc))
+
+    def _install_loaded(self) -> None:
+        """Put a slice loaded beside the serving loop on the shelf (or handle its failure)."""
+        try:
+            got = self._loads.get_nowait()
+        except queue.Empty:
+            return
+        self._loader = None
+        if isinstance(got, Loaded):
+            self._install(got)
+            return
+        held, exc = got
+        if not isinstance(exc, KvqError):
+            self.membership.give_back(held)
+            raise exc
+        self._failed(held, exc)
+
+    def _failed(self, held: Held, exc: KvqError) -> None:
+        """The offered slice could not be loaded: give it back, ask again after a back-off."""
+        self.membership.give_back(held)
+        if isinstance(exc, BankError):
+            log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
+            raise exc  # this node's bank settings cannot work: retrying would loop forever
+        delay = self._load_backoff.next_delay()
+        log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
+                  held.model, held.sid, exc, delay)  # fmt: skip
+        self._next_ask = time.monotonic() + delay
+
+    def _install(self, got: Loaded) -> None:
+        """A loaded slice starts serving: on the shelf, counted, beating."""
+        held = got.held
+        self.shelf.add(held.model, got.server, got.nbytes)
+        if self.consumer is None:
+            inbox = self.board.keys.worker_inbox(self.id)
+            self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
         self.membership.hold(held)
+        self._load_backoff.reset()
+        self._next_ask = 0.0  # room left? ask again at once
         log.info(
-            "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s",
-            held.model, held.sid, spec.nbytes, time.monotonic() - t0, warm_s, self.device,
+            "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s; %d slice(s), %.1f MB",
+            held.model, held.sid, got.nbytes, got.seconds, got.warm_s, self.device,
+            len(self.shelf), self.shelf.used_bytes / 1e6,
         )  # fmt: skip
 
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:
-        assert self.consumer is not None and self.server is not None
+        assert self.consumer is not None and self.shelf
         entries = self.consumer.read(count=_BATCH, block_ms=self.s.block_ms)
         jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
         plate = self.membership.backlog
@@ -196,22 +244,30 @@ class Worker:
                     plate.done()
         finally:
             plate.read([])
-        if entries:
-            self._idle_since = time.monotonic()
-            self.server.bank.step()  # B5: a batch of jobs is this node's engine step
-        elif self._idle_for() > self.s.idle_release_s > 0:
+        # B5: a batch of jobs is the engine step of the banks it used
+        self.shelf.step({job.model for _, _, job in jobs if job is not None})
+        if self.s.idle_release_s > 0:
             self._release_if_surplus()
 
     def _release_if_surplus(self) -> None:
-        """K10 wind-down: idle and beyond its slice's target → give the slice back, free its
-        memory and volunteer again (exiting is `idle_shutdown_s`'s business)."""
-        h = self.membership.retire()
-        self._idle_since = time.monotonic()  # still needed: look again later; else idle anew
-        if h is None:
-            return
-        log.info("no job for %.0fs and %s is over-covered: released it; volunteering again",
-                 self.s.idle_release_s, h.sid)  # fmt: skip
-        self.server, self.consumer = None, None
+        """K10 wind-down, per slice: no job for it in `idle_release_s` and beyond its target
+        → give it back, free its memory and volunteer again (exiting is `idle_shutdown_s`'s
+        business)."""
+        now = time.monotonic()
+        for model in self.shelf:
+            if now - self.shelf.last_job.get(model, now) <= self.s.idle_release_s:
+                continue
+            h = self.membership.retire(model)
+            if h is None:
+                self.shelf.last_job[model] = now  # still needed: look again later
+                continue
+            log.info("no job for %.0fs and %s %s is over-covered: released it",
+                     self.s.idle_release_s, h.model, h.sid)  # fmt: skip
+            self.shelf.drop(model)
+            self._next_ask = 0.0
+        if not self.shelf:
+            self.consumer = None  # its inbox went with the last slice
+            self._idle_since = now
 
     def _decode(self, eid: bytes, fields: dict[bytes, bytes]) -> wire.Job | None:
         """The entry's job, or None after dead-lettering an entry that does not decode."""
@@ -225,12 +281,12 @@ class Worker:
         """Serve, write the result, then ack. No entry stops the worker: one that cannot be
         served or answered (a `reply_to` of another type or outside its ACL, a slice it does
         not hold) is dead-lettered with the reason (one that cannot be decoded, by `_decode`)."""
-        assert self.consumer is not None and self.server is not None
+        assert self.consumer is not None
         # always this worker's own results stream for the job's coordinator, whatever
         # `reply_to` says (a job moved here from a dead peer names the peer's): results are
         # attributed by where they arrive, and a forged job cannot aim a result elsewhere
         own = self.board.keys.worker_results(self.id, job.coord)
-        result = self.server.handle(job)
+        result = self.shelf.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
         ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
@@ -292,18 +348,3 @@ def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     if mode != "auto":
         return mode == "monitor"
     return who != "default"
-
-
-def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
-    """Run every expert the bank holds once (one row each) before the worker says it serves
-    (K4): page faults, kernel compilation and allocator growth happen here, not in the first
-    jobs, so the coordinator's first samples of this worker are warm. Returns the seconds."""
-    t0 = time.monotonic()
-    with torch.no_grad():
-        for layer in bank.layers:
-            lo, hi = bank.expert_range(layer)
-            n = hi - lo
-            x = torch.ones(n, hidden, dtype=dtype, device=device)  # [n, H]
-            ids = torch.arange(lo, hi, device=device)[:, None]  # [n, 1]: one expert per row
-            bank.forward(layer, x, ids, torch.ones(n, 1, device=device))
-    return time.monotonic() - t0

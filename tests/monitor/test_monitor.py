@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 from boards import BoardCase
@@ -128,3 +129,58 @@ def test_requeue_moves_only_unanswered_entries(settings: Settings, r: redis.Redi
     moved = [f[b"m"] for _, f in r.xrange(keys.worker_inbox("live"))]
     assert moved == [b"job1", b"job2", b"job3"], "pending and undelivered move, answered don't"
     assert not r.exists(inbox)
+
+
+def test_reap_sends_each_job_of_a_multi_slice_worker_to_its_own_slice(
+    board_case: BoardCase, tmp_path: Path
+) -> None:
+    """Issue 10 item 4: a dead worker held a slice of two models; each job in its inbox goes
+    to a live peer of that job's model and slice, and both slices are released."""
+    from kvq import wire
+    from kvq.bus.board import spread_jobs
+
+    board = board_case.board
+    mon = Monitor(board, BASE)
+    sids = {}
+    for name in ("m", "n"):
+        path = tmp_path / f"{name}.gguf"
+        make_tiny(path, layers=1, experts=8)
+        info = mon.register(name, path)
+        sids[name] = sorted(info.slices)[0]
+        for other in info.slices:
+            board.set_target(name, other, 0)
+        board.set_target(name, sids[name], 2)
+        assert board.volunteer(name, "dead") == sids[name]
+    assert board.volunteer("m", "peer-m") == sids["m"]
+    assert board.volunteer("n", "peer-n") == sids["n"]
+    for w in ("dead", "peer-m", "peer-n"):
+        board.beat(w, _info(sids["m"]))
+    board_case.kill_worker("dead")
+
+    def job(model: str, i: int) -> dict[str, bytes | str]:
+        t = wire.Tensor.of(np.zeros((1, 2), dtype=np.float32))
+        return wire.encode(wire.Job(
+            job_id=f"{model}{i}", model=model, layer=0, slice=sids[model], expert_start=0,
+            expert_end=4, coord="c", reply_to="r", deadline_ms=0, x=t, ids=t, weights=t,
+        ))  # fmt: skip
+
+    jobs = [job("m", 0), job("n", 0), job("m", 1), {"m": b"garbage"}]
+    board.send_jobs([("dead", f) for f in jobs])
+    assert mon.reap("m", "n") == ["dead"]
+    ids = {
+        w: [wire.decode(f, wire.Job).job_id if f["m"] != b"garbage" else "garbage"
+            for f in _raw_inbox(board_case, w)]
+        for w in ("peer-m", "peer-n")
+    }  # fmt: skip
+    assert sorted(ids["peer-m"]) == ["garbage", "m0", "m1"] and ids["peer-n"] == ["n0"]
+    assert board.assignments("m") == {"peer-m": sids["m"]}
+    assert board.assignments("n") == {"peer-n": sids["n"]}
+    assert spread_jobs([jobs[1]], {("m", sids["m"]): ["x"]}) == [], "no peer: dropped"
+
+
+def _raw_inbox(case: BoardCase, worker: str) -> list[dict[str, object]]:
+    b = case.board
+    if isinstance(b, RedisBoard):
+        rows = [f for _, f in b.r.xrange(b.keys.worker_inbox(worker))]
+        return [{k.decode(): v for k, v in f.items()} for f in rows]
+    return [dict(f) for f in b.inboxes.get(worker, [])]  # type: ignore[attr-defined]

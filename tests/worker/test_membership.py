@@ -86,7 +86,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, ready=False)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading",
-        instance="i1",
+        instance="i1", holds="{}",
     )  # fmt: skip
     m.loaded(10, 100)
     m.beat()
@@ -97,7 +97,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100, instance="i1",
+        total_bytes=100, instance="i1", holds=f'{{"m":"{b}"}}',
     )  # fmt: skip
 
 
@@ -347,3 +347,89 @@ def test_beats_report_busy_and_queued_rows_per_coordinator(
 def test_a_queued_by_field_that_does_not_decode_reads_as_empty(text: str) -> None:
     info = WorkerInfo(model="m", slice="s", device="cpu", queued_by=text)
     assert info.queued_by_coord() == {}
+
+
+# -- several slices (issue 10 item 4) ----------------------------------------------------------
+def _two_models(board: Board, gguf: Path) -> tuple[str, str]:
+    """Models "m" and "n", one slice each (1 layer x 8 experts) with a target of 1."""
+    sids = []
+    for model in ("m", "n"):
+        info = plan_model(model, gguf, 1, 8)
+        board.register_model(info, 1)
+        sids.append(next(iter(info.slices)))
+    return sids[0], sids[1]
+
+
+def test_a_worker_takes_one_slice_of_each_model(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    sm, sn = _two_models(board, gguf)
+    m = Membership(board, "w", "cpu")
+    first = m.volunteer()
+    assert first == Held("m", sm)
+    m.hold(first)
+    second = m.volunteer()
+    assert second == Held("n", sn), "the model it holds is skipped"
+    # loading the second: the first stays routable, the second is not yet
+    views = {(mod, v.slice_id): v for mod in ("m", "n") for v in board.workers(mod)}
+    assert views[("m", sm)].ready and not views[("n", sn)].ready
+    m.hold(second)
+    assert m.holds == {"m": first, "n": second} and m.held == second
+    assert all(v.ready for mod in ("m", "n") for v in board.workers(mod))
+    info = board.worker_info("w")
+    assert info is not None and info.held() == {"m": sm, "n": sn}
+    assert m.volunteer() is None, "a slice of every model: nothing more to take"
+    assert board.assignments("m") == {"w": sm} and board.assignments("n") == {"w": sn}
+
+
+def test_a_slice_that_does_not_fit_is_not_reserved(board_case: BoardCase, gguf: Path) -> None:
+    board = board_case.board
+    sm, _ = _two_models(board, gguf)
+    size = plan_model("m", gguf, 1, 8).slices[sm].nbytes
+    m = Membership(board, "w", "cpu")
+    assert m.volunteer(room=size - 1) is None
+    assert board.assignments("m") == {} and board.assignments("n") == {}, "nothing reserved"
+    assert board.slice_demand("m")[sm].demand == 1
+    assert m.volunteer(room=size) == Held("m", sm), "exactly its size fits"
+
+
+def test_beats_reassert_every_slice_and_leave_releases_them_all(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    sm, sn = _two_models(board, gguf)
+    m = Membership(board, "w", "cpu")
+    for _ in range(2):
+        held = m.volunteer()
+        assert held is not None
+        m.hold(held)
+    board.release("m", "w")
+    board.release("n", "w")  # reaped, or Redis lost its data
+    m.beat()
+    assert board.assignments("m") == {"w": sm} and board.assignments("n") == {"w": sn}
+    m.leave()
+    assert board.assignments("m") == {} and board.assignments("n") == {}
+    assert board.worker_info("w") is None
+
+
+def test_retiring_one_slice_keeps_the_others_and_the_keys(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    sm, sn = _two_models(board, gguf)
+    m = Membership(board, "w", "cpu")
+    for _ in range(2):
+        held = m.volunteer()
+        assert held is not None
+        m.hold(held)
+    assert m.retire("m") is None, "still wanted"
+    board.set_target("m", sm, 0)
+    assert m.retire("n") is None and m.retire("m") == Held("m", sm)
+    assert m.holds == {"n": Held("n", sn)} and board.assignments("m") == {}
+    info = board.worker_info("w")
+    assert info is not None and info.held() == {"n": sn}, "its beat no longer lists it"
+    m.beat()
+    assert board.assignments("m") == {}, "a retired slice is not re-asserted"
+    assert any(v.alive for v in board.workers("n"))
+    board.set_target("n", sn, 0)
+    assert m.retire("n") == Held("n", sn)
+    assert board.worker_info("w") is None, "the last slice takes the worker's keys with it"

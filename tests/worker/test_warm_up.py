@@ -8,7 +8,7 @@ import torch
 
 from kvq.bank import Bank, BankOptions
 from kvq.model import Backbone, make_tiny
-from kvq.worker.service import warm_up
+from kvq.worker.loader import warm_up
 
 
 def test_warm_up_computes_every_expert_of_every_layer_once(tmp_path: Path) -> None:

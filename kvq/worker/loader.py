@@ -1,0 +1,91 @@
+"""Loading one slice: fetch its bytes, decode them into a bank, warm it up, wrap it in a server.
+
+No Redis writes, no worker state: `Loader.load` runs on the worker's main thread while it serves
+nothing, and on a thread of its own beside the serving loop while it serves other slices
+(`Worker`), so a second slice's download never stalls the first slice's jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvq.bank import Bank, BankOptions
+from kvq.bus.board import Board
+from kvq.bus.market import Held
+from kvq.device import compute_dtype
+from kvq.errors import ModelError
+from kvq.model import decode_slice
+from kvq.worker.fetch import fetch_slice
+from kvq.worker.server import ExpertServer
+
+log = logging.getLogger("kvq.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A slice ready to serve: its server and its published bytes (what the budget counts)."""
+
+    held: Held
+    server: ExpertServer
+    nbytes: int
+    seconds: float  # fetch + decode + warm-up
+    warm_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Loader:
+    """How worker `name` loads slices from `board`'s model table onto `device`."""
+
+    board: Board
+    name: str
+    device: torch.device
+    compute_dtype: str
+    download_timeout_s: float
+    bank_options: BankOptions
+
+    def load(self, held: Held, progress: Callable[[int, int], None]) -> Loaded:
+        """The slice `held`, loaded (KvqError when it cannot be: unregistered, unreachable,
+        corrupt, or a bank these settings cannot build)."""
+        info = self.board.model_info(held.model)
+        if info is None:
+            raise ModelError(f"model {held.model!r} is no longer registered")
+        spec = info.slices[held.sid]
+        dtype = compute_dtype(self.device, self.compute_dtype, (r.ggml_type for r in spec.ranges))
+        t0 = time.monotonic()
+        log.info("loading %s %s (%.1f MB from %s)", held.model, held.sid, spec.nbytes / 1e6,
+                 info.source)  # fmt: skip
+        progress(0, spec.nbytes)
+        blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
+        experts, at = [], 0
+        for layer in spec.layers():  # blobs come in range order: layer by layer
+            ranges = spec.ranges_of(layer)
+            part, at = blobs[at : at + len(ranges)], at + len(ranges)
+            experts.append(decode_slice(
+                ranges, part, layer, spec.expert_start, spec.expert_end,
+                device=str(self.device), dtype=dtype,
+            ))  # fmt: skip
+        bank = Bank(experts, self.bank_options, self.device)
+        hidden = info.meta.embedding_length
+        warm_s = warm_up(bank, hidden, dtype, self.device)
+        server = ExpertServer(self.name, held.model, bank, hidden, dtype)
+        return Loaded(held, server, spec.nbytes, time.monotonic() - t0, warm_s)
+
+
+def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Run every expert the bank holds once (one row each) before the worker says it serves
+    (K4): page faults, kernel compilation and allocator growth happen here, not in the first
+    jobs, so the coordinator's first samples of this worker are warm. Returns the seconds."""
+    t0 = time.monotonic()
+    with torch.no_grad():
+        for layer in bank.layers:
+            lo, hi = bank.expert_range(layer)
+            n = hi - lo
+            x = torch.ones(n, hidden, dtype=dtype, device=device)  # [n, H]
+            ids = torch.arange(lo, hi, device=device)[:, None]  # [n, 1]: one expert per row
+            bank.forward(layer, x, ids, torch.ones(n, 1, device=device))
+    return time.monotonic() - t0
