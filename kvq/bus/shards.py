@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from kvq.bus.streams import Consumer, ensure_group, is_cluster, xadd
+from kvq.bus.streams import Consumer, answer_then_ack, ensure_group, is_cluster
 
 Fields = dict[bytes, bytes]
 Delivered = tuple[str, bytes, Fields]  # (stream, entry id, fields)
@@ -114,21 +114,10 @@ class ShardedConsumer:
         """Append each `(stream, fields, ttl_s)`, then ack and delete each `(shard stream,
         entry id)`, in that order (see `Consumer.answer`): one round trip on one server, two
         on a cluster, whose pipelines run per node in no order between nodes."""
-        pipe = self.r.pipeline(transaction=False)
-        for stream, fields, ttl_s in appends:
-            xadd(pipe, stream, fields, maxlen)
-            if ttl_s is not None:
-                pipe.expire(stream, ttl_s)
-        if entries and self._cluster:
-            pipe.execute()
-            pipe = self.r.pipeline(transaction=False)
         by_stream: dict[str, list[bytes]] = {}
         for stream, eid in entries:
             by_stream.setdefault(stream, []).append(eid)
-        for stream, ids in by_stream.items():
-            pipe.xack(stream, self.group, *ids)
-            pipe.xdel(stream, *ids)  # answered: see `Consumer.ack`
-        pipe.execute()
+        answer_then_ack(self.r, self._cluster, self.group, appends, by_stream, maxlen)
 
     def reset_pending(self) -> None:
         """Re-read own pending entries of every shard at the next `read()` (after a reconnect

@@ -128,24 +128,35 @@ class Consumer:
         and delete `entry_ids`, in one round trip and in that order: an entry is never acked
         before its answer is written, so a crash in between re-delivers it instead of losing
         it."""
-        pipe = self.r.pipeline(transaction=False)
-        for stream, fields, ttl_s in appends:
-            xadd(pipe, stream, fields, maxlen)
-            if ttl_s is not None:
-                pipe.expire(stream, ttl_s)
-        if entry_ids and self._cluster:
-            # a cluster pipeline runs per node, in no order between nodes: the answers
-            # (other hash tags) must be written before the ack, so that takes a round trip
-            pipe.execute()
-            pipe = self.r.pipeline(transaction=False)
-        if entry_ids:
-            pipe.xack(self.stream, self.group, *entry_ids)
-            pipe.xdel(self.stream, *entry_ids)  # answered: see `ack`
-        pipe.execute()
+        acks = {self.stream: list(entry_ids)} if entry_ids else {}
+        answer_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
 
     def reset_pending(self) -> None:
         """Re-read own pending entries at the next `read()` (after a reconnect or a claim)."""
         self._cursor = b"0"
+
+
+def answer_then_ack(
+    r: redis.Redis, cluster: bool, group: str,
+    appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    acks: Mapping[str, Sequence[bytes]], maxlen: int,
+) -> None:  # fmt: skip
+    """Append each `(stream, fields, ttl_s)`, then ack and delete the entries `acks` names per
+    stream, in that order (`Consumer.answer`): one round trip on one server; on a cluster a
+    pipeline runs per node in no order between nodes, so the answers (other hash tags) are
+    written first and the acks take a second round trip."""
+    pipe = r.pipeline(transaction=False)
+    for stream, fields, ttl_s in appends:
+        xadd(pipe, stream, fields, maxlen)
+        if ttl_s is not None:
+            pipe.expire(stream, ttl_s)
+    if acks and cluster:
+        pipe.execute()
+        pipe = r.pipeline(transaction=False)
+    for stream, ids in acks.items():
+        pipe.xack(stream, group, *ids)
+        pipe.xdel(stream, *ids)  # answered: see `Consumer.ack`
+    pipe.execute()
 
 
 def claim_from_dead(

@@ -392,16 +392,22 @@ def test_a_slice_that_does_not_fit_is_not_reserved(board_case: BoardCase, gguf: 
     assert m.volunteer(room=size) == Held("m", sm), "exactly its size fits"
 
 
-def test_beats_reassert_every_slice_and_leave_releases_them_all(
-    board_case: BoardCase, gguf: Path
-) -> None:
-    board = board_case.board
+def _holding_both(board: Board, gguf: Path) -> tuple[Membership, str, str]:
+    """A worker holding a slice of each of two models (and those slices' ids)."""
     sm, sn = _two_models(board, gguf)
     m = Membership(board, "w", "cpu")
     for _ in range(2):
         held = m.volunteer()
         assert held is not None
         m.hold(held)
+    return m, sm, sn
+
+
+def test_beats_reassert_every_slice_and_leave_releases_them_all(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    m, sm, sn = _holding_both(board, gguf)
     board.release("m", "w")
     board.release("n", "w")  # reaped, or Redis lost its data
     m.beat()
@@ -415,12 +421,7 @@ def test_retiring_one_slice_keeps_the_others_and_the_keys(
     board_case: BoardCase, gguf: Path
 ) -> None:
     board = board_case.board
-    sm, sn = _two_models(board, gguf)
-    m = Membership(board, "w", "cpu")
-    for _ in range(2):
-        held = m.volunteer()
-        assert held is not None
-        m.hold(held)
+    m, sm, sn = _holding_both(board, gguf)
     assert m.retire("m") is None, "still wanted"
     board.set_target("m", sm, 0)
     assert m.retire("n") is None and m.retire("m") == Held("m", sm)
