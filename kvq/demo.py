@@ -24,6 +24,7 @@ from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings, child_env
 from kvq.demo_acl import DemoUsers
 from kvq.errors import KvqError
+from kvq.keys import request_streams
 from kvq.model import make_tiny, read_meta
 from kvq.procs import ChildDied, Children
 from kvq.server import EmbeddedRedis
@@ -222,5 +223,15 @@ def _summary(
         "remote_max_abs_err": st.max_abs_err,
         "tolerance": "per row |remote - local| <= tol(dtype) * |local| (docs/security.md)",
         "redis": redis_label,
+        "request_shards": board.shard_count(MODEL_ID),
+        "request_nodes": _request_nodes(board),
         "wall_s": round(time.monotonic() - t0, 2),
     }
+
+
+def _request_nodes(board: RedisBoard) -> int:
+    """How many servers hold the model's request shards (a cluster's masters; else 1)."""
+    if not board.cluster:
+        return 1
+    streams = request_streams(board.keys, MODEL_ID, board.shard_count(MODEL_ID))
+    return len({board.r.get_node_from_key(s).name for s in streams})

@@ -125,3 +125,19 @@ def test_demo_with_every_process_under_its_acl_user() -> None:
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["acl_denials"] == 0 and summary["requests_completed"] == 6
     assert summary["remote_jobs"] > 0 and summary["remote_matches_local"] is True
+
+
+def test_demo_on_a_local_cluster_spreads_the_requests_over_its_masters() -> None:
+    """Issue 14: `kvq demo --cluster 3` end to end, the requests over 6 shards on 3 masters."""
+    env, _ = _marked_env()
+    env["KVQ_REQUEST_SHARDS"] = "6"
+    out = subprocess.run(
+        [*KVQ, "demo", "--cluster", "3", "--json"], capture_output=True, text=True, timeout=240,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["redis"] == "cluster of 3"
+    assert summary["requests_completed"] == 16 and summary["remote_jobs"] > 0
+    assert summary["remote_matches_local"] is True
+    assert summary["request_shards"] == 6 and summary["request_nodes"] == 3
