@@ -125,6 +125,35 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
 
 
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """How this process's kernels compute; set once at the entry point (`configure`).
+
+    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS: one
+    row at a time through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
+    (the CC environment variable). `cache_dir`: where the built library is kept ("" =
+    `qdot.default_cache_dir()`)."""
+
+    activations: str = "float32"
+    cc: str = "cc"
+    cache_dir: str = ""
+
+
+_options = KernelOptions()
+
+
+def configure(options: KernelOptions) -> None:
+    """Set the process-wide kernel options (the CLI does, from the settings)."""
+    global _options
+    if options.activations not in ("float32", "int8"):
+        raise ValueError(f"activations {options.activations!r}: want float32 or int8")
+    _options = options
+
+
+def options() -> KernelOptions:
+    return _options
+
+
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], Built | None] = {}
 
