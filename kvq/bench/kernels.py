@@ -2,7 +2,7 @@
 and the int8-activation C kernel (`kvq.quant.qdot`) against the fused float32 one.
 
 Each timing multiplies by `matrices` distinct random matrices in turn (so the weights come
-from RAM, not cache, as in a model) and reports ms per call, best of `repeat` passes; both
+from RAM, not cache, as in a model) and reports the median ms per call over `repeat` passes; both
 paths run in the same process, alternating, so the ratio is what to read on a noisy machine.
 `int8_ms` (null where the C kernel cannot be built) is the C kernel on the same matrices and
 rows, whatever KVQ_ACTIVATIONS says; `int8_speedup` = fused_ms / int8_ms.
@@ -32,13 +32,15 @@ class KernelsBench:
 
 
 def _per_call(fn: Any, mats: list[torch.Tensor], repeat: int) -> float:
-    best = float("inf")
+    """Median ms of one call over `repeat` passes over `mats`: a call that lost its core to
+    another process (a shared machine) moves a mean, not the median."""
+    times: list[float] = []
     for _ in range(repeat):
-        t = time.perf_counter()
         for m in mats:
+            t = time.perf_counter()
             fn(m)
-        best = min(best, (time.perf_counter() - t) / len(mats))
-    return best * 1e3
+            times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
 
 
 def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:

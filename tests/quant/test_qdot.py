@@ -219,3 +219,46 @@ def test_greedy_tokens_with_int8_activations_agree_with_float32(
     first = next((i for i, (a, b) in enumerate(zip(free, want, strict=True)) if a != b), 64)
     print(f"{quant}: {agree:.3f} of 64 greedy steps agree; free-running, {first} tokens agree")
     assert agree >= 0.9, f"{quant}: {agree:.3f} of 64 greedy steps agree with float32"
+
+
+def test_an_honest_int8_worker_is_never_flagged_against_float32(
+    tmp_path: Path, built: qdot.Built
+) -> None:
+    """What `ROW_TOLERANCE["q8"]` rests on: single-row jobs (each expert call one row, so all
+    of it through the int8 kernel) of a q4_k_m slice, int8 against the float32 recompute a
+    coordinator does; and int8 against int8 on other thread counts is bit-exact."""
+    from kvq.bank import Bank, BankOptions
+    from kvq.coordinator.check import compare, tolerance
+    from kvq.model import make_tiny, read_meta
+    from kvq.model.slices import map_slice, slice_layout
+
+    path = tmp_path / "q4_k_m.gguf"
+    make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=7)
+    sl = map_slice(path, slice_layout(read_meta(path), 0, 0, 8), 0, 0, 8)
+    bank = Bank([sl], BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False), "cpu")
+    rng = np.random.default_rng(3)
+    tol, worst, before = tolerance("q8", "float32"), 0.0, qdot.options()
+    threads = torch.get_num_threads()
+    try:
+        for i in range(500):
+            x = torch.from_numpy(
+                (rng.standard_normal((1, 256)) * 10 ** rng.uniform(-2, 1.5)).astype(np.float32)
+            )
+            ids = torch.from_numpy(np.argsort(rng.random((1, 8)), axis=1)[:, :2].copy())
+            w = torch.from_numpy(rng.random((1, 2)).astype(np.float32))
+            qdot.configure(qdot.KernelOptions())
+            ref = bank.forward(0, x, ids, w)
+            qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
+            got = bank.forward(0, x, ids, w)
+            c = compare(got, ref, tol)
+            assert c.ok, f"job {i}: relative row error {c.rel_err:.3g} > {tol}"
+            worst = max(worst, c.rel_err)
+            if i % 50 == 0:
+                torch.set_num_threads(1)
+                assert torch.equal(bank.forward(0, x, ids, w), got), "remote == local"
+                torch.set_num_threads(threads)
+    finally:
+        qdot.configure(before)
+        torch.set_num_threads(threads)
+    print(f"q8: worst relative row error {worst:.4g} over 500 jobs, tolerance {tol}")
+    assert worst < tol / 4, "the tolerance keeps a margin over honest rounding"
