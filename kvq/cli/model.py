@@ -207,7 +207,8 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(r))
         return EXIT_OK
     print(f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
-          f"tokens, median of {r['rounds']} rounds, {r['kvq']['activations']} activations")  # fmt: skip
+          f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
+          "activations")  # fmt: skip
     kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
     print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
     for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",

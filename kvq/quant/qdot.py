@@ -23,6 +23,7 @@ caller keeps the float32 numba kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -94,7 +95,7 @@ def _compile(cc: str, flags: tuple[str, ...], dest: Path) -> str | None:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{cc}: {exc}"
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):  # renamed into place, or not
             os.unlink(tmp)
 
 
@@ -106,7 +107,7 @@ def build(cc: str, cache_dir: Path) -> Built:
     why = ""
     for flags, openmp in (((*FLAGS, *OPENMP), True), (FLAGS, False)):
         path = cache_dir / f"qdot-{_key(cc, flags)}.so"
-        if not path.exists():
+        if not os.path.isfile(path):
             err = _compile(cc, flags, path)
             if err is not None:
                 why = err
