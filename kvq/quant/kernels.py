@@ -363,6 +363,7 @@ _KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: 
 _MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
+_int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
 _MAX_THREADS: int = getattr(numba.config, "NUMBA_NUM_THREADS", 1)  # numba's pool size
 
 
@@ -382,10 +383,16 @@ def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
 def int8_kernel() -> qdot.Built | None:
     """The C kernel when int8 activations are asked for and it could be built, else None
     (the first call builds it, or warns once that it cannot and the float32 kernels stay)."""
+    global _int8_for
     o = qdot.options()
-    if o.activations != "int8":
-        return None
-    return qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+    last = _int8_for
+    if last is not None and last[0] is o:  # every decode matmul asks: keep it cheap
+        return last[1]
+    built = None
+    if o.activations == "int8":
+        built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+    _int8_for = (o, built)
+    return built
 
 
 def int8_active() -> bool:
