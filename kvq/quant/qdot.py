@@ -47,7 +47,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
 _ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory"}
 
 
@@ -182,7 +182,8 @@ def matmul(
     threads: int, isa: int = -1,
 ) -> npt.NDArray[np.float32]:  # fmt: skip
     """x [B, K] float32 (C-contiguous) @ W.T for W [N, row bytes] of `qtype` -> [B, N].
-    `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX512-VNNI (lowered to what it has)."""
+    `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX2 + VNNI, 3 AVX512BW + VNNI (512-bit
+    Q4_K and Q6_K); lowered to what the CPU has."""
     n, b, k = w.shape[0], x.shape[0], x.shape[1]
     out = np.empty((b, n), dtype=np.float32)
     rc = built.lib.kvq_qdot(

@@ -27,7 +27,7 @@
 
 /* ggml type ids */
 enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3 };
 
 typedef struct { /* 256 activations */
     float d;
@@ -234,6 +234,17 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
 #include <immintrin.h>
 #define QDOT_X86 1
 
+/* the weights stream from RAM, mapped in 4 KiB pages, where the hardware prefetcher stops at
+ * each page boundary: ask for the bytes PF ahead of the block being read */
+#define PF 1536
+#define PREFETCH(p)                                                            \
+    do {                                                                       \
+        _mm_prefetch((const char *)(p) + PF, _MM_HINT_T0);                     \
+        _mm_prefetch((const char *)(p) + PF + 64, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(p) + PF + 128, _MM_HINT_T0);               \
+        _mm_prefetch((const char *)(p) + PF + 192, _MM_HINT_T0);               \
+    } while (0)
+
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define F16(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
 #define SFX(name) name##_avx2
@@ -251,6 +262,78 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
 #undef SFX
 #undef MUL_SUM
 #undef F16
+
+/* 512-bit Q4_K and Q6_K (AVX512BW + VNNI): two 32-value groups per instruction */
+#define TGTZ __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define F16Z(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
+#define LDY(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define LDZ(p) _mm512_loadu_si512((const void *)(p))
+#define PAIR(a, b) _mm512_inserti64x4(_mm512_castsi256_si512(a), (b), 1)
+
+static TGTZ float dot_q4_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 144, x++) {
+        PREFETCH(w);
+        uint8_t sc[8], mn[8];
+        k_scales_vnni(w + 4, sc, mn);
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c += 2) { /* chunks c, c + 1: sub-blocks 2c .. 2c + 3 */
+            const __m512i q = LDZ(w + 16 + 32 * c);
+            const int8_t *xq = x->q + 64 * c;
+            const __m512i xlo = PAIR(LDY(xq), LDY(xq + 64)), xhi = PAIR(LDY(xq + 32), LDY(xq + 96));
+            const __m512i slo = PAIR(_mm256_set1_epi16(sc[2 * c]), _mm256_set1_epi16(sc[2 * c + 2]));
+            const __m512i shi = PAIR(_mm256_set1_epi16(sc[2 * c + 1]), _mm256_set1_epi16(sc[2 * c + 3]));
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(_mm512_and_si512(q, m4), xlo), slo);
+            s = _mm512_dpwssd_epi32(
+                s, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4), xhi), shi);
+        }
+        acc = combine_k(acc, x->d, F16Z(w), F16Z(w + 2), _mm512_reduce_add_epi32(s),
+                        k_mins_vnni(mn, x->bsums));
+    }
+    return acc;
+}
+
+static TGTZ float dot_q6_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    /* int16 lane j of a 64-value group takes the scale of its 16-value sub-block, j / 8 */
+    const __m512i lo_idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4), eight = _mm512_set1_epi16(8);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 210, x++) {
+        PREFETCH(w);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const __m512i sc16 = _mm512_castsi256_si512(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)sc)));
+        __m512i s = _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            const __m512i ql = LDZ(w + 64 * half);
+            const __m256i qh = LDY(w + 128 + 32 * half);
+            const __m512i h01 = PAIR(qh, _mm256_srli_epi16(qh, 2));
+            const __m512i h23 = PAIR(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+            const __m512i q12 = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+            const __m512i q34 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+            const __m512i base = half ? eight : _mm512_setzero_si512();
+            const __m512i s12 = _mm512_permutexvar_epi16(_mm512_add_epi16(lo_idx, base), sc16);
+            const __m512i s34 = _mm512_permutexvar_epi16(
+                _mm512_add_epi16(_mm512_add_epi16(lo_idx, base), four), sc16);
+            const int8_t *xq = x->q + 128 * half;
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q12, LDZ(xq)), s12);
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q34, LDZ(xq + 64)), s34);
+        }
+        int32_t isum = _mm512_reduce_add_epi32(s) - q6_offset(sc, x);
+        acc = combine_k(acc, x->d, F16Z(w + 208), 0.0f, isum, 0);
+    }
+    return acc;
+}
+#undef TGTZ
+#undef F16Z
+#undef LDY
+#undef LDZ
+#undef PAIR
 #endif
 
 /* ---- dispatch -------------------------------------------------------------------------- */
@@ -260,7 +343,7 @@ int kvq_qdot_best_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-        return ISA_VNNI;
+        return __builtin_cpu_supports("avx512bw") ? ISA_AVX512 : ISA_VNNI;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
 #endif
@@ -280,6 +363,11 @@ typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
 static dot_k_fn pick_k(int qtype, int isa) {
 #ifdef QDOT_X86
+    if (isa == ISA_AVX512) {
+        if (qtype == T_Q4_K) return dot_q4_k_z;
+        if (qtype == T_Q6_K) return dot_q6_k_z;
+        if (qtype == T_Q5_K) return dot_q5_k_vnni;
+    }
     if (isa == ISA_VNNI) {
         if (qtype == T_Q4_K) return dot_q4_k_vnni;
         if (qtype == T_Q5_K) return dot_q5_k_vnni;
@@ -299,7 +387,7 @@ static dot_k_fn pick_k(int qtype, int isa) {
 
 static dot_0_fn pick_0(int qtype, int isa) {
 #ifdef QDOT_X86
-    if (isa == ISA_VNNI) return qtype == T_Q8_0 ? dot_q8_0_vnni : dot_q4_0_vnni;
+    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? dot_q8_0_vnni : dot_q4_0_vnni;
     if (isa == ISA_AVX2) return qtype == T_Q8_0 ? dot_q8_0_avx2 : dot_q4_0_avx2;
 #endif
     return qtype == T_Q8_0 ? dot_q8_0_scalar : dot_q4_0_scalar;

@@ -49,6 +49,7 @@ static TGT float SFX(dot_q4_k)(const uint8_t *w, const xk_t *x, int64_t nb) {
     const __m256i m4 = _mm256_set1_epi8(15);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 144, x++) {
+        PREFETCH(w);
         uint8_t sc[8], mn[8];
         SFX(k_scales)(w + 4, sc, mn);
         __m256i s = _mm256_setzero_si256();
@@ -68,6 +69,7 @@ static TGT float SFX(dot_q5_k)(const uint8_t *w, const xk_t *x, int64_t nb) {
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 176, x++) {
+        PREFETCH(w);
         uint8_t sc[8], mn[8];
         SFX(k_scales)(w + 4, sc, mn);
         const __m256i qh = LD(w + 16);
@@ -94,6 +96,7 @@ static TGT float SFX(dot_q6_k)(const uint8_t *w, const xk_t *x, int64_t nb) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 210, x++) {
+        PREFETCH(w);
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i s = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
