@@ -12,8 +12,8 @@ assumed from the build machine; every path gives the same bits (the integers are
 float part is shared), and each output is computed by one thread, so results depend neither on
 the CPU's features nor on the thread count.
 
-Build: `cc -O3 -shared -fPIC -ffp-contract=off -fopenmp qdot.c -lm` into a cache directory,
-named by the hash of the sources, the compiler and the flags; written to a temporary name and
+Build: `cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno -fopenmp qdot.c -lm` into a
+cache directory, named by the hash of the sources, the compiler and the flags; written to a temporary name and
 renamed into place, so processes building at once each end up loading a whole library. The
 OpenMP runtime is libgomp.so.1, which torch has already loaded: the kernel shares torch's
 threads. Without OpenMP (the build retries without it) the kernel runs on one thread. Where
@@ -44,7 +44,7 @@ log = logging.getLogger("kvq.quant")
 
 SOURCES = ("qdot.c", "qdot_simd.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
-FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11")
+FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}

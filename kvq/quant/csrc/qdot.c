@@ -11,7 +11,8 @@
  * scalar, AVX2 and AVX512-VNNI paths give the same bits, and each output is computed by one
  * thread: results depend neither on the CPU's features nor on the thread count.
  *
- * Build: cc -O3 -shared -fPIC -ffp-contract=off [-fopenmp] qdot.c (see kvq/quant/qdot.py).
+ * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c (kvq/quant/qdot.py);
+ * -fno-math-errno lets lrintf be one instruction.
  * -ffp-contract=off keeps a * b + c from becoming an FMA in one path and not in another.
  */
 #include <math.h>
