@@ -186,6 +186,11 @@ class Settings(BaseSettings):
         description="expert compute dtype; auto = never below the stored precision (float32 "
         "for quantized experts)",
     )
+    activations: Literal["float32", "int8"] = Field(
+        "float32",
+        description="activations of the CPU kernels on quantized weights: float32 (exact) or "
+        "int8 (quantized per block, integer dot products: faster, below the stored precision)",
+    )
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
     load_retry_max_s: float = Field(
         60.0, gt=0, description="longest wait before volunteering again after a failed slice load"
@@ -308,6 +313,17 @@ class Settings(BaseSettings):
             return "all" if on else "off"
         if isinstance(v, str) and v not in ("sampled", "all", "off"):
             raise ValueError("must be sampled, all or off (1/true = all, 0/false = off)")
+        return v
+
+    @field_validator("activations")
+    @classmethod
+    def _check_activations(cls, v: str, info: ValidationInfo) -> str:
+        dtype = info.data.get("compute_dtype", "auto")
+        if v == "int8" and dtype not in ("auto", "float32"):
+            raise ValueError(
+                f"int8 applies to the float32 kernels; KVQ_COMPUTE_DTYPE={dtype} does not use "
+                "them: set KVQ_COMPUTE_DTYPE=auto or float32, or KVQ_ACTIVATIONS=float32"
+            )
         return v
 
     @field_validator("redis_url", "rq_url")

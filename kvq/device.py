@@ -37,7 +37,12 @@ _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """`KVQ_COMPUTE_DTYPE`'s name of a compute dtype (results carry it: `wire.Result.dtype`)."""
+    """`KVQ_COMPUTE_DTYPE`'s name of a compute dtype (results carry it: `wire.Result.dtype`);
+    `q8` for float32 with int8 activations (`KVQ_ACTIVATIONS=int8` and its kernel built)."""
+    from kvq.quant import kernels
+
+    if dtype == torch.float32 and kernels.int8_active():
+        return "q8"
     return _NAMES.get(dtype, "float32")
 
 

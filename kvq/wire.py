@@ -34,7 +34,7 @@ _NP: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
-ComputeDType = Literal["float32", "float16", "bfloat16"]
+ComputeDType = Literal["float32", "float16", "bfloat16", "q8"]  # q8: int8 activations
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 

@@ -1,21 +1,25 @@
-"""`kvq bench kernels`: the fused quantized matmul against dequantize-then-matmul, per type.
+"""`kvq bench kernels`: the fused quantized matmul against dequantize-then-matmul, per type,
+and the int8-activation C kernel (`kvq.quant.qdot`) against the fused float32 one.
 
 Each timing multiplies by `matrices` distinct random matrices in turn (so the weights come
-from RAM, not cache, as in a model) and reports ms per call, best of `repeat` passes; both
+from RAM, not cache, as in a model) and reports the median ms per call over `repeat` passes; both
 paths run in the same process, alternating, so the ratio is what to read on a noisy machine.
+`int8_ms` (null where the C kernel cannot be built) is the C kernel on the same matrices and
+rows, whatever KVQ_ACTIVATIONS says; `int8_speedup` = fused_ms / int8_ms.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvq.model.quants import random_blocks
-from kvq.quant import dequantize, kernels
+from kvq.quant import dequantize, kernels, qdot
 
 
 @dataclass(frozen=True)
@@ -28,17 +32,22 @@ class KernelsBench:
 
 
 def _per_call(fn: Any, mats: list[torch.Tensor], repeat: int) -> float:
-    best = float("inf")
+    """Median ms of one call over `repeat` passes over `mats`: a call that lost its core to
+    another process (a shared machine) moves a mean, not the median."""
+    times: list[float] = []
     for _ in range(repeat):
-        t = time.perf_counter()
         for m in mats:
+            t = time.perf_counter()
             fn(m)
-        best = min(best, (time.perf_counter() - t) / len(mats))
-    return best * 1e3
+            times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
 
 
 def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
     rng = np.random.default_rng(0)
+    opts = qdot.options()
+    built = qdot.load(opts.cc, Path(opts.cache_dir) if opts.cache_dir else None)
+    threads = torch.get_num_threads()
     out: list[dict[str, Any]] = []
     shape = (cfg.rows, cfg.cols)
     for qtype in kernels.KERNEL_TYPES:
@@ -50,7 +59,11 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
             x = torch.randn(b, cfg.cols)
 
             def fused(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
-                kernels.matmul(x, m, qt)
+                kernels.matmul_float32(x, m, qt)
+
+            def int8(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
+                assert built is not None
+                qdot.matmul(built, x.numpy(), m.numpy(), qt, threads)
 
             def dense(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
                 _ = x @ dequantize(m, qt, shape, torch.float32).T
@@ -58,6 +71,12 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
             fused(mats[0])  # compile / load the kernel
             f_ms = _per_call(fused, mats, cfg.repeat)
             d_ms = _per_call(dense, mats[: max(4, cfg.matrices // 4)], cfg.repeat)
+            i_ms = None
+            if built is not None and qtype in qdot.TYPES:
+                int8(mats[0])
+                i_ms = _per_call(int8, mats, cfg.repeat)
             out.append({"type": qtype.name, "rows": b, "fused_ms": f_ms, "dequant_matmul_ms": d_ms,
-                        "speedup": d_ms / f_ms})  # fmt: skip
-    return {"shape": [cfg.rows, cfg.cols], "threads": torch.get_num_threads(), "results": out}
+                        "speedup": d_ms / f_ms, "int8_ms": i_ms,
+                        "int8_speedup": f_ms / i_ms if i_ms else None})  # fmt: skip
+    return {"shape": [cfg.rows, cfg.cols], "threads": threads, "results": out,
+            "int8_isa": built.best_isa if built is not None else None}  # fmt: skip

@@ -44,7 +44,8 @@ RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
 
 @dataclass(frozen=True)
 class ModelBench:
-    """One `kvq bench model` run. `bank`: BankOptions fields for the aggregate run."""
+    """One `kvq bench model` run. `bank`: BankOptions fields for the aggregate run;
+    `kernels`: `kvq.quant.qdot.KernelOptions` fields (int8 activations or not)."""
 
     model: str
     threads: int = 2
@@ -54,6 +55,7 @@ class ModelBench:
     prompt: str = PROMPT
     llama: bool = True
     bank: dict[str, Any] | None = None
+    kernels: dict[str, Any] | None = None
 
     def check(self) -> None:
         """ConfigError naming the first bad value."""
@@ -182,8 +184,11 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     from kvq.coordinator.engine import Engine
     from kvq.model import Backbone, load_tokenizer
     from kvq.model.generate import generate
+    from kvq.quant import kernels, qdot
 
     torch.set_num_threads(cfg.threads)
+    qdot.configure(qdot.KernelOptions(**(cfg.kernels or {})))
+    kernels.int8_active()  # build or load the int8 kernel before the clock starts
     t0 = time.perf_counter()
     bb = Backbone.from_gguf(cfg.model)
     load_s = time.perf_counter() - t0
@@ -214,7 +219,8 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "aggregate_tok_s": agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0,
         "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
         "hit_rate": _hit_rate(bank), "bank_note": bank_note,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "activations": qdot.options().activations,
+        "int8_kernel": kernels.int8_active(),
     }  # fmt: skip
 
 

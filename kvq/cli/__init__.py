@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def configure_kernels(settings: Settings) -> None:
+    """The process-wide kernel options from the settings (and CC, the C compiler)."""
+    from kvq.quant import qdot
+
+    cache = str(qdot.default_cache_dir(settings.state_dir))
+    qdot.configure(qdot.KernelOptions(settings.activations, os.environ.get("CC", "cc"), cache))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C / SIGINT raises KeyboardInterrupt even when this process inherited SIGINT as
     # ignored (started with `&` from a script, or under nohup): `kvq submit` cancels its
@@ -58,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"valid": False, "error": str(exc)}))
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    configure_kernels(settings)
     try:
         return fn(args, settings)
     except ConfigError as exc:

@@ -179,10 +179,13 @@ def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
-    print(f"{r['shape'][0]}x{r['shape'][1]} matrices, {r['threads']} threads, ms per call")
+    print(f"{r['shape'][0]}x{r['shape'][1]} matrices, {r['threads']} threads, ms per call; "
+          f"int8 kernel: {r['int8_isa'] or 'not built'}")  # fmt: skip
     for row in r["results"]:
+        i8 = (f"  int8 {row['int8_ms']:7.3f}  x{row['int8_speedup']:.2f} vs fused"
+              if row["int8_ms"] is not None else "")  # fmt: skip
         print(f"  {row['type']:<5} rows {row['rows']:>3}  fused {row['fused_ms']:7.3f}  "
-              f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}")  # fmt: skip
+              f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}{i8}")  # fmt: skip
     return EXIT_OK
 
 
@@ -192,18 +195,20 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
 
     from kvq.bank.options import BankOptions
     from kvq.bench.model import PROMPT, ModelBench, run_model_bench
+    from kvq.quant import qdot
 
     cfg = ModelBench(
         args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
         rounds=args.rounds, prompt=args.prompt or PROMPT, llama=not args.no_llama,
-        bank=asdict(BankOptions.from_settings(settings)),
+        bank=asdict(BankOptions.from_settings(settings)), kernels=asdict(qdot.options()),
     )  # fmt: skip
     r = run_model_bench(cfg)
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
     print(f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
-          f"tokens, median of {r['rounds']} rounds")  # fmt: skip
+          f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
+          "activations")  # fmt: skip
     kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
     print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
     for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",

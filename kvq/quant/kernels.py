@@ -34,17 +34,25 @@ same expert (which is what dispatch sends) agree bit for bit.
 Threads: numba's parallel loops (`prange`) over output rows, as many threads as torch uses.
 numba's default threading layer does not allow two parallel launches at once, so calls take a
 process-wide lock; the kernel already uses every core.
+
+int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): one row goes through the C kernel of
+`kvq.quant.qdot` instead, which quantizes x to 8 bits per block and multiplies integers, as
+llama.cpp does; below the stored precision, so only on request. Two rows or more keep the
+float32 `_tiled` kernel, which is faster there (`kvq bench kernels`).
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numba
 import numpy as np
 import numpy.typing as npt
 import torch
 from gguf import GGMLQuantizationType
+
+from kvq.quant import qdot
 
 Q = GGMLQuantizationType
 MAX_ROWS = 64  # above this many rows (fewer for some types), dequantize and use a matmul
@@ -355,6 +363,7 @@ _KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: 
 _MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
+_int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
 _MAX_THREADS: int = getattr(numba.config, "NUMBA_NUM_THREADS", 1)  # numba's pool size
 
 
@@ -371,13 +380,49 @@ def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+def int8_kernel() -> qdot.Built | None:
+    """The C kernel when int8 activations are asked for and it could be built, else None
+    (the first call builds it, or warns once that it cannot and the float32 kernels stay)."""
+    global _int8_for
+    o = qdot.options()
+    last = _int8_for
+    if last is not None and last[0] is o:  # every decode matmul asks: keep it cheap
+        return last[1]
+    built = None
+    if o.activations == "int8":
+        built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+    _int8_for = (o, built)
+    return built
+
+
+def int8_active() -> bool:
+    """Whether one-row products of the quantized types use int8 activations here."""
+    return int8_kernel() is not None
+
+
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [B, K] float32 @ W.T for W [N, K] encoded as `raw` (uint8 [N, row bytes] of qtype).
     Returns [B, N] float32. The caller checks `covers` and the shapes."""
     xa = np.ascontiguousarray(x.detach().numpy())
     wa = np.ascontiguousarray(raw.numpy())
+    threads = max(1, torch.get_num_threads())
+    if xa.shape[0] == 1 and qtype in qdot.TYPES:
+        built = int8_kernel()
+        if built is not None:
+            return torch.from_numpy(qdot.matmul(built, xa, wa, qtype, threads))
+    return torch.from_numpy(_float32(xa, wa, qtype, threads))
+
+
+def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """`matmul` with float32 activations whatever `KVQ_ACTIVATIONS` says (benchmarks)."""
+    xa = np.ascontiguousarray(x.detach().numpy())
+    wa = np.ascontiguousarray(raw.numpy())
+    return torch.from_numpy(_float32(xa, wa, qtype, max(1, torch.get_num_threads())))
+
+
+def _float32(xa: F32, wa: U8, qtype: int, threads: int) -> F32:
     out = np.empty((xa.shape[0], wa.shape[0]), dtype=np.float32)
-    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
+    threads = min(threads, _MAX_THREADS)
     with _lock:
         if numba.get_num_threads() != threads:
             numba.set_num_threads(threads)
@@ -385,4 +430,4 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
             _KERNELS[qtype](wa, xa, out)
         else:
             _tiled(int(qtype), wa, xa, out)
-    return torch.from_numpy(out)
+    return out

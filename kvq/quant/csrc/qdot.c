@@ -1,0 +1,408 @@
+/* y = x @ W.T with W in GGUF blocks and x quantized to 8 bits per block (kvq.quant.qdot).
+ *
+ * Written for kvq from the GGUF block layouts (gguf-py's quants.py, ggml's block_* structs).
+ * The activations are quantized once per call, symmetric, round to nearest even:
+ *   K-quants (Q4_K, Q5_K, Q6_K): per 256 values, d = amax / 127, q = rint(x / d), plus the
+ *     sums of q over each run of 16 (the weights' per-sub-block mins and offsets need them);
+ *   Q8_0, Q4_0: per 32 values, the same with the sum of the 32 q.
+ * A block's dot product is then integers only: sum(qw * qx) per sub-block, times the
+ * sub-block's integer scale, exact in int32. Only the per-block combination
+ * `acc += dx * (dw * isum - dmin * imin)` is float32, in the same order in every path, so the
+ * scalar, AVX2 and AVX512-VNNI paths give the same bits, and each output is computed by one
+ * thread: results depend neither on the CPU's features nor on the thread count.
+ *
+ * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c (kvq/quant/qdot.py);
+ * -fno-math-errno lets lrintf be one instruction.
+ * -ffp-contract=off keeps a * b + c from becoming an FMA in one path and not in another.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 256 /* K-quant super-block */
+#define Q0 32  /* Q8_0 / Q4_0 block */
+
+/* ggml type ids */
+enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3 };
+
+typedef struct { /* 256 activations */
+    float d;
+    int16_t bsums[16]; /* sum of q over each run of 16 */
+    int8_t q[QK];
+} xk_t;
+
+typedef struct { /* 32 activations */
+    float d;
+    int32_t sum;
+    int8_t q[Q0];
+} x0_t;
+
+static float f16(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    float f;
+    if (e == 0) {
+        f = ldexpf((float)m, -24);
+        return sign ? -f : f;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* d and q of n values; non-finite input gives d = NaN, so every output it touches is NaN */
+static float quantize(const float *x, int n, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = (a > amax || a != a) ? a : amax;
+    }
+    if (!(amax <= 3.4028235e38f)) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
+    if (amax == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return 0.0f;
+    }
+    float iscale = 127.0f / amax;
+    for (int i = 0; i < n; i++) {
+        long v = lrintf(x[i] * iscale);
+        q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+    }
+    return amax / 127.0f;
+}
+
+static void quantize_k(const float *x, int64_t k, xk_t *out) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        xk_t *o = &out[b];
+        o->d = quantize(x + b * QK, QK, o->q);
+        for (int s = 0; s < 16; s++) {
+            int t = 0;
+            for (int i = 0; i < 16; i++) t += o->q[16 * s + i];
+            o->bsums[s] = (int16_t)t;
+        }
+    }
+}
+
+static void quantize_0(const float *x, int64_t k, x0_t *out) {
+    for (int64_t b = 0; b < k / Q0; b++) {
+        x0_t *o = &out[b];
+        o->d = quantize(x + b * Q0, Q0, o->q);
+        int t = 0;
+        for (int i = 0; i < Q0; i++) t += o->q[i];
+        o->sum = t;
+    }
+}
+
+/* ggml's 6-bit scale and min of sub-block j, packed in 12 bytes */
+static void scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* the float part, shared by every path (same operations, same order) */
+static inline float combine_k(float acc, float dx, float d, float dmin, int32_t isum, int32_t imin) {
+    return acc + dx * (d * (float)isum - dmin * (float)imin);
+}
+
+static inline float combine_0(float acc, float dx, float d, int32_t isum) {
+    return acc + (dx * d) * (float)isum;
+}
+
+/* sum over sub-blocks of the Q4_K / Q5_K minimums times the activations' sums */
+static int32_t kmins(const uint8_t *scales, const xk_t *x, int *sc) {
+    int32_t imin = 0;
+    for (int j = 0; j < 8; j++) {
+        int m;
+        scale_min(scales, j, &sc[j], &m);
+        imin += m * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+    }
+    return imin;
+}
+
+/* ---- scalar reference path ---------------------------------------------------------- */
+
+static float dot_q4_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 144, x++) {
+        int sc[8];
+        int32_t imin = kmins(w + 4, x, sc), isum = 0;
+        const uint8_t *qs = w + 16;
+        for (int c = 0; c < 4; c++) {
+            int32_t lo = 0, hi = 0;
+            for (int i = 0; i < 32; i++) {
+                lo += (qs[32 * c + i] & 15) * x->q[64 * c + i];
+                hi += (qs[32 * c + i] >> 4) * x->q[64 * c + 32 + i];
+            }
+            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        acc = combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
+    }
+    return acc;
+}
+
+static float dot_q5_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 176, x++) {
+        int sc[8];
+        int32_t imin = kmins(w + 4, x, sc), isum = 0;
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        for (int c = 0; c < 4; c++) {
+            int32_t lo = 0, hi = 0;
+            for (int i = 0; i < 32; i++) {
+                int l = (qs[32 * c + i] & 15) | (((qh[i] >> (2 * c)) & 1) << 4);
+                int h = (qs[32 * c + i] >> 4) | (((qh[i] >> (2 * c + 1)) & 1) << 4);
+                lo += l * x->q[64 * c + i];
+                hi += h * x->q[64 * c + 32 + i];
+            }
+            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        acc = combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
+    }
+    return acc;
+}
+
+/* Q6_K: ql[128], qh[64], int8 scales[16], d. Value 16t + i (sub-block t) is
+ * q - 32 with q 6 bits; isum = sum_t scale_t * (sum q * qx - 32 * bsum_t). */
+static int32_t q6_offset(const int8_t *sc, const xk_t *x) {
+    int32_t off = 0;
+    for (int t = 0; t < 16; t++) off += sc[t] * x->bsums[t];
+    return 32 * off;
+}
+
+static float dot_q6_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 210, x++) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int32_t isum = 0;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = w + 64 * half, *qh = w + 128 + 32 * half;
+            const int8_t *xq = x->q + 128 * half;
+            const int8_t *s = sc + 8 * half;
+            int32_t t[8] = {0};
+            for (int l = 0; l < 32; l++) {
+                int g = l / 16;
+                t[0 + g] += ((ql[l] & 15) | ((qh[l] & 3) << 4)) * xq[l];
+                t[2 + g] += ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) * xq[l + 32];
+                t[4 + g] += ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) * xq[l + 64];
+                t[6 + g] += ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) * xq[l + 96];
+            }
+            for (int j = 0; j < 8; j++) isum += s[j] * t[j];
+        }
+        isum -= q6_offset(sc, x);
+        acc = combine_k(acc, x->d, f16(w + 208), 0.0f, isum, 0);
+    }
+    return acc;
+}
+
+static float dot_q8_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 34, x++) {
+        const int8_t *q = (const int8_t *)(w + 2);
+        int32_t isum = 0;
+        for (int i = 0; i < 32; i++) isum += q[i] * x->q[i];
+        acc = combine_0(acc, x->d, f16(w), isum);
+    }
+    return acc;
+}
+
+static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 18, x++) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) {
+            isum += (w[2 + i] & 15) * x->q[i] + (w[2 + i] >> 4) * x->q[16 + i];
+        }
+        acc = combine_0(acc, x->d, f16(w), isum - 8 * x->sum);
+    }
+    return acc;
+}
+
+/* ---- SIMD paths: the same integers, from vpmaddubsw (AVX2) or vpdpbusd (VNNI) --------- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define QDOT_X86 1
+
+/* the weights stream from RAM, mapped in 4 KiB pages, where the hardware prefetcher stops at
+ * each page boundary: ask for the bytes PF ahead of the block being read */
+#define PF 1536
+#define PREFETCH(p)                                                            \
+    do {                                                                       \
+        _mm_prefetch((const char *)(p) + PF, _MM_HINT_T0);                     \
+        _mm_prefetch((const char *)(p) + PF + 64, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(p) + PF + 128, _MM_HINT_T0);               \
+        _mm_prefetch((const char *)(p) + PF + 192, _MM_HINT_T0);               \
+    } while (0)
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define F16(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
+#define SFX(name) name##_avx2
+#define MUL_SUM(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#include "qdot_simd.h"
+#undef TGT
+#undef SFX
+#undef MUL_SUM
+
+#define TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define SFX(name) name##_vnni
+#define MUL_SUM(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#include "qdot_simd.h"
+#undef TGT
+#undef SFX
+#undef MUL_SUM
+#undef F16
+
+/* 512-bit Q6_K (AVX512BW + VNNI): two 32-value groups per instruction, 1.2-1.5x the 256-bit path
+ * (a 512-bit Q4_K, whose activations must be gathered from two places, was 1.4x slower) */
+#define TGTZ __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define F16Z(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
+#define LDY(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define LDZ(p) _mm512_loadu_si512((const void *)(p))
+#define PAIR(a, b) _mm512_inserti64x4(_mm512_castsi256_si512(a), (b), 1)
+
+static TGTZ float dot_q6_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    /* int16 lane j of a 64-value group takes the scale of its 16-value sub-block, j / 8 */
+    const __m512i lo_idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4), eight = _mm512_set1_epi16(8);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 210, x++) {
+        PREFETCH(w);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const __m512i sc16 = _mm512_castsi256_si512(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)sc)));
+        __m512i s = _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            const __m512i ql = LDZ(w + 64 * half);
+            const __m256i qh = LDY(w + 128 + 32 * half);
+            const __m512i h01 = PAIR(qh, _mm256_srli_epi16(qh, 2));
+            const __m512i h23 = PAIR(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+            const __m512i q12 = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+            const __m512i q34 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+            const __m512i base = half ? eight : _mm512_setzero_si512();
+            const __m512i s12 = _mm512_permutexvar_epi16(_mm512_add_epi16(lo_idx, base), sc16);
+            const __m512i s34 = _mm512_permutexvar_epi16(
+                _mm512_add_epi16(_mm512_add_epi16(lo_idx, base), four), sc16);
+            const int8_t *xq = x->q + 128 * half;
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q12, LDZ(xq)), s12);
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q34, LDZ(xq + 64)), s34);
+        }
+        int32_t isum = _mm512_reduce_add_epi32(s) - q6_offset(sc, x);
+        acc = combine_k(acc, x->d, F16Z(w + 208), 0.0f, isum, 0);
+    }
+    return acc;
+}
+#undef TGTZ
+#undef F16Z
+#undef LDY
+#undef LDZ
+#undef PAIR
+#endif
+
+/* ---- dispatch -------------------------------------------------------------------------- */
+
+int kvq_qdot_best_isa(void) {
+#ifdef QDOT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        return __builtin_cpu_supports("avx512bw") ? ISA_AVX512 : ISA_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+int kvq_qdot_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+typedef float (*dot_k_fn)(const uint8_t *, const xk_t *, int64_t);
+typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
+
+static dot_k_fn pick_k(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa == ISA_AVX512) {
+        if (qtype == T_Q4_K) return dot_q4_k_vnni;
+        if (qtype == T_Q6_K) return dot_q6_k_z;
+        if (qtype == T_Q5_K) return dot_q5_k_vnni;
+    }
+    if (isa == ISA_VNNI) {
+        if (qtype == T_Q4_K) return dot_q4_k_vnni;
+        if (qtype == T_Q5_K) return dot_q5_k_vnni;
+        if (qtype == T_Q6_K) return dot_q6_k_vnni;
+    }
+    if (isa == ISA_AVX2) {
+        if (qtype == T_Q4_K) return dot_q4_k_avx2;
+        if (qtype == T_Q5_K) return dot_q5_k_avx2;
+        if (qtype == T_Q6_K) return dot_q6_k_avx2;
+    }
+#endif
+    if (qtype == T_Q4_K) return dot_q4_k_scalar;
+    if (qtype == T_Q5_K) return dot_q5_k_scalar;
+    if (qtype == T_Q6_K) return dot_q6_k_scalar;
+    return 0;
+}
+
+static dot_0_fn pick_0(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? dot_q8_0_vnni : dot_q4_0_vnni;
+    if (isa == ISA_AVX2) return qtype == T_Q8_0 ? dot_q8_0_avx2 : dot_q4_0_avx2;
+#endif
+    return qtype == T_Q8_0 ? dot_q8_0_scalar : dot_q4_0_scalar;
+}
+
+/* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and
+ * x [n_x, k] float32. isa < 0: the best this CPU has; a higher one than it has is lowered.
+ * Returns 0, or -1 (unknown type), -2 (k not a multiple of the block), -3 (out of memory). */
+int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, const float *x,
+             int64_t n_x, int64_t k, float *out, int threads, int isa) {
+    int best = kvq_qdot_best_isa();
+    isa = (isa < 0 || isa > best) ? best : isa;
+    int kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
+    if (!kq && qtype != T_Q8_0 && qtype != T_Q4_0) return -1;
+    int64_t bs = kq ? QK : Q0, nb = k / bs;
+    if (k % bs) return -2;
+    size_t per = kq ? sizeof(xk_t) : sizeof(x0_t);
+    void *xq = malloc(per * (size_t)(nb * n_x) + 1);
+    if (!xq) return -3;
+    for (int64_t r = 0; r < n_x; r++) {
+        if (kq)
+            quantize_k(x + r * k, k, (xk_t *)xq + r * nb);
+        else
+            quantize_0(x + r * k, k, (x0_t *)xq + r * nb);
+    }
+    dot_k_fn fk = kq ? pick_k(qtype, isa) : 0;
+    dot_0_fn f0 = kq ? 0 : pick_0(qtype, isa);
+    if (threads < 1) threads = 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_rows; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t r = 0; r < n_x; r++) {
+            out[r * n_rows + n] = kq ? fk(row, (const xk_t *)xq + r * nb, nb)
+                                     : f0(row, (const x0_t *)xq + r * nb, nb);
+        }
+    }
+    free(xq);
+    return 0;
+}

@@ -1,0 +1,195 @@
+"""The int8-activation kernel (`csrc/qdot.c`): built with the system C compiler at first use,
+loaded with ctypes.
+
+`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0) with x quantized to 8 bits
+per block (per 256 values for the K-quants, per 32 for Q8_0 and Q4_0), integer dot products
+(vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. It
+computes below the stored precision (the activations lose bits), so it runs only where a
+setting asks for it (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`).
+
+The instruction set is chosen at run time by the C code (`__builtin_cpu_supports`), never
+assumed from the build machine; every path gives the same bits (the integers are exact and the
+float part is shared), and each output is computed by one thread, so results depend neither on
+the CPU's features nor on the thread count.
+
+Build: `cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno -fopenmp qdot.c -lm` into a
+cache directory, named by the hash of the sources, the compiler and the flags; written to a temporary name and
+renamed into place, so processes building at once each end up loading a whole library. The
+OpenMP runtime is libgomp.so.1, which torch has already loaded: the kernel shares torch's
+threads. Without OpenMP (the build retries without it) the kernel runs on one thread. Where
+there is no compiler or the build fails, `load` logs one warning and returns None, and the
+caller keeps the float32 numba kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType
+
+Q = GGMLQuantizationType
+log = logging.getLogger("kvq.quant")
+
+SOURCES = ("qdot.c", "qdot_simd.h")
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
+OPENMP = ("-fopenmp",)
+TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
+_ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory"}
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """The loaded library and what it was built with."""
+
+    lib: ctypes.CDLL
+    path: Path
+    openmp: bool
+
+    @property
+    def best_isa(self) -> str:
+        return ISA_NAMES[int(self.lib.kvq_qdot_best_isa())]
+
+
+def default_cache_dir(state_dir: str = "") -> Path:
+    """`<KVQ_STATE_DIR>/kernels` when that is set, else `~/.cache/kvq/kernels`."""
+    if state_dir:
+        return Path(state_dir).expanduser() / "kernels"
+    return Path.home() / ".cache" / "kvq" / "kernels"
+
+
+def _key(cc: str, flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update("\0".join((cc, *flags)).encode())
+    return h.hexdigest()[:16]
+
+
+def _compile(cc: str, flags: tuple[str, ...], dest: Path) -> str | None:
+    """Build into `dest` (atomically); None, or why it failed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-o", tmp, str(CSRC / "qdot.c"), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            return f"{' '.join(cmd)} exited {proc.returncode}: {lines[-1] if lines else ''}"
+        os.replace(tmp, dest)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc}: {exc}"
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # renamed into place, or not
+            os.unlink(tmp)
+
+
+def build(cc: str, cache_dir: Path) -> Built:
+    """Build (or find in `cache_dir`) and load the library; OSError or RuntimeError on
+    failure. With OpenMP first, then without."""
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH (set CC)")
+    why = ""
+    for flags, openmp in (((*FLAGS, *OPENMP), True), (FLAGS, False)):
+        path = cache_dir / f"qdot-{_key(cc, flags)}.so"
+        if not os.path.isfile(path):
+            err = _compile(cc, flags, path)
+            if err is not None:
+                why = err
+                continue
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        return Built(lib, path, openmp)
+    raise RuntimeError(why)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.kvq_qdot.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, ctypes.c_int, ctypes.c_int]
+    lib.kvq_qdot.restype = ctypes.c_int
+    lib.kvq_qdot_best_isa.argtypes = []
+    lib.kvq_qdot_best_isa.restype = ctypes.c_int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """How this process's kernels compute; set once at the entry point (`configure`).
+
+    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS: one
+    row at a time through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
+    (the CC environment variable). `cache_dir`: where the built library is kept ("" =
+    `qdot.default_cache_dir()`)."""
+
+    activations: str = "float32"
+    cc: str = "cc"
+    cache_dir: str = ""
+
+
+_options = KernelOptions()
+
+
+def configure(options: KernelOptions) -> None:
+    """Set the process-wide kernel options (the CLI does, from the settings)."""
+    global _options
+    if options.activations not in ("float32", "int8"):
+        raise ValueError(f"activations {options.activations!r}: want float32 or int8")
+    _options = options
+
+
+def options() -> KernelOptions:
+    return _options
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], Built | None] = {}
+
+
+def load(cc: str = "cc", cache_dir: Path | None = None) -> Built | None:
+    """The library, built at the first call per (compiler, directory); None (after one
+    warning) where it cannot be built."""
+    d = cache_dir or default_cache_dir()
+    key = (cc, str(d))
+    with _lock:
+        if key not in _loaded:
+            try:
+                _loaded[key] = build(cc, d)
+            except (OSError, RuntimeError) as exc:
+                log.warning(
+                    "the int8-activation kernel could not be built (%s); computing with the "
+                    "float32 kernels instead (KVQ_ACTIVATIONS=int8 has no effect)", exc,
+                )  # fmt: skip
+                _loaded[key] = None
+        return _loaded[key]
+
+
+def matmul(
+    built: Built, x: npt.NDArray[np.float32], w: npt.NDArray[np.uint8], qtype: int,
+    threads: int, isa: int = -1,
+) -> npt.NDArray[np.float32]:  # fmt: skip
+    """x [B, K] float32 (C-contiguous) @ W.T for W [N, row bytes] of `qtype` -> [B, N].
+    `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX2 + VNNI, 3 AVX512BW + VNNI (512-bit
+    Q4_K and Q6_K); lowered to what the CPU has."""
+    n, b, k = w.shape[0], x.shape[0], x.shape[1]
+    out = np.empty((b, n), dtype=np.float32)
+    rc = built.lib.kvq_qdot(
+        int(qtype), w.ctypes.data, n, w.shape[1], x.ctypes.data, b, k, out.ctypes.data,
+        threads, isa,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"qdot {Q(qtype).name} [{n}, {k}]: {_ERRORS.get(rc, rc)}")
+    return out
