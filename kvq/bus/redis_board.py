@@ -327,16 +327,11 @@ def open_board(bus: BusSettings, lifetimes: Lifetimes) -> RedisBoard:
     return RedisBoard(connect(bus), Keys(bus.prefix), lifetimes, bus.stream_maxlen)
 
 
-def is_registered(r: redis.Redis, keys: Keys, model: str) -> bool:
-    """Whether a monitor has registered `model` under this prefix (clients check before
-    queueing a request nobody would answer)."""
-    return bool(r.sismember(keys.models(), model))
-
-
 def request_shards(r: redis.Redis, keys: Keys, model: str) -> int | None:
     """How many request streams `model` has (`KVQ_REQUEST_SHARDS` of the monitor that
     registered it), or None if no monitor registered it under this prefix: what a client asks
-    before queueing a request, in one round trip."""
+    before queueing a request (nobody would answer one for an unregistered model), in one
+    round trip."""
     pipe = r.pipeline(transaction=False)
     pipe.sismember(keys.models(), model)
     pipe.hget(keys.model_meta(model), "request_shards")

@@ -13,7 +13,8 @@ and a result agrees when it is finite and `err <= tolerance(remote dtype, local 
 (`tests/coordinator/test_check.py`: bfloat16 0.0096 on BF16 and Q4_K weights, float16 0.0059;
 the test keeps a 4x margin); `q8` (float32 with int8 activations, `KVQ_ACTIVATIONS=int8`) is
 5.4x its worst, 0.028 over single-row jobs of K-quant and Q8_0/Q4_0 experts, every expert call
-then one row through the int8 kernel (`tests/quant/test_qdot.py`). Honest rounding stays well below it, while wrong numbers (noise,
+then one row through the int8 kernel (`tests/quant/test_qdot.py`). Honest rounding stays well
+below it, while wrong numbers (noise,
 a scaled, shifted, negated or permuted answer, a row moved by a third of the job's scale) land
 far above.
 A liar can still hide an error smaller than the tolerance: that is the limit of any check by

@@ -133,36 +133,23 @@ static int32_t kmins(const uint8_t *scales, const xk_t *x, int *sc) {
 
 /* ---- scalar reference path ---------------------------------------------------------- */
 
-static float dot_q4_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+/* Q4_K and Q5_K share their layout but for Q5_K's 32 bytes of fifth bits (`qh`) before the
+   nibbles: `five` adds them */
+static float dot_q45_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb, int five) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 144, x++) {
+    const int64_t size = five ? 176 : 144;
+    for (int64_t b = 0; b < nb; b++, w += size, x++) {
         int sc[8];
         int32_t imin = kmins(w + 4, x, sc), isum = 0;
-        const uint8_t *qs = w + 16;
+        const uint8_t *qh = w + 16, *qs = five ? w + 48 : w + 16;
         for (int c = 0; c < 4; c++) {
             int32_t lo = 0, hi = 0;
             for (int i = 0; i < 32; i++) {
-                lo += (qs[32 * c + i] & 15) * x->q[64 * c + i];
-                hi += (qs[32 * c + i] >> 4) * x->q[64 * c + 32 + i];
-            }
-            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
-        }
-        acc = combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
-    }
-    return acc;
-}
-
-static float dot_q5_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 176, x++) {
-        int sc[8];
-        int32_t imin = kmins(w + 4, x, sc), isum = 0;
-        const uint8_t *qh = w + 16, *qs = w + 48;
-        for (int c = 0; c < 4; c++) {
-            int32_t lo = 0, hi = 0;
-            for (int i = 0; i < 32; i++) {
-                int l = (qs[32 * c + i] & 15) | (((qh[i] >> (2 * c)) & 1) << 4);
-                int h = (qs[32 * c + i] >> 4) | (((qh[i] >> (2 * c + 1)) & 1) << 4);
+                int l = qs[32 * c + i] & 15, h = qs[32 * c + i] >> 4;
+                if (five) {
+                    l |= ((qh[i] >> (2 * c)) & 1) << 4;
+                    h |= ((qh[i] >> (2 * c + 1)) & 1) << 4;
+                }
                 lo += l * x->q[64 * c + i];
                 hi += h * x->q[64 * c + 32 + i];
             }
@@ -171,6 +158,14 @@ static float dot_q5_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
         acc = combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
     }
     return acc;
+}
+
+static float dot_q4_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+    return dot_q45_k_scalar(w, x, nb, 0);
+}
+
+static float dot_q5_k_scalar(const uint8_t *w, const xk_t *x, int64_t nb) {
+    return dot_q45_k_scalar(w, x, nb, 1);
 }
 
 /* Q6_K: ql[128], qh[64], int8 scales[16], d. Value 16t + i (sub-block t) is
