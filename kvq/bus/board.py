@@ -36,6 +36,7 @@ from kvq.bus.records import (
     WorkerInfo,
 )
 from kvq.errors import ModelError, WireError
+from kvq.machine import parse_cpus
 from kvq.model.registry import ModelInfo
 from kvq.swarm import WorkerView
 
@@ -204,7 +205,8 @@ def worker_view(
     return WorkerView(
         worker, sid, alive, info.last_serve_ms, info.load if ready else None, ready=ready,
         ms_per_row=info.ms_per_row, queued_rows=info.busy_rows + info.queued_rows,
-        queued_by=tuple(sorted(info.queued_by_coord().items())),
+        queued_by=tuple(sorted(info.queued_by_coord().items())), device=info.device,
+        machine=info.machine, cpus=parse_cpus(info.cpus),
     )  # fmt: skip
 
 

@@ -226,6 +226,8 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     # `slice` and `state` are then the slice it is loading, else the one it loaded last.
     # "" (a beat from before workers held several slices): `state` alone says it serves.
     holds: str = ""
+    machine: str = ""  # the kernel's boot id (`kvq.machine`): "" unknown
+    cpus: str = ""  # the CPUs it computes on, e.g. "0-3,8"; "" unknown
 
     @property
     def ready(self) -> bool:

@@ -45,7 +45,17 @@ def configure_kernels(settings: Settings) -> None:
     qdot.configure(qdot.KernelOptions(settings.activations, os.environ.get("CC", "cc"), cache))
 
 
+# OpenMP threads that finish a parallel region wait passively (sleep) instead of spinning:
+# kvq's roles share cores with each other and with Redis (a coordinator and a worker on one
+# machine, each with a thread per core), and spinning teams starve whoever holds the data
+# they wait for. Measured with a coordinator and a worker on 2 cores: 4-6 tok/s spinning,
+# 26 passive (docs/limits.md). Read by the OpenMP runtime when it loads, so before torch.
+PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for name, value in PASSIVE_OPENMP.items():
+        os.environ.setdefault(name, value)  # yours wins: OMP_WAIT_POLICY=ACTIVE spins
     # Ctrl-C / SIGINT raises KeyboardInterrupt even when this process inherited SIGINT as
     # ignored (started with `&` from a script, or under nohup): `kvq submit` cancels its
     # request on it, `kvq demo` stops its children

@@ -106,6 +106,11 @@ class Capacity:
         compute = min(max(0.0, compute_ms), latency_ms)
         self._add(worker, rows, compute, latency_ms - compute)
 
+    def reset(self, worker: str) -> None:
+        """Drop `worker`'s compute and overhead estimates (its backlog stays): the next
+        sample sets them afresh."""
+        self._est.pop(worker, None)
+
     def forget(self, worker: str) -> None:
         self._est.pop(worker, None)
         self._backlog.pop(worker, None)

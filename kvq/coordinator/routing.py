@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from kvq.bus.board import Board
 from kvq.config import RoutingSettings
+from kvq.machine import cpus, machine_id
 from kvq.coordinator.capacity import Capacity
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.model.registry import ModelInfo
@@ -42,7 +43,7 @@ class SliceRouter:
 
     def __init__(
         self, board: Board, settings: RoutingSettings, coord_id: str, info: ModelInfo,
-        trust: Trust | None = None,
+        trust: Trust | None = None, compute_threads: int = 0,
     ) -> None:  # fmt: skip
         sids = [
             s.sid
@@ -52,6 +53,16 @@ class SliceRouter:
         self.router = LiveRouter(info.model, sids, coord_id, policy_from(settings), local)
         self.capacity = Capacity(coord_id, settings.ewma_alpha)
         self.split = settings.policy == "capacity"
+        self.reprobe_s = settings.reprobe_ms / 1000
+        self._split_at: dict[str, float] = {}  # worker -> when a split last gave it a slice
+        self._split_probing: set[str] = set()  # probed by a split; its next sample replaces
+        self.split_probes = 0
+        # a CPU worker on this machine adds no cores while this coordinator computes on all of
+        # its CPUs: its share of a layer would run in turn with ours, not beside it
+        self.machine, self.cpus = machine_id(), cpus()
+        self.uses_all_cores = compute_threads >= len(self.cpus)
+        self.sharing: set[str] = set()  # such workers: no share of a split (they still serve
+        # copies, trials and the slices this coordinator does not hold)
         self._logged_at = float("-inf")
         self.coord = coord_id
         self.board, self.model = board, info.model
@@ -94,6 +105,19 @@ class SliceRouter:
         for v in views:
             self.capacity.set_backlog(v.worker_id, self._backlog_ms(v))
         self.holders = {v.worker_id: v.slice_id for v in views}
+        sharing = {v.worker_id for v in views if self.shares_cores(v)}
+        for worker in sorted(sharing - self.sharing):
+            log.info("worker %s computes on this machine's CPUs, all of which this coordinator "
+                     "uses: it gets no share of a capacity split (docs/routing.md)", worker)  # fmt: skip
+        self.sharing = sharing
+
+    def shares_cores(self, v: WorkerView) -> bool:
+        """Whether `v` computes on CPUs this coordinator keeps busy: a CPU worker on this
+        machine (same boot id) whose CPUs overlap ours (or are unknown) while this
+        coordinator's compute threads cover all of its CPUs."""
+        if not self.uses_all_cores or not self.machine or v.machine != self.machine:
+            return False
+        return v.device in ("", "cpu") and (not v.cpus or bool(v.cpus & self.cpus))
 
     def _backlog_ms(self, v: WorkerView) -> float:
         """How long the rows other coordinators have queued on `v` delay work sent to it now
@@ -127,16 +151,21 @@ class SliceRouter:
         self.router.set_slots(busy, total)
         self.refresh()
         route = self.router.route(time.time() * 1000, rows.keys())
+        if route.trial is not None:  # a K4 trial or the router's re-probe: it measures
+            self._split_probing.add(route.trial)
+            self._split_at[route.trial] = time.monotonic()
         if not self.split or not self.router.loaded or route.trial is not None:
             return route
         candidates = {}
         for sid in rows:
             local = (self.coord,) if self.router.holds_locally(sid) else ()
-            candidates[sid] = local + self.router.eligible(sid)
+            others = tuple(w for w in self.router.eligible(sid) if w not in self.sharing)
+            candidates[sid] = local + others
             if not candidates[sid]:  # nothing eligible: keep what the copy chose
                 candidates[sid] = (route.worker(sid) or self.coord,)
         split = self.capacity.assign(rows, candidates)
         now = time.monotonic()
+        self._probe_idle(split, rows, candidates, now)
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
             log.info("capacity split %s of rows %s; estimates %s", split, dict(rows),
@@ -144,6 +173,30 @@ class SliceRouter:
         return LiveRoute(
             CAPACITY_ROUTE, {sid: node for sid, node in split.items() if node != self.coord}
         )
+
+    def _probe_idle(
+        self, split: dict[str, str], rows: Mapping[str, int],
+        candidates: Mapping[str, tuple[str, ...]], now: float,
+    ) -> None:  # fmt: skip
+        """K4 under the split: an eligible worker that no split has given a slice for
+        `reprobe_ms` gets one (its least-loaded active slice). Its estimates only move when
+        it gets work, so without this one slow sample (a busy moment on a shared machine)
+        would price it out for as long as the load lasts; the probe's sample replaces them."""
+        given = set(split.values())
+        for node in given:
+            self._split_at[node] = now
+        for sid in sorted(rows, key=lambda s: (rows[s], s)):
+            for node in candidates[sid]:
+                if node == self.coord or node in given:
+                    continue
+                if now - self._split_at.setdefault(node, now) < self.reprobe_s:
+                    continue
+                split[sid] = node
+                given.add(node)
+                self._split_at[node] = now
+                self._split_probing.add(node)
+                self.split_probes += 1  # beside the router's own (`router.probes`)
+                break
 
     def observe_local(self, rows: int, ms: float) -> None:
         self.capacity.observe_local(rows, ms)
@@ -159,6 +212,9 @@ class SliceRouter:
         """A result arrived; `verified`: recomputed here and equal (it proves the worker)."""
         self._failing.discard(worker)
         self.router.observe_result(worker, latency_ms, verified)
+        if worker in self._split_probing and rows > 0:
+            self._split_probing.discard(worker)
+            self.capacity.reset(worker)  # a probe refreshes a stale estimate, not nudges it
         self.capacity.observe_remote(worker, rows, latency_ms, compute_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:

@@ -79,7 +79,9 @@ class Coordinator:
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.trust = Trust(trust_policy(dispatch), coord_id)
-        self.routing = SliceRouter(board, routing, coord_id, self.info, self.trust)
+        self.routing = SliceRouter(
+            board, routing, coord_id, self.info, self.trust, torch.get_num_threads()
+        )
         self.dispatch = Dispatcher(
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,

@@ -5,6 +5,9 @@
   since kvq runs qwen3moe, not llama.cpp's `olmoe`. Two differences from OLMoE: q/k RMSNorm
   is per head (`attn_q_norm` [128]) instead of over the whole projection [2048], and the
   top-k weights are renormalised (OLMoE's are not). Every tensor size is OLMoE's otherwise.
+- `small`: 8 layers, 32 experts, top-4, hidden 1024, expert FFN 512, 8 heads / 4 KV heads of
+  128, vocab 32000, context 4096 (Q4_K_M: about 0.2 GB). Not a real model: the README's, big
+  enough that an expert call costs more than a round trip to a worker on the same machine.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert FFN 768,
   32 heads / 4 KV heads of 128, vocab 151936, context 40960), arch `qwen3moe`.
 
@@ -67,6 +70,10 @@ class PlannedTensor:
 
 
 PRESETS: dict[str, Preset] = {
+    "small": Preset(
+        "small", TinyConfig(8, 32, 4, 1024, 512, 8, 4, 128, vocab=32000),
+        context=4096, rope_base=10000.0, rms_eps=1e-6,
+    ),
     "olmoe-1b-7b": Preset(
         "olmoe-1b-7b", TinyConfig(16, 64, 8, 2048, 1024, 16, 16, 128, vocab=50304),
         context=4096, rope_base=10000.0, rms_eps=1e-5,

@@ -60,6 +60,9 @@ class WorkerView:
     ms_per_row: float = 0.0  # its own compute time per row over its last beat (0: none)
     queued_rows: int = 0  # rows it computes or has waiting, all coordinators (its last beat)
     queued_by: tuple[tuple[str, int], ...] = ()  # the part of those it knows per coordinator
+    device: str = ""  # "cpu", "cuda", ...; "" unknown
+    machine: str = ""  # the kernel's boot id of its host; "" unknown (`kvq.machine`)
+    cpus: frozenset[int] = frozenset()  # the CPUs it computes on; empty: unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,15 @@ from collections.abc import Callable
 
 import redis
 
+from kvq import machine
 from kvq.bus.board import Board
 from kvq.bus.market import BoardMarket, Held, Market
 from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
 from kvq.errors import IdentityInUse, KvqError
+from kvq.machine import cpus_text
 from kvq.worker.backlog import Backlog
+
+MACHINE = machine.machine_id()  # read once: it cannot change while the process lives
 
 log = logging.getLogger("kvq.worker")
 
@@ -74,7 +78,7 @@ class Membership:
             self._idle_beat = now
             idle = WorkerInfo(
                 model="", slice="", device=self.device, state=IDLE, instance=self.instance,
-                holds="{}",
+                holds="{}", machine=MACHINE, cpus=cpus_text(machine.cpus()),
             )  # fmt: skip
             self.board.beat(self.id, idle)
         got = self.market.volunteer(self.id, set(self.holds), room)
@@ -135,6 +139,7 @@ class Membership:
             queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
             queued_by=plate.by_coord_text(), instance=self.instance,
             holds=json.dumps({m: x.sid for m, x in self.holds.items()}, separators=(",", ":")),
+            machine=MACHINE, cpus=cpus_text(machine.cpus()),
         )  # fmt: skip
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)

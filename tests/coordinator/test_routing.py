@@ -375,3 +375,104 @@ def test_a_quarantined_worker_gets_no_work_until_its_quarantine_ends(
     assert _remote(router, sids, busy) == {}, "unproven until a checked answer"
     _prove(router, "a", "b")
     assert _remote(router, sids, busy) == {sids[0]: "a"}, "b stays banned"
+
+
+def test_capacity_reprobes_a_priced_out_worker_and_it_wins_work_back(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 10 item 2 under the split: one slow sample (a busy moment) prices a worker out;
+    after `reprobe_ms` without a slice it gets one (the router's re-probe here: its copy is
+    not the base route), and the probe's sample replaces its estimate, so a worker that is
+    fast again takes its share back."""
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=0.3,
+                           reprobe_ms=50)  # fmt: skip
+    _serve(board, "w", sids[0])
+    _measured(router, "w", 5.0, 2.0, own=1.0)  # a slow sample: 5x the coordinator's rate
+    busy = _routing().saturation_threshold
+    work = {sids[0]: 20}
+    assert router.route(work, busy, TOTAL).remote == {}, "priced out by its sample"
+    assert router.route(work, busy, TOTAL).remote == {}, "no probe before reprobe_ms"
+    time.sleep(0.08)
+    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}, "the probe"
+    assert router.split_probes + router.router.probes == 1
+    assert router.route(work, busy, TOTAL).remote == {}, "one probe, then the estimates"
+    # its answer: fast now (0.5 ms per row); with alpha 0.3 a nudge would leave it priced
+    # out (0.7 x 5 + 0.3 x 0.5 = 3.65 ms/row), the probe's sample replaces the estimate
+    router.observe_result("w", 2.0 + 20 * 0.5, 20, 20 * 0.5, verified=True)
+    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}, "won its work back"
+
+
+def test_capacity_reprobes_a_worker_on_the_base_copy(board_case: BoardCase, gguf: Path) -> None:
+    """The router re-probes only workers off its chosen copy; a worker on that copy whom the
+    split prices out gets its probe from the split (`split_probes`)."""
+    board = board_case.board
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0,
+                           reprobe_ms=50)  # fmt: skip
+    _serve(board, "w", sids[0])
+    _prove(router, "w")  # proven and fast by latency: the router's copy uses it under load
+    router.capacity.reset("w")
+    router.observe_local(rows=100, ms=100.0)
+    router.capacity.observe_remote("w", 100, 502.0, 500.0)  # one slow sample: 5 ms per row
+    busy = _routing().saturation_threshold
+    work = {sids[0]: 20}
+    assert router.route(work, busy, TOTAL).remote == {}
+    time.sleep(0.08)
+    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}
+    assert (router.split_probes, router.router.probes) == (1, 0)
+    router.observe_result("w", 2.0 + 20 * 0.5, 20, 20 * 0.5, verified=True)
+    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}
+
+
+@pytest.mark.parametrize(
+    ("threads", "machine", "cpus", "device", "shares"),
+    [
+        ("all", "here", "mine", "cpu", True),  # our cores, all busy with our threads
+        ("all", "here", "", "cpu", True),  # its CPUs unknown: assume ours
+        ("one", "here", "mine", "cpu", False),  # we leave cores free (taskset, OMP_NUM_THREADS)
+        ("all", "there", "mine", "cpu", False),  # another machine adds its cores
+        ("all", "", "mine", "cpu", False),  # unknown machine: never a match
+        ("all", "here", "other", "cpu", False),  # pinned to CPUs we do not run on
+        ("all", "here", "mine", "cuda", False),  # computes on its GPU
+    ],
+)
+def test_capacity_gives_no_share_to_a_worker_on_our_busy_cores(
+    board_case: BoardCase, gguf: Path, threads: str, machine: str, cpus: str, device: str,
+    shares: bool,
+) -> None:  # fmt: skip
+    """A CPU worker on the coordinator's machine adds no compute while the coordinator's
+    threads cover all of its CPUs: its part of a layer would run in turn with the
+    coordinator's, so the split (which counts node finish times as parallel) leaves it out."""
+    from kvq.machine import cpus as my_cpus
+    from kvq.machine import cpus_text, machine_id
+
+    if not machine_id():
+        pytest.skip("no boot id here")
+    board = board_case.board
+    mine = my_cpus()
+    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0)
+    router.uses_all_cores = threads == "all"  # what SliceRouter's compute_threads decides
+    beat_cpus = {"mine": cpus_text(mine), "": "", "other": cpus_text({max(mine) + 1})}[cpus]
+    board.rejoin("m", "w", sids[0])
+    board.beat("w", WorkerInfo(
+        model="m", slice=sids[0], device=device, last_serve_ms=int(time.time() * 1000),
+        machine={"here": machine_id(), "there": "another-boot-id", "": ""}[machine],
+        cpus=beat_cpus,
+    ))  # fmt: skip
+    _measured(router, "w", 0.5, 0.5, own=1.0)  # twice as fast as the coordinator
+    busy = _routing().saturation_threshold
+    assert router.shares_cores(board.workers("m")[0]) is shares
+    assert router.route({sids[0]: 20}, busy, TOTAL).remote == ({} if shares else {sids[0]: "w"})
+
+
+def test_compute_threads_decide_whether_the_coordinator_uses_all_cores(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    from kvq.machine import cpus
+
+    info = plan_model("m", gguf, 1, 4)
+    n = len(cpus())
+    assert SliceRouter(board_case.board, _routing(), "c", info, None, n).uses_all_cores
+    assert not SliceRouter(board_case.board, _routing(), "c", info, None, 0).uses_all_cores
+    if n > 1:
+        assert not SliceRouter(board_case.board, _routing(), "c", info, None, n - 1).uses_all_cores

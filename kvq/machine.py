@@ -1,0 +1,65 @@
+"""Which machine and CPUs a process computes on.
+
+A worker's heartbeat carries both (`WorkerInfo.machine`, `.cpus`), so that a coordinator can
+tell the workers that share its cores from those that add cores (`kvq.coordinator.routing`).
+The machine is the running kernel's boot id: processes in containers on one host share it,
+as they share its CPUs; two hosts never do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """The kernel's boot id, or "" where there is none (not Linux): "" is never a match."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity; all of them where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def cpus_text(ids: Iterable[int]) -> str:
+    """`{0, 1, 2, 5}` -> "0-2,5" (the form of `taskset -c` and /sys's cpu lists)."""
+    out: list[str] = []
+    run: list[int] = []
+    for i in sorted(set(ids)):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(_span(run))
+        run = [i]
+    if run:
+        out.append(_span(run))
+    return ",".join(out)
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """`cpus_text` read back; an empty set for "" or anything malformed (unknown)."""
+    got: set[int] = set()
+    try:
+        for part in filter(None, text.split(",")):
+            lo, dash, hi = part.partition("-")
+            a, b = int(lo), int(hi if dash else lo)
+            if a < 0 or b < a or b - a > 65536:
+                return frozenset()
+            got.update(range(a, b + 1))
+    except ValueError:
+        return frozenset()
+    return frozenset(got)
+
+
+def _span(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
