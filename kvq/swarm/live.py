@@ -19,11 +19,14 @@ are in no copy (K4); under load each one still gets one first try while
 `now - first_seen < grace_ms`: `route` returns a trial route that sends it its slice once.
 
 Re-probes: a worker's latency only moves when it gets work, so one slow sample (a cold cache,
-a busy moment) would price it out for good. Under load, a live worker that has served or been
-tried, that the chosen copy does not use and that has had no job for `reprobe_ms` gets one: `route` returns a probe route
-sending it its slice once, and the sample it brings back replaces its latency estimate. A worker that got
-faster wins work back within about `reprobe_ms` plus one refresh; a slow one costs one slow
-layer call per `reprobe_ms` per worker.
+a busy moment) would price it out for good. Under load, a live worker that the chosen copy does
+not use and that has had no job for `reprobe_ms` gets one: `route` returns a probe route
+sending it its slice once, and the sample it brings back replaces its latency estimate. A worker
+that got faster wins work back within about `reprobe_ms` plus one refresh; a slow one costs one
+slow layer call per `reprobe_ms` per worker. An unproven worker whose grace window passed
+without load (it joined, then the machine idled) is probed too, from `reprobe_ms` after it was
+first seen: a probe, like a trial, is computed here as well and never waited for, and only its
+checked answer proves the worker (K4: it is not recruited before that).
 
 Threading: `set_slots` may be called from the slot-poll thread (it only stores two ints, applied
 by the next `route`); every other method belongs to the dispatch thread.
@@ -248,8 +251,8 @@ class LiveRouter:
         used = set(base.nodes)
         for wid in sorted(self._workers, key=lambda w: (self._last_job.get(w, -1.0), w)):
             w = self._workers[wid]
-            if wid in used or not w.alive or not self._probe_worthy(w):
-                continue  # K4: an unproven worker past its grace window is not recruited
+            if wid in used or not w.alive:
+                continue
             if active is not None and w.slice_id not in active:
                 continue
             last = self._last_job.get(wid, self._first_seen.get(wid, now_ms))
@@ -338,10 +341,6 @@ class LiveRouter:
 
     def _proven(self, w: WorkerView) -> bool:
         return w.worker_id in self._served
-
-    def _probe_worthy(self, w: WorkerView) -> bool:
-        """Proven, tried, or saying it served elsewhere: a probe (checked) may prove it."""
-        return self._proven(w) or w.worker_id in self._tried or w.last_serve_ms > 0
 
     def _observe(self, node: str, alpha: float | None, **samples: float | None) -> None:
         if node in self.state.telemetry:

@@ -99,16 +99,28 @@ def test_a_trial_is_only_spent_on_a_slice_with_work() -> None:
 
 
 @pytest.mark.parametrize("given_first_seen", [False, True])
-def test_unproven_worker_outside_grace_is_never_recruited(given_first_seen: bool) -> None:
-    r = _router()
+def test_unproven_worker_outside_grace_is_not_recruited_only_probed(
+    given_first_seen: bool,
+) -> None:
+    """K4: past its grace window an unproven worker gets no work, only one checked probe per
+    `reprobe_ms` (counted from when it was first seen), so a worker that joined while the
+    machine idled is not left out for good."""
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0, reprobe_ms=5000.0))
     if given_first_seen:  # the caller's own first-seen time wins over the router's
-        r.update_workers([WorkerView("late", S1, first_seen_ms=0.0)], now_ms=4500.0)
+        r.update_workers([WorkerView("late", S1, first_seen_ms=0.0)], now_ms=1500.0)
     else:
         r.update_workers([WorkerView("late", S1)], now_ms=0.0)
     r.set_slots(4, 4)
-    for now in (5000.0, 6000.0):
+    for now in (2000.0, 4000.0):
         route = r.route(now)
-        assert route.trial is None and route.remote == {}
+        assert route.trial is None and route.remote == {}, "no trial past its window"
+    probe = r.route(5000.0)
+    assert probe.trial == "late" and probe.remote == {S1: "late"} and probe.pipeline_id == -1
+    assert r.probes == 1
+    for now in (5001.0, 9000.0):
+        route = r.route(now)
+        assert route.trial is None and route.remote == {}, "not recruited: one probe per interval"
+    assert r.route(10_000.0).trial == "late"
 
 
 def test_heartbeat_expiry_fails_over_and_stops_dispatching_to_it() -> None:
