@@ -375,3 +375,27 @@ def test_a_quarantined_worker_gets_no_work_until_its_quarantine_ends(
     assert _remote(router, sids, busy) == {}, "unproven until a checked answer"
     _prove(router, "a", "b")
     assert _remote(router, sids, busy) == {sids[0]: "a"}, "b stays banned"
+
+
+def test_a_worker_serving_several_slices_is_routed_each_of_them(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 10 item 4: one view per (worker, slice); a slice it still loads is not routed."""
+    import json
+
+    board = board_case.board
+    router, sids = _router(board, gguf, coordinator_experts="none")
+    board.rejoin("m", "multi", *sids)
+    holds = json.dumps({"m": sids[:3]})  # the fourth is loading
+    now = int(time.time() * 1000)
+    info = WorkerInfo(model="m", slice=sids[3], device="cpu", last_serve_ms=now, holds=holds)
+    board.beat("multi", info)
+    router.refresh(force=True)
+    assert router.holders == {"multi": frozenset(sids[:3])}
+    with pytest.raises(UncoveredSlice, match=sids[3]):
+        router.check()
+    board.beat("multi", WorkerInfo(model="m", slice=sids[3], device="cpu", last_serve_ms=now,
+                                   holds=json.dumps({"m": sids})))  # fmt: skip
+    _prove(router, "multi")
+    router.check()
+    assert _remote(router, sids, busy=TOTAL) == dict.fromkeys(sids, "multi")

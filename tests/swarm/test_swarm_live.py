@@ -280,3 +280,32 @@ def test_estimates_fade_toward_the_prior_without_samples() -> None:
     lat = r.state.telemetry["w0"].latency_ms
     assert lat is not None and abs(lat - 93.75) < 1e-6
     assert r.route(30_000.0).remote == {S0: "w0"}
+
+
+# -- a worker serving several slices of the model (issue 10 item 4) -------------------------
+def test_one_worker_serving_several_slices_takes_each_of_them() -> None:
+    r = _router()
+    _feed(r, _proven("multi", S0), _proven("multi", S1), _proven("multi", S2))
+    r.set_slots(2, 4)
+    assert r.route(0.0).remote == {S0: "multi", S1: "multi", S2: "multi"}
+    rescue = r.mark_down("multi")
+    assert rescue is not None
+    assert r.route(0.0).remote == {}, "down: every slice it served goes local"
+
+
+def test_a_trial_of_a_multi_slice_worker_uses_a_slice_with_work() -> None:
+    r = _router()
+    r.update_workers([WorkerView("new", S0), WorkerView("new", S2)], now_ms=0.0)
+    r.set_slots(2, 4)
+    trial = r.route(10.0, active={S2})
+    assert trial.trial == "new" and trial.remote == {S2: "new"}
+
+
+def test_uncovered_until_a_multi_slice_worker_covers_every_slice() -> None:
+    r = LiveRouter("tiny", SLICES[:2], "coord", local_slices=[])
+    r.update_workers([WorkerView("w", SLICES[0])], 0.0)
+    with pytest.raises(UncoveredSlice):
+        r.check()
+    r.update_workers([WorkerView("w", SLICES[0]), WorkerView("w", SLICES[1])], 1.0)
+    r.check()
+    assert r.route(2.0).remote == {SLICES[0]: "w", SLICES[1]: "w"}
