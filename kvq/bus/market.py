@@ -257,5 +257,5 @@ class MarketDesk:
             return {"model": model, "slice": join_slices(gone)}
         if not sid:  # an ask from a worker that held one slice per model: that one
             sid = next(iter(self.board.assignments(model).get(worker, ())), "")
-        got = self.market.retire(model, worker, sid)
-        return {"model": model, "slice": got or ""}
+        retired = self.market.retire(model, worker, sid)
+        return {"model": model, "slice": retired or ""}

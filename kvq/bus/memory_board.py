@@ -221,7 +221,7 @@ class MemoryBoard:
 
     # -- workers --------------------------------------------------------------------------
     def workers(self, model: str) -> list[WorkerView]:
-        out = []
+        out: list[WorkerView] = []
         for w, sids in sorted(self.assignments(model).items()):
             info = self.worker_info(w)
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up

@@ -180,7 +180,7 @@ class RedisBoard:
             pipe.exists(self.keys.worker_heartbeat(w))  # the liveness rule: the beat is up
             pipe.hgetall(self.keys.worker_info(w))
         got = pipe.execute()
-        out = []
+        out: list[WorkerView] = []
         for i, (w, sids) in enumerate(assigned):
             info = WorkerInfo.from_hash(got[2 * i + 1])
             out.extend(worker_view(w, sid, bool(got[2 * i]), info, model) for sid in sids)

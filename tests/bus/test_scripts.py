@@ -339,9 +339,7 @@ def test_release_one_slice_or_all(r: redis.Redis, keys: Keys, scripts: Scripts) 
     assert workers(r, keys) == {} and coverage(r, keys) == {}
 
 
-def test_retire_one_slice_keeps_the_others(
-    r: redis.Redis, keys: Keys, scripts: Scripts
-) -> None:
+def test_retire_one_slice_keeps_the_others(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 1, S[1]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
     assert scripts.volunteer(r, MODEL, "w1", held=[S[0]]) == S[1]

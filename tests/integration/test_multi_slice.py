@@ -55,9 +55,7 @@ def _register(s: Settings, models: dict[str, Path]) -> tuple[Monitor, dict[str, 
     return mon, {m: mon.register(m, path) for m, path in models.items()}
 
 
-def _job(
-    info: ModelInfo, job_id: str, coord: str, seed: int, sid: str | None = None
-) -> wire.Job:
+def _job(info: ModelInfo, job_id: str, coord: str, seed: int, sid: str | None = None) -> wire.Job:
     spec = info.slices[sid] if sid is not None else next(iter(info.slices.values()))
     rng = np.random.default_rng(seed)
     hidden, lo, hi = info.meta.embedding_length, spec.expert_start, spec.expert_end
@@ -107,9 +105,9 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
         for m, info in infos.items():
             assert mon.board.assignments(m) == {"multi": tuple(info.slices)}
         held = mon.board.worker_info("multi")
-        assert held is not None and held.held() == {
-            m: tuple(i.slices) for m, i in infos.items()
-        }, "its heartbeat lists both slices"
+        assert held is not None and held.held() == {m: tuple(i.slices) for m, i in infos.items()}, (
+            "its heartbeat lists both slices"
+        )
         # one inbox, jobs of both models interleaved
         jobs = [_job(infos[m], f"{m}-{i}", "c0", seed=i) for i in range(3) for m in infos]
         for job in jobs:

@@ -84,7 +84,9 @@ def test_dropping_a_slice_frees_it_and_keeps_the_work_counters_growing(
     assert shelf.served()[0] == servers["a"].served, "served counts the slices held now"
 
 
-def test_two_slices_of_one_model_each_serve_their_own_jobs(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_slices_of_one_model_each_serve_their_own_jobs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     d = tmp_path_factory.mktemp("shelf2")
     path = d / "m.gguf"
     make_tiny(path, layers=1, experts=8, hidden=32, seed=3)
@@ -94,8 +96,9 @@ def test_two_slices_of_one_model_each_serve_their_own_jobs(tmp_path_factory: pyt
         bank = Bank([load_slice(path, meta, 0, lo, hi)], _OPTS, "cpu")
         shelf.add("m", sid, ExpertServer("w", "m", bank, 32, torch.float32), 10)
     assert shelf.models() == {"m"} and len(shelf) == 2
-    ok_lo, ok_hi = shelf.handle(_job("m", 32, 0, 0, 4, "a", "lo")), shelf.handle(
-        _job("m", 32, 0, 4, 8, "b", "hi")
+    ok_lo, ok_hi = (
+        shelf.handle(_job("m", 32, 0, 0, 4, "a", "lo")),
+        shelf.handle(_job("m", 32, 0, 4, 8, "b", "hi")),
     )
     assert ok_lo.error is None and ok_hi.error is None
     crossed = shelf.handle(_job("m", 32, 0, 4, 8, "c", "lo"))  # hi's experts sent as "lo"
