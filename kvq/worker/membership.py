@@ -33,7 +33,7 @@ __all__ = ["Held", "Membership"]
 
 
 class Membership:
-    """`worker_id`'s slice on `board`; `served()` gives (jobs served, last_serve_ms),
+    """`worker_id`'s slices on `board`; `served()` gives (jobs served, last_serve_ms),
     `work()` (seconds spent computing, rows computed) since the worker started."""
 
     def __init__(
