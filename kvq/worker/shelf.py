@@ -68,9 +68,11 @@ class Shelf:
                 f"this worker holds no slice of {job.model}" if not mine
                 else f"this worker holds slice(s) {', '.join(mine)} of {job.model}, not that one"
             )  # fmt: skip
+            held = ", ".join(f"{m} layers {sv.bank.layers}" for (m, _), sv in self.servers.items())
             error = wire.Failure(
                 type=BAD_JOB,
-                message=f"job {job.job_id} for {job.model} slice {job.slice}: {where}",
+                message=f"job {job.job_id} for {job.model} slice {job.slice}: {where}; "
+                f"this server holds {held or 'nothing'}",
             )
             return wire.Result(job_id=job.job_id, worker=self.name, error=error)
         self.last_job[key] = time.monotonic()
