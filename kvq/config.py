@@ -218,8 +218,8 @@ class Settings(BaseSettings):
     )  # fmt: skip
     worker_max_slices: int = Field(
         0, ge=0, le=4096,
-        description="slices a worker holds at most, at most one per model (0 = as many as "
-        "the memory budget fits; 1 = one slice, the behaviour before issue 10 item 4)",
+        description="slices a worker holds at most, of one model or several (0 = as many "
+        "as the memory budget fits; 1 = one slice, the behaviour before issue 10 item 4)",
     )  # fmt: skip
 
     # -- monitor ------------------------------------------------------------------------

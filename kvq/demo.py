@@ -74,6 +74,9 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             # the tiny model's experts cost less than a round trip, so the default capacity
             # split would keep them local; whole copies show the remote path (docs/routing.md)
             dispatch_policy="copies",
+            # one slice a worker (unless set): the demo shows several workers recruited, where
+            # one worker's budget would fit every slice of the tiny model
+            worker_max_slices=s.worker_max_slices or 1,
         )  # fmt: skip
         # several torch processes share this machine's cores: one thread each avoids OpenMP
         # threads spinning against each other
@@ -141,8 +144,8 @@ def _quarter_of_experts_gib(model_path: str) -> float:
 
 
 def _ready_workers(board: RedisBoard) -> int:
-    """Workers that have loaded their slice and whose heartbeat is up."""
-    return sum(v.alive and v.ready for v in board.workers(MODEL_ID))
+    """Workers that have loaded a slice and whose heartbeat is up (each counted once)."""
+    return len({v.worker_id for v in board.workers(MODEL_ID) if v.alive and v.ready})
 
 
 def _stats(board: RedisBoard) -> CoordStats:

@@ -13,7 +13,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:target               | hash   | monitor: slice id → wanted replicas        |
 | P:{m:M}:coverage             | hash   | volunteer script / reaper: slice → workers |
 | P:{m:M}:routed               | hash   | coordinators: slice → token rows routed (a counter) |
-| P:{m:M}:workers              | hash   | volunteer script: worker → slice id        |
+| P:{m:M}:workers              | hash   | volunteer script: worker → its slice ids,  |
+|                              |        | sorted, joined by "," (`join_slices`)      |
 | P:{m:M}:coordinators         | set    | coordinator → monitor                      |
 | P:{m:M}:requests             | stream | clients → coordinators (group): shard 0    |
 | P:{m:M#I}:requests           | stream | the same, shard I (1 ≤ I < request_shards) |
@@ -45,17 +46,33 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvq.errors import ConfigError
 
 WORKER_GROUP = "workers"
+SLICE_SEP = ","  # between the slice ids of one worker in `P:{m:M}:workers`
 COORDINATOR_GROUP = "coordinators"
 
 # Worker and coordinator ids appear inside ACL key patterns (`P:{w:<id>}:*`), where `*`, `?`,
 # `[`, `]` and `\\` are glob syntax and `{`, `}` or `:` would let one id's pattern reach another's
 # keys: ids are limited to these characters.
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def join_slices(sids: Iterable[str]) -> str:
+    """A `P:{m:M}:workers` value: the slice ids a worker holds, sorted, joined by "," (slice
+    ids never hold one, `kvq.slices.slice_id`); the Lua scripts split and join the same way."""
+    return SLICE_SEP.join(sorted(set(sids)))
+
+
+def split_slices(value: str | bytes | None) -> tuple[str, ...]:
+    """The slice ids of a `P:{m:M}:workers` value (`join_slices`), sorted; () for none."""
+    if value is None:
+        return ()
+    text = value.decode() if isinstance(value, bytes) else value
+    return tuple(sorted({sid for sid in text.split(SLICE_SEP) if sid}))
 
 
 def request_shard(request_id: str, shards: int) -> int:

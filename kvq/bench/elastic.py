@@ -93,6 +93,7 @@ def _settings(cfg: ElasticBench, url: str, model: str) -> Settings:
         redis_url=url, prefix="kvqelastic", n_slots=cfg.sequences, saturation_threshold=2,
         slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
         base_replicas=0, boost_replicas=1, idle_release_s=cfg.idle_release_s,
+        worker_max_slices=1,  # the worker takes one of the two slices, as the figures assume
         idle_shutdown_s=0, dispatch_policy=cfg.dispatch_policy,
         max_tokens_limit=max(512, cfg.max_tokens), **extra,
     )  # fmt: skip

@@ -90,6 +90,7 @@ def _run(
         redis_url=url, prefix="kvqmb", n_slots=cfg.sequences, base_replicas=1,
         slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
         idle_shutdown_s=0, idle_release_s=0, microbatches=cfg.microbatches,
+        worker_max_slices=1,  # the worker holds half of every layer's experts: one slice
         dispatch_policy=cfg.dispatch_policy,
     )  # fmt: skip
     Monitor.from_settings(s).register(MODEL_ID, model)

@@ -115,6 +115,7 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
             redis_url=server.url, prefix="kvqbench", n_slots=cfg.sequences,
             slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
             max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
+            worker_max_slices=1,  # the worker volunteers for one of the two slices
         )  # fmt: skip
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=cfg.log_dir or str(Path(tmp) / "logs"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,31 +108,37 @@ class Board(Protocol):
 
     def set_target(self, model: str, sid: str, replicas: int) -> None: ...
 
-    def assignments(self, model: str) -> dict[str, str]:
-        """Worker id → the slice it holds."""
+    def assignments(self, model: str) -> dict[str, tuple[str, ...]]:
+        """Worker id → the slice ids it holds of `model`, sorted."""
         ...
 
-    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
-        """Take the slice with the largest demand (ties: least covered, then lowest id) among
-        those of at most `room` bytes (None: any size); a worker that holds one gets it back.
-        None when nothing (that fits) is wanted."""
+    def volunteer(
+        self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
+    ) -> str | None:
+        """Take a slice `worker` does not hold yet: the largest demand (ties: least covered,
+        then lowest id) among those of at most `room` bytes (None: any size). `held`: the
+        slices it knows it holds; one reserved to it beyond those (an answer lost on the way)
+        comes back first, so a retried ask takes nothing twice. None when nothing (that fits)
+        is wanted."""
         ...
 
-    def release(self, model: str, worker: str) -> str | None:
-        """Give back `worker`'s slice; returns it, or None when it held none."""
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]:
+        """Give back `worker`'s slice `sid` (None: every slice it holds of `model`); the
+        slice ids released, sorted, () when it held none of them."""
         ...
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool:
-        """Count `worker` as holding `sid` again; True if it had to be re-added."""
+    def rejoin(self, model: str, worker: str, *sids: str) -> int:
+        """Count `worker` as holding each of `sids` again; how many had to be re-added."""
         ...
 
-    def retire(self, model: str, worker: str) -> str | None:
-        """Release only if the slice stays covered at its target (K10); the slice, or None."""
+    def retire(self, model: str, worker: str, sid: str) -> str | None:
+        """Release `sid` only if it stays covered at its target (K10); the slice, or None."""
         ...
 
     # -- workers --------------------------------------------------------------------------
     def workers(self, model: str) -> list[WorkerView]:
-        """Every worker assigned a slice of `model`, sorted, with the one liveness rule."""
+        """One view per (worker, slice) of `model` assigned, sorted, with the one liveness
+        rule: a worker holding several slices appears once for each."""
         ...
 
     def beat(self, worker: str, info: WorkerInfo) -> int:

@@ -10,9 +10,12 @@
   where an ask is proves who asked.
 
 Asks and answers are plain string fields (readable with `redis-cli XRANGE`):
-ask `v=1, op, model, slice, instance, nonce` and, on a volunteer ask, `skip` (models it holds a
-slice of, comma-separated) and `room` (bytes it can still hold, "" = any); answer `v=1, nonce,
-model, slice, error`.
+ask `v=1, op, model, slice, instance, nonce` and, on a volunteer ask, `held` (the slices it
+holds or loads, JSON {model: [slice ids]}) and `room` (bytes it can still hold, "" = any);
+answer `v=1, nonce, model, slice, error`. `slice` may list several slice ids joined by ","
+(`kvq.keys.join_slices`): the slices to rejoin, or those a release gave back; "" in a release
+ask means all of the worker's slices of the model. An ask's `skip` (models to leave out, from
+workers that held one slice per model) is still honoured.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis
 
 from kvq.bus.board import Board
+from kvq.bus.records import holds_text, parse_holds
 from kvq.bus.streams import is_cluster, xadd
 from kvq.errors import IdentityInUse, KvqError
-from kvq.keys import Keys, check_id
+from kvq.keys import Keys, check_id, join_slices, split_slices
 
 log = logging.getLogger("kvq.bus")
 
@@ -46,18 +50,20 @@ class Held:
 
 
 class Market(Protocol):
-    """The four market operations of one worker. `volunteer` leaves out the models in `skip`
-    (it holds a slice of each already) and slices of more than `room` bytes (None: any)."""
+    """The four market operations of one worker. `volunteer` offers a slice it does not hold:
+    `held` lists what it holds or loads, per model; slices of more than `room` bytes (None:
+    any) are left out."""
 
     def volunteer(
-        self, worker: str, skip: Collection[str] = (), room: int | None = None
-    ) -> Held | None: ...
+        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        room: int | None = None,
+    ) -> Held | None: ...  # fmt: skip
 
-    def release(self, model: str, worker: str) -> str | None: ...
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]: ...
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool: ...
+    def rejoin(self, model: str, worker: str, *sids: str) -> int: ...
 
-    def retire(self, model: str, worker: str) -> str | None: ...
+    def retire(self, model: str, worker: str, sid: str) -> str | None: ...
 
 
 class BoardMarket:
@@ -67,24 +73,26 @@ class BoardMarket:
         self.board = board
 
     def volunteer(
-        self, worker: str, skip: Collection[str] = (), room: int | None = None
-    ) -> Held | None:
+        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        room: int | None = None, skip: Collection[str] = (),
+    ) -> Held | None:  # fmt: skip
+        held = held or {}
         for model in self.board.models():
             if model in skip:
                 continue
-            sid = self.board.volunteer(model, worker, room)
+            sid = self.board.volunteer(model, worker, room, held.get(model, ()))
             if sid is not None:
                 return Held(model, sid)
         return None
 
-    def release(self, model: str, worker: str) -> str | None:
-        return self.board.release(model, worker)
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]:
+        return self.board.release(model, worker, sid)
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool:
-        return self.board.rejoin(model, worker, sid)
+    def rejoin(self, model: str, worker: str, *sids: str) -> int:
+        return self.board.rejoin(model, worker, *sids)
 
-    def retire(self, model: str, worker: str) -> str | None:
-        return self.board.retire(model, worker)
+    def retire(self, model: str, worker: str, sid: str) -> str | None:
+        return self.board.retire(model, worker, sid)
 
 
 def _room(text: str) -> int | None:
@@ -154,25 +162,27 @@ class MarketDoor:
         return None
 
     def volunteer(
-        self, worker: str, skip: Collection[str] = (), room: int | None = None
-    ) -> Held | None:
-        more = {"skip": ",".join(sorted(skip)), "room": "" if room is None else str(room)}
+        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        room: int | None = None,
+    ) -> Held | None:  # fmt: skip
+        more = {"held": holds_text(held or {}), "room": "" if room is None else str(room)}
         got = self._ask(worker, VOLUNTEER, **more)
         return Held(got["model"], got["slice"]) if got and got.get("slice") else None
 
-    def release(self, model: str, worker: str) -> str | None:
-        got = self._ask(worker, RELEASE, model)
-        return (got.get("slice") or None) if got else None
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]:
+        got = self._ask(worker, RELEASE, model, sid or "")
+        return split_slices(got.get("slice")) if got else ()
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool:
-        # the workers hash is readable: ask only when the monitor forgot this worker
-        held = self.r.hget(self.keys.model_workers(model), worker)
-        if _s(held) == sid:
-            return False
-        return self._ask(worker, REJOIN, model, sid) is not None
+    def rejoin(self, model: str, worker: str, *sids: str) -> int:
+        # the workers hash is readable: ask only for the slices the monitor forgot
+        listed = split_slices(self.r.hget(self.keys.model_workers(model), worker))
+        missing = [sid for sid in dict.fromkeys(sids) if sid and sid not in listed]
+        if not missing:
+            return 0
+        return len(missing) if self._ask(worker, REJOIN, model, join_slices(missing)) else 0
 
-    def retire(self, model: str, worker: str) -> str | None:
-        got = self._ask(worker, RETIRE, model)
+    def retire(self, model: str, worker: str, sid: str) -> str | None:
+        got = self._ask(worker, RETIRE, model, sid)
         return (got.get("slice") or None) if got else None
 
 
@@ -231,13 +241,21 @@ class MarketDesk:
             return {"error": f"unknown op {op!r}"}
         if op == VOLUNTEER:
             skip = {m for m in ask.get("skip", "").split(",") if m}
-            held = self.market.volunteer(worker, skip, _room(ask.get("room", "")))
-            return {"model": held.model, "slice": held.sid} if held else {"slice": ""}
+            held = parse_holds(ask.get("held", ""))
+            got = self.market.volunteer(worker, held, _room(ask.get("room", "")), skip)
+            return {"model": got.model, "slice": got.sid} if got else {"slice": ""}
         if op == REJOIN:
             info = self.board.model_info(model)
-            if info is None or sid not in info.slices:
-                return {"error": f"no slice {sid!r} of model {model!r}"}
-            self.market.rejoin(model, worker, sid)
-            return {"model": model, "slice": sid}
-        got = (self.market.release if op == RELEASE else self.market.retire)(model, worker)
-        return {"model": model, "slice": got or ""}
+            sids = split_slices(sid)
+            bad = [s for s in sids if info is None or s not in info.slices]
+            if bad or not sids:
+                return {"error": f"no slice {join_slices(bad) or sid!r} of model {model!r}"}
+            self.market.rejoin(model, worker, *sids)
+            return {"model": model, "slice": join_slices(sids)}
+        if op == RELEASE:
+            gone = self.market.release(model, worker, sid or None)
+            return {"model": model, "slice": join_slices(gone)}
+        if not sid:  # an ask from a worker that held one slice per model: that one
+            sid = next(iter(self.board.assignments(model).get(worker, ())), "")
+        retired = self.market.retire(model, worker, sid)
+        return {"model": model, "slice": retired or ""}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
@@ -40,7 +40,7 @@ class MemoryBoard:
         self._routed: dict[str, dict[str, int]] = {}  # model -> slice -> rows routed
         self._lease: tuple[str, float] | None = None  # (holder, monotonic expiry)
         self._coverage: dict[str, dict[str, int]] = {}
-        self._workers: dict[str, dict[str, str]] = {}
+        self._workers: dict[str, dict[str, list[str]]] = {}  # model -> worker -> sids
         self._expiring: dict[tuple[str, str], tuple[object, float]] = {}  # (kind, id) → value
         self.inboxes: dict[str, list[Fields]] = {}  # unanswered jobs per worker
         self._coords: dict[str, set[str]] = {}
@@ -135,19 +135,25 @@ class MemoryBoard:
         with self._lock:
             self._target.setdefault(model, {})[sid] = replicas
 
-    def assignments(self, model: str) -> dict[str, str]:
-        return dict(self._workers.get(model, {}))
-
-    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
+    def assignments(self, model: str) -> dict[str, tuple[str, ...]]:
         with self._lock:
-            held = self._workers.setdefault(model, {}).get(worker)
-            if held is not None:
-                return held
+            return {w: tuple(sids) for w, sids in self._workers.get(model, {}).items()}
+
+    def volunteer(
+        self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
+    ) -> str | None:
+        with self._lock:
+            mine = self._workers.setdefault(model, {}).get(worker, [])
+            lost = [sid for sid in mine if sid not in set(held)]
+            if lost:
+                return lost[0]
             cover = self._coverage.setdefault(model, {})
             info = self._models.get(model)
             best: tuple[int, int, str] | None = None  # (-demand, coverage, sid): min wins
             for sid, want in self._target.get(model, {}).items():
                 cov = cover.get(sid, 0)
+                if sid in mine:
+                    continue
                 if room is not None and (info is None or sid not in info.slices
                                          or info.slices[sid].nbytes > room):  # fmt: skip
                     continue
@@ -157,7 +163,7 @@ class MemoryBoard:
                 return None
             sid = best[2]
             cover[sid] = cover.get(sid, 0) + 1
-            self._workers[model][worker] = sid
+            self._workers[model][worker] = sorted([*mine, sid])
             return sid
 
     def _uncover(self, model: str, sid: str) -> None:
@@ -168,45 +174,58 @@ class MemoryBoard:
         else:
             cover[sid] = left
 
-    def release(self, model: str, worker: str) -> str | None:
-        with self._lock:
-            held = self._workers.get(model, {}).pop(worker, None)
-            if held is not None:
-                self._uncover(model, held)
-            return held
+    def _keep(self, model: str, worker: str, sids: list[str]) -> None:
+        """Set what `worker` holds of `model` (an empty list drops its field, as HDEL)."""
+        workers = self._workers.setdefault(model, {})
+        if sids:
+            workers[worker] = sorted(sids)
+        else:
+            workers.pop(worker, None)
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool:
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]:
         with self._lock:
-            workers = self._workers.setdefault(model, {})
-            held = workers.get(worker)
-            if held == sid:
-                return False
-            if held is not None:
-                self._uncover(model, held)
-            workers[worker] = sid
+            mine = self._workers.get(model, {}).get(worker, [])
+            gone = [s for s in mine if sid is None or s == sid]
+            if not gone:
+                return ()
+            self._keep(model, worker, [s for s in mine if s not in gone])
+            for s in gone:
+                self._uncover(model, s)
+            return tuple(gone)
+
+    def rejoin(self, model: str, worker: str, *sids: str) -> int:
+        with self._lock:
+            mine = list(self._workers.setdefault(model, {}).get(worker, []))
             cover = self._coverage.setdefault(model, {})
-            cover[sid] = cover.get(sid, 0) + 1
-            return True
+            added = 0
+            for sid in sids:
+                if sid and sid not in mine:
+                    mine.append(sid)
+                    cover[sid] = cover.get(sid, 0) + 1
+                    added += 1
+            if added:
+                self._keep(model, worker, mine)
+            return added
 
-    def retire(self, model: str, worker: str) -> str | None:
+    def retire(self, model: str, worker: str, sid: str) -> str | None:
         with self._lock:
-            held = self._workers.get(model, {}).get(worker)
-            if held is None:
+            mine = self._workers.get(model, {}).get(worker, [])
+            if sid not in mine:
                 return None
-            want = self._target.get(model, {}).get(held, 0)
-            if self._coverage.get(model, {}).get(held, 0) <= want:
+            want = self._target.get(model, {}).get(sid, 0)
+            if self._coverage.get(model, {}).get(sid, 0) <= want:
                 return None
-            del self._workers[model][worker]
-            self._uncover(model, held)
-            return held
+            self._keep(model, worker, [s for s in mine if s != sid])
+            self._uncover(model, sid)
+            return sid
 
     # -- workers --------------------------------------------------------------------------
     def workers(self, model: str) -> list[WorkerView]:
-        out = []
-        for w, sid in sorted(self.assignments(model).items()):
+        out: list[WorkerView] = []
+        for w, sids in sorted(self.assignments(model).items()):
             info = self.worker_info(w)
             alive = self._get("hb", w) is not None  # the liveness rule: the beat is up
-            out.append(worker_view(w, sid, alive, info, model))
+            out.extend(worker_view(w, sid, alive, info, model) for sid in sids)
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Self
 
@@ -222,9 +222,9 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
         return {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
 
     instance: str = ""  # the process's random token: two live workers cannot share an id
-    # JSON {model: slice} of every slice it serves (loaded and warm), "{}" for none; `model`,
-    # `slice` and `state` are then the slice it is loading, else the one it loaded last.
-    # "" (a beat from before workers held several slices): `state` alone says it serves.
+    # JSON {model: [slice ids]} of every slice it serves (loaded and warm), "{}" for none;
+    # `model`, `slice` and `state` are then the slice it is loading, else the one it loaded
+    # last. "" (a beat from before workers held several slices): `state` alone says it serves.
     holds: str = ""
     machine: str = ""  # the kernel's boot id (`kvq.machine`): "" unknown
     cpus: str = ""  # the CPUs it computes on, e.g. "0-3,8"; "" unknown
@@ -233,21 +233,38 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     def ready(self) -> bool:
         return self.state not in (IDLE, LOADING)
 
-    def held(self) -> dict[str, str]:
-        """`holds` decoded: model → the slice served; {} when it does not decode."""
-        try:
-            got = json.loads(self.holds) if self.holds else {}
-        except ValueError:
-            return {}
-        if not isinstance(got, dict):
-            return {}
-        return {str(k): str(v) for k, v in got.items() if isinstance(v, str)}
+    def held(self) -> dict[str, tuple[str, ...]]:
+        """`holds` decoded (`parse_holds`): model → the slice ids served, sorted."""
+        return parse_holds(self.holds)
 
     def ready_for(self, model: str, sid: str) -> bool:
         """Whether it serves `sid` of `model` now (routable), not just holds it reserved."""
         if not self.holds:
             return self.ready
-        return self.held().get(model) == sid
+        return sid in self.held().get(model, ())
+
+
+def holds_text(held: Mapping[str, Iterable[str]]) -> str:
+    """Slices by model as one text field (`WorkerInfo.holds`, a volunteer ask's `held`): JSON
+    {model: [slice ids, sorted]}."""
+    doc = {m: sorted(set(sids)) for m, sids in sorted(held.items())}
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def parse_holds(text: str) -> dict[str, tuple[str, ...]]:
+    """`holds_text` decoded; {} when it does not decode. A model's single slice id (as beats
+    wrote it before a worker held several slices of one model) reads as a one-slice list."""
+    try:
+        got = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    out: dict[str, tuple[str, ...]] = {}
+    for k, v in got.items():
+        sids = [v] if isinstance(v, str) else v if isinstance(v, list) else []
+        out[str(k)] = tuple(sorted({x for x in sids if isinstance(x, str)}))
+    return out
 
 
 class SliceDemand(NamedTuple):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import redis
 
@@ -29,7 +29,7 @@ from kvq.bus.scripts import Scripts
 from kvq.bus.streams import is_cluster, unanswered, xadd
 from kvq.config import BusSettings
 from kvq.errors import ConfigError, WireError
-from kvq.keys import Keys, request_streams
+from kvq.keys import Keys, request_streams, split_slices
 from kvq.model import meta_from_dict, meta_to_dict
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
@@ -151,20 +151,24 @@ class RedisBoard:
     def set_target(self, model: str, sid: str, replicas: int) -> None:
         self.r.hset(self.keys.model_target(model), sid, replicas)
 
-    def assignments(self, model: str) -> dict[str, str]:
-        return {_s(w): _s(s) for w, s in self.r.hgetall(self.keys.model_workers(model)).items()}
+    def assignments(self, model: str) -> dict[str, tuple[str, ...]]:
+        raw = self.r.hgetall(self.keys.model_workers(model))
+        got = {_s(w): split_slices(v) for w, v in raw.items()}
+        return {w: sids for w, sids in got.items() if sids}
 
-    def volunteer(self, model: str, worker: str, room: int | None = None) -> str | None:
-        return self.scripts.volunteer(self.r, model, worker, room)
+    def volunteer(
+        self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
+    ) -> str | None:
+        return self.scripts.volunteer(self.r, model, worker, room, held)
 
-    def release(self, model: str, worker: str) -> str | None:
-        return self.scripts.release(self.r, model, worker)
+    def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]:
+        return self.scripts.release(self.r, model, worker, sid)
 
-    def rejoin(self, model: str, worker: str, sid: str) -> bool:
-        return self.scripts.rejoin(self.r, model, worker, sid)
+    def rejoin(self, model: str, worker: str, *sids: str) -> int:
+        return self.scripts.rejoin(self.r, model, worker, *sids)
 
-    def retire(self, model: str, worker: str) -> str | None:
-        return self.scripts.retire(self.r, model, worker)
+    def retire(self, model: str, worker: str, sid: str) -> str | None:
+        return self.scripts.retire(self.r, model, worker, sid)
 
     # -- workers --------------------------------------------------------------------------
     def workers(self, model: str) -> list[WorkerView]:
@@ -176,10 +180,10 @@ class RedisBoard:
             pipe.exists(self.keys.worker_heartbeat(w))  # the liveness rule: the beat is up
             pipe.hgetall(self.keys.worker_info(w))
         got = pipe.execute()
-        out = []
-        for i, (w, sid) in enumerate(assigned):
+        out: list[WorkerView] = []
+        for i, (w, sids) in enumerate(assigned):
             info = WorkerInfo.from_hash(got[2 * i + 1])
-            out.append(worker_view(w, sid, bool(got[2 * i]), info, model))
+            out.extend(worker_view(w, sid, bool(got[2 * i]), info, model) for sid in sids)
         return out
 
     def beat(self, worker: str, info: WorkerInfo) -> int:

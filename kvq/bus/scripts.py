@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from importlib import resources
 
 import redis
 
-from kvq.keys import Keys
+from kvq.keys import Keys, join_slices, split_slices
 
 
 def _source(name: str) -> str:
@@ -25,41 +26,50 @@ class Scripts:
         self._lease = r.register_script(_source("lease"))
 
     def volunteer(
-        self, r: redis.Redis, model: str, worker: str, room: int | None = None
-    ) -> str | None:
+        self, r: redis.Redis, model: str, worker: str, room: int | None = None,
+        held: Collection[str] = (),
+    ) -> str | None:  # fmt: skip
         """Atomically take the rarest slice of `model` with positive demand and at most `room`
-        bytes (None: any size), or None."""
+        bytes (None: any size) that `worker` does not hold, or None. `held`: the slice ids it
+        knows it holds; one listed for it beyond those (a lost answer) comes back first."""
         k = self.keys
         keys = [k.model_target(model), k.model_coverage(model), k.model_workers(model)]
         got = self._volunteer(
             keys=[*keys, k.model_slices(model)],
-            args=[worker, "" if room is None else max(0, room)],
+            args=[worker, "" if room is None else max(0, room), join_slices(held)],
             client=r,
         )
         return got.decode() if got else None
 
-    def release(self, r: redis.Redis, model: str, worker: str) -> str | None:
-        """Atomically give back `worker`'s slice of `model`; returns it, or None."""
+    def release(
+        self, r: redis.Redis, model: str, worker: str, sid: str | None = None
+    ) -> tuple[str, ...]:
+        """Atomically give back `worker`'s slice `sid` of `model` (None: all of them); the
+        slice ids released, () when it held none of them."""
         k = self.keys
         got = self._release(
-            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker], client=r
-        )
-        return got.decode() if got else None
+            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, sid or ""],
+            client=r,
+        )  # fmt: skip
+        return split_slices(got) if got else ()
 
-    def rejoin(self, r: redis.Redis, model: str, worker: str, sid: str) -> bool:
-        """Make sure `worker` is counted as holding `sid`; True if it had to be re-added."""
+    def rejoin(self, r: redis.Redis, model: str, worker: str, *sids: str) -> int:
+        """Make sure `worker` is counted as holding each of `sids`; how many were re-added."""
+        if not sids:
+            return 0
         k = self.keys
         got = self._rejoin(
-            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, sid], client=r
-        )
-        return bool(got)
+            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, *sids],
+            client=r,
+        )  # fmt: skip
+        return int(got or 0)
 
-    def retire(self, r: redis.Redis, model: str, worker: str) -> str | None:
-        """Release `worker`'s slice only if it is covered beyond target; the slice, or None."""
+    def retire(self, r: redis.Redis, model: str, worker: str, sid: str) -> str | None:
+        """Release `worker`'s slice `sid` only if it is covered beyond target; it, or None."""
         k = self.keys
         got = self._retire(
             keys=[k.model_target(model), k.model_coverage(model), k.model_workers(model)],
-            args=[worker],
+            args=[worker, sid],
             client=r,
         )
         return got.decode() if got else None

@@ -126,7 +126,11 @@ class Dispatcher:
         p = self.shadows.get(res.job_id) or (
             owner.pending.get(res.job_id) if owner is not None else None
         )
-        if p is not None and sender != p.worker and self.routing.holders.get(sender) != p.spec.sid:
+        if (
+            p is not None
+            and sender != p.worker
+            and p.spec.sid not in self.routing.holders.get(sender, ())
+        ):
             self.stats.foreign_results += 1
             log.warning("result for job %s sent to %s arrived from %s; ignored",
                         res.job_id, p.worker, sender)  # fmt: skip

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 from kvq.bus.board import Board
 from kvq.config import RoutingSettings
-from kvq.machine import cpus, machine_id
 from kvq.coordinator.capacity import Capacity
 from kvq.coordinator.trust import Trust, TrustPolicy
+from kvq.machine import cpus, machine_id
 from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
 
@@ -69,7 +69,7 @@ class SliceRouter:
         self.refresh_s = settings.refresh_ms / 1000
         self._at = float("-inf")
         self._alive: set[str] = set()
-        self.holders: dict[str, str] = {}  # worker -> the slice it serves (ready ones)
+        self.holders: dict[str, frozenset[str]] = {}  # worker -> the slices it serves (ready)
         self._failing: set[str] = set()  # a job failed or missed since its last good result
         self.rescues = 0  # workers lost while in use (docs/streams.md, `stats`)
         self.trust = trust if trust is not None else Trust(TrustPolicy(), coord_id)
@@ -104,7 +104,10 @@ class SliceRouter:
         self._alive = {v.worker_id for v in views if v.alive}
         for v in views:
             self.capacity.set_backlog(v.worker_id, self._backlog_ms(v))
-        self.holders = {v.worker_id: v.slice_id for v in views}
+        holders: dict[str, set[str]] = {}
+        for v in views:  # one view per (worker, slice): a worker may serve several
+            holders.setdefault(v.worker_id, set()).add(v.slice_id)
+        self.holders = {w: frozenset(sids) for w, sids in holders.items()}
         sharing = {v.worker_id for v in views if self.shares_cores(v)}
         for worker in sorted(sharing - self.sharing):
             log.info("worker %s computes on this machine's CPUs, all of which this coordinator "

@@ -1,15 +1,29 @@
--- rejoin: a serving worker re-asserts its slice (after a reap it survived, or lost Redis data).
+-- rejoin: a serving worker re-asserts its slices (after a reap it survived, or lost Redis data).
 -- KEYS[1] coverage hash (slice id -> workers holding it)
--- KEYS[2] workers hash  (worker id -> slice id)
+-- KEYS[2] workers hash  (worker id -> the slice ids it holds, sorted, joined by ",")
 -- ARGV[1] worker id
--- ARGV[2] slice id
--- Returns 1 when the worker was missing and is now counted again, 0 when nothing changed.
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if held == ARGV[2] then return 0 end
-if held then
-  local left = redis.call('HINCRBY', KEYS[1], held, -1)
-  if left <= 0 then redis.call('HDEL', KEYS[1], held) end
+-- ARGV[2..] slice ids it serves or loads
+-- Returns how many of them were missing and are now counted again (0: nothing changed).
+local function split(text)
+  local out = {}
+  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
+  return out
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
-return 1
+local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
+local mine = {}
+for _, sid in ipairs(held) do mine[sid] = true end
+local added = 0
+for i = 2, #ARGV do
+  local sid = ARGV[i]
+  if sid ~= '' and not mine[sid] then
+    mine[sid] = true
+    held[#held + 1] = sid
+    redis.call('HINCRBY', KEYS[1], sid, 1)
+    added = added + 1
+  end
+end
+if added > 0 then
+  table.sort(held)
+  redis.call('HSET', KEYS[2], ARGV[1], table.concat(held, ','))
+end
+return added

@@ -1,11 +1,27 @@
--- release: a worker gives its slice back (it leaves, or the monitor reaped it).
+-- release: a worker gives back one slice, or all of its slices of one model (it leaves, or the
+-- monitor reaped it).
 -- KEYS[1] coverage hash (slice id -> workers holding it)
--- KEYS[2] workers hash  (worker id -> slice id)
+-- KEYS[2] workers hash  (worker id -> the slice ids it holds, sorted, joined by ",")
 -- ARGV[1] worker id
--- Returns the released slice id, or false when the worker held none.
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if not held then return false end
-redis.call('HDEL', KEYS[2], ARGV[1])
-local left = redis.call('HINCRBY', KEYS[1], held, -1)
-if left <= 0 then redis.call('HDEL', KEYS[1], held) end
-return held
+-- ARGV[2] the slice id to give back ("" or absent: every slice it holds)
+-- Returns the released slice ids joined by "," (sorted), or false when it held none of them.
+local function split(text)
+  local out = {}
+  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
+  return out
+end
+local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
+local one = ARGV[2]
+if one == '' then one = nil end
+local gone, kept = {}, {}
+for _, sid in ipairs(held) do
+  if one == nil or sid == one then gone[#gone + 1] = sid else kept[#kept + 1] = sid end
+end
+if #gone == 0 then return false end
+if #kept == 0 then redis.call('HDEL', KEYS[2], ARGV[1])
+else redis.call('HSET', KEYS[2], ARGV[1], table.concat(kept, ',')) end
+for _, sid in ipairs(gone) do
+  local left = redis.call('HINCRBY', KEYS[1], sid, -1)
+  if left <= 0 then redis.call('HDEL', KEYS[1], sid) end
+end
+return table.concat(gone, ',')

@@ -1,16 +1,27 @@
--- retire: an idle worker leaves only if its slice is covered beyond its target (K10), so that
--- two idle replicas of one slice cannot both leave and uncover it.
+-- retire: an idle worker gives back one slice only if that slice is covered beyond its target
+-- (K10), so that two idle replicas of one slice cannot both leave and uncover it.
 -- KEYS[1] target hash   (slice id -> wanted replicas)
 -- KEYS[2] coverage hash (slice id -> workers holding it)
--- KEYS[3] workers hash  (worker id -> slice id)
+-- KEYS[3] workers hash  (worker id -> the slice ids it holds, sorted, joined by ",")
 -- ARGV[1] worker id
--- Returns the released slice id, or false when the worker is still needed.
-local held = redis.call('HGET', KEYS[3], ARGV[1])
-if not held then return false end
-local want = tonumber(redis.call('HGET', KEYS[1], held) or '0') or 0
-local cov = tonumber(redis.call('HGET', KEYS[2], held) or '0') or 0
+-- ARGV[2] slice id
+-- Returns the released slice id, or false when the worker does not hold it or it is needed.
+local function split(text)
+  local out = {}
+  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
+  return out
+end
+local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
+local kept, found = {}, false
+for _, sid in ipairs(held) do
+  if sid == ARGV[2] then found = true else kept[#kept + 1] = sid end
+end
+if not found then return false end
+local want = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '0') or 0
+local cov = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0') or 0
 if cov <= want then return false end
-redis.call('HDEL', KEYS[3], ARGV[1])
-if cov - 1 <= 0 then redis.call('HDEL', KEYS[2], held)
-else redis.call('HINCRBY', KEYS[2], held, -1) end
-return held
+if #kept == 0 then redis.call('HDEL', KEYS[3], ARGV[1])
+else redis.call('HSET', KEYS[3], ARGV[1], table.concat(kept, ',')) end
+if cov - 1 <= 0 then redis.call('HDEL', KEYS[2], ARGV[2])
+else redis.call('HINCRBY', KEYS[2], ARGV[2], -1) end
+return ARGV[2]

@@ -1,16 +1,28 @@
--- volunteer: give a worker the rarest slice of one model that still has positive demand and
--- fits in the memory the worker has left.
+-- volunteer: give a worker the rarest slice of one model that still has positive demand, that
+-- it does not hold yet, and that fits in the memory the worker has left.
 -- KEYS[1] target hash   (slice id -> wanted replicas; written by the monitor)
 -- KEYS[2] coverage hash (slice id -> workers holding it; written by this script and release)
--- KEYS[3] workers hash  (worker id -> slice id)
+-- KEYS[3] workers hash  (worker id -> the slice ids it holds, sorted, joined by ",")
 -- KEYS[4] slices hash   (slice id -> JSON layout with "bytes"; written by the monitor)
 -- ARGV[1] worker id
 -- ARGV[2] bytes the worker can still hold ("" or absent: no limit); a slice with more is
 --         never taken, so no reservation is wasted on a worker that cannot load it
--- Returns the slice id, or false when no slice has demand. Idempotent: a worker that already
--- holds a slice of this model gets the same one back.
-local held = redis.call('HGET', KEYS[3], ARGV[1])
-if held then return held end
+-- ARGV[3] the slice ids of this model the worker knows it holds, joined by "," ("": none)
+-- Returns the slice id, or false when no slice (that fits) has demand. Idempotent: a slice
+-- listed for the worker that it does not know of (the answer to an earlier ask was lost) is
+-- returned first, without counting it twice.
+local function split(text)
+  local out = {}
+  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
+  return out
+end
+local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
+local mine, known = {}, {}
+for _, sid in ipairs(split(ARGV[3])) do known[sid] = true end
+for _, sid in ipairs(held) do
+  if not known[sid] then return sid end
+  mine[sid] = true
+end
 local room = tonumber(ARGV[2] or '')
 local target = redis.call('HGETALL', KEYS[1])
 local best, best_demand, best_cov = false, 0, 0
@@ -19,6 +31,7 @@ for i = 1, #target, 2 do
   local want = tonumber(target[i + 1]) or 0
   local cov = tonumber(redis.call('HGET', KEYS[2], sid) or '0') or 0
   local demand = want - cov
+  if mine[sid] then demand = 0 end
   if demand > 0 and room and KEYS[4] then
     local spec = redis.call('HGET', KEYS[4], sid)
     local size = spec and tonumber(cjson.decode(spec)['bytes']) or nil
@@ -32,6 +45,8 @@ for i = 1, #target, 2 do
   end
 end
 if not best then return false end
+held[#held + 1] = best
+table.sort(held)
 redis.call('HINCRBY', KEYS[2], best, 1)
-redis.call('HSET', KEYS[3], ARGV[1], best)
+redis.call('HSET', KEYS[3], ARGV[1], table.concat(held, ','))
 return best

@@ -143,15 +143,16 @@ class RedisCollector(Collector):
             shards = request_streams(k, m, board.shard_count(m))
             g = merged([group_stats(r, s, COORDINATOR_GROUP, now_ms) for s in shards])
             q.add(["requests", m, "", ""], g)
-            views = board.workers(m)
-            for v in views:
-                inbox = group_stats(r, k.worker_inbox(v.worker_id), WORKER_GROUP, now_ms)
-                q.add(["inbox", m, v.worker_id, ""], inbox)
+            views = board.workers(m)  # one per (worker, slice)
+            ids = sorted({v.worker_id for v in views})
+            for w in ids:
+                inbox = group_stats(r, k.worker_inbox(w), WORKER_GROUP, now_ms)
+                q.add(["inbox", m, w, ""], inbox)
             cviews = board.coordinators(m)
             up = {c.coord for c in cviews if c.alive}
             for c in cviews:
                 # results wait in one stream per (worker, coordinator)
-                waiting = sum(int(r.xlen(k.worker_results(v.worker_id, c.coord))) for v in views)
+                waiting = sum(int(r.xlen(k.worker_results(w, c.coord))) for w in ids)
                 q.length.add_metric(["results", m, "", c.coord], waiting)
                 stats = board.coord_stats(c.coord)
                 if stats is not None:
@@ -171,7 +172,7 @@ class RedisCollector(Collector):
                 coverage.add_metric([m, sid], d.coverage)
                 live.add_metric([m, sid], serving.get(sid, 0))
             no_live.add_metric([m], sum(1 for sid in slices if not serving.get(sid)))
-            alive.add_metric([m], sum(v.alive for v in views))
+            alive.add_metric([m], len({v.worker_id for v in views if v.alive}))
         dead = r.xlen(k.deadletter())
         q.length.add_metric(["deadletter", "", "", ""], dead)
         yield from q.families()

@@ -188,7 +188,8 @@ class Monitor:
 
     def reap(self, *models: str) -> list[str]:
         """Release the slices of dead workers in `models`; move their unanswered jobs to live
-        peers of each job's own model and slice (a worker may hold slices of several)."""
+        peers of each job's own model and slice (a worker may hold several slices, of one
+        model or of several)."""
         views = {m: self.board.workers(m) for m in models}
         peers: dict[tuple[str, str], list[str]] = {}
         dead: dict[str, list[tuple[str, str]]] = {}  # worker -> its (model, slice)s
@@ -199,8 +200,8 @@ class Monitor:
                 else:
                     dead.setdefault(v.worker_id, []).append((m, v.slice_id))
         for w, held in dead.items():
-            for m, _ in held:
-                self.board.release(m, w)
+            for m in dict.fromkeys(m for m, _ in held):
+                self.board.release(m, w)  # every slice it held of the model
             self.requeued += self.board.requeue_inbox(w, peers)
             self.board.forget_worker(w)
             self.reaped += 1

@@ -51,7 +51,8 @@ ELIGIBLE_SCORE = 0.5  # success EWMA below which a worker gets no share of a cap
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
-    """A worker of this model as read at a coverage refresh."""
+    """One slice of this model a worker holds, as read at a coverage refresh (a worker holding
+    several slices gives one view each)."""
 
     worker_id: str
     slice_id: str
@@ -106,7 +107,8 @@ class LiveRouter:
         self._sid_set = frozenset(self._sids)
         self._local = frozenset(self._sids if local_slices is None else local_slices)
         self._tele: dict[str, NodeTelemetry] = {coordinator: NodeTelemetry(0.0, 1.0, 0.0, 0.0)}
-        self._workers: dict[str, WorkerView] = {}
+        self._workers: dict[str, WorkerView] = {}  # worker -> its first view (per-worker data)
+        self._slices: dict[str, tuple[str, ...]] = {}  # worker -> the slices it serves here
         self._first_seen: dict[str, float] = {}
         self._served: set[str] = set()
         self._tried: set[str] = set()
@@ -137,8 +139,15 @@ class LiveRouter:
         return self._slots[0] >= self.policy.saturation_threshold
 
     def update_workers(self, workers: Iterable[WorkerView], now_ms: float) -> bool:
-        """The model's workers as of now (others' slices ignored); True if it re-planned."""
-        views = {w.worker_id: w for w in workers if w.slice_id in self._sid_set}
+        """The model's workers as of now (others' slices ignored), one view per (worker,
+        slice): a worker serving several slices is one node holding each; True if it
+        re-planned."""
+        views: dict[str, WorkerView] = {}
+        slices: dict[str, list[str]] = {}
+        for w in workers:
+            if w.slice_id in self._sid_set:
+                views.setdefault(w.worker_id, w)
+                slices.setdefault(w.worker_id, []).append(w.slice_id)
         self._now = max(self._now, now_ms)
         self._relax(now_ms)
         for wid, w in views.items():
@@ -158,6 +167,7 @@ class LiveRouter:
             self._served.discard(wid)
             self._tried.discard(wid)
         self._workers = views
+        self._slices = {w: tuple(dict.fromkeys(sids)) for w, sids in slices.items()}
         self._candidates = sorted(
             (
                 w
@@ -253,7 +263,8 @@ class LiveRouter:
             w = self._workers[wid]
             if wid in used or not w.alive:
                 continue
-            if active is not None and w.slice_id not in active:
+            sid = self._slice_for(wid, active)
+            if sid is None:
                 continue
             last = self._last_job.get(wid, self._first_seen.get(wid, now_ms))
             if now_ms - last < self.policy.reprobe_ms:
@@ -261,38 +272,43 @@ class LiveRouter:
             self._last_job[wid] = now_ms
             self._probing.add(wid)
             self.probes += 1
-            return self._with(base, w)
+            return self._with(base, wid, sid)
         return None
 
-    def _with(self, base: Pipeline, w: WorkerView) -> LiveRoute:
-        """`base`'s route with worker `w` serving its slice: a one-off route (-1)."""
+    def _slice_for(self, wid: str, active: Collection[str] | None) -> str | None:
+        """The first slice `wid` serves that has work in this call (any, for None)."""
+        return next((s for s in self._slices.get(wid, ()) if active is None or s in active), None)
+
+    def _with(self, base: Pipeline, wid: str, sid: str) -> LiveRoute:
+        """`base`'s route with worker `wid` serving slice `sid`: a one-off route (-1)."""
         c = self.coordinator
         remote = {s: n for s, n in zip(self._sids, base.assignment, strict=True) if n != c}
-        remote[w.slice_id] = w.worker_id
-        return LiveRoute(-1, remote, w.worker_id)
+        remote[sid] = wid
+        return LiveRoute(-1, remote, wid)
 
     def _trial(
         self, now_ms: float, base: Pipeline, active: Collection[str] | None
     ) -> LiveRoute | None:
         """K4: an unproven live worker in its grace window gets one job, once."""
         keep: list[str] = []
-        chosen: WorkerView | None = None
+        chosen: tuple[str, str] | None = None  # (worker, slice)
         for wid in self._candidates:
             w = self._workers.get(wid)
             if w is None or not w.alive or self._proven(w) or wid in self._tried:
                 continue
             if now_ms - self._first_seen[wid] >= self.policy.grace_ms:
                 continue  # its window has passed: not recruited under load
-            if chosen is None and (active is None or w.slice_id in active):
-                chosen = w
+            sid = self._slice_for(wid, active) if chosen is None else None
+            if sid is not None:
+                chosen = (wid, sid)
             else:
                 keep.append(wid)
         self._candidates = keep
         if chosen is None:
             return None
-        self._tried.add(chosen.worker_id)
-        self._last_job[chosen.worker_id] = now_ms
-        return self._with(base, chosen)
+        self._tried.add(chosen[0])
+        self._last_job[chosen[0]] = now_ms
+        return self._with(base, *chosen)
 
     def eligible(self, sid: str) -> tuple[str, ...]:
         """The workers that may take slice `sid` in a capacity split: those the copies may use
@@ -358,9 +374,10 @@ class LiveRouter:
         """Per slice, the workers copies may use: proven ones, or any live one where the
         coordinator does not hold the slice and no proven worker does."""
         by_slice: dict[str, list[WorkerView]] = {s: [] for s in self._sids}
-        for w in self._workers.values():
+        for wid, w in self._workers.items():
             if w.alive:
-                by_slice[w.slice_id].append(w)
+                for sid in self._slices.get(wid, ()):
+                    by_slice[sid].append(w)
         out = []
         for s in self._sids:
             ws = sorted(by_slice[s], key=lambda w: w.worker_id)

@@ -3,17 +3,16 @@
 Everything goes through a `Board`, so this runs the same on Redis and in memory. One lock keeps
 a heartbeat from re-asserting a slice the worker is giving back.
 
-A worker may hold several slices, at most one per model (issue 10 item 4): it volunteers for
-models it holds nothing of, one slice at a time. The heartbeat starts before the worker asks
-for a slice (state "idle") and goes on while it downloads one (state "loading", with its
-progress), so the monitor never reaps a worker for a slow download: the slice stays reserved
-to it and is not offered again. Every beat re-asserts every slice it holds or loads, and lists
+A worker may hold several slices, of one model or of several (issue 10 item 4): it volunteers
+one slice at a time, telling the market which it holds, so it is offered one it does not. The
+heartbeat starts before the worker asks for a slice (state "idle") and goes on while it
+downloads one (state "loading", with its progress), so the monitor never reaps a worker for a
+slow download: the slice stays reserved to it and is not offered again. Every beat re-asserts every slice it holds or loads, and lists
 the ones it serves (`WorkerInfo.holds`): routers skip a slice until it is listed there.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,7 +24,7 @@ import redis
 from kvq import machine
 from kvq.bus.board import Board
 from kvq.bus.market import BoardMarket, Held, Market
-from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo
+from kvq.bus.records import IDLE, LOADING, SERVING, WorkerInfo, holds_text
 from kvq.errors import IdentityInUse, KvqError
 from kvq.machine import cpus_text
 from kvq.worker.backlog import Backlog
@@ -38,7 +37,7 @@ __all__ = ["Held", "Membership"]
 
 
 class Membership:
-    """`worker_id`'s slice on `board`; `served()` gives (jobs served, last_serve_ms),
+    """`worker_id`'s slices on `board`; `served()` gives (jobs served, last_serve_ms),
     `work()` (seconds spent computing, rows computed) since the worker started."""
 
     def __init__(
@@ -55,7 +54,7 @@ class Membership:
         self.backlog = backlog or Backlog()  # rows on its plate, filled by the serving loop
         self._unread = 0  # inbox entries not read yet, as of the last beat
         self._last_work = (time.monotonic(), 0.0, 0)
-        self.holds: dict[str, Held] = {}  # model → its slice, loaded and serving (in order)
+        self.holds: dict[tuple[str, str], Held] = {}  # (model, sid) → loaded, serving (in order)
         self.loading: Held | None = None  # taken from the market, still downloading
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
         self._idle_beat = float("-inf")  # last heartbeat while holding nothing
@@ -68,11 +67,18 @@ class Membership:
         """The slice loaded last (None: it serves none)."""
         return next(reversed(self.holds.values()), None)
 
+    def by_model(self) -> dict[str, list[str]]:
+        """Model → the slice ids it holds or loads (what the market is told it has)."""
+        out: dict[str, list[str]] = {}
+        for h in [*self.holds.values(), *([self.loading] if self.loading else [])]:
+            out.setdefault(h.model, []).append(h.sid)
+        return out
+
     def volunteer(self, room: int | None = None) -> Held | None:
-        """Ask the market of every model it holds no slice of for one of at most `room` bytes
-        (None: any size) (K9); the first one offered is taken and is `loading` until `hold`
-        (or `give_back`). The heartbeat is up before the market is asked, so the monitor never
-        sees this worker assigned without one."""
+        """Ask the market for a slice it does not hold, of at most `room` bytes (None: any
+        size) (K9); the one offered is taken and is `loading` until `hold` (or `give_back`).
+        The heartbeat is up before the market is asked, so the monitor never sees this worker
+        assigned without one."""
         now = time.monotonic()
         if not self.holds and now - self._idle_beat >= self.board.lifetimes.beat_every_s():
             self._idle_beat = now
@@ -81,7 +87,7 @@ class Membership:
                 holds="{}", machine=MACHINE, cpus=cpus_text(machine.cpus()),
             )  # fmt: skip
             self.board.beat(self.id, idle)
-        got = self.market.volunteer(self.id, set(self.holds), room)
+        got = self.market.volunteer(self.id, self.by_model(), room)
         if got is None:
             return None
         with self._lock:
@@ -108,14 +114,14 @@ class Membership:
     def hold(self, held: Held) -> None:
         """The slice is loaded: count it and start beating for it."""
         with self._lock:
-            self.holds[held.model], self.loading = held, None
+            self.holds[(held.model, held.sid)], self.loading = held, None
             self._beat_locked()
 
     def give_back(self, held: Held) -> None:
         """The offered slice could not be loaded: return it to the market."""
         with self._lock:
             self.loading = None
-            self.market.release(held.model, self.id)
+            self.market.release(held.model, self.id, held.sid)
 
     def beat(self) -> None:
         with self._lock:
@@ -125,9 +131,9 @@ class Membership:
         h = self.loading or self.held
         if h is None:
             return
-        for each in [*self.holds.values(), *([self.loading] if self.loading else [])]:
+        for model, sids in self.by_model().items():
             # after a reap it survived, or lost data
-            self.market.rejoin(each.model, self.id, each.sid)
+            self.market.rejoin(model, self.id, *sids)
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress
@@ -138,12 +144,19 @@ class Membership:
             total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
             queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
             queued_by=plate.by_coord_text(), instance=self.instance,
-            holds=json.dumps({m: x.sid for m, x in self.holds.items()}, separators=(",", ":")),
+            holds=holds_text(self.served_by_model()),
             machine=MACHINE, cpus=cpus_text(machine.cpus()),
         )  # fmt: skip
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
         self._unread = max(0, inbox - plate.jobs) if self.holds else 0
+
+    def served_by_model(self) -> dict[str, list[str]]:
+        """Model → the slice ids it serves (loaded), what its beat lists in `holds`."""
+        out: dict[str, list[str]] = {}
+        for h in self.holds.values():
+            out.setdefault(h.model, []).append(h.sid)
+        return out
 
     def _unread_rows(self, unread: int, served: int) -> int:
         """Rows of the jobs unread in the inbox at the last beat, at this worker's mean rows
@@ -165,25 +178,31 @@ class Membership:
         """Give every slice back and drop this worker's keys (its inbox's jobs are recomputed
         by their coordinators)."""
         with self._lock:
-            hs = [*self.holds.values(), *([self.loading] if self.loading else [])]
+            models = list(self.by_model())
             self.holds, self.loading = {}, None
             try:
                 if self.board.worker_instance(self.id) not in (None, "", self.instance):
                     return  # another live process has this id: its keys are not ours to drop
-                for h in hs:
-                    self.market.release(h.model, self.id)
+                for model in models:
+                    self.market.release(model, self.id)  # every slice of it at once
                 self.board.forget_worker(self.id)  # an idle worker's beat goes too
             except (redis.RedisError, KvqError):
                 pass  # the monitor reaps us once the heartbeat expires
 
-    def retire(self, model: str | None = None) -> Held | None:
-        """K10: give `model`'s slice (default: the one loaded last) back only if it stays
-        covered; what was given back, or None. The worker's keys go with its last slice."""
+    def retire(self, model: str | None = None, sid: str | None = None) -> Held | None:
+        """K10: give the slice `sid` of `model` (default: the one of `model`, or of any model,
+        loaded last) back only if it stays covered; what was given back, or None. The worker's
+        keys go with its last slice."""
         with self._lock:
-            h = self.holds.get(model) if model is not None else self.held
-            if h is None or self.market.retire(h.model, self.id) is None:
+            if model is None:
+                h = self.held
+            elif sid is None:  # the one of `model` loaded last
+                h = next((x for x in reversed(self.holds.values()) if x.model == model), None)
+            else:
+                h = self.holds.get((model, sid))
+            if h is None or self.market.retire(h.model, self.id, h.sid) is None:
                 return None
-            del self.holds[h.model]  # the heartbeat must not rejoin
+            del self.holds[(h.model, h.sid)]  # the heartbeat must not rejoin
             if self.holds or self.loading is not None:
                 self._beat_locked()  # its other slices: no longer listing this one
             else:

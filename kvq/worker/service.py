@@ -5,12 +5,13 @@ Life cycle:
    slice for `KVQ_IDLE_SHUTDOWN_S` (> 0) it exits;
 2. given a slice: fetch exactly its bytes, verify checksums, decode into tensors, and run
    each expert once (warm-up) before announcing "serving", so first results are warm (K4);
-   then it keeps volunteering, for models it holds no slice of, while its memory budget has
-   room (`kvq.worker.budget`): it may serve slices of several models (issue 10 item 4);
+   then it keeps volunteering, at once after each slice it loads, for slices it does not hold
+   while its memory budget has room (`kvq.worker.budget`) and some slice has demand: it may
+   serve several slices, of one model or of several (issue 10 item 4);
 3. heartbeat on a thread (a key that expires), re-asserting every slice after a reap or a
    Redis restart;
-4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job goes to the slice
-   of its model (`kvq.worker.shelf`); its result is written before the job is acknowledged;
+4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job goes to the server
+   of its model and slice (`kvq.worker.shelf`); its result is written before the job is acknowledged;
    malformed entries go to the dead-letter stream;
 5. wind-down (K10), per slice: no job for a slice for `KVQ_IDLE_RELEASE_S` while it is covered
    beyond its target → give it back and drop it from memory; with none left, back to 1.
@@ -44,6 +45,7 @@ from kvq.worker.shelf import Shelf
 
 log = logging.getLogger("kvq.worker")
 _BATCH = 32  # inbox entries read at once
+_LOADING_BLOCK_MS = 20  # the inbox read's block while a slice loads beside the serving
 
 
 class Worker:
@@ -100,7 +102,7 @@ class Worker:
     def server(self) -> ExpertServer | None:
         """The server of the slice loaded last."""
         h = self.holding
-        return self.shelf.servers.get(h.model) if h is not None else None
+        return self.shelf.servers.get((h.model, h.sid)) if h is not None else None
 
     @property
     def served(self) -> int:
@@ -146,22 +148,23 @@ class Worker:
 
     # -- volunteering and loading --------------------------------------------------------
     def _volunteer_due(self) -> bool:
-        """Time to ask, room in the budget, and a model it holds no slice of."""
+        """Time to ask, and room in the budget. Right after a slice is installed the next ask
+        is due at once; an ask that finds nothing waits `volunteer_poll_s` (the heartbeat's
+        pace while serving)."""
         now = time.monotonic()
         if now < self._next_ask or self._loader is not None:
             return False
-        if not self.budget.can_take(self.shelf.used_bytes, len(self.shelf)):
-            return False
-        if not self.shelf:
-            return True
-        # serving already: look for more at the heartbeat's pace, not the idle poll's
-        self._next_ask = now + max(self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s())
-        return any(m not in self.shelf.servers for m in self.board.models())
+        return self.budget.can_take(self.shelf.used_bytes, len(self.shelf))
 
     def _volunteer(self) -> bool:
         """Ask for a slice and load it: here while serving nothing, else on a thread beside
         the serving loop (`_install_loaded` puts it on the shelf). True if one was offered."""
-        self._next_ask = max(self._next_ask, time.monotonic() + self.s.volunteer_poll_s)
+        now = time.monotonic()
+        # serving already: look for more at the heartbeat's pace, not the idle poll's
+        pace = self.s.volunteer_poll_s if not self.shelf else max(
+            self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s()
+        )  # fmt: skip
+        self._next_ask = max(self._next_ask, now + pace)
         held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
         if held is None:
             return False
@@ -215,7 +218,7 @@ class Worker:
     def _install(self, got: Loaded) -> None:
         """A loaded slice starts serving: on the shelf, counted, beating."""
         held = got.held
-        self.shelf.add(held.model, got.server, got.nbytes)
+        self.shelf.add(held.model, held.sid, got.server, got.nbytes)
         if self.consumer is None:
             inbox = self.board.keys.worker_inbox(self.id)
             self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
@@ -231,7 +234,10 @@ class Worker:
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:
         assert self.consumer is not None and self.shelf
-        entries = self.consumer.read(count=_BATCH, block_ms=self.s.block_ms)
+        # a slice loading beside: short reads, so it is installed (and the next one asked
+        # for) promptly rather than after a full block
+        block = self.s.block_ms if self._loader is None else min(self.s.block_ms, _LOADING_BLOCK_MS)
+        entries = self.consumer.read(count=_BATCH, block_ms=block)
         jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
         plate = self.membership.backlog
         # decoded before serving: the heartbeat reports the batch's rows per coordinator
@@ -245,7 +251,7 @@ class Worker:
         finally:
             plate.read([])
         # B5: a batch of jobs is the engine step of the banks it used
-        self.shelf.step({job.model for _, _, job in jobs if job is not None})
+        self.shelf.step({(job.model, job.slice) for _, _, job in jobs if job is not None})
         if self.s.idle_release_s > 0:
             self._release_if_surplus()
 
@@ -254,16 +260,16 @@ class Worker:
         → give it back, free its memory and volunteer again (exiting is `idle_shutdown_s`'s
         business)."""
         now = time.monotonic()
-        for model in self.shelf:
-            if now - self.shelf.last_job.get(model, now) <= self.s.idle_release_s:
+        for key in self.shelf:
+            if now - self.shelf.last_job.get(key, now) <= self.s.idle_release_s:
                 continue
-            h = self.membership.retire(model)
+            h = self.membership.retire(*key)
             if h is None:
-                self.shelf.last_job[model] = now  # still needed: look again later
+                self.shelf.last_job[key] = now  # still needed: look again later
                 continue
             log.info("no job for %.0fs and %s %s is over-covered: released it",
                      self.s.idle_release_s, h.model, h.sid)  # fmt: skip
-            self.shelf.drop(model)
+            self.shelf.drop(h.model, h.sid)
             self._next_ask = 0.0
         if not self.shelf:
             self.consumer = None  # its inbox went with the last slice

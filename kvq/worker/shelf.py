@@ -1,10 +1,10 @@
-"""`Shelf`: the slices a worker serves, one `ExpertServer` per model, behind one inbox.
+"""`Shelf`: the slices a worker serves, one `ExpertServer` per slice, behind one inbox.
 
 Every job names its model and slice (`wire.Job`); the shelf hands it to the server of that
-model, which checks the layers and experts. A job for a model the worker holds no slice of
-(one released since it was sent, or a forged one) is answered with a `BadJob` error, as a job
-for the wrong slice always was. A worker holds at most one slice per model: the market's
-`P:{m:M}:workers` hash maps a worker to one slice id.
+slice, which checks the layers and experts. A job for a slice the worker does not hold (one
+released since it was sent, or a forged one) is answered with a `BadJob` error, as a job for
+the wrong slice always was. A worker may hold several slices of one model (issue 10 item 4):
+the market's `P:{m:M}:workers` hash lists every slice id it holds.
 """
 
 from __future__ import annotations
@@ -15,32 +15,40 @@ from collections.abc import Iterator
 from kvq import wire
 from kvq.worker.server import BAD_JOB, ExpertServer
 
+Key = tuple[str, str]  # (model, slice id)
+
 
 class Shelf:
-    """The servers of worker `name`, keyed by model, with counters that the heartbeat reads."""
+    """The servers of worker `name`, keyed by (model, slice id), with counters that the
+    heartbeat reads."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.servers: dict[str, ExpertServer] = {}
-        self.nbytes: dict[str, int] = {}  # published bytes of each model's slice
-        self.last_job: dict[str, float] = {}  # monotonic time of each model's last job
+        self.servers: dict[Key, ExpertServer] = {}
+        self.nbytes: dict[Key, int] = {}  # published bytes of each slice
+        self.last_job: dict[Key, float] = {}  # monotonic time of each slice's last job
         self._busy_s, self._rows = 0.0, 0  # of servers dropped since: the totals only grow
 
     def __len__(self) -> int:
         return len(self.servers)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Key]:
         return iter(list(self.servers))
 
-    def add(self, model: str, server: ExpertServer, nbytes: int) -> None:
-        self.servers[model], self.nbytes[model] = server, nbytes
-        self.last_job[model] = time.monotonic()  # idleness counts from getting the slice
+    def models(self) -> set[str]:
+        return {m for m, _ in self.servers}
 
-    def drop(self, model: str) -> ExpertServer | None:
-        """Forget `model`'s server (its slice was given back); its memory goes with it."""
-        sv = self.servers.pop(model, None)
-        self.nbytes.pop(model, None)
-        self.last_job.pop(model, None)
+    def add(self, model: str, sid: str, server: ExpertServer, nbytes: int) -> None:
+        key = (model, sid)
+        self.servers[key], self.nbytes[key] = server, nbytes
+        self.last_job[key] = time.monotonic()  # idleness counts from getting the slice
+
+    def drop(self, model: str, sid: str) -> ExpertServer | None:
+        """Forget the slice's server (it was given back); its memory goes with it."""
+        key = (model, sid)
+        sv = self.servers.pop(key, None)
+        self.nbytes.pop(key, None)
+        self.last_job.pop(key, None)
         if sv is not None:
             self._busy_s += sv.busy_s
             self._rows += sv.rows
@@ -51,23 +59,29 @@ class Shelf:
         return sum(self.nbytes.values())
 
     def handle(self, job: wire.Job) -> wire.Result:
-        """The result of `job` from the server of its model; never raises."""
-        sv = self.servers.get(job.model)
+        """The result of `job` from the server of its slice; never raises."""
+        key = (job.model, job.slice)
+        sv = self.servers.get(key)
         if sv is None:
-            held = ", ".join(f"{m} layers {s.bank.layers}" for m, s in self.servers.items())
+            mine = sorted(s for m, s in self.servers if m == job.model)
+            where = (
+                f"this worker holds no slice of {job.model}" if not mine
+                else f"this worker holds slice(s) {', '.join(mine)} of {job.model}, not that one"
+            )  # fmt: skip
+            held = ", ".join(f"{m} layers {sv.bank.layers}" for (m, _), sv in self.servers.items())
             error = wire.Failure(
                 type=BAD_JOB,
-                message=f"job {job.job_id} for {job.model} slice {job.slice}: this worker "
-                f"holds no slice of {job.model}; this server holds {held or 'nothing'}",
+                message=f"job {job.job_id} for {job.model} slice {job.slice}: {where}; "
+                f"this server holds {held or 'nothing'}",
             )
             return wire.Result(job_id=job.job_id, worker=self.name, error=error)
-        self.last_job[job.model] = time.monotonic()
+        self.last_job[key] = time.monotonic()
         return sv.handle(job)
 
-    def step(self, models: set[str]) -> None:
-        """B5: a batch with jobs of these models was one engine step of their banks."""
-        for m in models:
-            sv = self.servers.get(m)
+    def step(self, slices: set[Key]) -> None:
+        """B5: a batch with jobs of these slices was one engine step of their banks."""
+        for key in slices:
+            sv = self.servers.get(key)
             if sv is not None:
                 sv.bank.step()
 

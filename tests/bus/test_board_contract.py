@@ -8,6 +8,7 @@ codecs, the TTL rules and the liveness rules are checked on their own.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -37,12 +38,14 @@ from kvq.slices import slice_id
 SIDS = [slice_id(0, 1, 4 * i, 4 * i + 4) for i in range(4)]
 WORKERS = ["a", "b", "c", "d", "e"]
 
+some_sids = st.lists(st.sampled_from(SIDS), max_size=4)
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("volunteer"), st.sampled_from(WORKERS)),
-        st.tuples(st.just("release"), st.sampled_from(WORKERS)),
-        st.tuples(st.just("retire"), st.sampled_from(WORKERS)),
-        st.tuples(st.just("rejoin"), st.sampled_from(WORKERS), st.sampled_from(SIDS)),
+        # `held`: what the worker knows it holds (a subset after a lost answer, or stale)
+        st.tuples(st.just("volunteer"), st.sampled_from(WORKERS), some_sids),
+        st.tuples(st.just("release"), st.sampled_from(WORKERS), st.none() | st.sampled_from(SIDS)),
+        st.tuples(st.just("retire"), st.sampled_from(WORKERS), st.sampled_from(SIDS)),
+        st.tuples(st.just("rejoin"), st.sampled_from(WORKERS), some_sids),
         st.tuples(st.just("target"), st.sampled_from(SIDS), st.integers(0, 3)),
     ),
     max_size=40,
@@ -55,6 +58,12 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
         sid, n = args
         board.set_target("m", str(sid), int(str(n)))
         return None
+    if kind == "volunteer":
+        worker, held = args
+        return board.volunteer("m", str(worker), None, list(held))  # type: ignore[call-overload]
+    if kind == "rejoin":
+        worker, sids = args
+        return board.rejoin("m", str(worker), *sids)  # type: ignore[misc]
     fn = getattr(board, str(kind))
     return fn("m", *args)
 
@@ -62,16 +71,29 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
 @settings(deadline=None, database=None, max_examples=80)
 @given(targets=st.lists(st.integers(0, 3), min_size=4, max_size=4), program=ops)
 # equal demand, unequal coverage: the less covered slice wins
-@example(targets=[3, 2, 0, 0], program=[("volunteer", "a"), ("volunteer", "b")])
+@example(targets=[3, 2, 0, 0], program=[("volunteer", "a", []), ("volunteer", "b", [])])
 # equal demand and coverage: the lower slice id wins; retire only beyond the target
 @example(
     targets=[1, 1, 0, 0],
     program=[
-        ("volunteer", "b"),
-        ("rejoin", "a", SIDS[0]),
-        ("retire", "a"),
+        ("volunteer", "b", []),
+        ("rejoin", "a", [SIDS[0]]),
+        ("retire", "a", SIDS[0]),
         ("target", SIDS[0], 0),
-        ("retire", "a"),
+        ("retire", "a", SIDS[0]),
+    ],
+)
+# one worker takes every wanted slice, a lost answer comes back, then it gives back one, all
+@example(
+    targets=[1, 2, 1, 0],
+    program=[
+        ("volunteer", "a", []),
+        ("volunteer", "a", [SIDS[1]]),
+        ("volunteer", "a", [SIDS[1]]),
+        ("volunteer", "a", [SIDS[0], SIDS[1]]),
+        ("volunteer", "a", SIDS[:3]),
+        ("release", "a", SIDS[0]),
+        ("release", "a", None),
     ],
 )
 def test_market_answers_match_the_lua_scripts(
@@ -135,6 +157,37 @@ def test_workers_view_applies_the_liveness_rule(board_case: BoardCase) -> None:
     assert not board.worker_alive("nobody")
     board.forget_worker("a")
     assert board.worker_info("a") is None and not board.workers("m")[0].alive
+
+
+def test_workers_view_has_one_view_per_slice_a_worker_holds(board_case: BoardCase) -> None:
+    board = board_case.board
+    for sid in SIDS[:3]:
+        board.set_target("m", sid, 1)
+    held: list[str] = []
+    while (sid := board.volunteer("m", "a", None, held)) is not None:
+        held.append(sid)
+    assert held == SIDS[:3] and board.assignments("m") == {"a": tuple(SIDS[:3])}
+    holds = json.dumps({"m": SIDS[:2]})  # SIDS[2] still loading: not routable yet
+    board.beat("a", WorkerInfo(model="m", slice=SIDS[2], device="cpu", holds=holds))
+    views = board.workers("m")
+    assert [(v.worker_id, v.slice_id, v.ready) for v in views] == [
+        ("a", SIDS[0], True), ("a", SIDS[1], True), ("a", SIDS[2], False),
+    ]  # fmt: skip
+    assert board.release("m", "a", SIDS[1]) == (SIDS[1],)
+    assert [v.slice_id for v in board.workers("m")] == [SIDS[0], SIDS[2]]
+    assert board.retire("m", "a", SIDS[0]) is None, "still wanted"
+    board.set_target("m", SIDS[0], 0)
+    assert board.retire("m", "a", SIDS[0]) == SIDS[0]
+    assert board.rejoin("m", "a", SIDS[0], SIDS[1]) == 2
+    assert board.assignments("m") == {"a": tuple(SIDS[:3])}
+    assert board.release("m", "a") == tuple(SIDS[:3])
+    assert board.assignments("m") == {} and board.workers("m") == []
+
+
+def test_a_beat_of_an_older_worker_lists_one_slice_per_model() -> None:
+    old = WorkerInfo(model="m", slice=SIDS[0], device="cpu", holds=json.dumps({"m": SIDS[0]}))
+    assert old.held() == {"m": (SIDS[0],)} and old.ready_for("m", SIDS[0])
+    assert not old.ready_for("m", SIDS[1])
 
 
 def test_coordinators_view_and_stats(board_case: BoardCase) -> None:

@@ -46,9 +46,9 @@ def test_retire_only_when_over_covered(r: redis.Redis, prefix: str) -> None:
     s = Scripts(r, keys)
     r.hset(keys.model_target("m"), "S", 2)
     assert s.volunteer(r, "m", "a") == "S" and s.volunteer(r, "m", "b") == "S"
-    assert s.retire(r, "m", "a") is None, "coverage 2 == target 2: still needed"
+    assert s.retire(r, "m", "a", "S") is None, "coverage 2 == target 2: still needed"
     r.hset(keys.model_target("m"), "S", 1)
-    assert s.retire(r, "m", "a") == "S"
-    assert s.retire(r, "m", "b") is None, "the last replica stays"
+    assert s.retire(r, "m", "a", "S") == "S"
+    assert s.retire(r, "m", "b", "S") is None, "the last replica stays"
     assert r.hget(keys.model_coverage("m"), "S") == b"1"
     assert r.hgetall(keys.model_workers("m")) == {b"b": b"S"}

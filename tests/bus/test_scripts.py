@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 
@@ -10,7 +11,7 @@ import redis
 
 from kvq.bus import Scripts
 from kvq.config import Settings
-from kvq.keys import Keys
+from kvq.keys import Keys, join_slices
 from kvq.slices import slice_id
 
 MODEL = "tiny"
@@ -199,13 +200,13 @@ def test_release_decrements_then_deletes(r: redis.Redis, keys: Keys, scripts: Sc
     set_target(r, keys, {S[0]: 2})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
     assert scripts.volunteer(r, MODEL, "w2") == S[0]
-    assert scripts.release(r, MODEL, "w1") == S[0]
+    assert scripts.release(r, MODEL, "w1") == (S[0],)
     assert coverage(r, keys) == {S[0]: 1}
     assert workers(r, keys) == {"w2": S[0]}
-    assert scripts.release(r, MODEL, "w2") == S[0]
+    assert scripts.release(r, MODEL, "w2") == (S[0],)
     assert not r.hexists(keys.model_coverage(MODEL), S[0])  # deleted at zero, not left at 0
     assert workers(r, keys) == {}
-    assert scripts.release(r, MODEL, "w2") is None  # nothing held any more
+    assert scripts.release(r, MODEL, "w2") == ()  # nothing held any more
 
 
 def test_release_unknown_worker_changes_nothing(
@@ -213,7 +214,7 @@ def test_release_unknown_worker_changes_nothing(
 ) -> None:
     set_target(r, keys, {S[0]: 1})
     scripts.volunteer(r, MODEL, "w1")
-    assert scripts.release(r, MODEL, "ghost") is None
+    assert scripts.release(r, MODEL, "ghost") == ()
     assert coverage(r, keys) == {S[0]: 1}
     assert workers(r, keys) == {"w1": S[0]}
 
@@ -222,7 +223,7 @@ def test_release_with_lost_coverage_does_not_go_negative(
     r: redis.Redis, keys: Keys, scripts: Scripts
 ) -> None:
     r.hset(keys.model_workers(MODEL), "w1", S[0])  # coverage hash lost, workers hash kept
-    assert scripts.release(r, MODEL, "w1") == S[0]
+    assert scripts.release(r, MODEL, "w1") == (S[0],)
     assert coverage(r, keys) == {}
 
 
@@ -241,7 +242,7 @@ def test_rejoin_readds_a_reaped_worker(r: redis.Redis, keys: Keys, scripts: Scri
     assert sid == S[0]
     scripts.release(r, MODEL, "w1")  # the monitor reaped it, yet it is still serving
     assert workers(r, keys) == {} and coverage(r, keys) == {}
-    assert scripts.rejoin(r, MODEL, "w1", sid) is True
+    assert scripts.rejoin(r, MODEL, "w1", sid) == 1
     assert workers(r, keys) == {"w1": sid}
     assert coverage(r, keys) == {sid: 1}
 
@@ -252,21 +253,100 @@ def test_rejoin_is_a_no_op_when_held(r: redis.Redis, keys: Keys, scripts: Script
     scripts.volunteer(r, MODEL, "w2")
     before = (coverage(r, keys), workers(r, keys))
     for _ in range(3):
-        assert scripts.rejoin(r, MODEL, "w1", sid) is False
+        assert scripts.rejoin(r, MODEL, "w1", sid) == 0
     assert (coverage(r, keys), workers(r, keys)) == before
 
 
 def test_rejoin_after_data_loss(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     r.delete(keys.model_coverage(MODEL), keys.model_workers(MODEL))  # Redis lost everything
-    assert scripts.rejoin(r, MODEL, "w1", S[2]) is True
-    assert scripts.rejoin(r, MODEL, "w2", S[2]) is True
+    assert scripts.rejoin(r, MODEL, "w1", S[2]) == 1
+    assert scripts.rejoin(r, MODEL, "w2", S[2]) == 1
     assert coverage(r, keys) == {S[2]: 2}
     assert workers(r, keys) == {"w1": S[2], "w2": S[2]}
 
 
-def test_rejoin_moves_a_worker_between_slices(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+def test_rejoin_adds_a_slice_beside_those_held(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
     set_target(r, keys, {S[0]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]
-    assert scripts.rejoin(r, MODEL, "w1", S[1]) is True
-    assert coverage(r, keys) == {S[1]: 1}  # S[0] decremented to zero and deleted
+    assert scripts.rejoin(r, MODEL, "w1", S[1]) == 1
+    assert coverage(r, keys) == {S[0]: 1, S[1]: 1}
+    assert workers(r, keys) == {"w1": join_slices([S[0], S[1]])}
+
+
+def test_rejoin_several_slices_at_once(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    assert scripts.volunteer(r, MODEL, "w1") == S[0]
+    scripts.release(r, MODEL, "w1")  # reaped while it kept serving
+    assert scripts.rejoin(r, MODEL, "w1", S[2], S[0], S[2]) == 2  # repeats count once
+    assert workers(r, keys) == {"w1": f"{S[0]},{S[2]}"}  # sorted, joined by ","
+    assert coverage(r, keys) == {S[0]: 1, S[2]: 1}
+    assert scripts.rejoin(r, MODEL, "w1", S[0], S[2]) == 0
+
+
+# -- several slices of one model per worker (issue 10 item 4) -------------------------------
+def test_one_worker_takes_distinct_slices_until_no_demand(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 2, S[2]: 1})
+    got: list[str] = []
+    while (sid := scripts.volunteer(r, MODEL, "w1", held=got)) is not None:
+        assert sid not in got, "never a slice it holds"
+        got.append(sid)
+    assert got == [S[1], S[0], S[2]]  # largest demand first, then the lower id
+    assert workers(r, keys) == {"w1": ",".join(sorted(got))}
+    assert coverage(r, keys) == {S[0]: 1, S[1]: 1, S[2]: 1}
+    # S[1] still wants one more replica, but never from the worker holding it
+    assert scripts.volunteer(r, MODEL, "w2", held=()) == S[1]
+
+
+def test_one_worker_takes_slices_until_no_room(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    r.hset(keys.model_slices(MODEL), mapping={s: json.dumps({"bytes": 100}) for s in S[:3]})
+    first = scripts.volunteer(r, MODEL, "w1", room=250)
+    assert first == S[0]
+    second = scripts.volunteer(r, MODEL, "w1", room=150, held=[first])
+    assert second == S[1]
+    assert scripts.volunteer(r, MODEL, "w1", room=50, held=[first, second]) is None
+    assert coverage(r, keys) == {S[0]: 1, S[1]: 1}, "no reservation beyond its room"
+
+
+def test_a_retried_ask_gets_the_slice_whose_answer_was_lost(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    assert scripts.volunteer(r, MODEL, "w1") == S[0]
+    assert scripts.volunteer(r, MODEL, "w1", held=[S[0]]) == S[1]  # this answer is lost
+    for _ in range(3):  # the retry names only S[0]: S[1] comes back, nothing new is taken
+        assert scripts.volunteer(r, MODEL, "w1", held=[S[0]]) == S[1]
+    assert coverage(r, keys) == {S[0]: 1, S[1]: 1}
+    assert scripts.volunteer(r, MODEL, "w1", held=[S[0], S[1]]) == S[2]
+
+
+def test_release_one_slice_or_all(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    held: list[str] = []
+    for _ in range(3):
+        held.append(scripts.volunteer(r, MODEL, "w1", held=held) or "")
+    assert scripts.release(r, MODEL, "w1", S[1]) == (S[1],)
+    assert workers(r, keys) == {"w1": f"{S[0]},{S[2]}"}
+    assert coverage(r, keys) == {S[0]: 1, S[2]: 1}
+    assert scripts.release(r, MODEL, "w1", S[1]) == (), "not held any more"
+    assert scripts.release(r, MODEL, "w1") == (S[0], S[2])  # None: all (the reaper)
+    assert workers(r, keys) == {} and coverage(r, keys) == {}
+
+
+def test_retire_one_slice_keeps_the_others(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1})
+    assert scripts.volunteer(r, MODEL, "w1") == S[0]
+    assert scripts.volunteer(r, MODEL, "w1", held=[S[0]]) == S[1]
+    assert scripts.retire(r, MODEL, "w1", S[0]) is None, "still needed"
+    set_target(r, keys, {S[0]: 0, S[1]: 1})
+    assert scripts.retire(r, MODEL, "w1", S[1]) is None, "S[1] is still needed"
+    assert scripts.retire(r, MODEL, "w1", S[0]) == S[0]
     assert workers(r, keys) == {"w1": S[1]}
+    assert coverage(r, keys) == {S[1]: 1}
+    assert scripts.retire(r, MODEL, "w1", S[0]) is None, "not held any more"

@@ -28,7 +28,7 @@ def _call() -> tuple[LayerCall, Any]:
     Results reach it through the dispatcher (`Dispatcher.accept`), which finds the owner."""
     seen: list[str] = []
     routing = SimpleNamespace(
-        holders={"w0": "A", "w1": "B", "w2": "A"},
+        holders={"w0": frozenset("A"), "w1": frozenset("B"), "w2": frozenset("A")},
         observe_result=lambda worker, *a, **kw: seen.append(worker),
         observe_failure=lambda *a: None,
     )

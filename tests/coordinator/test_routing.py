@@ -476,3 +476,27 @@ def test_compute_threads_decide_whether_the_coordinator_uses_all_cores(
     assert not SliceRouter(board_case.board, _routing(), "c", info, None, 0).uses_all_cores
     if n > 1:
         assert not SliceRouter(board_case.board, _routing(), "c", info, None, n - 1).uses_all_cores
+
+
+def test_a_worker_serving_several_slices_is_routed_each_of_them(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """Issue 10 item 4: one view per (worker, slice); a slice it still loads is not routed."""
+    import json
+
+    board = board_case.board
+    router, sids = _router(board, gguf, coordinator_experts="none")
+    board.rejoin("m", "multi", *sids)
+    holds = json.dumps({"m": sids[:3]})  # the fourth is loading
+    now = int(time.time() * 1000)
+    info = WorkerInfo(model="m", slice=sids[3], device="cpu", last_serve_ms=now, holds=holds)
+    board.beat("multi", info)
+    router.refresh(force=True)
+    assert router.holders == {"multi": frozenset(sids[:3])}
+    with pytest.raises(UncoveredSlice, match=sids[3]):
+        router.check()
+    board.beat("multi", WorkerInfo(model="m", slice=sids[3], device="cpu", last_serve_ms=now,
+                                   holds=json.dumps({"m": sids})))  # fmt: skip
+    _prove(router, "multi")
+    router.check()
+    assert _remote(router, sids, busy=TOTAL) == dict.fromkeys(sids, "multi")

@@ -77,7 +77,7 @@ def test_forged_jobs_never_stop_a_worker_process(
     try:
         for name, url in (("full", full), ("narrow", narrow)):
             env = child_env(settings.model_copy(update={"redis_url": url}),
-                            worker_market="direct")  # fmt: skip
+                            worker_market="direct", worker_max_slices=1)  # fmt: skip
             kids.spawn(name, "worker", "--id", name, env=env)
             kids.wait_for(lambda n=name: any(v.worker_id == n and v.ready and v.alive  # type: ignore[misc]
                                              for v in mon.board.workers("tiny")), 60, name)  # fmt: skip

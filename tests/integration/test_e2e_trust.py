@@ -43,6 +43,7 @@ def s(settings: Settings) -> Settings:
     return settings.model_copy(update={
         "coordinator_experts": "none",  # every job remote, checked from the mapped file
         "slice_experts": 8,  # one slice per layer: the liar holds one, the honest one the other
+        "worker_max_slices": 1,  # (a worker's budget would fit both)
         "job_deadline_ms": 10_000,
     })  # fmt: skip
 
@@ -72,7 +73,7 @@ def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", model)
     spawn_first()
-    kids.wait_for(lambda: mon.board.assignments("tiny").get(first) == min(info.slices), 60,
+    kids.wait_for(lambda: mon.board.assignments("tiny").get(first) == (min(info.slices),), 60,
                   f"{first} holding layer 0")  # fmt: skip
     kids.spawn("honest", "worker", "--id", "honest")
     wait_ready(mon, "tiny", 2)

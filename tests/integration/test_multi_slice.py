@@ -1,8 +1,8 @@
 """Issue 10 item 4: several slices per worker, on a real Redis server.
 
-One `kvq worker` process takes a slice of each of two models, serves jobs of both from its one
-inbox, and its results equal the same slices computed here; killed, the monitor reaps both
-slices. A memory budget that fits one slice stops the volunteering at one, reserving nothing
+One `kvq worker` process takes a slice of each of two models, or two slices of one model,
+serves jobs of both from its one inbox, and its results equal the same slices computed here;
+killed, the monitor reaps both slices. A memory budget that fits one slice stops the volunteering at one, reserving nothing
 else; through the monitor's market (a least-privilege worker's path) the asks carry the models
 it holds and its room.
 """
@@ -55,8 +55,8 @@ def _register(s: Settings, models: dict[str, Path]) -> tuple[Monitor, dict[str, 
     return mon, {m: mon.register(m, path) for m, path in models.items()}
 
 
-def _job(info: ModelInfo, job_id: str, coord: str, seed: int) -> wire.Job:
-    (spec,) = info.slices.values()
+def _job(info: ModelInfo, job_id: str, coord: str, seed: int, sid: str | None = None) -> wire.Job:
+    spec = info.slices[sid] if sid is not None else next(iter(info.slices.values()))
     rng = np.random.default_rng(seed)
     hidden, lo, hi = info.meta.embedding_length, spec.expert_start, spec.expert_end
     x = rng.standard_normal((3, hidden)).astype(np.float32)
@@ -103,11 +103,11 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
         kids.wait_for(lambda: all(_ready(mon, m, "multi") for m in infos), 90,
                       "one worker serving a slice of each model")  # fmt: skip
         for m, info in infos.items():
-            assert mon.board.assignments(m) == {"multi": next(iter(info.slices))}
+            assert mon.board.assignments(m) == {"multi": tuple(info.slices)}
         held = mon.board.worker_info("multi")
-        assert held is not None and held.held() == {
-            m: next(iter(i.slices)) for m, i in infos.items()
-        }, "its heartbeat lists both slices"
+        assert held is not None and held.held() == {m: tuple(i.slices) for m, i in infos.items()}, (
+            "its heartbeat lists both slices"
+        )
         # one inbox, jobs of both models interleaved
         jobs = [_job(infos[m], f"{m}-{i}", "c0", seed=i) for i in range(3) for m in infos]
         for job in jobs:
@@ -193,11 +193,11 @@ def test_wind_down_is_per_slice(
     alpha = next(iter(infos["alpha"].slices))
     mon.board.set_target("alpha", alpha, 0)  # alpha's load drained
     _until(lambda: len(w.holdings) == 1, 30, "alpha's slice released")
-    assert w.holdings[0].model == "beta" and set(w.shelf.servers) == {"beta"}
+    assert w.holdings[0].model == "beta" and w.shelf.models() == {"beta"}
     assert mon.board.assignments("alpha") == {} and "winder" in mon.board.assignments("beta")
     assert r.exists(keys.worker_heartbeat("winder")), "its keys stay with its other slice"
     _until(lambda: (i := mon.board.worker_info("winder")) is not None
-           and i.held() == {"beta": next(iter(infos["beta"].slices))}, 10, "a beat without alpha")  # fmt: skip
+           and i.held() == {"beta": tuple(infos["beta"].slices)}, 10, "a beat without alpha")  # fmt: skip
     time.sleep(1.0)
     assert len(w.holdings) == 1, "beta is still wanted: it stays"
     job = _job(infos["alpha"], "late", "c1", seed=0)
@@ -210,6 +210,120 @@ def test_wind_down_is_per_slice(
         and res.error.type == "BadJob"
         and "no slice of alpha" in (res.error.message)
     )
+
+
+@pytest.fixture(scope="module")
+def two_slices(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One one-layer model of 8 experts: two slices of 4 experts each."""
+    path = tmp_path_factory.mktemp("one") / "gamma.gguf"
+    make_tiny(path, layers=1, experts=8, seed=13)
+    return path
+
+
+@pytest.mark.slow
+def test_one_worker_process_serves_two_slices_of_one_model_from_one_inbox(
+    settings: Settings, two_slices: Path, tmp_path: Path
+) -> None:
+    s = settings.model_copy(update={"slice_experts": 4, "heartbeat_ttl_s": 1.5})
+    mon = Monitor.from_settings(s)
+    info = mon.register("gamma", two_slices)
+    sids = sorted(info.slices)
+    assert len(sids) == 2
+    keys, r = Keys(s.prefix), mon.board.r
+    fits_both = sum(info.slices[x].nbytes for x in sids) / GIB
+    env = child_env(s, worker_market="direct", worker_memory_gib=fits_both) | {
+        "OMP_NUM_THREADS": "1"
+    }
+    kids = Children(env, log_dir=str(tmp_path))
+    try:
+        kids.spawn("pair", "worker", "--id", "pair")
+        kids.wait_for(lambda: _ready_slices(mon, "gamma", "pair") == set(sids), 90,
+                      "one worker serving both slices of one model")  # fmt: skip
+        assert mon.board.assignments("gamma") == {"pair": tuple(sids)}
+        beat = mon.board.worker_info("pair")
+        assert beat is not None and beat.held() == {"gamma": tuple(sids)}
+        assert r.hget(keys.model_workers("gamma"), "pair") == ",".join(sids).encode()
+        jobs = [_job(info, f"{sid}-{i}", "c0", seed=i, sid=sid) for i in range(3) for sid in sids]
+        for job in jobs:
+            r.xadd(keys.worker_inbox("pair"), wire.encode(job))
+        out = keys.worker_results("pair", "c0")
+        kids.wait_for(lambda: len(_results(r, out)) == len(jobs), 60, "every result")
+        got = _results(r, out)
+        for job in jobs:
+            res = got[job.job_id]
+            assert res.error is None and res.y is not None, res.error
+            want = _local(two_slices, info, job)
+            assert np.array_equal(res.y.array(), want), f"{job.job_id}: remote != local"
+        kids.procs["pair"].send_signal(signal.SIGKILL)
+        _until(lambda: not r.exists(keys.worker_heartbeat("pair")), 10, "the beat to lapse")
+        assert mon.reap("gamma") == ["pair"]
+        assert mon.board.assignments("gamma") == {}
+        assert all(d.coverage == 0 for d in mon.board.slice_demand("gamma").values())
+    finally:
+        kids.stop_all()
+
+
+def test_a_budget_that_fits_one_slice_of_a_model_holds_exactly_one_of_it(
+    settings: Settings, two_slices: Path, run_in_thread: Callable[[Any], Any]
+) -> None:
+    s = settings.model_copy(update={"slice_experts": 4, "volunteer_poll_s": 0.05})
+    mon = Monitor.from_settings(s)
+    info = mon.register("gamma", two_slices)
+    biggest = max(spec.nbytes for spec in info.slices.values())
+    w = Worker.from_settings(s.model_copy(update={"worker_memory_gib": biggest / GIB}), "one")
+    run_in_thread(w)
+    _until(lambda: w.holding is not None, 30, "a first slice")
+    time.sleep(1.0)  # twenty volunteer polls
+    assert len(w.holdings) == 1, w.holdings
+    (held,) = w.holdings
+    assert mon.board.assignments("gamma") == {"one": (held.sid,)}, "nothing else reserved"
+    other = next(x for x in info.slices if x != held.sid)
+    assert mon.board.slice_demand("gamma")[other].demand == 1
+
+
+def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
+    settings: Settings, tmp_path: Path, run_in_thread: Callable[[Any], Any]
+) -> None:
+    """16 slices of one model (1 layer x 32 experts, 2 experts a slice): each load is followed
+    at once by the next ask, not by a heartbeat's wait."""
+    path = tmp_path / "many.gguf"
+    make_tiny(path, layers=1, experts=32, hidden=16, expert_ffn=16, seed=14)
+    s = settings.model_copy(update={"slice_experts": 2, "volunteer_poll_s": 0.5})
+    mon = Monitor.from_settings(s)
+    info = mon.register("many", path)
+    assert len(info.slices) == 16
+    w = Worker.from_settings(s, "greedy")
+    run_in_thread(w)
+    t0 = time.monotonic()
+    _until(lambda: len(w.holdings) == 16, 30, "all 16 slices")
+    took = time.monotonic() - t0
+    assert took < 15, f"{took:.1f}s for 16 slices"
+    assert mon.board.assignments("many") == {"greedy": tuple(sorted(info.slices))}
+    assert all(d.demand == 0 for d in mon.board.slice_demand("many").values())
+
+
+def test_through_the_monitor_a_worker_takes_both_slices_of_one_model(
+    settings: Settings, two_slices: Path, run_in_thread: Callable[[Any], Any]
+) -> None:
+    s = settings.model_copy(update={
+        "slice_experts": 4, "volunteer_poll_s": 0.05, "monitor_poll_s": 0.1,
+        "monitor_lease_s": 1.0, "worker_market": "monitor", "market_wait_s": 1.0,
+    })  # fmt: skip
+    mon = Monitor.from_settings(s)
+    info = mon.register("gamma", two_slices)
+    run_in_thread(mon)
+    w = Worker.from_settings(s, "via-monitor")
+    run_in_thread(w)
+    _until(lambda: len(w.holdings) == 2, 60, "both slices through the monitor")
+    assert {h.sid for h in w.holdings} == set(info.slices)
+    assert mon.board.assignments("gamma") == {"via-monitor": tuple(sorted(info.slices))}
+
+
+def _ready_slices(mon: Monitor, model: str, worker: str) -> set[str]:
+    return {
+        v.slice_id for v in mon.board.workers(model) if v.worker_id == worker and v.alive
+        and v.ready
+    }  # fmt: skip
 
 
 class _HeldBackHandler(http.server.SimpleHTTPRequestHandler):

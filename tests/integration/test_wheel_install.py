@@ -119,7 +119,8 @@ def test_a_worker_from_the_wheel_serves_jobs(
     try:
         wait_for(lambda: any(v.worker_id == "wheel-w" and v.alive and v.ready
                              for v in board.workers("tiny")), 90, "the wheel's worker serving")  # fmt: skip
-        sid = board.assignments("tiny")["wheel-w"]
+        sid = next(v.slice_id for v in board.workers("tiny")
+                   if v.worker_id == "wheel-w" and v.ready)  # fmt: skip
         spec = info.slices[sid]
         meta = read_meta(tiny_model)
         rng = np.random.default_rng(1)

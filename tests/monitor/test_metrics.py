@@ -3,6 +3,7 @@ and histograms published by coordinators (X5, issue 12 item 12)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -195,3 +196,25 @@ def test_histogram_text_round_trip() -> None:
     assert back.cumulative()[:2] == [("0.001", 2), ("0.0025", 2)]
     assert back.cumulative()[-1] == ("+Inf", 4)
     assert Histogram.from_text("") is None and Histogram.from_text("{") is None
+
+
+def test_a_worker_holding_several_slices_is_one_worker_with_one_inbox(
+    mon: Monitor, r: redis.Redis
+) -> None:
+    board = mon.board
+    held: list[str] = []
+    for _ in range(3):
+        sid = board.volunteer("m", "w0", None, held)
+        assert sid is not None
+        held.append(sid)
+    board.beat("w0", WorkerInfo(model="m", slice=held[-1], device="cpu",
+                                holds=json.dumps({"m": held})))  # fmt: skip
+    r.xgroup_create(board.keys.worker_inbox("w0"), WORKER_GROUP, id="0", mkstream=True)
+    board.send_jobs([("w0", {"i": "0"})])
+    got = scrape(mon)
+    assert got["kvq_workers_alive", (("model", "m"),)] == 1, "distinct workers"
+    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_live_workers"}
+    assert {s for (_, (_, s)), n in live.items() if n} == set(held)
+    text = generate_latest(make_registry(board)).decode()  # type: ignore[arg-type]
+    lag = [ln for ln in text.splitlines() if ln.startswith("kvq_group_lag{") and "w0" in ln]
+    assert len(lag) == 1 and lag[0].endswith(" 1.0"), lag

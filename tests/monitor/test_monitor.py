@@ -97,7 +97,7 @@ def test_reap_releases_slice_and_requeues_jobs(board_case: BoardCase, model: Pat
     assert [f["m"] for f in board_case.inbox("live")] == ["job0", "job1", "job2"]
     assert board_case.inbox("dead") == []
     assert board.slice_demand("m")[sid].coverage == 1
-    assert board.assignments("m") == {"live": sid}
+    assert board.assignments("m") == {"live": (sid,)}
     assert board.worker_info("dead") is None
     assert mon.reap("m") == []
 
@@ -173,8 +173,8 @@ def test_reap_sends_each_job_of_a_multi_slice_worker_to_its_own_slice(
         for w in ("peer-m", "peer-n")
     }  # fmt: skip
     assert sorted(ids["peer-m"]) == ["garbage", "m0", "m1"] and ids["peer-n"] == ["n0"]
-    assert board.assignments("m") == {"peer-m": sids["m"]}
-    assert board.assignments("n") == {"peer-n": sids["n"]}
+    assert board.assignments("m") == {"peer-m": (sids["m"],)}
+    assert board.assignments("n") == {"peer-n": (sids["n"],)}
     assert spread_jobs([jobs[1]], {("m", sids["m"]): ["x"]}) == [], "no peer: dropped"
 
 
@@ -184,3 +184,43 @@ def _raw_inbox(case: BoardCase, worker: str) -> list[dict[str, object]]:
         rows = [f for _, f in b.r.xrange(b.keys.worker_inbox(worker))]
         return [{k.decode(): v for k, v in f.items()} for f in rows]
     return [dict(f) for f in b.inboxes.get(worker, [])]  # type: ignore[attr-defined]
+
+
+def test_reap_sends_each_job_to_a_peer_of_its_own_slice_of_one_model(
+    board_case: BoardCase, tmp_path: Path
+) -> None:
+    """Issue 10 item 4: a dead worker held two slices of one model; both are released at once
+    and each job goes to the live peer of its own slice."""
+    from kvq import wire
+
+    board = board_case.board
+    mon = Monitor(board, BASE)
+    path = tmp_path / "one.gguf"
+    make_tiny(path, layers=1, experts=8)
+    a, b = sorted(mon.register("m", path).slices)
+    board.set_target("m", a, 2)
+    board.set_target("m", b, 2)
+    assert board.volunteer("m", "dead") == a
+    assert board.volunteer("m", "dead", None, [a]) == b
+    assert board.volunteer("m", "peer-a", None, [b]) == a  # b "held": it takes a
+    assert board.rejoin("m", "peer-b", b) == 1
+    for w in ("dead", "peer-a", "peer-b"):
+        board.beat(w, _info(a))
+    board_case.kill_worker("dead")
+
+    def job(sid: str, lo: int, i: int) -> dict[str, bytes | str]:
+        t = wire.Tensor.of(np.zeros((1, 2), dtype=np.float32))
+        return wire.encode(wire.Job(
+            job_id=f"{sid}/{i}", model="m", layer=0, slice=sid, expert_start=lo,
+            expert_end=lo + 4, coord="c", reply_to="r", deadline_ms=0, x=t, ids=t, weights=t,
+        ))  # fmt: skip
+
+    board.send_jobs([("dead", f) for f in (job(a, 0, 0), job(b, 4, 0), job(a, 0, 1))])
+    assert mon.reap("m") == ["dead"]
+    got = {
+        w: sorted(wire.decode(f, wire.Job).slice for f in _raw_inbox(board_case, w))
+        for w in ("peer-a", "peer-b")
+    }
+    assert got == {"peer-a": [a, a], "peer-b": [b]}
+    assert board.assignments("m") == {"peer-a": (a,), "peer-b": (b,)}
+    assert {s: d.coverage for s, d in board.slice_demand("m").items()} == {a: 1, b: 1}

@@ -221,11 +221,17 @@ def test_live_routes_only_send_to_live_eligible_holders(
             r.mark_down(str(who))
         else:
             r.set_slots(int(who), 4)
-    views = {w.worker_id: w for w in workers}  # the last view of each id wins
+    # one view per (worker, slice): a worker holds every slice it has a view of, and its
+    # first view carries what is per worker (alive, load: one heartbeat says them all)
+    views: dict[str, WorkerView] = {}
+    slices_of: dict[str, set[str]] = {}
+    for w in workers:
+        views.setdefault(w.worker_id, w)
+        slices_of.setdefault(w.worker_id, set()).add(w.slice_id)
     dead = {e[1] for e in events if e[0] == "down"}
     served = {e[1] for e in events if e[0] == "result" and e[1] in views}
     live = {w: v for w, v in views.items() if v.alive and w not in dead}
-    held = {s for s in SLICES if s in local or any(v.slice_id == s for v in live.values())}
+    held = {s for s in SLICES if s in local or any(s in slices_of[w] for w in live)}
     if held != set(SLICES):
         with pytest.raises(UncoveredSlice):
             r.route(now)
@@ -237,12 +243,10 @@ def test_live_routes_only_send_to_live_eligible_holders(
         if local == set(SLICES):
             assert route.remote == {}
     for sid, wid in route.remote.items():
-        v = live[wid]
-        assert v.slice_id == sid
+        assert wid in live and sid in slices_of[wid]
         proven = wid in served  # a checked result, never the self-reported last_serve_ms
         forced = sid not in local and not any(
-            u.slice_id == sid and u.worker_id in served
-            for u in live.values()
+            sid in slices_of[u] and u in served for u in live
         )  # fmt: skip
         assert proven or forced or wid == route.trial
     if route.trial is not None:
@@ -292,3 +296,32 @@ def test_estimates_fade_toward_the_prior_without_samples() -> None:
     lat = r.state.telemetry["w0"].latency_ms
     assert lat is not None and abs(lat - 93.75) < 1e-6
     assert r.route(30_000.0).remote == {S0: "w0"}
+
+
+# -- a worker serving several slices of the model (issue 10 item 4) -------------------------
+def test_one_worker_serving_several_slices_takes_each_of_them() -> None:
+    r = _router()
+    _feed(r, _proven("multi", S0), _proven("multi", S1), _proven("multi", S2))
+    r.set_slots(2, 4)
+    assert r.route(0.0).remote == {S0: "multi", S1: "multi", S2: "multi"}
+    rescue = r.mark_down("multi")
+    assert rescue is not None
+    assert r.route(0.0).remote == {}, "down: every slice it served goes local"
+
+
+def test_a_trial_of_a_multi_slice_worker_uses_a_slice_with_work() -> None:
+    r = _router()
+    r.update_workers([WorkerView("new", S0), WorkerView("new", S2)], now_ms=0.0)
+    r.set_slots(2, 4)
+    trial = r.route(10.0, active={S2})
+    assert trial.trial == "new" and trial.remote == {S2: "new"}
+
+
+def test_uncovered_until_a_multi_slice_worker_covers_every_slice() -> None:
+    r = LiveRouter("tiny", SLICES[:2], "coord", local_slices=[])
+    r.update_workers([WorkerView("w", SLICES[0])], 0.0)
+    with pytest.raises(UncoveredSlice):
+        r.check()
+    r.update_workers([WorkerView("w", SLICES[0]), WorkerView("w", SLICES[1])], 1.0)
+    r.check()
+    assert r.route(2.0).remote == {SLICES[0]: "w", SLICES[1]: "w"}

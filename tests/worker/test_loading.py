@@ -94,7 +94,7 @@ def test_slow_download_is_not_reaped_nor_offered_twice(
         if w.state == "loading":
             progress.append(w.loaded_bytes)
             assert w.total_bytes == spec.nbytes or w.loaded_bytes == w.total_bytes == 0
-        assert board.assignments("m") == {"slow": sid}, "reaped, or the slice was offered twice"
+        assert board.assignments("m") == {"slow": (sid,)}, "reaped, or the slice was offered twice"
         assert board.r.hget(keys.model_coverage("m"), sid) == b"1"
         if [v for v in board.workers("m") if v.ready]:  # it may have just finished loading
             assert slow.holding is not None, "routable before it serves"
@@ -106,7 +106,7 @@ def test_slow_download_is_not_reaped_nor_offered_twice(
     assert progress and progress[-1] > progress[0], f"no progress shown: {progress[:3]}…"
     _wait(lambda: (board.worker_info("slow") or _none).state == "serving")
     assert [v.worker_id for v in board.workers("m") if v.ready and v.alive] == ["slow"]
-    assert other.holding is None and board.assignments("m") == {"slow": sid}
+    assert other.holding is None and board.assignments("m") == {"slow": (sid,)}
 
 
 def test_integrity_failure_backs_off(settings: Settings, model: Path, run_in_thread) -> None:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from boards import BoardCase, make_case
@@ -14,6 +15,7 @@ from boards import BoardCase, make_case
 from kvq.bus.board import Board
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import Lifetimes, WorkerInfo
+from kvq.machine import cpus, cpus_text, machine_id
 from kvq.model import make_tiny
 from kvq.model.registry import ModelInfo, plan_model
 from kvq.swarm import WorkerView
@@ -57,6 +59,12 @@ def _wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.02)
 
 
+def _view(sid: str, device: str = "gpu0", **fields: Any) -> WorkerView:
+    """Worker "w"'s view of `sid` as a beat from this process shows it."""
+    return WorkerView("w", sid, alive=True, device=device, machine=machine_id(), cpus=cpus(),
+                      **fields)  # fmt: skip
+
+
 def test_volunteer_takes_the_slice_with_most_demand(board_case: BoardCase, gguf: Path) -> None:
     board = board_case.board
     a, b = _register(board, gguf)
@@ -67,8 +75,9 @@ def test_volunteer_takes_the_slice_with_most_demand(board_case: BoardCase, gguf:
     board.set_target("m", b, 2)
     held = m.volunteer()
     assert held == Held("m", b)
-    assert board.assignments("m") == {"w": b} and _coverage(board, b) == 1
-    assert m.volunteer() == held, "a worker that holds a slice gets it back"
+    assert board.assignments("m") == {"w": (b,)} and _coverage(board, b) == 1
+    again = Membership(board, "w", "cpu")  # the same id, restarted: the answer was lost
+    assert again.volunteer() == held, "a slice reserved to it and unknown to it comes back"
     assert _coverage(board, b) == 1
     assert Membership(board, "x", "cpu").volunteer() == Held("m", a), "tie: least covered"
     assert Membership(board, "y", "cpu").volunteer() == Held("m", b)
@@ -83,10 +92,10 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     held = m.volunteer()
     assert held is not None
     # offered, not yet loaded: beating (never reaped while it downloads), not routable
-    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, ready=False)]
+    assert board.workers("m") == [_view(b, last_serve_ms=1234, ready=False)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading",
-        instance="i1", holds="{}",
+        instance="i1", holds="{}", machine=machine_id(), cpus=cpus_text(cpus()),
     )  # fmt: skip
     m.loaded(10, 100)
     m.beat()
@@ -94,10 +103,10 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert info is not None and (info.loaded_bytes, info.total_bytes) == (10, 100)
     m.hold(held)
     assert m.held == held
-    assert board.workers("m") == [WorkerView("w", b, alive=True, last_serve_ms=1234, load=0.0)]
+    assert board.workers("m") == [_view(b, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100, instance="i1", holds=f'{{"m":"{b}"}}',
+        total_bytes=100, instance="i1", holds=f'{{"m":["{b}"]}}',
     )  # fmt: skip
 
 
@@ -116,8 +125,8 @@ def test_beat_reports_fresh_counters_and_rejoins_after_release(
     assert board.assignments("m") == {} and _coverage(board, a) == 0
     counters[0] = (7, 99)
     m.beat()
-    assert board.assignments("m") == {"w": a} and _coverage(board, a) == 1
-    assert board.workers("m") == [WorkerView("w", a, alive=True, last_serve_ms=99, load=0.0)]
+    assert board.assignments("m") == {"w": (a,)} and _coverage(board, a) == 1
+    assert board.workers("m") == [_view(a, "cpu", last_serve_ms=99, load=0.0)]
     info = board.worker_info("w")
     assert info is not None and info.served == 7
     m.beat()
@@ -142,13 +151,13 @@ def test_retire_gives_back_only_a_surplus_replica(board_case: BoardCase, gguf: P
     assert first.retire() == Held("m", a)
     assert second.retire() is None, "the last replica stays"
     assert first.held is None and second.held == Held("m", a)
-    assert board.assignments("m") == {"q": a} and _coverage(board, a) == 1
+    assert board.assignments("m") == {"q": (a,)} and _coverage(board, a) == 1
     assert board.worker_info("p") is None
     assert [v.worker_id for v in board.workers("m") if v.alive] == ["q"]
     first.beat()
-    assert board.assignments("m") == {"q": a}, "a retired worker's beat does not rejoin"
+    assert board.assignments("m") == {"q": (a,)}, "a retired worker's beat does not rejoin"
     assert board.worker_info("p") is None
-    assert b not in board.assignments("m").values()
+    assert all(b not in sids for sids in board.assignments("m").values())
 
 
 def test_leave_releases_and_forgets_and_is_idempotent(board_case: BoardCase, gguf: Path) -> None:
@@ -225,7 +234,7 @@ def test_heartbeat_thread_keeps_it_alive_then_stops_on_close(
     beats = calls[0]
     _wait_for(lambda: not _alive(board, "w"), timeout_s=3 * SHORT_TTL_S)
     assert calls[0] == beats, "no beat after close"
-    assert board.assignments("m") == {"w": a}, "close is not leave: the monitor reaps it"
+    assert board.assignments("m") == {"w": (a,)}, "close is not leave: the monitor reaps it"
 
 
 def test_heartbeat_thread_rejoins_after_a_release(short_case: BoardCase, gguf: Path) -> None:
@@ -236,7 +245,7 @@ def test_heartbeat_thread_rejoins_after_a_release(short_case: BoardCase, gguf: P
     m.start()
     try:
         board.release("m", "w")
-        _wait_for(lambda: board.assignments("m") == {"w": a}, timeout_s=3 * SHORT_TTL_S)
+        _wait_for(lambda: board.assignments("m") == {"w": (a,)}, timeout_s=3 * SHORT_TTL_S)
         assert _coverage(board, a) == 1
     finally:
         m.close()
@@ -368,17 +377,17 @@ def test_a_worker_takes_one_slice_of_each_model(board_case: BoardCase, gguf: Pat
     assert first == Held("m", sm)
     m.hold(first)
     second = m.volunteer()
-    assert second == Held("n", sn), "the model it holds is skipped"
+    assert second == Held("n", sn), "m's only slice is held: n's comes next"
     # loading the second: the first stays routable, the second is not yet
     views = {(mod, v.slice_id): v for mod in ("m", "n") for v in board.workers(mod)}
     assert views[("m", sm)].ready and not views[("n", sn)].ready
     m.hold(second)
-    assert m.holds == {"m": first, "n": second} and m.held == second
+    assert m.holds == {("m", sm): first, ("n", sn): second} and m.held == second
     assert all(v.ready for mod in ("m", "n") for v in board.workers(mod))
     info = board.worker_info("w")
-    assert info is not None and info.held() == {"m": sm, "n": sn}
+    assert info is not None and info.held() == {"m": (sm,), "n": (sn,)}
     assert m.volunteer() is None, "a slice of every model: nothing more to take"
-    assert board.assignments("m") == {"w": sm} and board.assignments("n") == {"w": sn}
+    assert board.assignments("m") == {"w": (sm,)} and board.assignments("n") == {"w": (sn,)}
 
 
 def test_a_slice_that_does_not_fit_is_not_reserved(board_case: BoardCase, gguf: Path) -> None:
@@ -411,7 +420,7 @@ def test_beats_reassert_every_slice_and_leave_releases_them_all(
     board.release("m", "w")
     board.release("n", "w")  # reaped, or Redis lost its data
     m.beat()
-    assert board.assignments("m") == {"w": sm} and board.assignments("n") == {"w": sn}
+    assert board.assignments("m") == {"w": (sm,)} and board.assignments("n") == {"w": (sn,)}
     m.leave()
     assert board.assignments("m") == {} and board.assignments("n") == {}
     assert board.worker_info("w") is None
@@ -425,12 +434,43 @@ def test_retiring_one_slice_keeps_the_others_and_the_keys(
     assert m.retire("m") is None, "still wanted"
     board.set_target("m", sm, 0)
     assert m.retire("n") is None and m.retire("m") == Held("m", sm)
-    assert m.holds == {"n": Held("n", sn)} and board.assignments("m") == {}
+    assert m.holds == {("n", sn): Held("n", sn)} and board.assignments("m") == {}
     info = board.worker_info("w")
-    assert info is not None and info.held() == {"n": sn}, "its beat no longer lists it"
+    assert info is not None and info.held() == {"n": (sn,)}, "its beat no longer lists it"
     m.beat()
     assert board.assignments("m") == {}, "a retired slice is not re-asserted"
     assert any(v.alive for v in board.workers("n"))
     board.set_target("n", sn, 0)
     assert m.retire("n") == Held("n", sn)
     assert board.worker_info("w") is None, "the last slice takes the worker's keys with it"
+
+
+def test_a_worker_takes_several_slices_of_one_model(board_case: BoardCase, gguf: Path) -> None:
+    """Issue 10 item 4: one slice at a time, each one it does not hold, while slices are
+    wanted; beats list them all and re-assert them all; each retires on its own."""
+    board = board_case.board
+    a, b = _register(board, gguf, base_replicas=1)
+    m = Membership(board, "w", "cpu")
+    first = m.volunteer()
+    assert first == Held("m", a)
+    m.hold(first)
+    second = m.volunteer()
+    assert second == Held("m", b), "a slice of the same model it does not hold"
+    m.hold(second)
+    assert m.volunteer() is None, "both held: no demand left"
+    assert board.assignments("m") == {"w": (a, b)}
+    assert [(v.slice_id, v.ready) for v in board.workers("m")] == [(a, True), (b, True)]
+    info = board.worker_info("w")
+    assert info is not None and info.held() == {"m": (a, b)}
+    board.release("m", "w")  # reaped, or Redis lost its data: both come back with a beat
+    assert board.assignments("m") == {}
+    m.beat()
+    assert board.assignments("m") == {"w": (a, b)} and _coverage(board, a) == 1
+    board.set_target("m", b, 0)
+    assert m.retire("m", a) is None, "a is still wanted"
+    assert m.retire("m", b) == Held("m", b)
+    assert board.assignments("m") == {"w": (a,)} and list(m.holds) == [("m", a)]
+    m.beat()
+    assert board.assignments("m") == {"w": (a,)}, "a retired slice is not re-asserted"
+    m.leave()
+    assert board.assignments("m") == {} and _coverage(board, a) == 0
