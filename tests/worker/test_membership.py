@@ -106,7 +106,8 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert board.workers("m") == [_view(b, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
         model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100, instance="i1", holds=f'{{"m":["{b}"]}}',
+        total_bytes=100, instance="i1", holds=f'{{"m":["{b}"]}}', machine=machine_id(),
+        cpus=cpus_text(cpus()),
     )  # fmt: skip
 
 
