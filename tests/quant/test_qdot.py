@@ -340,3 +340,47 @@ def test_moe_call_refuses_bad_types_and_sizes(built: qdot.Built) -> None:
     with pytest.raises(ValueError, match="multiple"):
         qdot.moe(built, x[:200].copy(), [tuple(r.ctypes.data for r in raws[0])], types,
                  (144, 144, 144), 256, w, 1)  # fmt: skip
+
+
+@pytest.mark.usefixtures("int8")
+def test_one_token_expert_calls_take_the_one_call_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's experts (one row, int8 on) go through `kernels.moe_int8`, within
+    MOE_TOL of float64, the same bits from the bank and from `expert_forward`, and only the
+    experts inside the slice count."""
+    from kvq.bank import Bank, BankOptions
+    from kvq.model import make_tiny, read_meta
+    from kvq.model.experts import expert_forward, expert_forward_reference
+    from kvq.model.slices import map_slice, slice_layout
+
+    path = tmp_path / "q4_k_m.gguf"
+    make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=5)
+    sl = map_slice(path, slice_layout(read_meta(path), 0, 0, 8), 0, 0, 8)
+    half = map_slice(path, slice_layout(read_meta(path), 0, 2, 6), 0, 2, 6)
+    bank = Bank([sl], BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False), "cpu")
+    calls: list[int] = []
+    real = kernels.moe_int8
+    monkeypatch.setattr(
+        kernels, "moe_int8", lambda x, e, t, w: calls.append(len(e)) or real(x, e, t, w)
+    )
+    dense = [t.dense().numpy() for t in sl.stacks]
+    rng = np.random.default_rng(9)
+    for _ in range(10):
+        x = torch.from_numpy(rng.standard_normal((1, 256), dtype=np.float32))
+        ids = torch.from_numpy(rng.permutation(8)[None, :3].copy())
+        w = torch.from_numpy(rng.random((1, 3), dtype=np.float32))
+        got = expert_forward(sl, x, ids, w)
+        assert torch.equal(bank.forward(0, x, ids, w), got)
+        ref = expert_forward_reference(*dense, 0, x.numpy(), ids.numpy(), w.numpy())
+        err = np.abs(got.numpy() - ref).max() / np.abs(ref).max()
+        assert err < MOE_TOL, err
+        inside = [int(e) for e in ids[0] if 2 <= e < 6]
+        part = expert_forward(half, x, ids, w)
+        if not inside:
+            assert not part.any()
+        else:
+            sub = [d[2:6] for d in dense]
+            ref_half = expert_forward_reference(*sub, 2, x.numpy(), ids.numpy(), w.numpy())
+            assert np.abs(part.numpy() - ref_half).max() / np.abs(ref_half).max() < MOE_TOL
+    assert calls and all(1 <= c <= 3 for c in calls)
