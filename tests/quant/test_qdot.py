@@ -289,7 +289,7 @@ def _moe(built: qdot.Built, raws, types, x, w, threads: int = 2, isa: int = -1) 
 
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
              (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K)]  # fmt: skip
-MOE_TOL = 3e-2  # max relative error of a layer's sum (measured below 1.5%: two quantizations)
+MOE_TOL = 3e-2  # max relative error of a layer's sum (measured 0.7-2.5%: two quantizations)
 
 
 @pytest.mark.parametrize("types", MOE_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
