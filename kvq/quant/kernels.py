@@ -413,6 +413,38 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
+_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32}
+
+
+def moe_covers(types: tuple[int, int, int], h: int, f: int) -> bool:
+    """Whether `moe_int8` computes experts of these gate, up and down types with hidden size
+    `h` and expert FFN size `f` here (int8 activations asked for and built)."""
+    if not all(t in _BLOCK for t in types) or int8_kernel() is None:
+        return False
+    gb, ub, db = (_BLOCK[Q(t)] for t in types)
+    return h % gb == 0 and h % ub == 0 and f % db == 0
+
+
+def moe_int8(
+    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    types: tuple[int, int, int], weights: list[float],
+) -> torch.Tensor:  # fmt: skip
+    """One token's routed experts in one C call (`qdot.moe`, int8 activations):
+    `sum_e weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given. x: [H]
+    float32; experts: the raw bytes (uint8 [rows, row bytes], C-contiguous, on the CPU) of
+    each expert's gate [F, H], up [F, H] and down [H, F], all of `types`. Returns [H] float32.
+    The caller checks `moe_covers`."""
+    built = int8_kernel()
+    assert built is not None, "moe_int8 without moe_covers"
+    g0, u0, d0 = experts[0]  # the caller passes at least one expert
+    f, rb = int(g0.shape[0]), (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
+    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
+    xa = np.ascontiguousarray(x.detach().numpy())
+    wa = np.asarray(weights, dtype=np.float32)
+    threads = max(1, torch.get_num_threads())
+    return torch.from_numpy(qdot.moe(built, xa, ptrs, types, rb, f, wa, threads))
+
+
 def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """`matmul` with float32 activations whatever `KVQ_ACTIVATIONS` says (benchmarks)."""
     xa = np.ascontiguousarray(x.detach().numpy())

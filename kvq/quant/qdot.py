@@ -42,7 +42,7 @@ from gguf import GGMLQuantizationType
 Q = GGMLQuantizationType
 log = logging.getLogger("kvq.quant")
 
-SOURCES = ("qdot.c", "qdot_simd.h")
+SOURCES = ("qdot.c", "qdot_simd.h", "qdot_moe.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
@@ -122,6 +122,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvq_qdot.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, ctypes.c_int, ctypes.c_int]
     lib.kvq_qdot.restype = ctypes.c_int
+    lib.kvq_qdot_moe.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, p, p, p, ctypes.c_int,
+                                 ctypes.c_int]  # fmt: skip
+    lib.kvq_qdot_moe.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
 
@@ -192,4 +195,29 @@ def matmul(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"qdot {Q(qtype).name} [{n}, {k}]: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+def moe(
+    built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
+    types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int,
+    weights: npt.NDArray[np.float32], threads: int, isa: int = -1,
+) -> npt.NDArray[np.float32]:  # fmt: skip
+    """One token's routed experts in one call (`csrc/qdot_moe.h`): the sum over experts e of
+    `weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given.
+
+    x: [H] float32 (C-contiguous); experts: per expert the addresses of its gate [f, H], up
+    [f, H] and down [H, f] bytes (C-contiguous, alive for the call); types and row_bytes: of
+    gate, up and down; weights: [n] float32. Returns [H] float32. ValueError on a type it does
+    not cover or a size that is not a multiple of a type's block."""
+    n, h = len(experts), int(x.shape[0])
+    gate, up, down = ((ctypes.c_void_p * max(n, 1))(*(e[j] for e in experts)) for j in range(3))
+    out = np.empty(h, dtype=np.float32)
+    rc = built.lib.kvq_qdot_moe(
+        n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h,
+        x.ctypes.data, weights.ctypes.data, out.ctypes.data, threads, isa,
+    )  # fmt: skip
+    if rc != 0:
+        names = "/".join(Q(t).name for t in types)
+        raise ValueError(f"qdot moe {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
     return out

@@ -71,6 +71,7 @@ def test_missing_llama_cpp_gives_a_note_and_no_llama_round(
     monkeypatch.setattr(bench_model, "llama_available", lambda: False)
     r = bench_model.run_model_bench(bench_model.ModelBench(str(tiny), rounds=2))
     assert spawned == ["kvq", "kvq"]
+    assert r["page_cache_warm_s"] >= 0.0
     assert "llama" not in r and "pip install" in r["llama_note"]
 
 

@@ -262,3 +262,125 @@ def test_an_honest_int8_worker_is_never_flagged_against_float32(
         torch.set_num_threads(threads)
     print(f"q8: worst relative row error {worst:.4g} over 500 jobs, tolerance {tol}")
     assert worst < tol / 4, "the tolerance keeps a margin over honest rounding"
+
+
+def _moe_case(types: tuple[Q, Q, Q], n: int, h: int, f: int, seed: int = 0):
+    """n experts' raw gate [f, h], up [f, h], down [h, f] of `types`, x [h], weights [n], and
+    the float64 reference of the sum of weighted SwiGLU experts."""
+    from kvq.model.experts import expert_forward_reference
+
+    rng = np.random.default_rng(seed)
+    shapes = ((f, h), (f, h), (h, f))
+    raws = [[random_blocks(t, s, 0.05, rng) for t, s in zip(types, shapes, strict=True)]
+            for _ in range(n)]  # fmt: skip
+    dense = [np.stack([gguf_dequantize(r[j], types[j]) for r in raws]) for j in range(3)]
+    x = rng.standard_normal(h, dtype=np.float32)
+    w = rng.random(n, dtype=np.float32)
+    ids = np.arange(n)[None]  # [1, n]: every expert, in order
+    ref = expert_forward_reference(*dense, 0, x[None], ids, w[None])[0]  # [h]
+    return raws, x, w, ref
+
+
+def _moe(built: qdot.Built, raws, types, x, w, threads: int = 2, isa: int = -1) -> np.ndarray:
+    ptrs = [tuple(r.ctypes.data for r in e) for e in raws]
+    rb = tuple(int(r.shape[1]) for r in raws[0])
+    return qdot.moe(built, x, ptrs, types, rb, raws[0][0].shape[0], w, threads, isa)
+
+
+MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
+             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K)]  # fmt: skip
+MOE_TOL = 3e-2  # max relative error of a layer's sum (measured 0.7-2.5%: two quantizations)
+
+
+@pytest.mark.parametrize("types", MOE_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
+@pytest.mark.parametrize(("n", "h", "f"), [(1, 256, 256), (3, 512, 768), (8, 768, 512)])
+def test_moe_call_matches_float64_reference(
+    built: qdot.Built, types: tuple[Q, Q, Q], n: int, h: int, f: int
+) -> None:
+    raws, x, w, ref = _moe_case(types, n, h, f)
+    for isa in ISAS:
+        got = _moe(built, raws, types, x, w, isa=isa).astype(np.float64)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < MOE_TOL, f"isa {isa}: max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("types", MOE_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
+def test_moe_call_gives_the_same_bits_on_every_path_and_thread_count(
+    built: qdot.Built, types: tuple[Q, Q, Q]
+) -> None:
+    raws, x, w, _ = _moe_case(types, 5, 768, 512, seed=6)
+    scalar = _moe(built, raws, types, x, w, threads=1, isa=0)
+    for isa in ISAS[1:]:
+        assert np.array_equal(_moe(built, raws, types, x, w, threads=1, isa=isa), scalar), isa
+    for threads in (2, 3, 7):
+        assert np.array_equal(_moe(built, raws, types, x, w, threads=threads), scalar), threads
+
+
+def test_moe_call_equals_its_matrix_by_matrix_form(built: qdot.Built) -> None:
+    """What the call fuses: per expert, qdot gate and up, silu(g) * u in float32, qdot down,
+    and the weighted terms added in order from 0; only the SiLU's expf may round differently
+    from numpy's (and move one 8-bit step), so this compares to 1e-4, not bits."""
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    raws, x, w, _ = _moe_case(types, 4, 512, 256, seed=8)
+    acc = np.zeros(512, dtype=np.float32)
+    for (g, u, d), we in zip(raws, w, strict=True):
+        a = qdot.matmul(built, x[None], g, types[0], 1)
+        b = qdot.matmul(built, x[None], u, types[1], 1)
+        hid = (a / (np.float32(1) + np.exp(-a)) * b).astype(np.float32)
+        acc = acc + we * qdot.matmul(built, hid, d, types[2], 1)[0]
+    got = _moe(built, raws, types, x, w)
+    assert np.abs(got - acc).max() <= 1e-4 * np.abs(acc).max()
+
+
+def test_moe_call_refuses_bad_types_and_sizes(built: qdot.Built) -> None:
+    types = (Q.Q4_K, Q.Q4_K, Q.Q4_K)
+    raws, x, w, _ = _moe_case(types, 1, 256, 256)
+    with pytest.raises(ValueError, match="unknown type"):
+        _moe(built, raws, (Q.F16, Q.Q4_K, Q.Q4_K), x, w)
+    with pytest.raises(ValueError, match="multiple"):
+        qdot.moe(built, x[:200].copy(), [tuple(r.ctypes.data for r in raws[0])], types,
+                 (144, 144, 144), 256, w, 1)  # fmt: skip
+
+
+@pytest.mark.usefixtures("int8")
+def test_one_token_expert_calls_take_the_one_call_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's experts (one row, int8 on) go through `kernels.moe_int8`, within
+    MOE_TOL of float64, the same bits from the bank and from `expert_forward`, and only the
+    experts inside the slice count."""
+    from kvq.bank import Bank, BankOptions
+    from kvq.model import make_tiny, read_meta
+    from kvq.model.experts import expert_forward, expert_forward_reference
+    from kvq.model.slices import map_slice, slice_layout
+
+    path = tmp_path / "q4_k_m.gguf"
+    make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=5)
+    sl = map_slice(path, slice_layout(read_meta(path), 0, 0, 8), 0, 0, 8)
+    half = map_slice(path, slice_layout(read_meta(path), 0, 2, 6), 0, 2, 6)
+    bank = Bank([sl], BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False), "cpu")
+    calls: list[int] = []
+    real = kernels.moe_int8
+    monkeypatch.setattr(
+        kernels, "moe_int8", lambda x, e, t, w: calls.append(len(e)) or real(x, e, t, w)
+    )
+    dense = [t.dense().numpy() for t in sl.stacks]
+    rng = np.random.default_rng(9)
+    for _ in range(10):
+        x = torch.from_numpy(rng.standard_normal((1, 256), dtype=np.float32))
+        ids = torch.from_numpy(rng.permutation(8)[None, :3].copy())
+        w = torch.from_numpy(rng.random((1, 3), dtype=np.float32))
+        got = expert_forward(sl, x, ids, w)
+        assert torch.equal(bank.forward(0, x, ids, w), got)
+        ref = expert_forward_reference(*dense, 0, x.numpy(), ids.numpy(), w.numpy())
+        err = np.abs(got.numpy() - ref).max() / np.abs(ref).max()
+        assert err < MOE_TOL, err
+        inside = [int(e) for e in ids[0] if 2 <= e < 6]
+        part = expert_forward(half, x, ids, w)
+        if not inside:
+            assert not part.any()
+        else:
+            sub = [d[2:6] for d in dense]
+            ref_half = expert_forward_reference(*sub, 2, x.numpy(), ids.numpy(), w.numpy())
+            assert np.abs(part.numpy() - ref_half).max() / np.abs(ref_half).max() < MOE_TOL
+    assert calls and all(1 <= c <= 3 for c in calls)

@@ -401,3 +401,5 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     free(xq);
     return 0;
 }
+
+#include "qdot_moe.h"
