@@ -18,7 +18,7 @@ from kvq.bus.board import Board
 from kvq.config import RoutingSettings
 from kvq.coordinator.capacity import Capacity
 from kvq.coordinator.trust import Trust, TrustPolicy
-from kvq.machine import cpus, machine_id
+from kvq.machine import cpus, cpus_text, machine_id
 from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
 
@@ -60,6 +60,7 @@ class SliceRouter:
         # a CPU worker on this machine adds no cores while this coordinator computes on all of
         # its CPUs: its share of a layer would run in turn with ours, not beside it
         self.machine, self.cpus = machine_id(), cpus()
+        self.compute_threads = compute_threads
         self.uses_all_cores = compute_threads >= len(self.cpus)
         self.sharing: set[str] = set()  # such workers: no share of a split (they still serve
         # copies, trials and the slices this coordinator does not hold)
@@ -111,7 +112,8 @@ class SliceRouter:
         sharing = {v.worker_id for v in views if self.shares_cores(v)}
         for worker in sorted(sharing - self.sharing):
             log.info("worker %s computes on this machine's CPUs, all of which this coordinator "
-                     "uses: it gets no share of a capacity split (docs/routing.md)", worker)  # fmt: skip
+                     "uses (%d compute threads, CPUs %s): it gets no share of a capacity split "
+                     "(docs/routing.md)", worker, self.compute_threads, cpus_text(self.cpus))  # fmt: skip
         self.sharing = sharing
 
     def shares_cores(self, v: WorkerView) -> bool:

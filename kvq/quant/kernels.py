@@ -43,14 +43,22 @@ float32 `_tiled` kernel, which is faster there (`kvq bench kernels`).
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
-import numba
-import numpy as np
-import numpy.typing as npt
 import torch
-from gguf import GGMLQuantizationType
+
+# numba's OpenMP pool, when it starts, sets the process's OpenMP thread count to its own size
+# (NUMBA_NUM_THREADS, default: every CPU), which torch shares: `OMP_NUM_THREADS=1 kvq
+# coordinator` ran 2 threads on 2 CPUs once the first expert call started the pool. Sized like
+# torch's (which honours OMP_NUM_THREADS), the pool changes nothing.
+os.environ.setdefault("NUMBA_NUM_THREADS", str(torch.get_num_threads()))
+
+import numba  # noqa: E402 - after NUMBA_NUM_THREADS
+import numpy as np  # noqa: E402
+import numpy.typing as npt  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
 
 from kvq.quant import qdot
 
