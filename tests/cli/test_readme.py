@@ -86,6 +86,6 @@ def test_running_it_for_real_as_written(home: Path) -> None:
         proc.wait()
     out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
-    assert (home / "kvq" / "tiny.gguf").is_file()
+    assert (home / "kvq" / "model.gguf").is_file()
     assert (home / "kvq" / "redis-data").is_dir()
     assert "Traceback" not in out, out[-4000:]
