@@ -69,7 +69,8 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
             s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote="all", heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
             idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
             dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
-            saturation_enter_s=min(s.saturation_enter_s, 0.5),  # and boosts come and go
+            saturation_enter_s=min(s.saturation_enter_s, 0.2),  # and boosts come and go (a
+            # burst of 16 short requests can be over in 2 s on a fast machine)
             saturation_leave_s=min(s.saturation_leave_s, 2.0),
             # the tiny model's experts cost less than a round trip, so the default capacity
             # split would keep them local; whole copies show the remote path (docs/routing.md)

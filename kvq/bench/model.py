@@ -235,7 +235,8 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "aggregate_tok_s": agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0,
         "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
         "hit_rate": _hit_rate(bank), "bank_note": bank_note,
-        "torch_threads": torch.get_num_threads(), "activations": qdot.options().activations,
+        "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(),
     }  # fmt: skip
 

@@ -36,7 +36,7 @@ from kvq.procs import Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.standalone]
 MODEL = "small"
-BURST, TOKENS = 24, 16  # the burst: 24 concurrent requests
+BURST, TOKENS = 24, 32  # the burst: 24 concurrent requests
 MIN_REMOTE_SHARE = 0.20
 # offloaded tok/s >= this x all-local's: measured 0.88-1.08 here, where the second CPU also
 # runs Redis and the 24 clients (docs/limits.md); the margin is this machine's noise
@@ -114,6 +114,7 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
                    "--id", "coord-1")  # fmt: skip
         kids.wait_for(lambda: board.coordinator_alive("coord-1"), 120, "the coordinator")
         runs: dict[str, list[tuple[float, float]]] = {"local": [], "offload": []}
+        shares: list[tuple[int, int]] = []  # (remote, all) expert jobs of each offloaded burst
         for i in range(2):  # local, offload, local, offload: the machine drifts
             tok_s, a, b = _burst(board, s.redis_url, s.prefix)
             runs["local"].append((tok_s, 0.0))
@@ -126,6 +127,7 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
             remote = b.remote_jobs - a.remote_jobs
             jobs = remote + (b.local_jobs - a.local_jobs) + (b.fallback_jobs - a.fallback_jobs)
             runs["offload"].append((tok_s, remote / max(1, jobs)))
+            shares.append((remote, jobs))
             proc = kids.procs.pop(name)
             proc.terminate()  # it gives its slices back
             proc.wait(60)
@@ -133,7 +135,7 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
         kids.stop_all()
     local = sum(t for t, _ in runs["local"]) / 2
     offload = sum(t for t, _ in runs["offload"]) / 2
-    share = sum(x for _, x in runs["offload"]) / 2
+    share = sum(r for r, _ in shares) / max(1, sum(n for _, n in shares))
     print(f"README deployment, {slices} slices: {runs}; offload/local {offload / local:.2f}")
     assert share >= MIN_REMOTE_SHARE, runs
     assert offload >= NOISE * local, runs
