@@ -43,22 +43,14 @@ float32 `_tiled` kernel, which is faster there (`kvq bench kernels`).
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
+import numba
+import numpy as np
+import numpy.typing as npt
 import torch
-
-# numba's OpenMP pool, when it starts, sets the process's OpenMP thread count to its own size
-# (NUMBA_NUM_THREADS, default: every CPU), which torch shares: `OMP_NUM_THREADS=1 kvq
-# coordinator` ran 2 threads on 2 CPUs once the first expert call started the pool. Sized like
-# torch's (which honours OMP_NUM_THREADS), the pool changes nothing.
-os.environ.setdefault("NUMBA_NUM_THREADS", str(torch.get_num_threads()))
-
-import numba  # noqa: E402 - after NUMBA_NUM_THREADS
-import numpy as np  # noqa: E402
-import numpy.typing as npt  # noqa: E402
-from gguf import GGMLQuantizationType  # noqa: E402
+from gguf import GGMLQuantizationType
 
 from kvq.quant import qdot
 
@@ -462,6 +454,7 @@ def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tens
 
 def _float32(xa: F32, wa: U8, qtype: int, threads: int) -> F32:
     out = np.empty((xa.shape[0], wa.shape[0]), dtype=np.float32)
+    torch_threads = torch.get_num_threads()
     threads = min(threads, _MAX_THREADS)
     with _lock:
         if numba.get_num_threads() != threads:
@@ -470,4 +463,9 @@ def _float32(xa: F32, wa: U8, qtype: int, threads: int) -> F32:
             _KERNELS[qtype](wa, xa, out)
         else:
             _tiled(int(qtype), wa, xa, out)
+    if torch.get_num_threads() != torch_threads:
+        # numba's OpenMP pool, when it starts (the first call, or a recompile), sets the
+        # process's OpenMP thread count to its own size (NUMBA_NUM_THREADS, default every
+        # CPU), which torch shares: `OMP_NUM_THREADS=1 kvq coordinator` then ran 2 threads
+        torch.set_num_threads(torch_threads)
     return out

@@ -130,6 +130,7 @@ def test_killed_worker_jobs_answered_exactly_once(
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 4000, "slice_experts": 8,
         "base_replicas": 2, "heartbeat_ttl_s": 2.0, "dispatch_policy": "copies",
+        "worker_max_slices": 1,  # four workers, one slice each (one would fit both)
         # the claim is about a death, not about pricing: on a loaded machine a slow trial
         # round trip must not price the proven workers out of the route
         "cost_w_latency": 0.0,
@@ -181,6 +182,7 @@ def test_rescues_count_workers_killed_while_in_use(
     s = settings.model_copy(update={
         "saturation_threshold": 1, "job_deadline_ms": 2000, "slice_experts": 8,
         "base_replicas": 1, "heartbeat_ttl_s": 1.5, "worker_grace_ms": 60_000,
+        "worker_max_slices": 1,  # one worker per slice (one would fit both)
         "dispatch_policy": "copies",  # whole copies put both workers on the route
         # latency out of the cost: on a busy machine slow results must not price the workers
         # off the route before they are killed (score still drops with each miss)

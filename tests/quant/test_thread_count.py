@@ -32,3 +32,18 @@ def test_omp_num_threads_survives_the_first_kernel_call(threads: str) -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
                          text=True, check=True, timeout=120).stdout.split()  # fmt: skip
     assert out == [threads, threads]
+
+
+def test_a_child_sizes_its_own_pool() -> None:
+    """The pool's size is not left in the environment, where children (started by a process
+    that imported the kernels, e.g. pytest or `kvq demo`) would inherit the parent's size."""
+    parent = "import os, subprocess, sys\nfrom kvq.quant import kernels\n" + (
+        "env = dict(os.environ, OMP_NUM_THREADS='1')\n"
+        "print(subprocess.run([sys.executable, '-c', sys.argv[1]], env=env, "
+        "capture_output=True, text=True, check=True).stdout)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "OMP_NUM"))}
+    env["OMP_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", parent, PROBE], env=env, capture_output=True,
+                         text=True, check=True, timeout=240).stdout.split()  # fmt: skip
+    assert out == ["1", "1"]
