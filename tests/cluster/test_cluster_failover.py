@@ -39,6 +39,7 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
     s = settings.model_copy(update={
         "redis_url": cluster.url, "saturation_threshold": 1, "dispatch_policy": "copies",
         "job_deadline_ms": 1000, "reconnect_max_s": 0.5, "heartbeat_ttl_s": 3.0,
+        "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
