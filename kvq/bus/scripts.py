@@ -14,15 +14,20 @@ def _source(name: str) -> str:
     return resources.files("kvq").joinpath("lua", f"{name}.lua").read_text()
 
 
+def _market(name: str) -> str:
+    """A market script with the helpers it shares (`slices.lua`) in front."""
+    return _source("slices") + _source(name)
+
+
 class Scripts:
     """The registered scripts of one client; every key goes through KEYS."""
 
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
         self.keys = keys
-        self._volunteer = r.register_script(_source("volunteer"))
-        self._release = r.register_script(_source("release"))
-        self._rejoin = r.register_script(_source("rejoin"))
-        self._retire = r.register_script(_source("retire"))
+        self._volunteer = r.register_script(_market("volunteer"))
+        self._release = r.register_script(_market("release"))
+        self._rejoin = r.register_script(_market("rejoin"))
+        self._retire = r.register_script(_market("retire"))
         self._lease = r.register_script(_source("lease"))
 
     def volunteer(

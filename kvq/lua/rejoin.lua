@@ -4,11 +4,6 @@
 -- ARGV[1] worker id
 -- ARGV[2..] slice ids it serves or loads
 -- Returns how many of them were missing and are now counted again (0: nothing changed).
-local function split(text)
-  local out = {}
-  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
-  return out
-end
 local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
 local mine = {}
 for _, sid in ipairs(held) do mine[sid] = true end

@@ -5,11 +5,6 @@
 -- ARGV[1] worker id
 -- ARGV[2] the slice id to give back ("" or absent: every slice it holds)
 -- Returns the released slice ids joined by "," (sorted), or false when it held none of them.
-local function split(text)
-  local out = {}
-  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
-  return out
-end
 local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
 local one = ARGV[2]
 if one == '' then one = nil end

@@ -6,11 +6,6 @@
 -- ARGV[1] worker id
 -- ARGV[2] slice id
 -- Returns the released slice id, or false when the worker does not hold it or it is needed.
-local function split(text)
-  local out = {}
-  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
-  return out
-end
 local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
 local kept, found = {}, false
 for _, sid in ipairs(held) do

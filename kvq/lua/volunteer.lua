@@ -11,11 +11,6 @@
 -- Returns the slice id, or false when no slice (that fits) has demand. Idempotent: a slice
 -- listed for the worker that it does not know of (the answer to an earlier ask was lost) is
 -- returned first, without counting it twice.
-local function split(text)
-  local out = {}
-  if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
-  return out
-end
 local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
 local mine, known = {}, {}
 for _, sid in ipairs(split(ARGV[3])) do known[sid] = true end
