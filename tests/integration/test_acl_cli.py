@@ -49,7 +49,8 @@ def test_apply_then_a_whole_deployment_on_those_users(
     assert all(s["password"] not in printed for s in made.values()), "passwords never printed"
     assert oct(secrets.stat().st_mode & 0o777) == "0o600"
     url = {s["role"] if s["role"] != "worker" else n: s["url"] for n, s in made.items()}
-    s = settings.model_copy(update={**LOADED, "slice_experts": 8})  # 2 slices: one per worker
+    # 2 slices: one per worker (one worker's budget would fit both)
+    s = settings.model_copy(update={**LOADED, "slice_experts": 8, "worker_max_slices": 1})
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(role_url: str, *args: str) -> subprocess.Popen[bytes]:

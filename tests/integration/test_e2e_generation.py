@@ -28,6 +28,7 @@ def test_remote_generation_equals_local(
         "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
         "microbatches": microbatches,  # 2: layer calls of two micro-batches in flight at once
         "request_shards": shards,  # 3: the requests spread over three streams (issue 14)
+        "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
     })  # fmt: skip
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)

@@ -78,7 +78,9 @@ def test_unproven_worker_outside_grace_gets_no_work_under_load(
 def test_uncovered_model_is_refused_until_a_worker_covers_it(
     settings: Settings, one_slice_model: Path, run_in_thread
 ) -> None:
-    s = settings.model_copy(update={"coordinator_experts": "none", "slice_experts": 4})
+    s = settings.model_copy(
+        update={"coordinator_experts": "none", "slice_experts": 4, "worker_max_slices": 1}
+    )  # one worker per slice
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("m", one_slice_model)
