@@ -85,6 +85,24 @@ def _results(r: redis.Redis, stream: str) -> dict[str, wire.Result]:
     return {res.job_id: res for res in (wire.decode(f, wire.Result) for _, f in r.xrange(stream))}
 
 
+def _served_as_local(
+    r: redis.Redis, keys: Keys, kids: Children, worker: str, jobs: list[wire.Job],
+    local: Callable[[wire.Job], np.ndarray],
+) -> None:  # fmt: skip
+    """Sends `jobs` to `worker`'s one inbox; every result equals `local(job)`, bit for bit."""
+    for job in jobs:
+        r.xadd(keys.worker_inbox(worker), wire.encode(job))
+    out = keys.worker_results(worker, "c0")
+    kids.wait_for(lambda: len(_results(r, out)) == len(jobs), 60, "every result")
+    got = _results(r, out)
+    for job in jobs:
+        res = got[job.job_id]
+        assert res.error is None and res.y is not None, res.error
+        want = local(job)
+        assert res.y.array().shape == want.shape
+        assert np.array_equal(res.y.array(), want), f"{job.job_id}: remote != local"
+
+
 def _ready(mon: Monitor, model: str, worker: str) -> bool:
     return any(v.worker_id == worker and v.alive and v.ready for v in mon.board.workers(model))
 
@@ -110,17 +128,14 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
         )
         # one inbox, jobs of both models interleaved
         jobs = [_job(infos[m], f"{m}-{i}", "c0", seed=i) for i in range(3) for m in infos]
-        for job in jobs:
-            r.xadd(keys.worker_inbox("multi"), wire.encode(job))
-        out = keys.worker_results("multi", "c0")
-        kids.wait_for(lambda: len(_results(r, out)) == len(jobs), 60, "every result")
-        got = _results(r, out)
-        for job in jobs:
-            res = got[job.job_id]
-            assert res.error is None and res.y is not None, res.error
-            want = _local(two_models[job.model], infos[job.model], job)
-            assert res.y.array().shape == want.shape
-            assert np.array_equal(res.y.array(), want), f"{job.job_id}: remote != local"
+        _served_as_local(
+            r,
+            keys,
+            kids,
+            "multi",
+            jobs,
+            lambda job: _local(two_models[job.model], infos[job.model], job),
+        )
         # killed: the monitor reaps both of its slices at once
         kids.procs["multi"].send_signal(signal.SIGKILL)
         _until(lambda: not r.exists(keys.worker_heartbeat("multi")), 10, "the beat to lapse")
@@ -244,16 +259,7 @@ def test_one_worker_process_serves_two_slices_of_one_model_from_one_inbox(
         assert beat is not None and beat.held() == {"gamma": tuple(sids)}
         assert r.hget(keys.model_workers("gamma"), "pair") == ",".join(sids).encode()
         jobs = [_job(info, f"{sid}-{i}", "c0", seed=i, sid=sid) for i in range(3) for sid in sids]
-        for job in jobs:
-            r.xadd(keys.worker_inbox("pair"), wire.encode(job))
-        out = keys.worker_results("pair", "c0")
-        kids.wait_for(lambda: len(_results(r, out)) == len(jobs), 60, "every result")
-        got = _results(r, out)
-        for job in jobs:
-            res = got[job.job_id]
-            assert res.error is None and res.y is not None, res.error
-            want = _local(two_slices, info, job)
-            assert np.array_equal(res.y.array(), want), f"{job.job_id}: remote != local"
+        _served_as_local(r, keys, kids, "pair", jobs, lambda job: _local(two_slices, info, job))
         kids.procs["pair"].send_signal(signal.SIGKILL)
         _until(lambda: not r.exists(keys.worker_heartbeat("pair")), 10, "the beat to lapse")
         assert mon.reap("gamma") == ["pair"]
