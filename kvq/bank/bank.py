@@ -39,7 +39,8 @@ DRAIN_TIMEOUT_S = 60.0
 
 class Bank:
     """Experts of some layers (each an expert range) split hot/cold, planned from a histogram,
-    kept on the popular experts by dynamic swaps (unless static)."""
+    kept on the popular experts by dynamic swaps (unless static). It logs what it chose in one
+    line at `log_level` (a worker holding many slices logs its own line per slice instead)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Bank:
         *,
         hist: Histogram | None = None,
         stock_hot_bytes: int | None = None,
+        log_level: int = logging.INFO,
     ) -> None:
         self.opts = options
         self.device = torch.device(device)
@@ -73,7 +75,8 @@ class Bank:
         self._total, self._step, self._updates, self._errors = Tally(), 0, 0, 0
         self._pingpong = PingPong()
         self.swaps = 0
-        log.info("bank: %s; %s; %s", self.describe(), self.cold_path_note, self.numa)
+        log.log(log_level, "bank: %s; %s; %s; %s", self.describe(), self.plan.chosen,
+                self.cold_path_note, self.numa)  # fmt: skip
 
     # -- reading --------------------------------------------------------------------------
     @property

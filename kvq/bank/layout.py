@@ -5,8 +5,6 @@ that is what occupies the device; the cold bank keeps the file's encoding."""
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -18,8 +16,6 @@ from kvq.bank.store import hot_encoded
 from kvq.errors import BankError
 from kvq.model.qstack import QStack
 from kvq.model.slices import ExpertSlice
-
-log = logging.getLogger(__name__)
 
 
 def resident_bytes(sl: ExpertSlice, device: torch.device) -> int:
@@ -44,13 +40,13 @@ def initial_plan(
     free = device_free_bytes(device)
     budget, why = resolve_budget(opts, total, free, stock_hot_bytes, device.type != "cpu")
     plan = plan_hot_set(tables, budget)
-    log.info("bank: hot budget %d of %d bytes (%s); %s", budget, total, why, plan.method)
+    why = f"hot budget {budget} of {total} bytes ({why}); {plan.method}"
     if hist is None:
-        log.info("bank: no histogram; the first hot set is arbitrary until counters fill")
+        why += "; no histogram: the first hot set is arbitrary until counters fill"
     starts = {layer: sl.expert_start for layer, sl in sls.items()}
     hot = {layer: [starts[layer] + e for e in ids] for layer, ids in plan.hot.items()}
     return Plan(hot, plan.bytes_used, plan.budget_bytes, plan.covered, plan.total,
-                plan.method, plan.greedy_covered, plan.optimal, plan.notes)  # fmt: skip
+                plan.method, plan.greedy_covered, plan.optimal, plan.notes, why)  # fmt: skip
 
 
 def hist_counts(hist: Histogram, sl: ExpertSlice) -> npt.NDArray[np.float64]:

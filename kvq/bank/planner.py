@@ -50,6 +50,7 @@ class Plan:
     greedy_covered: float  # what greedy alone covers (== covered when greedy was used)
     optimal: bool  # proven optimal (equal sizes, exact solver or oracle)
     notes: list[str] = field(default_factory=list)
+    chosen: str = ""  # how the budget and method were chosen, for the bank's log line
 
     @property
     def covered_share(self) -> float:

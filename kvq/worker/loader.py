@@ -48,17 +48,19 @@ class Loader:
     download_timeout_s: float
     bank_options: BankOptions
 
-    def load(self, held: Held, progress: Callable[[int, int], None]) -> Loaded:
+    def load(self, held: Held, progress: Callable[[int, int], None], quiet: bool = False) -> Loaded:
         """The slice `held`, loaded (KvqError when it cannot be: unregistered, unreachable,
-        corrupt, or a bank these settings cannot build)."""
+        corrupt, or a bank these settings cannot build). `quiet`: its "loading" and bank lines
+        at DEBUG (a worker's later slices: its "serving" line says what each one cost)."""
+        level = logging.DEBUG if quiet else logging.INFO
         info = self.board.model_info(held.model)
         if info is None:
             raise ModelError(f"model {held.model!r} is no longer registered")
         spec = info.slices[held.sid]
         dtype = compute_dtype(self.device, self.compute_dtype, (r.ggml_type for r in spec.ranges))
         t0 = time.monotonic()
-        log.info("loading %s %s (%.1f MB from %s)", held.model, held.sid, spec.nbytes / 1e6,
-                 info.source)  # fmt: skip
+        log.log(level, "loading %s %s (%.1f MB from %s)", held.model, held.sid,
+                spec.nbytes / 1e6, info.source)  # fmt: skip
         progress(0, spec.nbytes)
         blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
         experts, at = [], 0
@@ -69,7 +71,7 @@ class Loader:
                 ranges, part, layer, spec.expert_start, spec.expert_end,
                 device=str(self.device), dtype=dtype,
             ))  # fmt: skip
-        bank = Bank(experts, self.bank_options, self.device)
+        bank = Bank(experts, self.bank_options, self.device, log_level=level)
         hidden = info.meta.embedding_length
         warm_s = warm_up(bank, hidden, dtype, self.device)
         server = ExpertServer(self.name, held.model, bank, hidden, dtype)

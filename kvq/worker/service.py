@@ -184,7 +184,7 @@ class Worker:
 
     def _load_beside(self, held: Held) -> None:
         try:
-            self._loads.put(self.loader.load(held, self.membership.loaded))
+            self._loads.put(self.loader.load(held, self.membership.loaded, quiet=True))
         except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
             self._loads.put((held, exc))
 

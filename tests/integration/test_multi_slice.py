@@ -288,10 +288,13 @@ def test_a_budget_that_fits_one_slice_of_a_model_holds_exactly_one_of_it(
 
 
 def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
-    settings: Settings, tmp_path: Path, run_in_thread: Callable[[Any], Any]
-) -> None:
+    settings: Settings, tmp_path: Path, run_in_thread: Callable[[Any], Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """16 slices of one model (1 layer x 32 experts, 2 experts a slice): each load is followed
-    at once by the next ask, not by a heartbeat's wait."""
+    at once by the next ask, not by a heartbeat's wait. The log says "serving" once a slice;
+    only the first slice also logs its loading and its bank (64 slices, 320 lines before)."""
+    caplog.set_level("INFO", logger="kvq")
     path = tmp_path / "many.gguf"
     make_tiny(path, layers=1, experts=32, hidden=16, expert_ffn=16, seed=14)
     s = settings.model_copy(update={"slice_experts": 2, "volunteer_poll_s": 0.5})
@@ -306,6 +309,10 @@ def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
     assert took < 15, f"{took:.1f}s for 16 slices"
     assert mon.board.assignments("many") == {"greedy": tuple(sorted(info.slices))}
     assert all(d.demand == 0 for d in mon.board.slice_demand("many").values())
+    info_lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    for word, n in (("serving many", 16), ("loading many", 1), ("bank: ", 1)):
+        got = [m for m in info_lines if m.startswith(word)]
+        assert len(got) == n, (word, got)
 
 
 def test_through_the_monitor_a_worker_takes_both_slices_of_one_model(
