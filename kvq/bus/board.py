@@ -112,6 +112,10 @@ class Board(Protocol):
         """Worker id → the slice ids it holds of `model`, sorted."""
         ...
 
+    def held_by(self, model: str, worker: str) -> tuple[str, ...]:
+        """The slice ids of `model` listed for `worker` (one field of `assignments`)."""
+        ...
+
     def volunteer(
         self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
     ) -> str | None:

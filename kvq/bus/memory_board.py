@@ -139,23 +139,36 @@ class MemoryBoard:
         with self._lock:
             return {w: tuple(sids) for w, sids in self._workers.get(model, {}).items()}
 
+    def held_by(self, model: str, worker: str) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._workers.get(model, {}).get(worker, ()))
+
     def volunteer(
         self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
     ) -> str | None:
         with self._lock:
-            mine = self._workers.setdefault(model, {}).get(worker, [])
-            lost = [sid for sid in mine if sid not in set(held)]
+            info = self._models.get(model)
+
+            def fits(sid: str) -> bool:
+                return room is None or (
+                    info is not None and sid in info.slices and info.slices[sid].nbytes <= room
+                )
+
+            known = set(held)
+            listed = self._workers.setdefault(model, {}).get(worker, [])
+            mine = [sid for sid in listed if sid in known or fits(sid)]
+            if mine != listed:  # lost answers that do not fit `room`: given back
+                for sid in set(listed) - set(mine):
+                    self._uncover(model, sid)
+                self._keep(model, worker, mine)
+            lost = [sid for sid in mine if sid not in known]
             if lost:
                 return lost[0]
             cover = self._coverage.setdefault(model, {})
-            info = self._models.get(model)
             best: tuple[int, int, str] | None = None  # (-demand, coverage, sid): min wins
             for sid, want in self._target.get(model, {}).items():
                 cov = cover.get(sid, 0)
-                if sid in mine:
-                    continue
-                if room is not None and (info is None or sid not in info.slices
-                                         or info.slices[sid].nbytes > room):  # fmt: skip
+                if sid in mine or not fits(sid):
                     continue
                 if want - cov > 0 and (best is None or (cov - want, cov, sid) < best):
                     best = (cov - want, cov, sid)

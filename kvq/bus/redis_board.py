@@ -156,6 +156,9 @@ class RedisBoard:
         got = {_s(w): split_slices(v) for w, v in raw.items()}
         return {w: sids for w, sids in got.items() if sids}
 
+    def held_by(self, model: str, worker: str) -> tuple[str, ...]:
+        return split_slices(self.r.hget(self.keys.model_workers(model), worker))
+
     def volunteer(
         self, model: str, worker: str, room: int | None = None, held: Collection[str] = ()
     ) -> str | None:

@@ -10,15 +10,32 @@
 -- ARGV[3] the slice ids of this model the worker knows it holds, joined by "," ("": none)
 -- Returns the slice id, or false when no slice (that fits) has demand. Idempotent: a slice
 -- listed for the worker that it does not know of (the answer to an earlier ask was lost) is
--- returned first, without counting it twice.
-local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
-local mine, known = {}, {}
-for _, sid in ipairs(split(ARGV[3])) do known[sid] = true end
-for _, sid in ipairs(held) do
-  if not known[sid] then return sid end
-  mine[sid] = true
-end
+-- returned first, without counting it twice, if it fits `room`; one that does not fit is
+-- given back (so a worker whose budget is full clears its lost answers by asking with room 0).
 local room = tonumber(ARGV[2] or '')
+local function fits(sid)
+  if not room or not KEYS[4] then return true end
+  local spec = redis.call('HGET', KEYS[4], sid)
+  local size = spec and tonumber(cjson.decode(spec)['bytes']) or nil
+  return size ~= nil and size <= room
+end
+local known, mine, held, lost, dropped = {}, {}, {}, false, false
+for _, sid in ipairs(split(ARGV[3])) do known[sid] = true end
+for _, sid in ipairs(split(redis.call('HGET', KEYS[3], ARGV[1]))) do
+  if known[sid] or fits(sid) then
+    if not known[sid] and not lost then lost = sid end
+    held[#held + 1] = sid
+    mine[sid] = true
+  else
+    dropped = true
+    if redis.call('HINCRBY', KEYS[2], sid, -1) <= 0 then redis.call('HDEL', KEYS[2], sid) end
+  end
+end
+if dropped then
+  if #held == 0 then redis.call('HDEL', KEYS[3], ARGV[1])
+  else redis.call('HSET', KEYS[3], ARGV[1], table.concat(held, ',')) end
+end
+if lost then return lost end
 local target = redis.call('HGETALL', KEYS[1])
 local best, best_demand, best_cov = false, 0, 0
 for i = 1, #target, 2 do
@@ -27,11 +44,7 @@ for i = 1, #target, 2 do
   local cov = tonumber(redis.call('HGET', KEYS[2], sid) or '0') or 0
   local demand = want - cov
   if mine[sid] then demand = 0 end
-  if demand > 0 and room and KEYS[4] then
-    local spec = redis.call('HGET', KEYS[4], sid)
-    local size = spec and tonumber(cjson.decode(spec)['bytes']) or nil
-    if not size or size > room then demand = 0 end
-  end
+  if demand > 0 and not fits(sid) then demand = 0 end
   if demand > 0 then
     local better = (not best) or demand > best_demand
       or (demand == best_demand and cov < best_cov)

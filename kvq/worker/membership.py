@@ -74,6 +74,16 @@ class Membership:
             out.setdefault(h.model, []).append(h.sid)
         return out
 
+    def lost_answers(self) -> bool:
+        """Whether the market lists for this worker a slice it neither holds nor loads (the
+        answer to an ask was lost on the way; `volunteer` returns it, or gives it back when
+        it does not fit the room asked with)."""
+        mine = self.by_model()
+        for model in self.board.models():
+            if set(self.board.held_by(model, self.id)) - set(mine.get(model, ())):
+                return True
+        return False
+
     def volunteer(self, room: int | None = None) -> Held | None:
         """Ask the market for a slice it does not hold, of at most `room` bytes (None: any
         size) (K9); the one offered is taken and is `loading` until `hold` (or `give_back`).

@@ -148,13 +148,9 @@ class Worker:
 
     # -- volunteering and loading --------------------------------------------------------
     def _volunteer_due(self) -> bool:
-        """Time to ask, and room in the budget. Right after a slice is installed the next ask
-        is due at once; an ask that finds nothing waits `volunteer_poll_s` (the heartbeat's
-        pace while serving)."""
-        now = time.monotonic()
-        if now < self._next_ask or self._loader is not None:
-            return False
-        return self.budget.can_take(self.shelf.used_bytes, len(self.shelf))
+        """Time to ask. Right after a slice is installed the next ask is due at once; an ask
+        that finds nothing waits `volunteer_poll_s` (the heartbeat's pace while serving)."""
+        return time.monotonic() >= self._next_ask and self._loader is None
 
     def _volunteer(self) -> bool:
         """Ask for a slice and load it: here while serving nothing, else on a thread beside
@@ -165,6 +161,12 @@ class Worker:
             self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s()
         )  # fmt: skip
         self._next_ask = max(self._next_ask, now + pace)
+        if not self.budget.can_take(self.shelf.used_bytes, len(self.shelf)):
+            # full: ask only to give back a slice whose answer was lost on the way (listed
+            # for this worker, unknown to it), which room 0 does and takes nothing new
+            if self.membership.lost_answers():
+                self.membership.volunteer(0)
+            return False
         held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
         if held is None:
             return False

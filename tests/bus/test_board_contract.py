@@ -42,7 +42,10 @@ some_sids = st.lists(st.sampled_from(SIDS), max_size=4)
 ops = st.lists(
     st.one_of(
         # `held`: what the worker knows it holds (a subset after a lost answer, or stale)
-        st.tuples(st.just("volunteer"), st.sampled_from(WORKERS), some_sids),
+        # `room` None (any size) or 0 (a full worker: only gives back lost answers)
+        st.tuples(
+            st.just("volunteer"), st.sampled_from(WORKERS), some_sids, st.none() | st.just(0)
+        ),
         st.tuples(st.just("release"), st.sampled_from(WORKERS), st.none() | st.sampled_from(SIDS)),
         st.tuples(st.just("retire"), st.sampled_from(WORKERS), st.sampled_from(SIDS)),
         st.tuples(st.just("rejoin"), st.sampled_from(WORKERS), some_sids),
@@ -59,8 +62,9 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
         board.set_target("m", str(sid), int(str(n)))
         return None
     if kind == "volunteer":
-        worker, held = args
-        return board.volunteer("m", str(worker), None, list(held))  # type: ignore[call-overload]
+        worker, held, *room = args
+        got = board.volunteer("m", str(worker), room[0] if room else None, list(held))  # type: ignore[call-overload, arg-type]
+        return got, board.held_by("m", str(worker))
     if kind == "rejoin":
         worker, sids = args
         return board.rejoin("m", str(worker), *sids)  # type: ignore[misc]
@@ -94,6 +98,16 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
         ("volunteer", "a", SIDS[:3]),
         ("release", "a", SIDS[0]),
         ("release", "a", None),
+    ],
+)
+# a lost answer of a full worker is given back (room 0), then the slice goes to another
+@example(
+    targets=[1, 1, 0, 0],
+    program=[
+        ("volunteer", "a", []),
+        ("volunteer", "a", [SIDS[0]]),
+        ("volunteer", "a", [SIDS[0]], 0),
+        ("volunteer", "b", []),
     ],
 )
 def test_market_answers_match_the_lua_scripts(

@@ -326,6 +326,25 @@ def test_a_retried_ask_gets_the_slice_whose_answer_was_lost(
     assert scripts.volunteer(r, MODEL, "w1", held=[S[0], S[1]]) == S[2]
 
 
+def test_a_lost_answer_that_does_not_fit_the_room_is_given_back(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    r.hset(keys.model_slices(MODEL), mapping={s: json.dumps({"bytes": 100}) for s in S[:3]})
+    assert scripts.volunteer(r, MODEL, "w1", room=300) == S[0]
+    assert scripts.volunteer(r, MODEL, "w1", room=200, held=[S[0]]) == S[1]  # lost
+    # the worker filled its budget some other way: with room 0 the lost S[1] is given back
+    # and nothing new is taken
+    assert scripts.volunteer(r, MODEL, "w1", room=0, held=[S[0]]) is None
+    assert workers(r, keys) == {"w1": S[0]} and coverage(r, keys) == {S[0]: 1}
+    # one that fits is still returned, not given back
+    assert scripts.volunteer(r, MODEL, "w1", room=100, held=[S[0]]) == S[1]
+    assert scripts.volunteer(r, MODEL, "w1", room=100, held=[S[0]]) == S[1]
+    assert coverage(r, keys) == {S[0]: 1, S[1]: 1}
+    assert scripts.volunteer(r, MODEL, "w2", room=0) is None  # nothing listed: no write
+    assert workers(r, keys) == {"w1": f"{S[0]},{S[1]}"}
+
+
 def test_release_one_slice_or_all(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
     held: list[str] = []

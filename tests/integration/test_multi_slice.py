@@ -172,6 +172,29 @@ def test_a_budget_that_fits_one_slice_holds_exactly_one(
     assert w2.holding is not None and w2.holding.model == other
 
 
+def test_a_full_worker_gives_back_a_slice_whose_answer_was_lost(
+    settings: Settings, two_models: dict[str, Path], run_in_thread: Callable[[Any], Any]
+) -> None:
+    """A worker whose budget is full never asks for more, so a reservation made for it whose
+    answer never reached it (listed for it in the workers hash, unknown to it) would count
+    toward the slice's target until it left. It now gives such a slice back at its
+    heartbeat's pace, and the slice's demand is on the market again."""
+    s = settings.model_copy(update={"slice_experts": 8, "volunteer_poll_s": 0.05})
+    mon, infos = _register(s, two_models)
+    biggest = max(next(iter(i.slices.values())).nbytes for i in infos.values())
+    w = Worker.from_settings(s.model_copy(update={"worker_memory_gib": biggest / GIB}), "full")
+    run_in_thread(w)
+    _until(lambda: w.holding is not None, 30, "a first slice")
+    (held,) = w.holdings
+    other = next(m for m in infos if m != held.model)
+    sid = next(iter(infos[other].slices))
+    assert mon.board.volunteer(other, "full") == sid  # reserved for it; the answer is lost
+    assert mon.board.slice_demand(other)[sid].demand == 0
+    _until(lambda: mon.board.assignments(other) == {}, 15, "the lost reservation given back")
+    assert mon.board.slice_demand(other)[sid].demand == 1
+    assert w.holdings == [held], "and it took nothing new"
+
+
 def test_through_the_monitor_a_worker_takes_a_slice_of_each_model(
     settings: Settings, two_models: dict[str, Path], run_in_thread: Callable[[Any], Any]
 ) -> None:
