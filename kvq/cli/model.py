@@ -95,7 +95,9 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
 
 def _print_memory(m: dict[str, Any]) -> None:
     print(f"memory ({m['dtype']}, {m['n_slots']} sequences x {m['kv_positions']} positions)")
-    for key, label in (("backbone_bytes", "backbone (dense weights)"),
+    for key, label in (("backbone_bytes", "backbone"),
+                       ("backbone_dense_bytes", "  dense (anonymous memory)"),
+                       ("backbone_mapped_bytes", "  encoded, mapped (page cache)"),
                        ("kv_cache_bytes", "KV cache"),
                        ("coordinator_all_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=all"),
                        ("coordinator_none_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=none"),

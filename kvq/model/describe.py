@@ -9,13 +9,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import arch_spec
 from kvq.model.layout import slice_nbytes
 from kvq.model.meta import ModelMeta, read_meta
+from kvq.quant import kernels
 from kvq.slices import slice_grid
 
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -93,30 +94,36 @@ def memory_needs(
             "n_slots >= 1, kv_positions >= 0"
         )
     experts, size = _expert_names(meta), DTYPE_BYTES[a.dtype]
-    dense = embed = 0
+    dense = mapped = 0
     for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            embed = int(t.n_bytes)
+        if t.name == "token_embd.weight" or (t.name not in experts and _kept_encoded(t, a)):
+            mapped += int(t.n_bytes)
         elif t.name not in experts:
             dense += int(t.n_elements) * size
     positions = a.kv_positions or meta.context_length
     kv = a.n_slots * positions * meta.block_count * 2 * meta.head_count_kv * meta.head_dim * size
     expert_bytes = tensor_sizes(reader, meta)["expert_bytes"]
-    backbone = dense + embed
+    backbone = dense + mapped
     per_slice = [s["bytes"] for s in slices] or [0]
     return {
         "dtype": a.dtype,
         "n_slots": a.n_slots,
         "kv_positions": positions,
         "backbone_bytes": backbone,
+        "backbone_dense_bytes": dense,
+        "backbone_mapped_bytes": mapped,
         "kv_cache_bytes": kv,
         "coordinator_all_bytes": backbone + kv + expert_bytes,
         "coordinator_none_bytes": backbone + kv,
         "worker_slice_bytes_max": max(per_slice),
         "worker_slice_bytes_min": min(per_slice),
         "assumptions": [
-            f"backbone: every non-expert tensor dequantized to {a.dtype} once at load, except "
-            "token_embd, which stays encoded (rows are dequantized on use)",
+            f"backbone: dense = vectors, norms, routers and weight matrices of types without "
+            f"a fused kernel, dequantized to {a.dtype} once at load (anonymous memory); "
+            "mapped = token_embd (rows dequantized on use) and, in float32, the weight "
+            "matrices of kernel types ("
+            + ", ".join(q.name for q in kernels.KERNEL_TYPES)
+            + "), computed encoded from the memory-mapped file (page cache)",
             f"KV cache: {a.n_slots} sequences x {positions} positions x {meta.block_count} "
             f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} in {a.dtype} "
             "(the cache grows by doubling, so this is its full size)",
@@ -126,6 +133,16 @@ def memory_needs(
             "worker: the encoded bytes of its slice; activations and scratch not counted",
         ],
     }
+
+
+def _kept_encoded(t: ReaderTensor, a: MemoryAssumptions) -> bool:
+    """Whether the backbone keeps non-expert tensor `t` encoded and mapped: a weight matrix
+    (not a router) of a type a fused kernel computes, in float32 (`Loader.matrix`)."""
+    matrix = len(t.shape) == 2 and min(int(d) for d in t.shape) > 1
+    return (
+        matrix and "ffn_gate_inp" not in t.name and a.dtype == "float32"
+        and int(t.tensor_type) in kernels.KERNEL_TYPES
+    )  # fmt: skip
 
 
 def _expert_names(meta: ModelMeta) -> set[str]:

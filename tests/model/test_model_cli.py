@@ -15,6 +15,7 @@ from kvq.cli import model as cli_model
 from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
 from kvq.model.arch import TINY_ARCHS
 from kvq.model.presets import PRESETS, Preset, plan, write_preset
+from kvq.model.qstack import QMatrix
 from kvq.model.quants import MIXES, QUANT_NAMES
 from kvq.model.tiny import TOKENIZERS, TinyConfig, write_tiny
 
@@ -117,18 +118,32 @@ def test_inspect_sizes_and_memory(capsys: pytest.CaptureFixture[str], odd_path: 
     assert f"{m['coordinator_all_bytes']:,} B" in text
 
 
-def test_inspect_quantized_backbone_counts_dense_weights_in_the_compute_dtype(
+def test_inspect_quantized_backbone_counts_what_the_loader_keeps_encoded(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """The estimate is what `Backbone` really holds: each weight matrix the loader kept
+    encoded (`QMatrix`) or `QRows` counts at its encoded, mapped size; every other tensor
+    dense in the compute dtype."""
     path = tmp_path / "q.gguf"
     write_preset(path, Preset("s", TinyConfig(2, 4, 2, 256, 256, 4, 2, 64, vocab=600), 64, 1e6,
                               1e-6), "q4_k_m")  # fmt: skip
     m = _json(capsys, "model", "inspect", str(path), "--json")["memory"]
     reader = GGUFReader(path)
+    size = {t.name: int(t.n_bytes) for t in reader.tensors}
+    bb = Backbone.from_gguf(path)
+    encoded = {"token_embd.weight"} | {
+        f"blk.{i}.{name}.weight" for i, lw in enumerate(bb.layers)
+        for name, w in (("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
+                        ("attn_output", lw.wo)) if isinstance(w, QMatrix)
+    } | ({"output.weight"} if isinstance(bb.output, QMatrix) and "output.weight" in size else set())  # fmt: skip
+    assert len(encoded) > 2, "a Q4_K_M backbone keeps its attention matrices encoded"
     dense = sum(int(t.n_elements) * 4 for t in reader.tensors
-                if "_exps." not in t.name and t.name != "token_embd.weight")  # fmt: skip
-    embed = next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
-    assert m["backbone_bytes"] == dense + embed
+                if "_exps." not in t.name and t.name not in encoded)  # fmt: skip
+    assert m["backbone_mapped_bytes"] == sum(size[n] for n in encoded)
+    assert m["backbone_dense_bytes"] == dense
+    assert m["backbone_bytes"] == m["backbone_dense_bytes"] + m["backbone_mapped_bytes"]
+    bf = _json(capsys, "model", "inspect", str(path), "--json", "--dtype", "bfloat16")["memory"]
+    assert bf["backbone_mapped_bytes"] == size["token_embd.weight"], "no bf16 kernel: dense"
 
 
 def test_generate_json_matches_the_library(
