@@ -445,6 +445,29 @@ def moe_int8(
     return torch.from_numpy(qdot.moe(built, xa, ptrs, types, rb, f, wa, threads))
 
 
+def moe_int8_batch(
+    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    types: tuple[int, int, int], start: list[int], rows: list[int], weights: list[float],
+) -> torch.Tensor:  # fmt: skip
+    """Several tokens' routed experts in one C call (`qdot.moe_batch`, int8 activations):
+    row t is `sum weights[p] * down_e(silu(gate_e x[t]) * up_e x[t])` over the pairs p of token
+    t, added in pair order, the same bits as `moe_int8` of x[t] with those experts. x: [T, H]
+    float32; experts: as in `moe_int8`, each of them once; start: [n + 1], expert i takes pairs
+    start[i] .. start[i + 1] - 1; rows, weights: [M], each pair's token row and weight.
+    Returns [T, H] float32. The caller checks `moe_covers`."""
+    built = int8_kernel()
+    assert built is not None, "moe_int8_batch without moe_covers"
+    g0, u0, d0 = experts[0]  # the caller passes at least one expert
+    f, rb = int(g0.shape[0]), (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
+    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
+    xa = np.ascontiguousarray(x.detach().numpy())
+    threads = max(1, torch.get_num_threads())
+    return torch.from_numpy(qdot.moe_batch(
+        built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
+        np.asarray(weights, np.float32), types, rb, f, threads,
+    ))  # fmt: skip
+
+
 def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """`matmul` with float32 activations whatever `KVQ_ACTIVATIONS` says (benchmarks)."""
     xa = np.ascontiguousarray(x.detach().numpy())

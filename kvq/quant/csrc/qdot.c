@@ -224,6 +224,8 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
     return acc;
 }
 
+#include "qdot_multi.h"
+
 /* ---- SIMD paths: the same integers, from vpmaddubsw (AVX2) or vpdpbusd (VNNI) --------- */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -302,6 +304,43 @@ static TGTZ float dot_q6_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
     }
     return acc;
 }
+
+/* dot_q6_k_z on nx <= MX rows (qdot_multi.h) */
+static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    const __m512i lo_idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4), eight = _mm512_set1_epi16(8);
+    float acc[MX] = {0};
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        PREFETCH(w);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const __m512i sc16 = _mm512_castsi256_si512(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)sc)));
+        __m512i q[4], s16[4]; /* x's q[64i .. 64i + 63]: values and scales */
+        for (int half = 0; half < 2; half++) {
+            const __m512i ql = LDZ(w + 64 * half);
+            const __m256i qh = LDY(w + 128 + 32 * half);
+            const __m512i h01 = PAIR(qh, _mm256_srli_epi16(qh, 2));
+            const __m512i h23 = PAIR(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+            q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                          _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+            q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                              _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+            const __m512i base = _mm512_add_epi16(lo_idx, half ? eight : _mm512_setzero_si512());
+            s16[2 * half] = _mm512_permutexvar_epi16(base, sc16);
+            s16[2 * half + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(base, four), sc16);
+        }
+        const float d = F16Z(w + 208);
+        for (int j = 0; j < nx; j++) {
+            const xk_t *x = (const xk_t *)xs[j] + b;
+            __m512i s = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q[i], LDZ(x->q + 64 * i)), s16[i]);
+            acc[j] = combine_k(acc[j], x->d, d, 0.0f, _mm512_reduce_add_epi32(s) - q6_offset(sc, x), 0);
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)nx);
+}
 #undef TGTZ
 #undef F16Z
 #undef LDY
@@ -364,6 +403,39 @@ static dot_0_fn pick_0(int qtype, int isa) {
     if (isa == ISA_AVX2) return qtype == T_Q8_0 ? dot_q8_0_avx2 : dot_q4_0_avx2;
 #endif
     return qtype == T_Q8_0 ? dot_q8_0_scalar : dot_q4_0_scalar;
+}
+
+/* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
+static mdot_k_fn pick_mk(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa == ISA_AVX512) {
+        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
+        if (qtype == T_Q6_K) return mdot_q6_k_z;
+        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
+    }
+    if (isa == ISA_VNNI) {
+        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
+        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
+        if (qtype == T_Q6_K) return mdot_q6_k_vnni;
+    }
+    if (isa == ISA_AVX2) {
+        if (qtype == T_Q4_K) return mdot_q4_k_avx2;
+        if (qtype == T_Q5_K) return mdot_q5_k_avx2;
+        if (qtype == T_Q6_K) return mdot_q6_k_avx2;
+    }
+#endif
+    if (qtype == T_Q4_K) return mdot_q4_k_scalar;
+    if (qtype == T_Q5_K) return mdot_q5_k_scalar;
+    if (qtype == T_Q6_K) return mdot_q6_k_scalar;
+    return 0;
+}
+
+static mdot_0_fn pick_m0(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? mdot_q8_0_vnni : mdot_q4_0_vnni;
+    if (isa == ISA_AVX2) return qtype == T_Q8_0 ? mdot_q8_0_avx2 : mdot_q4_0_avx2;
+#endif
+    return qtype == T_Q8_0 ? mdot_q8_0_scalar : mdot_q4_0_scalar;
 }
 
 /* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and
