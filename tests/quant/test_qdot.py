@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,23 +25,6 @@ from kvq.quant import kernels, qdot
 
 TOL = 1.2e-2  # max relative error of one product against float64 (measured 0.55-0.8%)
 ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> qdot.Built:
-    b = qdot.load("cc", tmp_path_factory.mktemp("qdot"))
-    if b is None:
-        pytest.skip("no C compiler here: the float32 kernels are what runs")
-    return b
-
-
-@pytest.fixture
-def int8(built: qdot.Built) -> Iterator[None]:
-    """KVQ_ACTIVATIONS=int8 for one test, with the module's build."""
-    before = qdot.options()
-    qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
-    yield
-    qdot.configure(before)
 
 
 def _bound(qtype: Q, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
