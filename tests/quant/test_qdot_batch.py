@@ -118,6 +118,19 @@ def test_batch_matches_float64_reference(built: qdot.Built, types) -> None:
         assert err < MOE_TOL, f"isa {isa}: max relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("qtype", qdot.TYPES, ids=lambda t: t.name)
+def test_matmul_rows_get_their_one_row_bits(built: qdot.Built, qtype: Q) -> None:
+    """`qdot.matmul` of 11 rows (the multi-row dots, 8 then 3 rows per unpacking) gives each
+    row what it gets alone, on every path."""
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, (37, 768), 0.02, rng)
+    x = rng.standard_normal((11, 768), dtype=np.float32)
+    alone = np.concatenate([qdot.matmul(built, x[i : i + 1], raw, qtype, 1, 0) for i in range(11)])
+    for isa in ISAS:
+        for threads in (1, 3):
+            assert np.array_equal(qdot.matmul(built, x, raw, qtype, threads, isa), alone), isa
+
+
 def test_bad_pairs_are_refused(built: qdot.Built) -> None:
     types = (Q.Q4_K, Q.Q4_K, Q.Q4_K)
     raws = _experts(types, 2, 256, 256, np.random.default_rng(0))

@@ -1,69 +1,99 @@
 /* Multi-row dots of one SIMD path (kvq_qdot_moe_batch), included at the end of qdot_simd.h
  * with its macros: out[j] = SFX(dot_*)(w, xs[j], nb), bit for bit, for j < nx <= MX. A block's
  * weights are unpacked into registers once and multiplied with every row; each row's integers
- * are the one-row function's (exact) and its combine_k / combine_0 the same call, block after
- * block. */
+ * are the one-row function's (exact: any order of exact additions gives them), and the float
+ * combination runs 8 rows wide with the same operations in the same order as combine_k /
+ * combine_0 (lane j computes what the one-row call does for row j), block after block.
+ * Also uses DPW(acc, p, sc): acc + the pairwise products of the int16 p and sc (vpdpwssd, or
+ * vpmaddwd + vpaddd). */
 
-static TGT void SFX(mdot_q4_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
-                               float *out) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    float acc[MX] = {0};
-    for (int64_t b = 0; b < nb; b++, w += 144) {
+/* lane j = the sum of v[j]'s 8 lanes */
+static TGT inline __m256i SFX(hsum8)(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* combine_k in 8 lanes */
+static TGT inline __m256 SFX(combine_k8)(__m256 acc, __m256 dx, float d, float dmin, __m256i isum,
+                                         __m256i imin) {
+    const __m256 a = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum));
+    const __m256 b = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(imin));
+    return _mm256_add_ps(acc, _mm256_mul_ps(dx, _mm256_sub_ps(a, b)));
+}
+
+/* combine_0 in 8 lanes */
+static TGT inline __m256 SFX(combine_08)(__m256 acc, __m256 dx, float d, __m256i isum) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dx, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(isum)));
+}
+
+static TGT inline void SFX(store_rows)(__m256 acc, int nx, float *out) {
+    float a[8];
+    _mm256_storeu_ps(a, acc);
+    memcpy(out, a, sizeof(float) * (size_t)nx);
+}
+
+/* int16 lanes 2j and 2j + 1 = mn[j]: vpmaddwd with the bsums gives mn[j] * (bsums[2j] + bsums[2j + 1]) */
+static TGT inline __m256i SFX(mins_pairs)(const uint8_t mn[8]) {
+    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)mn));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+}
+
+/* Q4_K (five = 0) and Q5_K (five = 1) */
+static TGT inline void SFX(mdot_q45_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
+                                       float *out, int five) {
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const int64_t size = five ? 176 : 144;
+    __m256i is[8], im[8];
+    for (int j = nx; j < 8; j++) is[j] = im[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += size) {
         PREFETCH(w);
         uint8_t sc[8], mn[8];
         SFX(k_scales)(w + 4, sc, mn);
         __m256i q[8], s16[8]; /* the 32 values and the scale of x's q[32i .. 32i + 31] */
+        const __m256i qh = five ? LD(w + 16) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            const __m256i v = LD(w + 16 + 32 * c);
+            const __m256i v = LD(w + (five ? 48 : 16) + 32 * c);
             q[2 * c] = _mm256_and_si256(v, m4);
             q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one);
+                q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(h0, 4));
+                q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(h1, 4));
+            }
         }
         for (int i = 0; i < 8; i++) s16[i] = _mm256_set1_epi16(sc[i]);
-        const float d = F16(w), dmin = F16(w + 2);
+        const __m256i mp = SFX(mins_pairs)(mn);
         for (int j = 0; j < nx; j++) {
             const xk_t *x = (const xk_t *)xs[j] + b;
             __m256i s = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) s = _mm256_add_epi32(s, SCALED(q[i], LD(x->q + 32 * i), s16[i]));
-            acc[j] = combine_k(acc[j], x->d, d, dmin, SFX(hsum)(s), SFX(k_mins)(mn, x->bsums));
+            for (int i = 0; i < 8; i++) s = DPW(s, _mm256_maddubs_epi16(q[i], LD(x->q + 32 * i)), s16[i]);
+            is[j] = s;
+            im[j] = _mm256_madd_epi16(LD(x->bsums), mp);
+            dx[j] = x->d;
         }
+        acc = SFX(combine_k8)(acc, _mm256_loadu_ps(dx), F16(w), F16(w + 2), SFX(hsum8)(is), SFX(hsum8)(im));
     }
-    memcpy(out, acc, sizeof(float) * (size_t)nx);
+    SFX(store_rows)(acc, nx, out);
 }
 
-static TGT void SFX(mdot_q5_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
-                               float *out) {
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    float acc[MX] = {0};
-    for (int64_t b = 0; b < nb; b++, w += 176) {
-        PREFETCH(w);
-        uint8_t sc[8], mn[8];
-        SFX(k_scales)(w + 4, sc, mn);
-        const __m256i qh = LD(w + 16);
-        __m256i q[8], s16[8];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = LD(w + 48 + 32 * c);
-            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one);
-            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one);
-            q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4));
-            q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                           _mm256_slli_epi16(h1, 4));
-        }
-        for (int i = 0; i < 8; i++) s16[i] = _mm256_set1_epi16(sc[i]);
-        const float d = F16(w), dmin = F16(w + 2);
-        for (int j = 0; j < nx; j++) {
-            const xk_t *x = (const xk_t *)xs[j] + b;
-            __m256i s = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) s = _mm256_add_epi32(s, SCALED(q[i], LD(x->q + 32 * i), s16[i]));
-            acc[j] = combine_k(acc[j], x->d, d, dmin, SFX(hsum)(s), SFX(k_mins)(mn, x->bsums));
-        }
-    }
-    memcpy(out, acc, sizeof(float) * (size_t)nx);
+static TGT void SFX(mdot_q4_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    SFX(mdot_q45_k)(w, xs, nx, nb, out, 0);
 }
 
-static TGT void SFX(mdot_q6_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
-                               float *out) {
+static TGT void SFX(mdot_q5_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    SFX(mdot_q45_k)(w, xs, nx, nb, out, 1);
+}
+
+static TGT void SFX(mdot_q6_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    float acc[MX] = {0};
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         PREFETCH(w);
         const int8_t *sc = (const int8_t *)(w + 192);
@@ -87,45 +117,53 @@ static TGT void SFX(mdot_q6_k)(const uint8_t *w, const void *const *xs, int nx, 
             for (int g = 0; g < 4; g++) s16[4 * half + g] = Q6_SCALES(hs, 2 * g);
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)sc));
-        const float d = F16(w + 208);
         for (int j = 0; j < nx; j++) {
             const xk_t *x = (const xk_t *)xs[j] + b;
             __m256i s = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) s = _mm256_add_epi32(s, SCALED(q[i], LD(x->q + 32 * i), s16[i]));
-            const int32_t isum = SFX(hsum)(s) - 32 * SFX(hsum)(_mm256_madd_epi16(LD(x->bsums), sc16));
-            acc[j] = combine_k(acc[j], x->d, d, 0.0f, isum, 0);
+            for (int i = 0; i < 8; i++) s = DPW(s, _mm256_maddubs_epi16(q[i], LD(x->q + 32 * i)), s16[i]);
+            /* minus the -32 offset, 32 * sum_t scale_t * bsums_t, lane by lane */
+            is[j] = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(LD(x->bsums), sc16), 5));
+            dx[j] = x->d;
         }
+        acc = SFX(combine_k8)(acc, _mm256_loadu_ps(dx), F16(w + 208), 0.0f, SFX(hsum8)(is),
+                              _mm256_setzero_si256());
     }
-    memcpy(out, acc, sizeof(float) * (size_t)nx);
+    SFX(store_rows)(acc, nx, out);
 }
 
-static TGT void SFX(mdot_q8_0)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
-                               float *out) {
-    float acc[MX] = {0};
+static TGT void SFX(mdot_q8_0)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 34) {
         const __m256i q = LD(w + 2), u = _mm256_sign_epi8(q, q);
-        const float d = F16(w);
         for (int j = 0; j < nx; j++) {
             const x0_t *x = (const x0_t *)xs[j] + b;
-            const __m256i p = MUL_SUM(u, _mm256_sign_epi8(LD(x->q), q));
-            acc[j] = combine_0(acc[j], x->d, d, SFX(hsum)(p));
+            is[j] = MUL_SUM(u, _mm256_sign_epi8(LD(x->q), q));
+            dx[j] = x->d;
         }
+        acc = SFX(combine_08)(acc, _mm256_loadu_ps(dx), F16(w), SFX(hsum8)(is));
     }
-    memcpy(out, acc, sizeof(float) * (size_t)nx);
+    SFX(store_rows)(acc, nx, out);
 }
 
-static TGT void SFX(mdot_q4_0)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
-                               float *out) {
+static TGT void SFX(mdot_q4_0)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
     const __m128i m4 = _mm_set1_epi8(15);
-    float acc[MX] = {0};
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 18) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(w + 2));
         const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-        const float d = F16(w);
         for (int j = 0; j < nx; j++) {
             const x0_t *x = (const x0_t *)xs[j] + b;
-            acc[j] = combine_0(acc[j], x->d, d, SFX(hsum)(MUL_SUM(q, LD(x->q))) - 8 * x->sum);
+            /* minus 8 * sum: the sum from each of the 8 lanes */
+            is[j] = _mm256_sub_epi32(MUL_SUM(q, LD(x->q)), _mm256_set1_epi32(x->sum));
+            dx[j] = x->d;
         }
+        acc = SFX(combine_08)(acc, _mm256_loadu_ps(dx), F16(w), SFX(hsum8)(is));
     }
-    memcpy(out, acc, sizeof(float) * (size_t)nx);
+    SFX(store_rows)(acc, nx, out);
 }
