@@ -33,6 +33,13 @@ static TGT inline void SFX(store_rows)(__m256 acc, int nx, float *out) {
     memcpy(out, a, sizeof(float) * (size_t)nx);
 }
 
+/* s16[i] = sc[i] in every int16 lane */
+static TGT inline void SFX(bcast16)(const uint8_t sc[8], __m256i *s16) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)sc));
+    const __m256i b = _mm256_broadcastsi128_si256(v);
+    for (int i = 0; i < 8; i++) s16[i] = _mm256_shuffle_epi8(b, _mm256_set1_epi16((short)(0x0100 + 0x0202 * i)));
+}
+
 /* int16 lanes 2j and 2j + 1 = mn[j]: vpmaddwd with the bsums gives mn[j] * (bsums[2j] + bsums[2j + 1]) */
 static TGT inline __m256i SFX(mins_pairs)(const uint8_t mn[8]) {
     const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)mn));
@@ -40,13 +47,15 @@ static TGT inline __m256i SFX(mins_pairs)(const uint8_t mn[8]) {
 }
 
 /* Q4_K (five = 0) and Q5_K (five = 1) */
-static TGT inline void SFX(mdot_q45_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
+static TGT inline __attribute__((always_inline)) void SFX(mdot_q45_k)(const uint8_t *w, const void *const *xs, int nx, int64_t nb,
                                        float *out, int five) {
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int64_t size = five ? 176 : 144;
-    __m256i is[8], im[8];
-    for (int j = nx; j < 8; j++) is[j] = im[j] = _mm256_setzero_si256();
-    float dx[8] = {0};
+    static const xk_t zero; /* rows past nx read it: d = 0 and sums 0 fill lanes not returned */
+    const xk_t *x0[8];
+    for (int j = 0; j < 8; j++) x0[j] = j < nx ? (const xk_t *)xs[j] : &zero;
+    __m256i is[8];
+    for (int j = 0; j < 8; j++) is[j] = _mm256_setzero_si256();
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += size) {
         PREFETCH(w);
@@ -65,17 +74,28 @@ static TGT inline void SFX(mdot_q45_k)(const uint8_t *w, const void *const *xs, 
                 q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(h1, 4));
             }
         }
-        for (int i = 0; i < 8; i++) s16[i] = _mm256_set1_epi16(sc[i]);
+        SFX(bcast16)(sc, s16);
         const __m256i mp = SFX(mins_pairs)(mn);
         for (int j = 0; j < nx; j++) {
-            const xk_t *x = (const xk_t *)xs[j] + b;
+            const xk_t *x = x0[j] + b;
             __m256i s = _mm256_setzero_si256();
             for (int i = 0; i < 8; i++) s = DPW(s, _mm256_maddubs_epi16(q[i], LD(x->q + 32 * i)), s16[i]);
             is[j] = s;
-            im[j] = _mm256_madd_epi16(LD(x->bsums), mp);
-            dx[j] = x->d;
         }
-        acc = SFX(combine_k8)(acc, _mm256_loadu_ps(dx), F16(w), F16(w + 2), SFX(hsum8)(is), SFX(hsum8)(im));
+        __m256i isum, imin;
+        if (nx <= 4) { /* isum and imin of 4 rows in one reduction: lanes 0-3 and 4-7 */
+            for (int j = 0; j < 4; j++) is[4 + j] = _mm256_madd_epi16(LD(x0[j][b].bsums), mp);
+            isum = SFX(hsum8)(is);
+            imin = _mm256_permute2x128_si256(isum, isum, 0x11);
+        } else {
+            __m256i im[8];
+            for (int j = 0; j < 8; j++) im[j] = _mm256_madd_epi16(LD(x0[j][b].bsums), mp);
+            isum = SFX(hsum8)(is);
+            imin = SFX(hsum8)(im);
+        }
+        const __m256 dx = _mm256_set_ps(x0[7][b].d, x0[6][b].d, x0[5][b].d, x0[4][b].d,
+                                        x0[3][b].d, x0[2][b].d, x0[1][b].d, x0[0][b].d);
+        acc = SFX(combine_k8)(acc, dx, F16(w), F16(w + 2), isum, imin);
     }
     SFX(store_rows)(acc, nx, out);
 }
