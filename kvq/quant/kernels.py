@@ -35,10 +35,11 @@ Threads: numba's parallel loops (`prange`) over output rows, as many threads as 
 numba's default threading layer does not allow two parallel launches at once, so calls take a
 process-wide lock; the kernel already uses every core.
 
-int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): one row goes through the C kernel of
-`kvq.quant.qdot` instead, which quantizes x to 8 bits per block and multiplies integers, as
-llama.cpp does; below the stored precision, so only on request. Two rows or more keep the
-float32 `_tiled` kernel, which is faster there (`kvq bench kernels`).
+int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): every call of the types it covers
+goes through the C kernel of `kvq.quant.qdot` instead, which quantizes x to 8 bits per block
+and multiplies integers, as llama.cpp does, unpacking each weight block once per 8 rows of x
+(each row gets the bits it gets alone); below the stored precision, so only on request. A
+MoE layer's routed experts are one C call (`moe_int8`, `moe_int8_batch`).
 """
 
 from __future__ import annotations
@@ -396,7 +397,7 @@ def int8_kernel() -> qdot.Built | None:
 
 
 def int8_active() -> bool:
-    """Whether one-row products of the quantized types use int8 activations here."""
+    """Whether products of the quantized types use int8 activations here."""
     return int8_kernel() is not None
 
 
@@ -406,7 +407,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     xa = np.ascontiguousarray(x.detach().numpy())
     wa = np.ascontiguousarray(raw.numpy())
     threads = max(1, torch.get_num_threads())
-    if xa.shape[0] == 1 and qtype in qdot.TYPES:
+    if qtype in qdot.TYPES:
         built = int8_kernel()
         if built is not None:
             return torch.from_numpy(qdot.matmul(built, xa, wa, qtype, threads))

@@ -137,8 +137,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 class KernelOptions:
     """How this process's kernels compute; set once at the entry point (`configure`).
 
-    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS: one
-    row at a time through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
+    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS:
+    through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
     (the CC environment variable). `cache_dir`: where the built library is kept ("" =
     `qdot.default_cache_dir()`)."""
 

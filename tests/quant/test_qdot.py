@@ -108,17 +108,22 @@ def test_bad_shapes_are_refused(built: qdot.Built) -> None:
 
 
 @pytest.mark.usefixtures("int8")
-def test_kernels_use_it_for_one_row_only_when_asked() -> None:
+def test_kernels_use_it_for_every_row_count_only_when_asked() -> None:
+    """With int8 on, one row and several rows go through the C kernel (each row the bits it
+    gets alone); with it off, the float32 kernels."""
     raw, x, _ = _case(Q.Q6_K, 64, 512, 3, seed=3)
     w, xt = torch.from_numpy(raw), torch.from_numpy(x)
     built = kernels.int8_kernel()
     assert built is not None
     one = kernels.matmul(xt[:1], w, Q.Q6_K)
     assert torch.equal(one, torch.from_numpy(qdot.matmul(built, x[:1], raw, Q.Q6_K, 1)))
-    many = kernels.matmul(xt, w, Q.Q6_K)  # several rows: the float32 batched kernel
+    many = kernels.matmul(xt, w, Q.Q6_K)
+    assert torch.equal(many, torch.from_numpy(qdot.matmul(built, x, raw, Q.Q6_K, 1)))
+    assert torch.equal(many[:1], one)
     qdot.configure(qdot.KernelOptions())
     assert not kernels.int8_active()
-    assert torch.equal(kernels.matmul(xt, w, Q.Q6_K), many)
+    assert torch.equal(kernels.matmul(xt, w, Q.Q6_K), kernels.matmul_float32(xt, w, Q.Q6_K))
+    assert not torch.equal(kernels.matmul(xt, w, Q.Q6_K), many)
     assert not torch.equal(kernels.matmul(xt[:1], w, Q.Q6_K), one)
 
 
