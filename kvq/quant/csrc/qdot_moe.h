@@ -139,7 +139,9 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
  * neither on the other tokens of its batch nor on the path, the thread count or the schedule.
  * Returns what kvq_qdot_moe does, or -4 (start not ascending from 0, or a row outside [0, T)). */
 
-#define MOE_ROWS 16 /* weight rows per scheduled piece: experts' pair counts differ */
+/* weight rows per scheduled piece: experts' pair counts differ, so a static split is uneven
+ * (dynamic pieces of 64 rows: the call 9-12% faster at 8 sequences of the olmoe preset) */
+#define MOE_ROWS 64
 
 static int pairs_valid(int n, const int64_t *start, const int64_t *row, int64_t t) {
     if (start[0] != 0) return 0;
@@ -199,7 +201,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
             kern_quantize(&kg, x + i * h, h, xg + xg_n * (size_t)i);
             if (xu_n) kern_quantize(&ku, x + i * h, h, xu + xu_n * (size_t)i);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, MOE_ROWS)
         for (int64_t i = 0; i < nf; i++) { /* [n, f]: expert i / f, row i % f */
             const int64_t e = i / f, r = i % f;
             for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
@@ -217,7 +219,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < m; p++) kern_quantize(&kd, hb + p * f, f, hq + hq_n * (size_t)p);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, MOE_ROWS)
         for (int64_t i = 0; i < nh; i++) { /* [n, h] */
             const int64_t e = i / h, r = i % h;
             for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
