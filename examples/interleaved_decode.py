@@ -5,7 +5,7 @@ machine. docs/limits.md quotes its figures.
 
     python examples/interleaved_decode.py MODEL.gguf [CHUNKS] [TOKENS]   (ENGINES=FUL default)
 
-U is kvq with the one-call path switched off (`kvq.model.experts._one_token` answering None),
+U is kvq with the one-call path switched off (`kvq.model.experts._int8_call` answering None),
 which is what the decode ran before it.
 """
 
@@ -31,13 +31,13 @@ def main(model: str, chunks: int, n: int, engines: str) -> dict[str, object]:
     kernels.int8_active()
     bb = Backbone.from_gguf(model)
     prompt = load_tokenizer(model).encode(PROMPT, add_bos=True)
-    one_call = ex._one_token
+    one_call = ex._int8_call
 
     def rate(stamps: list[float]) -> float:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     def kvq(fused: bool) -> float:
-        ex._one_token = one_call if fused else (lambda *a: None)  # type: ignore[assignment]
+        ex._int8_call = one_call if fused else (lambda *a: None)  # type: ignore[assignment]
         st: list[float] = []
         generate(
             bb, prompt, n, stop_at_eos=False, on_token=lambda _t: st.append(time.perf_counter())

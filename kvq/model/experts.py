@@ -11,6 +11,8 @@ bits.
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -54,10 +56,10 @@ def grouped_expert_ffn(
     only if some pair falls inside. `inside` ([T, k] bool): the mask of ids in `[lo, hi)`, if
     the caller already has it.
     """
-    if x.shape[0] == 1 and x.device.type == "cpu" and cdtype == torch.float32:
-        one = _one_token(x[0], ids[0], weights[0], lo, hi, weights_of, before_compute)
-        if one is not None:
-            return one[None].to(x.dtype)  # [1, H]
+    if x.device.type == "cpu" and cdtype == torch.float32:
+        fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute)
+        if fused is not None:
+            return fused.to(x.dtype)  # [T, H]
     out = torch.zeros(x.shape, dtype=cdtype, device=x.device)  # [T, H]
     if inside is None:
         inside = (ids >= lo) & (ids < hi)  # [T, k]
@@ -87,25 +89,33 @@ def grouped_expert_ffn(
     return out.to(x.dtype)
 
 
-def _one_token(
+def _int8_call(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
     weights_of: WeightsOf, before_compute: Callable[[], None] | None,
 ) -> torch.Tensor | None:  # fmt: skip
-    """Decode's case, one token on the CPU with int8 activations: its experts in `[lo, hi)`
-    in one C call (`kernels.moe_int8`), in the order of the loop it replaces (by expert, each
-    term `w * y` added to a sum that starts at 0). x: [H]; ids, weights: [k]. Returns [H]
-    float32, or None where that kernel does not cover these experts (the loop runs)."""
+    """The CPU case with int8 activations: every row's experts in `[lo, hi)` in one C call,
+    one token (decode at batch 1, `kernels.moe_int8`) or several (`kernels.moe_int8_batch`,
+    each expert's weights unpacked once for all of its rows). Each row gets the same bits
+    whatever else is in the batch, added in the order of the loop it replaces (by expert, each
+    term `w * y` added to a sum that starts at 0). x: [T, H]; ids, weights: [T, k]. Returns
+    [T, H] float32, or None where the kernel does not cover these experts (the loop runs)."""
     if not kernels.int8_active():
         return None
     pairs = sorted(
-        ((e - lo, w) for e, w in zip(ids.tolist(), weights.tolist(), strict=True) if lo <= e < hi),
-        key=lambda p: p[0],
-    )  # fmt: skip
+        (
+            (e - lo, t, w)
+            for t, (es, ws) in enumerate(zip(ids.tolist(), weights.tolist(), strict=True))
+            for e, w in zip(es, ws, strict=True)
+            if lo <= e < hi
+        ),
+        key=lambda p: p[:2],
+    )  # (expert, row, weight), by expert then row
     if not pairs:
         return torch.zeros(x.shape, dtype=torch.float32)
+    experts = sorted({e for e, _, _ in pairs})
     raws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     types: tuple[int, int, int] | None = None
-    for e, _ in pairs:
+    for e in experts:
         g, u, d = weights_of(e)
         if not (isinstance(g, QMatrix) and isinstance(u, QMatrix) and isinstance(d, QMatrix)):
             return None
@@ -117,11 +127,17 @@ def _one_token(
             return None
         raws.append((g.raw, u.raw, d.raw))
     assert types is not None
-    if not kernels.moe_covers(types, int(x.shape[0]), int(raws[0][0].shape[0])):
+    if not kernels.moe_covers(types, int(x.shape[1]), int(raws[0][0].shape[0])):
         return None
     if before_compute is not None:
         before_compute()
-    return kernels.moe_int8(x.to(torch.float32), raws, types, [w for _, w in pairs])
+    xf = x.to(torch.float32)
+    if x.shape[0] == 1:
+        return kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs])[None]
+    counts = collections.Counter(e for e, _, _ in pairs)
+    start = list(itertools.accumulate((counts[e] for e in experts), initial=0))  # [n + 1]
+    rows, wts = [t for _, t, _ in pairs], [w for _, _, w in pairs]
+    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts)
 
 
 def check_inputs(

@@ -35,10 +35,11 @@ Threads: numba's parallel loops (`prange`) over output rows, as many threads as 
 numba's default threading layer does not allow two parallel launches at once, so calls take a
 process-wide lock; the kernel already uses every core.
 
-int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): one row goes through the C kernel of
-`kvq.quant.qdot` instead, which quantizes x to 8 bits per block and multiplies integers, as
-llama.cpp does; below the stored precision, so only on request. Two rows or more keep the
-float32 `_tiled` kernel, which is faster there (`kvq bench kernels`).
+int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): every call of the types it covers
+goes through the C kernel of `kvq.quant.qdot` instead, which quantizes x to 8 bits per block
+and multiplies integers, as llama.cpp does, unpacking each weight block once per 8 rows of x
+(each row gets the bits it gets alone); below the stored precision, so only on request. A
+MoE layer's routed experts are one C call (`moe_int8`, `moe_int8_batch`).
 """
 
 from __future__ import annotations
@@ -396,7 +397,7 @@ def int8_kernel() -> qdot.Built | None:
 
 
 def int8_active() -> bool:
-    """Whether one-row products of the quantized types use int8 activations here."""
+    """Whether products of the quantized types use int8 activations here."""
     return int8_kernel() is not None
 
 
@@ -406,7 +407,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     xa = np.ascontiguousarray(x.detach().numpy())
     wa = np.ascontiguousarray(raw.numpy())
     threads = max(1, torch.get_num_threads())
-    if xa.shape[0] == 1 and qtype in qdot.TYPES:
+    if qtype in qdot.TYPES:
         built = int8_kernel()
         if built is not None:
             return torch.from_numpy(qdot.matmul(built, xa, wa, qtype, threads))
@@ -443,6 +444,29 @@ def moe_int8(
     wa = np.asarray(weights, dtype=np.float32)
     threads = max(1, torch.get_num_threads())
     return torch.from_numpy(qdot.moe(built, xa, ptrs, types, rb, f, wa, threads))
+
+
+def moe_int8_batch(
+    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    types: tuple[int, int, int], start: list[int], rows: list[int], weights: list[float],
+) -> torch.Tensor:  # fmt: skip
+    """Several tokens' routed experts in one C call (`qdot.moe_batch`, int8 activations):
+    row t is `sum weights[p] * down_e(silu(gate_e x[t]) * up_e x[t])` over the pairs p of token
+    t, added in pair order, the same bits as `moe_int8` of x[t] with those experts. x: [T, H]
+    float32; experts: as in `moe_int8`, each of them once; start: [n + 1], expert i takes pairs
+    start[i] .. start[i + 1] - 1; rows, weights: [M], each pair's token row and weight.
+    Returns [T, H] float32. The caller checks `moe_covers`."""
+    built = int8_kernel()
+    assert built is not None, "moe_int8_batch without moe_covers"
+    g0, u0, d0 = experts[0]  # the caller passes at least one expert
+    f, rb = int(g0.shape[0]), (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
+    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
+    xa = np.ascontiguousarray(x.detach().numpy())
+    threads = max(1, torch.get_num_threads())
+    return torch.from_numpy(qdot.moe_batch(
+        built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
+        np.asarray(weights, np.float32), types, rb, f, threads,
+    ))  # fmt: skip
 
 
 def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:

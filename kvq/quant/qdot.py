@@ -42,13 +42,14 @@ from gguf import GGMLQuantizationType
 Q = GGMLQuantizationType
 log = logging.getLogger("kvq.quant")
 
-SOURCES = ("qdot.c", "qdot_simd.h", "qdot_moe.h")
+SOURCES = ("qdot.c", "qdot_simd.h", "qdot_moe.h", "qdot_multi.h", "qdot_simd_multi.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
-_ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory"}
+_ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
+           -4: "pairs out of order or a row out of range"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvq_qdot_moe.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, p, p, p, ctypes.c_int,
                                  ctypes.c_int]  # fmt: skip
     lib.kvq_qdot_moe.restype = ctypes.c_int
+    lib.kvq_qdot_moe_batch.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, p, p, p, p, p,
+                                       ctypes.c_int, ctypes.c_int]  # fmt: skip
+    lib.kvq_qdot_moe_batch.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
 
@@ -133,8 +137,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 class KernelOptions:
     """How this process's kernels compute; set once at the entry point (`configure`).
 
-    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS: one
-    row at a time through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
+    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS:
+    through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
     (the CC environment variable). `cache_dir`: where the built library is kept ("" =
     `qdot.default_cache_dir()`)."""
 
@@ -220,4 +224,38 @@ def moe(
     if rc != 0:
         names = "/".join(Q(t).name for t in types)
         raise ValueError(f"qdot moe {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+def moe_batch(
+    built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
+    start: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], weights: npt.NDArray[np.float32],
+    types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int, threads: int,
+    isa: int = -1,
+) -> npt.NDArray[np.float32]:  # fmt: skip
+    """A batch of tokens' routed experts in one call (`csrc/qdot_moe.h`): row t of the result
+    is the sum over token t's pairs p, in order, of `weights[p] * down_e(silu(gate_e x[t]) *
+    up_e x[t])`; each expert's weights are unpacked once for all of its tokens. Row t is the
+    same bits as `moe` of x[t] with that token's experts in the same order.
+
+    x: [T, H] float32 (C-contiguous); experts: n experts' addresses as in `moe`; start: [n + 1]
+    int64, expert e takes pairs start[e] .. start[e + 1] - 1; rows: [M] int64 token row of
+    each pair; weights: [M] float32. Returns [T, H] float32. ValueError as `moe`, or on pairs
+    that do not fit (start not ascending from 0, a row outside [0, T))."""
+    n, (t, h) = len(experts), x.shape
+    start, rows = np.ascontiguousarray(start, np.int64), np.ascontiguousarray(rows, np.int64)
+    weights = np.ascontiguousarray(weights, np.float32)
+    if len(start) != n + 1 or (n and (start[-1] != len(rows) or len(rows) != len(weights))):
+        raise ValueError(f"qdot moe_batch: start {len(start)} for {n} experts, rows {len(rows)}, "
+                         f"weights {len(weights)}")  # fmt: skip
+    gate, up, down = ((ctypes.c_void_p * max(n, 1))(*(e[j] for e in experts)) for j in range(3))
+    out = np.empty((t, h), dtype=np.float32)
+    rc = built.lib.kvq_qdot_moe_batch(
+        n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h, t,
+        x.ctypes.data, start.ctypes.data, rows.ctypes.data, weights.ctypes.data, out.ctypes.data,
+        threads, isa,
+    )  # fmt: skip
+    if rc != 0:
+        names = "/".join(Q(ty).name for ty in types)
+        raise ValueError(f"qdot moe_batch {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
     return out

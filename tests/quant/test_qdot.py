@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,23 +25,6 @@ from kvq.quant import kernels, qdot
 
 TOL = 1.2e-2  # max relative error of one product against float64 (measured 0.55-0.8%)
 ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> qdot.Built:
-    b = qdot.load("cc", tmp_path_factory.mktemp("qdot"))
-    if b is None:
-        pytest.skip("no C compiler here: the float32 kernels are what runs")
-    return b
-
-
-@pytest.fixture
-def int8(built: qdot.Built) -> Iterator[None]:
-    """KVQ_ACTIVATIONS=int8 for one test, with the module's build."""
-    before = qdot.options()
-    qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
-    yield
-    qdot.configure(before)
 
 
 def _bound(qtype: Q, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -126,17 +108,22 @@ def test_bad_shapes_are_refused(built: qdot.Built) -> None:
 
 
 @pytest.mark.usefixtures("int8")
-def test_kernels_use_it_for_one_row_only_when_asked() -> None:
+def test_kernels_use_it_for_every_row_count_only_when_asked() -> None:
+    """With int8 on, one row and several rows go through the C kernel (each row the bits it
+    gets alone); with it off, the float32 kernels."""
     raw, x, _ = _case(Q.Q6_K, 64, 512, 3, seed=3)
     w, xt = torch.from_numpy(raw), torch.from_numpy(x)
     built = kernels.int8_kernel()
     assert built is not None
     one = kernels.matmul(xt[:1], w, Q.Q6_K)
     assert torch.equal(one, torch.from_numpy(qdot.matmul(built, x[:1], raw, Q.Q6_K, 1)))
-    many = kernels.matmul(xt, w, Q.Q6_K)  # several rows: the float32 batched kernel
+    many = kernels.matmul(xt, w, Q.Q6_K)
+    assert torch.equal(many, torch.from_numpy(qdot.matmul(built, x, raw, Q.Q6_K, 1)))
+    assert torch.equal(many[:1], one)
     qdot.configure(qdot.KernelOptions())
     assert not kernels.int8_active()
-    assert torch.equal(kernels.matmul(xt, w, Q.Q6_K), many)
+    assert torch.equal(kernels.matmul(xt, w, Q.Q6_K), kernels.matmul_float32(xt, w, Q.Q6_K))
+    assert not torch.equal(kernels.matmul(xt, w, Q.Q6_K), many)
     assert not torch.equal(kernels.matmul(xt[:1], w, Q.Q6_K), one)
 
 

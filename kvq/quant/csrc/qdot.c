@@ -224,6 +224,8 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
     return acc;
 }
 
+#include "qdot_multi.h"
+
 /* ---- SIMD paths: the same integers, from vpmaddubsw (AVX2) or vpdpbusd (VNNI) --------- */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -245,18 +247,22 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
 #define F16(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
 #define SFX(name) name##_avx2
 #define MUL_SUM(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#define DPW(acc, p, sc) _mm256_add_epi32((acc), _mm256_madd_epi16((p), (sc)))
 #include "qdot_simd.h"
 #undef TGT
 #undef SFX
 #undef MUL_SUM
+#undef DPW
 
 #define TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define SFX(name) name##_vnni
 #define MUL_SUM(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#define DPW(acc, p, sc) _mm256_dpwssd_epi32((acc), (p), (sc))
 #include "qdot_simd.h"
 #undef TGT
 #undef SFX
 #undef MUL_SUM
+#undef DPW
 #undef F16
 
 /* 512-bit Q6_K (AVX512BW + VNNI): two 32-value groups per instruction, 1.2-1.5x the 256-bit path
@@ -301,6 +307,50 @@ static TGTZ float dot_q6_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
         acc = combine_k(acc, x->d, F16Z(w + 208), 0.0f, isum, 0);
     }
     return acc;
+}
+
+/* dot_q6_k_z on nx <= MX rows (qdot_simd_multi.h) */
+static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    const __m512i lo_idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4), eight = _mm512_set1_epi16(8);
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        PREFETCH(w);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const __m256i sc8 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)sc));
+        const __m512i sc16 = _mm512_castsi256_si512(sc8);
+        __m512i q[4], s16[4]; /* x's q[64i .. 64i + 63]: values and scales */
+        for (int half = 0; half < 2; half++) {
+            const __m512i ql = LDZ(w + 64 * half);
+            const __m256i qh = LDY(w + 128 + 32 * half);
+            const __m512i h01 = PAIR(qh, _mm256_srli_epi16(qh, 2));
+            const __m512i h23 = PAIR(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6));
+            q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                          _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+            q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                              _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+            const __m512i base = _mm512_add_epi16(lo_idx, half ? eight : _mm512_setzero_si512());
+            s16[2 * half] = _mm512_permutexvar_epi16(base, sc16);
+            s16[2 * half + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(base, four), sc16);
+        }
+        for (int j = 0; j < nx; j++) {
+            const xk_t *x = (const xk_t *)xs[j] + b;
+            __m512i s = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q[i], LDZ(x->q + 64 * i)), s16[i]);
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+            is[j] = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(LDY(x->bsums), sc8), 5));
+            dx[j] = x->d;
+        }
+        acc = combine_k8_vnni(acc, _mm256_loadu_ps(dx), F16Z(w + 208), 0.0f, hsum8_vnni(is),
+                              _mm256_setzero_si256());
+    }
+    store_rows_vnni(acc, nx, out);
 }
 #undef TGTZ
 #undef F16Z
@@ -366,8 +416,42 @@ static dot_0_fn pick_0(int qtype, int isa) {
     return qtype == T_Q8_0 ? dot_q8_0_scalar : dot_q4_0_scalar;
 }
 
+/* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
+static mdot_k_fn pick_mk(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa == ISA_AVX512) {
+        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
+        if (qtype == T_Q6_K) return mdot_q6_k_z;
+        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
+    }
+    if (isa == ISA_VNNI) {
+        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
+        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
+        if (qtype == T_Q6_K) return mdot_q6_k_vnni;
+    }
+    if (isa == ISA_AVX2) {
+        if (qtype == T_Q4_K) return mdot_q4_k_avx2;
+        if (qtype == T_Q5_K) return mdot_q5_k_avx2;
+        if (qtype == T_Q6_K) return mdot_q6_k_avx2;
+    }
+#endif
+    if (qtype == T_Q4_K) return mdot_q4_k_scalar;
+    if (qtype == T_Q5_K) return mdot_q5_k_scalar;
+    if (qtype == T_Q6_K) return mdot_q6_k_scalar;
+    return 0;
+}
+
+static mdot_0_fn pick_m0(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? mdot_q8_0_vnni : mdot_q4_0_vnni;
+    if (isa == ISA_AVX2) return qtype == T_Q8_0 ? mdot_q8_0_avx2 : mdot_q4_0_avx2;
+#endif
+    return qtype == T_Q8_0 ? mdot_q8_0_scalar : mdot_q4_0_scalar;
+}
+
 /* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and
- * x [n_x, k] float32. isa < 0: the best this CPU has; a higher one than it has is lowered.
+ * x [n_x, k] float32; each weight row is unpacked once per MX rows of x (the multi-row dots,
+ * which give every row the bits it gets alone). isa < 0: the best this CPU has; a higher one than it has is lowered.
  * Returns 0, or -1 (unknown type), -2 (k not a multiple of the block), -3 (out of memory). */
 int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, const float *x,
              int64_t n_x, int64_t k, float *out, int threads, int isa) {
@@ -388,14 +472,25 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     }
     dot_k_fn fk = kq ? pick_k(qtype, isa) : 0;
     dot_0_fn f0 = kq ? 0 : pick_0(qtype, isa);
+    mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
+    mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
     if (threads < 1) threads = 1;
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_rows; n++) {
         const uint8_t *row = w + n * row_bytes;
-        for (int64_t r = 0; r < n_x; r++) {
-            out[r * n_rows + n] = kq ? fk(row, (const xk_t *)xq + r * nb, nb)
-                                     : f0(row, (const x0_t *)xq + r * nb, nb);
+        for (int64_t r0 = 0; r0 < n_x; r0 += MX) { /* MX rows of x per unpacking of the row */
+            const int nx = (int)(n_x - r0 < MX ? n_x - r0 : MX);
+            const void *xs[MX];
+            float y[MX];
+            for (int j = 0; j < nx; j++) xs[j] = (const char *)xq + per * (size_t)((r0 + j) * nb);
+            if (nx == 1)
+                y[0] = kq ? fk(row, xs[0], nb) : f0(row, xs[0], nb);
+            else if (kq)
+                mk(row, xs, nx, nb, y);
+            else
+                m0(row, xs, nx, nb, y);
+            for (int j = 0; j < nx; j++) out[(r0 + j) * n_rows + n] = y[j];
         }
     }
     free(xq);

@@ -150,6 +150,8 @@ static TGT float SFX(dot_q4_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
     return acc;
 }
 
+#include "qdot_simd_multi.h"
+
 #undef LD
 #undef Q6_SCALES
 #undef SCALED
