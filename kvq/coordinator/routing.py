@@ -170,23 +170,29 @@ class SliceRouter:
                 candidates[sid] = (route.worker(sid) or self.coord,)
         split = self.capacity.assign(rows, candidates)
         now = time.monotonic()
-        self._probe_idle(split, rows, candidates, now)
+        probed = self._probe_idle(split, rows, candidates, now)
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
             log.info("capacity split %s of rows %s; estimates %s", split, dict(rows),
                      self.capacity.describe())  # fmt: skip
         return LiveRoute(
-            CAPACITY_ROUTE, {sid: node for sid, node in split.items() if node != self.coord}
+            CAPACITY_ROUTE,
+            {sid: node for sid, node in split.items() if node != self.coord},
+            trial=probed,
         )
 
     def _probe_idle(
         self, split: dict[str, str], rows: Mapping[str, int],
         candidates: Mapping[str, tuple[str, ...]], now: float,
-    ) -> None:  # fmt: skip
+    ) -> str | None:  # fmt: skip
         """K4 under the split: an eligible worker that no split has given a slice for
-        `reprobe_ms` gets one (its least-loaded active slice). Its estimates only move when
-        it gets work, so without this one slow sample (a busy moment on a shared machine)
-        would price it out for as long as the load lasts; the probe's sample replaces them."""
+        `reprobe_ms` gets one (its least-loaded active slice); at most one such worker per
+        layer call, which it returns. Its estimates only move when it gets work, so without
+        this one slow sample (a busy moment on a shared machine) would price it out for as
+        long as the load lasts; the probe's sample replaces them. The route names it as its
+        `trial`: where this coordinator holds the slice too, the layer computes it here as
+        well and does not wait for the probe, so a worker not worth its round trip costs no
+        layer that round trip."""
         given = set(split.values())
         for node in given:
             self._split_at[node] = now
@@ -197,11 +203,11 @@ class SliceRouter:
                 if now - self._split_at.setdefault(node, now) < self.reprobe_s:
                     continue
                 split[sid] = node
-                given.add(node)
                 self._split_at[node] = now
                 self._split_probing.add(node)
                 self.split_probes += 1  # beside the router's own (`router.probes`)
-                break
+                return node
+        return None
 
     def observe_local(self, rows: int, ms: float) -> None:
         self.capacity.observe_local(rows, ms)

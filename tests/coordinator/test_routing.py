@@ -394,7 +394,8 @@ def test_capacity_reprobes_a_priced_out_worker_and_it_wins_work_back(
     assert router.route(work, busy, TOTAL).remote == {}, "priced out by its sample"
     assert router.route(work, busy, TOTAL).remote == {}, "no probe before reprobe_ms"
     time.sleep(0.08)
-    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}, "the probe"
+    probe = router.route(work, busy, TOTAL)
+    assert (probe.remote, probe.trial) == ({sids[0]: "w"}, "w"), "the probe: not waited for"
     assert router.split_probes + router.router.probes == 1
     assert router.route(work, busy, TOTAL).remote == {}, "one probe, then the estimates"
     # its answer: fast now (0.5 ms per row); with alpha 0.3 a nudge would leave it priced
@@ -418,7 +419,8 @@ def test_capacity_reprobes_a_worker_on_the_base_copy(board_case: BoardCase, gguf
     work = {sids[0]: 20}
     assert router.route(work, busy, TOTAL).remote == {}
     time.sleep(0.08)
-    assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}
+    probe = router.route(work, busy, TOTAL)
+    assert (probe.remote, probe.trial) == ({sids[0]: "w"}, "w"), "a shadow: not waited for"
     assert (router.split_probes, router.router.probes) == (1, 0)
     router.observe_result("w", 2.0 + 20 * 0.5, 20, 20 * 0.5, verified=True)
     assert router.route(work, busy, TOTAL).remote == {sids[0]: "w"}
