@@ -5,7 +5,8 @@ background thread (`kvq.asgi`).
 |--------|--------------------------|----------------------------------------------------------|
 | GET    | /api/moe/recruitment     | per model: busy, total, saturated, base vs effective     |
 | GET    | /api/expert-demand       | per model and slice: target, coverage, demand, recruiting|
-| POST   | /api/expert-volunteer    | `{"worker", "model"?}` → a slice to fetch, or 204; the   |
+| POST   | /api/expert-volunteer    | `{"worker", "model"?, "held"?, "room"?}` → a slice to    |
+|        |                          | fetch, or 204; the                                       |
 |        |                          | worker's ACL password as bearer (KVQ_HTTP_VOLUNTEER)     |
 | GET    | /api/trust               | per model: quarantined and banned workers (issue 11)     |
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
@@ -20,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -95,13 +97,14 @@ class Api:
     def volunteer(self, body: bytes, authorization: str | None = None) -> dict[str, Any] | None:
         """Hand `worker` a slice through the workers' own atomic script; None: no demand.
         Bound to the worker's identity unless KVQ_HTTP_VOLUNTEER=open (`check_caller`)."""
-        worker, model = _parse_volunteer(body)
+        ask = _parse_volunteer(body)
+        worker, model = ask.worker, ask.model
         self.check_caller(worker, authorization)
         models = self.board.models()
         if model is not None and model not in models:
             raise HttpError(HTTPStatus.NOT_FOUND, "UnknownModel", f"model {model!r} not registered")
         for m in [model] if model is not None else models:
-            sid = self.board.volunteer(m, worker)
+            sid = self.board.volunteer(m, worker, ask.room, ask.held.get(m, ()))
             info = self.board.model_info(m) if sid is not None else None
             if sid is None or info is None:
                 continue
@@ -148,7 +151,22 @@ class Api:
         return generate_latest(self.registry)
 
 
-def _parse_volunteer(body: bytes) -> tuple[str, str | None]:
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A `POST /api/expert-volunteer` body: who asks, for which model (None: any), what it
+    already holds (model -> slice ids) and how many bytes it can still take (None: any)."""
+
+    worker: str
+    model: str | None
+    held: dict[str, tuple[str, ...]]
+    room: int | None
+
+
+def _bad(message: str) -> HttpError:
+    return HttpError(HTTPStatus.BAD_REQUEST, "BadRequest", message)
+
+
+def _parse_volunteer(body: bytes) -> _Ask:
     try:
         d = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -162,10 +180,16 @@ def _parse_volunteer(body: bytes) -> tuple[str, str | None]:
             f"'worker' must be a non-empty id of at most 200 characters, got {worker!r}",
         )  # fmt: skip
     if model is not None and (not isinstance(model, str) or not model):
-        raise HttpError(
-            HTTPStatus.BAD_REQUEST, "BadRequest", f"'model' must be an id, got {model!r}"
-        )
-    return worker, model
+        raise _bad(f"'model' must be an id, got {model!r}")
+    held, room = d.get("held") or {}, d.get("room")
+    if not isinstance(held, dict) or not all(
+        isinstance(m, str) and isinstance(sids, list) and all(isinstance(x, str) for x in sids)
+        for m, sids in held.items()
+    ):
+        raise _bad(f"'held' must map model ids to lists of slice ids, got {held!r}")
+    if room is not None and (isinstance(room, bool) or not isinstance(room, int) or room < 0):
+        raise _bad(f"'room' must be a number of bytes >= 0 or null, got {room!r}")
+    return _Ask(worker, model, {m: tuple(sids) for m, sids in held.items()}, room)
 
 
 def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSONResponse:

@@ -106,8 +106,28 @@ def test_demand_then_volunteer_until_exhausted(mon: Monitor, url: str, model: Pa
     assert {(s["coverage"], s["demand"]) for s in m["slices"]} == {(1, 0)}
 
 
+def test_a_worker_names_what_it_holds_and_takes_more(mon: Monitor, url: str) -> None:
+    """Through the door a worker takes several slices of one model by naming the ones it
+    holds (`held`), as `kvq worker` does; `room` leaves out slices that do not fit."""
+    taken: list[str] = []
+    for _ in range(2):
+        body = {"worker": "edge", "model": "m", "held": {"m": taken}}
+        status, got = call(url, "/api/expert-volunteer", json.dumps(body).encode())
+        assert status == 200, got
+        assert got["slice"] not in taken
+        taken.append(got["slice"])
+    assert mon.board.held_by("m", "edge") == tuple(sorted(taken))
+    again = {"worker": "edge", "held": {"m": taken[:1]}}  # the second answer was lost
+    assert call(url, "/api/expert-volunteer", json.dumps(again).encode())[1]["slice"] == taken[1]
+    small = {"worker": "edge", "held": {"m": taken}, "room": 1}  # no slice is 1 byte
+    assert call(url, "/api/expert-volunteer", json.dumps(small).encode()) == (204, None)
+    assert mon.board.held_by("m", "edge") == tuple(sorted(taken))
+
+
 def test_bad_volunteer_bodies_are_400(url: str) -> None:
-    for body in (b"{not json", b"[1]", b'{"worker": ""}', b'{"worker": 3}', b'{"model": "m"}'):
+    for body in (b"{not json", b"[1]", b'{"worker": ""}', b'{"worker": 3}', b'{"model": "m"}',
+                 b'{"worker": "w", "held": ["s"]}', b'{"worker": "w", "held": {"m": "s"}}',
+                 b'{"worker": "w", "room": -1}', b'{"worker": "w", "room": "9"}'):  # fmt: skip
         status, got = call(url, "/api/expert-volunteer", body)
         assert status == 400, body
         assert got["type"] == "BadRequest" and got["retryable"] is False and got["message"]

@@ -13,6 +13,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+
+if TYPE_CHECKING:
+    from conftest import Q4kmSlices  # tests/quant/conftest.py
 
 TOL = 1.2e-2  # max relative error of one product against float64 (measured 0.55-0.8%)
 ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
@@ -331,21 +335,14 @@ def test_moe_call_refuses_bad_types_and_sizes(built: qdot.Built) -> None:
 
 @pytest.mark.usefixtures("int8")
 def test_one_token_expert_calls_take_the_one_call_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    q4km: Q4kmSlices, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode step's experts (one row, int8 on) go through `kernels.moe_int8`, within
     MOE_TOL of float64, the same bits from the bank and from `expert_forward`, and only the
     experts inside the slice count."""
-    from kvq.bank import Bank, BankOptions
-    from kvq.model import make_tiny, read_meta
     from kvq.model.experts import expert_forward, expert_forward_reference
-    from kvq.model.slices import map_slice, slice_layout
 
-    path = tmp_path / "q4_k_m.gguf"
-    make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=5)
-    sl = map_slice(path, slice_layout(read_meta(path), 0, 0, 8), 0, 0, 8)
-    half = map_slice(path, slice_layout(read_meta(path), 0, 2, 6), 0, 2, 6)
-    bank = Bank([sl], BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False), "cpu")
+    sl, half, bank = q4km
     calls: list[int] = []
     real = kernels.moe_int8
     monkeypatch.setattr(

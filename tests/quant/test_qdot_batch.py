@@ -7,6 +7,7 @@ rows, so a row's result does not depend on the batch it lands in (remote == loca
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from kvq.model.experts import expert_forward_reference
 from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+
+if TYPE_CHECKING:
+    from conftest import Q4kmSlices  # tests/quant/conftest.py
 
 ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
@@ -154,21 +158,14 @@ def test_bad_pairs_are_refused(built: qdot.Built) -> None:
 
 @pytest.mark.usefixtures("int8")
 def test_several_rows_take_the_batch_call_and_keep_each_rows_bits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    q4km: Q4kmSlices, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`grouped_expert_ffn` with int8 on: several rows go through one `moe_int8_batch` call,
     each row the same bits as that row alone (the one-token call), from the bank and from
     `expert_forward`, within MOE_TOL of float64; a slice counts only its experts."""
-    from kvq.bank import Bank, BankOptions
-    from kvq.model import make_tiny, read_meta
     from kvq.model.experts import expert_forward
-    from kvq.model.slices import map_slice, slice_layout
 
-    path = tmp_path / "q4_k_m.gguf"
-    make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=5)
-    sl = map_slice(path, slice_layout(read_meta(path), 0, 0, 8), 0, 0, 8)
-    half = map_slice(path, slice_layout(read_meta(path), 0, 2, 6), 0, 2, 6)
-    bank = Bank([sl], BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False), "cpu")
+    sl, half, bank = q4km
     calls: list[int] = []
     real = kernels.moe_int8_batch
     monkeypatch.setattr(

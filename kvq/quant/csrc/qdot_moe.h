@@ -66,18 +66,26 @@ static __attribute__((noinline)) float silu_mul(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* The gate, up and down kernels for `types` on `isa` (clamped to the best this CPU has):
+ * 0, -1 (a type not covered) or -2 (h or f not a multiple of a type's block). */
+static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg, kern_t *ku,
+                     kern_t *kd) {
+    int best = kvq_qdot_best_isa();
+    isa = (isa < 0 || isa > best) ? best : isa;
+    if (kern_init(kg, types[0], isa) || kern_init(ku, types[1], isa) || kern_init(kd, types[2], isa))
+        return -1;
+    return (h % kg->block || h % ku->block || f % kd->block) ? -2 : 0;
+}
+
 /* Returns 0, or -1 (a type not covered), -2 (h or f not a multiple of a type's block),
  * -3 (out of memory). gate, up, down: n pointers each to [rows, row bytes]; rb: row bytes of
  * gate, up and down; types: their ggml types. */
 int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
                  const uint8_t *const *down, const int *types, const int64_t *rb, int64_t f,
                  int64_t h, const float *x, const float *w, float *out, int threads, int isa) {
-    int best = kvq_qdot_best_isa();
-    isa = (isa < 0 || isa > best) ? best : isa;
     kern_t kg, ku, kd;
-    if (kern_init(&kg, types[0], isa) || kern_init(&ku, types[1], isa) || kern_init(&kd, types[2], isa))
-        return -1;
-    if (h % kg.block || h % ku.block || f % kd.block) return -2;
+    const int bad = moe_kerns(types, isa, h, f, &kg, &ku, &kd);
+    if (bad) return bad;
     if (n <= 0) {
         memset(out, 0, sizeof(float) * (size_t)h);
         return 0;
@@ -166,12 +174,9 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                        const uint8_t *const *down, const int *types, const int64_t *rb, int64_t f,
                        int64_t h, int64_t t, const float *x, const int64_t *start,
                        const int64_t *row, const float *w, float *out, int threads, int isa) {
-    int best = kvq_qdot_best_isa();
-    isa = (isa < 0 || isa > best) ? best : isa;
     kern_t kg, ku, kd;
-    if (kern_init(&kg, types[0], isa) || kern_init(&ku, types[1], isa) || kern_init(&kd, types[2], isa))
-        return -1;
-    if (h % kg.block || h % ku.block || f % kd.block) return -2;
+    const int bad = moe_kerns(types, isa, h, f, &kg, &ku, &kd);
+    if (bad) return bad;
     if (n < 0 || t < 0 || (n > 0 && !pairs_valid(n, start, row, t))) return -4;
     const int64_t m = n > 0 ? start[n] : 0;
     if (m == 0) {
