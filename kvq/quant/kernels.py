@@ -435,14 +435,8 @@ def moe_int8(
     float32; experts: the raw bytes (uint8 [rows, row bytes], C-contiguous, on the CPU) of
     each expert's gate [F, H], up [F, H] and down [H, F], all of `types`. Returns [H] float32.
     The caller checks `moe_covers`."""
-    built = int8_kernel()
-    assert built is not None, "moe_int8 without moe_covers"
-    g0, u0, d0 = experts[0]  # the caller passes at least one expert
-    f, rb = int(g0.shape[0]), (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
-    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
-    xa = np.ascontiguousarray(x.detach().numpy())
+    built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     wa = np.asarray(weights, dtype=np.float32)
-    threads = max(1, torch.get_num_threads())
     return torch.from_numpy(qdot.moe(built, xa, ptrs, types, rb, f, wa, threads))
 
 
@@ -456,17 +450,25 @@ def moe_int8_batch(
     float32; experts: as in `moe_int8`, each of them once; start: [n + 1], expert i takes pairs
     start[i] .. start[i + 1] - 1; rows, weights: [M], each pair's token row and weight.
     Returns [T, H] float32. The caller checks `moe_covers`."""
-    built = int8_kernel()
-    assert built is not None, "moe_int8_batch without moe_covers"
-    g0, u0, d0 = experts[0]  # the caller passes at least one expert
-    f, rb = int(g0.shape[0]), (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
-    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
-    xa = np.ascontiguousarray(x.detach().numpy())
-    threads = max(1, torch.get_num_threads())
+    built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     return torch.from_numpy(qdot.moe_batch(
         built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
         np.asarray(weights, np.float32), types, rb, f, threads,
     ))  # fmt: skip
+
+
+def _moe_args(
+    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> tuple[qdot.Built, list[tuple[int, int, int]], tuple[int, int, int], int, F32, int]:
+    """What both MoE calls pass the C kernel: the built kernel, each expert's gate/up/down
+    addresses, their row bytes, the FFN size, x as numpy and the thread count."""
+    built = int8_kernel()
+    assert built is not None, "a MoE call without moe_covers"
+    g0, u0, d0 = experts[0]  # the caller passes at least one expert
+    rb = (int(g0.shape[1]), int(u0.shape[1]), int(d0.shape[1]))
+    ptrs = [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
+    xa = np.ascontiguousarray(x.detach().numpy())
+    return built, ptrs, rb, int(g0.shape[0]), xa, max(1, torch.get_num_threads())
 
 
 def matmul_float32(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
