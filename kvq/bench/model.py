@@ -18,7 +18,15 @@ the experts its decode touches. Per engine, each figure is the median over its r
 - `aggregate_tok_s` (kvq only): `batch` sequences through the coordinator's path, an `Engine`
   whose MoE runs in a `Bank` built as the coordinator builds it; tokens after each sequence's
   first, over the time after the first step. `hit_rate`: that bank's hot/cold shares of routed
-  pairs. llama.cpp's batched API is not driven here, so its aggregate is null.
+  pairs. llama: the same prompts through llama.cpp's multi-sequence batch API
+  (`kvq.bench.llama_batch`), in the same round after its batch-1 decode.
+- `aggregate_gain` (both engines): `aggregate_tok_s` / `decode_tok_s`, the engine's own gain
+  from batching. kvq also reports `experts_per_layer_1|batch` (distinct experts one decode
+  call routes to, batch 1 and `batch` sequences), `expert_ms_per_layer_1|batch` and
+  `expert_share_1|batch` (the expert calls' share of the decode's wall time): with top-k of
+  E experts, `batch` sequences touch up to `batch` x k distinct experts a layer, and each
+  distinct expert's weights are read (and unpacked) once a step, so the expert work of a step
+  grows with that union, not with the batch.
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ NOTE_NO_LLAMA = (
     "llama_cpp is not importable: pip install 'kvq[bench]' (docs/models.md, 'Benchmarks: "
     "model', gives the build flags)"
 )
-NOTE_AGG = "not measured: llama-cpp-python's multi-sequence batch API is not driven by this bench"
-RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode", "decode_tok_s")
+RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode", "decode_tok_s",
+              "aggregate_tok_s")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
     if not good:
         out["llama"] = {"error": runs["llama"][0]["error"]}
         return out
-    out["llama"] = _summary(good) | {"aggregate_tok_s": None, "aggregate_note": NOTE_AGG}
+    out["llama"] = _summary(good)
     if len(good) < len(runs["llama"]):
         out["llama"]["failed_rounds"] = [r["error"] for r in runs["llama"] if "error" in r]
     out["ratio"] = {k: _ratio(out["kvq"].get(k), out["llama"].get(k)) for k in RATIO_KEYS}
@@ -126,9 +134,13 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians of the numeric figures over rounds, the other fields of the first round, and
     every round's numeric figures."""
     first = runs[0]
-    keys = [k for k, v in first.items() if isinstance(v, int | float) and not isinstance(v, bool)]
-    med = {k: _median([r[k] for r in runs]) for k in keys}
-    return first | med | {"per_round": [{k: r[k] for k in keys} for r in runs]}
+    keys = [k for k, v in first.items() if _is_number(v)]
+    med = {k: _median([r[k] for r in runs if _is_number(r.get(k))]) for k in keys}
+    return first | med | {"per_round": [{k: r.get(k) for k in keys} for r in runs]}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _median(values: list[int | float]) -> int | float:
@@ -212,10 +224,12 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     tok = load_tokenizer(cfg.model)
     prompt = tok.encode(cfg.prompt, add_bos=True)
     stamps: list[float] = []
-    generate(bb, prompt, cfg.tokens, stop_at_eos=False,
+    one = ExpertTally(bb.local_moe, rows=1)
+    generate(bb, prompt, cfg.tokens, moe=one, stop_at_eos=False,
              on_token=lambda _t: stamps.append(time.perf_counter()))  # fmt: skip
     bank, bank_note = _coordinator_bank(bb, cfg)
-    moe = bank.forward if bank is not None else None
+    many = ExpertTally(bank.forward if bank is not None else bb.local_moe, rows=cfg.batch)
+    moe = many
     engine = Engine(bb, tok, n_slots=cfg.batch)
     for i in range(cfg.batch):  # distinct prompts, so no two sequences are the same work
         engine.admit(f"bench-{i}", tok.encode(f"{cfg.prompt} {i}", add_bos=True), cfg.tokens, b"")
@@ -228,17 +242,56 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
             bank.step()  # as the coordinator does after every engine step
     agg_s = time.perf_counter() - t1
     agg_tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
+    agg = agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0
+    decode = _decode_rate(stamps)
     return {
         "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
         "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
-        "decode_tokens": len(stamps), "decode_tok_s": _decode_rate(stamps),
-        "aggregate_tok_s": agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0,
+        "decode_tokens": len(stamps), "decode_tok_s": decode,
+        "aggregate_tok_s": agg, "aggregate_gain": _ratio(agg, decode),
         "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
         "hit_rate": _hit_rate(bank), "bank_note": bank_note,
+        "experts_per_layer_1": one.mean_distinct(), "experts_per_layer_batch": many.mean_distinct(),
+        "expert_ms_per_layer_1": one.mean_ms(), "expert_ms_per_layer_batch": many.mean_ms(),
+        "expert_share_1": one.share(_span(stamps)), "expert_share_batch": many.share(agg_s),
         "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(),
     }  # fmt: skip
+
+
+class ExpertTally:
+    """A MoeFn that counts, over the calls with exactly `rows` token rows (decode steps; a
+    prefill's calls are left out), the distinct experts each call routes to and the time it
+    takes: the expert work per step, which grows with the union of the batch's choices."""
+
+    def __init__(self, fn: Any, rows: int) -> None:
+        self.fn, self.rows = fn, rows
+        self.calls, self.distinct, self.seconds = 0, 0, 0.0
+
+    def __call__(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
+        if x.shape[0] != self.rows:
+            return self.fn(layer, x, ids, w)
+        t0 = time.perf_counter()
+        out = self.fn(layer, x, ids, w)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        self.distinct += int(ids.unique().numel())
+        return out
+
+    def mean_distinct(self) -> float:
+        return self.distinct / self.calls if self.calls else 0.0
+
+    def mean_ms(self) -> float:
+        return 1e3 * self.seconds / self.calls if self.calls else 0.0
+
+    def share(self, span_s: float) -> float:
+        """The tallied calls' share of `span_s` (the decode's wall time)."""
+        return self.seconds / span_s if span_s > 0 else 0.0
+
+
+def _span(stamps: list[float]) -> float:
+    return stamps[-1] - stamps[0] if len(stamps) >= 2 else 0.0
 
 
 def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:
@@ -269,6 +322,8 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
     """One llama.cpp round: load, batch-1 greedy decode; {"error": ...} if it cannot load."""
     from llama_cpp import Llama
 
+    from .llama_batch import aggregate_tok_s
+
     n_ctx = len(cfg.prompt.encode()) + cfg.tokens + 16  # BPE never has more tokens than bytes
     t0 = time.perf_counter()
     try:  # verbose: llama.cpp logs why a load failed, and only when verbose
@@ -284,10 +339,19 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
         stamps.append(time.perf_counter())
         if len(stamps) >= cfg.tokens:
             break
+    prompts = [llm.tokenize(f"{cfg.prompt} {i}".encode(), add_bos=True) for i in range(cfg.batch)]
+    try:
+        agg: float | None = aggregate_tok_s(llm, prompts, cfg.tokens, cfg.threads)
+        agg_note = ""
+    except RuntimeError as exc:
+        agg, agg_note = None, str(exc)
+    decode = _decode_rate(stamps)
     return {
         "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
         "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
-        "decode_tokens": len(stamps), "decode_tok_s": _decode_rate(stamps),
+        "decode_tokens": len(stamps), "decode_tok_s": decode, "aggregate_tok_s": agg,
+        "aggregate_gain": _ratio(agg, decode), "aggregate_sequences": cfg.batch,
+        "aggregate_note": agg_note,
     }  # fmt: skip
 
 

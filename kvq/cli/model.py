@@ -214,7 +214,7 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
     print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
     for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
-                "prompt_tokens", "decode_tok_s", "aggregate_tok_s"):  # fmt: skip
+                "prompt_tokens", "decode_tok_s", "aggregate_tok_s", "aggregate_gain"):  # fmt: skip
         cells = [f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}"
                  for v in (kq.get(key), ll.get(key), ratio.get(key))]  # fmt: skip
         print(f"  {key:<20} {' '.join(cells)}")
@@ -223,6 +223,11 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
               f"routed pairs")  # fmt: skip
     print(f"  bank: {kq['bank_note']}")
+    if "experts_per_layer_1" in kq:
+        print(f"  distinct experts a layer: {kq['experts_per_layer_1']:.1f} at batch 1, "
+              f"{kq['experts_per_layer_batch']:.1f} at {kq['aggregate_sequences']} sequences "
+              f"({kq['expert_ms_per_layer_1']:.2f} / {kq['expert_ms_per_layer_batch']:.2f} ms; "
+              f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)")  # fmt: skip
     for note in (r.get("llama_note"), ll.get("error"), ll.get("aggregate_note")):
         if note:
             print(f"  llama.cpp: {note}")

@@ -10,6 +10,7 @@ A shared expert (qwen2moe) is dense and always runs here, next to the routed Moe
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,6 +26,11 @@ from kvq.model.loader import LayerWeights, Loader, SharedExpert, layer_weights, 
 from kvq.model.meta import ModelMeta, read_meta
 from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
+from kvq.model.threads import one_thread
+
+# attention with at most this many new rows a sequence (decode, short prompts) runs on one thread
+# (`kvq.model.threads`): its parallel regions cost more in wake-ups than they save
+SMALL_ATTENTION_ROWS = 64
 
 __all__ = ["Backbone", "KVCache", "LayerCalls", "LayerWeights", "MoeCall", "MoeFn", "SeqStep"]
 
@@ -168,11 +174,12 @@ class Backbone:
             q, kk = rms_norm(q, lw.q_norm, m.rms_eps), rms_norm(kk, lw.k_norm, m.rms_eps)
         q, kk = self.rope(q, pos), self.rope(kk, pos)
         outs, start = [], 0
-        for s, t in zip(steps, lens, strict=True):
-            keys, values = s.cache.append(layer, kk[start : start + t], vv[start : start + t])
-            qs = q[start : start + t]
-            outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
-            start += t
+        with one_thread() if max(lens) <= SMALL_ATTENTION_ROWS else nullcontext():
+            for s, t in zip(steps, lens, strict=True):
+                keys, values = s.cache.append(layer, kk[start : start + t], vv[start : start + t])
+                qs = q[start : start + t]
+                outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
+                start += t
         return linear(torch.cat(outs), lw.wo)  # [N, H]
 
     def _check_steps(self, steps: list[SeqStep]) -> list[int]:

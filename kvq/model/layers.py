@@ -97,20 +97,25 @@ def causal_attention(
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
     q: [T, heads, d] at positions q_start..q_start+T-1; k, v: [S, kv, d] with S = q_start+T.
-    Query head h reads kv head h // (heads / kv), as ggml's broadcasting matmul does.
-    `scale` 0 means 1/sqrt(d). Returns [T, heads * d].
+    Query head h reads kv head h // (heads / kv), as ggml's broadcasting matmul does: the
+    `group` query heads of one kv head are stacked as rows of one matmul against that head's
+    keys, so the cache is read in place, never copied per query head. A single new token
+    (decode) sees every cached position, so it needs no mask. `scale` 0 means 1/sqrt(d).
+    Returns [T, heads * d].
     """
     t, heads, d = q.shape
-    group = heads // k.shape[1]
-    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
-    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
-    qh = q.transpose(0, 1)  # [heads, T, d]
-    scores = (qh @ kh.transpose(1, 2)) * (scale or 1.0 / math.sqrt(d))  # [heads, T, S]
-    qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T, 1]
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, S]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [heads, T, S]
-    return (probs @ vh).transpose(0, 1).reshape(t, heads * d)  # [T, heads*d]
+    kv = k.shape[1]
+    group = heads // kv
+    qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
+    scores = (qg @ k.permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))  # [kv, group*T, S]
+    if t > 1:
+        qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T, 1]
+        kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, S]
+        scores = scores.view(kv, group, t, -1).masked_fill(kpos > qpos, float("-inf"))
+        scores = scores.view(kv, group * t, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = probs @ v.transpose(0, 1)  # [kv, group*T, d]
+    return out.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d)  # [T, heads*d]
 
 
 def route(

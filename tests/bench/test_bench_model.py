@@ -17,7 +17,9 @@ from kvq.model import make_tiny
 pytestmark = pytest.mark.timeout(60)
 
 KVQ_FIGURES = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
-               "decode_tok_s", "aggregate_tok_s", "prompt_tokens")  # fmt: skip
+               "decode_tok_s", "aggregate_tok_s", "aggregate_gain", "prompt_tokens",
+               "experts_per_layer_1", "experts_per_layer_batch", "expert_ms_per_layer_1",
+               "expert_ms_per_layer_batch", "expert_share_1", "expert_share_batch")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,11 @@ def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny
     assert kq["decode_tokens"] == 4
     assert kq["aggregate_sequences"] == 8 and kq["aggregate_tokens"] > 0
     assert kq["peak_rss_mb"] >= kq["anon_rss_mb_load"]
+    # top-2 of 8 experts: one token routes to exactly 2 a layer, 8 sequences to 2..8
+    assert kq["experts_per_layer_1"] == 2.0
+    assert 2.0 <= kq["experts_per_layer_batch"] <= 8.0
+    assert kq["expert_share_1"] < 1.0 and kq["expert_share_batch"] < 1.0
+    assert kq["aggregate_gain"] == pytest.approx(kq["aggregate_tok_s"] / kq["decode_tok_s"])
     assert len(kq["per_round"]) == 1
     hr = kq["hit_rate"]
     assert hr is None or (hr["routed"] > 0 and hr["hot"] + hr["cold"] == pytest.approx(1.0))
@@ -110,7 +117,7 @@ def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
     assert r["ratio"]["decode_tok_s"] == pytest.approx(0.5)
     assert r["ratio"]["load_s"] == pytest.approx(1.0)
     assert r["kvq"]["prompt_tokens"] == 9 and isinstance(r["kvq"]["prompt_tokens"], int)
-    assert r["llama"]["aggregate_tok_s"] is None and r["llama"]["aggregate_note"]
+    assert r["ratio"]["aggregate_tok_s"] is None  # the stub's llama rounds have none
     rates = iter([10.0, 40.0])
     assert main(["bench", "model", "--model", str(tiny), "--rounds", "1"]) == 0
     text = capsys.readouterr().out
@@ -138,3 +145,27 @@ def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tin
               "--threads", "1", "--json")  # fmt: skip
     ll = r["llama"]
     assert ll.get("error") or ll["decode_tok_s"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
+def test_llama_batch_decodes_each_sequence_as_alone(tmp_path: Path) -> None:
+    """The multi-sequence batch gives each sequence the greedy tokens llama.cpp's own
+    one-sequence `generate` gives it (so the aggregate rate counts real decoding)."""
+    from llama_cpp import Llama
+
+    from kvq.bench.llama_batch import decode_together
+
+    path = tmp_path / "bpe.gguf"
+    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256,
+              tokenizer="bpe", quant="q4_k")  # fmt: skip
+    llm = Llama(model_path=str(path), n_threads=1, n_ctx=128, verbose=False)
+    prompts = [llm.tokenize(f"hello world {i}".encode(), add_bos=True) for i in range(4)]
+    out, rate = decode_together(llm, prompts, 6, threads=1)
+    assert rate > 0
+    for prompt, together in zip(prompts, out, strict=True):
+        alone = []
+        for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            alone.append(t)
+            if len(alone) == 6:
+                break
+        assert together == alone

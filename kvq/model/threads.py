@@ -1,0 +1,38 @@
+"""Small torch work on one thread.
+
+Every `kvq` command runs with `OMP_WAIT_POLICY=PASSIVE` (docs/settings.md): an OpenMP thread
+sleeps between parallel regions, so each region torch opens pays a futex wake. For a decode
+step's per-sequence attention (a few KB of queries against one sequence's cache) that wake
+is most of the cost: 8 sequences' attention of one olmoe layer took 1.5 ms on 2 threads and
+0.3 ms on one (`tests/model/test_threads.py` checks the behaviour, `kvq bench model` the
+speed). `Backbone._attention` puts only that loop in the block; the projections before and
+after it keep every thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_local = threading.local()  # torch's thread count is per thread (OpenMP's), so is the saving
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block's torch ops (in this thread) on one thread, then restore this thread's
+    count; a nested block leaves the restoring to the outermost one."""
+    depth = getattr(_local, "depth", 0)
+    if depth == 0:
+        _local.saved = torch.get_num_threads()
+        if _local.saved > 1:
+            torch.set_num_threads(1)
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        if _local.depth == 0 and _local.saved > 1:
+            torch.set_num_threads(_local.saved)
