@@ -16,6 +16,12 @@ tokens streamed back during `measure_s` give the aggregate tok/s.
   with a coordinator started with that `KVQ_MICROBATCHES` (micro-batches change nothing
   without a worker, so the baseline is shared).
 
+`expert_share`: the coordinator's seconds computing expert slices (`local_expert_s`) over the
+window; `wait_share`: its layers' seconds waiting for remote results (`remote_wait_s`). With
+the baseline's expert share e, `split_bound` = 1 / (1 - e / 2) is the most a worker taking one
+of the two slices can give when each layer waits for its remote part: the coordinator still
+computes the backbone and the other half of the experts every step (a free, instant worker).
+
 Default settings otherwise (the capacity split, `KVQ_DISPATCH_POLICY=capacity`).
 """
 
@@ -136,13 +142,16 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         finally:
             kids.stop_all()
     base = (before["tok_s"] + after["tok_s"]) / 2
+    e = (before["expert_share"] + after["expert_share"]) / 2
     for run in runs:
         run["speedup"] = round(run["tok_s"] / base, 3) if base else None
     return {
         "model": cfg.model or f"generated {DEFAULT_MODEL}", "file_mb": round(file_mb, 1),
         "sequences": cfg.sequences, "microbatches": list(cfg.microbatches), "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
         "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
-        "baseline": {"tok_s": round(base, 3), "before": before, "after": after}, "runs": runs,
+        "baseline": {"tok_s": round(base, 3), "expert_share": round(e, 3), "before": before,
+                     "after": after},
+        "split_bound": round(1 / (1 - e / 2), 3) if e < 2 else None, "runs": runs,
     }  # fmt: skip
 
 
@@ -236,11 +245,15 @@ def _phase(
     remote = (st1.remote_jobs - st0.remote_jobs) if st0 and st1 else 0
     fallback = (st1.fallback_jobs - st0.fallback_jobs) if st0 and st1 else 0
     mb_steps = (st1.microbatched_steps - st0.microbatched_steps) if st0 and st1 else 0
+    expert_s = (st1.local_expert_s - st0.local_expert_s) if st0 and st1 else 0.0
+    wait_s = (st1.remote_wait_s - st0.remote_wait_s) if st0 and st1 else 0.0
     jobs = local + remote + fallback
     return {
         "tok_s": round(tokens / (end - start), 3), "tokens": tokens, "local_jobs": local,
         "remote_jobs": remote, "fallback_jobs": fallback,
         "remote_share": round(remote / jobs, 3) if jobs else 0.0, "microbatched_steps": mb_steps,
+        "expert_share": round(expert_s / (end - start), 3),
+        "wait_share": round(wait_s / (end - start), 3),
     }  # fmt: skip
 
 

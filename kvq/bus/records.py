@@ -142,6 +142,8 @@ class DispatchCounters(Counters, kw_only=True):
     quarantines: int = 0  # workers this coordinator caught and quarantined
     remote_rows: int = 0  # token rows of remote results received
     verified_rows: int = 0  # of those, rows recomputed here to check them
+    local_expert_s: float = 0.0  # seconds computing expert slices here (kept, fallbacks)
+    remote_wait_s: float = 0.0  # seconds a layer waited for remote results after its own part
 
 
 class CoordStats(DispatchCounters, kw_only=True):

@@ -95,11 +95,14 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
-    print(f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s")
+    print(f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s, experts "
+          f"{r['baseline']['expert_share']:.0%} of the coordinator's time (a worker taking one "
+          f"of two slices can give at most {r['split_bound']}x)")  # fmt: skip
     for run in r["runs"]:
         print(f"  rtt {run['rtt_ms']:>5} ms, {run['microbatches']} micro-batch(es): "
               f"{run['tok_s']} tok/s, speedup {run['speedup']}, "
-              f"remote share {run['remote_share']}")  # fmt: skip
+              f"remote share {run['remote_share']}, experts {run['expert_share']:.0%} and "
+              f"waiting {run['wait_share']:.0%} of the coordinator's time")  # fmt: skip
     return EXIT_OK
 
 

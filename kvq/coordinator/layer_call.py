@@ -117,7 +117,9 @@ class LayerCall:
             self.layer, self.x[rows], self.ids[rows], self.w[rows],
             spec.expert_start, spec.expert_end,
         )  # fmt: skip
-        self.d.routing.observe_local(int(rows.numel()), (time.perf_counter() - t0) * 1000)
+        took = time.perf_counter() - t0
+        self.d.routing.observe_local(int(rows.numel()), took * 1000)
+        self.d.stats.local_expert_s += took
         return y
 
     def fallback(self, p: Pending, latency_ms: float) -> None:
@@ -128,12 +130,14 @@ class LayerCall:
 
     def _gather(self) -> None:
         d = self.d
+        t0 = time.perf_counter()
         while self.pending:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
             for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
                 d.accept(sender, stream, eid, fields)
+        d.stats.remote_wait_s += time.perf_counter() - t0
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             d.inflight.pop(job_id, None)

@@ -32,9 +32,14 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
     for run in r["runs"]:
         assert run["tok_s"] > 0 and run["speedup"] > 0 and run["worker_load_s"] >= 0
         assert 0.0 <= run["remote_share"] <= 1.0
+        # a coordinator's time: its own expert compute plus its wait can not exceed the window
+        assert 0.0 <= run["expert_share"] and 0.0 <= run["wait_share"]
+        assert run["expert_share"] + run["wait_share"] <= 1.05
         assert run["local_jobs"] + run["remote_jobs"] > 0
         if run["microbatches"] == 1:
             assert run["microbatched_steps"] == 0
+    assert 0.0 < r["baseline"]["expert_share"] < 1.0, "all-local: the experts take part of it"
+    assert r["split_bound"] == pytest.approx(1 / (1 - r["baseline"]["expert_share"] / 2), abs=2e-3)
     assert r["cpus"]["coordinator"] != r["cpus"]["worker"]
     assert len(os.sched_getaffinity(0)) >= 2, "the bench gives this process its CPUs back"
 
