@@ -245,6 +245,8 @@ def _phase(
     remote = (st1.remote_jobs - st0.remote_jobs) if st0 and st1 else 0
     fallback = (st1.fallback_jobs - st0.fallback_jobs) if st0 and st1 else 0
     mb_steps = (st1.microbatched_steps - st0.microbatched_steps) if st0 and st1 else 0
+    verified = (st1.verified - st0.verified) if st0 and st1 else 0
+    trials = (st1.trials_sent - st0.trials_sent) if st0 and st1 else 0
     expert_s = (st1.local_expert_s - st0.local_expert_s) if st0 and st1 else 0.0
     wait_s = (st1.remote_wait_s - st0.remote_wait_s) if st0 and st1 else 0.0
     jobs = local + remote + fallback
@@ -252,7 +254,7 @@ def _phase(
         "tok_s": round(tokens / (end - start), 3), "tokens": tokens, "local_jobs": local,
         "remote_jobs": remote, "fallback_jobs": fallback,
         "remote_share": round(remote / jobs, 3) if jobs else 0.0, "microbatched_steps": mb_steps,
-        "expert_share": round(expert_s / (end - start), 3),
+        "verified": verified, "trials_sent": trials, "expert_share": round(expert_s / (end - start), 3),
         "wait_share": round(wait_s / (end - start), 3),
     }  # fmt: skip
 
