@@ -214,6 +214,8 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     from kvq.model.generate import generate
     from kvq.quant import kernels, qdot
 
+    from .expert_tally import ExpertTally, span
+
     torch.set_num_threads(cfg.threads)
     qdot.configure(qdot.KernelOptions(**(cfg.kernels or {})))
     kernels.int8_active()  # build or load the int8 kernel before the clock starts
@@ -253,45 +255,11 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "hit_rate": _hit_rate(bank), "bank_note": bank_note,
         "experts_per_layer_1": one.mean_distinct(), "experts_per_layer_batch": many.mean_distinct(),
         "expert_ms_per_layer_1": one.mean_ms(), "expert_ms_per_layer_batch": many.mean_ms(),
-        "expert_share_1": one.share(_span(stamps)), "expert_share_batch": many.share(agg_s),
+        "expert_share_1": one.share(span(stamps)), "expert_share_batch": many.share(agg_s),
         "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(),
     }  # fmt: skip
-
-
-class ExpertTally:
-    """A MoeFn that counts, over the calls with exactly `rows` token rows (decode steps; a
-    prefill's calls are left out), the distinct experts each call routes to and the time it
-    takes: the expert work per step, which grows with the union of the batch's choices."""
-
-    def __init__(self, fn: Any, rows: int) -> None:
-        self.fn, self.rows = fn, rows
-        self.calls, self.distinct, self.seconds = 0, 0, 0.0
-
-    def __call__(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
-        if x.shape[0] != self.rows:
-            return self.fn(layer, x, ids, w)
-        t0 = time.perf_counter()
-        out = self.fn(layer, x, ids, w)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        self.distinct += int(ids.unique().numel())
-        return out
-
-    def mean_distinct(self) -> float:
-        return self.distinct / self.calls if self.calls else 0.0
-
-    def mean_ms(self) -> float:
-        return 1e3 * self.seconds / self.calls if self.calls else 0.0
-
-    def share(self, span_s: float) -> float:
-        """The tallied calls' share of `span_s` (the decode's wall time)."""
-        return self.seconds / span_s if span_s > 0 else 0.0
-
-
-def _span(stamps: list[float]) -> float:
-    return stamps[-1] - stamps[0] if len(stamps) >= 2 else 0.0
 
 
 def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:

@@ -1,0 +1,174 @@
+"""The cross-field and format checks of `kvq.config.Settings`, kept apart from its field list.
+
+`Settings` inherits them; each names fields that `Settings` declares (hence
+`check_fields=False`). A check that reads another field (`info.data`) relies on that field
+being declared earlier in `Settings`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import ValidationInfo, field_validator
+from pydantic_settings import BaseSettings
+
+_BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
+            "no": False}  # fmt: skip
+_REDIS_SCHEMES = (
+    "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+    "rediss+sentinel",
+)  # fmt: skip
+RedisMode = Literal["auto", "standalone", "cluster", "sentinel"]
+
+
+def mode_of_url(url: str) -> str:
+    """standalone, cluster or sentinel, as the URL's scheme says (`redis+cluster://...`)."""
+    scheme = urlparse(url).scheme
+    return scheme.split("+", 1)[1] if "+" in scheme else "standalone"
+
+
+class SettingsChecks(BaseSettings):
+    """Validators only: `kvq.config.Settings` declares the fields."""
+
+    @field_validator("hot_gib", mode="before", check_fields=False)
+    @classmethod
+    def _empty_hot_gib(cls, v: object) -> object:
+        # "" is the documented "unset"; "None" is what child_env writes for it
+        return None if isinstance(v, str) and v.strip() in ("", "None") else v
+
+    @field_validator("verify_remote", mode="before", check_fields=False)
+    @classmethod
+    def _legacy_verify(cls, v: object) -> object:
+        # KVQ_VERIFY_REMOTE was a bool: 1/true meant "recompute every result", 0/false "none"
+        if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in _BOOLISH):
+            on = v if isinstance(v, bool) else _BOOLISH[v.strip().lower()]
+            return "all" if on else "off"
+        if isinstance(v, str) and v not in ("sampled", "all", "off"):
+            raise ValueError("must be sampled, all or off (1/true = all, 0/false = off)")
+        return v
+
+    @field_validator("activations", check_fields=False)
+    @classmethod
+    def _check_activations(cls, v: str, info: ValidationInfo) -> str:
+        dtype = info.data.get("compute_dtype", "auto")
+        if v == "int8" and dtype not in ("auto", "float32"):
+            raise ValueError(
+                f"int8 applies to the float32 kernels; KVQ_COMPUTE_DTYPE={dtype} does not use "
+                "them: set KVQ_COMPUTE_DTYPE=auto or float32, or KVQ_ACTIVATIONS=float32"
+            )
+        return v
+
+    @field_validator("redis_url", "rq_url", check_fields=False)
+    @classmethod
+    def _check_url(cls, v: str, info: ValidationInfo) -> str:
+        if info.field_name == "rq_url" and v == "":
+            return v
+        if info.field_name == "rq_url" and mode_of_url(v) != "standalone":
+            raise ValueError("RQ is not cluster-safe: give a standalone redis:// URL")
+        parsed = urlparse(v)
+        if parsed.scheme not in _REDIS_SCHEMES:
+            raise ValueError(
+                f"must be a URL with scheme {', '.join(s + '://' for s in _REDIS_SCHEMES)}"
+                f" such as redis://127.0.0.1:6379/0"
+            )
+        if parsed.scheme != "unix" and not parsed.hostname:
+            raise ValueError("must name a host, e.g. redis://127.0.0.1:6379/0")
+        return v
+
+    @field_validator("redis_mode", check_fields=False)
+    @classmethod
+    def _check_mode(cls, v: str, info: ValidationInfo) -> str:
+        url = info.data.get("redis_url")
+        if url is None:
+            return v
+        implied = mode_of_url(url)
+        if v != "auto" and implied != "standalone" and implied != v:
+            raise ValueError(f"{v} contradicts KVQ_REDIS_URL's scheme, which says {implied}")
+        mode = implied if v == "auto" else v
+        if mode != "standalone" and urlparse(url).scheme == "unix":
+            raise ValueError(f"{mode} needs host:port URLs, not unix://")
+        if mode == "sentinel" and not urlparse(url).path.strip("/"):
+            raise ValueError(
+                "sentinel needs the master's name: redis+sentinel://host:26379/mymaster"
+            )
+        return v
+
+    @field_validator("tls_key_file", check_fields=False)
+    @classmethod
+    def _cert_with_key(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v) != bool(info.data.get("tls_cert_file")):
+            raise ValueError("KVQ_TLS_CERT_FILE and KVQ_TLS_KEY_FILE go together: set both or none")
+        return v
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file", check_fields=False)
+    @classmethod
+    def _readable(cls, v: str) -> str:
+        if v and not os.path.isfile(v):
+            raise ValueError("must be the path of a readable PEM file")
+        return v
+
+    @field_validator("prefix", check_fields=False)
+    @classmethod
+    def _check_prefix(cls, v: str) -> str:
+        if not v or any(c in v for c in "{}: \t\n"):
+            raise ValueError("must be non-empty, without spaces, ':' or braces")
+        return v
+
+    @field_validator("api_keys", check_fields=False)
+    @classmethod
+    def _check_api_keys(cls, v: str) -> str:
+        for key in (k.strip() for k in v.split(",")):
+            if key and (len(key) < 8 or any(c.isspace() or not c.isprintable() for c in key)):
+                raise ValueError(
+                    "must be comma-separated tokens of at least 8 printable characters "
+                    "without spaces"
+                )
+        return v
+
+    @field_validator("api_max_tokens_default", check_fields=False)
+    @classmethod
+    def _default_in_limit(cls, v: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_tokens_limit")
+        if limit is not None and v > limit:
+            raise ValueError(f"must be <= KVQ_MAX_TOKENS_LIMIT ({limit})")
+        return v
+
+    @field_validator("device", check_fields=False)
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @field_validator("monitor_lease_s", check_fields=False)
+    @classmethod
+    def _outlasts_a_poll(cls, v: float, info: ValidationInfo) -> float:
+        poll = info.data.get("monitor_poll_s")
+        if poll is not None and v <= poll:
+            raise ValueError(
+                f"must be > KVQ_MONITOR_POLL_S ({poll}): the active monitor renews it each poll"
+            )
+        return v
+
+    @field_validator("saturation_threshold", check_fields=False)
+    @classmethod
+    def _reachable(cls, v: int, info: ValidationInfo) -> int:
+        n_slots = info.data.get("n_slots")
+        if n_slots is not None and v > n_slots:
+            raise ValueError(
+                f"must be <= KVQ_N_SLOTS ({n_slots}), or the coordinator can never be saturated"
+            )
+        return v
+
+    @field_validator("microbatches", check_fields=False)
+    @classmethod
+    def _fits_slots(cls, v: int, info: ValidationInfo) -> int:
+        n_slots = info.data.get("n_slots")
+        if n_slots is not None and v > n_slots:
+            raise ValueError(
+                f"must be <= KVQ_N_SLOTS ({n_slots}): a micro-batch holds at least one sequence"
+            )
+        return v
