@@ -17,7 +17,10 @@ class KVCache:
 
     `length` counts positions already stored. A forward pass writes new positions with
     `append` for every layer, then calls `advance` once; a pass that fails midway leaves
-    `length` unchanged, so the same positions are simply overwritten on retry.
+    `length` unchanged, so the same positions are simply overwritten on retry. Positions past
+    the ones written are never read, so the storage is not zeroed: a fresh cache costs no
+    more than the pages its positions touch (zeroing an olmoe cache's 67 MB took 2.4% of a
+    saturated coordinator's time with 16-token requests).
     """
 
     def __init__(
@@ -31,8 +34,8 @@ class KVCache:
         initial: int = 256,
     ) -> None:
         shape = (n_layers, min(max_len, max(initial, 1)), kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
+        self.k = torch.empty(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
+        self.v = torch.empty(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
         self.max_len = max_len
         self.length = 0
 
@@ -48,7 +51,7 @@ class KVCache:
         cap = min(self.max_len, max(end, 2 * self.capacity))
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], cap, *old.shape[2:]))  # [L, cap, kv, d]
+            new = old.new_empty((old.shape[0], cap, *old.shape[2:]))  # [L, cap, kv, d]
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
 
