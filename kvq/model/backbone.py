@@ -10,7 +10,7 @@ A shared expert (qwen2moe) is dense and always runs here, next to the routed Moe
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -28,9 +28,15 @@ from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
 
-# attention with at most this many new rows a sequence (decode, short prompts) runs on one thread
-# (`kvq.model.threads`): its parallel regions cost more in wake-ups than they save
-SMALL_ATTENTION_ROWS = 64
+# the small torch work of a pass (norms, rope, routing, each sequence's attention) runs on one
+# thread when it has at most this many rows (decode steps, short prompts): its parallel regions
+# cost more in wake-ups than they save (`kvq.model.threads`). The attention projections, the
+# output head and the experts run outside these blocks and keep every thread.
+SMALL_ROWS = 64
+
+
+def _small(rows: int) -> Callable[[], AbstractContextManager[None]]:
+    return one_thread if rows <= SMALL_ROWS else nullcontext
 
 __all__ = ["Backbone", "KVCache", "LayerCalls", "LayerWeights", "MoeCall", "MoeFn", "SeqStep"]
 
@@ -132,11 +138,15 @@ class Backbone:
         h = self.embed[tokens]  # [N, H]
         m = self.meta
         eps, k = m.rms_eps, m.expert_used_count
+        small = _small(len(tokens))
         for i, lw in enumerate(self.layers):
-            h = h + self._attention(i, lw, rms_norm(h, lw.attn_norm, eps), steps, lens, pos)
-            x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
-            ids, w = route(lw.router, x, k, m.expert_weights_norm, m.expert_weights_scale)  # [N, k]
-            y = yield i, x, ids, w  # [N, H]
+            with small():
+                xa = rms_norm(h, lw.attn_norm, eps)
+            h = h + self._attention(i, lw, xa, steps, lens, pos)
+            with small():
+                x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
+                ids, w = route(lw.router, x, k, m.expert_weights_norm, m.expert_weights_scale)
+            y = yield i, x, ids, w  # [N, H]; ids, w: [N, k]
             if tuple(y.shape) != tuple(x.shape):
                 raise ModelError(
                     f"moe fn returned shape {tuple(y.shape)} for layer {i}, "
@@ -147,7 +157,8 @@ class Backbone:
                 y = y + _shared_ffn(lw.shared, x)
             h = h + y
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
-        hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
+        with small():
+            hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
         return linear(hl, self.output).float()  # [B, V]
 
     @staticmethod
@@ -170,11 +181,12 @@ class Backbone:
         q = _linear(x, lw.wq, lw.bq).view(n, m.head_count, m.head_dim)  # [N, heads, d]
         kk = _linear(x, lw.wk, lw.bk).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
         vv = _linear(x, lw.wv, lw.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
-        if lw.q_norm is not None and lw.k_norm is not None:  # qwen3moe: per-head norm first
-            q, kk = rms_norm(q, lw.q_norm, m.rms_eps), rms_norm(kk, lw.k_norm, m.rms_eps)
-        q, kk = self.rope(q, pos), self.rope(kk, pos)
+        with _small(n)():
+            if lw.q_norm is not None and lw.k_norm is not None:  # qwen3moe: per-head norm
+                q, kk = rms_norm(q, lw.q_norm, m.rms_eps), rms_norm(kk, lw.k_norm, m.rms_eps)
+            q, kk = self.rope(q, pos), self.rope(kk, pos)
         outs, start = [], 0
-        with one_thread() if max(lens) <= SMALL_ATTENTION_ROWS else nullcontext():
+        with _small(max(lens))():
             for s, t in zip(steps, lens, strict=True):
                 keys, values = s.cache.append(layer, kk[start : start + t], vv[start : start + t])
                 qs = q[start : start + t]
