@@ -38,6 +38,7 @@ SMALL_ROWS = 64
 def _small(rows: int) -> Callable[[], AbstractContextManager[None]]:
     return one_thread if rows <= SMALL_ROWS else nullcontext
 
+
 __all__ = ["Backbone", "KVCache", "LayerCalls", "LayerWeights", "MoeCall", "MoeFn", "SeqStep"]
 
 # (layer, x [T, H] after ffn_norm, topk_ids [T, k] int64, topk_w [T, k] float32) -> [T, H]
