@@ -70,9 +70,10 @@ class ModelBench:
 
     def check(self) -> None:
         """ConfigError naming the first bad value."""
-        for name in ("threads", "tokens", "rounds", "batch"):
+        for name, flag in (("threads", "threads"), ("tokens", "tokens"), ("rounds", "rounds"),
+                           ("batch", "sequences")):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ConfigError(f"bench model --{name} {getattr(self, name)} must be >= 1")
+                raise ConfigError(f"bench model --{flag} {getattr(self, name)} must be >= 1")
         if not self.prompt:
             raise ConfigError("bench model --prompt must not be empty")
         if not Path(self.model).is_file():

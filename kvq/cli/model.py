@@ -201,7 +201,7 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
 
     cfg = ModelBench(
         args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
-        rounds=args.rounds, prompt=args.prompt or PROMPT, llama=not args.no_llama,
+        rounds=args.rounds, batch=args.sequences, prompt=args.prompt or PROMPT, llama=not args.no_llama,
         bank=asdict(BankOptions.from_settings(settings)), kernels=asdict(qdot.options()),
     )  # fmt: skip
     r = run_model_bench(cfg)
@@ -329,6 +329,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")
     bm.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
     bm.add_argument("--rounds", type=int, default=3, help="rounds per engine, alternating")
+    bm.add_argument("--sequences", type=int, default=8,
+                    help="sequences decoded together for aggregate_tok_s")  # fmt: skip
     bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
     bm.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
     bm.add_argument("--json", action="store_true")

@@ -127,6 +127,8 @@ def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     assert main(["bench", "model", "--model", str(tiny), "--tokens", "0"]) == 2
     assert "--tokens" in capsys.readouterr().err
+    assert main(["bench", "model", "--model", str(tiny), "--sequences", "0"]) == 2
+    assert "--sequences" in capsys.readouterr().err
     assert main(["bench", "model", "--model", str(tiny.with_suffix(".nope"))]) == 2
 
 
