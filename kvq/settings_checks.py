@@ -22,6 +22,10 @@ _REDIS_SCHEMES = (
     "rediss+sentinel",
 )  # fmt: skip
 RedisMode = Literal["auto", "standalone", "cluster", "sentinel"]
+_WHY_WITHIN_SLOTS = {
+    "saturation_threshold": ", or the coordinator can never be saturated",
+    "microbatches": ": a micro-batch holds at least one sequence",
+}
 
 
 def mode_of_url(url: str) -> str:
@@ -153,22 +157,12 @@ class SettingsChecks(BaseSettings):
             )
         return v
 
-    @field_validator("saturation_threshold", check_fields=False)
+    @field_validator("saturation_threshold", "microbatches", check_fields=False)
     @classmethod
-    def _reachable(cls, v: int, info: ValidationInfo) -> int:
+    def _within_slots(cls, v: int, info: ValidationInfo) -> int:
         n_slots = info.data.get("n_slots")
         if n_slots is not None and v > n_slots:
             raise ValueError(
-                f"must be <= KVQ_N_SLOTS ({n_slots}), or the coordinator can never be saturated"
-            )
-        return v
-
-    @field_validator("microbatches", check_fields=False)
-    @classmethod
-    def _fits_slots(cls, v: int, info: ValidationInfo) -> int:
-        n_slots = info.data.get("n_slots")
-        if n_slots is not None and v > n_slots:
-            raise ValueError(
-                f"must be <= KVQ_N_SLOTS ({n_slots}): a micro-batch holds at least one sequence"
+                f"must be <= KVQ_N_SLOTS ({n_slots}){_WHY_WITHIN_SLOTS.get(info.field_name or '', '')}"
             )
         return v
