@@ -135,6 +135,25 @@ class EmbeddedCluster:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         return bool(live) and all(self._state(n) == "ok" for n in live)
 
+    def master_port(self, slot: int) -> int | None:
+        """The port of the master serving `slot`, as the first live node that answers sees it
+        (None if none answers). Right after a master dies the others still list it, and still
+        say `cluster_state:ok`, until they mark it failed (`NODE_TIMEOUT_MS`): a failover is
+        over when this names another port and `healthy()` holds."""
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with contextlib.closing(self._client(node)) as c:
+                try:
+                    ranges = c.execute_command("CLUSTER", "SLOTS")
+                except redis.RedisError:
+                    continue
+            for first, last, master, *_replicas in ranges:
+                if int(first) <= slot <= int(last):
+                    return int(master[1])
+            return None
+        return None
+
     def _state(self, node: EmbeddedRedis) -> str:
         with contextlib.closing(self._client(node)) as c:
             try:
