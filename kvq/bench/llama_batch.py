@@ -17,18 +17,12 @@ from typing import Any
 import numpy as np
 
 
-def aggregate_tok_s(llm: Any, prompts: list[list[int]], tokens: int, threads: int) -> float:
-    """Tokens per second of `len(prompts)` sequences decoded together on `llm`'s model (a
-    loaded `llama_cpp.Llama`), in a context of their own."""
-    _out, rate = decode_together(llm, prompts, tokens, threads)
-    return rate
-
-
 def decode_together(
     llm: Any, prompts: list[list[int]], tokens: int, threads: int
 ) -> tuple[list[list[int]], float]:
-    """The `tokens` greedy tokens of each prompt, decoded together, and the rate: tokens
-    after each sequence's first over the time after the first step."""
+    """The `tokens` greedy tokens of each prompt, decoded together on `llm`'s model (a loaded
+    `llama_cpp.Llama`) in a context of their own, and the rate: tokens after each sequence's
+    first over the time after the first step."""
     import llama_cpp as lc
 
     n = len(prompts)

@@ -232,15 +232,14 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
              on_token=lambda _t: stamps.append(time.perf_counter()))  # fmt: skip
     bank, bank_note = _coordinator_bank(bb, cfg)
     many = ExpertTally(bank.forward if bank is not None else bb.local_moe, rows=cfg.batch)
-    moe = many
     engine = Engine(bb, tok, n_slots=cfg.batch)
     for i in range(cfg.batch):  # distinct prompts, so no two sequences are the same work
         engine.admit(f"bench-{i}", tok.encode(f"{cfg.prompt} {i}", add_bos=True), cfg.tokens, b"")
     seqs = list(engine.active)
-    engine.step(moe, lambda _s: None)  # prefill of all, first token of each
+    engine.step(many, lambda _s: None)  # prefill of all, first token of each
     t1 = time.perf_counter()
     while engine.busy:
-        engine.step(moe, lambda _s: None)
+        engine.step(many, lambda _s: None)
         if bank is not None:
             bank.step()  # as the coordinator does after every engine step
     agg_s = time.perf_counter() - t1
@@ -291,7 +290,7 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
     """One llama.cpp round: load, batch-1 greedy decode; {"error": ...} if it cannot load."""
     from llama_cpp import Llama
 
-    from .llama_batch import aggregate_tok_s
+    from .llama_batch import decode_together
 
     n_ctx = len(cfg.prompt.encode()) + cfg.tokens + 16  # BPE never has more tokens than bytes
     t0 = time.perf_counter()
@@ -310,7 +309,7 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
             break
     prompts = [llm.tokenize(f"{cfg.prompt} {i}".encode(), add_bos=True) for i in range(cfg.batch)]
     try:
-        agg: float | None = aggregate_tok_s(llm, prompts, cfg.tokens, cfg.threads)
+        agg: float | None = decode_together(llm, prompts, cfg.tokens, cfg.threads)[1]
         agg_note = ""
     except RuntimeError as exc:
         agg, agg_note = None, str(exc)

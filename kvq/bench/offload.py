@@ -151,7 +151,7 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
         "baseline": {"tok_s": round(base, 3), "expert_share": round(e, 3), "before": before,
                      "after": after},
-        "split_bound": round(1 / (1 - e / 2), 3) if e < 2 else None, "runs": runs,
+        "split_bound": round(1 / (1 - e / 2), 3), "runs": runs,  # e is a share: <= 1
     }  # fmt: skip
 
 
@@ -241,21 +241,20 @@ def _phase(
     if errors:
         raise KvqError(f"requests failed during the bench: {errors[0]}")
     tokens = sum(start <= t < end for t in stamps)
-    local = (st1.local_jobs - st0.local_jobs) if st0 and st1 else 0
-    remote = (st1.remote_jobs - st0.remote_jobs) if st0 and st1 else 0
-    fallback = (st1.fallback_jobs - st0.fallback_jobs) if st0 and st1 else 0
-    mb_steps = (st1.microbatched_steps - st0.microbatched_steps) if st0 and st1 else 0
-    verified = (st1.verified - st0.verified) if st0 and st1 else 0
-    trials = (st1.trials_sent - st0.trials_sent) if st0 and st1 else 0
-    expert_s = (st1.local_expert_s - st0.local_expert_s) if st0 and st1 else 0.0
-    wait_s = (st1.remote_wait_s - st0.remote_wait_s) if st0 and st1 else 0.0
-    jobs = local + remote + fallback
+
+    def delta(field: str) -> Any:  # a counter's growth over the window (0 without stats)
+        return getattr(st1, field) - getattr(st0, field) if st0 and st1 else 0
+
+    local, remote, fallback = delta("local_jobs"), delta("remote_jobs"), delta("fallback_jobs")
+    jobs, window = local + remote + fallback, end - start
     return {
-        "tok_s": round(tokens / (end - start), 3), "tokens": tokens, "local_jobs": local,
+        "tok_s": round(tokens / window, 3), "tokens": tokens, "local_jobs": local,
         "remote_jobs": remote, "fallback_jobs": fallback,
-        "remote_share": round(remote / jobs, 3) if jobs else 0.0, "microbatched_steps": mb_steps,
-        "verified": verified, "trials_sent": trials, "expert_share": round(expert_s / (end - start), 3),
-        "wait_share": round(wait_s / (end - start), 3),
+        "remote_share": round(remote / jobs, 3) if jobs else 0.0,
+        "microbatched_steps": delta("microbatched_steps"), "verified": delta("verified"),
+        "trials_sent": delta("trials_sent"),
+        "expert_share": round(delta("local_expert_s") / window, 3),
+        "wait_share": round(delta("remote_wait_s") / window, 3),
     }  # fmt: skip
 
 
