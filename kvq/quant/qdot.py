@@ -42,7 +42,9 @@ from gguf import GGMLQuantizationType
 Q = GGMLQuantizationType
 log = logging.getLogger("kvq.quant")
 
-SOURCES = ("qdot.c", "qdot_simd.h", "qdot_moe.h", "qdot_multi.h", "qdot_simd_multi.h")
+SOURCES = (
+    "qdot.c", "qdot_simd.h", "qdot_moe.h", "qdot_multi.h", "qdot_simd_multi.h", "qdot_q4k_z.h",
+)
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)

@@ -73,11 +73,14 @@ def test_qdot_matches_float64_reference(
 @pytest.mark.parametrize("qtype", qdot.TYPES, ids=lambda t: t.name)
 def test_scalar_and_simd_paths_give_the_same_bits(built: qdot.Built, qtype: Q) -> None:
     """Integer dot products are exact and the float part is shared: a worker on an AVX2-only
-    CPU and a coordinator with VNNI agree bit for bit."""
-    raw, x, _ = _case(qtype, 67, 1024, 3, seed=4)
-    scalar = qdot.matmul(built, x, raw, qtype, 1, 0)
-    for isa in ISAS[1:]:
-        assert np.array_equal(qdot.matmul(built, x, raw, qtype, 1, isa), scalar), isa
+    CPU and a coordinator with VNNI agree bit for bit. Rows of x 1 to 9: the one-row dots,
+    the few-row and the 8-lane multi-row forms (and a second group of 8)."""
+    for batch in (1, 2, 3, 4, 5, 8, 9):
+        raw, x, _ = _case(qtype, 67, 1024, batch, seed=4 + batch)
+        scalar = qdot.matmul(built, x, raw, qtype, 1, 0)
+        for isa in ISAS[1:]:
+            got = qdot.matmul(built, x, raw, qtype, 1, isa)
+            assert np.array_equal(got, scalar), (batch, isa)
 
 
 @pytest.mark.parametrize("qtype", qdot.TYPES, ids=lambda t: t.name)
@@ -280,6 +283,8 @@ def _moe(built: qdot.Built, raws, types, x, w, threads: int = 2, isa: int = -1) 
 
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
              (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K)]  # fmt: skip
+# and gate and up taking x in two orders (the 512-bit Q4_K pairs its chunks)
+BITS_TYPES = [*MOE_TYPES, (Q.Q4_K, Q.Q6_K, Q.Q4_K)]
 MOE_TOL = 3e-2  # max relative error of a layer's sum (measured 0.7-2.5%: two quantizations)
 
 
@@ -295,7 +300,7 @@ def test_moe_call_matches_float64_reference(
         assert err < MOE_TOL, f"isa {isa}: max relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("types", MOE_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
+@pytest.mark.parametrize("types", BITS_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
 def test_moe_call_gives_the_same_bits_on_every_path_and_thread_count(
     built: qdot.Built, types: tuple[Q, Q, Q]
 ) -> None:

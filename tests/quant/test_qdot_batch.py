@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
 
 ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
+# (Q4_K, Q6_K, Q4_K): gate and up take x in two orders (the 512-bit Q4_K pairs its chunks)
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
-             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K)]  # fmt: skip
+             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K)]  # fmt: skip
 MOE_TOL = 3e-2  # as the one-token call's (tests/quant/test_qdot.py)
 TYPE_IDS = ["-".join(t.name for t in ts) for ts in MOE_TYPES]
 

@@ -265,8 +265,9 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
 #undef DPW
 #undef F16
 
-/* 512-bit Q6_K (AVX512BW + VNNI): two 32-value groups per instruction, 1.2-1.5x the 256-bit path
- * (a 512-bit Q4_K, whose activations must be gathered from two places, was 1.4x slower) */
+/* 512-bit Q6_K (AVX512BW + VNNI): two 32-value groups per instruction, 1.2-1.5x the 256-bit path.
+ * 512-bit Q4_K (qdot_q4k_z.h): its activations are stored in the order its loads pair them
+ * (gathering them from two places per load made it 1.4x slower than the 256-bit path). */
 #define TGTZ __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define F16Z(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
 #define LDY(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
@@ -352,6 +353,8 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
     }
     store_rows_vnni(acc, nx, out);
 }
+
+#include "qdot_q4k_z.h"
 #undef TGTZ
 #undef F16Z
 #undef LDY
@@ -382,12 +385,34 @@ int kvq_qdot_openmp(void) {
 }
 
 typedef float (*dot_k_fn)(const uint8_t *, const xk_t *, int64_t);
+
+/* whether pick_k's kernel for `qtype` on `isa` (already clamped) takes its activations in the
+ * paired order (quantize_k_paired) */
+static int k_paired(int qtype, int isa) {
+#ifdef QDOT_X86
+    return qtype == T_Q4_K && isa == ISA_AVX512;
+#else
+    (void)qtype, (void)isa;
+    return 0;
+#endif
+}
+
+/* the activations of one row of x in the order pick_k's kernel takes them */
+static void quantize_for(int qtype, int isa, const float *x, int64_t k, xk_t *out) {
+#ifdef QDOT_X86
+    if (k_paired(qtype, isa)) {
+        quantize_k_paired(x, k, out);
+        return;
+    }
+#endif
+    quantize_k(x, k, out);
+}
 typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
 static dot_k_fn pick_k(int qtype, int isa) {
 #ifdef QDOT_X86
     if (isa == ISA_AVX512) {
-        if (qtype == T_Q4_K) return dot_q4_k_vnni;
+        if (qtype == T_Q4_K) return dot_q4_k_z;
         if (qtype == T_Q6_K) return dot_q6_k_z;
         if (qtype == T_Q5_K) return dot_q5_k_vnni;
     }
@@ -420,7 +445,7 @@ static dot_0_fn pick_0(int qtype, int isa) {
 static mdot_k_fn pick_mk(int qtype, int isa) {
 #ifdef QDOT_X86
     if (isa == ISA_AVX512) {
-        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
+        if (qtype == T_Q4_K) return mdot_q4_k_z;
         if (qtype == T_Q6_K) return mdot_q6_k_z;
         if (qtype == T_Q5_K) return mdot_q5_k_vnni;
     }
@@ -466,7 +491,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     if (!xq) return -3;
     for (int64_t r = 0; r < n_x; r++) {
         if (kq)
-            quantize_k(x + r * k, k, (xk_t *)xq + r * nb);
+            quantize_for(qtype, isa, x + r * k, k, (xk_t *)xq + r * nb);
         else
             quantize_0(x + r * k, k, (x0_t *)xq + r * nb);
     }

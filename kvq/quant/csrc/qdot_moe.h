@@ -15,6 +15,7 @@
 
 typedef struct { /* one weight type's dot product and the activations' block */
     int kq;
+    int qtype, isa; /* which kernel, on which instruction set (clamped) */
     int64_t block;
     dot_k_fn fk;
     dot_0_fn f0;
@@ -24,6 +25,8 @@ typedef struct { /* one weight type's dot product and the activations' block */
 
 static int kern_init(kern_t *kn, int qtype, int isa) {
     kn->kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
+    kn->qtype = qtype;
+    kn->isa = isa;
     if (!kn->kq && qtype != T_Q8_0 && qtype != T_Q4_0) return -1;
     kn->block = kn->kq ? QK : Q0;
     kn->fk = kn->kq ? pick_k(qtype, isa) : 0;
@@ -39,9 +42,14 @@ static size_t kern_xbytes(const kern_t *kn, int64_t k) {
 
 static void kern_quantize(const kern_t *kn, const float *x, int64_t k, void *xq) {
     if (kn->kq)
-        quantize_k(x, k, (xk_t *)xq);
+        quantize_for(kn->qtype, kn->isa, x, k, (xk_t *)xq);
     else
         quantize_0(x, k, (x0_t *)xq);
+}
+
+/* whether a and b read one quantization of x */
+static int kern_share_x(const kern_t *a, const kern_t *b) {
+    return a->kq == b->kq && k_paired(a->qtype, a->isa) == k_paired(b->qtype, b->isa);
 }
 
 static inline float kern_dot(const kern_t *kn, const uint8_t *row, const void *xq, int64_t k) {
@@ -90,8 +98,8 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
         memset(out, 0, sizeof(float) * (size_t)h);
         return 0;
     }
-    /* gate and up share x's quantization when their blocks are of one kind */
-    const size_t xg_n = kern_xbytes(&kg, h), xu_n = ku.kq == kg.kq ? 0 : kern_xbytes(&ku, h);
+    /* gate and up share x's quantization when their blocks and orders are of one kind */
+    const size_t xg_n = kern_xbytes(&kg, h), xu_n = kern_share_x(&kg, &ku) ? 0 : kern_xbytes(&ku, h);
     const size_t hq_n = kern_xbytes(&kd, f);
     const size_t hb_n = sizeof(float) * (size_t)(n * f), y_n = sizeof(float) * (size_t)(n * h);
     char *mem = malloc(xg_n + xu_n + hq_n * (size_t)n + hb_n + y_n + 64);
@@ -183,7 +191,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
         memset(out, 0, sizeof(float) * (size_t)(t * h));
         return 0;
     }
-    const size_t xg_n = kern_xbytes(&kg, h), xu_n = ku.kq == kg.kq ? 0 : kern_xbytes(&ku, h);
+    const size_t xg_n = kern_xbytes(&kg, h), xu_n = kern_share_x(&kg, &ku) ? 0 : kern_xbytes(&ku, h);
     const size_t hq_n = kern_xbytes(&kd, f);
     const size_t ix_n = sizeof(int64_t) * (size_t)(t + 1 + m);
     const size_t fl_n = sizeof(float) * (size_t)(m * f + m * h);
