@@ -42,10 +42,8 @@ from gguf import GGMLQuantizationType
 Q = GGMLQuantizationType
 log = logging.getLogger("kvq.quant")
 
-SOURCES = (
-    "qdot.c", "qdot_simd.h", "qdot_moe.h", "qdot_multi.h", "qdot_simd_multi.h", "qdot_q4k_z.h",
-)
 CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
