@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +43,12 @@ class QStack(_Encoded):
     raw: torch.Tensor  # uint8 [n, bytes_per_expert]
     qtype: int
     shape: tuple[int, int, int]  # [n, rows, cols]: the dequantized shape
+    # encoded(e) of the stack's own bytes, made at first use: a MoE layer at 8 sequences looks
+    # up about 30 experts' 3 matrices, and each view and QMatrix cost a few microseconds
+    _encoded: list[QMatrix | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_encoded", [None] * self.shape[0])
         n, rows, cols = self.shape
         want = (n, rows * row_bytes(self.qtype, cols))
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != want:
@@ -79,8 +83,13 @@ class QStack(_Encoded):
     def encoded(self, e: int, raw: torch.Tensor | None = None) -> QMatrix:
         """Expert `e`'s matrix kept encoded: its bytes here, or `raw`, a copy of them (a hot
         slot)."""
-        b = self.raw[e] if raw is None else raw
-        return QMatrix(b.view(self.shape[1], -1), self.qtype, self.shape[1:])
+        if raw is not None:
+            return QMatrix(raw.view(self.shape[1], -1), self.qtype, self.shape[1:])
+        m = self._encoded[e]
+        if m is None:  # two threads may both make it: the same view, either one kept
+            m = QMatrix(self.raw[e].view(self.shape[1], -1), self.qtype, self.shape[1:])
+            self._encoded[e] = m
+        return m
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert dequantized: [n, rows, cols] (tests and references only)."""
