@@ -5,7 +5,9 @@ Each timing multiplies by `matrices` distinct random matrices in turn (so the we
 from RAM, not cache, as in a model) and reports the median ms per call over `repeat` passes; both
 paths run in the same process, alternating, so the ratio is what to read on a noisy machine.
 `int8_ms` (null where the C kernel cannot be built) is the C kernel on the same matrices and
-rows, whatever KVQ_ACTIVATIONS says; `int8_speedup` = fused_ms / int8_ms.
+rows, whatever KVQ_ACTIVATIONS says; `int8_speedup` = fused_ms / int8_ms. `int8_isa_ms` times
+the C kernel once per SIMD path this CPU has (`avx2`, `avx2+vnni`, `avx512`; every path gives
+the same bits), so a new path is measured against the one it replaces in the same run.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
             def fused(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
                 kernels.matmul_float32(x, m, qt)
 
-            def int8(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
+            def int8(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype, isa: int = -1) -> None:
                 assert built is not None
-                qdot.matmul(built, x.numpy(), m.numpy(), qt, threads)
+                qdot.matmul(built, x.numpy(), m.numpy(), qt, threads, isa)
 
             def dense(m: torch.Tensor, x: torch.Tensor = x, qt: int = qtype) -> None:
                 _ = x @ dequantize(m, qt, shape, torch.float32).T
@@ -71,12 +73,23 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
             fused(mats[0])  # compile / load the kernel
             f_ms = _per_call(fused, mats, cfg.repeat)
             d_ms = _per_call(dense, mats[: max(4, cfg.matrices // 4)], cfg.repeat)
-            i_ms = None
+            i_ms, by_isa = None, {}
             if built is not None and qtype in qdot.TYPES:
                 int8(mats[0])
                 i_ms = _per_call(int8, mats, cfg.repeat)
+                for isa in _simd_isas(built):
+                    by_isa[qdot.ISA_NAMES[isa]] = _per_call(
+                        lambda m, isa=isa: int8(m, isa=isa), mats, cfg.repeat
+                    )
             out.append({"type": qtype.name, "rows": b, "fused_ms": f_ms, "dequant_matmul_ms": d_ms,
                         "speedup": d_ms / f_ms, "int8_ms": i_ms,
-                        "int8_speedup": f_ms / i_ms if i_ms else None})  # fmt: skip
+                        "int8_speedup": f_ms / i_ms if i_ms else None,
+                        "int8_isa_ms": by_isa})  # fmt: skip
     return {"shape": [cfg.rows, cfg.cols], "threads": threads, "results": out,
             "int8_isa": built.best_isa if built is not None else None}  # fmt: skip
+
+
+def _simd_isas(built: qdot.Built) -> list[int]:
+    """The C kernel's SIMD paths this CPU runs (1 = AVX2 .. 3 = AVX-512), lowest first."""
+    best = next(i for i, name in qdot.ISA_NAMES.items() if name == built.best_isa)
+    return list(range(1, best + 1))

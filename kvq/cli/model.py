@@ -186,6 +186,7 @@ def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
     for row in r["results"]:
         i8 = (f"  int8 {row['int8_ms']:7.3f}  x{row['int8_speedup']:.2f} vs fused"
               if row["int8_ms"] is not None else "")  # fmt: skip
+        i8 += "".join(f"  {isa} {ms:.3f}" for isa, ms in row["int8_isa_ms"].items())
         print(f"  {row['type']:<5} rows {row['rows']:>3}  fused {row['fused_ms']:7.3f}  "
               f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}{i8}")  # fmt: skip
     return EXIT_OK

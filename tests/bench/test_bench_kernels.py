@@ -17,6 +17,11 @@ def test_every_kernel_type_is_timed_against_the_dense_path() -> None:
     for row in r["results"]:
         assert row["fused_ms"] > 0 and row["dequant_matmul_ms"] > 0
         assert abs(row["speedup"] - row["dequant_matmul_ms"] / row["fused_ms"]) < 1e-9
+    if r["int8_isa"] not in (None, "scalar"):  # each SIMD path up to the best, timed
+        q4k = next(row for row in r["results"] if row["type"] == "Q4_K")
+        names = list(q4k["int8_isa_ms"])
+        assert names[0] == "avx2" and names[-1] == r["int8_isa"]
+        assert all(ms > 0 for ms in q4k["int8_isa_ms"].values())
 
 
 def test_cli_json() -> None:

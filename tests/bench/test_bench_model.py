@@ -74,11 +74,16 @@ def test_missing_llama_cpp_gives_a_note_and_no_llama_round(
         spawned.append(engine)
         return _fake_round(engine, 10.0)
 
+    def read_through(path: str) -> float:
+        spawned.append("read")
+        return 0.5
+
     monkeypatch.setattr(bench_model, "_spawn", spawn)
+    monkeypatch.setattr(bench_model, "read_through", read_through)
     monkeypatch.setattr(bench_model, "llama_available", lambda: False)
     r = bench_model.run_model_bench(bench_model.ModelBench(str(tiny), rounds=2))
-    assert spawned == ["kvq", "kvq"]
-    assert r["page_cache_warm_s"] >= 0.0
+    assert spawned == ["read", "kvq", "read", "kvq"]  # each kvq round finds the file cached
+    assert r["page_cache_warm_s"] == 0.5 and r["page_cache_rewarm_s"] == [0.5]
     assert "llama" not in r and "pip install" in r["llama_note"]
 
 
