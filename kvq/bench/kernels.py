@@ -31,6 +31,7 @@ class KernelsBench:
     batches: tuple[int, ...] = (1, 8)
     matrices: int = 32
     repeat: int = 3
+    threads: int = 0  # 0: torch's count as it is
 
 
 def _per_call(fn: Any, mats: list[torch.Tensor], repeat: int) -> float:
@@ -49,6 +50,8 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     opts = qdot.options()
     built = qdot.load(opts.cc, Path(opts.cache_dir) if opts.cache_dir else None)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     threads = torch.get_num_threads()
     out: list[dict[str, Any]] = []
     shape = (cfg.rows, cfg.cols)

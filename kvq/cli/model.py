@@ -177,7 +177,9 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.kernels import KernelsBench, run_kernels_bench
 
-    r = run_kernels_bench(KernelsBench(rows=args.rows, cols=args.cols, batches=tuple(args.batches)))
+    r = run_kernels_bench(KernelsBench(
+        rows=args.rows, cols=args.cols, batches=tuple(args.batches), threads=args.threads or 0,
+    ))  # fmt: skip
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
@@ -322,6 +324,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bk.add_argument("--rows", type=int, default=2048)
     bk.add_argument("--cols", type=int, default=1024, help="a multiple of 256")
     bk.add_argument("--batches", type=_int_list("--batches"), default=[1, 8])
+    bk.add_argument("--threads", type=int, help="CPU threads (default: torch's count)")
     bk.add_argument("--json", action="store_true")
     bk.set_defaults(fn=cmd_bench_kernels)
 
