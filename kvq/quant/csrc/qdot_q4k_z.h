@@ -46,36 +46,40 @@ static TGTZ inline __m256i q4k_row_z(const __m512i q[4], const __m512i s16[4], c
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
 
+/* a block's mins, values and scales: what every row of it shares */
+static TGTZ inline void q4k_block_z(const uint8_t *w, uint8_t mn[8], __m512i q[4], __m512i s16[4]) {
+    uint8_t sc[8];
+    k_scales_vnni(w + 4, sc, mn);
+    q4k_values_z(w, q);
+    q4k_scales_z(sc, s16);
+}
+
 static TGTZ float dot_q4_k_z(const uint8_t *w, const xk_t *x, int64_t nb) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 144, x++) {
         PREFETCH(w);
-        uint8_t sc[8], mn[8];
-        k_scales_vnni(w + 4, sc, mn);
+        uint8_t mn[8];
         __m512i q[4], s16[4];
-        q4k_values_z(w, q);
-        q4k_scales_z(sc, s16);
+        q4k_block_z(w, mn, q, s16);
         acc = combine_k(acc, x->d, F16Z(w), F16Z(w + 2), hsum_vnni(q4k_row_z(q, s16, x->q)),
                         k_mins_vnni(mn, x->bsums));
     }
     return acc;
 }
 
-/* dot_q4_k_z on nx <= MX rows. Up to Q4K_FEW rows, each row's sums are reduced and combined on their own, as dot_q4_k_z
- * does; from there on the 8-lane reduction and combination of qdot_simd_multi.h costs less per
- * row (one thread on a 1024x2048 matrix: 2 rows 0.080 against 0.100 ms, 3 rows 0.104 against
- * 0.110, 4 rows 0.131 against 0.121). */
+/* dot_q4_k_z on nx <= MX rows. Up to Q4K_FEW rows, each row's sums are reduced and combined
+ * on their own, as dot_q4_k_z does; from there on the 8-lane reduction and combination of
+ * qdot_simd_multi.h costs less per row (one thread, a 1024x2048 matrix in cache: 2 rows 0.080
+ * against 0.100 ms, 3 rows 0.104 against 0.110, 4 rows 0.131 against 0.121). */
 #define Q4K_FEW 3
 
 static TGTZ void mdot_q4_k_z_few(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
     float acc[MX] = {0};
     for (int64_t b = 0; b < nb; b++, w += 144) {
         PREFETCH(w);
-        uint8_t sc[8], mn[8];
-        k_scales_vnni(w + 4, sc, mn);
+        uint8_t mn[8];
         __m512i q[4], s16[4];
-        q4k_values_z(w, q);
-        q4k_scales_z(sc, s16);
+        q4k_block_z(w, mn, q, s16);
         const float d = F16Z(w), dmin = F16Z(w + 2);
         for (int j = 0; j < nx; j++) {
             const xk_t *x = (const xk_t *)xs[j] + b;
@@ -100,11 +104,9 @@ static TGTZ void mdot_q4_k_z(const uint8_t *w, const void *const *xs, int nx, in
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
         PREFETCH(w);
-        uint8_t sc[8], mn[8];
-        k_scales_vnni(w + 4, sc, mn);
+        uint8_t mn[8];
         __m512i q[4], s16[4];
-        q4k_values_z(w, q);
-        q4k_scales_z(sc, s16);
+        q4k_block_z(w, mn, q, s16);
         const __m256i mp = mins_pairs_vnni(mn);
         for (int j = 0; j < nx; j++) is[j] = q4k_row_z(q, s16, x0[j][b].q);
         __m256i isum, imin;
