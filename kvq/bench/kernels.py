@@ -94,5 +94,4 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
 
 def _simd_isas(built: qdot.Built) -> list[int]:
     """The C kernel's SIMD paths this CPU runs (1 = AVX2 .. 3 = AVX-512), lowest first."""
-    best = next(i for i, name in qdot.ISA_NAMES.items() if name == built.best_isa)
-    return list(range(1, best + 1))
+    return list(range(1, int(built.lib.kvq_qdot_best_isa()) + 1))
