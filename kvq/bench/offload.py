@@ -7,11 +7,13 @@ are cut into two slices (every layer, half the experts each); the worker volunte
 A closed loop of `sequences` clients keeps the coordinator saturated; after `warmup_s` the
 tokens streamed back during `measure_s` give the aggregate tok/s.
 
-- baseline: no worker (all-local on one CPU), measured before and after the offload runs (the
-  machine drifts; their mean is the baseline);
-- one run per `--rtt-ms` value: a fresh worker that reaches Redis through a `DelayProxy` adding
-  that round trip (0: directly). `speedup` = its tok/s / baseline tok/s; `remote_share` = the
+- one run per `--rtt-ms` value (each `--repeat` times): a fresh worker that reaches Redis
+  through a `DelayProxy` adding that round trip (0: directly); `remote_share` = the
   coordinator's remote jobs / all expert jobs in the window;
+- baseline: no worker (all-local on one CPU), measured before the first run and again after
+  each run (the worker gone). The machine drifts (two baselines minutes apart differ by up to
+  20% on a shared VM), so a run's `speedup` is its tok/s over the mean of the two baselines
+  beside it, and `summary` gives each (RTT, micro-batches) pair's median over its repeats;
 - with several `--microbatches` values, each RTT gets one run per value, side by side, each
   with a coordinator started with that `KVQ_MICROBATCHES` (micro-batches change nothing
   without a worker, so the baseline is shared).
@@ -28,6 +30,7 @@ Default settings otherwise (the capacity split, `KVQ_DISPATCH_POLICY=capacity`).
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -66,6 +69,7 @@ class OffloadBench:
     measure_s: float = 30.0
     log_dir: str | None = None
     cluster: int = 0  # > 0: on a local Redis Cluster of that many masters
+    repeat: int = 1  # rounds over every (RTT, micro-batches) pair
 
     def check(self) -> None:
         if self.cluster and any(r > 0 for r in self.rtts_ms):
@@ -77,9 +81,13 @@ class OffloadBench:
             raise ConfigError(
                 "kvq bench offload needs 2 CPUs (coordinator and worker pinned apart)"
             )
-        if self.sequences < 2 or self.max_tokens < 1 or self.measure_s <= 0 or self.warmup_s < 0:
+        if (
+            self.sequences < 2 or self.max_tokens < 1 or self.measure_s <= 0
+            or self.warmup_s < 0 or self.repeat < 1
+        ):  # fmt: skip
             raise ConfigError(
-                "--sequences >= 2, --max-tokens >= 1, --measure-s > 0, --warmup-s >= 0"
+                "--sequences >= 2, --max-tokens >= 1, --measure-s > 0, --warmup-s >= 0, "
+                "--repeat >= 1"
             )
         if not self.microbatches or any(
             not 1 <= m <= min(8, self.sequences) for m in self.microbatches
@@ -130,29 +138,48 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
             kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
             kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
             coord = _coordinator(kids, board, model, cfg.microbatches[0], coord_cpu)
-            before = _phase(board, s, cfg, kids, coord)
+            baselines = [_phase(board, s, cfg, kids, coord)]
             runs = []
-            for i, rtt in enumerate(cfg.rtts_ms):
-                for j, mb in enumerate(cfg.microbatches):  # side by side: the machine drifts
-                    if not coord.endswith(f"-mb{mb}"):
-                        coord = _coordinator(kids, board, model, mb, coord_cpu)
-                    run = _with_worker(board, s, cfg, kids, coord, f"{i}-{j}", rtt, worker_cpu)
-                    runs.append({"rtt_ms": rtt, "microbatches": mb} | run)
-            after = _phase(board, s, cfg, kids, coord)
+            for k in range(cfg.repeat):
+                for i, rtt in enumerate(cfg.rtts_ms):
+                    for j, mb in enumerate(cfg.microbatches):  # side by side: the machine drifts
+                        if not coord.endswith(f"-mb{mb}"):
+                            coord = _coordinator(kids, board, model, mb, coord_cpu)
+                        name = f"{i}-{j}" + (f"-{k}" if cfg.repeat > 1 else "")
+                        run = _with_worker(board, s, cfg, kids, coord, name, rtt, worker_cpu)
+                        baselines.append(_phase(board, s, cfg, kids, coord))
+                        beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
+                        speedup = round(run["tok_s"] / beside, 3) if beside else None
+                        runs.append({"rtt_ms": rtt, "microbatches": mb, "repeat": k} | run
+                                    | {"baseline_tok_s": round(beside, 3), "speedup": speedup})  # fmt: skip
         finally:
             kids.stop_all()
-    base = (before["tok_s"] + after["tok_s"]) / 2
-    e = (before["expert_share"] + after["expert_share"]) / 2
-    for run in runs:
-        run["speedup"] = round(run["tok_s"] / base, 3) if base else None
+    base = statistics.mean(b["tok_s"] for b in baselines)
+    e = statistics.mean(b["expert_share"] for b in baselines)
     return {
         "model": cfg.model or f"generated {DEFAULT_MODEL}", "file_mb": round(file_mb, 1),
         "sequences": cfg.sequences, "microbatches": list(cfg.microbatches), "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
         "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
-        "baseline": {"tok_s": round(base, 3), "expert_share": round(e, 3), "before": before,
-                     "after": after},
+        "baseline": {"tok_s": round(base, 3), "expert_share": round(e, 3),
+                     "before": baselines[0], "after": baselines[-1], "phases": baselines},
         "split_bound": round(1 / (1 - e / 2), 3), "runs": runs,  # e is a share: <= 1
+        "summary": _summary(runs), "repeat": cfg.repeat,
     }  # fmt: skip
+
+
+def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (RTT, micro-batches) pair, in run order: the median speed-up and remote share over
+    its repeats, and each repeat's speed-up."""
+    pairs: dict[tuple[float, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        pairs.setdefault((run["rtt_ms"], run["microbatches"]), []).append(run)
+    return [
+        {"rtt_ms": rtt, "microbatches": mb,
+         "speedup_median": round(statistics.median(r["speedup"] or 0.0 for r in rs), 3),
+         "speedups": [r["speedup"] for r in rs],
+         "remote_share_median": round(statistics.median(r["remote_share"] for r in rs), 3)}
+        for (rtt, mb), rs in pairs.items()
+    ]  # fmt: skip
 
 
 def _coordinator(kids: Children, board: RedisBoard, model: str, mb: int, cpu: int) -> str:

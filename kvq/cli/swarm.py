@@ -89,7 +89,7 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
         model=args.model, rtts_ms=args.rtt_ms, microbatches=args.microbatches,
         sequences=args.sequences,
         max_tokens=args.max_tokens, warmup_s=args.warmup_s, measure_s=args.measure_s,
-        log_dir=args.log_dir, cluster=args.cluster,
+        log_dir=args.log_dir, cluster=args.cluster, repeat=args.repeat,
     )  # fmt: skip
     r = run_offload_bench(cfg)
     if args.json:
@@ -100,9 +100,14 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
           f"of two slices can give at most {r['split_bound']}x)")  # fmt: skip
     for run in r["runs"]:
         print(f"  rtt {run['rtt_ms']:>5} ms, {run['microbatches']} micro-batch(es): "
-              f"{run['tok_s']} tok/s, speedup {run['speedup']}, "
-              f"remote share {run['remote_share']}, experts {run['expert_share']:.0%} and "
-              f"waiting {run['wait_share']:.0%} of the coordinator's time")  # fmt: skip
+              f"{run['tok_s']} tok/s against {run['baseline_tok_s']} all-local beside it, "
+              f"speedup {run['speedup']}, remote share {run['remote_share']}, experts "
+              f"{run['expert_share']:.0%} and waiting {run['wait_share']:.0%} of the "
+              f"coordinator's time")  # fmt: skip
+    if r["repeat"] > 1:
+        for row in r["summary"]:
+            print(f"  rtt {row['rtt_ms']:>5} ms, {row['microbatches']} micro-batch(es): median "
+                  f"speedup {row['speedup_median']} of {row['speedups']}")  # fmt: skip
     return EXIT_OK
 
 
@@ -166,6 +171,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
     o.add_argument("--warmup-s", type=float, default=10.0, help="load before measuring")
     o.add_argument("--measure-s", type=float, default=30.0, help="measured window per run")
+    o.add_argument("--repeat", type=_positive, default=1,
+                   help="rounds over the RTTs (and micro-batches), for medians")  # fmt: skip
     o.add_argument("--log-dir", help="keep the processes' logs here")
     o.add_argument("--json", action="store_true")
     o.set_defaults(fn=cmd_bench_offload)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvq.bench.offload import OffloadBench, run_offload_bench
+from kvq.bench.offload import OffloadBench, _summary, run_offload_bench
 from kvq.errors import ConfigError
 from kvq.model import make_tiny
 
@@ -38,6 +38,16 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
         assert run["local_jobs"] + run["remote_jobs"] > 0
         if run["microbatches"] == 1:
             assert run["microbatched_steps"] == 0
+    # a baseline after every run; each run is measured against the two beside it
+    phases = r["baseline"]["phases"]
+    assert len(phases) == len(r["runs"]) + 1 and all(b["tokens"] > 0 for b in phases)
+    for i, run in enumerate(r["runs"]):
+        beside = (phases[i]["tok_s"] + phases[i + 1]["tok_s"]) / 2
+        assert run["baseline_tok_s"] == pytest.approx(beside, abs=1e-3)
+        assert run["speedup"] == pytest.approx(run["tok_s"] / beside, abs=2e-3)
+    assert [(row["rtt_ms"], row["microbatches"], row["speedups"]) for row in r["summary"]] == [
+        (run["rtt_ms"], run["microbatches"], [run["speedup"]]) for run in r["runs"]
+    ]
     assert 0.0 < r["baseline"]["expert_share"] < 1.0, "all-local: the experts take part of it"
     assert r["split_bound"] == pytest.approx(1 / (1 - r["baseline"]["expert_share"] / 2), abs=2e-3)
     assert r["cpus"]["coordinator"] != r["cpus"]["worker"]
@@ -54,8 +64,23 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
         {"microbatches": (0,)},
         {"microbatches": (9,)},
         {"microbatches": ()},
+        {"repeat": 0},
     ],
 )
 def test_bad_options_are_refused_first(bad: dict) -> None:
     with pytest.raises(ConfigError):
         OffloadBench(**bad).check()
+
+
+def test_summary_takes_the_median_over_repeats() -> None:
+    runs = [
+        {"rtt_ms": rtt, "microbatches": 1, "speedup": sp, "remote_share": rs}
+        for rtt, sp, rs in [(0.0, 1.2, 0.4), (5.0, 0.9, 0.1), (0.0, 1.0, 0.5), (5.0, 1.1, 0.0),
+                            (0.0, 1.3, 0.3), (5.0, 1.0, 0.2)]
+    ]  # fmt: skip
+    assert _summary(runs) == [
+        {"rtt_ms": 0.0, "microbatches": 1, "speedup_median": 1.2, "speedups": [1.2, 1.0, 1.3],
+         "remote_share_median": 0.4},
+        {"rtt_ms": 5.0, "microbatches": 1, "speedup_median": 1.0, "speedups": [0.9, 1.1, 1.0],
+         "remote_share_median": 0.1},
+    ]  # fmt: skip
