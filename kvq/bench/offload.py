@@ -19,7 +19,8 @@ tokens streamed back during `measure_s` give the aggregate tok/s.
   without a worker, so the baseline is shared).
 
 `expert_share`: the coordinator's seconds computing expert slices (`local_expert_s`) over the
-window; `wait_share`: its layers' seconds waiting for remote results (`remote_wait_s`). With
+window; `wait_share`: its layers' seconds waiting for remote results (`remote_wait_s`);
+`send_share`: its seconds making, encoding and sending remote jobs (`remote_send_s`). With
 the baseline's expert share e, `split_bound` = 1 / (1 - e / 2) is the most a worker taking one
 of the two slices can give when each layer waits for its remote part: the coordinator still
 computes the backbone and the other half of the experts every step (a free, instant worker).
@@ -282,6 +283,7 @@ def _phase(
         "trials_sent": delta("trials_sent"),
         "expert_share": round(delta("local_expert_s") / window, 3),
         "wait_share": round(delta("remote_wait_s") / window, 3),
+        "send_share": round(delta("remote_send_s") / window, 3),
     }  # fmt: skip
 
 

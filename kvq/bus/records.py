@@ -144,6 +144,7 @@ class DispatchCounters(Counters, kw_only=True):
     verified_rows: int = 0  # of those, rows recomputed here to check them
     local_expert_s: float = 0.0  # seconds computing expert slices here (kept, fallbacks)
     remote_wait_s: float = 0.0  # seconds a layer waited for remote results after its own part
+    remote_send_s: float = 0.0  # seconds making, encoding and sending remote jobs
 
 
 class CoordStats(DispatchCounters, kw_only=True):

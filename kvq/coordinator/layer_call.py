@@ -54,6 +54,7 @@ class LayerCall:
         work = {spec.sid: int(rows.numel()) for spec, rows in self.order}
         d.count_routed(work)  # the monitor weights replica targets by it (K7)
         route = d.route(work, busy, total)
+        t_send = time.perf_counter()
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
         trials: list[Pending] = []
@@ -76,6 +77,7 @@ class LayerCall:
                 self.pending[job_id] = p
                 d.inflight[job_id] = self
         d.send(jobs)
+        stats.remote_send_s += time.perf_counter() - t_send
         stats.remote_sent += len(self.pending)
         stats.trials_sent += len(jobs) - len(self.pending)
         d.sent_remote = d.sent_remote or bool(self.pending)
@@ -130,14 +132,16 @@ class LayerCall:
 
     def _gather(self) -> None:
         d = self.d
-        t0 = time.perf_counter()
+        # a result checked on arrival is recomputed here (`Verifier.judge`): that is expert
+        # compute (`local_expert_s`), not waiting
+        t0, computed = time.perf_counter(), d.stats.local_expert_s
         while self.pending:
             left_ms = self.deadline_ms - int(time.time() * 1000)
             if left_ms <= 0:
                 break
             for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
                 d.accept(sender, stream, eid, fields)
-        d.stats.remote_wait_s += time.perf_counter() - t0
+        d.stats.remote_wait_s += time.perf_counter() - t0 - (d.stats.local_expert_s - computed)
         for job_id, p in list(self.pending.items()):
             log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
             d.inflight.pop(job_id, None)

@@ -42,6 +42,7 @@ _COUNTERS = (
     ("kvq_verified_rows", "verified_rows", "token rows recomputed here to check results"),
     ("kvq_local_expert_seconds", "local_expert_s", "seconds computing expert slices here"),
     ("kvq_remote_wait_seconds", "remote_wait_s", "seconds layers waited for remote results"),
+    ("kvq_remote_send_seconds", "remote_send_s", "seconds making and sending remote jobs"),
 )
 
 

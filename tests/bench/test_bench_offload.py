@@ -34,7 +34,8 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
         assert 0.0 <= run["remote_share"] <= 1.0
         # a coordinator's time: its own expert compute plus its wait can not exceed the window
         assert 0.0 <= run["expert_share"] and 0.0 <= run["wait_share"]
-        assert run["expert_share"] + run["wait_share"] <= 1.05
+        assert run["expert_share"] + run["wait_share"] + run["send_share"] <= 1.05
+        assert run["send_share"] >= 0.0
         assert run["local_jobs"] + run["remote_jobs"] > 0
         if run["microbatches"] == 1:
             assert run["microbatched_steps"] == 0
