@@ -20,7 +20,9 @@ tokens streamed back during `measure_s` give the aggregate tok/s.
 
 `expert_share`: the coordinator's seconds computing expert slices (`local_expert_s`) over the
 window; `wait_share`: its layers' seconds waiting for remote results (`remote_wait_s`);
-`send_share`: its seconds making, encoding and sending remote jobs (`remote_send_s`). With
+`send_share`: its seconds making, encoding and sending remote jobs (`remote_send_s`);
+`local_ms_per_row`: its expert seconds per token row it computed (`local_rows`), which tells a
+dearer row (a busy neighbour) from a dearer mix of jobs (prefill kept, decode sent). With
 the baseline's expert share e, `split_bound` = 1 / (1 - e / 2) is the most a worker taking one
 of the two slices can give when each layer waits for its remote part: the coordinator still
 computes the backbone and the other half of the experts every step (a free, instant worker).
@@ -274,6 +276,7 @@ def _phase(
         return getattr(st1, field) - getattr(st0, field) if st0 and st1 else 0
 
     local, remote, fallback = delta("local_jobs"), delta("remote_jobs"), delta("fallback_jobs")
+    rows = delta("local_rows")
     jobs, window = local + remote + fallback, end - start
     return {
         "tok_s": round(tokens / window, 3), "tokens": tokens, "local_jobs": local,
@@ -282,6 +285,7 @@ def _phase(
         "microbatched_steps": delta("microbatched_steps"), "verified": delta("verified"),
         "trials_sent": delta("trials_sent"),
         "expert_share": round(delta("local_expert_s") / window, 3),
+        "local_ms_per_row": round(1000 * delta("local_expert_s") / rows, 3) if rows else None,
         "wait_share": round(delta("remote_wait_s") / window, 3),
         "send_share": round(delta("remote_send_s") / window, 3),
     }  # fmt: skip

@@ -143,6 +143,7 @@ class DispatchCounters(Counters, kw_only=True):
     remote_rows: int = 0  # token rows of remote results received
     verified_rows: int = 0  # of those, rows recomputed here to check them
     local_expert_s: float = 0.0  # seconds computing expert slices here (kept, fallbacks)
+    local_rows: int = 0  # token rows of those slices: local_expert_s / local_rows is a row's cost
     remote_wait_s: float = 0.0  # seconds a layer waited for remote results after its own part
     remote_send_s: float = 0.0  # seconds making, encoding and sending remote jobs
 

@@ -122,6 +122,7 @@ class LayerCall:
         took = time.perf_counter() - t0
         self.d.routing.observe_local(int(rows.numel()), took * 1000)
         self.d.stats.local_expert_s += took
+        self.d.stats.local_rows += int(rows.numel())
         return y
 
     def fallback(self, p: Pending, latency_ms: float) -> None:

@@ -39,6 +39,7 @@ _COUNTERS = (
     ("kvq_results_barred", "barred_results", "results of quarantined workers, not used"),
     ("kvq_quarantines", "quarantines", "workers this coordinator quarantined"),
     ("kvq_remote_rows", "remote_rows", "token rows of remote results received"),
+    ("kvq_local_rows", "local_rows", "token rows of expert slices computed here"),
     ("kvq_verified_rows", "verified_rows", "token rows recomputed here to check results"),
     ("kvq_local_expert_seconds", "local_expert_s", "seconds computing expert slices here"),
     ("kvq_remote_wait_seconds", "remote_wait_s", "seconds layers waited for remote results"),

@@ -150,7 +150,7 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
         finishes='{"eos": 2, "length": 3, "error": 1}', job_rtt_s=rtt.to_text(),
         verified=5, mismatches=1, nonfinite_results=2, barred_results=4, quarantines=2,
         remote_rows=100, verified_rows=20, local_expert_s=1.5, remote_wait_s=0.25,
-        remote_send_s=0.125,
+        remote_send_s=0.125, local_rows=300,
     )  # fmt: skip
     ts = int(time.time() * 1000)
     mon.board.publish_slots("c1", SlotState(model="m", busy=1, total=4, ts_ms=ts), stats)
@@ -175,6 +175,7 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
     assert got["kvq_local_expert_seconds_total", c] == 1.5
     assert got["kvq_remote_wait_seconds_total", c] == 0.25
     assert got["kvq_remote_send_seconds_total", c] == 0.125
+    assert got["kvq_local_rows_total", c] == 300
 
 
 def test_dead_letters_are_counted_past_the_trim(mon: Monitor, r: redis.Redis) -> None:
