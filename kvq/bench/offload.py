@@ -11,8 +11,8 @@ tokens streamed back during `measure_s` give the aggregate tok/s.
   through a `DelayProxy` adding that round trip (0: directly); `remote_share` = the
   coordinator's remote jobs / all expert jobs in the window;
 - baseline: no worker (all-local on one CPU), measured before the first run and again after
-  each run (the worker gone). The machine drifts (two baselines minutes apart differ by up to
-  20% on a shared VM), so a run's `speedup` is its tok/s over the mean of the two baselines
+  each run (the worker gone). The machine drifts (two baselines minutes apart differed by 22%
+  on a shared VM), so a run's `speedup` is its tok/s over the mean of the two baselines
   beside it, and `summary` gives each (RTT, micro-batches) pair's median over its repeats;
 - with several `--microbatches` values, each RTT gets one run per value, side by side, each
   with a coordinator started with that `KVQ_MICROBATCHES` (micro-batches change nothing
@@ -32,6 +32,7 @@ Default settings otherwise (the capacity split, `KVQ_DISPATCH_POLICY=capacity`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -143,18 +144,19 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
             coord = _coordinator(kids, board, model, cfg.microbatches[0], coord_cpu)
             baselines = [_phase(board, s, cfg, kids, coord)]
             runs = []
-            for k in range(cfg.repeat):
-                for i, rtt in enumerate(cfg.rtts_ms):
-                    for j, mb in enumerate(cfg.microbatches):  # side by side: the machine drifts
-                        if not coord.endswith(f"-mb{mb}"):
-                            coord = _coordinator(kids, board, model, mb, coord_cpu)
-                        name = f"{i}-{j}" + (f"-{k}" if cfg.repeat > 1 else "")
-                        run = _with_worker(board, s, cfg, kids, coord, name, rtt, worker_cpu)
-                        baselines.append(_phase(board, s, cfg, kids, coord))
-                        beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
-                        speedup = round(run["tok_s"] / beside, 3) if beside else None
-                        runs.append({"rtt_ms": rtt, "microbatches": mb, "repeat": k} | run
-                                    | {"baseline_tok_s": round(beside, 3), "speedup": speedup})  # fmt: skip
+            rounds = itertools.product(  # micro-batch values side by side: the machine drifts
+                range(cfg.repeat), enumerate(cfg.rtts_ms), enumerate(cfg.microbatches)
+            )
+            for k, (i, rtt), (j, mb) in rounds:
+                if not coord.endswith(f"-mb{mb}"):
+                    coord = _coordinator(kids, board, model, mb, coord_cpu)
+                name = f"{i}-{j}" + (f"-{k}" if cfg.repeat > 1 else "")
+                run = _with_worker(board, s, cfg, kids, coord, name, rtt, worker_cpu)
+                baselines.append(_phase(board, s, cfg, kids, coord))
+                beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
+                speedup = round(run["tok_s"] / beside, 3) if beside else None
+                runs.append({"rtt_ms": rtt, "microbatches": mb, "repeat": k} | run
+                            | {"baseline_tok_s": round(beside, 3), "speedup": speedup})  # fmt: skip
         finally:
             kids.stop_all()
     base = statistics.mean(b["tok_s"] for b in baselines)
@@ -171,18 +173,23 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (RTT, micro-batches) pair, in run order: the median speed-up and remote share over
-    its repeats, and each repeat's speed-up."""
+    """Per (RTT, micro-batches) pair, in run order: the median speed-up (of the runs that have
+    one: none without a baseline tok/s) and remote share over its repeats, and each repeat's
+    speed-up."""
     pairs: dict[tuple[float, int], list[dict[str, Any]]] = {}
     for run in runs:
         pairs.setdefault((run["rtt_ms"], run["microbatches"]), []).append(run)
     return [
         {"rtt_ms": rtt, "microbatches": mb,
-         "speedup_median": round(statistics.median(r["speedup"] or 0.0 for r in rs), 3),
+         "speedup_median": _median([r["speedup"] for r in rs if r["speedup"] is not None]),
          "speedups": [r["speedup"] for r in rs],
-         "remote_share_median": round(statistics.median(r["remote_share"] for r in rs), 3)}
+         "remote_share_median": _median([r["remote_share"] for r in rs])}
         for (rtt, mb), rs in pairs.items()
     ]  # fmt: skip
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def _coordinator(kids: Children, board: RedisBoard, model: str, mb: int, cpu: int) -> str:

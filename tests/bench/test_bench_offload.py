@@ -86,3 +86,7 @@ def test_summary_takes_the_median_over_repeats() -> None:
         {"rtt_ms": 5.0, "microbatches": 1, "speedup_median": 1.0, "speedups": [0.9, 1.1, 1.0],
          "remote_share_median": 0.1},
     ]  # fmt: skip
+    # a run without a baseline tok/s has no speed-up: left out of the median, not a 0
+    none = [{"rtt_ms": 0.0, "microbatches": 1, "speedup": sp, "remote_share": 0.1}
+            for sp in (None, 1.1, 1.3)]  # fmt: skip
+    assert _summary(none)[0]["speedup_median"] == 1.2
