@@ -67,10 +67,12 @@ class SliceBounds(NamedTuple):
 
 
 def slice_grid(
-    layers: int, experts: int, slice_layers: int, slice_experts: int
+    layers: int, experts: int, slice_layers: int, slice_experts: int, first: int = 0
 ) -> list[SliceBounds]:
-    """The slices that cut `layers` x `experts` exactly once each, in slice order (layer range,
-    then expert range); the last range of an axis is shorter when the size does not divide it."""
+    """The slices that cut layers `[first, layers)` x `experts` exactly once each, in slice
+    order (layer range, then expert range); the last range of an axis is shorter when the size
+    does not divide it. `first`: the first MoE layer (the leading dense layers have no
+    experts to cut)."""
     for name, n, least in (
         ("layers", layers, 0), ("experts", experts, 0),
         ("slice_layers", slice_layers, 1), ("slice_experts", slice_experts, 1),
@@ -79,7 +81,7 @@ def slice_grid(
             raise ConfigError(f"{name} must be an int >= {least}, got {n!r}")
     return [
         SliceBounds(ls, min(ls + slice_layers, layers), es, min(es + slice_experts, experts))
-        for ls in range(0, layers, slice_layers)
+        for ls in range(first, layers, slice_layers)
         for es in range(0, experts, slice_experts)
     ]
 

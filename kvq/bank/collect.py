@@ -58,8 +58,8 @@ def collect_histogram(
         bb.generate(tok.encode(prompt), tokens, moe=counting_moe, stop_at_eos=False)
         log.debug("prompt %d/%d done", i + 1, len(prompts))
     sizes = {
-        layer: [slice_nbytes(meta, layer, j, j + 1) for j in range(e)]
-        for layer in range(meta.block_count)
+        layer: [slice_nbytes(meta, layer, j, j + 1) for j in range(e)] for layer in meta.moe_layers
     }
     host = counts.cpu().tolist()
-    return merge_counts(meta.name or Path(model_path).stem, dict(enumerate(host)), sizes)
+    per_layer = {layer: host[layer] for layer in meta.moe_layers}
+    return merge_counts(meta.name or Path(model_path).stem, per_layer, sizes)

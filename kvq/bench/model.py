@@ -279,7 +279,7 @@ def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:
     from kvq.errors import BankError
 
     try:
-        bank = Bank(bb.experts, BankOptions(**(cfg.bank or {})), torch.device("cpu"))
+        bank = Bank(bb.experts.values(), BankOptions(**(cfg.bank or {})), torch.device("cpu"))
     except (BankError, TypeError, AttributeError) as exc:
         return None, f"no bank over these experts ({type(exc).__name__}: {exc}); local experts"
     return bank, bank.describe()

@@ -14,7 +14,8 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 # literal copies of kvq.model.arch.TINY_ARCHS, kvq.model.quants.QUANT_NAMES / MIXES,
 # kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
 # kvq.model here would load torch for every `kvq` command, even `--help`
-ARCHS = ("mixtral", "qwen2moe", "qwen3moe")
+ARCHS = ("deepseek2", "glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe")
+VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXES = ("q4_k_m",)
 PRESETS = ("small", "olmoe-1b-7b", "qwen3-30b-a3b")
@@ -43,8 +44,13 @@ def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
     dims: dict[str, Any] = {n.replace("-", "_"): default for n, default in _TINY_INTS}
     dims.update({n: getattr(args, n) for n in given})
     arch, quant, tok = args.arch or "qwen3moe", args.quant or "f32", args.tokenizer or "bpe"
-    make_tiny(args.out, arch=arch, quant=quant, tokenizer=tok, seed=args.seed, **dims)
-    print(f"wrote {args.out} ({arch}, {quant}, {tok} tokenizer)")
+    if args.variant and arch != "deepseek2":
+        print(f"kvq: --variant is deepseek2's; --arch {arch} has none", file=sys.stderr)
+        return EXIT_USAGE
+    variant = args.variant or ""
+    make_tiny(args.out, arch=arch, quant=quant, tokenizer=tok, seed=args.seed, variant=variant,
+              **dims)  # fmt: skip
+    print(f"wrote {args.out} ({arch}{' ' + variant if variant else ''}, {quant}, {tok} tokenizer)")
     return EXIT_OK
 
 
@@ -276,6 +282,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
     mt.add_argument("out")
     mt.add_argument("--arch", choices=ARCHS, help="default qwen3moe")
+    mt.add_argument("--variant", choices=VARIANTS,
+                    help="deepseek2's form: v3 (default), v2-lite (no q LoRA, softmax), "
+                    "kv-b (one attn_kv_b, older converters)")  # fmt: skip
     mt.add_argument("--quant", choices=QUANTS + MIXES, help="default f32 (preset: q4_k_m)")
     mt.add_argument("--tokenizer", choices=TOKENIZERS, help="default bpe (llama.cpp loads it)")
     mt.add_argument("--preset", choices=PRESETS, help="a real model's sizes, random weights")

@@ -65,9 +65,7 @@ class Dispatcher:
         self._routed_lock = threading.Lock()
         self.results = WorkerResults(r, keys, coord_id)
         self._seq = itertools.count()
-        self._layer_slices = {
-            layer: info.layer_slices(layer) for layer in range(info.meta.block_count)
-        }
+        self._layer_slices = {layer: info.layer_slices(layer) for layer in info.meta.moe_layers}
 
     def send(self, jobs: list[tuple[str, Fields]]) -> None:
         """Post jobs; the results of every worker serving this model are read from then on

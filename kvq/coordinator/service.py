@@ -75,7 +75,7 @@ class Coordinator:
         self.chat = load_chat_template(model_path)  # the file's own, or ChatML
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
-        self.bank = Bank(self.backbone.experts, bank, cpu)
+        self.bank = Bank(self.backbone.experts.values(), bank, cpu)
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.trust = Trust(trust_policy(dispatch), coord_id)

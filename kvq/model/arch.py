@@ -1,16 +1,27 @@
-"""What differs between the MoE architectures kvq serves, as llama.cpp runs them.
+"""The MoE architectures kvq serves, each declared from parts, as llama.cpp runs them.
 
-| GGUF arch  | models                 | attention                        | RoPE  | top-k weights     |
-|------------|------------------------|----------------------------------|-------|-------------------|
-| `qwen3moe` | Qwen3-30B-A3B, 235B    | per-head RMSNorm of q and k      | NEOX  | renormalised      |
-| `qwen2moe` | Qwen1.5-MoE, Qwen2-57B | q/k/v biases                     | NEOX  | as softmax gives  |
-| `llama`    | Mixtral 8x7B, 8x22B    | plain (Q/K rows permuted, below) | NORM  | renormalised      |
+A family is one `ArchSpec`: its attention kind, how q and k are normalised, its rope, its router,
+its shared expert and its layer pattern. The forward pass (`kvq.model.backbone`) and the loader
+(`kvq.model.loader`) read the parts, never the family's name; adding a family is one entry in
+`ARCHS` plus any new block. Hyper-parameters (sizes, the leading dense layers, the gating
+function, expert groups, YaRN) come from the file (`kvq.model.meta`).
 
-`qwen2moe` adds a shared expert to every token: `sigmoid(x . w_gate) * ffn_shexp(x)`.
-`llama` is Mixtral only when `llama.expert_count > 0` (a dense llama is refused). llama.cpp's
-converter permutes the rows of Q and K of `llama` files so that its NORM rope (adjacent pairs)
-equals Hugging Face's rotate-half rope; kvq reads them as they are and runs NORM rope.
-A GGUF may override the top-k renormalisation with `<arch>.expert_weights_norm`.
+| GGUF arch   | models                        | attention                    | q/k norm | rope  | router                         | shared expert | layers           |
+|-------------|-------------------------------|------------------------------|----------|-------|--------------------------------|---------------|------------------|
+| `qwen3moe`  | Qwen3-30B-A3B, 235B           | GQA                          | per head | NEOX  | softmax, renormalised          | -             | all MoE          |
+| `qwen2moe`  | Qwen1.5-MoE, Qwen2-57B        | GQA, q/k/v biases            | -        | NEOX  | softmax                        | sigmoid-gated | all MoE          |
+| `llama`     | Mixtral 8x7B, 8x22B           | GQA (Q/K rows permuted)      | -        | NORM  | softmax, renormalised          | -             | all MoE          |
+| `olmoe`     | OLMoE-1B-7B                   | MHA                          | whole q/k| NEOX  | softmax                        | -             | all MoE          |
+| `glm4moe`   | GLM-4.5, 4.5-Air, 4.6         | GQA, q/k/v biases, partial rope | per head if present | NEOX | sigmoid + bias, renormalised | plain    | leading dense, MTP layer skipped |
+| `deepseek2` | DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2 | MLA, latent KV cache    | (q LoRA, kv latent norms) | NORM | softmax (V2) or sigmoid + bias (V3), groups | plain | leading dense |
+
+`qwen2moe`'s shared expert is gated per token: `sigmoid(x . w_gate) * ffn_shexp(x)`; the
+`plain` shared experts of `glm4moe` and `deepseek2` are added as they are. `llama` is Mixtral
+only when `llama.expert_count > 0` (a dense llama is refused). llama.cpp's converter permutes
+the rows of Q and K of `llama` files so that its NORM rope (adjacent pairs) equals Hugging
+Face's rotate-half rope; kvq reads them as they are and runs NORM rope. `deepseek2`'s NORM rope
+on unpermuted rows is DeepSeek's own interleaved rope. A GGUF may override the top-k
+renormalisation with `<arch>.expert_weights_norm` and the gating with `expert_gating_func`.
 """
 
 from __future__ import annotations
@@ -22,29 +33,71 @@ import numpy.typing as npt
 
 from kvq.errors import ModelError
 
+# attention kinds
+GQA = "gqa"  # grouped-query attention with per-head K and V in the cache
+MLA = "mla"  # DeepSeek's multi-head latent attention: the cache holds the compressed latent
+
+# q/k normalisation kinds
+QK_NONE = "none"  # none (a per-head attn_{q,k}_norm is still applied where the file has one)
+QK_HEAD = "head"  # RMSNorm over each head before rope (qwen3moe); required
+QK_FULL = "full"  # RMSNorm over the whole q and k projections (olmoe); required
+
+# shared expert kinds
+SHARED_NONE = "none"
+SHARED_GATED = "gated"  # qwen2moe: sigmoid(x . ffn_gate_inp_shexp) * swiglu(x)
+SHARED_PLAIN = "plain"  # glm4moe, deepseek2: swiglu(x) added as it is
+
 
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
     """The architecture-dependent parts of a forward pass."""
 
     name: str  # `general.architecture` in the GGUF
-    rope_style: str  # "neox": pairs (i, i + d/2); "norm": adjacent pairs (2i, 2i + 1)
-    qk_norm: bool  # attn_{q,k}_norm: RMSNorm over each head before RoPE
-    qkv_bias: bool  # attn_{q,k,v}.bias are part of the arch (optional on the others)
-    shared_expert: bool  # ffn_{gate,up,down}_shexp + ffn_gate_inp_shexp
-    norm_topk: bool  # renormalise the top-k softmax weights to sum 1 (llama.cpp's norm_w)
+    attention: str = GQA  # GQA | MLA
+    rope_style: str = "neox"  # "neox": pairs (i, i + d/2); "norm": adjacent pairs (2i, 2i + 1)
+    qk_norm: str = QK_NONE  # QK_NONE | QK_HEAD | QK_FULL
+    qkv_bias: bool = False  # attn_{q,k,v}.bias are part of the arch (optional on the others)
+    shared: str = SHARED_NONE  # SHARED_NONE | SHARED_GATED | SHARED_PLAIN
+    norm_topk: bool = (
+        True  # renormalise the top-k weights (llama.cpp's norm_w), unless the file says
+    )
+    gating: str = "softmax"  # the router's default scores, unless `expert_gating_func` says
+    ffn_norm: str = (
+        "ffn_norm"  # the tensor normalising the FFN input (glm4moe: post_attention_norm)
+    )
+    dense_lead: bool = False  # reads `leading_dense_block_count` (dense FFN layers first)
+    partial_rope: bool = False  # rope.dimension_count may be below the head size
+    hf_permuted_qk: bool = False  # the converter permuted Q/K rows (llama: `permute_qk`)
+
+    @property
+    def shared_expert(self) -> bool:
+        return self.shared != SHARED_NONE
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "qwen3moe": ArchSpec("qwen3moe", "neox", True, False, False, True),
-    "qwen2moe": ArchSpec("qwen2moe", "neox", False, True, True, False),
-    "llama": ArchSpec("llama", "norm", False, False, False, True),
-}
+    "qwen3moe": ArchSpec("qwen3moe", qk_norm=QK_HEAD),
+    "qwen2moe": ArchSpec("qwen2moe", qkv_bias=True, shared=SHARED_GATED, norm_topk=False),
+    "llama": ArchSpec("llama", rope_style="norm", hf_permuted_qk=True),
+    "olmoe": ArchSpec("olmoe", qk_norm=QK_FULL, norm_topk=False),
+    "glm4moe": ArchSpec(
+        "glm4moe", qkv_bias=True, shared=SHARED_PLAIN, norm_topk=False, gating="sigmoid",
+        ffn_norm="post_attention_norm", dense_lead=True, partial_rope=True,
+    ),
+    "deepseek2": ArchSpec(
+        "deepseek2", attention=MLA, rope_style="norm", shared=SHARED_PLAIN, norm_topk=False,
+        dense_lead=True, partial_rope=True,
+    ),
+}  # fmt: skip
 
 # names accepted by `make_tiny(arch=...)` and `kvq model make-tiny --arch`
-TINY_ARCHS: dict[str, str] = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama"}
+TINY_ARCHS: dict[str, str] = {
+    "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+    "glm4moe": "glm4moe", "deepseek2": "deepseek2",
+}  # fmt: skip
 
-SUPPORTED_TEXT = "qwen3moe, qwen2moe, llama with llama.expert_count > 0 (Mixtral)"
+SUPPORTED_TEXT = (
+    "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 (Mixtral)"
+)
 
 
 def arch_spec(arch: str) -> ArchSpec:

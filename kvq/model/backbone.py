@@ -1,10 +1,13 @@
 """The forward pass of the MoE archs kvq serves (see `kvq.model.arch`), in torch, with the
 routed-expert FFN behind a pluggable MoeFn.
 
-Token rows of every sequence in a batch are concatenated before the MoE call, so one MoeFn
-call per layer per forward covers the whole batch (that call is what gets dispatched to
-remote expert workers); attention runs per sequence against that sequence's own KVCache.
-A shared expert (qwen2moe) is dense and always runs here, next to the routed MoeFn.
+Each block is built from the parts its weights have: GQA or MLA attention (`GqaWeights`,
+`MlaWeights`), then a dense FFN (`DenseFfn`: deepseek2's and glm4moe's leading layers) or the
+routed experts (`MoeFfn`) with any shared expert beside them. Token rows of every sequence in
+a batch are concatenated before the MoE call, so one MoeFn call per MoE layer per forward
+covers the whole batch (that call is what gets dispatched to remote expert workers);
+attention runs per sequence against that sequence's own KVCache. Shared experts and dense
+layers always run here, next to the routed MoeFn.
 """
 
 from __future__ import annotations
@@ -20,10 +23,20 @@ from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.experts import expert_forward
 from kvq.model.generate import generate
-from kvq.model.layers import Rope, causal_attention, linear, rms_norm, route, swiglu
+from kvq.model.layers import Gating, Rope, causal_attention, linear, rms_norm, route, swiglu
 from kvq.model.layout import slice_layout
-from kvq.model.loader import LayerWeights, Loader, SharedExpert, layer_weights, output_weight
+from kvq.model.loader import (
+    DenseFfn,
+    GqaWeights,
+    LayerWeights,
+    Loader,
+    MlaWeights,
+    SharedExpert,
+    layer_weights,
+    output_weight,
+)
 from kvq.model.meta import ModelMeta, read_meta
+from kvq.model.mla import mla_scales
 from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
@@ -57,18 +70,20 @@ class Backbone:
         layers: list[LayerWeights],
         output_norm: torch.Tensor,
         output: Weight,
-        experts: list[ExpertSlice],
+        experts: dict[int, ExpertSlice],
     ) -> None:
         self.meta = meta
         self.embed = embed  # [V, H]
         self.layers = layers
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
-        self.experts = experts  # experts[layer] covers all experts of that layer
+        self.experts = experts  # experts[layer] covers all experts of that MoE layer
         self.device = output_norm.device
         self.dtype = output_norm.dtype
         self.spec = arch_spec(meta.arch)
-        self.rope = Rope.from_meta(meta, self.spec.rope_style)
+        self.gating = Gating.from_meta(meta)
+        rope_mscale, self.mla_kq_scale = mla_scales(meta)
+        self.rope = Rope.from_meta(meta, self.spec.rope_style, rope_mscale)
 
     @classmethod
     def from_gguf(
@@ -85,10 +100,10 @@ class Backbone:
         load = Loader(path, device, dtype)
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
         layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
-        experts = [
-            map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype).to(device)
-            for i in range(m.block_count)
-        ]
+        experts = {
+            i: map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype).to(device)
+            for i in m.moe_layers
+        }
         embed = load.rows("token_embd.weight", (m.vocab_size, h))
         output = output_weight(load, m)
         return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts)
@@ -96,9 +111,11 @@ class Backbone:
     def new_cache(self) -> KVCache:
         """An empty KV cache that grows up to the model's context length."""
         m = self.meta
+        kv, width = m.cache_width
         return KVCache(
-            m.block_count, m.context_length, m.head_count_kv, m.head_dim, self.device, self.dtype
-        )
+            m.block_count, m.context_length, kv, width, self.device, self.dtype,
+            latent_values=m.kv_lora_rank,
+        )  # fmt: skip
 
     def local_moe(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
@@ -137,8 +154,7 @@ class Backbone:
             ]
         )  # [N] absolute position of each row
         h = self.embed[tokens]  # [N, H]
-        m = self.meta
-        eps, k = m.rms_eps, m.expert_used_count
+        eps = self.meta.rms_eps
         small = _small(len(tokens))
         for i, lw in enumerate(self.layers):
             with small():
@@ -146,7 +162,12 @@ class Backbone:
             h = h + self._attention(i, lw, xa, steps, lens, pos)
             with small():
                 x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
-                ids, w = route(lw.router, x, k, m.expert_weights_norm, m.expert_weights_scale)
+            ffn = lw.ffn
+            if isinstance(ffn, DenseFfn):
+                h = h + swiglu(x, ffn.gate, ffn.up, ffn.down)
+                continue
+            with small():
+                ids, w = route(ffn.router, x, self.gating, ffn.probs_bias)
             y = yield i, x, ids, w  # [N, H]; ids, w: [N, k]
             if tuple(y.shape) != tuple(x.shape):
                 raise ModelError(
@@ -154,8 +175,8 @@ class Backbone:
                     f"expected {tuple(x.shape)}"
                 )
             y = y.to(device=h.device, dtype=h.dtype)
-            if lw.shared is not None:
-                y = y + _shared_ffn(lw.shared, x)
+            if ffn.shared is not None:
+                y = y + _shared_ffn(ffn.shared, x)
             h = h + y
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
         with small():
@@ -178,13 +199,32 @@ class Backbone:
         pos: torch.Tensor,
     ) -> torch.Tensor:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
-        m, n = self.meta, x.shape[0]
-        q = _linear(x, lw.wq, lw.bq).view(n, m.head_count, m.head_dim)  # [N, heads, d]
-        kk = _linear(x, lw.wk, lw.bk).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
-        vv = _linear(x, lw.wv, lw.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
+        if isinstance(lw.attn, MlaWeights):
+            return self._mla(layer, lw.attn, x, steps, lens, pos)
+        return self._gqa(layer, lw.attn, x, steps, lens, pos)
+
+    def _gqa(
+        self,
+        layer: int,
+        a: GqaWeights,
+        x: torch.Tensor,
+        steps: list[SeqStep],
+        lens: list[int],
+        pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Grouped-query attention (K and V of each kv head cached). x: [N, H]."""
+        m, n, eps = self.meta, x.shape[0], self.meta.rms_eps
+        q, kk = _linear(x, a.wq, a.bq), _linear(x, a.wk, a.bk)  # [N, heads*d], [N, kv*d]
+        vv = _linear(x, a.wv, a.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
         with _small(n)():
-            if lw.q_norm is not None and lw.k_norm is not None:  # qwen3moe: per-head norm
-                q, kk = rms_norm(q, lw.q_norm, m.rms_eps), rms_norm(kk, lw.k_norm, m.rms_eps)
+            qn, kn = a.q_norm, a.k_norm
+            full = qn is not None and qn.shape[0] != m.head_dim
+            if full and qn is not None and kn is not None:  # olmoe: over the whole projections
+                q, kk = rms_norm(q, qn, eps), rms_norm(kk, kn, eps)
+            q = q.view(n, m.head_count, m.head_dim)  # [N, heads, d]
+            kk = kk.view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
+            if not full and qn is not None and kn is not None:  # per head
+                q, kk = rms_norm(q, qn, eps), rms_norm(kk, kn, eps)
             q, kk = self.rope(q, pos), self.rope(kk, pos)
         outs, start = [], 0
         with _small(max(lens))():
@@ -193,7 +233,48 @@ class Backbone:
                 qs = q[start : start + t]
                 outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
                 start += t
-        return linear(torch.cat(outs), lw.wo)  # [N, H]
+        return linear(torch.cat(outs), a.wo)  # [N, H]
+
+    def _mla(
+        self,
+        layer: int,
+        a: MlaWeights,
+        x: torch.Tensor,
+        steps: list[SeqStep],
+        lens: list[int],
+        pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Multi-head latent attention in its absorbed form (`kvq.model.mla`): the cache holds
+        one latent per token, `[c_kv ; k_pe]` (r + rope values), never per-head K and V.
+        x: [N, H]."""
+        m, n, eps = self.meta, x.shape[0], self.meta.rms_eps
+        heads, r, rope = m.head_count, m.kv_lora_rank, m.rope_dims
+        nope = m.head_dim - rope
+        q_in = (
+            x
+            if a.wq_a is None or a.q_a_norm is None
+            else rms_norm(linear(x, a.wq_a), a.q_a_norm, eps)
+        )
+        q = linear(q_in, a.wq).view(n, heads, m.head_dim)  # [N, heads, nope + rope]
+        kv = linear(x, a.wkv_a)  # [N, r + rope]
+        with _small(n)():
+            c = rms_norm(kv[:, :r], a.kv_a_norm, eps)  # [N, r]
+            k_pe = self.rope(kv[:, None, r:], pos)  # [N, 1, rope]: one rope key for all heads
+            q_pe = self.rope(q[..., nope:], pos)  # [N, heads, rope]
+            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
+            qc = torch.cat((q_lat.transpose(0, 1), q_pe), -1)  # [N, heads, r + rope]
+            latent = torch.cat((c[:, None, :], k_pe), -1)  # [N, 1, r + rope]
+        outs, start = [], 0
+        scale = m.attention_scale or self.mla_kq_scale
+        with _small(max(lens))():
+            for s, t in zip(steps, lens, strict=True):
+                keys, values = s.cache.append(layer, latent[start : start + t], None)
+                qs = qc[start : start + t]
+                outs.append(causal_attention(qs, keys, values, s.cache.length, scale))
+                start += t
+            o = torch.cat(outs).view(n, heads, r).transpose(0, 1)  # [heads, N, r]
+            ov = torch.bmm(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
+        return linear(ov.reshape(n, heads * m.value_head_dim), a.wo)  # [N, H]
 
     def _check_steps(self, steps: list[SeqStep]) -> list[int]:
         """Token counts per step; ModelError on empty steps, bad ids, shared or full caches."""
@@ -232,6 +313,7 @@ def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
 
 
 def _shared_ffn(sh: SharedExpert, x: torch.Tensor) -> torch.Tensor:
-    """qwen2moe's shared expert, gated per row by a sigmoid. x: [N, H]. Returns [N, H]."""
-    gate = torch.sigmoid(x @ sh.gate_inp)[:, None]  # [N, 1]
-    return gate * swiglu(x, sh.gate, sh.up, sh.down)  # [N, H]
+    """The shared expert(s), gated per row by a sigmoid where the arch has that gate
+    (qwen2moe). x: [N, H]. Returns [N, H]."""
+    y = swiglu(x, sh.gate, sh.up, sh.down)  # [N, H]
+    return y if sh.gate_inp is None else torch.sigmoid(x @ sh.gate_inp)[:, None] * y

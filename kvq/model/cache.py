@@ -32,10 +32,15 @@ class KVCache:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         initial: int = 256,
+        latent_values: int = 0,
     ) -> None:
         shape = (n_layers, min(max_len, max(initial, 1)), kv_heads, head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
-        self.v = torch.empty(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
+        # MLA (`latent_values` > 0): a key is the latent, and the values are its first
+        # `latent_values` entries, so nothing more is stored
+        self.latent_values = latent_values
+        v_shape = (n_layers, 0, kv_heads, 0) if latent_values else shape
+        self.v = torch.empty(v_shape, device=device, dtype=dtype)  # [L, cap, kv, d]
         self.max_len = max_len
         self.length = 0
 
@@ -49,7 +54,7 @@ class KVCache:
         if end <= self.capacity:
             return
         cap = min(self.max_len, max(end, 2 * self.capacity))
-        for name in ("k", "v"):
+        for name in ("k",) if self.latent_values else ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((old.shape[0], cap, *old.shape[2:]))  # [L, cap, kv, d]
             new[:, : old.shape[1]] = old
@@ -64,12 +69,17 @@ class KVCache:
             )
 
     def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([T, kv, d]) after `length`; return all keys and values [length+T, kv, d]."""
+        """Store k, v ([T, kv, d]; v None for a latent cache) after `length`; return all keys
+        and values [length+T, kv, d] (a latent cache's values: a view of its keys)."""
         end = self.length + k.shape[0]
         self._reserve(end)
         self.k[layer, self.length : end] = k
+        if self.latent_values:
+            return self.k[layer, :end], self.k[layer, :end, :, : self.latent_values]
+        if v is None:
+            raise ModelError("this KV cache stores values: append needs v")
         self.v[layer, self.length : end] = v
         return self.k[layer, :end], self.v[layer, :end]
 

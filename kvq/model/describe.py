@@ -42,7 +42,10 @@ def describe_model(
     spec = arch_spec(meta.arch)
     out: dict[str, Any] = {"path": str(path)}
     out.update({f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"})
-    out.update(rope_style=spec.rope_style, qk_norm=spec.qk_norm, shared_expert=spec.shared_expert)
+    out.update(
+        attention=spec.attention, rope_style=spec.rope_style, qk_norm=spec.qk_norm,
+        shared_expert=spec.shared_expert,
+    )  # fmt: skip
     reader = gio.open_reader(path)
     out["quant_types"] = quant_types(reader)
     out["slice_experts"] = slice_experts
@@ -66,7 +69,9 @@ def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
     return [
         {"layer": b.layer_start, "expert_start": b.expert_start, "expert_end": b.expert_end,
          "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
-        for b in slice_grid(meta.block_count, meta.expert_count, 1, slice_experts)
+        for b in slice_grid(
+            meta.block_count, meta.expert_count, 1, slice_experts, meta.leading_dense_block_count
+        )
     ]  # fmt: skip
 
 
@@ -101,7 +106,9 @@ def memory_needs(
         elif t.name not in experts:
             dense += int(t.n_elements) * size
     positions = a.kv_positions or meta.context_length
-    kv = a.n_slots * positions * meta.block_count * 2 * meta.head_count_kv * meta.head_dim * size
+    heads, width = meta.cache_width
+    per_token = heads * width * (1 if meta.kv_lora_rank else 2)  # MLA: the latent, once
+    kv = a.n_slots * positions * meta.block_count * per_token * size
     expert_bytes = tensor_sizes(reader, meta)["expert_bytes"]
     backbone = dense + mapped
     per_slice = [s["bytes"] for s in slices] or [0]
@@ -125,8 +132,13 @@ def memory_needs(
             + ", ".join(q.name for q in kernels.KERNEL_TYPES)
             + "), computed encoded from the memory-mapped file (page cache)",
             f"KV cache: {a.n_slots} sequences x {positions} positions x {meta.block_count} "
-            f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} in {a.dtype} "
-            "(the cache grows by doubling, so this is its full size)",
+            + (
+                f"layers x one MLA latent of {meta.cache_width[1]} values in {a.dtype} "
+                if meta.kv_lora_rank
+                else f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} "
+                f"in {a.dtype} "
+            )
+            + "(the cache grows by doubling, so this is its full size)",
             "all: + every routed expert at its encoded size (memory-mapped from the file); "
             "none: experts on workers only (a coordinator that still maps them for fallback "
             "pays page cache, not its own memory)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,9 @@ class Rope:
     `style` "neox" rotates pairs (i, i + d/2); "norm" rotates adjacent pairs (2i, 2i + 1).
     Scaling "linear" divides positions by `factor`; "yarn" blends interpolated and extrapolated
     frequencies over the dimensions between the correction bounds and scales cos/sin by
-    `1 + 0.1 ln(factor)`.
+    `1 + 0.1 ln(factor)` (or by `mscale` where the arch says otherwise). `head_dim` is the
+    number of dimensions rotated: a head wider than that (partial rotary, glm4moe) keeps the
+    rest as they are.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class Rope:
         factor: float = 1.0,
         original_context: int = 0,
         beta: tuple[float, float] = (32.0, 1.0),
+        mscale: float | None = None,
     ) -> None:
         if style not in ("neox", "norm"):
             raise ModelError(f"rope style {style!r} is not 'neox' or 'norm'")
@@ -50,20 +54,28 @@ class Rope:
             ramp = ((idx - low) / max(high - low, 0.001)).clamp(0, 1)  # [d/2] 0: extrapolate
             inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
             self.mscale = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+        if mscale is not None:
+            self.mscale = mscale
         self.inv_freq = inv_freq  # [d/2]
         self.style = style
+        self.dims = head_dim
 
     @classmethod
-    def from_meta(cls, meta: ModelMeta, style: str) -> Rope:
+    def from_meta(cls, meta: ModelMeta, style: str, mscale: float | None = None) -> Rope:
         """The rope of a model, from its metadata."""
         return cls(
-            meta.head_dim, meta.rope_freq_base, style, meta.rope_scaling_type,
+            meta.rope_dims, meta.rope_freq_base, style, meta.rope_scaling_type,
             meta.rope_scaling_factor, meta.rope_original_context_length or meta.context_length,
-            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow),
+            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow), mscale,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, d]; pos: [T] int64 absolute positions. Returns [T, heads, d]."""
+        if x.shape[-1] > self.dims:  # partial rotary: the first `dims` only
+            return torch.cat((self._rotate(x[..., : self.dims], pos), x[..., self.dims :]), -1)
+        return self._rotate(x, pos)
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         inv = self.inv_freq.to(x.device)
         ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
         cos = (ang.cos() * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
@@ -96,14 +108,16 @@ def causal_attention(
 ) -> torch.Tensor:
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
-    q: [T, heads, d] at positions q_start..q_start+T-1; k, v: [S, kv, d] with S = q_start+T.
+    q: [T, heads, d] at positions q_start..q_start+T-1; k: [S, kv, d], v: [S, kv, dv] with
+    S = q_start+T (dv may differ from d: MLA's latent values).
     Query head h reads kv head h // (heads / kv), as ggml's broadcasting matmul does: the
     `group` query heads of one kv head are stacked as rows of one matmul against that head's
     keys, so the cache is read in place, never copied per query head. A single new token
     (decode) sees every cached position, so it needs no mask. `scale` 0 means 1/sqrt(d).
-    Returns [T, heads * d].
+    Returns [T, heads * dv].
     """
     t, heads, d = q.shape
+    dv = v.shape[-1]
     kv = k.shape[1]
     group = heads // kv
     qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
@@ -114,23 +128,62 @@ def causal_attention(
         scores = scores.view(kv, group, t, -1).masked_fill(kpos > qpos, float("-inf"))
         scores = scores.view(kv, group * t, -1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = probs @ v.transpose(0, 1)  # [kv, group*T, d]
-    return out.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, heads * d)  # [T, heads*d]
+    out = probs @ v.transpose(0, 1)  # [kv, group*T, dv]
+    return out.view(kv, group, t, dv).permute(2, 0, 1, 3).reshape(t, heads * dv)  # [T, heads*dv]
+
+
+@dataclass(frozen=True, slots=True)
+class Gating:
+    """How a layer's router turns logits into experts and weights (from the file's metadata).
+
+    `scores` softmax or sigmoid; a `bias` tensor, where the layer has one, is added to the
+    scores for the choice only (DeepSeek-V3's `exp_probs_b`); with `groups` > 1 the experts
+    form that many equal groups, each scored by the sum of its two best (biased) scores, and
+    only the best `groups_used` groups compete; the chosen experts' unbiased scores are the
+    weights, renormalised to sum 1 if `norm`, then times `scale`."""
+
+    k: int
+    scores: str = "softmax"
+    norm: bool = True
+    scale: float = 1.0
+    groups: int = 1
+    groups_used: int = 1
+
+    @classmethod
+    def from_meta(cls, m: ModelMeta) -> Gating:
+        return cls(
+            m.expert_used_count, m.expert_gating, m.expert_weights_norm, m.expert_weights_scale,
+            m.expert_group_count, m.expert_group_used_count,
+        )  # fmt: skip
+
+
+# llama.cpp clamps the sum of the chosen weights to the smallest normal f16 before dividing
+_MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def route(
-    router: torch.Tensor, x: torch.Tensor, k: int, norm: bool = True, scale: float = 1.0
+    router: torch.Tensor, x: torch.Tensor, gating: Gating, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, top-k, optionally renormalised to sum 1, times `scale`.
+    """The top-k experts of each row and their weights, as `gating` says.
 
-    router: [E, H]; x: [T, H]. Returns ids [T, k] int64 and weights [T, k] float32.
+    router: [E, H]; x: [T, H]; bias: [E] or None. Returns ids [T, k] int64 and weights
+    [T, k] float32, largest choice first.
     """
     logits = x.float() @ router.float().T  # [T, E] in f32, as llama.cpp does
-    probs = torch.softmax(logits, dim=-1)  # [T, E]
-    w, ids = torch.topk(probs, k, dim=-1)  # [T, k] each, largest first
-    if norm:
-        w = w / w.sum(dim=-1, keepdim=True)  # [T, k]
-    return ids, w * scale if scale != 1.0 else w
+    probs = torch.softmax(logits, -1) if gating.scores == "softmax" else torch.sigmoid(logits)
+    choice = probs if bias is None else probs + bias.float()  # [T, E]
+    if gating.groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, gating.groups, e // gating.groups)  # [T, G, E/G]
+        best = grouped.topk(min(2, e // gating.groups), dim=-1).values.sum(-1)  # [T, G]
+        keep = best.topk(gating.groups_used, dim=-1).indices  # [T, Gu]
+        mask = torch.ones_like(best, dtype=torch.bool).scatter_(1, keep, False)  # [T, G]
+        choice = grouped.masked_fill(mask[:, :, None], float("-inf")).view(t, e)
+    ids = torch.topk(choice, gating.k, dim=-1).indices  # [T, k], largest first
+    w = probs.gather(1, ids)  # [T, k]
+    if gating.norm:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)  # [T, k]
+    return ids, w * gating.scale if gating.scale != 1.0 else w
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

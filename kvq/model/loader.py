@@ -18,7 +18,7 @@ from gguf import ReaderTensor
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
-from kvq.model.arch import ArchSpec
+from kvq.model.arch import MLA, QK_FULL, QK_HEAD, SHARED_GATED, ArchSpec
 from kvq.model.meta import ModelMeta
 from kvq.model.qstack import FileMap, QMatrix, QRows, Weight
 from kvq.quant import dequantize, kernels
@@ -26,31 +26,75 @@ from kvq.quant import dequantize, kernels
 
 @dataclass
 class SharedExpert:
-    """qwen2moe's always-on expert: `sigmoid(x . gate_inp) * down(silu(gate x) * up x)`."""
+    """The always-on expert(s) of a MoE layer: `down(silu(gate x) * up x)`, gated per token by
+    `sigmoid(x . gate_inp)` where the arch has that gate (qwen2moe), else added as is."""
 
     gate: Weight  # [Fs, H]
     up: Weight  # [Fs, H]
     down: Weight  # [H, Fs]
-    gate_inp: torch.Tensor  # [H]
+    gate_inp: torch.Tensor | None = None  # [H]
 
 
 @dataclass
-class LayerWeights:
-    """Dense weights of one block, numpy/torch order [out, in]; optional parts are None."""
+class GqaWeights:
+    """Grouped-query attention (MHA when kv heads = heads); optional parts are None."""
 
-    attn_norm: torch.Tensor  # [H]
     wq: Weight  # [heads*d, H]
     wk: Weight  # [kv*d, H]
     wv: Weight  # [kv*d, H]
     wo: Weight  # [H, heads*d]
-    ffn_norm: torch.Tensor  # [H]
-    router: torch.Tensor  # [E, H]
-    q_norm: torch.Tensor | None = None  # [d]
-    k_norm: torch.Tensor | None = None  # [d]
+    q_norm: torch.Tensor | None = None  # [d] per head, or [heads*d] over the whole q
+    k_norm: torch.Tensor | None = None  # [d] per head, or [kv*d] over the whole k
     bq: torch.Tensor | None = None  # [heads*d]
     bk: torch.Tensor | None = None  # [kv*d]
     bv: torch.Tensor | None = None  # [kv*d]
+
+
+@dataclass
+class MlaWeights:
+    """DeepSeek's multi-head latent attention (dk = nope + rope per head, r = kv_lora_rank).
+
+    k_b and v_b are kept per head as the absorbed form computes with them: queries are taken
+    into the latent space through k_b, attention runs against the cached latent, and v_b
+    takes each head's result out of it. Files from older converters store the two as one
+    `attn_kv_b`; the loader splits it."""
+
+    wq: Weight  # [heads*dk, q_lora] after q_a and its norm, or [heads*dk, H] with no LoRA
+    wkv_a: Weight  # [r + rope, H]: the latent and the shared rope key
+    kv_a_norm: torch.Tensor  # [r]
+    wk_b: torch.Tensor  # [heads, r, nope]
+    wv_b: torch.Tensor  # [heads, v, r]
+    wo: Weight  # [H, heads*v]
+    wq_a: Weight | None = None  # [q_lora, H]
+    q_a_norm: torch.Tensor | None = None  # [q_lora]
+
+
+@dataclass
+class MoeFfn:
+    """The router of a MoE layer and what runs beside the routed experts."""
+
+    router: torch.Tensor  # [E, H]
+    probs_bias: torch.Tensor | None = None  # [E]: added to the scores for the choice only
     shared: SharedExpert | None = None
+
+
+@dataclass
+class DenseFfn:
+    """The SwiGLU FFN of a dense layer (deepseek2's and glm4moe's leading layers)."""
+
+    gate: Weight  # [F, H]
+    up: Weight  # [F, H]
+    down: Weight  # [H, F]
+
+
+@dataclass
+class LayerWeights:
+    """Dense weights of one block, numpy/torch order [out, in]."""
+
+    attn_norm: torch.Tensor  # [H]
+    attn: GqaWeights | MlaWeights
+    ffn_norm: torch.Tensor  # [H]
+    ffn: MoeFfn | DenseFfn
 
 
 class Loader:
@@ -118,39 +162,99 @@ class Loader:
 
 
 def layer_weights(load: Loader, m: ModelMeta, spec: ArchSpec, i: int) -> LayerWeights:
-    """The dense weights of block `i` (attention, norms, router, shared expert)."""
-    h, p, d = m.embedding_length, f"blk.{i}.", m.head_dim
-    q_out, kv_out = m.head_count * d, m.head_count_kv * d
-    bias = load if spec.qkv_bias else load.optional
+    """The dense weights of block `i` (attention, norms, router, shared or dense FFN)."""
+    h, p = m.embedding_length, f"blk.{i}."
+    attn = _mla(load, m, p) if spec.attention == MLA else _gqa(load, m, spec, p)
+    ffn: MoeFfn | DenseFfn
+    if i in m.moe_layers:
+        ffn = MoeFfn(
+            router=load(p + "ffn_gate_inp.weight", (m.expert_count, h)),
+            probs_bias=load.optional(p + "exp_probs_b.bias", (m.expert_count,)),
+            shared=_shared_expert(load, m, spec, p) if spec.shared_expert else None,
+        )
+    else:
+        f = m.feed_forward_length
+        ffn = DenseFfn(
+            gate=load.matrix(p + "ffn_gate.weight", (f, h)),
+            up=load.matrix(p + "ffn_up.weight", (f, h)),
+            down=load.matrix(p + "ffn_down.weight", (h, f)),
+        )
     return LayerWeights(
         attn_norm=load(p + "attn_norm.weight", (h,)),
+        attn=attn,
+        ffn_norm=load(p + spec.ffn_norm + ".weight", (h,)),
+        ffn=ffn,
+    )
+
+
+def _gqa(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> GqaWeights:
+    h, d = m.embedding_length, m.head_dim
+    q_out, kv_out = m.head_count * d, m.head_count_kv * d
+    bias = load if spec.qkv_bias else load.optional
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    if spec.qk_norm == QK_FULL:
+        q_norm = load(p + "attn_q_norm.weight", (q_out,))
+        k_norm = load(p + "attn_k_norm.weight", (kv_out,))
+    else:  # per head: required where the arch has it, else used where the file has it
+        norm = load if spec.qk_norm == QK_HEAD else load.optional
+        q_norm, k_norm = norm(p + "attn_q_norm.weight", (d,)), norm(p + "attn_k_norm.weight", (d,))
+    return GqaWeights(
         wq=load.matrix(p + "attn_q.weight", (q_out, h)),
         wk=load.matrix(p + "attn_k.weight", (kv_out, h)),
         wv=load.matrix(p + "attn_v.weight", (kv_out, h)),
         wo=load.matrix(p + "attn_output.weight", (h, q_out)),
-        ffn_norm=load(p + "ffn_norm.weight", (h,)),
-        router=load(p + "ffn_gate_inp.weight", (m.expert_count, h)),
-        q_norm=load(p + "attn_q_norm.weight", (d,)) if spec.qk_norm else None,
-        k_norm=load(p + "attn_k_norm.weight", (d,)) if spec.qk_norm else None,
+        q_norm=q_norm,
+        k_norm=k_norm,
         bq=bias(p + "attn_q.bias", (q_out,)),
         bk=bias(p + "attn_k.bias", (kv_out,)),
         bv=bias(p + "attn_v.bias", (kv_out,)),
-        shared=_shared_expert(load, m, p) if spec.shared_expert else None,
     )
 
 
-def _shared_expert(load: Loader, m: ModelMeta, p: str) -> SharedExpert:
+def _mla(load: Loader, m: ModelMeta, p: str) -> MlaWeights:
+    h, heads, dk, v = m.embedding_length, m.head_count, m.head_dim, m.value_head_dim
+    r, rope = m.kv_lora_rank, m.rope_dims
+    nope = dk - rope
+    if m.q_lora_rank:
+        wq_a = load.matrix(p + "attn_q_a.weight", (m.q_lora_rank, h))
+        q_a_norm = load(p + "attn_q_a_norm.weight", (m.q_lora_rank,))
+        wq = load.matrix(p + "attn_q_b.weight", (heads * dk, m.q_lora_rank))
+    else:
+        wq_a, q_a_norm = None, None
+        wq = load.matrix(p + "attn_q.weight", (heads * dk, h))
+    if load.has(p + "attn_k_b.weight"):  # split by a recent converter, k_b transposed
+        wk_b = load(p + "attn_k_b.weight", (heads, r, nope))
+        wv_b = load(p + "attn_v_b.weight", (heads, v, r))
+    else:  # one kv_b: per head, nope rows of k then v rows of v, over the latent
+        kv_b = load(p + "attn_kv_b.weight", (heads * (nope + v), r)).view(heads, nope + v, r)
+        wk_b = kv_b[:, :nope].transpose(1, 2).contiguous()  # [heads, r, nope]
+        wv_b = kv_b[:, nope:].contiguous()  # [heads, v, r]
+    return MlaWeights(
+        wq=wq,
+        wkv_a=load.matrix(p + "attn_kv_a_mqa.weight", (r + rope, h)),
+        kv_a_norm=load(p + "attn_kv_a_norm.weight", (r,)),
+        wk_b=wk_b,
+        wv_b=wv_b,
+        wo=load.matrix(p + "attn_output.weight", (h, heads * v)),
+        wq_a=wq_a,
+        q_a_norm=q_a_norm,
+    )
+
+
+def _shared_expert(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> SharedExpert:
     h, f = m.embedding_length, m.expert_shared_feed_forward_length
     if f <= 0:
         raise ModelError(
             f"{m.arch} needs a shared expert but its width is unknown: the file has neither "
-            f"{m.arch}.expert_shared_feed_forward_length nor blk.0.ffn_up_shexp.weight"
+            f"{m.arch}.expert_shared_feed_forward_length nor an ffn_up_shexp tensor"
         )
+    gated = spec.shared == SHARED_GATED
     return SharedExpert(
         gate=load.matrix(p + "ffn_gate_shexp.weight", (f, h)),
         up=load.matrix(p + "ffn_up_shexp.weight", (f, h)),
         down=load.matrix(p + "ffn_down_shexp.weight", (h, f)),
-        gate_inp=load(p + "ffn_gate_inp_shexp.weight", (h,)),
+        gate_inp=load(p + "ffn_gate_inp_shexp.weight", (h,)) if gated else None,
     )
 
 

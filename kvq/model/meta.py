@@ -18,7 +18,7 @@ from gguf import GGUFReader, ReaderTensor
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
-from kvq.model.arch import SUPPORTED_TEXT, arch_spec
+from kvq.model.arch import MLA, SUPPORTED_TEXT, ArchSpec, arch_spec
 
 EXPERT_KINDS = ("gate", "up", "down")
 ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -68,12 +68,43 @@ class ModelMeta:
     attention_scale: float = 0.0  # 0: 1/sqrt(head_dim)
     expert_weights_norm: bool = True  # renormalise the top-k weights to sum 1
     expert_weights_scale: float = 1.0  # multiplies the top-k weights
-    expert_shared_feed_forward_length: int = 0  # qwen2moe's shared expert; 0 if none
+    expert_shared_feed_forward_length: int = 0  # the shared expert(s)' total width; 0 if none
+    expert_gating: str = "softmax"  # the router's scores: softmax | sigmoid
+    expert_group_count: int = 1  # group-limited routing: experts in this many equal groups
+    expert_group_used_count: int = 1  # ... of which the best this many are kept per token
+    leading_dense_block_count: int = 0  # layers [0, n) run a dense FFN, the rest are MoE
+    nextn_predict_layers: int = 0  # MTP blocks after the trunk (in the file, not run)
+    rope_dim: int = 0  # dimensions rope rotates (rope.dimension_count); 0: the head size
+    rope_yarn_log_mul: float = (
+        0.0  # rope.scaling.yarn_log_multiplier (deepseek2: 0.1 x mscale_all_dim)
+    )
+    q_lora_rank: int = 0  # MLA: rank of q's LoRA (0: a plain attn_q, as DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0  # MLA: size of the compressed KV latent; 0 for every non-MLA arch
+    value_head_dim: int = 0  # MLA: each head's value size (v_head_dim); 0: the head size
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
 
     def expert_types(self) -> set[int]:
         """The ggml types the expert tensors are stored in."""
         return {r.ggml_type for layer in self.expert_tensors.values() for r in layer.values()}
+
+    @property
+    def moe_layers(self) -> range:
+        """The layers whose FFN is the routed experts (the others are dense)."""
+        return range(self.leading_dense_block_count, self.block_count)
+
+    @property
+    def rope_dims(self) -> int:
+        """How many dimensions of each head rope rotates."""
+        return self.rope_dim or self.head_dim
+
+    @property
+    def cache_width(self) -> tuple[int, int]:
+        """(kv heads, values per head) a KV cache stores per token and layer: K and V of each
+        kv head, or, for MLA, one latent of `kv_lora_rank + rope_dims` values (the values
+        are its first `kv_lora_rank`, stored once)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.rope_dims
+        return self.head_count_kv, self.head_dim
 
 
 def read_meta(path: str | Path) -> ModelMeta:
@@ -84,11 +115,11 @@ def read_meta(path: str | Path) -> ModelMeta:
     tensors = gio.tensor_map(reader)
     meta = _meta_fields(reader, arch, os.path.getsize(path))
     if spec.shared_expert and meta.expert_shared_feed_forward_length <= 0:
-        shexp = tensors.get("blk.0.ffn_up_shexp.weight")
+        shexp = tensors.get(f"blk.{meta.leading_dense_block_count}.ffn_up_shexp.weight")
         width = gio.numpy_shape(shexp)[0] if shexp is not None else 0
         meta = replace(meta, expert_shared_feed_forward_length=width)
     _check_unsupported_tensors(tensors)
-    experts = {layer: _layer_experts(tensors, meta, layer) for layer in range(meta.block_count)}
+    experts = {layer: _layer_experts(tensors, meta, layer) for layer in meta.moe_layers}
     for t in tensors.values():  # refuse unsupported quant types before any weight is read
         gio.check_supported(int(t.tensor_type), t.name)
     return replace(meta, expert_tensors=experts)  # replace keeps the dataclass frozen
@@ -106,17 +137,18 @@ def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
         )
     hidden = gio.int_field(reader, f"{a}.embedding_length")
     heads = gio.int_field(reader, f"{a}.attention.head_count")
-    head_dim = _head_dim(reader, a, hidden, heads)
+    head_dim, rope_dim = _head_dim(reader, a, hidden, heads, spec)
+    blocks, nextn = _blocks(reader, a, spec)
     return ModelMeta(
         arch=arch,
         name=gio.str_field(reader, "general.name", ""),
-        block_count=gio.int_field(reader, f"{a}.block_count"),
+        block_count=blocks,
         expert_count=experts,
         expert_used_count=_experts_used(reader, a, experts),
         embedding_length=hidden,
         expert_feed_forward_length=_expert_ffn(reader, a),
         head_count=heads,
-        head_count_kv=_kv_heads(reader, a, heads),
+        head_count_kv=_kv_heads(reader, a, heads, spec),
         head_dim=head_dim,
         rope_freq_base=gio.float_field(reader, f"{a}.rope.freq_base", 10000.0),
         rms_eps=gio.float_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
@@ -129,37 +161,89 @@ def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
         tokenizer_model=gio.str_field(reader, "tokenizer.ggml.model", ""),
         **_rope_scaling(reader, a),
         attention_scale=gio.float_field(reader, f"{a}.attention.scale", 0.0),
-        **_gating(reader, a, spec.norm_topk),
+        **_gating(reader, a, spec, experts),
         expert_shared_feed_forward_length=gio.int_field(
             reader, f"{a}.expert_shared_feed_forward_length", 0
         ),
+        leading_dense_block_count=_dense_lead(reader, a, spec, blocks),
+        nextn_predict_layers=nextn,
+        rope_dim=rope_dim,
+        rope_yarn_log_mul=gio.float_field(reader, f"{a}.rope.scaling.yarn_log_multiplier", 0.0),
+        **_mla(reader, a, spec),
     )
 
 
-def _head_dim(reader: GGUFReader, a: str, hidden: int, heads: int) -> int:
-    """attention.key_length (default hidden / heads), checked against value_length and rope."""
+def _blocks(reader: GGUFReader, a: str, spec: ArchSpec) -> tuple[int, int]:
+    """(trunk layers, MTP layers): `nextn_predict_layers` blocks at the end of the file are
+    next-token-prediction heads for speculative decoding; kvq loads the file without them."""
+    total = gio.int_field(reader, f"{a}.block_count")
+    nextn = gio.int_field(reader, f"{a}.nextn_predict_layers", 0)
+    if not 0 <= nextn < total:
+        raise ModelError(f"{a}.nextn_predict_layers = {nextn} must be in 0..{total - 1}")
+    return total - nextn, nextn
+
+
+def _dense_lead(reader: GGUFReader, a: str, spec: ArchSpec, blocks: int) -> int:
+    n = gio.int_field(reader, f"{a}.leading_dense_block_count", 0) if spec.dense_lead else 0
+    if not 0 <= n < blocks:
+        raise ModelError(
+            f"{a}.leading_dense_block_count = {n} must leave at least one MoE layer of {blocks}"
+        )
+    return n
+
+
+def _mla(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
+    """MLA's ranks and value size (deepseek2); nothing for the other attention kinds."""
+    if spec.attention != MLA:
+        return {}
+    kv_rank = gio.int_field(reader, f"{a}.attention.kv_lora_rank")
+    v_mla = gio.int_field(reader, f"{a}.attention.value_length_mla", 0)
+    value = v_mla or gio.int_field(reader, f"{a}.attention.value_length")
+    if kv_rank <= 0 or value <= 0:
+        raise ModelError(f"{a}: kv_lora_rank {kv_rank} and value size {value} must be positive")
+    return {
+        "q_lora_rank": gio.int_field(reader, f"{a}.attention.q_lora_rank", 0),
+        "kv_lora_rank": kv_rank,
+        "value_head_dim": value,
+    }
+
+
+def _head_dim(
+    reader: GGUFReader, a: str, hidden: int, heads: int, spec: ArchSpec
+) -> tuple[int, int]:
+    """(head size of q and k, dimensions rope rotates), checked against value_length and rope.
+
+    MLA files written by a recent converter carry the per-head sizes as `key_length_mla` /
+    `value_length_mla` (and the latent's as `key_length`); older ones as `key_length`."""
     if heads <= 0:
         raise ModelError(f"{a}.attention.head_count = {heads} must be positive")
-    head_dim = gio.int_field(reader, f"{a}.attention.key_length", hidden // heads)
-    value_dim = gio.int_field(reader, f"{a}.attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise ModelError(
-            f"{a}.attention.value_length {value_dim} != key_length {head_dim}; kvq needs equal "
-            "key and value head sizes"
+    if spec.attention == MLA:
+        head_dim = gio.int_field(reader, f"{a}.attention.key_length_mla", 0) or gio.int_field(
+            reader, f"{a}.attention.key_length"
         )
+    else:
+        head_dim = gio.int_field(reader, f"{a}.attention.key_length", hidden // heads)
+        value_dim = gio.int_field(reader, f"{a}.attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise ModelError(
+                f"{a}.attention.value_length {value_dim} != key_length {head_dim}; kvq needs "
+                "equal key and value head sizes"
+            )
     rot = gio.int_field(reader, f"{a}.rope.dimension_count", head_dim)
-    if rot != head_dim:
+    if rot != head_dim and not (spec.partial_rope and 0 < rot < head_dim):
         raise ModelError(
             f"{a}.rope.dimension_count {rot} != head size {head_dim}: partial rotary "
-            "embeddings are not supported"
+            f"embeddings are not supported for {a}"
         )
-    if head_dim % 2:
-        raise ModelError(f"head size {head_dim} is odd; RoPE needs an even head size")
-    return head_dim
+    if head_dim % 2 or rot % 2:
+        raise ModelError(f"head size {head_dim} or rope size {rot} is odd; RoPE needs even sizes")
+    return head_dim, (0 if rot == head_dim else rot)
 
 
-def _kv_heads(reader: GGUFReader, a: str, heads: int) -> int:
+def _kv_heads(reader: GGUFReader, a: str, heads: int, spec: ArchSpec) -> int:
     kv = gio.int_field(reader, f"{a}.attention.head_count_kv", heads)
+    if spec.attention == MLA:
+        return heads  # MLA expands its latent to every head (files say 1: one latent)
     if kv <= 0 or heads % kv:
         raise ModelError(f"{a}.attention.head_count_kv = {kv} does not divide head_count {heads}")
     return kv
@@ -211,17 +295,31 @@ def _rope_scaling(reader: GGUFReader, a: str) -> dict[str, Any]:
     }
 
 
-def _gating(reader: GGUFReader, a: str, norm_default: bool) -> dict[str, Any]:
-    """How top-k gate weights are formed: softmax only; renormalised and scaled per the file."""
-    func = gio.int_field(reader, f"{a}.expert_gating_func", 1)
-    if func != 1:
+def _gating(reader: GGUFReader, a: str, spec: ArchSpec, experts: int) -> dict[str, Any]:
+    """How top-k gate weights are formed: the scores (softmax or sigmoid, as the file's
+    `expert_gating_func` says, else the arch's default), expert groups, renormalisation and
+    scale."""
+    funcs = {1: "softmax", 2: "sigmoid"}
+    func = gio.int_field(reader, f"{a}.expert_gating_func", 0)
+    if func not in (0, *funcs):
         raise ModelError(
-            f"{a}.expert_gating_func = {func} is not supported; kvq runs softmax gating (1)"
+            f"{a}.expert_gating_func = {func} is not supported; kvq runs softmax (1) and "
+            "sigmoid (2) gating"
+        )
+    groups = gio.int_field(reader, f"{a}.expert_group_count", 0) or 1
+    used = gio.int_field(reader, f"{a}.expert_group_used_count", 0) or groups
+    if experts % groups or not 0 < used <= groups:
+        raise ModelError(
+            f"{a}.expert_group_count = {groups} must divide expert_count {experts}, and "
+            f"expert_group_used_count = {used} be in 1..{groups}"
         )
     scale = gio.float_field(reader, f"{a}.expert_weights_scale", 0.0)
     return {
-        "expert_weights_norm": gio.bool_field(reader, f"{a}.expert_weights_norm", norm_default),
+        "expert_weights_norm": gio.bool_field(reader, f"{a}.expert_weights_norm", spec.norm_topk),
         "expert_weights_scale": scale if scale > 0 else 1.0,
+        "expert_gating": funcs.get(func, spec.gating),
+        "expert_group_count": groups,
+        "expert_group_used_count": used,
     }
 
 

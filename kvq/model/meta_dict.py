@@ -42,7 +42,8 @@ _CHECKERS = {"int": _as_int, "float": _as_float, "str": _as_str, "bool": _as_boo
 
 
 def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
-    """`meta` as a dict of plain values; `expert_tensors` becomes a list indexed by layer."""
+    """`meta` as a dict of plain values; `expert_tensors` becomes a list over the MoE layers,
+    in order (the first is layer `leading_dense_block_count`)."""
     out: dict[str, object] = {
         f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
     }
@@ -69,7 +70,9 @@ def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
     layers = d.get("expert_tensors")
     if not isinstance(layers, list):
         raise ModelError(f"model layout 'expert_tensors' must be a list, got {layers!r}")
-    experts = {i: _layer_from_list(i, rows) for i, rows in enumerate(layers)}
+    first = values.get("leading_dense_block_count", 0)
+    assert isinstance(first, int)
+    experts = {first + i: _layer_from_list(first + i, rows) for i, rows in enumerate(layers)}
     return ModelMeta(**values, expert_tensors=experts)  # type: ignore[arg-type]
 
 

@@ -39,7 +39,7 @@ from kvq.model import bpe
 from kvq.model.arch import ArchSpec, arch_spec
 from kvq.model.quants import U8, check_quant, encode, random_blocks, tensor_type
 from kvq.model.tiny import add_metadata
-from kvq.model.tiny_weights import TinyConfig
+from kvq.model.tiny_weights import TinyConfig, layer_shapes
 
 Q = GGMLQuantizationType
 _OUT = 0.25  # rms of attn_output / ffn_down relative to 1/sqrt(fan-in)
@@ -104,28 +104,10 @@ def plan(p: Preset, quant: str = "q4_k_m") -> list[PlannedTensor]:
 
 def tensor_shapes(cfg: TinyConfig, spec: ArchSpec) -> dict[str, tuple[int, ...]]:
     """GGUF name -> numpy shape of every tensor, in the order `tiny_tensors` writes them."""
-    h, f, e, d, v = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.head_dim, cfg.vocab
-    q, kv = cfg.heads * d, cfg.kv_heads * d
-    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, h)}
-    for i in range(cfg.layers):
-        p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h),
-                    p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
-                    p + "attn_output.weight": (h, q)})  # fmt: skip
-        if spec.qk_norm:
-            out.update({p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)})
-        out.update({p + "ffn_norm.weight": (h,), p + "ffn_gate_inp.weight": (e, h),
-                    p + "ffn_gate_exps.weight": (e, f, h), p + "ffn_up_exps.weight": (e, f, h),
-                    p + "ffn_down_exps.weight": (e, h, f)})  # fmt: skip
-        if spec.qkv_bias:
-            out.update(
-                {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
-            )
-        if spec.shared_expert:
-            fs = cfg.shared_ffn
-            out.update({p + "ffn_gate_inp_shexp.weight": (h,), p + "ffn_gate_shexp.weight": (fs, h),
-                        p + "ffn_up_shexp.weight": (fs, h), p + "ffn_down_shexp.weight": (h, fs)})  # fmt: skip
-    out.update({"output_norm.weight": (h,), "output.weight": (v, h)})
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab, cfg.hidden)}
+    for i in range(cfg.layers + cfg.nextn):
+        out.update(layer_shapes(cfg, spec, i))
+    out.update({"output_norm.weight": (cfg.hidden,), "output.weight": (cfg.vocab, cfg.hidden)})
     return out
 
 

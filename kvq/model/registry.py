@@ -28,7 +28,11 @@ def plan_slices(
     """Cut the model into slices and checksum every byte range of each."""
     out = []
     with open(path, "rb") as f:
-        for bounds in slice_grid(meta.block_count, meta.expert_count, slice_layers, slice_experts):
+        grid = slice_grid(
+            meta.block_count, meta.expert_count, slice_layers, slice_experts,
+            meta.leading_dense_block_count,
+        )  # fmt: skip
+        for bounds in grid:
             ls, le, es, ee = bounds
             ranges = [r for layer in range(ls, le) for r in slice_layout(meta, layer, es, ee)]
             sums = []

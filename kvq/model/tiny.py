@@ -20,11 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, RopeScalingType, TokenType
+from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 
 from kvq.errors import ModelError
 from kvq.model import bpe
-from kvq.model.arch import ArchSpec, tiny_arch
+from kvq.model.arch import MLA, QK_NONE, SHARED_GATED, SHARED_NONE, ArchSpec, tiny_arch
 from kvq.model.meta import ROPE_SCALINGS
 from kvq.model.quants import check_quant, encode, tensor_type
 from kvq.model.tiny_weights import TinyConfig, tiny_tensors
@@ -77,10 +77,13 @@ def make_tiny(
     rope_scaling: str = "none",
     rope_scaling_factor: float = 1.0,
     tokenizer: str = "bytes",
+    variant: str = "",
 ) -> None:
     """Write a tiny random MoE model to `path`.
 
-    `arch`: qwen3moe | qwen2moe | mixtral. `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2, each with every part
+    its family's real files use (`family_parts`; `variant` picks another form of a family:
+    deepseek2 `v2-lite`, `kv-b`). `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
     q5_1, q4_k, q5_k, q6_k, or the mix q4_k_m (rows that are not whole blocks fall back per
     tensor, as llama-quantize does). `shared_expert_ffn` (qwen2moe; 0 = 2 * expert_ffn).
     `rope_scaling`: none | linear | yarn, by `rope_scaling_factor` (yarn's original context is
@@ -90,8 +93,53 @@ def make_tiny(
         layers, experts, experts_used, hidden, expert_ffn, heads, kv_heads, head_dim,
         shared_expert_ffn,
     )  # fmt: skip
+    cfg = family_parts(cfg, arch, variant)
     rope = (rope_scaling, rope_scaling_factor)
     write_tiny(path, cfg, arch=arch, quant=quant, seed=seed, rope=rope, tokenizer=tokenizer)
+
+
+VARIANTS: dict[str, tuple[str, ...]] = {"deepseek2": ("v3", "v2-lite", "kv-b")}
+
+
+def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
+    """`cfg` with the parts of `arch`'s real files (the other archs: unchanged).
+
+    - deepseek2 (`v3`, the default): q LoRA, the latent KV with k_b/v_b split, one leading
+      dense layer, one shared expert, sigmoid scores with the `exp_probs_b` bias, 2 expert
+      groups of which 1 is kept, renormalised top-k weights scaled by 2.5, a rope part of half
+      the head and values as wide as a whole head; `v2-lite`: no q LoRA, softmax, no groups,
+      no bias, raw top-k weights (DeepSeek-V2-Lite's config); `kv-b`: v3 with one attn_kv_b
+      (files from older converters).
+    - glm4moe: one leading dense layer, one shared expert, sigmoid scores with the bias,
+      renormalised weights, half-head rope, per-head q/k norms, q/k/v biases, and an MTP block.
+    - olmoe: as many kv heads as heads (its k norm spans the whole projection).
+    """
+    variants = VARIANTS.get(arch, ())
+    if variant and variant not in variants:
+        raise ModelError(
+            f"make_tiny variant {variant!r} is unknown for arch {arch!r}; "
+            f"choose one of {list(variants) or 'none'}"
+        )
+    half = max(2, cfg.head_dim // 2 // 2 * 2)
+    if arch == "deepseek2":
+        lite = variant == "v2-lite"
+        groups = 1 if lite or cfg.experts % 2 else 2
+        return replace(
+            cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
+            q_lora_rank=0 if lite else max(2, cfg.hidden // 2), kv_lora_rank=max(2, cfg.hidden // 2),
+            v_head_dim=cfg.head_dim, mla_split=variant != "kv-b",
+            gating="softmax" if lite else "sigmoid", probs_bias=not lite,
+            expert_groups=groups, groups_used=1, weights_norm=not lite,
+            weights_scale=1.0 if lite else 2.5,
+        )  # fmt: skip
+    if arch == "glm4moe":
+        return replace(
+            cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
+            gating="sigmoid", probs_bias=True, weights_norm=True, head_norms=True, nextn=1,
+        )  # fmt: skip
+    if arch == "olmoe":
+        return replace(cfg, kv_heads=cfg.heads)
+    return cfg
 
 
 def write_tiny(
@@ -171,25 +219,66 @@ def add_metadata(
     """Hyper-parameters under the keys llama.cpp's converter writes for `spec`'s arch."""
     w.add_name(name)
     w.add_file_type(int(FILE_TYPES[quant]))
-    w.add_block_count(cfg.layers)
+    w.add_block_count(cfg.layers + cfg.nextn)
     w.add_context_length(context)
     w.add_embedding_length(cfg.hidden)
-    w.add_feed_forward_length(cfg.expert_ffn)
+    w.add_feed_forward_length(cfg.dense_width if cfg.dense_layers else cfg.expert_ffn)
     if spec.name != "llama":  # Mixtral files carry the expert width as feed_forward_length
         w.add_expert_feed_forward_length(cfg.expert_ffn)
-    if spec.shared_expert:
+    if spec.shared == SHARED_GATED:
         w.add_expert_shared_feed_forward_length(cfg.shared_ffn)
+    elif spec.shared != SHARED_NONE:
+        w.add_expert_shared_count(cfg.shared_count)
     w.add_head_count(cfg.heads)
-    w.add_head_count_kv(cfg.kv_heads)
-    if spec.qk_norm or cfg.head_dim * cfg.heads != cfg.hidden:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    if spec.name == "llama":
-        w.add_rope_dimension_count(cfg.head_dim)
+    if spec.attention == MLA:
+        _add_mla(w, cfg)
+    else:
+        w.add_head_count_kv(cfg.kv_heads)
+        if spec.qk_norm != QK_NONE or cfg.head_dim * cfg.heads != cfg.hidden:
+            w.add_key_length(cfg.head_dim)
+            w.add_value_length(cfg.head_dim)
+    if spec.name == "llama" or cfg.rope_dim:
+        w.add_rope_dimension_count(cfg.rope_dims)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
+    _add_routing(w, cfg, spec)
+
+
+def _add_mla(w: GGUFWriter, cfg: TinyConfig) -> None:
+    """MLA's keys as llama.cpp's converter writes them: with attn_k_b/attn_v_b the file is
+    MQA over the latent (one kv head, key = latent + rope, value = latent) and carries the
+    per-head sizes as *_mla; with one attn_kv_b, the per-head sizes as key/value_length."""
+    w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if cfg.mla_split:
+        w.add_head_count_kv(1)
+        w.add_key_length(cfg.kv_lora_rank + cfg.rope_dims)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.head_dim)
+        w.add_value_length_mla(cfg.value_dim)
+    else:
+        w.add_head_count_kv(cfg.heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.value_dim)
+
+
+def _add_routing(w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec) -> None:
+    """The layer pattern and router keys of the newer families (only those set)."""
+    if spec.dense_lead:
+        w.add_leading_dense_block_count(cfg.dense_layers)
+    if cfg.gating:
+        w.add_expert_gating_func(ExpertGatingFuncType[cfg.gating.upper()])
+    if cfg.expert_groups > 1:
+        w.add_expert_group_count(cfg.expert_groups)
+        w.add_expert_group_used_count(cfg.groups_used)
+    if cfg.weights_norm is not None:
+        w.add_expert_weights_norm(cfg.weights_norm)
+    if cfg.weights_scale:
+        w.add_expert_weights_scale(cfg.weights_scale)
+    if cfg.nextn:
+        w.add_nextn_predict_layers(cfg.nextn)
 
 
 def _byte_tokenizer(w: GGUFWriter) -> None:

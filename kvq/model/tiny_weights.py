@@ -14,7 +14,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvq.errors import ModelError
-from kvq.model.arch import ArchSpec, permute_qk
+from kvq.model.arch import (
+    MLA,
+    QK_FULL,
+    QK_HEAD,
+    QK_NONE,
+    SHARED_GATED,
+    SHARED_NONE,
+    ArchSpec,
+    permute_qk,
+)
 from kvq.model.tokenizer import N_BYTES
 
 _SHARED_DIR = 3.0  # weight of the shared embedding direction (drives router skew)
@@ -37,10 +46,42 @@ class TinyConfig:
     head_dim: int
     shared_expert_ffn: int = 0  # qwen2moe only; 0: 2 * expert_ffn
     vocab: int = N_BYTES + 2  # the byte tokenizer's; tokenizer="bpe" sets or pads its own
+    # the parts of the newer families (`kvq.model.arch`); the defaults leave the others as
+    # they were
+    dense_layers: int = 0  # leading dense FFN layers (deepseek2, glm4moe)
+    dense_ffn: int = 0  # their FFN width; 0: 2 * expert_ffn
+    shared_count: int = 0  # plain shared experts (deepseek2, glm4moe), each expert_ffn wide
+    expert_groups: int = 1  # group-limited routing (deepseek2)
+    groups_used: int = 1
+    gating: str = ""  # "softmax" | "sigmoid"; "": the arch's default, not written
+    probs_bias: bool = False  # exp_probs_b: a selection bias per expert (sigmoid routers)
+    weights_norm: bool | None = None  # expert_weights_norm; None: not written
+    weights_scale: float = 0.0  # expert_weights_scale; 0: not written
+    rope_dim: int = 0  # dimensions rope rotates; 0: the head size (MLA: its rope part)
+    head_norms: bool = False  # per-head attn_{q,k}_norm on an arch where they are optional
+    q_lora_rank: int = 0  # MLA: q's LoRA rank; 0: a plain attn_q (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0  # MLA: the latent size (> 0 for deepseek2)
+    v_head_dim: int = 0  # MLA: per-head value size; 0: head_dim - rope_dim
+    mla_split: bool = True  # MLA: attn_k_b/attn_v_b (recent converters), else one attn_kv_b
+    nextn: int = 0  # MTP blocks after the trunk (glm4moe), written but never run
 
     @property
     def shared_ffn(self) -> int:
+        if self.shared_count:
+            return self.shared_count * self.expert_ffn
         return self.shared_expert_ffn or 2 * self.expert_ffn
+
+    @property
+    def dense_width(self) -> int:
+        return self.dense_ffn or 2 * self.expert_ffn
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim - self.rope_dims
 
     def check(self) -> None:
         """ModelError naming the first inconsistent dimension."""
@@ -58,8 +99,21 @@ class TinyConfig:
             raise ModelError(
                 f"make_tiny heads={self.heads} is not a multiple of kv_heads={self.kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ModelError(f"make_tiny head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2 or self.rope_dims % 2 or self.rope_dims > self.head_dim:
+            raise ModelError(
+                f"make_tiny head_dim={self.head_dim} and rope_dim={self.rope_dim} must be even, "
+                "rope_dim <= head_dim"
+            )
+        if self.experts % self.expert_groups or not 0 < self.groups_used <= self.expert_groups:
+            raise ModelError(
+                f"make_tiny expert_groups={self.expert_groups} must divide experts and "
+                f"groups_used={self.groups_used} be in 1..expert_groups"
+            )
+        if not 0 <= self.dense_layers < self.layers:
+            raise ModelError(
+                f"make_tiny dense_layers={self.dense_layers} must leave a MoE layer of "
+                f"{self.layers}"
+            )
 
 
 def tiny_tensors(cfg: TinyConfig, spec: ArchSpec, rng: np.random.Generator) -> dict[str, F32]:
@@ -70,7 +124,7 @@ def tiny_tensors(cfg: TinyConfig, spec: ArchSpec, rng: np.random.Generator) -> d
     embd = _normal(rng, (cfg.vocab, h), 1.0) + _SHARED_DIR * u[None, :]  # [V, H]
     out: dict[str, F32] = {"token_embd.weight": embd.astype(np.float32)}
     bias = _router_bias(cfg.experts, rng)  # [E]
-    for layer in range(cfg.layers):
+    for layer in range(cfg.layers + cfg.nextn):
         out.update(_layer_tensors(cfg, spec, rng, layer, u, bias))
     out["output_norm.weight"] = _norm_weight(rng, h)  # [H]
     out["output.weight"] = _normal(rng, (cfg.vocab, h), 3.0 / np.sqrt(h))  # [V, H]
@@ -113,16 +167,113 @@ def _layer_tensors(
         p + "ffn_up_exps.weight": _normal(rng, (e, f, h), 1.0 / np.sqrt(h)),  # [E, F, H]
         p + "ffn_down_exps.weight": _normal(rng, (e, h, f), 1.0 / np.sqrt(f)),  # [E, H, F]
     }
-    if not spec.qk_norm:
+    if spec.qk_norm == QK_NONE and not cfg.head_norms:
         del out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"]
     if spec.qkv_bias:
         for name, n in (("q", q_out), ("k", kv_out), ("v", kv_out)):
             out[f"{p}attn_{name}.bias"] = _normal(rng, (n,), 0.2)  # [n]
-    if spec.shared_expert:
+    if spec.shared == SHARED_GATED:
         out.update(_shared_tensors(rng, p, h, cfg.shared_ffn))
-    if spec.rope_style == "norm":  # llama: the converter's Q/K row permutation
+    if spec.hf_permuted_qk:  # llama: the converter's Q/K row permutation
         out[p + "attn_q.weight"] = permute_qk(out[p + "attn_q.weight"], cfg.heads)
         out[p + "attn_k.weight"] = permute_qk(out[p + "attn_k.weight"], cfg.kv_heads)
+    if spec.attention == MLA:
+        out = {k: v for k, v in out.items() if ".attn_" not in k or "attn_norm" in k}
+        out.update(_mla_tensors(cfg, rng, p))
+    return _parts(cfg, spec, rng, layer, out)
+
+
+def _parts(
+    cfg: TinyConfig, spec: ArchSpec, rng: np.random.Generator, layer: int, drawn: dict[str, F32]
+) -> dict[str, F32]:
+    """The block as `layer_shapes` lays it out: tensors drawn above kept, the others drawn
+    with the generic rule (1/sqrt(fan-in) matrices, norms near 1, small biases)."""
+    out: dict[str, F32] = {}
+    for name, shape in layer_shapes(cfg, spec, layer).items():
+        if name in drawn and drawn[name].shape == shape:
+            out[name] = drawn[name]
+        elif name.endswith("norm.weight"):
+            out[name] = _norm_weight(rng, shape[0]).reshape(shape)
+        elif name.endswith(".bias"):
+            out[name] = _normal(rng, shape, 0.3)
+        else:
+            out[name] = _normal(rng, shape, 1.0 / np.sqrt(shape[-1]))
+    return out
+
+
+def _mla_tensors(cfg: TinyConfig, rng: np.random.Generator, p: str) -> dict[str, F32]:
+    """MLA's attention as Hugging Face's names map to GGUF, kv_b split as the converter does."""
+    h, heads, dk, r = cfg.hidden, cfg.heads, cfg.head_dim, cfg.kv_lora_rank
+    nope, v = dk - cfg.rope_dims, cfg.value_dim
+    kv_b = _normal(rng, (heads, nope + v, r), 1.0 / np.sqrt(r))  # HF kv_b_proj, per head
+    out = {
+        p + "attn_kv_a_mqa.weight": _normal(rng, (r + cfg.rope_dims, h), 1.0 / np.sqrt(h)),
+        p + "attn_kv_a_norm.weight": _norm_weight(rng, r),
+        p + "attn_output.weight": _normal(rng, (h, heads * v), 1.0 / np.sqrt(heads * v)),
+        p + "attn_kv_b.weight": kv_b.reshape(heads * (nope + v), r),
+        p + "attn_k_b.weight": np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)),
+        p + "attn_v_b.weight": np.ascontiguousarray(kv_b[:, nope:]),
+    }
+    return out
+
+
+def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> numpy shape of every tensor of block `layer`, for every arch (MTP blocks
+    past `cfg.layers` included): the one description `tiny_tensors` and the presets share."""
+    h, f, e, d = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.head_dim
+    q, kv, p = cfg.heads * d, cfg.kv_heads * d, f"blk.{layer}."
+    out: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (h,)}
+    if spec.attention == MLA:
+        out.update(_mla_shapes(cfg, p))
+    else:
+        out.update({p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
+                    p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q)})  # fmt: skip
+        if spec.qk_norm == QK_FULL:
+            out.update({p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)})
+        elif spec.qk_norm == QK_HEAD or cfg.head_norms:
+            out.update({p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)})
+    out[p + spec.ffn_norm + ".weight"] = (h,)
+    if layer < cfg.dense_layers:
+        fd = cfg.dense_width
+        out.update({p + "ffn_gate.weight": (fd, h), p + "ffn_up.weight": (fd, h),
+                    p + "ffn_down.weight": (h, fd)})  # fmt: skip
+    else:
+        out.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, f, h),
+                    p + "ffn_up_exps.weight": (e, f, h), p + "ffn_down_exps.weight": (e, h, f)})  # fmt: skip
+    if spec.qkv_bias:
+        out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+    if layer >= cfg.dense_layers:
+        fs = cfg.shared_ffn
+        if spec.shared == SHARED_GATED:
+            out[p + "ffn_gate_inp_shexp.weight"] = (h,)
+        if spec.shared != SHARED_NONE:
+            out.update({p + "ffn_gate_shexp.weight": (fs, h), p + "ffn_up_shexp.weight": (fs, h),
+                        p + "ffn_down_shexp.weight": (h, fs)})  # fmt: skip
+        if cfg.probs_bias:
+            out[p + "exp_probs_b.bias"] = (e,)
+    if layer >= cfg.layers:  # an MTP block: its own projections and norms
+        out.update({p + "nextn.eh_proj.weight": (h, 2 * h), p + "nextn.enorm.weight": (h,),
+                    p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)})  # fmt: skip
+    return out
+
+
+def _mla_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, heads, dk, r = cfg.hidden, cfg.heads, cfg.head_dim, cfg.kv_lora_rank
+    nope, v = dk - cfg.rope_dims, cfg.value_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank:
+        out.update({p + "attn_q_a.weight": (cfg.q_lora_rank, h),
+                    p + "attn_q_a_norm.weight": (cfg.q_lora_rank,),
+                    p + "attn_q_b.weight": (heads * dk, cfg.q_lora_rank)})  # fmt: skip
+    else:
+        out[p + "attn_q.weight"] = (heads * dk, h)
+    out.update({p + "attn_kv_a_mqa.weight": (r + cfg.rope_dims, h),
+                p + "attn_kv_a_norm.weight": (r,)})  # fmt: skip
+    if cfg.mla_split:
+        out.update({p + "attn_k_b.weight": (heads, r, nope), p + "attn_v_b.weight": (heads, v, r)})
+    else:
+        out[p + "attn_kv_b.weight"] = (heads * (nope + v), r)
+    out[p + "attn_output.weight"] = (h, heads * v)
     return out
 
 

@@ -39,9 +39,9 @@ def test_experts_stay_encoded_and_swaps_are_bit_exact(quant_model: Path) -> None
     encoded = sum(t.expert_nbytes for t in sl.stacks if isinstance(t, QStack))
     # a CPU computing in float32 keeps hot experts encoded where a fused kernel covers the type
     assert per == (encoded if quant_model.stem != "tiny-f32" else 3 * 64 * 64 * 4)
-    bank = Bank(bb.experts, opts(hot_bytes=3 * per, dynamic=True, dyn_steps=2))
+    bank = Bank(bb.experts.values(), opts(hot_bytes=3 * per, dynamic=True, dyn_steps=2))
     assert bank.hot_bytes == 3 * per  # what the hot bank really stores
-    assert bank.cold_bytes == sum(s.nbytes() for s in bb.experts)  # the encoded bytes
+    assert bank.cold_bytes == sum(s.nbytes() for s in bb.experts.values())  # the encoded bytes
     tok = load_tokenizer(quant_model)
     prompt = tok.encode("quantized hot and cold")
     want = bb.generate(prompt, 10, stop_at_eos=False)

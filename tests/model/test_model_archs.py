@@ -116,12 +116,12 @@ def _experts() -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("arch", "keys", "tensors", "words"),
     [
-        ("gemma", {}, {}, r"'gemma' is not supported.*qwen3moe, qwen2moe, llama"),
+        ("gemma", {}, {}, r"'gemma' is not supported.*qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama"),
         ("llama", {"llama.block_count": 1}, {}, r"'llama' without experts.*expert_count = 0"),
         ("qwen3moe", _keys("qwen3moe", **{"rope.scaling.type": "longrope"}), _experts(),
          r"rope.scaling.type 'longrope' is not supported"),
-        ("qwen3moe", _keys("qwen3moe", expert_gating_func=2), _experts(),
-         r"expert_gating_func = 2 is not supported.*softmax"),
+        ("qwen3moe", _keys("qwen3moe", expert_gating_func=3), _experts(),
+         r"expert_gating_func = 3 is not supported.*softmax \(1\) and sigmoid \(2\)"),
         ("qwen3moe", _keys("qwen3moe", **{"rope.dimension_count": 4}), _experts(),
          r"dimension_count 4 != head size 8: partial rotary"),
         ("qwen3moe", _keys("qwen3moe", **{"attention.value_length": 16}), _experts(),

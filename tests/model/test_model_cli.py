@@ -14,10 +14,11 @@ from kvq.cli import main
 from kvq.cli import model as cli_model
 from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
 from kvq.model.arch import TINY_ARCHS
+from kvq.model.loader import GqaWeights
 from kvq.model.presets import PRESETS, Preset, plan, write_preset
 from kvq.model.qstack import QMatrix
 from kvq.model.quants import MIXES, QUANT_NAMES
-from kvq.model.tiny import TOKENIZERS, TinyConfig, write_tiny
+from kvq.model.tiny import TOKENIZERS, VARIANTS, TinyConfig, write_tiny
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -36,9 +37,14 @@ def test_cli_choices_match_the_library() -> None:
     assert list(cli_model.QUANTS) == list(QUANT_NAMES)
     assert cli_model.MIXES == MIXES and cli_model.TOKENIZERS == TOKENIZERS
     assert list(cli_model.PRESETS) == list(PRESETS)
+    assert cli_model.VARIANTS == VARIANTS["deepseek2"]
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("qwen2moe", "q4_k"), ("mixtral", "q5_0")])
+@pytest.mark.parametrize(
+    ("arch", "quant"),
+    [("qwen2moe", "q4_k"), ("mixtral", "q5_0"), ("deepseek2", "q4_k"), ("glm4moe", "q8_0"),
+     ("olmoe", "f16")],
+)  # fmt: skip
 def test_make_tiny_then_inspect(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, arch: str, quant: str
 ) -> None:
@@ -51,9 +57,12 @@ def test_make_tiny_then_inspect(
     assert d["arch"] == TINY_ARCHS[arch] and (d["block_count"], d["expert_count"]) == (3, 6)
     assert (d["expert_used_count"], d["embedding_length"]) == (2, 256)
     assert d["expert_feed_forward_length"] == 256
-    assert d["quant_types"]["ffn_down_exps"] == {quant.upper(): 3}
-    assert d["quant_types"]["ffn_gate_inp"] == {"F32": 3}
-    want = [(layer, e0, min(e0 + 4, 6)) for layer in range(3) for e0 in (0, 4)]
+    moe = meta.moe_layers  # deepseek2, glm4moe: after one dense layer
+    assert len(moe) == (2 if arch in ("deepseek2", "glm4moe") else 3)
+    n_exps = len(moe) + meta.nextn_predict_layers  # glm4moe's MTP block has experts too
+    assert d["quant_types"]["ffn_down_exps"] == {quant.upper(): n_exps}
+    assert d["quant_types"]["ffn_gate_inp"] == {"F32": n_exps}
+    want = [(layer, e0, min(e0 + 4, 6)) for layer in moe for e0 in (0, 4)]
     assert [(s["layer"], s["expert_start"], s["expert_end"]) for s in d["slices"]] == want
     assert all(s["bytes"] == slice_nbytes(meta, *want[i]) for i, s in enumerate(d["slices"]))
     code, text = _run(capsys, "model", "inspect", path)
@@ -133,8 +142,9 @@ def test_inspect_quantized_backbone_counts_what_the_loader_keeps_encoded(
     bb = Backbone.from_gguf(path)
     encoded = {"token_embd.weight"} | {
         f"blk.{i}.{name}.weight" for i, lw in enumerate(bb.layers)
-        for name, w in (("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
-                        ("attn_output", lw.wo)) if isinstance(w, QMatrix)
+        if isinstance(lw.attn, GqaWeights)
+        for name, w in (("attn_q", lw.attn.wq), ("attn_k", lw.attn.wk), ("attn_v", lw.attn.wv),
+                        ("attn_output", lw.attn.wo)) if isinstance(w, QMatrix)
     } | ({"output.weight"} if isinstance(bb.output, QMatrix) and "output.weight" in size else set())  # fmt: skip
     assert len(encoded) > 2, "a Q4_K_M backbone keeps its attention matrices encoded"
     dense = sum(int(t.n_elements) * 4 for t in reader.tensors

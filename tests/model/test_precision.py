@@ -27,10 +27,10 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def test_expert_calls_match_the_float64_reference(model: Path) -> None:
     bb = Backbone.from_gguf(model)
-    bank = Bank(bb.experts, BankOptions(hot_bytes=0, numa_policy="off", dynamic=False))
+    bank = Bank(bb.experts.values(), BankOptions(hot_bytes=0, numa_policy="off", dynamic=False))
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for layer, sl in enumerate(bb.experts):
+    for layer, sl in bb.experts.items():
         dense = sl.dense_copy(torch.float64)
         x = torch.randn(16, sl.hidden, generator=gen)
         ids = torch.randint(0, sl.n_experts, (16, 2), generator=gen)

@@ -15,7 +15,7 @@ def test_warm_up_computes_every_expert_of_every_layer_once(tmp_path: Path) -> No
     path = tmp_path / "m.gguf"
     make_tiny(path, layers=2, experts=8, quant="q4_0", hidden=256, expert_ffn=256)
     bb = Backbone.from_gguf(path)
-    bank = Bank(bb.experts, BankOptions(hot_bytes=0, numa_policy="off", dynamic=False))
+    bank = Bank(bb.experts.values(), BankOptions(hot_bytes=0, numa_policy="off", dynamic=False))
     seen: list[tuple[int, list[int]]] = []
     real = bank.forward
 
