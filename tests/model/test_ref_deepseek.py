@@ -1,0 +1,310 @@
+"""The DeepSeek references (``ref_deepseek.py``) against transformers' own DeepSeek-V3/V2 modules.
+
+Each HF module is built from a small config in float64 with random weights, the same weights are
+handed to the reference, and the outputs compared. A few HF steps compute in float32 whatever the
+module's dtype (the RMSNorms, the router's logits and scores, V2's complex rope, the rotary
+tables), so every check runs twice: HF as shipped, to float32 precision, and HF with exactly those
+casts lifted to float64 (``_lifted``: the shipped source with ``torch.float32`` / ``.float()``
+rewritten, nothing else), to 1e-10.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ref_deepseek import (  # noqa: E402
+    MlaConfig,
+    mla_attention_absorbed_ref,
+    mla_attention_ref,
+    mla_latent_ref,
+    moe_ffn_ref,
+    rms_norm_ref,
+    rope_attention_factor_ref,
+    rope_inv_freq_ref,
+    rope_ref,
+    route_ref,
+    softmax_scale_ref,
+    yarn_inv_freq_ref,
+    yarn_mscale_ref,
+)
+from transformers import modeling_rope_utils  # noqa: E402
+from transformers.models.deepseek_v2 import configuration_deepseek_v2 as c2  # noqa: E402
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m2  # noqa: E402
+from transformers.models.deepseek_v3 import configuration_deepseek_v3 as c3  # noqa: E402
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3  # noqa: E402
+
+TIGHT = 1e-10  # float64 against float64
+F32 = 2e-5  # against HF's float32 steps, relative to the output's scale
+
+# mscale != mscale_all_dim, so the cos/sin factor is not 1; factor 40 and positions past the
+# original 64, so YaRN's interpolated and blended dims are all in play
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+PLAIN = {"rope_type": "default", "rope_theta": 10000.0}
+# non-square dims everywhere: a transposed matrix fails loudly
+DIMS = {"kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+        "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 12, "n_shared_experts": 2, "vocab_size": 50,
+        "num_hidden_layers": 1, "max_position_embeddings": 64 * 40}  # fmt: skip
+
+
+def _lifted(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` recompiled from its own source with its float32 casts made float64."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    lifted = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    assert lifted != src, f"{fn.__qualname__} has no float32 cast to lift"
+    scope: dict[str, Any] = {}
+    exec(compile(lifted, f"<lifted {fn.__qualname__}>", "exec"), namespace, scope)  # noqa: S102
+    return scope[fn.__name__]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def lift(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Call to lift HF's float32 steps to float64 for the rest of the test."""
+
+    def apply() -> None:
+        for mod, cls in ((m3, m3.DeepseekV3RMSNorm), (m2, m2.DeepseekV2RMSNorm)):
+            monkeypatch.setattr(cls, "forward", _lifted(cls.forward, vars(mod)))
+        monkeypatch.setattr(m2, "apply_rotary_emb", _lifted(m2.apply_rotary_emb, vars(m2)))
+        for mod, cls in ((m3, m3.DeepseekV3TopkRouter), (m2, m2.DeepseekV2TopkRouter)):
+            monkeypatch.setattr(cls, "forward", _lifted(cls.forward, vars(mod)))
+
+    return apply
+
+
+def _mla_cfg(hf: Any) -> MlaConfig:
+    rp = dict(hf.rope_parameters)
+    return MlaConfig(
+        n_heads=hf.num_attention_heads,
+        hidden=hf.hidden_size,
+        q_lora_rank=hf.q_lora_rank or 0,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        rope_theta=rp["rope_theta"],
+        rms_eps=hf.rms_norm_eps,
+        rope_scaling=rp if rp["rope_type"] != "default" else None,
+        rope_interleave=getattr(hf, "rope_interleave", True),
+    )
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> dict[str, np.ndarray]:
+    """Fill every parameter (norm weights around 1) in float64; returns them by HF name."""
+    g = torch.Generator().manual_seed(seed)
+    module.double()
+    out = {}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.1 * r if "layernorm" in name else r / math.sqrt(p.shape[-1]))
+            out[name.removesuffix(".weight")] = p.detach().numpy().copy()
+    return out
+
+
+def _v3_config(rope: dict[str, Any], q_lora_rank: int | None = 20) -> Any:
+    cfg = c3.DeepseekV3Config(hidden_size=40, num_attention_heads=3, num_key_value_heads=3,
+                              q_lora_rank=q_lora_rank, rope_parameters=dict(rope), **DIMS)  # fmt: skip
+    cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32
+    return cfg
+
+
+def _v2_config(rope: dict[str, Any], **kw: Any) -> Any:
+    args = {"hidden_size": 48, "num_attention_heads": 4, "q_lora_rank": None,
+            "rope_parameters": dict(rope), **DIMS, **kw}  # fmt: skip
+    cfg = c2.DeepseekV2Config(**args)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _cos_sin64(
+    inv_freq: np.ndarray, positions: np.ndarray, factor: float
+) -> tuple[torch.Tensor, ...]:
+    """V3's position_embeddings (the cat(freqs, freqs) layout) in float64: [1, T, r] each."""
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.from_numpy(np.concatenate([freqs, freqs], -1))[None]
+    return emb.cos() * factor, emb.sin() * factor
+
+
+def _freqs_cis64(cfg: MlaConfig, positions: np.ndarray) -> torch.Tensor:
+    """V2's position_embeddings (complex) in complex128, from the reference."""
+    freqs = torch.from_numpy(positions[:, None] * rope_inv_freq_ref(cfg)[None, :])[None]
+    return torch.polar(torch.ones_like(freqs), freqs) * rope_attention_factor_ref(cfg)
+
+
+def _max_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)))
+
+
+# ---------------------------------------------------------------- rope, yarn, norm
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, 4.0, 40.0])
+@pytest.mark.parametrize("m", [0.707, 1.0])
+def test_yarn_mscale_is_hf(factor: float, m: float) -> None:
+    assert yarn_mscale_ref(factor, m) == modeling_rope_utils.yarn_get_mscale(factor, m)
+
+
+@pytest.mark.parametrize("rope", [YARN, {**YARN, "mscale_all_dim": 0.0}, PLAIN])
+def test_scales_are_hf(rope: dict[str, Any]) -> None:
+    """The softmax scale and the cos/sin factor are HF's, bit for bit."""
+    hf = _v3_config(rope)
+    cfg = _mla_cfg(hf)
+    assert softmax_scale_ref(cfg) == m3.DeepseekV3Attention(hf, 0).scaling
+    assert rope_attention_factor_ref(cfg) == m3.DeepseekV3RotaryEmbedding(hf).attention_scaling
+
+
+@pytest.mark.parametrize("dim,base,orig", [(8, 10000.0, 64), (64, 10000.0, 4096), (64, 1e6, 4096)])
+@pytest.mark.parametrize("factor", [4.0, 40.0])
+def test_yarn_inv_freq_is_hf(dim: int, base: float, orig: int, factor: float) -> None:
+    """HF computes its table in float32: agreement to float32's precision."""
+    rope = {**YARN, "rope_theta": base, "factor": factor, "original_max_position_embeddings": orig}
+    hf = c3.DeepseekV3Config(**{**DIMS, "qk_rope_head_dim": dim, "rope_parameters": rope})
+    ours = yarn_inv_freq_ref(dim, base, factor, orig, 32.0, 1.0)
+    theirs, _ = modeling_rope_utils._compute_yarn_parameters(hf)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=2e-6, atol=0)
+    assert ours[0] == 1.0 and math.isclose(ours[-1], base ** (-(dim - 2) / dim) / factor)
+
+
+def test_rope_layouts() -> None:
+    """Interleaved rope rotates pairs (2i, 2i+1) in place; HF's V3 form returns the same values
+    evens-then-odds; V2's complex form is in place; the half-split form is HF's rotate_half."""
+    rng = np.random.default_rng(0)
+    cfg = _mla_cfg(_v3_config(YARN))
+    pos = np.arange(7) + 100.0
+    x = rng.standard_normal((7, 3, 8))
+    inv = rope_inv_freq_ref(cfg)
+    ours = rope_ref(x, pos, inv, interleave=True, factor=1.3)
+    cos, sin = _cos_sin64(inv, pos, 1.3)  # [1, T, r]
+    xt = torch.from_numpy(x).transpose(0, 1)[None]  # [1, H, T, r]
+    hf_v3, _ = m3.apply_rotary_pos_emb_interleave(xt, xt, cos, sin)
+    perm = np.r_[0:8:2, 1:8:2]
+    assert _max_err(ours[..., perm], hf_v3[0].transpose(0, 1).numpy()) < TIGHT
+    half, _ = m3.apply_rotary_pos_emb(xt, xt, cos, sin)
+    ours_half = rope_ref(x, pos, inv, interleave=False, factor=1.3)
+    assert _max_err(ours_half, half[0].transpose(0, 1).numpy()) < TIGHT
+    # a rotation: norms of each pair kept (times factor**2)
+    pair = lambda y: y[..., 0::2] ** 2 + y[..., 1::2] ** 2  # noqa: E731
+    np.testing.assert_allclose(pair(ours), 1.3**2 * pair(x), rtol=1e-12)
+
+
+def test_rms_norm_is_hf(lift: Callable[[], None]) -> None:
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((5, 16)) * 3, 1 + 0.1 * rng.standard_normal(16)
+    norm = m3.DeepseekV3RMSNorm(16, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(w))
+        shipped = norm(torch.from_numpy(x)).numpy()
+        lift()
+        lifted = norm(torch.from_numpy(x)).numpy()
+    ours = rms_norm_ref(x, w, 1e-6)
+    assert _max_err(ours, lifted) < TIGHT
+    assert _max_err(ours, shipped) < F32 and _max_err(ours, shipped) > 0  # HF's float32 step
+
+
+# ---------------------------------------------------------------- attention
+
+T = 9
+V3_CASES = {
+    "yarn": ({"rope": YARN}, 100),
+    "plain": ({"rope": PLAIN}, 0),
+    "no-q-lora": ({"rope": YARN, "q_lora_rank": None}, 3),
+    "half-split-rope": ({"rope": YARN, "rope_interleave": False}, 50),
+}
+
+
+def _v3_attention(case: str, seed: int = 0) -> tuple[Any, MlaConfig, dict[str, np.ndarray]]:
+    kw, _ = V3_CASES[case]
+    hf = _v3_config(kw["rope"], kw.get("q_lora_rank", 20))
+    hf.rope_interleave = kw.get("rope_interleave", True)
+    att = m3.DeepseekV3Attention(hf, 0)
+    return att, _mla_cfg(hf), _randomize(att, seed)
+
+
+def _x(hidden: int, seed: int = 5) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((T, hidden))
+
+
+@pytest.mark.parametrize("case", list(V3_CASES))
+def test_mla_is_hf_v3(case: str, lift: Callable[[], None]) -> None:
+    att, cfg, w = _v3_attention(case)
+    pos = np.arange(T) + float(V3_CASES[case][1])
+    x = _x(cfg.hidden)
+    ours = mla_attention_ref(x, w, cfg, pos)
+    xt = torch.from_numpy(x)[None]
+    with torch.no_grad():  # as shipped: HF's own float32 rotary table and norms
+        rot = m3.DeepseekV3RotaryEmbedding(att.config)
+        shipped = att(xt, rot(xt, torch.from_numpy(pos).long()[None]), None)[0][0].numpy()
+        lift()
+        inv, a = rope_inv_freq_ref(cfg), rope_attention_factor_ref(cfg)
+        lifted = att(xt, _cos_sin64(inv, pos, a), None)[0][0].numpy()
+    scale = np.abs(ours).max()
+    assert _max_err(ours, lifted) < TIGHT * scale
+    assert _max_err(ours, shipped) < F32 * scale
+
+
+@pytest.mark.parametrize("rope,offset", [(YARN, 100), (PLAIN, 0)])
+def test_mla_is_hf_v2_lite(rope: dict[str, Any], offset: int, lift: Callable[[], None]) -> None:
+    """V2-Lite's form: no q LoRA, V2's complex (in-place interleaved) rope."""
+    hf = _v2_config(rope)
+    att = m2.DeepseekV2Attention(hf, 0)
+    cfg, w = _mla_cfg(hf), _randomize(att, 1)
+    assert cfg.q_lora_rank == 0 and "q_proj" in w
+    pos = np.arange(T) + float(offset)
+    x = _x(cfg.hidden)
+    ours = mla_attention_ref(x, w, cfg, pos)
+    xt = torch.from_numpy(x)[None]
+    with torch.no_grad():
+        rot = m2.DeepseekV2RotaryEmbedding(hf)
+        shipped = att(xt, None, position_embeddings=rot(xt, torch.from_numpy(pos).long()[None]))
+        lift()
+        freqs = torch.from_numpy(pos[:, None] * rope_inv_freq_ref(cfg)[None, :])[None]
+        cis = torch.polar(torch.ones_like(freqs), freqs) * rope_attention_factor_ref(cfg)
+        lifted = att(xt, None, position_embeddings=cis)[0][0].numpy()
+    scale = np.abs(ours).max()
+    assert _max_err(ours, lifted) < TIGHT * scale
+    assert _max_err(ours, shipped[0][0].numpy()) < F32 * scale
+
+
+@pytest.mark.parametrize("case", list(V3_CASES))
+def test_absorbed_mla_is_mla(case: str) -> None:
+    """The latent-cache form computes the same attention."""
+    _, cfg, w = _v3_attention(case, seed=2)
+    pos = np.arange(T) + float(V3_CASES[case][1])
+    x = _x(cfg.hidden, seed=6)
+    naive = mla_attention_ref(x, w, cfg, pos)
+    assert _max_err(mla_attention_absorbed_ref(x, w, cfg, pos), naive) < 1e-12 * np.abs(naive).max()
+
+
+def test_latent_cache_is_hf_cache(lift: Callable[[], None]) -> None:
+    """HF's cache holds c_kv and k_pe as ours (k_pe evens-then-odds); a cached decode step
+    after a prefill gives the last row of the all-at-once reference."""
+    from transformers import DynamicCache
+
+    att, cfg, w = _v3_attention("yarn", seed=3)
+    lift()
+    pos = np.arange(T) + 100.0
+    x = _x(cfg.hidden, seed=7)
+    inv, a = rope_inv_freq_ref(cfg), rope_attention_factor_ref(cfg)
+    cache = DynamicCache(config=att.config)
+    xt = torch.from_numpy(x)[None]
+    with torch.no_grad():
+        att(xt[:, :-1], _cos_sin64(inv, pos[:-1], a), None, cache=cache)
+        step = att(xt[:, -1:], _cos_sin64(inv, pos[-1:], a), None, cache=cache)[0][0, 0].numpy()
+    ours = mla_attention_ref(x, w, cfg, pos)
+    assert _max_err(ours[-1], step) < TIGHT * np.abs(ours).max()
+    c_kv, k_pe = mla_latent_ref(x, w, cfg, pos)  # the cache after the step: all T tokens
+    layer = cache.layers[0]
+    assert _max_err(c_kv, layer.keys[0, 0].numpy()) < TIGHT
+    assert _max_err(k_pe[:, np.r_[0:8:2, 1:8:2]], layer.values[0, 0].numpy()) < TIGHT
