@@ -165,7 +165,10 @@ def test_scales_are_hf(rope: dict[str, Any]) -> None:
     assert rope_attention_factor_ref(cfg) == m3.DeepseekV3RotaryEmbedding(hf).attention_scaling
 
 
-@pytest.mark.parametrize("dim,base,orig", [(8, 10000.0, 64), (64, 10000.0, 4096), (64, 1e6, 4096)])
+# (8, 100.0, 65536): high clamped to dim - 1; (8, 1e4, 64): low clamped to 0
+@pytest.mark.parametrize(
+    "dim,base,orig", [(8, 10000.0, 64), (64, 10000.0, 4096), (64, 1e6, 4096), (8, 100.0, 65536)]
+)
 @pytest.mark.parametrize("factor", [4.0, 40.0])
 def test_yarn_inv_freq_is_hf(dim: int, base: float, orig: int, factor: float) -> None:
     """HF computes its table in float32: agreement to float32's precision."""
@@ -174,7 +177,7 @@ def test_yarn_inv_freq_is_hf(dim: int, base: float, orig: int, factor: float) ->
     ours = yarn_inv_freq_ref(dim, base, factor, orig, 32.0, 1.0)
     theirs, _ = modeling_rope_utils._compute_yarn_parameters(hf)
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=2e-6, atol=0)
-    assert ours[0] == 1.0 and math.isclose(ours[-1], base ** (-(dim - 2) / dim) / factor)
+    assert ours[0] == 1.0  # the fastest dim is never interpolated
 
 
 def test_rope_layouts() -> None:
@@ -308,3 +311,169 @@ def test_latent_cache_is_hf_cache(lift: Callable[[], None]) -> None:
     layer = cache.layers[0]
     assert _max_err(c_kv, layer.keys[0, 0].numpy()) < TIGHT
     assert _max_err(k_pe[:, np.r_[0:8:2, 1:8:2]], layer.values[0, 0].numpy()) < TIGHT
+
+
+# ---------------------------------------------------------------- routing and experts
+
+N_TOK = 64
+
+
+def _by_weight(ids: torch.Tensor, weights: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """HF's top-k (unsorted) ordered as ours: largest weight first."""
+    order = torch.argsort(weights, dim=-1, descending=True, stable=True)
+    return ids.gather(1, order).numpy(), weights.gather(1, order).double().numpy()
+
+
+def _v3_router(hf: Any, seed: int, bias_shift: float = 0.0) -> Any:
+    gate = m3.DeepseekV3TopkRouter(hf)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+        gate.e_score_correction_bias.copy_(0.1 * torch.randn(16, generator=g) + bias_shift)
+    return gate
+
+
+V3_ROUTES = {"norm": {"norm_topk_prob": True, "routed_scaling_factor": 2.5},
+             "no-norm": {"norm_topk_prob": False, "routed_scaling_factor": 1.0},
+             "one-group": {"n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                           "routed_scaling_factor": 2.5}}  # fmt: skip
+
+
+def _route_v3(gate: Any, logits: torch.Tensor, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
+    return route_ref(
+        logits.double().numpy(),
+        gating="sigmoid",
+        n_group=gate.num_group,
+        topk_group=gate.topk_group,
+        top_k=gate.top_k,
+        bias=gate.e_score_correction_bias.double().numpy(),
+        norm_topk_prob=gate.norm_topk_prob,
+        routed_scaling_factor=gate.routed_scaling_factor,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("case", list(V3_ROUTES))
+def test_route_is_hf_v3(case: str, lift: Callable[[], None]) -> None:
+    hf = c3.DeepseekV3Config(**{**DIMS, "hidden_size": 40, **V3_ROUTES[case]})
+    gate = _v3_router(hf, seed=11)
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((N_TOK, 40)))
+    with torch.no_grad():
+        logits, weights, ids = gate(x)  # as shipped: float32 logits, scores and weights
+        ours_ids, ours_w = _route_v3(gate, logits)
+        hf_ids, hf_w = _by_weight(ids, weights)
+        assert (ours_ids == hf_ids).all()
+        np.testing.assert_allclose(ours_w, hf_w, rtol=1e-6)
+        lift()
+        gate.double()
+        logits, weights, ids = gate(x)
+    assert logits.dtype == torch.float64
+    ours_ids, ours_w = _route_v3(gate, logits)
+    hf_ids, hf_w = _by_weight(ids, weights)
+    assert (ours_ids == hf_ids).all() and _max_err(ours_w, hf_w) < TIGHT
+
+
+def test_route_masked_groups_are_minus_inf_in_hf_v3() -> None:
+    """With a bias that makes every biased score negative, HF (-inf masking) still chooses only
+    from the kept groups; masking with 0.0 (HF's V2, older HF V3) would choose dropped ones."""
+    hf = c3.DeepseekV3Config(**{**DIMS, "hidden_size": 40})
+    gate = _v3_router(hf, seed=12, bias_shift=-2.0)
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((N_TOK, 40)))
+    with torch.no_grad():
+        logits, weights, ids = gate(x)
+    ours_ids, _ = _route_v3(gate, logits)
+    zero_ids, _ = _route_v3(gate, logits, masked_score=0.0)
+    assert (ours_ids == _by_weight(ids, weights)[0]).all()
+    assert (zero_ids != ours_ids).any()
+
+
+def _v2_router(hf: Any, seed: int) -> Any:
+    gate = m2.DeepseekV2TopkRouter(hf)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+    return gate
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "greedy"])
+def test_route_is_hf_v2(method: str, lift: Callable[[], None]) -> None:
+    """V2's router: softmax, groups scored by their best expert, no normalisation (HF's V2
+    router ignores norm_topk_prob), scaled; "greedy" is one group."""
+    hf = _v2_config(PLAIN, topk_method=method, routed_scaling_factor=16.0)
+    gate = _v2_router(hf, seed=13)
+    x = torch.from_numpy(np.random.default_rng(10).standard_normal((N_TOK, 48)))
+    groups = (4, 2) if method == "group_limited_greedy" else (1, 1)
+
+    def ours(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        return route_ref(logits.double().numpy(), gating="softmax", n_group=groups[0],
+                         topk_group=groups[1], top_k=4, bias=None, norm_topk_prob=False,
+                         routed_scaling_factor=16.0, group_score="max")  # fmt: skip
+
+    with torch.no_grad():
+        logits, weights, ids = gate(x)
+        ours_ids, ours_w = ours(logits)
+        hf_ids, hf_w = _by_weight(ids, weights)
+        assert (ours_ids == hf_ids).all()
+        np.testing.assert_allclose(ours_w, hf_w, rtol=1e-6)
+        lift()
+        gate.double()
+        logits, weights, ids = gate(x)
+    ours_ids, ours_w = ours(logits)
+    hf_ids, hf_w = _by_weight(ids, weights)
+    assert (ours_ids == hf_ids).all() and _max_err(ours_w, hf_w) < TIGHT
+
+
+def test_route_group_scores_by_hand() -> None:
+    """Group A = experts {0, 1} with biased scores (0.9, 0.1), group B = {2, 3} with (0.6, 0.6):
+    V3's top2_sum keeps B (1.2 > 1.0), V2's max keeps A. Weights come from the unbiased
+    scores (all 0.5 here), normalised with HF's 1e-20 and then scaled."""
+    logits = np.zeros((1, 8))  # sigmoid 0.5 everywhere
+    bias = np.array([0.4, -0.4, 0.1, 0.1, -0.45, -0.45, -0.45, -0.45])
+    kw = {"gating": "sigmoid", "n_group": 4, "topk_group": 1, "top_k": 2, "bias": bias,
+          "norm_topk_prob": True, "routed_scaling_factor": 3.0}  # fmt: skip
+    ids, w = route_ref(logits, **kw)  # type: ignore[arg-type]
+    assert sorted(ids[0].tolist()) == [2, 3]
+    np.testing.assert_array_equal(w, [[1.5 / (1 + 1e-20), 1.5 / (1 + 1e-20)]])
+    ids, _ = route_ref(logits, **{**kw, "group_score": "max"})  # type: ignore[arg-type]
+    assert sorted(ids[0].tolist()) == [0, 1]
+
+
+def _moe_weights(moe: Any, w: dict[str, np.ndarray]) -> dict[str, Any]:
+    F = moe.experts.intermediate_dim
+    gate_up = w["experts.gate_up_proj"]  # [E, 2F, hidden]: gate rows, then up rows
+    shared = {k: w[f"shared_experts.{k}_proj"] for k in ("gate", "up", "down")}
+    return {"experts_gate": gate_up[:, :F], "experts_up": gate_up[:, F:],
+            "experts_down": w["experts.down_proj"], "shared": shared}  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["v3", "v2"])
+def test_moe_is_hf(version: str, lift: Callable[[], None]) -> None:
+    """The whole MoE block (router, routed experts, shared experts) with ours routing."""
+    if version == "v3":
+        hf = c3.DeepseekV3Config(**{**DIMS, "hidden_size": 40, "routed_scaling_factor": 2.5})
+        moe = m3.DeepseekV3MoE(hf)
+    else:
+        hf = _v2_config(PLAIN, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+        moe = m2.DeepseekV2Moe(hf)
+    w = _randomize(moe, seed=14)
+    if version == "v3":
+        with torch.no_grad():
+            moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 16))
+    x = np.random.default_rng(11).standard_normal((N_TOK, hf.hidden_size))
+    xt = torch.from_numpy(x)[None]
+    with torch.no_grad():
+        shipped = moe(xt)[0].numpy()
+        lift()
+        moe.gate.double()
+        lifted = moe(xt)[0].numpy()
+        logits = moe.gate(xt)[0]
+    if version == "v3":
+        ids, weights = _route_v3(moe.gate, logits)
+    else:
+        ids, weights = route_ref(logits.numpy(), gating="softmax", n_group=4, topk_group=2,
+                                 top_k=4, bias=None, norm_topk_prob=False,
+                                 routed_scaling_factor=16.0, group_score="max")  # fmt: skip
+    ours = moe_ffn_ref(x, ids=ids, weights=weights, **_moe_weights(moe, w))
+    scale = np.abs(ours).max()
+    assert _max_err(ours, lifted) < TIGHT * scale
+    assert _max_err(ours, shipped) < F32 * scale
