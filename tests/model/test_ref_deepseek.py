@@ -173,7 +173,14 @@ def test_scales_are_hf(rope: dict[str, Any]) -> None:
 def test_yarn_inv_freq_is_hf(dim: int, base: float, orig: int, factor: float) -> None:
     """HF computes its table in float32: agreement to float32's precision."""
     rope = {**YARN, "rope_theta": base, "factor": factor, "original_max_position_embeddings": orig}
-    hf = c3.DeepseekV3Config(**{**DIMS, "qk_rope_head_dim": dim, "rope_parameters": rope})
+    hf = c3.DeepseekV3Config(
+        **{
+            **DIMS,
+            "qk_rope_head_dim": dim,
+            "rope_parameters": rope,
+            "max_position_embeddings": int(orig * factor),
+        }  # fmt: skip
+    )
     ours = yarn_inv_freq_ref(dim, base, factor, orig, 32.0, 1.0)
     theirs, _ = modeling_rope_utils._compute_yarn_parameters(hf)
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=2e-6, atol=0)
