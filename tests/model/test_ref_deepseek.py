@@ -4,15 +4,12 @@ Each HF module is built from a small config in float64 with random weights, the 
 handed to the reference, and the outputs compared. A few HF steps compute in float32 whatever the
 module's dtype (the RMSNorms, the router's logits and scores, V2's complex rope, the rotary
 tables), so every check runs twice: HF as shipped, to float32 precision, and HF with exactly those
-casts lifted to float64 (``_lifted``: the shipped source with ``torch.float32`` / ``.float()``
+casts lifted to float64 (``hf_lift.as_float64``: the shipped source with ``torch.float32`` / ``.float()``
 rewritten, nothing else), to 1e-10.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_lift import as_float64, randomize  # noqa: E402
 from ref_deepseek import (  # noqa: E402
     MlaConfig,
     mla_attention_absorbed_ref,
@@ -59,26 +57,16 @@ DIMS = {"kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_he
         "num_hidden_layers": 1, "max_position_embeddings": 64 * 40}  # fmt: skip
 
 
-def _lifted(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
-    """``fn`` recompiled from its own source with its float32 casts made float64."""
-    src = textwrap.dedent(inspect.getsource(fn))
-    lifted = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    assert lifted != src, f"{fn.__qualname__} has no float32 cast to lift"
-    scope: dict[str, Any] = {}
-    exec(compile(lifted, f"<lifted {fn.__qualname__}>", "exec"), namespace, scope)  # noqa: S102
-    return scope[fn.__name__]  # type: ignore[no-any-return]
-
-
 @pytest.fixture
 def lift(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """Call to lift HF's float32 steps to float64 for the rest of the test."""
 
     def apply() -> None:
         for mod, cls in ((m3, m3.DeepseekV3RMSNorm), (m2, m2.DeepseekV2RMSNorm)):
-            monkeypatch.setattr(cls, "forward", _lifted(cls.forward, vars(mod)))
-        monkeypatch.setattr(m2, "apply_rotary_emb", _lifted(m2.apply_rotary_emb, vars(m2)))
+            monkeypatch.setattr(cls, "forward", as_float64(cls.forward, vars(mod)))
+        monkeypatch.setattr(m2, "apply_rotary_emb", as_float64(m2.apply_rotary_emb, vars(m2)))
         for mod, cls in ((m3, m3.DeepseekV3TopkRouter), (m2, m2.DeepseekV2TopkRouter)):
-            monkeypatch.setattr(cls, "forward", _lifted(cls.forward, vars(mod)))
+            monkeypatch.setattr(cls, "forward", as_float64(cls.forward, vars(mod)))
 
     return apply
 
@@ -98,19 +86,6 @@ def _mla_cfg(hf: Any) -> MlaConfig:
         rope_scaling=rp if rp["rope_type"] != "default" else None,
         rope_interleave=getattr(hf, "rope_interleave", True),
     )
-
-
-def _randomize(module: torch.nn.Module, seed: int) -> dict[str, np.ndarray]:
-    """Fill every parameter (norm weights around 1) in float64; returns them by HF name."""
-    g = torch.Generator().manual_seed(seed)
-    module.double()
-    out = {}
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(1.0 + 0.1 * r if "layernorm" in name else r / math.sqrt(p.shape[-1]))
-            out[name.removesuffix(".weight")] = p.detach().numpy().copy()
-    return out
 
 
 def _v3_config(rope: dict[str, Any], q_lora_rank: int | None = 20) -> Any:
@@ -239,7 +214,7 @@ def _v3_attention(case: str, seed: int = 0) -> tuple[Any, MlaConfig, dict[str, n
     hf = _v3_config(kw["rope"], kw.get("q_lora_rank", 20))
     hf.rope_interleave = kw.get("rope_interleave", True)
     att = m3.DeepseekV3Attention(hf, 0)
-    return att, _mla_cfg(hf), _randomize(att, seed)
+    return att, _mla_cfg(hf), randomize(att, seed)
 
 
 def _x(hidden: int, seed: int = 5) -> np.ndarray:
@@ -269,7 +244,7 @@ def test_mla_is_hf_v2_lite(rope: dict[str, Any], offset: int, lift: Callable[[],
     """V2-Lite's form: no q LoRA, V2's complex (in-place interleaved) rope."""
     hf = _v2_config(rope)
     att = m2.DeepseekV2Attention(hf, 0)
-    cfg, w = _mla_cfg(hf), _randomize(att, 1)
+    cfg, w = _mla_cfg(hf), randomize(att, 1)
     assert cfg.q_lora_rank == 0 and "q_proj" in w
     pos = np.arange(T) + float(offset)
     x = _x(cfg.hidden)
@@ -462,7 +437,7 @@ def test_moe_is_hf(version: str, lift: Callable[[], None]) -> None:
     else:
         hf = _v2_config(PLAIN, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
         moe = m2.DeepseekV2Moe(hf)
-    w = _randomize(moe, seed=14)
+    w = randomize(moe, seed=14)
     if version == "v3":
         with torch.no_grad():
             moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 16))
