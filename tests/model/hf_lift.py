@@ -18,7 +18,7 @@ import torch
 
 
 def as_float64(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
-    """``fn`` recompiled from its source, ``torch.float32`` -> float64, ``.float()`` -> ``.double()``.
+    """``fn`` recompiled from its source, its float32 casts (``torch.float32``, ``.float()``) float64.
 
     namespace: the globals ``fn`` runs in (its module's ``vars``).
     """

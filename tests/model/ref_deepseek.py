@@ -387,7 +387,10 @@ def _silu(x: NDArray) -> NDArray:
 
 
 def swiglu_ref(x: NDArray, gate: NDArray, up: NDArray, down: NDArray) -> NDArray:
-    """``down @ (silu(gate @ x) * (up @ x))``. x: [T, hidden], gate/up [F, hidden], down [hidden, F]."""
+    """SwiGLU: ``(silu(x @ gate.T) * (x @ up.T)) @ down.T``.
+
+    x: [T, hidden], gate/up [F, hidden], down [hidden, F]. Returns [T, hidden].
+    """
     x = np.asarray(x, np.float64)
     return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
 

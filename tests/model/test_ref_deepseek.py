@@ -3,9 +3,10 @@
 Each HF module is built from a small config in float64 with random weights, the same weights are
 handed to the reference, and the outputs compared. A few HF steps compute in float32 whatever the
 module's dtype (the RMSNorms, the router's logits and scores, V2's complex rope, the rotary
-tables), so every check runs twice: HF as shipped, to float32 precision, and HF with exactly those
-casts lifted to float64 (``hf_lift.as_float64``: the shipped source with ``torch.float32`` / ``.float()``
-rewritten, nothing else), to 1e-10.
+tables), so every check runs twice: HF as shipped, to float32 precision, and HF with exactly
+those casts lifted to float64 (``hf_lift.as_float64``: the shipped source with
+``torch.float32`` / ``.float()`` rewritten, nothing else), to 1e-10. The attention runs on
+"sdpa" (eager's softmax is float32 too).
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def _mla_cfg(hf: Any) -> MlaConfig:
 
 
 def _v3_config(rope: dict[str, Any], q_lora_rank: int | None = 20) -> Any:
-    cfg = c3.DeepseekV3Config(hidden_size=40, num_attention_heads=3, num_key_value_heads=3,
-                              q_lora_rank=q_lora_rank, rope_parameters=dict(rope), **DIMS)  # fmt: skip
+    cfg = c3.DeepseekV3Config(
+        hidden_size=40, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=q_lora_rank,
+        rope_parameters=dict(rope), **DIMS,
+    )  # fmt: skip
     cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32
     return cfg
 
