@@ -171,6 +171,8 @@ def write_tiny(
         name = f"kvq-tiny-{arch}-{cfg.layers}L-{cfg.experts}E-s{seed}"
         add_metadata(writer, cfg, spec, name, quant=quant)
         _add_rope_scaling(writer, *rope)
+        if spec.attention == MLA and rope[0] == "yarn":  # DeepSeek's mscale_all_dim = 1
+            writer.add_rope_scaling_yarn_log_mul(0.1)
         add_tokenizer(writer)
         if isinstance(tokenizer, str):
             writer.add_chat_template(CHAT_TEMPLATE)
