@@ -18,7 +18,7 @@ ARCHS = ("deepseek2", "glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe")
 VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXES = ("q4_k_m",)
-PRESETS = ("small", "olmoe-1b-7b", "qwen3-30b-a3b")
+PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b")
 TOKENIZERS = ("bytes", "bpe")
 _TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
               ("expert-ffn", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),

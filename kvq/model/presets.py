@@ -8,6 +8,11 @@
 - `small`: 8 layers, 32 experts, top-4, hidden 1024, expert FFN 512, 8 heads / 4 KV heads of
   128, vocab 32000, context 4096 (Q4_K_M: about 0.2 GB). Not a real model: the README's, big
   enough that an expert call costs more than a round trip to a worker on the same machine.
+- `deepseek-v2-lite`: DeepSeek-V2-Lite (arch `deepseek2`: 27 layers, the first dense with FFN
+  10944; 64 routed experts top-6 of FFN 1408 plus 2 shared; MLA with no q LoRA, kv_lora_rank
+  512, heads of 128 + 64 rope, values of 128, 16 heads; hidden 2048, vocab 102400; softmax
+  routing without groups or renormalisation; YaRN x40 over 4096 positions, mscale_all_dim
+  0.707), context 32768 here (the real one: 163840). About 15.7 B parameters.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert FFN 768,
   32 heads / 4 KV heads of 128, vocab 151936, context 40960), arch `qwen3moe`.
 
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from kvq.errors import ModelError
 from kvq.model import bpe
@@ -57,6 +62,7 @@ class Preset:
     rope_base: float
     rms_eps: float
     arch: str = "qwen3moe"  # a GGUF arch kvq runs
+    yarn: tuple[float, int, float] | None = None  # (factor, original context, log multiplier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,16 @@ PRESETS: dict[str, Preset] = {
     "olmoe-1b-7b": Preset(
         "olmoe-1b-7b", TinyConfig(16, 64, 8, 2048, 1024, 16, 16, 128, vocab=50304),
         context=4096, rope_base=10000.0, rms_eps=1e-5,
+    ),
+    "deepseek-v2-lite": Preset(
+        "deepseek-v2-lite",
+        TinyConfig(
+            27, 64, 6, 2048, 1408, 16, 16, 192, vocab=102400, dense_layers=1, dense_ffn=10944,
+            shared_count=2, rope_dim=64, kv_lora_rank=512, v_head_dim=128, gating="softmax",
+            weights_norm=False, weights_scale=1.0,
+        ),
+        context=32768, rope_base=10000.0, rms_eps=1e-6, arch="deepseek2",
+        yarn=(40.0, 4096, 0.0707),
     ),
     "qwen3-30b-a3b": Preset(
         "qwen3-30b-a3b", TinyConfig(48, 128, 8, 2048, 768, 32, 4, 128, vocab=151936),
@@ -121,6 +137,12 @@ def write_preset(path: str | Path, p: Preset, quant: str = "q4_k_m", seed: int =
     try:
         add_metadata(w, p.cfg, spec, f"kvq-{p.name}-random-s{seed}", quant=quant,
                      context=p.context, rope_base=p.rope_base, rms_eps=p.rms_eps)  # fmt: skip
+        if p.yarn is not None:
+            factor, original, log_mul = p.yarn
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(factor)
+            w.add_rope_scaling_orig_ctx_len(original)
+            w.add_rope_scaling_yarn_log_mul(log_mul)
         bpe.add_vocab(w, bpe.tiny_vocab(p.cfg.vocab))
         for t in tensors:
             block, size = GGML_QUANT_SIZES[t.qtype]

@@ -105,3 +105,64 @@ def test_real_preset_sizes(name: str, params: float, gib: float, expert_share: f
     )
     with pytest.raises(ModelError, match="preset 'llama-70b' is unknown"):
         preset_named("llama-70b")
+
+
+DEEPSEEK = Preset(
+    "ds", TinyConfig(3, 8, 2, 256, 256, 4, 4, 96, vocab=1000, dense_layers=1, dense_ffn=512,
+                     shared_count=2, rope_dim=32, kv_lora_rank=64, v_head_dim=64,
+                     gating="softmax", weights_norm=False, weights_scale=1.0),
+    256, 1e4, 1e-6, arch="deepseek2", yarn=(4.0, 64, 0.0707),
+)  # fmt: skip
+
+
+def test_deepseek2_preset_carries_its_parts_and_generates(tmp_path: Path) -> None:
+    """The deepseek-v2-lite preset's writing path, scaled down: MLA without q LoRA, a dense
+    first layer, two shared experts, YaRN; kvq generates from it (and llama.cpp agrees on the
+    logits where it is installed)."""
+    path = tmp_path / "ds.gguf"
+    write_preset(path, DEEPSEEK, "q4_k_m", seed=1)
+    m = read_meta(path)
+    assert (m.arch, m.leading_dense_block_count, list(m.moe_layers)) == ("deepseek2", 1, [1, 2])
+    assert (m.q_lora_rank, m.kv_lora_rank, m.rope_dims, m.value_head_dim) == (0, 64, 32, 64)
+    assert (m.rope_scaling_type, m.rope_scaling_factor, m.rope_yarn_log_mul) == (
+        "yarn", 4.0, pytest.approx(0.0707),
+    )  # fmt: skip
+    assert m.expert_shared_feed_forward_length == 2 * 256
+    bb = Backbone.from_gguf(path)
+    ids = load_tokenizer(path).encode("experts route tokens")
+    logits = bb.forward([SeqStep(ids, bb.new_cache())])[0]
+    assert torch.isfinite(logits).all()
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False,
+                          n_threads=2, type_k=0, type_v=0)  # fmt: skip
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[len(ids) - 1], dtype=np.float64)
+    assert np.corrcoef(theirs, logits.double().numpy())[0, 1] > 0.98
+
+
+@pytest.mark.parametrize(
+    "arch", ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "glm4moe", "deepseek2"]
+)
+def test_preset_shapes_are_what_make_tiny_writes(arch: str) -> None:
+    """One description of every family's tensors (`layer_shapes`): the presets' plan and the
+    tiny writer's arrays agree name for name and shape for shape."""
+    from kvq.model.arch import tiny_arch
+    from kvq.model.presets import tensor_shapes
+    from kvq.model.tiny import family_parts
+    from kvq.model.tiny_weights import tiny_tensors
+
+    cfg = family_parts(TinyConfig(3, 8, 2, 64, 32, 4, 2, 16, shared_expert_ffn=40), arch)
+    spec = tiny_arch(arch)
+    arrays = tiny_tensors(cfg, spec, np.random.default_rng(0))
+    assert {k: v.shape for k, v in arrays.items()} == tensor_shapes(cfg, spec)
+
+
+def test_deepseek_v2_lite_preset_size() -> None:
+    """DeepSeek-V2-Lite's 15.7 B parameters; expert rows of 1408 are not whole 256-blocks, so
+    Q4_K_M's Q4_K / Q6_K fall back to Q5_0 / Q8_0 there, as llama-quantize does."""
+    tensors = plan(preset_named("deepseek-v2-lite"))
+    assert sum(int(np.prod(t.shape)) for t in tensors) == pytest.approx(15.706e9, rel=1e-3)
+    assert sum(t.nbytes for t in tensors) / 2**30 == pytest.approx(9.65, abs=0.01)
+    downs = Counter(t.qtype.name for t in tensors if "ffn_down_exps" in t.name)
+    assert downs == {"Q5_0": 14, "Q8_0": 12}
+    assert not any(t.name.startswith("blk.0.") and "_exps." in t.name for t in tensors)
