@@ -3,8 +3,9 @@ sampled, the default trust schedule). A real worker process (`forger_worker.py`)
 of its jobs with a forged result (NaN, wrong values, or the wrong shape) and posts, beside it,
 results for jobs it never got; an honest worker holds the other layer. The coordinator holds
 no experts, so every expert job is remote. No wrong token may reach a client (every request's
-tokens equal all-local generation, before and after the catch) and the forger is quarantined
-in Redis, where every coordinator and the monitor read it.
+tokens equal all-local generation; once the forger is barred its slice has no other worker and
+requests are refused with the reason) and the forger is quarantined in Redis, where every
+coordinator and the monitor read it.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ def test_forged_results_never_reach_a_client_and_the_forger_is_quarantined(
     coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)
     run_in_thread(coord)
     r, keys = mon.board.r, Keys(s.prefix)
-    caught_at = None
+    caught_at, refused = None, 0
     for n, prompt in enumerate(PROMPTS, start=1):
         rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
-        got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        try:
+            got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        except client.RequestFailed as exc:
+            # once the forger is barred its slice has no other worker: refused, with the reason
+            assert caught_at is not None and "no live node holds" in str(exc), exc
+            refused += 1
+            continue
         assert got == local_tokens(tiny_model, prompt, MAX_TOKENS), (kind, prompt)
         if caught_at is None and "forger" in mon.board.quarantined("tiny"):
             caught_at = n
@@ -79,5 +86,8 @@ def test_forged_results_never_reach_a_client_and_the_forger_is_quarantined(
     assert forged >= 1 and st.quarantines >= 1
     assert st.late_results + st.foreign_results >= 1, "results for jobs it never got: dropped"
     assert coord.dispatch.per_worker.get("forger", 0) == 0, "none of its results used"
-    print(f"{kind}: {forged} forged jobs, quarantined after request 1; late/foreign results "
-          f"dropped {st.late_results}/{st.foreign_results}, fallbacks {st.fallback_jobs}")
+    print(
+        f"{kind}: {forged} forged jobs, quarantined after request 1, {refused} requests refused "
+        f"after; late/foreign results dropped {st.late_results}/{st.foreign_results}, "
+        f"fallbacks {st.fallback_jobs}"
+    )

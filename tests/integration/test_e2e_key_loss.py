@@ -100,7 +100,9 @@ class Outcome:
 
 
 @pytest.fixture
-def system(settings: Settings, tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Children, str, Settings]]:
+def system(
+    settings: Settings, tiny_model: Path, tmp_path: Path
+) -> Iterator[tuple[Children, str, Settings]]:
     s = settings.model_copy(update={
         "coordinator_experts": "none",  # every expert job goes to a worker (inboxes, results)
         "slice_experts": 8, "worker_max_slices": 1,  # one slice (layer) per worker

@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -23,6 +24,13 @@ from kvq.server import EmbeddedRedis, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.standalone]  # it stops its own server
 
 
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.mark.parametrize("redis_up", [True, False], ids=["redis-up", "redis-down"])
 @pytest.mark.timeout(300)
 def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_up: bool) -> None:
@@ -30,7 +38,8 @@ def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_
     s = load_settings(redis_url=server.url, prefix="term", block_ms=100, heartbeat_ttl_s=1.0,
                       volunteer_poll_s=0.05, monitor_poll_s=0.1, reconnect_max_s=1.0,
                       slice_experts=8)  # fmt: skip
-    kids = Children(child_env(s, api_port=free_port()), log_dir=str(tmp_path / "logs"))
+    port = free_port()
+    kids = Children(child_env(s, api_port=port), log_dir=str(tmp_path / "logs"))
     r = redis.Redis.from_url(server.url)
     keys = Keys(s.prefix)
     try:
@@ -42,7 +51,7 @@ def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_
         kids.spawn("api", "api")
         kids.wait_for(lambda: r.exists(keys.coord_slots("c1")) and r.hlen(keys.model_workers("tiny")),
                       120, "the coordinator and the worker")  # fmt: skip
-        time.sleep(1.0)  # the gateway imports and binds
+        kids.wait_for(lambda: _up(f"http://127.0.0.1:{port}/health"), 120, "the gateway")
         if not redis_up:
             server.stop()
             time.sleep(1.5)  # every role meets the outage and enters its reconnect loop
