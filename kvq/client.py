@@ -10,7 +10,7 @@ from typing import NamedTuple
 import redis
 
 from kvq import wire
-from kvq.bus import xadd
+from kvq.bus import is_connection_error, xadd
 from kvq.bus.redis_board import request_shards
 from kvq.errors import KvqError
 from kvq.keys import Keys, request_shard
@@ -151,7 +151,8 @@ def events(
     Redis lost ends in RequestFailed (failure type `Lost`, retryable) instead of a wait until
     `timeout_s`: once `lost_after_s` pass without an event, its entry is looked up on its
     stream, and gone without an answer (a restart without persistence, `FLUSHALL`, a `DEL`)
-    the request is lost; so is one whose tokens vanished from its reply stream (a gap)."""
+    the request is lost; so is one whose tokens vanished from its reply stream (a gap). A
+    Redis outage is waited out until `timeout_s`."""
     entry = entry or getattr(request_id, "entry", "") or None
     stream = stream or getattr(request_id, "stream", "") or None
     key = keys.request_reply(request_id)
@@ -163,7 +164,13 @@ def events(
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             raise TimeoutError(f"no complete reply for request {request_id} in {timeout_s}s")
-        resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
+        try:
+            resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
+        except redis.RedisError as exc:  # an outage: wait it out, until the deadline
+            if not is_connection_error(exc):
+                raise
+            time.sleep(min(0.5, left_ms / 1000))
+            continue
         gone = False
         if not resp and entry and stream and time.monotonic() - quiet_since >= lost_after_s:
             quiet_since = time.monotonic()

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +26,10 @@ from e2e_helpers import local_tokens
 
 from kvq import client
 from kvq.bus import connect
-from kvq.config import Settings, child_env
+from kvq.config import Settings, child_env, load_settings
 from kvq.keys import Keys, request_streams
 from kvq.procs import Children
-from kvq.server import free_port
+from kvq.server import EmbeddedRedis, free_port
 
 MODEL = "tiny"
 WORKERS = ("w0", "w1")
@@ -99,17 +100,19 @@ class Outcome:
     message: str = ""
 
 
-@pytest.fixture
-def system(
-    settings: Settings, tiny_model: Path, tmp_path: Path
-) -> Iterator[tuple[Children, str, Settings]]:
-    s = settings.model_copy(update={
+def _system_settings(base: Settings) -> Settings:
+    return base.model_copy(update={
         "coordinator_experts": "none",  # every expert job goes to a worker (inboxes, results)
         "slice_experts": 8, "worker_max_slices": 1,  # one slice (layer) per worker
         "n_slots": 2, "request_shards": 2, "job_deadline_ms": 1500,
         "api_keys": API_KEY, "api_key_rpm": 10_000, "api_timeout_s": 8.0,
         "market_wait_s": 2.0,
     })  # fmt: skip
+
+
+@contextmanager
+def _running(s: Settings, tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Children, str]]:
+    """The system of real processes on `s`'s server, serving; (children, gateway URL)."""
     port = free_port()
     kids = Children(child_env(s, api_port=port), log_dir=str(tmp_path / "logs"))
     board_r = connect(s.bus)
@@ -126,10 +129,19 @@ def system(
         url = f"http://127.0.0.1:{port}"
         kids.wait_for(lambda: _api_up(url), 120, "the gateway")
         kids.wait_for(lambda: _served(board_r, keys, url), 120, "a first request served")
-        yield kids, url, s
+        yield kids, url
     finally:
         board_r.close()
         kids.stop_all()
+
+
+@pytest.fixture
+def system(
+    settings: Settings, tiny_model: Path, tmp_path: Path
+) -> Iterator[tuple[Children, str, Settings]]:
+    s = _system_settings(settings)
+    with _running(s, tiny_model, tmp_path) as (kids, url):
+        yield kids, url, s
 
 
 def _api_up(url: str) -> bool:
@@ -153,7 +165,7 @@ def _served(r: redis.Redis, keys: Keys, url: str) -> bool:
     """A new request is served end to end, through the client and through the gateway."""
     try:
         got = client.generate(r, keys, MODEL, prompt=PROMPTS[0], max_tokens=4, timeout_s=20)
-    except (client.RequestFailed, TimeoutError):
+    except (client.RequestFailed, TimeoutError, redis.ConnectionError):
         return False
     return len(got) == 4 and _api_call(url, PROMPTS[0])[0] == 200
 
@@ -171,56 +183,109 @@ def _read(r: redis.Redis, keys: Keys, rid: str) -> Outcome:
     return Outcome(rid, "done", "", tokens)
 
 
+class Rounds:
+    """Faults one after another on a running system, each checked as the module says."""
+
+    def __init__(self, kids: Children, url: str, s: Settings, tiny_model: Path) -> None:
+        self.kids, self.url, self.keys = kids, url, Keys(s.prefix)
+        self.r = connect(s.bus)
+        self.want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+        self.rows: list[str] = []
+        self.pool = ThreadPoolExecutor(OPEN + 1)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.r.close()
+        print("\n" + "\n".join(self.rows))
+
+    def run(self, kind: str, fault: Callable[[list[str]], None]) -> None:
+        """Open requests, `fault(their ids)`, then the checks; one row of figures."""
+        kids, r, keys, url = self.kids, self.r, self.keys, self.url
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(OPEN)]
+        rids = [client.send(r, keys, MODEL, prompt=p, max_tokens=MAX_TOKENS) for p in prompts]
+        readers: list[Future[Outcome]] = [self.pool.submit(_read, r, keys, rid) for rid in rids]
+        api: Future[tuple[int, str]] = self.pool.submit(_api_call, url, PROMPTS[1])
+        kids.wait_for(lambda: r.xlen(keys.request_reply(rids[0])) > 0, 30,
+                      "the first request generating")  # fmt: skip
+        t0 = time.monotonic()
+        fault(rids)
+        outcomes = [f.result(timeout=90) for f in readers]
+        ended_s = time.monotonic() - t0
+        assert not kids.dead(), f"{kind}: {kids.dead()} exited"
+        for o, p in zip(outcomes, prompts, strict=True):
+            assert o.kind in ("done", "error"), f"{kind}: {o}"
+            if o.kind == "done":
+                assert o.tokens == self.want[p], f"{kind}: wrong tokens for {o.rid}"
+            else:  # lost, or refused while a slice had no worker listed (uncovered)
+                assert o.detail in ("Lost", "BadRequest") and o.message, f"{kind}: {o}"
+        kids.wait_for(lambda: _served(r, keys, url), 60, f"service after {kind}")
+        recover_s = time.monotonic() - t0
+        status, text = api.result(timeout=60)  # a lost one: after KVQ_API_TIMEOUT_S
+        # served, refused with its reason (uncovered), no coordinator listed, or lost
+        assert status in (200, 400, 503, 504), f"{kind}: gateway answered {status}: {text}"
+        done = sum(o.kind == "done" for o in outcomes)
+        errors = ",".join(o.detail for o in outcomes if o.kind == "error") or "-"
+        self.rows.append(f"{kind:20} open {OPEN}+1 api: done {done}, error {OPEN - done} "
+                         f"({errors}), api {status}; ended {ended_s:4.1f}s, "
+                         f"served again {recover_s:4.1f}s")  # fmt: skip
+
+    def logs(self) -> dict[str, str]:
+        return {name: (Path(self.kids.log_dir or "") / f"{name}.log").read_text()
+                for name in ("monitor", "coord", "w0")}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_role_survives_the_loss_of_any_key(
     system: tuple[Children, str, Settings], tiny_model: Path
 ) -> None:
     kids, url, s = system
-    keys = Keys(s.prefix)
-    r = connect(s.bus)
-    want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
-    rows: list[str] = []
-    pool = ThreadPoolExecutor(OPEN + 1)
+    rounds = Rounds(kids, url, s, tiny_model)
+    ctx = Ctx(rounds.keys, rounds.r, [])
     try:
-        for kind in [*KINDS, "FLUSHALL"]:
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(OPEN)]
-            rids = [client.send(r, keys, MODEL, prompt=p, max_tokens=MAX_TOKENS) for p in prompts]
-            readers: list[Future[Outcome]] = [pool.submit(_read, r, keys, rid) for rid in rids]
-            api: Future[tuple[int, str]] = pool.submit(_api_call, url, PROMPTS[1])
-            kids.wait_for(lambda rid=rids[0]: r.xlen(keys.request_reply(rid)) > 0, 30,
-                          "the first request generating")  # fmt: skip
-            t0 = time.monotonic()
-            if kind == "FLUSHALL":
-                r.flushall()  # a cluster client sends it to every master
-            else:
-                for key in KINDS[kind](Ctx(keys, r, list(rids))):
-                    r.delete(key)
-            outcomes = [f.result(timeout=90) for f in readers]
-            ended_s = time.monotonic() - t0
-            assert not kids.dead(), f"{kind}: {kids.dead()} exited"
-            for o, p in zip(outcomes, prompts, strict=True):
-                assert o.kind in ("done", "error"), f"{kind}: {o}"
-                if o.kind == "done":
-                    assert o.tokens == want[p], f"{kind}: wrong tokens for {o.rid}"
-                else:  # lost, or refused while a slice had no worker listed (uncovered)
-                    assert o.detail in ("Lost", "BadRequest") and o.message, f"{kind}: {o}"
-            kids.wait_for(lambda: _served(r, keys, url), 60, f"service after {kind}")
-            recover_s = time.monotonic() - t0
-            status, text = api.result(timeout=60)  # a lost one: after KVQ_API_TIMEOUT_S
-            # served, refused with its reason (uncovered), no coordinator listed, or lost
-            assert status in (200, 400, 503, 504), f"{kind}: gateway answered {status}: {text}"
-            done = sum(o.kind == "done" for o in outcomes)
-            errors = ",".join(o.detail for o in outcomes if o.kind == "error") or "-"
-            rows.append(f"{kind:20} open {OPEN}+1 api: done {done}, error {OPEN - done} "
-                        f"({errors}), api {status}; ended {ended_s:4.1f}s, "
-                        f"served again {recover_s:4.1f}s")  # fmt: skip
+        for kind, of_kind in KINDS.items():
+
+            def delete(rids: list[str], of_kind: k_ = of_kind) -> None:
+                ctx.open_ids = rids
+                for key in of_kind(ctx):
+                    rounds.r.delete(key)
+
+            rounds.run(kind, delete)
+        rounds.run("FLUSHALL", lambda rids: rounds.r.flushall())  # a cluster: every master
         assert not kids.dead()
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        r.close()
-        print("\n" + "\n".join(rows))
-    logs = {name: (Path(kids.log_dir or "") / f"{name}.log").read_text() for name in
-            ("monitor", "coord", "w0")}  # fmt: skip
+        rounds.close()
+    logs = rounds.logs()
     assert "registering it again" in logs["monitor"]
     assert "redis lost" in logs["coord"] and "redis lost" in logs["w0"]
+
+
+@pytest.mark.slow
+@pytest.mark.standalone  # it restarts its own server
+@pytest.mark.timeout(300)
+def test_every_role_survives_a_restart_without_persistence(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The issue's first case: Redis stopped and started again empty on the same port, twice."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    s = _system_settings(load_settings(
+        redis_url=server.url, prefix="restart", block_ms=100, heartbeat_ttl_s=1.0,
+        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50, slot_poll_s=0.02,
+        reconnect_max_s=0.5,
+    ))  # fmt: skip
+
+    def restart(rids: list[str]) -> None:
+        server.stop()  # no AOF, no RDB: it comes back empty
+        server.start()
+
+    try:
+        with _running(s, tiny_model, tmp_path) as (kids, url):
+            rounds = Rounds(kids, url, s, tiny_model)
+            try:
+                rounds.run("restart", restart)
+                rounds.run("restart again", restart)
+            finally:
+                rounds.close()
+            assert "registering it again" in rounds.logs()["monitor"]
+    finally:
+        server.close()
