@@ -69,3 +69,27 @@ def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_
         kids.stop_all()
         r.close()
         server.close()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_exits_0_while_a_coordinator_waits_for_its_model(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Before a role's own stop is installed (a coordinator waits for Redis or for its model's
+    registration at start), SIGTERM still ends it with code 0."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    s = load_settings(redis_url=server.url, prefix="term-start", reconnect_max_s=1.0)
+    kids = Children(child_env(s), log_dir=str(tmp_path / "logs"))
+    try:
+        proc = kids.spawn("coordinator", "coordinator", "--model", str(tiny_model),
+                          "--model-id", "nobody-registered-it", "--id", "c1")  # fmt: skip
+        log = tmp_path / "logs" / "coordinator.log"
+        kids.wait_for(lambda: "waiting for model" in log.read_text(), 90,
+                      "the coordinator waiting for its model")  # fmt: skip
+        server.stop()  # and Redis goes too
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        kids.stop_all()
+        server.close()
