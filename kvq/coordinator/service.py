@@ -188,7 +188,7 @@ class Coordinator:
         try:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
-            self._bad_entry(stream, eid, fields, f"refused: {exc}")
+            self._bad_entry(stream, eid, fields, str(exc))
             return
         try:
             self._start(stream, eid, fields, req)
@@ -196,7 +196,7 @@ class Coordinator:
             raise  # the serving loop waits out an outage; the entry is re-read after it
         except Exception as exc:  # noqa: BLE001 - one request's fault must not stop serving
             log.exception("request entry %s of %s could not be started", eid.decode(), stream)
-            self._bad_entry(stream, eid, fields, f"refused: {type(exc).__name__}: {exc}")
+            self._bad_entry(stream, eid, fields, f"{type(exc).__name__}: {exc}")
 
     def _bad_entry(self, stream: str, eid: bytes, fields: dict[bytes, bytes], why: str) -> None:
         """Dead-letter an entry that cannot be served, and tell its sender when the entry
@@ -206,7 +206,7 @@ class Coordinator:
         if rid is None:  # nobody to tell: the dead letter is the only record
             self.requests.ack(stream, eid)
             return
-        self._refuse(rid, stream, eid, 0, "BadRequest", why)
+        self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: {why}")
 
     def _start(
         self, stream: str, eid: bytes, fields: dict[bytes, bytes], req: wire.Request

@@ -171,3 +171,30 @@ def test_a_duplicate_ids_refusal_is_not_taken_for_the_first_requests_own(
     seen = client.ReplyFilter()
     kinds = [ev.kind for ev in coord.board.reply_events("twice") if seen.accept(ev)]
     assert "error" not in kinds and kinds[-1] == "done", kinds
+
+
+def test_a_request_that_fails_to_start_is_refused_and_serving_goes_on(
+    settings: Settings, tiny_model: Path, run_in_thread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 item 3, "whatever else is wrong": an unexpected failure while starting one
+    request (here its prompt's preparation) answers it with an error event and a dead letter;
+    the coordinator goes on serving."""
+    mon = Monitor.from_settings(settings)
+    mon.register("tiny", tiny_model)
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
+    honest = coord._prompt
+
+    def prompt(req: wire.Request) -> tuple[str | None, list[int]]:
+        if req.prompt == "boom":
+            raise RuntimeError("the tokenizer broke")
+        return honest(req)
+
+    monkeypatch.setattr(coord, "_prompt", prompt)
+    run_in_thread(coord)
+    r, keys = mon.board.r, Keys(settings.prefix)
+    rid = client.send(r, keys, "tiny", prompt="boom", max_tokens=3)
+    with pytest.raises(client.RequestFailed, match="refused: RuntimeError: the tokenizer broke"):
+        list(client.events(r, keys, rid, timeout_s=30))
+    dead = wait_for(lambda: r.xrange(keys.deadletter()), what="the dead letter")
+    assert b"the tokenizer broke" in dead[0][1][b"reason"]
+    assert client.generate(r, keys, "tiny", prompt="hi", max_tokens=2, timeout_s=60)
