@@ -11,7 +11,6 @@ at the fault, how they ended, and the seconds until a new request was served aga
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,12 +37,13 @@ API_KEY = "fault-key"
 PROMPTS = ("a redis that forgets", "no role dies", "one done or one error")
 MAX_TOKENS = 24
 OPEN = 4  # requests sent before each fault; 2 slots: two run, two wait in the queue
-ON_CLUSTER = os.environ.get("CLUSTER_TESTS") == "1"
 LOST_AFTER_S = 1.5  # the client's silence before it asks whether its request still exists
 
 
 @dataclass
 class Ctx:
+    """What a row of `KINDS` needs to name the keys of its kind."""
+
     keys: Keys
     r: redis.Redis
     open_ids: list[str]
@@ -52,9 +52,9 @@ class Ctx:
         return sorted({k.decode() for k in self.r.scan_iter(match=pattern, count=1000)})
 
 
-k_ = Callable[[Ctx], list[str]]
+KeysOf = Callable[[Ctx], list[str]]
 # every key kind of `kvq.keys.Keys` → the keys of that kind this deployment writes
-KINDS: dict[str, k_] = {
+KINDS: dict[str, KeysOf] = {
     "models": lambda c: [c.keys.models()],
     "deadletter": lambda c: [c.keys.deadletter()],
     "monitor_lease": lambda c: [c.keys.monitor_lease()],
@@ -245,7 +245,7 @@ def test_every_role_survives_the_loss_of_any_key(
     try:
         for kind, of_kind in KINDS.items():
 
-            def delete(rids: list[str], of_kind: k_ = of_kind) -> None:
+            def delete(rids: list[str], of_kind: KeysOf = of_kind) -> None:
                 ctx.open_ids = rids
                 for key in of_kind(ctx):
                     rounds.r.delete(key)
