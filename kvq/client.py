@@ -115,7 +115,7 @@ def submit(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
         )
-    request_id = request_id or uuid.uuid4().hex
+    request_id = str(request_id or uuid.uuid4().hex)  # a plain str (a `RequestId` given back)
     req = wire.Request(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
         messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
@@ -136,7 +136,8 @@ def submit(
 def cancel(r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = 1000) -> None:
     """Give up on a request: its coordinator drops it at its next step (or when it would
     admit it, if it is still queued)."""
-    xadd(r, keys.model_cancels(model), wire.encode(wire.Cancel(request_id=request_id)), maxlen)
+    cancel = wire.Cancel(request_id=str(request_id))  # a plain str: the codec takes no subclass
+    xadd(r, keys.model_cancels(model), wire.encode(cancel), maxlen)
 
 
 def events(

@@ -110,3 +110,15 @@ def test_another_entrys_refusal_is_not_ours(r: redis.Redis, prefix: str) -> None
     assert [e.kind for e in client.events(r, keys, first, timeout_s=5)] == ["done"]
     with pytest.raises(client.RequestFailed, match="duplicate"):
         list(client.events(r, keys, second, timeout_s=5))
+
+
+def test_a_request_id_goes_back_on_the_wire_as_a_plain_str(r: redis.Redis, prefix: str) -> None:
+    """The codec encodes no `str` subclass: cancelling, or reusing the id, takes a `RequestId`."""
+    keys = Keys(prefix)
+    _registered(r, keys)
+    rid = client.send(r, keys, "m", prompt="hi")
+    client.cancel(r, keys, "m", rid)
+    again = client.send(r, keys, "m", prompt="hi", request_id=rid)
+    assert again == rid and again.entry != rid.entry
+    ((_, fields),) = r.xrange(keys.model_cancels("m"))
+    assert wire.decode(fields, wire.Cancel).request_id == rid
