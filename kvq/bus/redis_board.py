@@ -304,13 +304,23 @@ class RedisBoard:
                     owner = pipe.hget(key, "entry")
                     if owner is not None and owner.decode() != eid:
                         return 0
+                    # no record: a first run, or Redis lost it; then the runs that wrote this
+                    # entry's events count (readers ignore a run numbered below one they saw)
+                    runs = 0 if owner is not None else self._runs_seen(request, eid)
                     pipe.multi()
-                    pipe.hset(key, "entry", eid)
+                    pipe.hset(key, mapping={"entry": eid, **({"attempts": runs} if runs else {})})
                     pipe.hincrby(key, "attempts", 1)
                     pipe.expire(key, self.lifetimes.reply_s())
                     return int(pipe.execute()[1])
                 except redis.WatchError:
                     continue  # another coordinator started it meanwhile: look again
+
+    def _runs_seen(self, request: str, entry: str) -> int:
+        """The highest run number on `request`'s reply stream among `entry`'s events (0 for a
+        new request: its reply stream is empty)."""
+        return max(
+            (e.attempt for e in self.reply_events(request) if e.entry in ("", entry)), default=0
+        )
 
     def reply_events(self, request: str) -> list[wire.ReplyEvent]:
         """The events written so far on `request`'s reply stream, in order (undecodable
