@@ -31,7 +31,9 @@ class RequestId(str):
     """A request id as `send` and `submit` return it: the id itself (a `str`), carrying where
     the request was queued, its request stream and entry. `events` reads both from it: the
     entry tells this request's events, and its refusal, from those of another request that
-    reused the id; the stream tells a request Redis lost from one still waiting."""
+    reused the id; the stream tells a request Redis lost from one still waiting. The wire
+    codec encodes no `str` subclass: `str(rid)` is the plain id (`cancel` and `submit` take
+    either)."""
 
     entry: str
     stream: str
