@@ -24,7 +24,8 @@ demo: setup
 
 # the second run: the end-to-end and fault tests again, on a local 3-master Redis Cluster
 CLUSTER_SUITE := tests/bus/test_shards.py tests/integration/test_e2e_generation.py tests/integration/test_e2e_refusals.py \
-	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py tests/integration/test_multi_slice.py
+	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py tests/integration/test_multi_slice.py \
+	tests/integration/test_e2e_key_loss.py tests/integration/test_e2e_forged_results.py
 
 test: setup
 	$(BIN)/python -m pytest -p no:cacheprovider

@@ -10,7 +10,9 @@ The public API (pinned by tests/unit/test_exported_members.py), enough to send r
 
 - settings: `Settings`, `load_settings`;
 - Redis: `connect` (a client with kvq's reconnect policy), `Keys` (every key name);
-- requests: `send`, `events` (yields `ReplyEvent`s), `generate`, `RequestFailed`;
+- requests: `send` / `submit` (a `RequestId` / `Submitted`: the id with the entry it was
+  queued as, so that `events` tells its own refusal from another request's), `events` (yields
+  `ReplyEvent`s), `generate`, `RequestFailed`;
 - errors: `KvqError` and its tree, drawn in `kvq.errors`.
 
 The roles, the model, the bank and the swarm router are subpackages (`kvq.monitor`,
@@ -43,7 +45,7 @@ from kvq.errors import (
 
 if _typing.TYPE_CHECKING:
     from kvq.bus.connection import connect
-    from kvq.client import RequestFailed, events, generate, send
+    from kvq.client import RequestFailed, RequestId, Submitted, events, generate, send, submit
     from kvq.config import Settings, load_settings
     from kvq.keys import Keys
     from kvq.wire import ReplyEvent
@@ -55,12 +57,15 @@ _LAZY = {
     "Keys": "kvq.keys",
     "ReplyEvent": "kvq.wire",
     "RequestFailed": "kvq.client",
+    "RequestId": "kvq.client",
     "Settings": "kvq.config",
     "connect": "kvq.bus.connection",
     "events": "kvq.client",
     "generate": "kvq.client",
     "load_settings": "kvq.config",
     "send": "kvq.client",
+    "submit": "kvq.client",
+    "Submitted": "kvq.client",
 }
 
 
@@ -88,10 +93,12 @@ __all__ = [
     "NoRoute",
     "ReplyEvent",
     "RequestFailed",
+    "RequestId",
     "RoutingError",
     "ServerError",
     "Settings",
     "SliceIntegrityError",
+    "Submitted",
     "TopologyError",
     "UncoveredSlice",
     "UnknownModel",
@@ -104,4 +111,5 @@ __all__ = [
     "generate",
     "load_settings",
     "send",
+    "submit",
 ]

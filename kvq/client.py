@@ -10,7 +10,7 @@ from typing import NamedTuple
 import redis
 
 from kvq import wire
-from kvq.bus import xadd
+from kvq.bus import is_connection_error, xadd
 from kvq.bus.redis_board import request_shards
 from kvq.errors import KvqError
 from kvq.keys import Keys, request_shard
@@ -24,8 +24,29 @@ class RequestFailed(KvqError):
         self.failure = failure
 
 
+LOST_AFTER_S = 5.0  # silence after which `events` asks whether its request still exists
+
+
+class RequestId(str):
+    """A request id as `send` and `submit` return it: the id itself (a `str`), carrying where
+    the request was queued, its request stream and entry. `events` reads both from it: the
+    entry tells this request's events, and its refusal, from those of another request that
+    reused the id; the stream tells a request Redis lost from one still waiting. The wire
+    codec encodes no `str` subclass: `str(rid)` is the plain id (`cancel` and `submit` take
+    either)."""
+
+    entry: str
+    stream: str
+
+    def __new__(cls, request_id: str, entry: str = "", stream: str = "") -> RequestId:
+        self = super().__new__(cls, request_id)
+        self.entry, self.stream = entry, stream
+        return self
+
+
 class Submitted(NamedTuple):
-    """A queued request: its id (which keys its reply stream) and its request stream entry."""
+    """A queued request: its id (which keys its reply stream; a `RequestId` from `submit`)
+    and its request stream entry."""
 
     request_id: str
     entry: str
@@ -39,6 +60,9 @@ class ReplyFilter:
     - an event of an earlier run (`attempt` lower than one seen) comes from a coordinator
       that lost the request to another and has not noticed yet;
     - a token at an index already delivered is a replay.
+
+    Without `entry` it takes the entry of the first token or `done` it sees (only the entry
+    that owns the id is served), so a refusal of a later duplicate is not taken for its own.
     """
 
     def __init__(self, entry: str | None = None) -> None:
@@ -47,6 +71,8 @@ class ReplyFilter:
     def accept(self, ev: wire.ReplyEvent) -> bool:
         if self.entry and ev.entry and ev.entry != self.entry:
             return False
+        if not self.entry and ev.entry and ev.kind != "error":
+            self.entry = ev.entry
         if ev.attempt < self.attempt:
             return False
         self.attempt = ev.attempt
@@ -62,12 +88,15 @@ def send(
     prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
     sampling: wire.SamplingParams | None = None, messages: list[wire.ChatMessage] | None = None,
     request_id: str | None = None,
-) -> str:  # fmt: skip
-    """Queue a request; returns its id (see `submit`)."""
-    return submit(
+) -> RequestId:  # fmt: skip
+    """Queue a request; returns its id, a `RequestId` that `events` reads its entry and
+    stream from (see `submit`)."""
+    rid = submit(
         r, keys, model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
         maxlen=maxlen, sampling=sampling, messages=messages, request_id=request_id,
     ).request_id  # fmt: skip
+    assert isinstance(rid, RequestId)
+    return rid
 
 
 def submit(
@@ -88,7 +117,7 @@ def submit(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
         )
-    request_id = request_id or uuid.uuid4().hex
+    request_id = str(request_id or uuid.uuid4().hex)  # a plain str (a `RequestId` given back)
     req = wire.Request(
         request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
         messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
@@ -101,44 +130,87 @@ def submit(
             "KVQ_STREAM_MAXLEN per request stream); retry later"
         )
     # never trimmed: trimming would drop queued requests without an answer
-    entry = xadd(r, stream, wire.encode(req), None)
-    return Submitted(request_id, entry.decode() if isinstance(entry, bytes) else str(entry))
+    got = xadd(r, stream, wire.encode(req), None)
+    entry = got.decode() if isinstance(got, bytes) else str(got)
+    return Submitted(RequestId(request_id, entry, stream), entry)
 
 
 def cancel(r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = 1000) -> None:
     """Give up on a request: its coordinator drops it at its next step (or when it would
     admit it, if it is still queued)."""
-    xadd(r, keys.model_cancels(model), wire.encode(wire.Cancel(request_id=request_id)), maxlen)
+    cancel = wire.Cancel(request_id=str(request_id))  # a plain str: the codec takes no subclass
+    xadd(r, keys.model_cancels(model), wire.encode(cancel), maxlen)
 
 
 def events(
     r: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 60.0,
-    entry: str | None = None,
+    entry: str | None = None, *, stream: str | None = None, lost_after_s: float = LOST_AFTER_S,
 ) -> Iterator[wire.ReplyEvent]:  # fmt: skip
     """Reply events of one request, in order, until `done` (or RequestFailed / TimeoutError):
-    each token once, also across a coordinator restart or takeover (`ReplyFilter`). `entry`
-    (from `submit`) ignores events of another request that reused the id."""
+    each token once, also across a coordinator restart or takeover (`ReplyFilter`).
+
+    `entry` and `stream` (read from a `RequestId`, as `send` and `submit` return it, when not
+    given): events of another request that reused the id are ignored, and a request that
+    Redis lost ends in RequestFailed (failure type `Lost`, retryable) instead of a wait until
+    `timeout_s`: once `lost_after_s` pass without an event, its entry is looked up on its
+    stream, and gone without an answer (a restart without persistence, `FLUSHALL`, a `DEL`)
+    the request is lost; so is one whose tokens vanished from its reply stream (a gap). A
+    Redis outage is waited out until `timeout_s`."""
+    entry = entry or getattr(request_id, "entry", "") or None
+    stream = stream or getattr(request_id, "stream", "") or None
     key = keys.request_reply(request_id)
     seen = ReplyFilter(entry)
     last = b"0-0"
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, quiet_since = now + timeout_s, now
     while True:
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             raise TimeoutError(f"no complete reply for request {request_id} in {timeout_s}s")
-        resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
+        try:
+            resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
+        except redis.RedisError as exc:  # an outage: wait it out, until the deadline
+            if not is_connection_error(exc):
+                raise
+            time.sleep(min(0.5, left_ms / 1000))
+            continue
+        gone = False
+        if not resp and entry and stream and time.monotonic() - quiet_since >= lost_after_s:
+            quiet_since = time.monotonic()
+            # its answer is written before its entry is deleted: with the entry gone, what
+            # the reply stream holds now is all that can come
+            gone = not r.xrange(stream, entry, entry, count=1)
+            resp = r.xread({key: last}, count=256) if gone else resp
         for _, entries in resp or []:
+            quiet_since = time.monotonic()
             for eid, fields in entries:
                 last = eid
                 ev = wire.decode(fields, wire.ReplyEvent)
+                expected = seen.next_index
                 if not seen.accept(ev):
                     continue
                 if ev.kind == "error":
                     msg = ev.error.message if ev.error else "unknown error"
                     raise RequestFailed(f"request {request_id} failed: {msg}", ev.error)
+                if (ev.kind == "token" and ev.index > expected) or (
+                    ev.kind == "done" and ev.index > seen.next_index
+                ):
+                    raise RequestFailed(
+                        f"request {request_id} was lost in part: tokens {expected} to "
+                        f"{ev.index - 1} vanished from its reply stream (Redis lost it)",
+                        wire.Failure(type="Lost", message="reply tokens lost by Redis",
+                                     retryable=True),
+                    )  # fmt: skip
                 yield ev
                 if ev.kind == "done":
                     return
+        if gone:
+            raise RequestFailed(
+                f"request {request_id} was lost: its entry {entry} vanished from {stream} "
+                "before it was answered (Redis lost it: a restart without persistence, "
+                "FLUSHALL or a DEL); send it again",
+                wire.Failure(type="Lost", message="request lost by Redis", retryable=True),
+            )  # fmt: skip
 
 
 def generate(

@@ -256,22 +256,31 @@ def failure(exc: BaseException, retryable: bool = False) -> Failure:
     return Failure(type=type(exc).__name__, message=str(exc), retryable=retryable)
 
 
+_LOOSE = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])  # keys only: values stay bytes
+
+
 def request_id_of(fields: Any) -> str | None:
     """The `request_id` of a request entry that does not decode as a `Request` (wrong
-    version, a bad field), so that its sender can still be told: read from the msgpack map if
-    it is one, else from the readable copy. None if neither holds a usable id."""
-    rid: Any = None
-    try:
-        raw = fields.get(b"m", fields.get("m"))
-        body = msgspec.msgpack.decode(raw) if isinstance(raw, bytes) else None
-        if isinstance(body, dict):
-            rid = body.get("request_id")
-        if rid is None:
-            rid = fields.get(b"request_id", fields.get("request_id"))
-        if isinstance(rid, bytes):
-            rid = rid.decode()
-    except Exception:  # noqa: BLE001 - whatever the entry holds, the answer is "no id"
-        return None
-    if not isinstance(rid, str) or not 0 < len(rid) <= 512 or not rid.isprintable():
-        return None
-    return rid
+    version, a bad field, a prompt of invalid UTF-8), so that its sender can still be told:
+    read from the msgpack map if it is one (its other values are not decoded), else from the
+    readable copy. None if neither holds a usable id."""
+    for find in (_id_in_map, _readable_id):
+        try:
+            rid = find(fields)
+        except Exception:  # noqa: BLE001 - whatever the entry holds, this place has no id
+            continue
+        if isinstance(rid, str) and 0 < len(rid) <= 512 and rid.isprintable():
+            return rid
+    return None
+
+
+def _id_in_map(fields: Any) -> Any:
+    raw = fields.get(b"m", fields.get("m"))
+    body = _LOOSE.decode(raw) if isinstance(raw, bytes) else {}
+    rid = body.get("request_id")
+    return msgspec.msgpack.decode(rid, type=str) if rid is not None else None
+
+
+def _readable_id(fields: Any) -> Any:
+    rid = fields.get(b"request_id", fields.get("request_id"))
+    return rid.decode() if isinstance(rid, bytes) else rid

@@ -73,6 +73,11 @@ class Board(Protocol):
         """The registered model, or None."""
         ...
 
+    def model_intact(self, model: str) -> bool:
+        """Whether `model`'s registration is whole: listed, with its metadata and slice table
+        (False after Redis lost any of them; its monitor registers it again)."""
+        ...
+
     def publish_model_state(
         self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
     ) -> None:
@@ -189,8 +194,10 @@ class Board(Protocol):
         ...
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
-        """Slot state and counters of a coordinator, which joins its model's set."""
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
+        """Slot state and counters of a coordinator, which joins its model's set; True when
+        its slot record or its place in the set was missing (the first publish, an expiry,
+        or Redis lost them)."""
         ...
 
     def coordinators(self, model: str) -> list[CoordinatorView]:

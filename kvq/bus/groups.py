@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import redis
 
+from kvq.bus.streams import is_lost_key
+
 
 @dataclass(frozen=True, slots=True)
 class ConsumerStats:
@@ -52,6 +54,17 @@ def server_ms(r: redis.Redis) -> int:
 
 
 def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupStats:
+    """Stats of `group` on `stream`; see `_group_stats`. A stream or group that Redis loses
+    between the calls reads as not made yet (`exists` False), not as an error."""
+    try:
+        return _group_stats(r, stream, group, now_ms)
+    except redis.ResponseError as exc:
+        if not is_lost_key(exc):
+            raise
+        return GroupStats(False, 0, 0, 0, None, None)
+
+
+def _group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupStats:
     """Stats of `group` on `stream` (`now_ms`: the server's clock, `server_ms`).
 
     Without the group (no consumer started yet) every entry is unread: lag = `XLEN`. When

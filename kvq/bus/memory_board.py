@@ -80,6 +80,9 @@ class MemoryBoard:
     def model_info(self, model: str) -> ModelInfo | None:
         return self._models.get(model)
 
+    def model_intact(self, model: str) -> bool:
+        return model in self._models
+
     def publish_model_state(
         self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
     ) -> None:
@@ -291,11 +294,14 @@ class MemoryBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
         with self._lock:
+            members = self._coords.setdefault(state.model, set())
+            new = self._slots(coord) is None or coord not in members
             self._put("slots", coord, state, self.lifetimes.slots_s())
-            self._coords.setdefault(state.model, set()).add(coord)
+            members.add(coord)
             self._stats[coord] = stats
+            return new
 
     def _slots(self, coord: str) -> SlotState | None:
         got = self._get("slots", coord)

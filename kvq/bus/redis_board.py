@@ -103,6 +103,12 @@ class RedisBoard:
             model, entry.source, meta, slices, entry.header_sha256, entry.request_shards
         )
 
+    def model_intact(self, model: str) -> bool:
+        k = self.keys
+        if not self.r.sismember(k.models(), model):
+            return False
+        return int(self.r.exists(k.model_meta(model), k.model_slices(model))) == 2  # one tag
+
     def publish_model_state(
         self, model: str, state: ModelState, targets: Mapping[str, int] | None = None
     ) -> None:
@@ -245,19 +251,21 @@ class RedisBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> None:
+    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(k.coord_slots(coord), mapping=state.to_hash())
+        pipe.hset(k.coord_slots(coord), mapping=state.to_hash())  # fields added: new record
         pipe.expire(k.coord_slots(coord), life.slots_s())
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
+        got = []
         if self.cluster:  # {c:C} and {m:M}: a cluster runs the parts in no order, so wait
-            pipe.execute()
+            got = pipe.execute()
             pipe = self.r.pipeline(transaction=False)
         # after the slots: the monitor drops members whose slots key is gone
         pipe.sadd(k.model_coordinators(state.model), coord)
-        pipe.execute()
+        got += pipe.execute()
+        return bool(got[0]) or bool(got[-1])
 
     def coordinators(self, model: str) -> list[CoordinatorView]:
         coords = sorted(_s(c) for c in self.r.smembers(self.keys.model_coordinators(model)))
@@ -296,13 +304,23 @@ class RedisBoard:
                     owner = pipe.hget(key, "entry")
                     if owner is not None and owner.decode() != eid:
                         return 0
+                    # no record: a first run, or Redis lost it; then the runs that wrote this
+                    # entry's events count (readers ignore a run numbered below one they saw)
+                    runs = 0 if owner is not None else self._runs_seen(request, eid)
                     pipe.multi()
-                    pipe.hset(key, "entry", eid)
+                    pipe.hset(key, mapping={"entry": eid, **({"attempts": runs} if runs else {})})
                     pipe.hincrby(key, "attempts", 1)
                     pipe.expire(key, self.lifetimes.reply_s())
                     return int(pipe.execute()[1])
                 except redis.WatchError:
                     continue  # another coordinator started it meanwhile: look again
+
+    def _runs_seen(self, request: str, entry: str) -> int:
+        """The highest run number on `request`'s reply stream among `entry`'s events (0 for a
+        new request: its reply stream is empty)."""
+        return max(
+            (e.attempt for e in self.reply_events(request) if e.entry in ("", entry)), default=0
+        )
 
     def reply_events(self, request: str) -> list[wire.ReplyEvent]:
         """The events written so far on `request`'s reply stream, in order (undecodable

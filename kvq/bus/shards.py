@@ -21,6 +21,7 @@ entry is pending for this consumer like any entry being served, so a crash loses
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -28,10 +29,11 @@ from typing import Any
 
 import redis
 
-from kvq.bus.streams import Consumer, answer_then_ack, ensure_group, is_cluster
+from kvq.bus.streams import Consumer, answer_then_ack, ensure_group, is_cluster, is_lost_key
 
 Fields = dict[bytes, bytes]
 Delivered = tuple[str, bytes, Fields]  # (stream, entry id, fields)
+log = logging.getLogger("kvq.bus")
 POLL_S = 0.002  # a cluster's idle coordinator polls its shards this often
 
 
@@ -90,8 +92,10 @@ class ShardedConsumer:
     def _lost_group(self, exc: redis.ResponseError) -> None:
         """A shard's stream or group vanished (Redis restarted without persistence): make
         them again and re-read pending entries from the start."""
-        if "NOGROUP" not in str(exc):
+        if not is_lost_key(exc):
             raise exc
+        log.warning("redis lost a request stream of %s or its group %s; made them again",
+                    ", ".join(self.streams), self.group)  # fmt: skip
         for stream in self.streams:
             ensure_group(self.r, stream, self.group)
         self.reset_pending()

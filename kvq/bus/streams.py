@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -11,6 +12,26 @@ import redis
 from kvq.keys import Keys
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+log = logging.getLogger("kvq.bus")
+
+
+def is_lost_key(exc: BaseException) -> bool:
+    """Whether `exc` is Redis saying a stream or its consumer group is gone (a restart without
+    persistence, `FLUSHALL`, a `DEL`): `NOGROUP` from the group commands, `no such key` from
+    `XINFO`. The caller makes them again (`ensure_group`) instead of failing."""
+    text = str(exc)
+    return isinstance(exc, redis.ResponseError) and (
+        "NOGROUP" in text or "no such key" in text.lower()
+    )
+
+
+def regroup(r: redis.Redis, stream: str, group: str, exc: redis.ResponseError) -> None:
+    """Make `stream` and `group` again after Redis lost them (`is_lost_key`), logging it in one
+    line; any other error is raised."""
+    if not is_lost_key(exc):
+        raise exc
+    log.warning("redis lost stream %s or its group %s; made them again", stream, group)
+    ensure_group(r, stream, group)
 
 
 def is_cluster(r: Any) -> bool:
@@ -96,10 +117,7 @@ class Consumer:
                 self.group, self.name, {self.stream: start}, count=count, block=block_ms
             )
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            # the stream or group vanished (Redis restarted without persistence)
-            ensure_group(self.r, self.stream, self.group)
+            regroup(self.r, self.stream, self.group, exc)
             self._cursor = b"0"
             return [], None
         if not resp or not resp[0][1]:
@@ -166,8 +184,20 @@ def claim_from_dead(
     """Move pending entries of dead consumers (per `alive`) idle >= min_idle_ms to `me`.
 
     Only dead consumers are robbed: a live coordinator may legitimately hold a request for a
-    long time while it generates. Returns how many entries were claimed.
+    long time while it generates. Returns how many entries were claimed. A stream or group
+    that Redis lost (at any step) is made again: nothing was left to claim.
     """
+    try:
+        return _claim(r, stream, group, me, alive, min_idle_ms)
+    except redis.ResponseError as exc:
+        regroup(r, stream, group, exc)
+        return 0
+
+
+def _claim(
+    r: redis.Redis, stream: str, group: str, me: str,
+    alive: Callable[[str], bool], min_idle_ms: int,
+) -> int:  # fmt: skip
     claimed = 0
     for info in r.xinfo_consumers(stream, group):
         name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
@@ -190,15 +220,22 @@ def claim_from_dead(
 
 
 def unanswered(r: redis.Redis, stream: str) -> list[Entry]:
-    """Entries of a one-group stream never delivered, plus those delivered but not acked."""
-    groups = r.xinfo_groups(stream) if r.exists(stream) else []
-    if not groups:
-        return list(r.xrange(stream))
-    g = groups[0]
-    last = g["last-delivered-id"]
-    pending = {
-        p["message_id"] for p in r.xpending_range(stream, g["name"], min="-", max="+", count=10_000)
-    }
+    """Entries of a one-group stream never delivered, plus those delivered but not acked
+    ([] for a stream Redis lost meanwhile)."""
+    try:
+        groups = r.xinfo_groups(stream) if r.exists(stream) else []
+        if not groups:
+            return list(r.xrange(stream))
+        g = groups[0]
+        last = g["last-delivered-id"]
+        pending = {
+            p["message_id"]
+            for p in r.xpending_range(stream, g["name"], min="-", max="+", count=10_000)
+        }
+    except redis.ResponseError as exc:
+        if not is_lost_key(exc):
+            raise
+        return []
     return [(eid, f) for eid, f in r.xrange(stream) if eid in pending or _id_gt(eid, last)]
 
 

@@ -53,6 +53,10 @@ def configure_kernels(settings: Settings) -> None:
 PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     for name, value in PASSIVE_OPENMP.items():
         os.environ.setdefault(name, value)  # yours wins: OMP_WAIT_POLICY=ACTIVE spins
@@ -61,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # request on it, `kvq demo` stops its children
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM before a role has installed its own stop (while it starts: waiting for Redis
+        # or for its model) ends it cleanly too, with exit code 0 like a running role
+        signal.signal(signal.SIGTERM, _terminated)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

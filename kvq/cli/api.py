@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from typing import Any
 
 from kvq.cli.common import EXIT_OK
@@ -25,7 +26,10 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         "OpenAI-compatible API on http://%s:%s/v1 (auth %s)", s.host, s.port,
         "on" if s.keys else "off",
     )  # fmt: skip
-    uvicorn.Server(config(create_app(settings), s.host, s.port)).run()  # stops on SIGINT/TERM
+    # uvicorn stops on SIGINT/TERM, then raises the signal again for the handler found before
+    # it: for SIGTERM that is this no-op, so a stopped gateway exits 0 like every role
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config(create_app(settings), s.host, s.port)).run()
     return EXIT_OK
 
 

@@ -150,7 +150,10 @@ class Dispatcher:
         anyway, may prove the worker or catch it."""
         ms = latency_ms(p, eid)
         y = res.y.array() if res.error is None and res.y is not None else None
-        if y is None or y.shape != (p.rows.numel(), self.server.hidden):
+        want = (p.rows.numel(), self.server.hidden)
+        if y is not None and y.shape != want:  # no honest worker answers another shape
+            self.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
+        if y is None or y.shape != want:
             self.routing.observe_failure(p.worker, ms)
             return
         self.stats.trials_answered += 1

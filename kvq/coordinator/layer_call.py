@@ -159,7 +159,13 @@ class LayerCall:
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
-        if y is None or y.shape != (p.rows.numel(), self.x.shape[1]):
+        want = (p.rows.numel(), self.x.shape[1])
+        if y is not None and y.shape != want:  # no honest worker answers another shape
+            stats.remote_errors += 1
+            d.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
+            self.fallback(p, ms)
+            return
+        if y is None:
             log.warning("worker %s failed job %s: %s", p.worker, res.job_id, res.error)
             stats.remote_errors += 1
             self.fallback(p, ms)

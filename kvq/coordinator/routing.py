@@ -83,7 +83,11 @@ class SliceRouter:
         self._at = now
         # a worker still downloading its slice is alive but not routable yet; a quarantined
         # one is left out altogether (it comes back as a new, unproven worker)
-        self.trust.merge(self.board.quarantined(self.model))
+        records = self.board.quarantined(self.model)
+        for worker, verdict in self.trust.lost(records).items():
+            log.warning("redis lost the quarantine of worker %s; recorded it again", worker)
+            self.board.quarantine(self.model, worker, verdict)
+        self.trust.merge(records)
         ready = [v for v in self.board.workers(self.model) if v.ready]
         barred = {v.worker_id for v in ready if self.trust.barred(v.worker_id)}
         views = [v for v in ready if v.worker_id not in barred]

@@ -101,6 +101,7 @@ class Coordinator:
         self.claimed = 0
         self.times = RequestTimes()
         self._claim_at = 0.0
+        self._published = False  # a slot record was published once (a later new one: lost)
 
     @classmethod
     def from_settings(
@@ -187,13 +188,29 @@ class Coordinator:
         try:
             req = wire.decode(fields, wire.Request)
         except WireError as exc:
-            self._dead_letter(stream, eid, fields, str(exc))
-            rid = wire.request_id_of(fields)
-            if rid is None:  # nobody to tell: the dead letter is the only record
-                self.requests.ack(stream, eid)
-                return
-            self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: {exc}")
+            self._bad_entry(stream, eid, fields, str(exc))
             return
+        try:
+            self._start(stream, eid, fields, req)
+        except redis.RedisError:
+            raise  # the serving loop waits out an outage; the entry is re-read after it
+        except Exception as exc:  # noqa: BLE001 - one request's fault must not stop serving
+            log.exception("request entry %s of %s could not be started", eid.decode(), stream)
+            self._bad_entry(stream, eid, fields, f"{type(exc).__name__}: {exc}")
+
+    def _bad_entry(self, stream: str, eid: bytes, fields: dict[bytes, bytes], why: str) -> None:
+        """Dead-letter an entry that cannot be served, and tell its sender when the entry
+        holds a readable request id (its reply stream is named by it)."""
+        self._dead_letter(stream, eid, fields, why)
+        rid = wire.request_id_of(fields)
+        if rid is None:  # nobody to tell: the dead letter is the only record
+            self.requests.ack(stream, eid)
+            return
+        self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: {why}")
+
+    def _start(
+        self, stream: str, eid: bytes, fields: dict[bytes, bytes], req: wire.Request
+    ) -> None:
         rid = req.request_id
         attempt = self.board.start_attempt(rid, eid)
         if attempt == 0:
@@ -339,7 +356,10 @@ class Coordinator:
     def _publish_slots(self, busy: int, total: int) -> None:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
         state = SlotState(model=self.model, busy=busy, total=total, ts_ms=int(time.time() * 1000))
-        self.board.publish_slots(self.id, state, self.snapshot())
+        if self.board.publish_slots(self.id, state, self.snapshot()) and self._published:
+            log.warning("redis had lost the slot record of %s (or its place among %s's "
+                        "coordinators); published it again", self.id, self.model)  # fmt: skip
+        self._published = True
         routed = self.dispatch.take_routed()
         if routed:
             self.board.add_routed(self.model, routed)

@@ -87,6 +87,7 @@ class Trust:
         self.rng = rng if rng is not None else random.SystemRandom()
         self.clock_ms = clock_ms
         self.workers: dict[str, WorkerTrust] = {}
+        self.verdicts: dict[str, Quarantine] = {}  # the last one this coordinator published
 
     def _of(self, worker: str) -> WorkerTrust:
         return self.workers.setdefault(worker, WorkerTrust())
@@ -119,10 +120,21 @@ class Trust:
         now = self.clock_ms()
         t.until_ms = now + self.policy.quarantine_s * 1000
         t.banned = t.banned or t.mismatches >= self.policy.ban_after
-        return Quarantine(
+        verdict = Quarantine(
             until_ms=int(t.until_ms), mismatches=t.mismatches, banned=t.banned,
             coord=self.coord, reason=reason[:300], ts_ms=int(now),
         )  # fmt: skip
+        self.verdicts[worker] = verdict
+        return verdict
+
+    def lost(self, records: Mapping[str, Quarantine]) -> dict[str, Quarantine]:
+        """This coordinator's verdicts still in force that `records` (the board's) lacks:
+        Redis lost them, and they are published again."""
+        now = self.clock_ms()
+        return {
+            w: q for w, q in self.verdicts.items()
+            if w not in records and (q.banned or q.until_ms > now)
+        }  # fmt: skip
 
     def merge(self, records: Mapping[str, Quarantine]) -> None:
         """Verdicts any coordinator of the model recorded: the strictest of both views wins."""

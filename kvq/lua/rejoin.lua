@@ -4,6 +4,10 @@
 -- ARGV[1] worker id
 -- ARGV[2..] slice ids it serves or loads
 -- Returns how many of them were missing and are now counted again (0: nothing changed).
+-- no workers hash: Redis lost it, and what coverage is left counts workers nobody lists (each
+-- rejoins, and is counted, again)
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
+heal(KEYS[1], KEYS[2])
 local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
 local mine = {}
 for _, sid in ipairs(held) do mine[sid] = true end

@@ -5,6 +5,7 @@
 -- ARGV[1] worker id
 -- ARGV[2] the slice id to give back ("" or absent: every slice it holds)
 -- Returns the released slice ids joined by "," (sorted), or false when it held none of them.
+heal(KEYS[1], KEYS[2])
 local held = split(redis.call('HGET', KEYS[2], ARGV[1]))
 local one = ARGV[2]
 if one == '' then one = nil end

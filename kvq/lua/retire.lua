@@ -6,6 +6,7 @@
 -- ARGV[1] worker id
 -- ARGV[2] slice id
 -- Returns the released slice id, or false when the worker does not hold it or it is needed.
+heal(KEYS[2], KEYS[3])
 local held = split(redis.call('HGET', KEYS[3], ARGV[1]))
 local kept, found = {}, false
 for _, sid in ipairs(held) do

@@ -6,3 +6,13 @@ local function split(text)
   if text then for sid in string.gmatch(text, '[^,]+') do out[#out + 1] = sid end end
   return out
 end
+-- heal: the coverage hash counts the workers that the workers hash lists. When Redis lost the
+-- coverage hash (a DEL, a restart without persistence) but not the workers hash, count it again
+-- from the workers hash before any change (rejoin.lua also handles the other way round).
+local function heal(cov, workers)
+  if redis.call('EXISTS', cov) == 1 or redis.call('EXISTS', workers) == 0 then return end
+  local flat = redis.call('HGETALL', workers)
+  for i = 2, #flat, 2 do
+    for _, sid in ipairs(split(flat[i])) do redis.call('HINCRBY', cov, sid, 1) end
+  end
+end

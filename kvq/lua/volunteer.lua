@@ -12,6 +12,7 @@
 -- listed for the worker that it does not know of (the answer to an earlier ask was lost) is
 -- returned first, without counting it twice, if it fits `room`; one that does not fit is
 -- given back (so a worker whose budget is full clears its lost answers by asking with room 0).
+heal(KEYS[2], KEYS[3])
 local room = tonumber(ARGV[2] or '')
 local function fits(sid)
   if not room or not KEYS[4] then return true end

@@ -136,8 +136,12 @@ class CoarseJobs:
     def close(self, timeout_s: float = 5.0) -> None:
         if self._worker is not None and self._thread is not None:
             self._worker._stop_requested = True
-            self._own.enqueue(_wake)
-            self._thread.join(timeout_s)
+            try:
+                self._own.enqueue(_wake)
+            except redis.RedisError as exc:  # Redis down: the worker's thread dies with us
+                log.warning("could not wake the RQ coarse-job worker to stop it: %s", exc)
+            else:
+                self._thread.join(timeout_s)
         self.r.close()
 
     def enqueue(self, func: Any, *args: Any) -> Job:

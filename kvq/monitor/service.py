@@ -62,6 +62,8 @@ class Monitor:
         self.stop = threading.Event()
         self.reaped = 0
         self.requeued = 0
+        self.known: dict[str, ModelInfo] = {}  # every model seen registered: re-published
+        self.reregistered = 0  # ... when Redis lost its registration
 
     @classmethod
     def from_settings(cls, settings: Settings, monitor_id: str | None = None) -> Monitor:
@@ -82,6 +84,7 @@ class Monitor:
             model, path, self.s.slice_layers, self.s.slice_experts, source, self.s.request_shards
         )
         self.board.register_model(info, self.s.base_replicas)
+        self.known[model] = info
         log.info("registered %s: %d slices", model, len(info.slices))
         return info
 
@@ -145,10 +148,28 @@ class Monitor:
         return held
 
     def tick(self) -> list[tuple[str, ModelState]]:
-        models = self.board.models()
+        models = self.keep_registered(self.board.models())
         states = [(model, self.poll(model)) for model in models]
         self.reap(*models)
         return states
+
+    def keep_registered(self, listed: list[str]) -> list[str]:
+        """The models to tick: those listed, plus every model this monitor has seen
+        registered, published again when Redis lost its registration (a restart without
+        persistence, `FLUSHALL`, a `DEL` of its metadata, slice table or the model list) from
+        the copy kept here: no file is read or checksummed again."""
+        for model in listed:
+            if model not in self.known:
+                info = self.board.model_info(model)
+                if info is not None:
+                    self.known[model] = info
+        for model, info in self.known.items():
+            if model in listed and self.board.model_intact(model):
+                continue
+            log.warning("redis lost the registration of %s; registering it again", model)
+            self.board.register_model(info, self.s.base_replicas)
+            self.reregistered += 1
+        return sorted(set(listed) | set(self.known))
 
     def poll(self, model: str) -> ModelState:
         """Saturation of `model` from its coordinators' slot state (K6); writes targets (K7)."""

@@ -143,7 +143,9 @@ class Membership:
             return
         for model, sids in self.by_model().items():
             # after a reap it survived, or lost data
-            self.market.rejoin(model, self.id, *sids)
+            if self.market.rejoin(model, self.id, *sids):
+                log.warning("the market had lost %s's slices of %s (a reap, or Redis lost its "
+                            "keys); counted them again", self.id, model)  # fmt: skip
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress

@@ -224,14 +224,16 @@ class Worker:
         if self.consumer is None:
             inbox = self.board.keys.worker_inbox(self.id)
             self.consumer = Consumer(self.board.r, inbox, WORKER_GROUP, self.id)
-        self.membership.hold(held)
-        self._load_backoff.reset()
-        self._next_ask = 0.0  # room left? ask again at once
+        # logged before `hold` makes it count among `holdings`: whoever sees it there finds
+        # the line already written
         log.info(
             "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s; %d slice(s), %.1f MB",
             held.model, held.sid, got.nbytes, got.seconds, got.warm_s, self.device,
             len(self.shelf), self.shelf.used_bytes / 1e6,
         )  # fmt: skip
+        self.membership.hold(held)
+        self._load_backoff.reset()
+        self._next_ask = 0.0  # room left? ask again at once
 
     # -- serving -------------------------------------------------------------------------
     def _serve_batch(self) -> None:

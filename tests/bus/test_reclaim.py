@@ -52,3 +52,42 @@ def test_retire_only_when_over_covered(r: redis.Redis, prefix: str) -> None:
     assert s.retire(r, "m", "b", "S") is None, "the last replica stays"
     assert r.hget(keys.model_coverage("m"), "S") == b"1"
     assert r.hgetall(keys.model_workers("m")) == {b"b": b"S"}
+
+
+def test_claim_on_a_lost_stream_or_group_makes_them_again(r: redis.Redis, prefix: str) -> None:
+    """Issue 29: the takeover's `XINFO CONSUMERS` on a stream Redis lost (`no such key`), or on
+    a stream whose group it lost (`NOGROUP`), claims nothing and leaves both made again."""
+    stream = f"{prefix}:s"
+    Consumer(r, stream, "g", "dead")
+    r.delete(stream)
+    assert claim_from_dead(r, stream, "g", "me", lambda name: False, 0) == 0
+    assert [g["name"] for g in r.xinfo_groups(stream)] == [b"g"]
+    r.xgroup_destroy(stream, "g")
+    assert claim_from_dead(r, stream, "g", "me", lambda name: False, 0) == 0
+    assert [g["name"] for g in r.xinfo_groups(stream)] == [b"g"]
+
+
+def test_unanswered_of_a_lost_inbox_is_empty(r: redis.Redis, prefix: str) -> None:
+    from kvq.bus.streams import unanswered
+
+    assert unanswered(r, f"{prefix}:gone") == []
+
+
+def test_market_scripts_heal_lost_coverage(r: redis.Redis, prefix: str) -> None:
+    """Issue 29: coverage counts the workers the workers hash lists. Lost alone, it is counted
+    again from the workers hash by the next script; with the workers hash lost, the workers'
+    rejoins count each of them once, not on top of what coverage still held."""
+    keys = Keys(prefix)
+    s = Scripts(r, keys)
+    r.hset(keys.model_target("m"), mapping={"S": 2, "T": 1})
+    assert {s.volunteer(r, "m", w) for w in ("a", "b", "c")} == {"S", "T"}
+    before = r.hgetall(keys.model_coverage("m"))
+    assert before == {b"S": b"2", b"T": b"1"}
+    r.delete(keys.model_coverage("m"))
+    assert s.rejoin(r, "m", "a", *s.release(r, "m", "a")) == 1  # any script call heals first
+    assert r.hgetall(keys.model_coverage("m")) == before
+    r.delete(keys.model_workers("m"))
+    for w in ("a", "b", "c"):
+        held = s.rejoin(r, "m", w, "S" if w != "c" else "T")
+        assert held == 1
+    assert r.hgetall(keys.model_coverage("m")) == before, "each worker counted once"

@@ -160,3 +160,29 @@ def test_reply_filter_skips_replays_stale_runs_and_other_entries() -> None:
     assert seen == [0, 1, 2, 3, 4]
     old = client.ReplyFilter()  # v2 events carry neither attempt nor entry: all pass in order
     assert all(old.accept(wire.ReplyEvent(kind="token", index=i)) for i in range(3))
+
+
+def test_a_lost_run_record_does_not_restart_the_run_count(
+    settings: Settings, tiny_model: Path, run_in_thread
+) -> None:
+    """Issue 29: Redis lost `P:{r:R}:run` of a request in its second run; the next run is
+    numbered from the runs its reply stream shows (3), not 1, so readers (who ignore a run
+    numbered below one they saw) follow it, and it replays what was streamed."""
+    mon = Monitor.from_settings(settings)
+    mon.register("tiny", tiny_model)
+    r, keys = mon.board.r, Keys(settings.prefix)
+    rid, entry = client.submit(r, keys, "tiny", prompt=PROMPT, max_tokens=40)
+    for run in (1, 2):  # two runs die mid-request (their coordinator stops ticking)
+        coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
+        while sum(ev.kind == "token" for ev in raw_events(r, keys, rid)) < 6 * run:
+            coord.tick()
+        coord.board.r.close()
+    assert {ev.attempt for ev in raw_events(r, keys, rid)} == {1, 2}
+    r.delete(keys.request_run(rid))
+    coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
+    run_in_thread(coord)
+    got = [ev.token_id for ev in client.events(r, keys, rid, 60, entry) if ev.token_id is not None]
+    assert got == local_tokens(tiny_model, PROMPT, 40)
+    on_stream = raw_events(r, keys, rid)
+    assert [ev.index for ev in on_stream if ev.kind == "token"] == list(range(40))
+    assert on_stream[-1].kind == "done" and on_stream[-1].attempt == 3

@@ -23,10 +23,12 @@ KVQ_API = [
     "NoRoute",
     "ReplyEvent",
     "RequestFailed",
+    "RequestId",
     "RoutingError",
     "ServerError",
     "Settings",
     "SliceIntegrityError",
+    "Submitted",
     "TopologyError",
     "UncoveredSlice",
     "UnknownModel",
@@ -39,6 +41,7 @@ KVQ_API = [
     "generate",
     "load_settings",
     "send",
+    "submit",
 ]
 
 SWARM_API = [

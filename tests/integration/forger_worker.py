@@ -1,0 +1,66 @@
+"""A forging worker for issue 29 item 6: a real `kvq worker` process that posts forged results
+on its own results stream. Each job it gets is answered with a forged result of one kind, and
+beside it, results for jobs it never got: an id no coordinator issued, and the next ids the
+coordinator will issue (which may go to it, or to a peer of another slice).
+
+    python tests/integration/forger_worker.py --id ID --kind nan|noise|shape
+
+Kinds: `nan` (a NaN in the right shape), `noise` (the right shape and scale, wrong numbers),
+`shape` (one row fewer). `KVQ_*` settings come from the environment as for `kvq worker`. Each
+forgery is logged ("FORGED job"), so a test can count them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import msgspec
+import numpy as np
+
+from kvq import wire
+from kvq.bus import connect, xadd
+from kvq.cli import main
+from kvq.config import load_settings
+from kvq.keys import Keys
+from kvq.worker import server
+
+log = logging.getLogger("forger")
+
+
+def patch(worker: str, kind: str) -> None:
+    honest = server.ExpertServer.handle
+    s = load_settings()
+    r, keys = connect(s.bus), Keys(s.prefix)
+
+    def handle(self: server.ExpertServer, job: wire.Job) -> wire.Result:
+        res = honest(self, job)
+        if res.y is None:
+            return res
+        y = res.y.array()
+        if kind == "nan":
+            bad = y.copy()
+            bad.flat[0] = np.nan
+        elif kind == "shape":
+            bad = y[1:].copy() if y.shape[0] > 1 else np.zeros((2, y.shape[1]), np.float32)
+        else:
+            noise = np.random.default_rng(len(job.job_id)).standard_normal(y.shape)
+            bad = (noise * (np.abs(y).mean() + 1e-3)).astype(np.float32)
+        coord, _, seq = job.job_id.rpartition(":")
+        stream = keys.worker_results(worker, job.coord)
+        for other in (f"{coord}:999999999", *(f"{coord}:{int(seq) + i}" for i in (1, 2, 3))):
+            fake = msgspec.structs.replace(res, job_id=other, y=wire.Tensor.of(bad))
+            xadd(r, stream, wire.encode(fake), 1000)
+        log.warning("FORGED job %s (%s) and 4 jobs it never got", job.job_id, kind)
+        return msgspec.structs.replace(res, y=wire.Tensor.of(bad))
+
+    server.ExpertServer.handle = handle  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--kind", choices=["nan", "noise", "shape"], required=True)
+    a = ap.parse_args()
+    patch(a.id, a.kind)
+    raise SystemExit(main(["worker", "--id", a.id]))
