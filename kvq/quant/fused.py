@@ -109,6 +109,31 @@ def _q4_0(w: U8, x: F32, out: F32) -> None:  # block 32: d f16, 16 bytes of nibb
 
 
 @_inline
+def _bit(row: U8, at: int, j: int) -> np.float32:
+    """Bit j of the little-endian bit field starting at byte `at` of `row`, as float32."""
+    return np.float32((np.int32(row[at + (j >> 3)]) >> (j & 7)) & 1)
+
+
+@_jit
+def _q5_0(w: U8, x: F32, out: F32) -> None:  # block 32: d f16, qh u32 (fifth bits), 16 bytes
+    xs = _sums(x, 32)
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 32):
+                o, k0 = blk * 22, blk * 32
+                dot = np.float32(0)
+                for i in range(16):  # element i: low nibble + bit i, i + 16: high + bit i + 16
+                    lo, hi = _split(np.float32(row[o + 6 + i]), 16)
+                    lo += np.float32(16) * _bit(row, o + 2, i)
+                    hi += np.float32(16) * _bit(row, o + 2, i + 16)
+                    dot += lo * x[b, k0 + i] + hi * x[b, k0 + 16 + i]
+                acc += _f16(row, o) * (dot - np.float32(16) * xs[b, blk])
+            out[b, n] = acc
+
+
+@_inline
 def _k_scale_min(row: U8, o: int, j: int) -> tuple[np.float32, np.float32]:
     """Sub-block j's 6-bit scale and min of the K-quant block at byte o (ggml's
     get_scale_min_k4); the 12 packed bytes start at o + 4."""
@@ -246,6 +271,17 @@ def _row_q4_0(row: U8, buf: F32, k: int) -> None:
 
 
 @_inline
+def _row_q5_0(row: U8, buf: F32, k: int) -> None:
+    for blk in range(k // 32):
+        o, k0 = blk * 22, blk * 32
+        d = _f16(row, o)
+        for i in range(16):
+            lo, hi = _split(np.float32(row[o + 6 + i]), 16)
+            buf[k0 + i] = d * (lo + np.float32(16) * _bit(row, o + 2, i) - np.float32(16))
+            buf[k0 + 16 + i] = d * (hi + np.float32(16) * _bit(row, o + 2, i + 16) - np.float32(16))
+
+
+@_inline
 def _row_q45_k(row: U8, buf: F32, k: int, five: bool) -> None:
     """Q4_K, or Q5_K with `five` (its qh[32] before qs and the fifth bit from it)."""
     size, qs = (176, 48) if five else (144, 16)
@@ -316,6 +352,7 @@ def _dot_rows(buf: F32, x: F32, out: F32, n: int) -> None:
 
 
 _T_Q8_0, _T_Q4_0, _T_Q4_K, _T_Q5_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K)
+_T_Q5_0 = int(Q.Q5_0)
 _CHUNK = 16  # weight rows per parallel task (one float32 row buffer each)
 
 
@@ -332,6 +369,8 @@ def tiled(qtype: int, w: U8, x: F32, out: F32) -> None:
                 _row_q8_0(w[n], buf, k)
             elif qtype == _T_Q4_0:
                 _row_q4_0(w[n], buf, k)
+            elif qtype == _T_Q5_0:
+                _row_q5_0(w[n], buf, k)
             elif qtype == _T_Q4_K or qtype == _T_Q5_K:
                 _row_q45_k(w[n], buf, k, qtype == _T_Q5_K)
             else:
@@ -339,4 +378,6 @@ def tiled(qtype: int, w: U8, x: F32, out: F32) -> None:
             _dot_rows(buf, x, out, n)
 
 
-ONE_ROW = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+ONE_ROW = {
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+}  # fmt: skip

@@ -44,7 +44,14 @@ F32 = npt.NDArray[np.float32]
 _KERNELS = fused.ONE_ROW
 # rows up to which the kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
 # 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
-_MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS}
+_MAX_ROWS = {
+    Q.Q8_0: 32,
+    Q.Q4_0: 32,
+    Q.Q5_0: 32,
+    Q.Q4_K: MAX_ROWS,
+    Q.Q5_K: MAX_ROWS,
+    Q.Q6_K: MAX_ROWS,
+}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
