@@ -9,7 +9,8 @@ The regexes are llama.cpp's strings with three kinds of change, each to make Oni
 `tokenizers` runs) cut where llama.cpp cuts:
 
 - where llama.cpp runs a hand-written splitter (GPT-2, Llama-3, Qwen2, Qwen3.5, Kimi-K2), the
-  regex that splitter implements: the original from the model's tokenizer.json;
+  regex that splitter implements: the original from the model's tokenizer.json (Kimi-K2's
+  without the case and mark classes the splitter ignores);
 - `std::regex` sees every non-ASCII whitespace character as U+000B, so a literal character
   class never matches one: classes whose ranges span such characters exclude `\\s`;
 - the rest verbatim, e.g. GPT-4o's `((?=[\\p{L}])([^a-z]))*` (llama.cpp's stand-in for
@@ -112,14 +113,11 @@ CHAMELEON = (
     r"[\p{P}!-/:-@\[-`{-~]",
     _GPT2_NO_TAIL,
 )
-# Kimi-K2's tokenization_kimi.py regex (llama.cpp runs it by hand)
-_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+# Kimi-K2: tokenization_kimi.py's regex as llama.cpp's hand-written splitter runs it, which
+# takes neither case nor combining marks into account (a mark is not part of a word)
+_NOT_HAN = r"[\p{L}&&[^\p{Han}]]"
 KIMI_K2 = (
-    rf"[\p{{Han}}]+|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    rf"[\p{{Han}}]+|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 BAILINGMOE = (
