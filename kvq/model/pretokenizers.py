@@ -63,7 +63,9 @@ DEEPSEEK_LLM = (
 )
 DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")
 _DEEPSEEK3_WORDS = (
-    r"[!" '"' r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+    r"[!"
+    '"'
+    r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
     r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
 )
 DEEPSEEK3 = (
@@ -165,7 +167,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     ),
     **_all(
         "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
-        LLAMA3, ignore_merges=True, add_bos=True,
+        LLAMA3,
+        ignore_merges=True,
+        add_bos=True,
     ),  # fmt: skip
     **_all("dbrx smaug-bpe chatglm-bpe", LLAMA3),
     **_all("glm4 glm5", LLAMA3, ignore_merges=True),
@@ -176,9 +180,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_all("spark2_5", SPARK2_5),
     **_all("youtu", YOUTU, ignore_merges=True),
     **_all("falcon", FALCON),
-    **_all(
-        "starcoder refact command-r smollm codeshell exaone minerva-7b mellum2", STARCODER
-    ),
+    **_all("starcoder refact command-r smollm codeshell exaone minerva-7b mellum2", STARCODER),
     **_all(
         "qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open grok-2", QWEN2
     ),

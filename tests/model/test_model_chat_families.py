@@ -114,7 +114,7 @@ def test_llama4() -> None:
         "<|begin_of_text|><|header_start|>user<|header_end|>\n\nWeather in Paris?<|eot|>"
         "<|header_start|>assistant<|header_end|>\n\n<|python_start|><|python_end|>"
         '{"name": "get_weather", "parameters": "{\\"city\\": \\"Paris\\"}"}<|eot|>'
-        "<|header_start|>ipython<|header_end|>\n\n\"sunny\"<|eot|>"
+        '<|header_start|>ipython<|header_end|>\n\n"sunny"<|eot|>'
         "<|header_start|>assistant<|header_end|>\n\n"
     )  # the template tojson's a string tool result and string arguments, quotes included
 
@@ -150,12 +150,15 @@ def test_gpt_oss_harmony() -> None:
     name = "openai-gpt-oss-120b.jinja"
     chat = [*CHAT[:2], {"role": "assistant", "content": "Hello!", "reasoning_content": "hmm"},
             CHAT[3]]  # fmt: skip
-    assert _render(name, chat, reasoning_effort="high") == (
-        _harmony_system("high") + "<|end|>"
-        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
-        "<|start|>user<|message|>Hi<|end|>"
-        "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>"  # past reasoning dropped
-        "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
+    assert (
+        _render(name, chat, reasoning_effort="high")
+        == (
+            _harmony_system("high") + "<|end|>"
+            "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
+            "<|start|>user<|message|>Hi<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>"  # past reasoning dropped
+            "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
+        )
     )
     assert "Reasoning: medium" in _render(name, chat)  # the template's default effort
     tool_chat = [*TOOL_CHAT[:1], {**TOOL_CHAT[1], "reasoning_content": "Need weather."},
