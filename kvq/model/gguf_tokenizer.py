@@ -84,7 +84,7 @@ def gguf_tokenizer(reader: GGUFReader, label: str) -> GGUFTokenizer:
             f"{label} has tokenizer model {kind!r}; kvq runs 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece BPE) and 'kvq-bytes'"
         )
-    _add_special(backend, tokens, types)
+    _add_special(backend, tokens, types, gio.str_field(reader, "general.name", ""))
     return GGUFTokenizer(
         backend,
         bos_id=gio.int_field(reader, "tokenizer.ggml.bos_token_id", -1),
@@ -189,13 +189,20 @@ def _merges_from_scores(
     return [(left, right) for *_, left, right in found]
 
 
-def _add_special(backend: Any, tokens: list[str], types: list[int]) -> None:
-    """Match CONTROL and USER_DEFINED tokens whole (CONTROL ones are skipped in decoding)."""
+def _add_special(backend: Any, tokens: list[str], types: list[int], model_name: str) -> None:
+    """Match CONTROL and USER_DEFINED tokens whole (CONTROL ones are skipped in decoding).
+    Phi-3's special tokens swallow the whitespace after them, as llama.cpp sets by model name."""
     from tokenizers import AddedToken
+
+    phi3 = any(n in model_name.lower() for n in ("phi-3", "phi3"))
+
+    def added(t: str, special: bool) -> Any:
+        rstrip = phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")
+        return AddedToken(t, special=special, normalized=False, rstrip=rstrip)
 
     control = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
     user = [t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED]
     if control:
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        backend.add_special_tokens([added(t, True) for t in control])
     if user:
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        backend.add_tokens([added(t, False) for t in user])

@@ -6,8 +6,8 @@ the families' special tokens, and no add_bos key, so llama.cpp's default per nam
 llama.cpp (`llama_cpp.Llama(vocab_only=True)`) must give the same ids for every case, BOS and
 special tokens included, and the same text back. Skipped where llama_cpp is not importable.
 
-`KVQ_LLAMA_CPP_SRC` (llama.cpp's source tree) adds its real vocabularies and expected ids
-(`models/ggml-vocab-*.gguf{,.inp,.out}`).
+`KVQ_LLAMA_CPP_SRC` (llama.cpp's source tree) adds its real vocabularies: its expected ids
+(`models/ggml-vocab-*.gguf{,.inp,.out}`) and llama.cpp's ids for the corpus above.
 """
 
 from __future__ import annotations
@@ -80,15 +80,17 @@ def _llama_cpp_vocabs() -> list[Path]:
 def test_llama_cpp_real_vocabularies(vocab: Path | None) -> None:
     if vocab is None:
         pytest.skip("set KVQ_LLAMA_CPP_SRC to llama.cpp's source tree")
-    inp = vocab.with_suffix(".gguf.inp")
-    if not inp.exists():
-        pytest.skip(f"{vocab.name} has no expected ids")
     try:
         tok = load_tokenizer(vocab)
     except ModelError as exc:  # bert, gemma4...: vocabulary kinds kvq does not run
         pytest.skip(str(exc)[-80:])
-    cases = inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    cases = cases[:-1] if cases[-1] == "" else cases
-    lines = vocab.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
-    for text, line in zip(cases, lines, strict=False):
-        assert tok.encode(text, add_bos=False) == [int(x) for x in line.split()], text
+    inp = vocab.with_suffix(".gguf.inp")
+    if inp.exists():
+        cases = inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+        cases = cases[:-1] if cases[-1] == "" else cases
+        lines = vocab.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+        for text, line in zip(cases, lines, strict=False):
+            assert tok.encode(text, add_bos=False) == [int(x) for x in line.split()], text
+    llm = llama_cpp.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
+    for text in fx.CASES:  # and this corpus, BOS and special tokens included
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), text
