@@ -60,6 +60,21 @@ def _render(name: str, messages: list[dict[str, Any]], bos: str = "", **kw: Any)
 
 
 def test_deepseek_v3() -> None:
+    name = "deepseek-ai-DeepSeek-V3.jinja"
+    chat = [CHAT[0], {"role": "system", "content": "Answer in English."}, *CHAT[1:]]
+    assert _render(name, chat, BOS) == (
+        f"{BOS}Be brief.\n\nAnswer in English.{U}Hi{A}<think>hmm</think>Hello!{EOS}{U}Weather?{A}"
+    )
+    tool_result = [TOOL_CHAT[0], TOOL_CHAT[2], {"role": "assistant", "content": "It is sunny."}]
+    out = "<\uff5ctool\u2581output"
+    assert _render(name, tool_result, BOS) == (
+        f"{BOS}{U}Weather in Paris?{out}s\u2581begin\uff5c>{out}\u2581begin\uff5c>sunny"
+        f"{out}\u2581end\uff5c>{out}s\u2581end\uff5c>It is sunny.{EOS}{A}"
+    )
+    # its tool calls render only for `"content": None`, which kvq drops as transformers 5 does
+
+
+def test_deepseek_v31() -> None:
     name = "deepseek-ai-DeepSeek-V3.1.jinja"
     assert _render(name, CHAT, BOS) == (
         f"{BOS}Be brief.{U}Hi{A}<think></think>Hello!{EOS}{U}Weather?{A}<think></think>"
