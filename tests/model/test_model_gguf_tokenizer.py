@@ -130,3 +130,16 @@ def test_refusals(
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ModelError, match="pip install tokenizers"):
         load_tokenizer(byte_level[0])
+
+
+def test_token_types_corrected_by_text_as_llama_cpp_does() -> None:
+    from kvq.model.gguf_tokenizer import llama_token_types
+
+    normal, control, user = 1, 3, 4
+    harmony = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    assert llama_token_types(harmony, [control] * 6) == [user, user, user, user, control, control]
+    # <|end|> ends generation unless <|return|> and <|call|> do; a NORMAL <|im_end|> is control
+    assert llama_token_types(["<|end|>", "<|im_end|>", "hi"], [normal] * 3) == [
+        control, control, normal,
+    ]  # fmt: skip
+    assert llama_token_types(["a", "b"], []) == [normal, normal]  # no types: all normal
