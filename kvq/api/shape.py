@@ -1,5 +1,9 @@
 """OpenAI's response shapes: completions, chat completions, their stream chunks, usage and
-logprobs, built from kvq reply events."""
+logprobs, built from kvq reply events.
+
+A chat answer that opens with a harmony channel header (gpt-oss: `kvq.model.harmony`) is split
+as vLLM splits it: the final channel is `content`, the analysis channel `reasoning_content`,
+streamed as deltas of each."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvq import wire
+from kvq.model import harmony
 
 # the coordinator's finish reasons, as OpenAI names them
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -28,6 +33,8 @@ class Answer:
     finish: str | None = None
     lp: list[wire.ReplyEvent] = field(default_factory=list)  # token events, when logprobs
     lp_offset: int = 0  # text offset of the next streamed token (completions' logprobs)
+    channels: harmony.HarmonyStream | None = None  # set when a chat answer is harmony framed
+    _framed: bool | None = None  # decided on the first text
 
     @property
     def id(self) -> str:
@@ -35,6 +42,13 @@ class Answer:
 
     def add(self, ev: wire.ReplyEvent) -> str:
         """Take one event; the new text it makes final."""
+        text = self._add(ev)
+        if self.chat and self._framed is None and self.text:
+            self._framed = harmony.is_harmony(self.text)
+            self.channels = harmony.HarmonyStream() if self._framed else None
+        return text
+
+    def _add(self, ev: wire.ReplyEvent) -> str:
         if ev.kind == "token":
             self.tokens += 1
             self.text += ev.text
@@ -62,7 +76,12 @@ class Answer:
     def whole(self) -> dict[str, Any]:
         """The non-streamed answer."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish}
-        if self.chat:
+        if self.chat and self.channels is not None:
+            parts = harmony.parse(self.text)
+            choice["message"] = {"role": "assistant", "content": parts.content}
+            if parts.reasoning_content is not None:
+                choice["message"]["reasoning_content"] = parts.reasoning_content
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
         else:
             choice["text"] = self.text
@@ -77,6 +96,9 @@ class Answer:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            reasoning, text = self._channels(text, finish is not None)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text or (first and not finish):
                 delta["content"] = text
             choice["delta"] = delta
@@ -88,6 +110,16 @@ class Answer:
             self.lp_offset += sum(len(_tok(e)) for e in events)
         choice["finish_reason"] = finish
         return self._head(True) | {"choices": [choice]}
+
+    def _channels(self, text: str, end: bool) -> tuple[str, str]:
+        """(reasoning, content) of new text: all content unless the answer is harmony."""
+        if self.channels is None:
+            return "", text
+        reasoning, content = self.channels.feed(text)
+        if end:
+            more_reasoning, more_content = self.channels.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._head(True) | {"choices": [], "usage": self.usage()}

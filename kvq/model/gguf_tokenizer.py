@@ -2,15 +2,17 @@
 
 Two vocabulary kinds cover the models kvq serves, built the way llama.cpp reads them:
 
-- `gpt2`: byte-level BPE with the file's merges, text split by the regex of its pre-tokenizer
-  (`tokenizer.ggml.pre`: qwen2, llama-bpe, gpt-2...). Qwen1.5/2/3 models, and `make_tiny`'s
-  own vocabulary (`kvq.model.bpe`).
+- `gpt2`: byte-level BPE with the file's merges, text split by the regexes of its
+  pre-tokenizer (`tokenizer.ggml.pre`: qwen2, llama-bpe, deepseek-v3, gpt-4o... every name in
+  `kvq.model.pretokenizers`). Qwen, DeepSeek, GLM, Llama-3/4, GPT-OSS models, and
+  `make_tiny`'s own vocabulary (`kvq.model.bpe`).
 - `llama`: SentencePiece BPE (Mixtral, Mistral): merges recovered from the token scores (the
   higher the score of the merged piece, the earlier the merge), spaces as U+2581, a space
   prefix, and byte fallback (`<0xNN>` tokens) for characters outside the vocabulary.
 
 Tokens typed CONTROL (e.g. `<|im_end|>`) are matched whole and dropped when decoding;
-USER_DEFINED ones are matched whole and kept.
+USER_DEFINED ones are matched whole and kept. Types are corrected by token text as llama.cpp
+does (`llama_token_types`).
 """
 
 from __future__ import annotations
@@ -22,27 +24,18 @@ from gguf import GGUFReader
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
+from kvq.model.pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> (split regex or None for GPT-2's own, ignore_merges as llama.cpp does)
-PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
-    "default": (None, False),
-    "gpt2": (None, False),
-    "gpt-2": (None, False),  # llama.cpp's name for GPT-2's regex (what make_tiny writes)
-    "qwen2": (_QWEN2_SPLIT, False),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
-    "llama-bpe": (_LLAMA3_SPLIT, True),
-    "llama3": (_LLAMA3_SPLIT, True),
-}
-_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
 _SPACE = "\u2581"
+# llama.cpp ends generation on these by name, and makes each a control token if the file did not
+_END_OF_GENERATION = frozenset(
+    "<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <end_of_turn> "
+    "<|endoftext|> </s> <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> "
+    "<eos> <turn|> <|tool_response> <\uff5cend\u2581of\u2581sentence\uff5c> [e~[".split()
+)
+# harmony's (gpt-oss) structure tokens: llama.cpp keeps them in decoded text, so must kvq
+_HARMONY_VISIBLE = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
 class GGUFTokenizer:
@@ -76,48 +69,73 @@ def gguf_tokenizer(reader: GGUFReader, label: str) -> GGUFTokenizer:
         ) from exc
     kind = gio.str_field(reader, "tokenizer.ggml.model")
     tokens: list[str] = gio.field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = gio.field(reader, "tokenizer.ggml.token_type", [], required=False)
+    types = llama_token_types(
+        tokens, gio.field(reader, "tokenizer.ggml.token_type", [], required=False)
+    )
     if kind == "gpt2":
-        backend = _byte_level(reader, tokens, label)
+        pre = pre_tokenizer(reader, label)
+        backend = _byte_level(reader, tokens, pre, label)
+        add_bos_default = pre.add_bos
     elif kind == "llama":
         backend = _sentencepiece(reader, tokens, types, label)
+        add_bos_default = True
     else:
         raise ModelError(
             f"{label} has tokenizer model {kind!r}; kvq runs 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece BPE) and 'kvq-bytes'"
         )
-    _add_special(backend, tokens, types)
+    _add_special(backend, tokens, types, gio.str_field(reader, "general.name", ""))
     return GGUFTokenizer(
         backend,
         bos_id=gio.int_field(reader, "tokenizer.ggml.bos_token_id", -1),
         eos_id=gio.int_field(reader, "tokenizer.ggml.eos_token_id", -1),
-        add_bos=gio.bool_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"),
+        add_bos=gio.bool_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default),
     )
 
 
-def _byte_level(reader: GGUFReader, tokens: list[str], label: str) -> Any:
+def pre_tokenizer(reader: GGUFReader, label: str) -> PreTokenizer:
+    """The file's `tokenizer.ggml.pre` (llama.cpp's "default" when absent); ModelError names
+    an unknown one."""
+    name = gio.str_field(reader, "tokenizer.ggml.pre", "default")
+    if name not in PRE_TOKENIZERS:
+        raise ModelError(
+            f"{label} has pre-tokenizer {name!r}; kvq knows {sorted(PRE_TOKENIZERS)} "
+            "(the split regexes decide how text is cut before BPE)"
+        )
+    return PRE_TOKENIZERS[name]
+
+
+def llama_token_types(tokens: Sequence[str], types: Sequence[int]) -> list[int]:
+    """The file's token types with llama.cpp's corrections by token text: end-of-generation
+    tokens are control tokens, harmony's structure tokens are user-defined (shown when decoded),
+    and so is `<|end|>` where `<|return|>` and `<|call|>` end generation instead (gpt-oss)."""
+    out = [*types, *[_NORMAL] * (len(tokens) - len(types))]
+    for i, t in enumerate(tokens):
+        if t in _END_OF_GENERATION:
+            out[i] = _CONTROL
+        if t in _HARMONY_VISIBLE:
+            out[i] = _USER_DEFINED
+    present = set(tokens)
+    if "<|end|>" in present and (
+        {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
+    ):
+        out[tokens.index("<|end|>")] = _USER_DEFINED
+    return out
+
+
+def _byte_level(reader: GGUFReader, tokens: list[str], pre: PreTokenizer, label: str) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    pre = gio.str_field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise ModelError(
-            f"{label} has pre-tokenizer {pre!r}; kvq knows {sorted(PRE_TOKENIZERS)} "
-            "(the split regex decides how text is cut before BPE)"
-        )
-    split, ignore_merges = PRE_TOKENIZERS[pre]
-    merges: list[str] = gio.field(reader, "tokenizer.ggml.merges")
+    merges: list[str] = gio.field(reader, "tokenizer.ggml.merges", None, required=False)
+    if merges is None:
+        raise ModelError(f"{label} has a byte-level vocabulary without tokenizer.ggml.merges")
     pairs = [_merge_pair(m, label) for m in merges]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -171,13 +189,20 @@ def _merges_from_scores(
     return [(left, right) for *_, left, right in found]
 
 
-def _add_special(backend: Any, tokens: list[str], types: list[int]) -> None:
-    """Match CONTROL and USER_DEFINED tokens whole (CONTROL ones are skipped in decoding)."""
+def _add_special(backend: Any, tokens: list[str], types: list[int], model_name: str) -> None:
+    """Match CONTROL and USER_DEFINED tokens whole (CONTROL ones are skipped in decoding).
+    Phi-3's special tokens swallow the whitespace after them, as llama.cpp sets by model name."""
     from tokenizers import AddedToken
+
+    phi3 = any(n in model_name.lower() for n in ("phi-3", "phi3"))
+
+    def added(t: str, special: bool) -> Any:
+        rstrip = phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")
+        return AddedToken(t, special=special, normalized=False, rstrip=rstrip)
 
     control = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
     user = [t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED]
     if control:
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        backend.add_special_tokens([added(t, True) for t in control])
     if user:
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        backend.add_tokens([added(t, False) for t in user])

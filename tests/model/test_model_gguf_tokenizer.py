@@ -123,9 +123,23 @@ def test_refusals(
         load_tokenizer(meta)
     with pytest.raises(ModelError, match="tokenizer model 'bert'; kvq runs 'gpt2'"):
         load_tokenizer(_vocab_file(tmp_path / "bert.gguf", "bert"))
-    with pytest.raises(ModelError, match="pre-tokenizer 'chameleon'; kvq knows"):
-        load_tokenizer(_vocab_file(tmp_path / "pre.gguf", "gpt2", "chameleon"))
+    for unknown in ("superbpe", "gemma4", "no-such-pre"):  # llama.cpp knows the first two
+        with pytest.raises(ModelError, match=f"pre-tokenizer '{unknown}'; kvq knows"):
+            load_tokenizer(_vocab_file(tmp_path / "pre.gguf", "gpt2", unknown))
     assert load_tokenizer(_vocab_file(tmp_path / "ok.gguf", "gpt2")).encode("ab") == [2]
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ModelError, match="pip install tokenizers"):
         load_tokenizer(byte_level[0])
+
+
+def test_token_types_corrected_by_text_as_llama_cpp_does() -> None:
+    from kvq.model.gguf_tokenizer import llama_token_types
+
+    normal, control, user = 1, 3, 4
+    harmony = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    assert llama_token_types(harmony, [control] * 6) == [user, user, user, user, control, control]
+    # <|end|> ends generation unless <|return|> and <|call|> do; a NORMAL <|im_end|> is control
+    assert llama_token_types(["<|end|>", "<|im_end|>", "hi"], [normal] * 3) == [
+        control, control, normal,
+    ]  # fmt: skip
+    assert llama_token_types(["a", "b"], []) == [normal, normal]  # no types: all normal
