@@ -9,8 +9,9 @@
 | GET    | /metrics               | Prometheus text: this gateway's calls, tokens, latency  |
 
 Stateless: a call is checked (`params`), admitted and queued (`gate`), then its reply stream is
-read until `done`, an `error` event, or `KVQ_API_TIMEOUT_S` without an event. A client that
-goes away before the end cancels its request. Errors are OpenAI's `{"error": {...}}`.
+read until `done`, an `error` event, no live coordinator (503), or `KVQ_API_TIMEOUT_S` without
+progress (504: neither the queue ahead of it nor its reply moved; `kvq.api.queue`). A client
+that goes away before the end cancels its request. Errors are OpenAI's `{"error": {...}}`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvq import wire
-from kvq.api.gate import Gate, failure_status
+from kvq.api.gate import Gate, failure_status, not_served
 from kvq.api.metrics import ApiMetrics
 from kvq.api.params import Call, parse
+from kvq.api.queue import SAMPLE_S, entry_key
 from kvq.api.shape import Answer, models_list
 from kvq.bus import connect_async
 from kvq.bus.connection import close_async
@@ -43,6 +45,7 @@ from kvq.bus.redis_board import open_board
 from kvq.client import ReplyFilter
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
+from kvq.keys import request_shard
 
 MAX_BODY = 1 << 20
 T = TypeVar("T")
@@ -61,24 +64,39 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = ApiMetrics(self.registry)
 
-    async def events(self, request_id: str, entry: str) -> AsyncIterator[wire.ReplyEvent]:
-        """The reply events of a request until `done`, each token once (`ReplyFilter`);
-        ApiError for an `error` event or for `KVQ_API_TIMEOUT_S` without any event (a lost
-        request is never waited on longer)."""
+    async def events(
+        self, model: str, request_id: str, entry: str
+    ) -> AsyncIterator[wire.ReplyEvent]:
+        """The reply events of a request until `done`, each token once (`ReplyFilter`).
+
+        ApiError for an `error` event; 503 once no coordinator of `model` is alive; 504 only
+        when nothing moved for `KVQ_API_TIMEOUT_S`: while queued, the deadline moves with
+        the queue (entries taken, tokens generated); once taken, with each reply event."""
         key = self.board.keys.request_reply(request_id)
-        seen = ReplyFilter(entry)
+        watch = self.gate.watch(model)
+        shard = request_shard(request_id, len(watch.streams))
+        seen, mine = ReplyFilter(entry), entry_key(entry)
         last, deadline = b"0-0", time.monotonic() + self.s.timeout_s
+        taken, moved = False, -1
         while True:
+            q = await run_in_threadpool(watch.sample)
+            if not q.alive:
+                raise not_served(model, self.s.retry_after_s)
+            if not taken and (watch.progress(q) != moved or q.last[shard] >= mine):
+                taken, moved = q.last[shard] >= mine, watch.progress(q)
+                deadline = time.monotonic() + self.s.timeout_s
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
+                where = "its coordinator" if taken else f"the queue of {model!r}"
                 raise ApiError(
-                    504, f"no answer for request {request_id} in {self.s.timeout_s}s "
-                    "(KVQ_API_TIMEOUT_S): the request was lost or its coordinator is stuck",
+                    504, f"no progress on request {request_id} in {self.s.timeout_s}s "
+                    f"(KVQ_API_TIMEOUT_S): {where} did not move",
                     kind="timeout", code="timeout",
                 )  # fmt: skip
-            resp = await self.ar.xread({key: last}, count=256, block=min(left_ms, self.block_ms))
+            block = min(left_ms, self.block_ms, int(SAMPLE_S * 1000))
+            resp = await self.ar.xread({key: last}, count=256, block=block)
             for _, entries in resp or []:
-                deadline = time.monotonic() + self.s.timeout_s
+                taken, deadline = True, time.monotonic() + self.s.timeout_s
                 for eid, fields in entries:
                     last = eid
                     try:
@@ -189,7 +207,7 @@ def create_app(settings: Settings) -> Starlette:
         )  # fmt: skip
         rid, entry = await run_in_threadpool(gw.gate.admit, call)
         answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
-        events = gw.events(rid, entry)
+        events = gw.events(call.model, rid, entry)
         try:
             first = await _first(request, events)  # errors before any byte: a real status
         except BaseException:

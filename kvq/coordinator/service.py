@@ -123,6 +123,11 @@ class Coordinator:
         finally:
             self.slots.close()
             self.slots.poll_once()
+            # gone at once for gateways (their waiting calls turn 503), not after staleness
+            try:
+                self.board.forget_coordinator(self.model, self.id)
+            except redis.RedisError as exc:
+                log.warning("could not leave %s's coordinators: %s", self.model, exc)
 
     def _serve(self, backoff: Backoff) -> None:
         while not self.stop.is_set():
