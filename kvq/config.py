@@ -254,7 +254,10 @@ class Settings(SettingsChecks):
         64, ge=1, description="a model's queued requests at which `kvq api` answers 429"
     )
     api_timeout_s: float = Field(
-        60.0, gt=0, le=3600, description="longest time `kvq api` waits without progress of a request or its queue"
+        60.0,
+        gt=0,
+        le=3600,
+        description="longest time `kvq api` waits without progress of a request or its queue",
     )
     api_retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503")
     api_max_tokens_default: int = Field(

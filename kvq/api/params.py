@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from kvq import wire
+from kvq.api.limits import MAX_TEMPERATURE
 from kvq.errors import ApiError
 
-MAX_TEMPERATURE = 2.0
 REFUSED = ("suffix", "tools", "functions", "tool_choice", "function_call", "response_format")
 
 
