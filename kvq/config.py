@@ -261,8 +261,13 @@ class Settings(SettingsChecks):
     )
     api_retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503")
     api_max_tokens_default: int = Field(
-        16, ge=1, description="max_tokens of a request that does not say"
-    )
+        16, ge=1, description="max_tokens of a completion that does not say (a chat: the room "
+        "left in the context)",
+    )  # fmt: skip
+    api_cors_origins: str = Field(
+        "", description="comma-separated origins browsers may call `kvq api` from (`*` = any; "
+        "empty = no CORS headers)",
+    )  # fmt: skip
 
     # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
     hot_gib: float | None = Field(
@@ -351,6 +356,7 @@ class Settings(SettingsChecks):
         return ApiSettings(
             self.api_host, self.api_port, keys, self.api_key_rpm, self.api_max_queue,
             self.api_timeout_s, self.api_retry_after_s, self.api_max_tokens_default,
+            tuple(o.strip() for o in self.api_cors_origins.split(",") if o.strip()),
         )  # fmt: skip
 
     @property
