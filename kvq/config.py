@@ -190,6 +190,9 @@ class Settings(SettingsChecks):
     state_dir: str = Field(
         "", description="where a worker keeps its default id (empty = ~/.config/kvq)"
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines on stderr: text, or one JSON object a line"
+    )
     worker_memory_gib: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="memory a worker fills with slices, in GiB of published slice bytes; it "

@@ -426,7 +426,7 @@ def create_app(settings: Settings) -> Starlette:
         CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
         allow_headers=["authorization", "content-type"], max_age=600,
     )] if cors else []  # fmt: skip
-    return Starlette(
+    app = Starlette(
         lifespan=lifespan,
         middleware=middleware,
         routes=[
@@ -443,3 +443,5 @@ def create_app(settings: Settings) -> Starlette:
             ApiError: api_error, 404: not_found, 405: not_found, redis.RedisError: bus_error,
         },
     )  # fmt: skip
+    app.state.gateway = gw
+    return app

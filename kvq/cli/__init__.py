@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -18,11 +17,12 @@ from typing import NoReturn
 
 import redis
 
+from kvq import logs
 from kvq.cli import acl, api, bank, core, deadletter, elastic, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
-from kvq.redact import install_log_redaction, redacted_text
+from kvq.redact import redacted_text
 
 
 class Parser(argparse.ArgumentParser):
@@ -78,13 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("gguf").setLevel(logging.WARNING)
-    install_log_redaction()
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
     try:
         settings = load_settings()
@@ -93,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"valid": False, "error": str(exc)}))
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    logs.configure(args.verbose, settings.log_format)
     if getattr(args, "kernels", True):  # commands that do not compute never load torch
         configure_kernels(settings)
     try:

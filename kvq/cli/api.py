@@ -36,13 +36,16 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         sock.close()
         raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     port = sock.getsockname()[1]
-    server = uvicorn.Server(config(create_app(settings), host, port))
+    app = create_app(settings)
+    server = uvicorn.Server(config(app, host, port))
     stop = threading.Event()
     stop_on_signals(stop)
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     threading.Thread(target=_stop_when, args=(stop, server), daemon=True).start()
+    models = app.state.gateway.gate.models()
     log.info(
-        "OpenAI-compatible API on http://%s:%s/v1 (auth %s)", host, port,
+        "ready: OpenAI-compatible API on http://%s:%s/v1 for %s (auth %s)", host, port,
+        ", ".join(models) if models else "the models a monitor registers",
         "on" if s.keys else "off",
     )  # fmt: skip
     server.run(sockets=[sock])  # SIGINT/TERM: finish the open calls, then exit 0

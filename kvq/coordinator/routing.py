@@ -65,6 +65,7 @@ class SliceRouter:
         self.sharing: set[str] = set()  # such workers: no share of a split (they still serve
         # copies, trials and the slices this coordinator does not hold)
         self._logged_at = float("-inf")
+        self._logged_split: dict[str, str] = {}
         self.coord = coord_id
         self.board, self.model = board, info.model
         self.refresh_s = settings.refresh_ms / 1000
@@ -171,10 +172,14 @@ class SliceRouter:
         split = self.capacity.assign(rows, candidates)
         now = time.monotonic()
         probed = self._probe_idle(split, rows, candidates, now)
-        if now - self._logged_at >= _LOG_EVERY_S:
-            self._logged_at = now
-            log.info("capacity split %s of rows %s; estimates %s", split, dict(rows),
-                     self.capacity.describe())  # fmt: skip
+        # info when the split changes hands (at most once a second), else debug every
+        # _LOG_EVERY_S: a steady split is not news (it was 12 of a coordinator's 13 lines)
+        changed = split != self._logged_split and now - self._logged_at >= 1.0
+        if changed or (now - self._logged_at >= _LOG_EVERY_S and log.isEnabledFor(logging.DEBUG)):
+            self._logged_at, self._logged_split = now, dict(split)
+            log.log(logging.INFO if changed else logging.DEBUG,
+                    "capacity split %s of rows %s; estimates %s", split, dict(rows),
+                    self.capacity.describe())  # fmt: skip
         return LiveRoute(
             CAPACITY_ROUTE,
             {sid: node for sid, node in split.items() if node != self.coord},

@@ -118,6 +118,9 @@ class Coordinator:
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
         self.slots.start()
+        log.info("ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d "
+                 "slices)", self.id, self.model, self.engine.n_slots,
+                 len(self.requests.streams), len(self.info.slices))  # fmt: skip
         try:
             self._serve(backoff)
         finally:
