@@ -82,7 +82,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             board, settings.http_host, settings.http_port, settings.http_volunteer
         )
         host, port = server.server_address[:2]
-        log.info("HTTP API and /metrics on http://%s:%s/", host, port)
+        log.info("dashboard, HTTP API and /metrics on http://%s:%s/", host, port)
     try:
         mon.run()
     finally:
