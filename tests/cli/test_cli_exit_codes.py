@@ -101,6 +101,7 @@ RUNTIME: list[tuple[list[str], dict[str, str], int, str]] = [
     (["health", "coordinator", "--id", "nobody"], {}, 1, ""),
     (["health", "worker", "--id", "nobody"], {}, 1, ""),
     (["health", "monitor"], {}, 1, ""),
+    (["health", "api", "--id", "http://127.0.0.1:1"], {}, 1, "kvq api at"),
     (["acl"], {}, 0, ""),
     (["acl", "--role", "worker"], {}, 2, "--worker"),
     (["acl", "--role", "nope"], {}, 2, "nope"),
