@@ -164,7 +164,6 @@ class Dashboard:
 
     def _workers(self, models: list[str]) -> list[dict[str, Any]]:
         now_ms = time.time() * 1000
-        ttl_ms = self.board.lifetimes.heartbeat_ms()
         rows: dict[str, dict[str, Any]] = {}
         for m in models:
             trust = self.board.quarantined(m)
@@ -178,13 +177,8 @@ class Dashboard:
                 q = trust.get(v.worker_id)
                 if q is not None and q.active(now_ms):
                     row["trust"] = "banned" if q.banned else "quarantined"
-        if rows:
-            pipe = self.board.r.pipeline(transaction=False)
-            for w in rows:
-                pipe.pttl(self.board.keys.worker_heartbeat(w))
-            for row, left in zip(rows.values(), pipe.execute(), strict=True):
-                if isinstance(left, int) and left >= 0:  # the beat resets the TTL
-                    row["heartbeat_age_s"] = round(max(0, ttl_ms - left) / 1000, 1)
+        for w, age in self.board.heartbeat_ages_s(list(rows)).items():
+            rows[w]["heartbeat_age_s"] = age
         return sorted(rows.values(), key=lambda r: str(r["worker"]))
 
     def _coordinators(self, models: list[str], samples: list[Sample]) -> list[dict[str, Any]]:
@@ -212,8 +206,7 @@ class Dashboard:
         newest = list_dead(self.board.r, self.board.keys, 5)
         return {
             "length": int(total),
-            "newest": [{"id": d.id, "source": d.source, "reason": d.reason, "ts_ms": d.ts_ms}
-                       for d in newest],
+            "newest": [{k: v for k, v in d.describe().items() if k != "fields"} for d in newest],
         }  # fmt: skip
 
 
