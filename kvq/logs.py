@@ -32,13 +32,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(verbose: bool, fmt: str = "text") -> None:
-    """The root logger for a kvq process (`fmt`: text or json)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    """The root logger for a kvq process (`fmt`: text or json). Like `logging.basicConfig`, it
+    leaves a root logger that has handlers already alone (a host program's, pytest's), but for
+    the redaction."""
     root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.getLogger("gguf").setLevel(logging.WARNING)
     install_log_redaction()

@@ -13,6 +13,14 @@ import pytest
 from kvq import logs
 
 
+def bare_root() -> None:
+    """A root logger without handlers, as in a kvq process (configure leaves others' alone;
+    pytest adds its own before each test's body)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+
+
 @pytest.fixture
 def restore_root() -> Iterator[None]:
     root = logging.getLogger()
@@ -28,6 +36,7 @@ def restore_root() -> Iterator[None]:
 def test_json_lines_with_redaction_and_traceback(
     restore_root: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    bare_root()
     logs.configure(verbose=False, fmt="json")
     log = logging.getLogger("kvq.test")
     log.info("connecting to %s", "redis://user:s3cret@db:6379/0")
@@ -47,6 +56,7 @@ def test_json_lines_with_redaction_and_traceback(
 
 
 def test_text_is_the_default(restore_root: None, capsys: pytest.CaptureFixture[str]) -> None:
+    bare_root()
     logs.configure(verbose=True)
     logging.getLogger("kvq.test").debug("hello %d", 3)
     line = capsys.readouterr().err.strip()
