@@ -147,6 +147,15 @@ RUNTIME: list[tuple[list[str], dict[str, str], int, str]] = [
     (["generate", "--model", "m.gguf", "--prompt-ids", "1,x"], {}, 2, "prompt-ids"),
     (["swarm-sim", "--topology", "/no/such.yaml"], {}, 2, "/no/such.yaml"),
     (
+        ["coordinator", "--model", "m.gguf", "--model-id", "nope"],
+        {"KVQ_MODEL_WAIT_S": "0.3"},
+        1,
+        "nope",
+    ),  # fmt: skip
+    (["worker", "--id", "no spaces"], {}, 2, "worker id"),
+    (["generate", "--model", "m.gguf", "--prompt", "x", "--temperature", "-1"], {}, 1, "Model"),
+    (["bench", "swarm", "--nodes", "0"], {}, 2, "--nodes"),
+    (
         ["balance", "plan", "--hist", "/no/such.json", "--budget-gib", "1"],
         {},
         1,
