@@ -126,7 +126,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     if len(args.stop or []) > wire.MAX_STOPS:
         raise ConfigError(f"--stop: at most {wire.MAX_STOPS} stop strings, got {len(args.stop)}")
     board = open_board(settings.bus, settings.lifetimes)
-    if not [c for c in board.coordinators(args.model) if c.alive]:  # the API's 503 rule
+    if not _served(board, args.model):  # the API's 503 rule
         registered = args.model in board.models()
         raise RequestFailed(
             f"no coordinator serves model {args.model!r} right now"
@@ -142,6 +142,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
+    done, lost = threading.Event(), threading.Event()
+    threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
     try:
         for ev in client.events(r, keys, rid, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
@@ -153,12 +155,39 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 text, finish = ev.text, ev.finish
                 if not args.json and text.startswith(shown):  # text held back until the end
                     print(text[len(shown) :], end="", flush=True)
+        done.set()
     except (KeyboardInterrupt, TimeoutError):
+        done.set()
         client.cancel(r, keys, args.model, rid)  # free the slot now, not at max_tokens
+        if lost.is_set():
+            raise RequestFailed(f"no coordinator serves model {args.model!r} any more: "
+                                f"request {rid} cancelled") from None  # fmt: skip
         raise
     out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
     print(json.dumps(out) if args.json else "")
     return EXIT_OK
+
+
+def _served(board: Any, model: str) -> bool:
+    return any(c.alive for c in board.coordinators(model))
+
+
+def _watch(board: Any, model: str, done: threading.Event, lost: threading.Event) -> None:
+    """While `kvq submit` waits: once no coordinator of `model` is alive (a clean stop leaves
+    at once), stop the wait within a second, as the API's 503 does."""
+    import _thread
+
+    import redis
+
+    while not done.wait(0.5):
+        try:
+            alive = _served(board, model)
+        except redis.RedisError:
+            continue  # the reply read says so itself
+        if not alive and not done.is_set():
+            lost.set()
+            _thread.interrupt_main()
+            return
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:

@@ -129,3 +129,35 @@ def test_api_host_port_sigterm_and_busy_port(settings: Settings) -> None:
             assert proc.wait(timeout=20) == 0
         finally:
             proc.kill()
+
+
+def test_submit_stops_within_2s_when_the_last_coordinator_leaves(
+    settings: Settings, tmp_path: Path
+) -> None:
+    from kvq.bus.records import CoordStats, SlotState
+    from kvq.keys import Keys
+    from kvq.model import make_tiny
+    from kvq.monitor import Monitor
+
+    make_tiny(tmp_path / "m.gguf", layers=2, experts=8)
+    mon = Monitor.from_settings(settings)
+    mon.register("m", tmp_path / "m.gguf")
+    state = SlotState(model="m", busy=0, total=4, ts_ms=int(time.time() * 1000))
+    mon.board.publish_slots("ghost", state, CoordStats())  # alive, never answers
+    cmd = [sys.executable, "-m", "kvq", "submit", "--model", "m", "--prompt", "x"]
+    with subprocess.Popen(cmd, env=env_of(settings), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        try:
+            stream = Keys(settings.prefix).model_requests("m")
+            deadline = time.monotonic() + 60
+            while not mon.board.r.xlen(stream):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            left = time.monotonic()
+            mon.board.forget_coordinator("m", "ghost")  # what a clean stop does
+            assert proc.wait(timeout=10) == 1
+            assert time.monotonic() - left < 2.0
+            assert proc.stderr is not None and "any more" in proc.stderr.read()
+        finally:
+            proc.kill()
+            mon.board.r.close()
