@@ -103,7 +103,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
             f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xinfo|stream)",
-            f"(%R~{p}:{{c:*}}:slots +hgetall +hget +exists)",
+            # the gateway's queue watch: slot state, and the token counters of its stats
+            f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
             f"(~{p}:{{k:*}}:calls +set +incr +pttl)",
         ]  # fmt: skip
     else:

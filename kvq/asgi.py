@@ -30,6 +30,7 @@ class ThreadedServer:
 
     def __init__(self, app: Any, host: str, port: int, start_timeout_s: float = 10.0) -> None:
         self.server = uvicorn.Server(config(app, host, port))
+        self.stopped = threading.Event()  # set by `shutdown`: companions of the server stop
         self.thread = threading.Thread(target=self.server.run, name="kvq-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
@@ -41,6 +42,7 @@ class ThreadedServer:
         self.server_address: tuple[str, int] = sock.getsockname()[:2]
 
     def shutdown(self) -> None:
+        self.stopped.set()
         self.server.should_exit = True
         self.thread.join(timeout=10)
 

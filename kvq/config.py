@@ -190,6 +190,9 @@ class Settings(SettingsChecks):
     state_dir: str = Field(
         "", description="where a worker keeps its default id (empty = ~/.config/kvq)"
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines on stderr: text, or one JSON object a line"
+    )
     worker_memory_gib: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="memory a worker fills with slices, in GiB of published slice bytes; it "
@@ -254,12 +257,20 @@ class Settings(SettingsChecks):
         64, ge=1, description="a model's queued requests at which `kvq api` answers 429"
     )
     api_timeout_s: float = Field(
-        60.0, gt=0, le=3600, description="longest wait of `kvq api` for a request's next event"
+        60.0,
+        gt=0,
+        le=3600,
+        description="longest time `kvq api` waits without progress of a request or its queue",
     )
     api_retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503")
     api_max_tokens_default: int = Field(
-        16, ge=1, description="max_tokens of a request that does not say"
-    )
+        16, ge=1, description="max_tokens of a completion that does not say (a chat: the room "
+        "left in the context)",
+    )  # fmt: skip
+    api_cors_origins: str = Field(
+        "", description="comma-separated origins browsers may call `kvq api` from (`*` = any; "
+        "empty = no CORS headers)",
+    )  # fmt: skip
 
     # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
     hot_gib: float | None = Field(
@@ -348,6 +359,7 @@ class Settings(SettingsChecks):
         return ApiSettings(
             self.api_host, self.api_port, keys, self.api_key_rpm, self.api_max_queue,
             self.api_timeout_s, self.api_retry_after_s, self.api_max_tokens_default,
+            tuple(o.strip() for o in self.api_cors_origins.split(",") if o.strip()),
         )  # fmt: skip
 
     @property

@@ -127,3 +127,4 @@ class ApiSettings:
     timeout_s: float  # longest wait for a request's next event
     retry_after_s: int
     max_tokens_default: int
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed; empty: no CORS

@@ -2,20 +2,25 @@
 
 | method | path                   | answer                                                  |
 |--------|------------------------|---------------------------------------------------------|
-| GET    | /v1/models             | the registered models                                   |
+| GET    | /v1/models             | the registered models, with their context length        |
+| GET    | /v1/models/{id}        | one of them; 404 for an unknown id                      |
+| POST   | /tokenize              | vLLM's: `{model, prompt | messages}` → `{count, tokens}`  |
+| POST   | /detokenize            | vLLM's: `{model, tokens}` → `{prompt}`                  |
 | POST   | /v1/completions        | a completion; `stream: true` as server-sent events      |
 | POST   | /v1/chat/completions   | a chat completion (the model's chat template)           |
 | GET    | /health                | 200 while Redis answers PING, else 503                  |
 | GET    | /metrics               | Prometheus text: this gateway's calls, tokens, latency  |
 
 Stateless: a call is checked (`params`), admitted and queued (`gate`), then its reply stream is
-read until `done`, an `error` event, or `KVQ_API_TIMEOUT_S` without an event. A client that
-goes away before the end cancels its request. Errors are OpenAI's `{"error": {...}}`.
+read until `done`, an `error` event, no live coordinator (503), or `KVQ_API_TIMEOUT_S` without
+progress (504: neither the queue ahead of it nor its reply moved; `kvq.api.queue`). A client
+that goes away before the end cancels its request. Errors are OpenAI's `{"error": {...}}`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,22 +32,27 @@ import redis.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvq import wire
-from kvq.api.gate import Gate, failure_status
+from kvq.api.gate import Gate, failure_status, not_served
 from kvq.api.metrics import ApiMetrics
-from kvq.api.params import Call, parse
-from kvq.api.shape import Answer, models_list
+from kvq.api.params import Call, parse, parse_messages
+from kvq.api.queue import SAMPLE_S, entry_key
+from kvq.api.shape import Answer, model_card, models_list
+from kvq.api.text import ModelText, Texts
 from kvq.bus import connect_async
 from kvq.bus.connection import close_async
 from kvq.bus.redis_board import open_board
 from kvq.client import ReplyFilter
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
+from kvq.keys import request_shard
 
 MAX_BODY = 1 << 20
 T = TypeVar("T")
@@ -60,25 +70,87 @@ class Gateway:
         self.started = int(time.time())
         self.registry = CollectorRegistry()
         self.metrics = ApiMetrics(self.registry)
+        self.texts = Texts()
 
-    async def events(self, request_id: str, entry: str) -> AsyncIterator[wire.ReplyEvent]:
-        """The reply events of a request until `done`, each token once (`ReplyFilter`);
-        ApiError for an `error` event or for `KVQ_API_TIMEOUT_S` without any event (a lost
-        request is never waited on longer)."""
+    def cards(self, only: str | None = None) -> list[dict[str, Any]]:
+        """The model objects of `/v1/models` (one model's, with `only`; 404 if unknown)."""
+        names = self.gate.models() if only is None else [only]
+        out = []
+        for m in names:
+            info = self.board.model_info(m)
+            if info is not None:
+                out.append(model_card(m, self.started, info.meta.context_length))
+            elif only is not None:
+                raise ApiError(404, f"model {m!r} does not exist; GET /v1/models lists them",
+                               param="model", code="model_not_found")  # fmt: skip
+        return out
+
+    def text(self, model: str) -> ModelText:
+        """The model's tokenizer and template here; 404 unknown, 501 when its file is not on
+        this machine."""
+        info = self.board.model_info(model)
+        if info is None:
+            raise ApiError(404, f"model {model!r} does not exist; GET /v1/models lists them",
+                           param="model", code="model_not_found")  # fmt: skip
+        text = self.texts.get(info)
+        if text is None:
+            raise ApiError(
+                501, f"model {model!r} comes from {info.source}, not a file on this gateway's "
+                "machine: it has no tokenizer here", kind="server_error", code="no_tokenizer",
+            )  # fmt: skip
+        return text
+
+    def fill_max_tokens(self, call: Call) -> Call:
+        """A chat without `max_tokens` gets the room left in the context (vLLM's rule), at
+        most KVQ_MAX_TOKENS_LIMIT; KVQ_API_MAX_TOKENS_DEFAULT when the model's file is not
+        here."""
+        if not call.chat or call.max_tokens_given:
+            return call
+        try:
+            text = self.text(call.model)
+        except ApiError as exc:
+            if exc.status == 501:
+                return call
+            raise
+        room = text.room(text.encode(call.prompt, call.messages))
+        if room < 1:
+            raise ApiError(400, f"the messages fill the context ({text.context_length} tokens)",
+                           param="messages", code="refused")  # fmt: skip
+        return dataclasses.replace(call, max_tokens=min(room, self.max_tokens_limit))
+
+    async def events(
+        self, model: str, request_id: str, entry: str
+    ) -> AsyncIterator[wire.ReplyEvent]:
+        """The reply events of a request until `done`, each token once (`ReplyFilter`).
+
+        ApiError for an `error` event; 503 once no coordinator of `model` is alive; 504 only
+        when nothing moved for `KVQ_API_TIMEOUT_S`: while queued, the deadline moves with
+        the queue (entries taken, tokens generated); once taken, with each reply event."""
         key = self.board.keys.request_reply(request_id)
-        seen = ReplyFilter(entry)
+        watch = self.gate.watch(model)
+        shard = request_shard(request_id, len(watch.streams))
+        seen, mine = ReplyFilter(entry), entry_key(entry)
         last, deadline = b"0-0", time.monotonic() + self.s.timeout_s
+        taken, moved = False, -1
         while True:
+            q = await run_in_threadpool(watch.sample)
+            if not q.alive:
+                raise not_served(model, self.s.retry_after_s)
+            if not taken and (watch.progress(q) != moved or q.last[shard] >= mine):
+                taken, moved = q.last[shard] >= mine, watch.progress(q)
+                deadline = time.monotonic() + self.s.timeout_s
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
+                where = "its coordinator" if taken else f"the queue of {model!r}"
                 raise ApiError(
-                    504, f"no answer for request {request_id} in {self.s.timeout_s}s "
-                    "(KVQ_API_TIMEOUT_S): the request was lost or its coordinator is stuck",
+                    504, f"no progress on request {request_id} in {self.s.timeout_s}s "
+                    f"(KVQ_API_TIMEOUT_S): {where} did not move",
                     kind="timeout", code="timeout",
                 )  # fmt: skip
-            resp = await self.ar.xread({key: last}, count=256, block=min(left_ms, self.block_ms))
+            block = min(left_ms, self.block_ms, int(SAMPLE_S * 1000))
+            resp = await self.ar.xread({key: last}, count=256, block=block)
             for _, entries in resp or []:
-                deadline = time.monotonic() + self.s.timeout_s
+                taken, deadline = True, time.monotonic() + self.s.timeout_s
                 for eid, fields in entries:
                     last = eid
                     try:
@@ -97,6 +169,25 @@ class Gateway:
     async def cancel(self, call: Call, request_id: str) -> None:
         with anyio.CancelScope(shield=True):  # also when the caller's task is being cancelled
             await run_in_threadpool(self.gate.cancel, call.model, request_id)
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the body is over {MAX_BODY} bytes")
+    try:
+        d = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}", param="body") from None
+    if not isinstance(d, dict):
+        raise ApiError(400, "the body must be a JSON object", param="body")
+    return d
+
+
+def _model_of(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, f"'model' must be a model id, got {model!r}", param="model")
+    return model
 
 
 def _sse(obj: Any) -> bytes:
@@ -166,7 +257,47 @@ def create_app(settings: Settings) -> Starlette:
 
     async def models(request: Request) -> Response:
         await authorize(request)
-        return JSONResponse(models_list(await run_in_threadpool(gw.gate.models), gw.started))
+        return JSONResponse(models_list(await run_in_threadpool(gw.cards)))
+
+    async def model(request: Request) -> Response:
+        await authorize(request)
+        cards = await run_in_threadpool(gw.cards, request.path_params["model"])
+        return JSONResponse(cards[0])
+
+    async def tokenize(request: Request) -> Response:
+        await authorize(request)
+        body = _json_body(await request.body())
+        model = _model_of(body)
+        text = await run_in_threadpool(gw.text, model)
+        add_special = body.get("add_special_tokens", True)
+        if body.get("messages") is not None:
+            messages = parse_messages(body["messages"])
+            ids = await run_in_threadpool(text.encode, None, messages, add_special is not False)
+        elif isinstance(body.get("prompt"), str):
+            ids = await run_in_threadpool(
+                text.encode, body["prompt"], None, add_special is not False
+            )
+        else:
+            raise ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": text.context_length,
+                             "tokens": ids, "token_strs": None})  # fmt: skip
+
+    async def detokenize(request: Request) -> Response:
+        await authorize(request)
+        body = _json_body(await request.body())
+        text = await run_in_threadpool(gw.text, _model_of(body))
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ApiError(400, "'tokens' must be a list of token ids (integers >= 0)",
+                           param="tokens")  # fmt: skip
+        try:
+            prompt = await run_in_threadpool(text.tokenizer.decode, ids)
+        except (IndexError, KeyError, ValueError) as exc:
+            raise ApiError(400, f"'tokens' holds an id outside the vocabulary: {exc}",
+                           param="tokens") from None  # fmt: skip
+        return JSONResponse({"prompt": prompt})
 
     async def completions(request: Request) -> Response:
         return await _complete(request, chat=False)
@@ -187,9 +318,10 @@ def create_app(settings: Settings) -> Starlette:
             await request.body(), chat=chat, max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
         )  # fmt: skip
+        call = await run_in_threadpool(gw.fill_max_tokens, call)
         rid, entry = await run_in_threadpool(gw.gate.admit, call)
         answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
-        events = gw.events(rid, entry)
+        events = gw.events(call.model, rid, entry)
         try:
             first = await _first(request, events)  # errors before any byte: a real status
         except BaseException:
@@ -289,12 +421,21 @@ def create_app(settings: Settings) -> Starlette:
         await close_async(gw.ar)  # its sockets go with the loop that opened them
         gw.board.r.close()
 
-    return Starlette(
+    cors = gw.s.cors_origins
+    middleware = [Middleware(
+        CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+        allow_headers=["authorization", "content-type"], max_age=600,
+    )] if cors else []  # fmt: skip
+    app = Starlette(
         lifespan=lifespan,
+        middleware=middleware,
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         ],
@@ -302,3 +443,5 @@ def create_app(settings: Settings) -> Starlette:
             ApiError: api_error, 404: not_found, 405: not_found, redis.RedisError: bus_error,
         },
     )  # fmt: skip
+    app.state.gateway = gw
+    return app

@@ -1,5 +1,7 @@
 """What a call must pass before it is queued: its API key, its key's request limit, a model
-that is registered and served, and room in the model's queue. Then it is queued.
+that is registered and served, and room in the model's queue: no more than `KVQ_API_MAX_QUEUE`
+waiting, and, once the queue's drain rate is measured (`kvq.api.queue`), a start within
+`KVQ_API_TIMEOUT_S`. Then it is queued.
 
 Everything is read from Redis at call time (through the board), so any number of gateways
 agree; the per-key counter lives in Redis for the same reason. Blocking redis-py calls: the
@@ -15,6 +17,7 @@ import uuid
 
 from kvq import client, wire
 from kvq.api.params import Call
+from kvq.api.queue import QueueSample, QueueWatch
 from kvq.bus import xadd
 from kvq.bus.redis_board import RedisBoard, request_shards
 from kvq.errors import ApiError
@@ -31,6 +34,7 @@ class Gate:
         self.board, self.s = board, s
         self.keys = [k.encode() for k in s.keys]
         self._registered: dict[str, int] = {}  # model → request shards; registered stays so
+        self._watches: dict[str, QueueWatch] = {}
 
     def authorize(self, header: str | None) -> str | None:
         """The caller's key (None when auth is off); 401 without a valid one, 429 over its
@@ -74,26 +78,28 @@ class Gate:
         self._registered[model] = shards
         return shards
 
+    def watch(self, model: str) -> QueueWatch:
+        """The queue watch of a registered model (one per model and gateway)."""
+        w = self._watches.get(model)
+        if w is None:
+            streams = request_streams(self.board.keys, model, self.check_model(model))
+            w = self._watches.setdefault(model, QueueWatch(self.board, model, streams))
+        return w
+
     def admit(self, call: Call) -> client.Submitted:
-        """Queue the call; its request id and entry. 404, 503 (no coordinator) or 429 (queue full) first."""
-        shards = self.check_model(call.model)
-        alive = [c for c in self.board.coordinators(call.model) if c.alive]
-        if not alive:
-            raise ApiError(
-                503, f"no coordinator serves model {call.model!r} right now",
-                kind="server_error", code="model_not_served", retry_after_s=self.s.retry_after_s,
-            )  # fmt: skip
-        busy = sum(c.state.busy for c in alive if c.state is not None)
-        streams = request_streams(self.board.keys, call.model, shards)
-        queued = self._queued(streams) - busy
-        if queued >= self.s.max_queue:
-            raise ApiError(
-                429, f"model {call.model!r} has {queued} requests waiting "
-                f"(KVQ_API_MAX_QUEUE {self.s.max_queue}); retry later",
-                kind="rate_limit_error", code="queue_full", retry_after_s=self.s.retry_after_s,
-            )  # fmt: skip
+        """Queue the call; its request id and entry. 404, 503 (no coordinator) or 429 (the
+        queue is full, or too slow for the call to start in time) first."""
+        watch = self.watch(call.model)  # 404 for an unknown model
+        with watch.admitting:
+            q = watch.sample(fresh=True)
+            if not q.alive:
+                raise not_served(call.model, self.s.retry_after_s)
+            self._check_room(call.model, watch, q)
+            return self._queue(call, watch.streams)
+
+    def _queue(self, call: Call, streams: list[str]) -> client.Submitted:
         request_id = uuid.uuid4().hex
-        stream = streams[request_shard(request_id, shards)]
+        stream = streams[request_shard(request_id, len(streams))]
         req = wire.Request(
             request_id=request_id, model=call.model, prompt=call.prompt,
             prompt_ids=call.prompt_ids, messages=call.messages, max_tokens=call.max_tokens,
@@ -104,13 +110,24 @@ class Gate:
         entry = xadd(self.board.r, stream, wire.encode(req), None)
         return client.Submitted(request_id, entry.decode())
 
-    def _queued(self, streams: list[str]) -> int:
-        """Requests on the model's request streams (one round trip; a cluster client splits
-        the pipeline per node, each XLEN names one key)."""
-        pipe = self.board.r.pipeline(transaction=False)
-        for s in streams:
-            pipe.xlen(s)
-        return sum(int(n) for n in pipe.execute())
+    def _check_room(self, model: str, watch: QueueWatch, q: QueueSample) -> None:
+        """429 when `q.waiting` requests are ahead and the queue is full, or drains too slowly
+        for one more to start within KVQ_API_TIMEOUT_S; Retry-After from the drain rate."""
+        within, rate = self.s.timeout_s, watch.rate()
+        start_s = None if rate is None else (q.waiting + 1) / rate
+        if q.waiting >= self.s.max_queue:
+            why = f"(KVQ_API_MAX_QUEUE {self.s.max_queue})"
+        elif start_s is not None and start_s > within:
+            why = (f"and drains at {rate:.2f}/s: a new one would start in "
+                   f"{start_s:.0f}s, over KVQ_API_TIMEOUT_S {within:g}")  # fmt: skip
+        else:
+            return
+        retry = watch.retry_after_s(q.waiting, within, self.s.max_queue)
+        raise ApiError(
+            429, f"model {model!r} has {q.waiting} requests waiting {why}; retry later",
+            kind="rate_limit_error", code="queue_full",
+            retry_after_s=retry or self.s.retry_after_s,
+        )  # fmt: skip
 
     def cancel(self, model: str, request_id: str) -> None:
         client.cancel(self.board.r, self.board.keys, model, request_id)
@@ -123,6 +140,13 @@ class Gate:
 
     def models(self) -> list[str]:
         return self.board.models()
+
+
+def not_served(model: str, retry_after_s: int) -> ApiError:
+    return ApiError(
+        503, f"no coordinator serves model {model!r} right now",
+        kind="server_error", code="model_not_served", retry_after_s=retry_after_s,
+    )  # fmt: skip
 
 
 def failure_status(f: wire.Failure | None) -> ApiError:

@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 
 from kvq import wire
+from kvq.api.limits import MAX_TEMPERATURE
 from kvq.errors import ApiError
 
-MAX_TEMPERATURE = 2.0
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 REFUSED = ("suffix", "tools", "functions", "tool_choice", "function_call", "response_format")
 
 
@@ -35,6 +36,7 @@ class Call:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[wire.ChatMessage] | None = None
+    max_tokens_given: bool = True  # False: a chat's default, the room left in the context
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -102,6 +104,7 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     limit = "max_completion_tokens" if chat and b.get("max_completion_tokens") else "max_tokens"
     max_tokens = b.integer(limit, max_tokens_default, 1, max_tokens_limit)
     assert max_tokens is not None
+    given = b.get(limit) is not None
     stream = b.flag("stream", False)
     options = b.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
@@ -109,7 +112,8 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(b, chat)
     common = {"chat": chat, "model": model, "max_tokens": max_tokens, "sampling": sampling,
-              "stream": stream, "include_usage": include_usage}  # fmt: skip
+              "stream": stream, "include_usage": include_usage,
+              "max_tokens_given": given}  # fmt: skip
     if chat:
         return Call(messages=_messages(b.get("messages")), **common)  # type: ignore[arg-type]
     prompt, ids = _prompt(b.get("prompt"))
@@ -179,6 +183,11 @@ def _prompt(p: Any) -> tuple[str | None, list[int] | None]:
     raise _bad("prompt", "'prompt' must be a string or a list of token ids (one prompt)")
 
 
+def parse_messages(ms: Any) -> list[wire.ChatMessage]:
+    """A chat's `messages`, checked; 400 naming the bad one."""
+    return _messages(ms)
+
+
 def _messages(ms: Any) -> list[wire.ChatMessage]:
     if not isinstance(ms, list) or not ms:
         raise _bad("messages", "'messages' must be a non-empty list")
@@ -186,6 +195,9 @@ def _messages(ms: Any) -> list[wire.ChatMessage]:
     for i, m in enumerate(ms):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a 'role'")
+        if m["role"] not in ROLES:
+            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of "
+                       f"{', '.join(ROLES)}, got {m['role'][:64]!r}")  # fmt: skip
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):

@@ -155,9 +155,12 @@ def _chat_lp(ev: wire.ReplyEvent) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def models_list(models: list[str], created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": m, "object": "model", "created": created, "owned_by": "kvq"}
-                 for m in models],
-    }  # fmt: skip
+def model_card(model: str, created: int, context_length: int) -> dict[str, Any]:
+    """One model object: OpenAI's fields, and its context length as vLLM (`max_model_len`)
+    and llama.cpp's server (`context_length`) name it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvq",
+            "max_model_len": context_length, "context_length": context_length}  # fmt: skip
+
+
+def models_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": cards}

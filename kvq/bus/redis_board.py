@@ -210,6 +210,20 @@ class RedisBoard:
     def worker_alive(self, worker: str) -> bool:
         return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
 
+    def heartbeat_ages_s(self, workers: Sequence[str]) -> dict[str, float | None]:
+        """Seconds since each worker's last beat (each beat resets its key's TTL); None when
+        the beat lapsed. For operators' views (the monitor's dashboard)."""
+        pipe = self.r.pipeline(transaction=False)
+        for w in workers:
+            pipe.pttl(self.keys.worker_heartbeat(w))
+        ttl_ms = self.lifetimes.heartbeat_ms()
+        return {
+            w: round(max(0, ttl_ms - left) / 1000, 1)
+            if isinstance(left, int) and left >= 0
+            else None
+            for w, left in zip(workers, pipe.execute(), strict=True)
+        }
+
     def claim_worker(self, worker: str, instance: str) -> bool:
         hb = self.keys.worker_heartbeat(worker)
         if self.r.set(hb, instance, nx=True, px=self.lifetimes.heartbeat_ms()):

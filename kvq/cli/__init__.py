@@ -8,33 +8,49 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import redis
 
+from kvq import logs
 from kvq.cli import acl, api, bank, core, deadletter, elastic, health, model, swarm
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
-from kvq.redact import install_log_redaction, redacted_text
+from kvq.redact import redacted_text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (exit 2): the problem and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvq", description="kvq: MoE experts served over Redis streams"
-    )
+    p = Parser(prog="kvq", description="kvq: MoE experts served over Redis streams")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"kvq {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
     for area in (core, api, health, model, bank, swarm, elastic, deadletter, acl):
         area.register(sub, bench)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvq")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def configure_kernels(settings: Settings) -> None:
@@ -69,13 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # or for its model) ends it cleanly too, with exit code 0 like a running role
         signal.signal(signal.SIGTERM, _terminated)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("gguf").setLevel(logging.WARNING)
-    install_log_redaction()
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
     try:
         settings = load_settings()
@@ -84,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"valid": False, "error": str(exc)}))
         print(f"kvq: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_kernels(settings)
+    logs.configure(args.verbose, settings.log_format)
+    if getattr(args, "kernels", True):  # commands that do not compute never load torch
+        configure_kernels(settings)
     try:
         return fn(args, settings)
     except ConfigError as exc:

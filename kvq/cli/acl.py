@@ -69,4 +69,4 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     a.add_argument("--secrets", default="kvq-acl.json",
                    help="where --apply writes passwords and URLs (default kvq-acl.json)")  # fmt: skip
     a.add_argument("--json", action="store_true", help="print the rules as JSON")
-    a.set_defaults(fn=cmd_acl)
+    a.set_defaults(fn=cmd_acl, kernels=False)

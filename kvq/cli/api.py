@@ -3,34 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import signal
+import threading
 from typing import Any
 
-from kvq.cli.common import EXIT_OK
+from kvq.cli.common import COUNT, EXIT_OK, PORT, stop_on_signals
 from kvq.config import Settings
+from kvq.errors import ServerError
 
 log = logging.getLogger("kvq.cli")
 Subparsers = Any
 
 
 def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
+    import socket
+
     import uvicorn
 
     from kvq.api import create_app
     from kvq.asgi import config
 
     s = settings.api
+    host = args.host or s.host
+    port = s.port if args.port is None else args.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound here: a busy port is one line and exit 1, before any URL is logged
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    port = sock.getsockname()[1]
+    app = create_app(settings)
+    server = uvicorn.Server(config(app, host, port))
+    stop = threading.Event()
+    stop_on_signals(stop)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    threading.Thread(target=_stop_when, args=(stop, server), daemon=True).start()
+    models = app.state.gateway.gate.models()
     log.info(
-        "OpenAI-compatible API on http://%s:%s/v1 (auth %s)", s.host, s.port,
+        "ready: OpenAI-compatible API on http://%s:%s/v1 for %s (auth %s)", host, port,
+        ", ".join(models) if models else "the models a monitor registers",
         "on" if s.keys else "off",
     )  # fmt: skip
-    # uvicorn stops on SIGINT/TERM, then raises the signal again for the handler found before
-    # it: for SIGTERM that is this no-op, so a stopped gateway exits 0 like every role
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config(create_app(settings), s.host, s.port)).run()
+    server.run(sockets=[sock])  # SIGINT/TERM: finish the open calls, then exit 0
     return EXIT_OK
+
+
+def _stop_when(stop: threading.Event, server: Any) -> None:
+    stop.wait()
+    server.should_exit = True
 
 
 def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
@@ -54,14 +78,16 @@ def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Subparsers, bench: Subparsers) -> None:
     """api, bench api."""
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway (KVQ_API_*)")
-    a.set_defaults(fn=cmd_api)
+    a.add_argument("--host", help="address to bind (default KVQ_API_HOST, 127.0.0.1)")
+    a.add_argument("--port", type=PORT, help="port (default KVQ_API_PORT, 8000; 0 = any free)")
+    a.set_defaults(fn=cmd_api, kernels=False)
 
     b = bench.add_parser("api", help="time to first token and tokens/s: kvq api vs kvq.client")
-    b.add_argument("--streams", type=int, default=8, help="concurrent streams")
-    b.add_argument("--requests", type=int, default=32, help="requests per side")
-    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--streams", type=COUNT, default=8, help="concurrent streams")
+    b.add_argument("--requests", type=COUNT, default=32, help="requests per side")
+    b.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     b.add_argument("--rounds", type=int, default=2, help="rounds per side, alternating")
     b.add_argument("--model", help="GGUF file (default: make a tiny one)")
     b.add_argument("--workers", type=int, default=0, help="workers to start (0: local experts)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print JSON (for machines)")
     b.set_defaults(fn=cmd_bench_api)

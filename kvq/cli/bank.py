@@ -127,12 +127,12 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     p = bsub.add_parser("plan", help="print the hot set for a budget")
     p.add_argument("--hist", required=True, help="HIST.json")
     p.add_argument("--budget-gib", type=float, required=True, help="hot budget in GiB")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON (for machines)")
     p.add_argument("--rq", action="store_true",
                    help="run it as an RQ coarse job (a monitor runs it); prints JSON")  # fmt: skip
     p.set_defaults(fn=cmd_plan)
 
     bb = bench.add_parser("bank", help="static vs dynamic hot sets on a drifting trace")
-    bb.add_argument("--seed", type=int, default=0)
-    bb.add_argument("--json", action="store_true")
+    bb.add_argument("--seed", type=int, default=0, help="the same seed, the same trace")
+    bb.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bb.set_defaults(fn=cmd_bench_bank)

@@ -9,9 +9,19 @@ import signal
 import threading
 from typing import Any
 
-from kvq.cli.common import EXIT_FAIL, EXIT_OK, node_id, stop_on_signals
+from kvq.api.limits import MAX_TEMPERATURE
+from kvq.cli.common import (
+    COUNT,
+    EXIT_FAIL,
+    EXIT_OK,
+    PORT,
+    node_id,
+    number,
+    redis_url,
+    stop_on_signals,
+)
 from kvq.config import Settings, describe
-from kvq.errors import ConfigError
+from kvq.errors import ConfigError, ModelError
 
 log = logging.getLogger("kvq.cli")
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -43,7 +53,10 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         model, _, path = spec.partition("=")
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
-        read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
+        try:
+            read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
+        except (OSError, ModelError) as exc:  # a wrong flag value: usage (exit 2)
+            raise ConfigError(f"--model {spec}: {exc}") from None
         models.append((model, path))
     jobs = None
     if settings.coarse_url:
@@ -69,7 +82,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             board, settings.http_host, settings.http_port, settings.http_volunteer
         )
         host, port = server.server_address[:2]
-        log.info("HTTP API and /metrics on http://%s:%s/", host, port)
+        log.info("dashboard, HTTP API and /metrics on http://%s:%s/", host, port)
     try:
         mon.run()
     finally:
@@ -105,9 +118,20 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from kvq import client, wire
     from kvq.bus import connect
+    from kvq.bus.redis_board import open_board
+    from kvq.client import RequestFailed
     from kvq.keys import Keys
 
     r, keys = connect(settings.bus), Keys(settings.prefix)
+    if len(args.stop or []) > wire.MAX_STOPS:
+        raise ConfigError(f"--stop: at most {wire.MAX_STOPS} stop strings, got {len(args.stop)}")
+    board = open_board(settings.bus, settings.lifetimes)
+    if not _served(board, args.model):  # the API's 503 rule
+        registered = args.model in board.models()
+        raise RequestFailed(
+            f"no coordinator serves model {args.model!r} right now"
+            + ("" if registered else f" (it is not registered under prefix {keys.prefix!r})")
+        )
     sampling = wire.SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=args.stop or [],
@@ -118,6 +142,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
+    done, lost = threading.Event(), threading.Event()
+    threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
     try:
         for ev in client.events(r, keys, rid, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
@@ -129,12 +155,39 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
                 text, finish = ev.text, ev.finish
                 if not args.json and text.startswith(shown):  # text held back until the end
                     print(text[len(shown) :], end="", flush=True)
+        done.set()
     except (KeyboardInterrupt, TimeoutError):
+        done.set()
         client.cancel(r, keys, args.model, rid)  # free the slot now, not at max_tokens
+        if lost.is_set():
+            raise RequestFailed(f"no coordinator serves model {args.model!r} any more: "
+                                f"request {rid} cancelled") from None  # fmt: skip
         raise
     out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
     print(json.dumps(out) if args.json else "")
     return EXIT_OK
+
+
+def _served(board: Any, model: str) -> bool:
+    return any(c.alive for c in board.coordinators(model))
+
+
+def _watch(board: Any, model: str, done: threading.Event, lost: threading.Event) -> None:
+    """While `kvq submit` waits: once no coordinator of `model` is alive (a clean stop leaves
+    at once), stop the wait within a second, as the API's 503 does."""
+    import _thread
+
+    import redis
+
+    while not done.wait(0.5):
+        try:
+            alive = _served(board, model)
+        except redis.RedisError:
+            continue  # the reply read says so itself
+        if not alive and not done.is_set():
+            lost.set()
+            _thread.interrupt_main()
+            return
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -207,9 +260,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     """config, monitor, coordinator, worker, submit, demo, server, bench bus."""
 
     c = sub.add_parser("config", help="show or check the effective settings")
-    c.add_argument("action", choices=["show", "check"])
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(fn=cmd_config)
+    c.add_argument("action", choices=["show", "check"], help="print the settings, or check them")
+    c.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    c.set_defaults(fn=cmd_config, kernels=False)
 
     mon = sub.add_parser("monitor", help="run the control plane")
     mon.add_argument("--model", action="append", metavar="ID=PATH", help="register a model")
@@ -230,46 +283,50 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     w.set_defaults(fn=cmd_worker)
 
     s = sub.add_parser("submit", help="send a prompt and stream the completion")
-    s.add_argument("--model", required=True)
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--max-tokens", type=int, default=16)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    s.add_argument("--model", required=True, help="registered model id")
+    s.add_argument("--prompt", required=True, help="text, encoded by the coordinator")
+    s.add_argument("--max-tokens", type=COUNT, default=16, help="tokens to generate (>= 1)")
+    s.add_argument("--temperature", type=number(0, MAX_TEMPERATURE), default=0.0,
+                   help=f"0..{MAX_TEMPERATURE:g}, as the API; 0 = greedy (default)")  # fmt: skip
+    s.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0,
+                   help="nucleus sampling, in (0, 1]")  # fmt: skip
+    s.add_argument("--top-k", type=number(0, 1 << 20, int), default=0, help="0 = no limit")
     s.add_argument("--seed", type=int, help="reproducible sampling")
     s.add_argument("--stop", action="append", help="stop string (repeatable, up to 4)")
-    s.add_argument("--timeout", type=float, default=120.0)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_submit)
+    s.add_argument("--timeout", type=number(0, 86400, lo_open=True), default=120.0,
+                   help="seconds to wait for the whole completion")  # fmt: skip
+    s.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    s.set_defaults(fn=cmd_submit, kernels=False)
 
     d = sub.add_parser("demo", help="run everything on this machine and summarise")
-    d.add_argument("--redis", help="Redis URL (default: start an embedded server)")
+    d.add_argument("--redis", type=redis_url, help="Redis URL (default: start an embedded server)")
     d.add_argument("--model", help="GGUF file (default: make a tiny one)")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--requests", type=int, default=16)
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--workers", type=number(0, 64, int), default=2, help="workers to start")
+    d.add_argument("--requests", type=COUNT, default=16, help="requests to send")
+    d.add_argument("--max-tokens", type=COUNT, default=32, help="tokens per request")
     d.add_argument("--log-dir", help="write each process's log here")
-    d.add_argument("--cluster", type=int, default=0, metavar="N",
+    d.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
                    help="run on a local Redis Cluster of N masters (not with --redis)")  # fmt: skip
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print JSON (for machines)")
     d.add_argument("--acl", action="store_true",
                    help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
     d.set_defaults(fn=cmd_demo)
 
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
-    sv.add_argument("--port", type=int, default=6379)
+    sv.add_argument("--port", type=PORT, default=6379, help="port on 127.0.0.1 (0 = any free)")
     sv.add_argument("--dir", help="data directory (persists across restarts)")
-    sv.add_argument("--cluster", type=int, default=0, metavar="N",
+    sv.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
                     help="a local Redis Cluster of N masters on free ports instead")  # fmt: skip
-    sv.add_argument("--cluster-replicas", type=int, default=0, metavar="R",
+    sv.add_argument("--cluster-replicas", type=number(0, 4, int), default=0, metavar="R",
                     help="with --cluster: R replicas per master")  # fmt: skip
-    sv.set_defaults(fn=cmd_server)
+    sv.set_defaults(fn=cmd_server, kernels=False)
 
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
-    bb.add_argument("--jobs", type=int, default=2000)
-    bb.add_argument("--redis", help="Redis URL (default: start an embedded server)")
-    bb.add_argument("--cluster", type=int, default=0, metavar="N",
+    bb.add_argument("--jobs", type=COUNT, default=2000, help="jobs per side")
+    bb.add_argument("--redis", type=redis_url, help="Redis URL (default: start an embedded server)")
+    bb.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
                     help="instead: N pairs over a local N-master cluster vs one server")  # fmt: skip
-    bb.add_argument("--seconds", type=float, default=5.0, help="with --cluster: each run's length")
-    bb.add_argument("--json", action="store_true")
+    bb.add_argument("--seconds", type=number(0, 3600, lo_open=True), default=5.0,
+                    help="with --cluster: each run's length")  # fmt: skip
+    bb.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bb.set_defaults(fn=cmd_bench)

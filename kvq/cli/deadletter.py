@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -31,13 +32,13 @@ def cmd_deadletter(args: argparse.Namespace, settings: Settings) -> int:
         if args.dl_cmd == "show":
             one = get_dead(r, keys, args.id)
             if one is None:
-                print(f"kvq deadletter: no dead letter {args.id}")
+                print(f"kvq deadletter: no dead letter {args.id}", file=sys.stderr)
                 return EXIT_FAIL
             print(json.dumps(one.describe(), indent=None if args.json else 2))
             return EXIT_OK
         ids = None if args.all else args.ids
         if not args.all and not args.ids:
-            print(f"kvq deadletter {args.dl_cmd}: give dead-letter ids, or --all")
+            print(f"kvq deadletter {args.dl_cmd}: give dead-letter ids, or --all", file=sys.stderr)
             return EXIT_USAGE
         if args.dl_cmd == "requeue":
             chosen = ids if ids is not None else [d.id for d in list_dead(r, keys, 10**9)]
@@ -56,15 +57,15 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     d = sub.add_parser("deadletter", help="inspect, requeue or purge dead letters")
     dl = d.add_subparsers(dest="dl_cmd", required=True)
     ls = dl.add_parser("list", help="the newest dead letters, newest first")
-    ls.add_argument("--count", type=int, default=20)
+    ls.add_argument("--count", type=int, default=20, help="how many to list")
     ls.add_argument("--source", help="only those from this stream")
     sh = dl.add_parser("show", help="one dead letter with its original fields")
-    sh.add_argument("id")
+    sh.add_argument("id", help="dead-letter entry id (from list)")
     rq = dl.add_parser("requeue", help="re-add to the source stream and delete the letter")
     pg = dl.add_parser("purge", help="delete dead letters")
     for p in (rq, pg):
         p.add_argument("ids", nargs="*", help="dead-letter entry ids")
         p.add_argument("--all", action="store_true", help="every dead letter")
     for p in (ls, sh, rq, pg):
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(fn=cmd_deadletter)
+        p.add_argument("--json", action="store_true", help="print JSON (for machines)")
+        p.set_defaults(fn=cmd_deadletter, kernels=False)

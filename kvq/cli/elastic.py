@@ -70,5 +70,5 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     e.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="on a local N-master Redis Cluster")  # fmt: skip
     e.add_argument("--log-dir", help="keep the processes' logs here")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print JSON (for machines)")
     e.set_defaults(fn=cmd_bench_elastic)

@@ -19,6 +19,11 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
     import redis
 
+    if args.role == "api":
+        ok, what = check_api(args.id or f"http://127.0.0.1:{settings.api.port}")
+        print(f"{'ok' if ok else 'unhealthy'}: {what}")
+        return EXIT_OK if ok else EXIT_FAIL
+
     from kvq.bus.redis_board import open_board
 
     board = open_board(settings.bus, settings.lifetimes)
@@ -30,6 +35,18 @@ def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
         board.r.close()
     print(f"{'ok' if ok else 'unhealthy'}: {what}")
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def check_api(url: str) -> tuple[bool, str]:
+    """`kvq api` at `url` answers `GET /health` with 200 (it pings Redis itself)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+            return resp.status == 200, f"kvq api at {url} answers /health"
+    except (urllib.error.URLError, OSError) as exc:
+        return False, f"kvq api at {url}: {exc}"
 
 
 def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple[bool, str]:
@@ -56,9 +73,10 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
     h = sub.add_parser("health", help="exit 0 if a role is alive (for healthchecks)")
-    h.add_argument("role", choices=["redis", "monitor", "coordinator", "worker"])
+    h.add_argument("role", choices=["redis", "monitor", "coordinator", "worker", "api"],
+                   help="what to check")  # fmt: skip
     h.add_argument(
         "--id", help="coordinator or worker id (default coord-HOSTNAME, or the kept worker id); for monitor, "
-        "the id of a model it registers",
+        "the id of a model it registers; for api, its base URL (default http://127.0.0.1:KVQ_API_PORT)",
     )  # fmt: skip
-    h.set_defaults(fn=cmd_health)
+    h.set_defaults(fn=cmd_health, kernels=False)

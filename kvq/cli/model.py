@@ -280,7 +280,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
-    mt.add_argument("out")
+    mt.add_argument("out", help="GGUF file to write")
     mt.add_argument("--arch", choices=ARCHS, help="default qwen3moe")
     mt.add_argument("--variant", choices=VARIANTS,
                     help="deepseek2's form: v3 (default), v2-lite (no q LoRA, softmax), "
@@ -291,18 +291,18 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mt.add_argument("--dry-run", action="store_true", help="with --preset: print the size only")
     for name, default in _TINY_INTS:
         mt.add_argument(f"--{name}", type=int, help=f"default {default}")
-    mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--seed", type=int, default=0, help="the same seed writes the same file")
     mt.set_defaults(fn=cmd_make_tiny)
 
     mi = msub.add_parser("inspect", help="hyper-parameters, quant types, slices, sizes, memory")
-    mi.add_argument("file")
+    mi.add_argument("file", help="GGUF file to read")
     mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
     mi.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="coordinator compute dtype for the memory estimate")  # fmt: skip
     mi.add_argument("--n-slots", type=int, help="sequences with a KV cache (default: setting)")
     mi.add_argument("--kv-positions", type=int, default=0,
                     help="KV positions per sequence (default: the model's context)")  # fmt: skip
-    mi.add_argument("--json", action="store_true")
+    mi.add_argument("--json", action="store_true", help="print JSON (for machines)")
     mi.set_defaults(fn=cmd_inspect)
 
     g = sub.add_parser("generate", help="generate locally from a GGUF model (no Redis)")
@@ -310,31 +310,33 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the model's tokenizer")
     src.add_argument("--prompt-ids", type=_int_list("--prompt-ids"), help="token ids, e.g. 1,2,3")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    g.add_argument("--seed", type=int, help="reproducible sampling")
     g.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--json", action="store_true", help="print JSON (for machines)")
     g.set_defaults(fn=cmd_generate)
 
     be = bench.add_parser("experts", help="expert FFN GFLOP/s vs matmul; slice load MB/s")
     for name, default in (("hidden", 2048), ("expert-ffn", 768), ("experts", 16),
                           ("experts-used", 8), ("repeat", 5)):  # fmt: skip
-        be.add_argument(f"--{name}", type=int, default=default)
-    be.add_argument("--batches", type=_int_list("--batches"), default=[1, 8, 64])
+        be.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+    be.add_argument("--batches", type=_int_list("--batches"), default=[1, 8, 64],
+                    help="tokens per call, comma list")  # fmt: skip
     be.add_argument("--quants", type=_quants, default=QUANTS, help="comma list or all")
     be.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
-    be.add_argument("--json", action="store_true")
+    be.add_argument("--json", action="store_true", help="print JSON (for machines)")
     be.set_defaults(fn=cmd_bench_experts)
 
     bk = bench.add_parser("kernels", help="fused quantized matmul vs dequantize + matmul")
-    bk.add_argument("--rows", type=int, default=2048)
+    bk.add_argument("--rows", type=int, default=2048, help="output rows of the matrix")
     bk.add_argument("--cols", type=int, default=1024, help="a multiple of 256")
-    bk.add_argument("--batches", type=_int_list("--batches"), default=[1, 8])
+    bk.add_argument("--batches", type=_int_list("--batches"), default=[1, 8],
+                    help="rows of the input, comma list")  # fmt: skip
     bk.add_argument("--threads", type=int, help="CPU threads (default: torch's count)")
-    bk.add_argument("--json", action="store_true")
+    bk.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bk.set_defaults(fn=cmd_bench_kernels)
 
     bm = bench.add_parser("model", help="load, memory and decode tok/s of a GGUF vs llama.cpp")
@@ -346,5 +348,5 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
                     help="sequences decoded together for aggregate_tok_s")  # fmt: skip
     bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
     bm.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
-    bm.add_argument("--json", action="store_true")
+    bm.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bm.set_defaults(fn=cmd_bench_model)

@@ -148,12 +148,12 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     s.set_defaults(fn=cmd_swarm_sim)
 
     b = bench.add_parser("swarm", help="route decisions per second; a large seeded simulation")
-    b.add_argument("--nodes", type=_positive, default=1000)
-    b.add_argument("--models", type=_positive, default=4)
-    b.add_argument("--routes", type=_positive, default=200_000)
-    b.add_argument("--steps", type=_positive, default=10_000)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--nodes", type=_positive, default=1000, help="simulated machines")
+    b.add_argument("--models", type=_positive, default=4, help="simulated models")
+    b.add_argument("--routes", type=_positive, default=200_000, help="route decisions timed")
+    b.add_argument("--steps", type=_positive, default=10_000, help="simulation steps")
+    b.add_argument("--seed", type=int, default=0, help="the same seed, the same run")
+    b.add_argument("--json", action="store_true", help="print JSON (for machines)")
     b.set_defaults(fn=cmd_bench_swarm)
 
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
@@ -174,7 +174,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o.add_argument("--repeat", type=_positive, default=1,
                    help="rounds over the RTTs (and micro-batches), for medians")  # fmt: skip
     o.add_argument("--log-dir", help="keep the processes' logs here")
-    o.add_argument("--json", action="store_true")
+    o.add_argument("--json", action="store_true", help="print JSON (for machines)")
     o.set_defaults(fn=cmd_bench_offload)
 
     m = bench.add_parser("microbatch", help="engine step time, 1 vs n micro-batches, paired")
@@ -192,5 +192,5 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
         help="KVQ_DISPATCH_POLICY (copies: the worker's slice goes remote in every layer)",
     )
     m.add_argument("--log-dir", help="keep the worker's log here")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="print JSON (for machines)")
     m.set_defaults(fn=cmd_bench_microbatch)

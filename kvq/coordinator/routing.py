@@ -65,6 +65,7 @@ class SliceRouter:
         self.sharing: set[str] = set()  # such workers: no share of a split (they still serve
         # copies, trials and the slices this coordinator does not hold)
         self._logged_at = float("-inf")
+        self._logged_nodes: frozenset[str] = frozenset()
         self.coord = coord_id
         self.board, self.model = board, info.model
         self.refresh_s = settings.refresh_ms / 1000
@@ -175,10 +176,16 @@ class SliceRouter:
         split = self.capacity.assign(rows, candidates)
         now = time.monotonic()
         probed = self._probe_idle(split, rows, candidates, now)
-        if now - self._logged_at >= _LOG_EVERY_S:
-            self._logged_at = now
-            log.info("capacity split %s of rows %s; estimates %s", split, dict(rows),
-                     self.capacity.describe())  # fmt: skip
+        # at most every _LOG_EVERY_S: at info when the nodes that get a share changed since the
+        # last line (local only <-> with workers), else at debug; a steady split is not news (it
+        # was 12 of a coordinator's 13 lines). Each layer's slices differ: nodes are compared
+        nodes = frozenset(split.values())
+        changed = nodes != self._logged_nodes
+        if now - self._logged_at >= _LOG_EVERY_S and (changed or log.isEnabledFor(logging.DEBUG)):
+            self._logged_at, self._logged_nodes = now, nodes
+            log.log(logging.INFO if changed else logging.DEBUG,
+                    "capacity split %s of rows %s; estimates %s", split, dict(rows),
+                    self.capacity.describe())  # fmt: skip
         return LiveRoute(
             CAPACITY_ROUTE,
             {sid: node for sid, node in split.items() if node != self.coord},

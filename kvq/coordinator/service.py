@@ -119,11 +119,19 @@ class Coordinator:
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
         self.slots.start()
+        log.info("ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d "
+                 "slices)", self.id, self.model, self.engine.n_slots,
+                 len(self.requests.streams), len(self.info.slices))  # fmt: skip
         try:
             self._serve(backoff)
         finally:
             self.slots.close()
             self.slots.poll_once()
+            # gone at once for gateways (their waiting calls turn 503), not after staleness
+            try:
+                self.board.forget_coordinator(self.model, self.id)
+            except redis.RedisError as exc:
+                log.warning("could not leave %s's coordinators: %s", self.model, exc)
 
     def _serve(self, backoff: Backoff) -> None:
         while not self.stop.is_set():

@@ -11,6 +11,8 @@ background thread (`kvq.asgi`).
 | GET    | /api/trust               | per model: quarantined and banned workers (issue 11)     |
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
+| GET    | /                        | the live dashboard (HTML; assets under /static/)         |
+| GET    | /api/dashboard           | what the dashboard draws, one JSON snapshot              |
 
 Every answer is read from Redis (`docs/api.md`); errors travel as `{type, message, retryable}`.
 """
@@ -23,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,6 +41,7 @@ from kvq import acl
 from kvq.asgi import ThreadedServer
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
+from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
 
 log = logging.getLogger("kvq.monitor.http")
@@ -61,6 +65,7 @@ class Api:
         self.board = board
         self.registry = make_registry(board)
         self.volunteer_mode = volunteer  # KVQ_HTTP_VOLUNTEER
+        self.dashboard = Dashboard(board, self.registry)
 
     def recruitment(self) -> dict[str, Any]:
         out = []
@@ -196,6 +201,17 @@ def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSON
     return JSONResponse({"type": kind, "message": message, "retryable": retryable}, int(status))
 
 
+STATIC = Path(__file__).with_name("static")
+STATIC_TYPES = {"index.html": "text/html", "dashboard.js": "text/javascript",
+                "dashboard.css": "text/css"}  # fmt: skip
+
+
+def _static(name: str) -> Response:
+    """A dashboard file shipped in the package (no CDN: the page works offline)."""
+    body = (STATIC / name).read_bytes()
+    return Response(body, media_type=STATIC_TYPES[name], headers={"Cache-Control": "no-cache"})
+
+
 def create_app(api: Api) -> Starlette:
     """The monitor's endpoints as a Starlette app (sync handlers: they run in a thread pool)."""
 
@@ -214,6 +230,18 @@ def create_app(api: Api) -> Starlette:
 
     def trust(request: Request) -> Response:
         return JSONResponse(api.trust())
+
+    def dashboard(request: Request) -> Response:
+        return JSONResponse(api.dashboard.snapshot(), headers={"Cache-Control": "no-store"})
+
+    def page(request: Request) -> Response:
+        return _static("index.html")
+
+    def asset(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC_TYPES:  # only the package's own files, by name
+            raise HttpError(HTTPStatus.NOT_FOUND, "NotFound", f"no asset {name!r}")
+        return _static(name)
 
     async def volunteer(request: Request) -> Response:
         try:
@@ -253,6 +281,9 @@ def create_app(api: Api) -> Starlette:
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
             Route("/api/expert-demand", demand, methods=["GET"]),
             Route("/api/trust", trust, methods=["GET"]),
+            Route("/api/dashboard", dashboard, methods=["GET"]),
+            Route("/", page, methods=["GET"]),
+            Route("/static/{name}", asset, methods=["GET"]),
             Route("/api/expert-volunteer", volunteer, methods=["POST"]),
         ],
         exception_handlers={
@@ -269,5 +300,9 @@ def serve_api(
 
     Stop with `server.shutdown()`.
     """
-    server = ThreadedServer(create_app(Api(board, volunteer)), host, port)
+    api = Api(board, volunteer)
+    server = ThreadedServer(create_app(api), host, port)
+    sampler = threading.Thread(target=api.dashboard.history.run, args=(server.stopped,),
+                               name="kvq-dashboard", daemon=True)  # fmt: skip
+    sampler.start()
     return server, server.thread

@@ -90,6 +90,9 @@ class Monitor:
 
     def run(self) -> None:
         backoff = Backoff(self.s.reconnect_max_s)
+        models = self.board.models()
+        log.info("ready: monitor %s watches %s (poll every %gs)", self.id,
+                 ", ".join(models) if models else "no model yet", self.s.poll_s)  # fmt: skip
         desk = None
         if self.desk is not None:
             desk = threading.Thread(target=self._serve_market, name="market", daemon=True)

@@ -114,6 +114,9 @@ class Worker:
         backoff = Backoff(self.s.reconnect_max_s)
         self.membership.claim(self.board.lifetimes.claim_wait_s())
         self.membership.start()
+        models = self.board.models()
+        log.info("ready: worker %s on %s volunteers for slices of %s", self.id, self.device,
+                 ", ".join(models) if models else "the models a monitor registers")  # fmt: skip
         try:
             while not self.stop.is_set():
                 try:

@@ -98,7 +98,7 @@ def test_refused_by_the_coordinator_is_400(system: System) -> None:
             "context length"
             in assert_error(post(system.url, "/v1/completions", body), 400)["message"]
         )
-    chat = {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
+    chat = {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}  # OpenAI's, not its
     assert (
         "unknown role"
         in assert_error(post(system.url, "/v1/chat/completions", chat), 400)["message"]

@@ -78,7 +78,7 @@ def test_an_unreachable_redis_is_unhealthy(
 def test_compose_has_healthchecks_and_publishes_metrics() -> None:
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "model", "monitor", "coordinator", "worker"}
+    assert set(services) == {"redis", "model", "monitor", "coordinator", "worker", "api"}
     parser = build_parser()
     for name, svc in services.items():
         check = svc.get("healthcheck", {}).get("test")
@@ -90,6 +90,12 @@ def test_compose_has_healthchecks_and_publishes_metrics() -> None:
     assert any(p.endswith(f":{port}:{port}") for p in mon["ports"]), mon["ports"]
     assert mon["environment"]["KVQ_HTTP_HOST"] == "0.0.0.0"
     assert mon["environment"]["KVQ_REDIS_URL"] == compose["x-kvq"]["environment"]["KVQ_REDIS_URL"]
+    api = services["api"]  # the gateway on the host's loopback, checked on its own port
+    args = build_parser().parse_args(api["command"])
+    assert api["ports"] == [f"127.0.0.1:{args.port}:{args.port}"] and args.host == "0.0.0.0"
+    assert api["environment"]["KVQ_API_PORT"] == str(args.port)
+    assert api["healthcheck"]["test"] == ["CMD", "kvq", "health", "api"]
+    assert all(p.startswith("127.0.0.1:") for s in services.values() for p in s.get("ports", []))
     coord = services["coordinator"]
     ident = coord["command"][coord["command"].index("--id") + 1]
     assert shlex.join(coord["healthcheck"]["test"]).endswith(f"--id {ident}")

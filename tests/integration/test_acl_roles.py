@@ -68,6 +68,7 @@ CLIENT_ALLOWED = {  # what kvq.client and `kvq api` do
     "list models": ("SMEMBERS", "{models}"),
     "list coordinators": ("SMEMBERS", "{coordinators}"),
     "read a coordinator's slots": ("HGETALL", "{slots}"),
+    "read a coordinator's token counter": ("HGETALL", "{stats}"),
     "measure the queue": ("XLEN", "{requests}"),
     "count an API key's calls": ("SET", "{calls}", "0", "EX", "60", "NX"),
     "count one more": ("INCR", "{calls}"),
@@ -127,7 +128,7 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
         "answers_b": k.worker_answers("b"), "deadletter": k.deadletter(), "models": k.models(),
         "market": k.market(), "cancel": k.model_cancels("tiny"),
         "coordinators": k.model_coordinators("tiny"), "slots": k.coord_slots("c1"),
-        "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
+        "stats": k.coord_stats("c1"), "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
     }  # fmt: skip
 
 

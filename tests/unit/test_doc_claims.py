@@ -1,0 +1,94 @@
+"""Claims of the operator docs checked against the code (issue 30, item 7): one check per kind of
+false claim found, so the next one fails CI: every `KVQ_*` name is a setting (or said not to be
+one), every default worker id has the form `kvq.identity` makes, every exit code is one the CLI
+has. The pages: docs/*.md, README.md, workers/ (README, scripts, unit), compose.yaml."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvq.cli.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from kvq.config import Settings, env_name
+from kvq.identity import default_worker_id
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "compose.yaml",
+                *(p for p in (ROOT / "workers").iterdir() if p.is_file())])  # fmt: skip
+SETTINGS = {env_name(n) for n in Settings.model_fields}
+INTERRUPTED = 130  # SIGINT, the cli's KeyboardInterrupt
+CODES = {EXIT_OK, EXIT_FAIL, EXIT_USAGE, INTERRUPTED}
+NOT_A_SETTING = re.compile(r"unknown|not a setting|no setting|not `KVQ|refuses|not KVQ", re.I)
+
+
+def lines() -> list[tuple[str, int, str]]:
+    return [(p.relative_to(ROOT).as_posix(), i, text) for p in PAGES
+            for i, text in enumerate(p.read_text().splitlines(), 1)]  # fmt: skip
+
+
+def with_next(page: str, i: int) -> str:
+    """A line and the one after it (a shell example, then what it prints)."""
+    text = (ROOT / page).read_text().splitlines()
+    return "\n".join(text[i - 1 : i + 1])
+
+
+def with_previous(page: str, i: int) -> str:
+    """A line and the one before it (a sentence wrapped over two)."""
+    text = (ROOT / page).read_text().splitlines()
+    return "\n".join(text[max(0, i - 2) : i])
+
+
+def test_every_kvq_name_is_a_setting() -> None:
+    wrong = []
+    for page, i, text in lines():
+        for m in re.finditer(r"KVQ_[A-Z0-9_]*[A-Z0-9]_?(\*)?", text):
+            name = m.group(0).rstrip("*")
+            if m.group(1) or name.endswith("_"):  # a family: KVQ_API_*
+                if not any(s.startswith(name) for s in SETTINGS):
+                    wrong.append(f"{page}:{i}: no setting starts with {name}")
+            elif name not in SETTINGS and not NOT_A_SETTING.search(with_next(page, i)):
+                wrong.append(f"{page}:{i}: {name} is no setting (docs/settings.md lists them)")
+            elif name in SETTINGS and re.search(r"names that are not settings|is no setting|"
+                                                r"not a setting", with_previous(page, i)):  # fmt: skip
+                wrong.append(f"{page}:{i}: {name} is a setting, said not to be one")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_default_worker_id_is_the_one_kvq_makes(tmp_path: Path) -> None:
+    made = default_worker_id(str(tmp_path), hostname="box")
+    assert re.fullmatch(r"box-[0-9a-f]{6}", made), made
+    wrong = []
+    for page, i, text in lines():
+        if re.search(r"worker-<host|worker-HOSTNAME|worker-\$\(hostname", text, re.I):
+            wrong.append(f"{page}:{i}: a default worker id is <hostname>-<6 hex digits>")
+        for m in re.finditer(r"<hostname>-<([^>]*)>", text, re.I):
+            if not re.search(r"6 (random )?hex digits|suffix", m.group(1)):
+                wrong.append(f"{page}:{i}: {m.group(0)}: the suffix is 6 hex digits")
+    assert not wrong, "\n".join(wrong)
+
+
+EXIT_CLAIM = re.compile(
+    r"(?:exits?|exit code|exit status|exiting)(?: with)?(?: code| status)? (\d+)"
+    r"|\(code (\d+)\)|\(exit (\d+)\)", re.I,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.suffix in (".md", ".sh", ".service")],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_every_exit_code_is_one_the_cli_has(page: Path) -> None:
+    wrong = []
+    for i, text in enumerate(page.read_text().splitlines(), 1):
+        for m in EXIT_CLAIM.finditer(text):
+            code = int(next(g for g in m.groups() if g))
+            if code not in CODES:
+                wrong.append(f"{page.name}:{i}: exit {code}, but kvq exits {sorted(CODES)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cli_page_tables_exactly_those_codes() -> None:
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    table = doc.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
+    assert codes == CODES, codes
