@@ -111,6 +111,10 @@ def deployment(
         assert got.returncode == 0, got.stderr
         rid = json.loads(got.stdout)["request_id"]
         keys = Keys("kvq")
+        # the routed counters go out on the coordinator's next slot poll, after the reply
+        while not r.hlen(keys.model_routed("small")):
+            assert time.monotonic() < deadline + 60, "the coordinator never published routed rows"
+            time.sleep(0.2)
         # what a deployment at rest has not got yet: a cancel, a dead letter, a verdict
         r.xadd(keys.model_cancels("small"), wire.encode(wire.Cancel(request_id=rid)))
         dead_letter(r, keys, keys.model_requests("small"), b"1-1", {b"x": b"1"}, "a test", 1000)
