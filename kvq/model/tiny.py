@@ -81,7 +81,7 @@ def make_tiny(
 ) -> None:
     """Write a tiny random MoE model to `path`.
 
-    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2, each with every part
+    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2 | gpt-oss, each with every part
     its family's real files use (`family_parts`; `variant` picks another form of a family:
     deepseek2 `v2-lite`, `kv-b`). `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
     q5_1, q4_k, q5_k, q6_k, or the mix q4_k_m (rows that are not whole blocks fall back per
@@ -113,6 +113,8 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     - glm4moe: one leading dense layer, one shared expert, sigmoid scores with the bias,
       renormalised weights, half-head rope, per-head q/k norms, q/k/v biases, and an MTP block.
     - olmoe: as many kv heads as heads (its k norm spans the whole projection).
+    - gpt-oss: a sliding window of 8 positions on the even layers (a test's context passes
+      it), attention sinks, q/k/v/o, router and expert biases (`layer_shapes`).
     """
     variants = VARIANTS.get(arch, ())
     if variant and variant not in variants:
@@ -139,6 +141,8 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         )  # fmt: skip
     if arch == "olmoe":
         return replace(cfg, kv_heads=cfg.heads)
+    if arch == "gpt-oss":
+        return replace(cfg, sliding_window=cfg.sliding_window or 8)
     return cfg
 
 
@@ -245,6 +249,8 @@ def add_metadata(
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
+    if spec.swa_pattern:  # the pattern is the arch's default (gpt-oss files omit it)
+        w.add_sliding_window(cfg.sliding_window)
     _add_routing(w, cfg, spec)
 
 
