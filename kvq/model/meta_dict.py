@@ -91,7 +91,7 @@ def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:
     out = {r.kind: r for r in ranges}
     if set(out) != set(STACKED_KINDS[: len(rows)]):
         raise ModelError(
-            f"model layout layer {layer} has kinds {sorted(out)}; need one each of "
-            f"{STACKED_KINDS[: len(rows)]}"
+            f"model layout layer {layer} repeats a kind (has {sorted(out)}); need one each "
+            f"of {STACKED_KINDS[: len(rows)]}"
         )
     return out

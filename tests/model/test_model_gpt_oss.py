@@ -1,0 +1,152 @@
+"""gpt-oss against llama.cpp itself on the same files: `make_tiny --arch gpt-oss` writes every
+part the real files use (attention sinks, a sliding window smaller than the context the test
+reaches, q/k/v/o biases, the router's bias, expert biases, YaRN), llama.cpp loads it, and
+kvq's greedy tokens and logits equal llama.cpp's (F32 file, F32 KV cache). The parts that do
+not need llama.cpp (the clamped SwiGLU, the sliding-window cache) are checked against slow
+references here too. The llama.cpp tests skip where llama_cpp is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
+from kvq.model.experts import expert_forward, expert_forward_reference
+from kvq.model.gguf_io import open_reader, tensor_map
+from kvq.model.layers import causal_attention
+from kvq.model.slices import load_slice
+
+DIMS = {"layers": 3, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
+        "kv_heads": 2, "head_dim": 64}  # fmt: skip
+PROMPT = "The quick brown fox jumps over"
+STEPS = 16
+_F32 = 0  # GGML_TYPE_F32 for llama.cpp's KV cache
+needs_llama = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp is not installed"
+)
+
+
+def write(tmp_path: Path, quant: str = "f32", **dims: int) -> Path:
+    path = tmp_path / f"gpt-oss-{quant}.gguf"
+    make_tiny(path, arch="gpt-oss", quant=quant, tokenizer="bpe", rope_scaling="yarn",
+              rope_scaling_factor=4.0, **(DIMS | dims))  # fmt: skip
+    return path
+
+
+def llama_greedy(path: Path, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """llama.cpp's greedy continuation of `ids` and the logits [n, V] that chose each token."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
+                          n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
+    llm.eval(ids)
+    out, rows = [], []
+    for _ in range(n):
+        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        rows.append(row)
+        out.append(int(row.argmax()))
+        llm.eval([out[-1]])
+    return out, np.stack(rows)
+
+
+def kvq_greedy(bb: Backbone, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    cache = bb.new_cache()
+    logits = bb.forward([SeqStep(list(ids), cache)])[0]
+    out, rows = [], []
+    for _ in range(n):
+        rows.append(logits.double().numpy())
+        out.append(int(logits.argmax()))
+        logits = bb.forward([SeqStep([out[-1]], cache)])[0]
+    return out, np.stack(rows)
+
+
+def test_tiny_file_carries_every_part(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    m = read_meta(path)
+    ids = load_tokenizer(path).encode(PROMPT)
+    assert m.arch == "gpt-oss" and m.expert_act == "swiglu_oai"
+    assert m.expert_gating == "softmax_weight" and not m.expert_weights_norm
+    assert m.rope_scaling_type == "yarn"
+    # the even layers slide, over fewer positions than the prompt alone
+    assert [m.window(i) for i in range(m.block_count)] == [8, 0, 8]
+    assert m.sliding_window < len(ids) < len(ids) + STEPS <= 128
+    assert set(m.expert_tensors[0]) == {"gate", "up", "down", "gate_b", "up_b", "down_b"}
+    names = set(tensor_map(open_reader(path)))
+    for part in ("attn_sinks.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+                 "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
+                 "ffn_up_exps.bias", "ffn_down_exps.bias", "post_attention_norm.weight"):  # fmt: skip
+        assert f"blk.1.{part}" in names
+
+
+@needs_llama
+def test_f32_greedy_tokens_and_logits_equal_llama_cpp(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    ids = load_tokenizer(path).encode(PROMPT)
+    theirs, their_logits = llama_greedy(path, ids, STEPS)
+    ours, our_logits = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
+    assert ours == theirs
+    corr = [np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True)]
+    assert min(corr) >= 0.9999, corr
+
+
+def test_experts_with_biases_and_clamped_swiglu_equal_the_float64_reference(
+    tmp_path: Path,
+) -> None:
+    """Expert biases and the clamped SwiGLU (the tiny file's gate/up biases are wide enough
+    that both clamps are reached) against `expert_forward_reference`."""
+    path = write(tmp_path)
+    meta = read_meta(path)
+    sl = load_slice(path, meta, 1, 2, 6)
+    assert sl.biases is not None and sl.act == "swiglu_oai"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, meta.embedding_length, generator=gen)
+    ids = torch.randint(0, meta.expert_count, (5, 2), generator=gen)
+    w = torch.rand(5, 2, generator=gen)
+    got = expert_forward(sl, x, ids, w).double().numpy()
+    assert isinstance(sl.gate, torch.Tensor)  # load_slice: dense
+    pre = torch.einsum("efh,th->tef", sl.gate, x) + sl.biases[0][None]  # [T, n, F]
+    assert bool((pre > 7).any())  # the gate's clamp is reached
+    want = expert_forward_reference(sl.gate, sl.up, sl.down, 2, x, ids, w,
+                                    biases=sl.biases, act="swiglu_oai")  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_cache_keeps_the_window_and_chunks_agree(tmp_path: Path) -> None:
+    """A prompt run in chunks (several passes, a ring that wraps) gives the logits of one
+    pass, and a sliding layer's ring holds about window - 1 + the longest pass (3 here), not
+    the context."""
+    path = write(tmp_path)
+    bb = Backbone.from_gguf(path)
+    ids = load_tokenizer(path).encode(PROMPT + " the lazy dog, twice over the fence")
+    whole = bb.forward([SeqStep(ids, bb.new_cache())])[0]
+    cache = bb.new_cache()
+    for i in range(0, len(ids), 3):
+        last = bb.forward([SeqStep(ids[i : i + 3], cache)])[0]
+    assert cache.length == len(ids) > 2 * bb.meta.sliding_window
+    ring = int(cache.wk.shape[1])  # doubling from the window, like the full layers' cache
+    assert bb.meta.sliding_window - 1 + 3 <= ring <= 2 * (bb.meta.sliding_window - 1 + 3)
+    assert ring < cache.length and int(cache.k.shape[0]) == 1  # one full layer of three
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_attention_with_sinks_and_window_equals_a_loop() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, s, heads, kv, d, window = 4, 9, 4, 2, 8, 3
+    q = torch.randn(t, heads, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(s, kv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(s, kv, d, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+    k_start, q_start = 2, 7  # keys at positions 2..10, queries at 7..10
+    got = causal_attention(q, k, v, q_start, 0.0, sinks, window, k_start).view(t, heads, d)
+    for i in range(t):
+        p = q_start + i
+        for h in range(heads):
+            keep = [j for j in range(s) if p - window < k_start + j <= p]
+            sc = torch.stack([q[i, h] @ k[j, h // 2] for j in keep]) / d**0.5
+            e = torch.exp(torch.cat([sc, sinks[h : h + 1]]))
+            want = (e[:-1, None] / e.sum() * v[keep, h // 2]).sum(0)
+            torch.testing.assert_close(got[i, h], want)
