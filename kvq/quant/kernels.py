@@ -44,7 +44,8 @@ F32 = npt.NDArray[np.float32]
 _KERNELS = fused.ONE_ROW
 # rows up to which the kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
 # 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
-_MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS}
+_MAX_ROWS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS,
+             Q.MXFP4: 32}  # fmt: skip
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
@@ -97,7 +98,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
-_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32}
+_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32, Q.MXFP4: 32}
 
 
 def moe_covers(types: tuple[int, int, int], h: int, f: int) -> bool:

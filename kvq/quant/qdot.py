@@ -1,8 +1,8 @@
 """The int8-activation kernel (`csrc/qdot.c`): built with the system C compiler at first use,
 loaded with ctypes.
 
-`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0) with x quantized to 8 bits
-per block (per 256 values for the K-quants, per 32 for Q8_0 and Q4_0), integer dot products
+`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, MXFP4) with x quantized to 8
+bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
 (vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. It
 computes below the stored precision (the activations lose bits), so it runs only where a
 setting asks for it (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`).
@@ -46,7 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
-TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
+TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
 _ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
            -4: "pairs out of order or a row out of range"}  # fmt: skip

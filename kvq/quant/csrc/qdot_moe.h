@@ -27,7 +27,7 @@ static int kern_init(kern_t *kn, int qtype, int isa) {
     kn->kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
     kn->qtype = qtype;
     kn->isa = isa;
-    if (!kn->kq && qtype != T_Q8_0 && qtype != T_Q4_0) return -1;
+    if (!kn->kq && !is_q0(qtype)) return -1;
     kn->block = kn->kq ? QK : Q0;
     kn->fk = kn->kq ? pick_k(qtype, isa) : 0;
     kn->f0 = kn->kq ? 0 : pick_0(qtype, isa);
