@@ -25,7 +25,7 @@ import torch
 
 from kvq.errors import KvqError, ModelError
 from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
-from kvq.model.layers import OAI_ALPHA, OAI_LIMIT, linear, swiglu, swiglu_oai
+from kvq.model.layers import OAI_ALPHA, OAI_LIMIT, gated, linear, swiglu
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.slices import ExpertSlice
 from kvq.quant import kernels
@@ -46,8 +46,7 @@ def expert_ffn(
     g, u = linear(x, gate), linear(x, up)  # [m, F] each
     if bias is not None:
         g, u = g + bias[0].to(g.dtype), u + bias[1].to(u.dtype)
-    h = swiglu_oai(g, u) if act == ACT_SWIGLU_OAI else torch.nn.functional.silu(g) * u
-    y = linear(h, down)  # [m, H]
+    y = linear(gated(g, u, act), down)  # [m, H]
     return y if bias is None else y + bias[2].to(y.dtype)
 
 
@@ -80,8 +79,8 @@ def grouped_expert_ffn(
     only if some pair falls inside. `inside` ([T, k] bool): the mask of ids in `[lo, hi)`, if
     the caller already has it.
     """
-    if x.device.type == "cpu" and cdtype == torch.float32 and act == ACT_SILU and bias_of is None:
-        fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute)
+    if x.device.type == "cpu" and cdtype == torch.float32:
+        fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute, act, bias_of)
         if fused is not None:
             return fused.to(x.dtype)  # [T, H]
     out = torch.zeros(x.shape, dtype=cdtype, device=x.device)  # [T, H]
@@ -116,14 +115,16 @@ def grouped_expert_ffn(
 
 def _int8_call(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
-    weights_of: WeightsOf, before_compute: Callable[[], None] | None,
+    weights_of: WeightsOf, before_compute: Callable[[], None] | None, act: str = ACT_SILU,
+    bias_of: BiasOf | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The CPU case with int8 activations: every row's experts in `[lo, hi)` in one C call,
     one token (decode at batch 1, `kernels.moe_int8`) or several (`kernels.moe_int8_batch`,
     each expert's weights unpacked once for all of its rows). Each row gets the same bits
     whatever else is in the batch, added in the order of the loop it replaces (by expert, each
-    term `w * y` added to a sum that starts at 0). x: [T, H]; ids, weights: [T, k]. Returns
-    [T, H] float32, or None where the kernel does not cover these experts (the loop runs)."""
+    term `w * y` added to a sum that starts at 0). x: [T, H]; ids, weights: [T, k]. `act` and
+    `bias_of`: gpt-oss's form, computed in the same call. Returns [T, H] float32, or None
+    where the kernel does not cover these experts (the loop runs)."""
     if not kernels.int8_active():
         return None
     pairs = sorted(
@@ -154,15 +155,23 @@ def _int8_call(
     assert types is not None
     if not kernels.moe_covers(types, int(x.shape[1]), int(raws[0][0].shape[0])):
         return None
+    biases = None
+    if bias_of is not None:
+        got = [bias_of(e) for e in experts]
+        if any(b is None or not all(t.device.type == "cpu" for t in b) for b in got):
+            return None
+        biases = [tuple(t.float().contiguous() for t in b) for b in got if b is not None]
     if before_compute is not None:
         before_compute()
     xf = x.to(torch.float32)
+    oai = act == ACT_SWIGLU_OAI
     if x.shape[0] == 1:
-        return kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs])[None]
+        y = kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs], oai, biases)  # type: ignore[arg-type]
+        return y[None]
     counts = collections.Counter(e for e, _, _ in pairs)
     start = list(itertools.accumulate((counts[e] for e in experts), initial=0))  # [n + 1]
     rows, wts = [t for _, t, _ in pairs], [w for _, _, w in pairs]
-    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts)
+    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts, oai, biases)  # type: ignore[arg-type]
 
 
 def check_inputs(

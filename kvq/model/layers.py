@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.errors import ModelError
+from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
 from kvq.model.meta import ModelMeta
 from kvq.model.qstack import QMatrix, Weight
 
@@ -218,7 +219,15 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x). x: [T, H]; gate, up: [F, H]; down: [H, F]. Returns [T, H]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(gated(linear(x, gate), linear(x, up)), down)
+
+
+def gated(g: torch.Tensor, u: torch.Tensor, act: str = ACT_SILU) -> torch.Tensor:
+    """The gated activation of gate output g and up output u ([T, F] each): silu(g) * u, or
+    gpt-oss's `swiglu_oai`. Returns [T, F]."""
+    if act == ACT_SWIGLU_OAI:
+        return swiglu_oai(g, u)
+    return F.silu(g) * u
 
 
 # gpt-oss's clamped SwiGLU (llama.cpp's `ggml_swiglu_oai`, constants of `build_moe_ffn`)

@@ -111,7 +111,7 @@ def test_experts_with_biases_and_clamped_swiglu_equal_the_float64_reference(
     assert sl.biases is not None and sl.act == "swiglu_oai"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, meta.embedding_length, generator=gen)
-    ids = torch.randint(0, meta.expert_count, (5, 2), generator=gen)
+    ids = torch.stack([torch.randperm(meta.expert_count, generator=gen)[:2] for _ in range(5)])
     w = torch.rand(5, 2, generator=gen)
     got = expert_forward(sl, x, ids, w).double().numpy()
     assert isinstance(sl.gate, torch.Tensor)  # load_slice: dense
@@ -218,7 +218,7 @@ def test_mxfp4_expert_call_error_against_float64(
     dense = sl.dense_copy(torch.float64)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(4, meta.embedding_length, generator=gen)
-    ids = torch.randint(0, meta.expert_count, (4, 2), generator=gen)
+    ids = torch.stack([torch.randperm(meta.expert_count, generator=gen)[:2] for _ in range(4)])
     w = torch.rand(4, 2, generator=gen)
     want = expert_forward_reference(dense.gate, dense.up, dense.down, 0, x, ids, w,
                                     biases=sl.biases, act="swiglu_oai")  # fmt: skip
@@ -230,3 +230,22 @@ def test_mxfp4_expert_call_error_against_float64(
         qdot.configure(before)
     err = float(np.abs(got - want).max() / np.abs(want).max())
     assert err < tol, err
+
+
+@pytest.mark.usefixtures("int8_activations")
+def test_mxfp4_experts_take_the_one_call_int8_kernel_rows_alone(tmp_path: Path) -> None:
+    """With int8 activations gpt-oss's experts (biases, clamped SwiGLU) are one C call per
+    layer (`kvq_qdot_moe`, `_batch`), and each row of a batch gets the bits it gets alone."""
+    from kvq.model.experts import _int8_call
+
+    path = write(tmp_path, "mxfp4")
+    sl = Backbone.from_gguf(path).experts[0]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, DIMS["hidden"], generator=gen)
+    ids = torch.stack([torch.randperm(DIMS["experts"], generator=gen)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=gen)
+    fused = _int8_call(x, ids, w, 0, DIMS["experts"], sl.expert, None, sl.act, sl.bias)
+    assert fused is not None
+    rows = [expert_forward(sl, x[i : i + 1], ids[i : i + 1], w[i : i + 1]) for i in range(5)]
+    assert torch.equal(torch.cat(rows), fused)
+    assert torch.equal(expert_forward(sl, x, ids, w), fused)
