@@ -119,7 +119,10 @@ TINY_ARCHS: dict[str, str] = {
     "glm4moe": "glm4moe", "deepseek2": "deepseek2", "gpt-oss": "gpt-oss",
 }  # fmt: skip
 
-SUPPORTED_TEXT = "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss, llama with llama.expert_count > 0 (Mixtral)"
+SUPPORTED_TEXT = (
+    "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 "
+    "(Mixtral), gpt-oss"
+)
 
 
 def arch_spec(arch: str) -> ArchSpec:

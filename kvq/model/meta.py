@@ -333,12 +333,12 @@ def _gating(reader: GGUFReader, a: str, spec: ArchSpec, experts: int) -> dict[st
     """How top-k gate weights are formed: the scores (softmax or sigmoid, as the file's
     `expert_gating_func` says, else the arch's default), expert groups, renormalisation and
     scale."""
-    funcs = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+    funcs = {1: "softmax", 2: "sigmoid"}  # gpt-oss's softmax_weight is its arch's, never a key
     func = gio.int_field(reader, f"{a}.expert_gating_func", 0)
     if func not in (0, *funcs):
         raise ModelError(
-            f"{a}.expert_gating_func = {func} is not supported; kvq runs softmax (1), "
-            "sigmoid (2) and softmax over the top-k logits (3) gating"
+            f"{a}.expert_gating_func = {func} is not supported; kvq runs softmax (1) and "
+            "sigmoid (2) gating"
         )
     groups = gio.int_field(reader, f"{a}.expert_group_count", 0) or 1
     used = gio.int_field(reader, f"{a}.expert_group_used_count", 0) or groups
