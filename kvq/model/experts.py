@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -164,14 +165,16 @@ def _int8_call(
     if before_compute is not None:
         before_compute()
     xf = x.to(torch.float32)
-    oai = act == ACT_SWIGLU_OAI
+    # gpt-oss's form where it applies (the plain call stays the plain one)
+    form: dict[str, Any] = {}
+    if act == ACT_SWIGLU_OAI or biases is not None:
+        form = {"oai": act == ACT_SWIGLU_OAI, "biases": biases}
     if x.shape[0] == 1:
-        y = kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs], oai, biases)  # type: ignore[arg-type]
-        return y[None]
+        return kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs], **form)[None]
     counts = collections.Counter(e for e, _, _ in pairs)
     start = list(itertools.accumulate((counts[e] for e in experts), initial=0))  # [n + 1]
     rows, wts = [t for _, t, _ in pairs], [w for _, _, w in pairs]
-    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts, oai, biases)  # type: ignore[arg-type]
+    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts, **form)
 
 
 def check_inputs(
