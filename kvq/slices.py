@@ -96,7 +96,7 @@ def range_from_dict(row: object, where: str) -> TensorRange:
     """Inverse of `range_to_dict` (other keys are ignored); ModelError naming `where` and the
     missing or mistyped key."""
     # here, not at the top: kvq.model imports torch, and imports this module (meta_dict)
-    from kvq.model.meta import EXPERT_KINDS, TensorRange
+    from kvq.model.meta import STACKED_KINDS, TensorRange
 
     if not isinstance(row, Mapping) or any(k not in row for k in RANGE_KEYS):
         raise ModelError(f"{where}: range {row!r} lacks one of {RANGE_KEYS}")
@@ -111,8 +111,8 @@ def range_from_dict(row: object, where: str) -> TensorRange:
         ggml_type=_as_int(where, "ggml_type", row["ggml_type"]),
         expert_shape=tuple(_as_int(where, "expert_shape", s) for s in shape),
     )
-    if r.kind not in EXPERT_KINDS:
-        raise ModelError(f"{where}: range kind {r.kind!r} is not one of {EXPERT_KINDS}")
+    if r.kind not in STACKED_KINDS:
+        raise ModelError(f"{where}: range kind {r.kind!r} is not one of {STACKED_KINDS}")
     return r
 
 

@@ -37,9 +37,15 @@ def compute(
     def weights_of(j: int) -> Weights:
         return st.weights(m, lo - st.start + j)
 
+    def bias_of(j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return st.bias(lo - st.start + j)
+
     def wait_for_copies() -> None:
         """The copies into this map's hot slots: wait on the GPU stream, not the host."""
         torch.cuda.current_stream(x.device).wait_event(m.ready)
 
     before = None if m.ready is None else wait_for_copies
-    return grouped_expert_ffn(x, ids, weights, lo, hi, weights_of, st.dtype, before, inside)
+    return grouped_expert_ffn(
+        x, ids, weights, lo, hi, weights_of, st.dtype, before, inside, st.act,
+        bias_of if st.biases is not None else None,
+    )  # fmt: skip

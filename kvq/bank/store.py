@@ -60,6 +60,9 @@ class LayerStore:
         self.hidden = sl.hidden
         self.cold = tuple(_host(t, device) for t in sl.stacks)  # [n, ...] each
         self.quantized = sl.quantized
+        self.act = sl.act
+        # the experts' biases (gpt-oss): a few KB, always on the device whatever the slot
+        self.biases = None if sl.biases is None else tuple(b.to(device) for b in sl.biases)
         self.cold_in_place: tuple[Stack, ...] | None = None  # device-readable cold views
         # hot slots hold the encoded bytes (a kernel computes them) or the dense matrices
         self.encoded = hot_encoded(self.cold, device, self.dtype)
@@ -121,6 +124,11 @@ class LayerStore:
             else:
                 out.append(t[e] if src is not None else t[e].to(self.device, non_blocking=True))
         return out[0], out[1], out[2]
+
+    def bias(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Expert `e`'s (local id) gate, up and down biases, or None without biases."""
+        b = self.biases
+        return None if b is None else (b[0][e], b[1][e], b[2][e])
 
     def _encoded(self, slot: int, e: int) -> Weights:
         """Expert `e`'s encoded matrices: from hot slot `slot`, or the cold bank (slot -1)."""

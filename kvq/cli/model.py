@@ -14,10 +14,10 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 # literal copies of kvq.model.arch.TINY_ARCHS, kvq.model.quants.QUANT_NAMES / MIXES,
 # kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
 # kvq.model here would load torch for every `kvq` command, even `--help`
-ARCHS = ("deepseek2", "glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe")
+ARCHS = ("deepseek2", "glm4moe", "gpt-oss", "mixtral", "olmoe", "qwen2moe", "qwen3moe")
 VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-MIXES = ("q4_k_m",)
+MIXES = ("q4_k_m", "mxfp4")
 PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b")
 TOKENIZERS = ("bytes", "bpe")
 _TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),

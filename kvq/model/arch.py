@@ -14,6 +14,7 @@ function, expert groups, YaRN) come from the file (`kvq.model.meta`).
 | `olmoe`     | OLMoE-1B-7B                   | MHA                          | whole q/k| NEOX  | softmax                        | -             | all MoE          |
 | `glm4moe`   | GLM-4.5, 4.5-Air, 4.6         | GQA, q/k/v biases, partial rope | per head if present | NEOX | sigmoid + bias, renormalised | plain    | leading dense, MTP layer skipped |
 | `deepseek2` | DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2 | MLA, latent KV cache    | (q LoRA, kv latent norms) | NORM | softmax (V2) or sigmoid + bias (V3), groups | plain | leading dense |
+| `gpt-oss`   | gpt-oss-20b, 120b             | GQA, q/k/v/o biases, sinks, sliding window on even layers | - | NEOX | router bias, softmax over the top-k logits | - | all MoE, clamped SwiGLU experts with biases |
 
 `qwen2moe`'s shared expert is gated per token: `sigmoid(x . w_gate) * ffn_shexp(x)`; the
 `plain` shared experts of `glm4moe` and `deepseek2` are added as they are. `llama` is Mixtral
@@ -22,6 +23,13 @@ the rows of Q and K of `llama` files so that its NORM rope (adjacent pairs) equa
 Face's rotate-half rope; kvq reads them as they are and runs NORM rope. `deepseek2`'s NORM rope
 on unpermuted rows is DeepSeek's own interleaved rope. A GGUF may override the top-k
 renormalisation with `<arch>.expert_weights_norm` and the gating with `expert_gating_func`.
+
+`gpt-oss` (llama.cpp's `openai-moe`): every attention has a learnt sink logit per head
+(`attn_sinks`) that joins the softmax without a value; layers `i % pattern < pattern - 1`
+(pattern `attention.sliding_window_pattern`, default 2: the even layers) see only the last
+`attention.sliding_window` positions; the router adds `ffn_gate_inp.bias` to its logits,
+picks the top-k logits and softmaxes those (llama.cpp's SOFTMAX_WEIGHT gating); the experts
+add `ffn_{gate,up,down}_exps.bias` and use OpenAI's clamped SwiGLU (`EXPERT_ACTS`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ SHARED_NONE = "none"
 SHARED_GATED = "gated"  # qwen2moe: sigmoid(x . ffn_gate_inp_shexp) * swiglu(x)
 SHARED_PLAIN = "plain"  # glm4moe, deepseek2: swiglu(x) added as it is
 
+# the routed experts' activation: silu(g) * u, or gpt-oss's clamped form (`kvq.model.experts`)
+ACT_SILU = "silu"
+ACT_SWIGLU_OAI = "swiglu_oai"
+EXPERT_ACTS = (ACT_SILU, ACT_SWIGLU_OAI)
+
 
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
@@ -68,6 +81,12 @@ class ArchSpec:
     dense_lead: bool = False  # reads `leading_dense_block_count` (dense FFN layers first)
     partial_rope: bool = False  # rope.dimension_count may be below the head size
     hf_permuted_qk: bool = False  # the converter permuted Q/K rows (llama: `permute_qk`)
+    out_bias: bool = False  # attn_output.bias
+    attn_sinks: bool = False  # attn_sinks.weight: a sink logit per head in the softmax
+    swa_pattern: int = 0  # > 0: layers i % p < p - 1 slide (file: sliding_window[_pattern])
+    router_bias: bool = False  # ffn_gate_inp.bias added to the router's logits
+    expert_bias: bool = False  # ffn_{gate,up,down}_exps.bias, stacked like the experts
+    expert_act: str = ACT_SILU  # ACT_SILU | ACT_SWIGLU_OAI
 
     @property
     def shared_expert(self) -> bool:
@@ -87,16 +106,22 @@ ARCHS: dict[str, ArchSpec] = {
         "deepseek2", attention=MLA, rope_style="norm", shared=SHARED_PLAIN, norm_topk=False,
         dense_lead=True, partial_rope=True,
     ),
+    "gpt-oss": ArchSpec(
+        "gpt-oss", qkv_bias=True, out_bias=True, attn_sinks=True, swa_pattern=2,
+        router_bias=True, expert_bias=True, expert_act=ACT_SWIGLU_OAI, norm_topk=False,
+        gating="softmax_weight", ffn_norm="post_attention_norm",
+    ),
 }  # fmt: skip
 
 # names accepted by `make_tiny(arch=...)` and `kvq model make-tiny --arch`
 TINY_ARCHS: dict[str, str] = {
     "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-    "glm4moe": "glm4moe", "deepseek2": "deepseek2",
+    "glm4moe": "glm4moe", "deepseek2": "deepseek2", "gpt-oss": "gpt-oss",
 }  # fmt: skip
 
 SUPPORTED_TEXT = (
-    "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 (Mixtral)"
+    "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 "
+    "(Mixtral), gpt-oss"
 )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -84,6 +85,12 @@ class Backbone:
         self.gating = Gating.from_meta(meta)
         rope_mscale, self.mla_kq_scale = mla_scales(meta)
         self.rope = Rope.from_meta(meta, self.spec.rope_style, rope_mscale)
+        # sliding layers may have their own rope base (`rope.freq_base_swa`)
+        swa_base = meta.rope_freq_base_swa
+        self.rope_swa = (
+            Rope.from_meta(replace(meta, rope_freq_base=swa_base), self.spec.rope_style)
+            if swa_base and swa_base != meta.rope_freq_base else self.rope
+        )  # fmt: skip
 
     @classmethod
     def from_gguf(
@@ -101,7 +108,7 @@ class Backbone:
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
         layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
         experts = {
-            i: map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype).to(device)
+            i: map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype, m.expert_act).to(device)
             for i in m.moe_layers
         }
         embed = load.rows("token_embd.weight", (m.vocab_size, h))
@@ -114,7 +121,7 @@ class Backbone:
         kv, width = m.cache_width
         return KVCache(
             m.block_count, m.context_length, kv, width, self.device, self.dtype,
-            latent_values=m.kv_lora_rank,
+            latent_values=m.kv_lora_rank, windows=[m.window(i) for i in range(m.block_count)],
         )  # fmt: skip
 
     def local_moe(
@@ -167,7 +174,7 @@ class Backbone:
                 h = h + swiglu(x, ffn.gate, ffn.up, ffn.down)
                 continue
             with small():
-                ids, w = route(ffn.router, x, self.gating, ffn.probs_bias)
+                ids, w = route(ffn.router, x, self.gating, ffn.probs_bias, ffn.router_bias)
             y = yield i, x, ids, w  # [N, H]; ids, w: [N, k]
             if tuple(y.shape) != tuple(x.shape):
                 raise ModelError(
@@ -212,8 +219,11 @@ class Backbone:
         lens: list[int],
         pos: torch.Tensor,
     ) -> torch.Tensor:
-        """Grouped-query attention (K and V of each kv head cached). x: [N, H]."""
+        """Grouped-query attention (K and V of each kv head cached; only the window's on a
+        sliding layer), with sinks and an output bias where the weights have them. x: [N, H]."""
         m, n, eps = self.meta, x.shape[0], self.meta.rms_eps
+        window = m.window(layer)
+        rope = self.rope_swa if window else self.rope
         q, kk = _linear(x, a.wq, a.bq), _linear(x, a.wk, a.bk)  # [N, heads*d], [N, kv*d]
         vv = _linear(x, a.wv, a.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
         with _small(n)():
@@ -225,15 +235,21 @@ class Backbone:
             kk = kk.view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
             if not full and qn is not None and kn is not None:  # per head
                 q, kk = rms_norm(q, qn, eps), rms_norm(kk, kn, eps)
-            q, kk = self.rope(q, pos), self.rope(kk, pos)
+            q, kk = rope(q, pos), rope(kk, pos)
         outs, start = [], 0
         with _small(max(lens))():
             for s, t in zip(steps, lens, strict=True):
-                keys, values = s.cache.append(layer, kk[start : start + t], vv[start : start + t])
-                qs = q[start : start + t]
-                outs.append(causal_attention(qs, keys, values, s.cache.length, m.attention_scale))
+                kt, vt, k0 = kk[start : start + t], vv[start : start + t], 0
+                if window:
+                    keys, values, k0 = s.cache.append_window(layer, kt, vt)
+                else:
+                    keys, values = s.cache.append(layer, kt, vt)
+                outs.append(causal_attention(
+                    q[start : start + t], keys, values, s.cache.length, m.attention_scale,
+                    a.sinks, window, k0,
+                ))  # fmt: skip
                 start += t
-        return linear(torch.cat(outs), a.wo)  # [N, H]
+        return _linear(torch.cat(outs), a.wo, a.bo)  # [N, H]
 
     def _mla(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,11 @@ class KVCache:
     the ones written are never read, so the storage is not zeroed: a fresh cache costs no
     more than the pages its positions touch (zeroing an olmoe cache's 67 MB took 2.4% of a
     saturated coordinator's time with 16-token requests).
+
+    Sliding-window layers (`windows[layer]` = W > 0, gpt-oss's even layers) keep only a ring
+    of `W - 1 + the longest pass` positions (position p in slot p % capacity), all that a
+    pass reads there (`append_window`); a failed pass still leaves every position it needs
+    for its retry, since it writes only slots of positions at or after `length`.
     """
 
     def __init__(
@@ -33,7 +39,23 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         initial: int = 256,
         latent_values: int = 0,
+        windows: Sequence[int] = (),
     ) -> None:
+        self.windows = list(windows) or [0] * n_layers  # [L] 0: the layer sees everything
+        if len(self.windows) != n_layers or (latent_values and any(self.windows)):
+            raise ModelError(f"windows {self.windows} must give one per layer ({n_layers}), "
+                             "and a latent cache has none")  # fmt: skip
+        full = [i for i, w in enumerate(self.windows) if w <= 0]
+        sliding = [i for i, w in enumerate(self.windows) if w > 0]
+        # each layer's row in k/v (full layers) or in wk/wv (sliding ones)
+        self._row = {i: r for rows in (full, sliding) for r, i in enumerate(rows)}
+        self.window = max(self.windows, default=0)
+        if len({w for w in self.windows if w > 0}) > 1:
+            raise ModelError(f"sliding windows {self.windows} differ between layers")
+        ring = (len(sliding), min(max_len, max(self.window, 1)), kv_heads, head_dim)
+        self.wk = torch.empty(ring, device=device, dtype=dtype)  # [Ls, ring, kv, d]
+        self.wv = torch.empty(ring, device=device, dtype=dtype)  # [Ls, ring, kv, d]
+        n_layers = len(full)
         shape = (n_layers, min(max_len, max(initial, 1)), kv_heads, head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)  # [L, cap, kv, d]
         # MLA (`latent_values` > 0): a key is the latent, and the values are its first
@@ -75,13 +97,42 @@ class KVCache:
         and values [length+T, kv, d] (a latent cache's values: a view of its keys)."""
         end = self.length + k.shape[0]
         self._reserve(end)
-        self.k[layer, self.length : end] = k
+        row = self._row[layer]
+        self.k[row, self.length : end] = k
         if self.latent_values:
-            return self.k[layer, :end], self.k[layer, :end, :, : self.latent_values]
+            return self.k[row, :end], self.k[row, :end, :, : self.latent_values]
         if v is None:
             raise ModelError("this KV cache stores values: append needs v")
-        self.v[layer, self.length : end] = v
-        return self.k[layer, :end], self.v[layer, :end]
+        self.v[row, self.length : end] = v
+        return self.k[row, :end], self.v[row, :end]
+
+    def append_window(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store k, v ([T, kv, d]) of sliding layer `layer` after `length`; return the keys
+        and values a pass of those T queries reads, [S, kv, d] in position order, and the
+        position of the first (S = T + up to window - 1 earlier positions)."""
+        t, start = k.shape[0], self.length
+        first = max(0, start - self.window + 1)  # the oldest position a new query sees
+        self._reserve_ring(start - first + t)
+        cap, row = int(self.wk.shape[1]), self._row[layer]
+        slots = torch.arange(start, start + t, device=k.device) % cap  # [T]
+        self.wk[row, slots], self.wv[row, slots] = k, v
+        read = torch.arange(first, start + t, device=k.device) % cap  # [S]
+        return self.wk[row, read], self.wv[row, read], first
+
+    def _reserve_ring(self, need: int) -> None:
+        """Grow the sliding layers' ring to `need` slots, each position kept in its slot."""
+        cap = int(self.wk.shape[1])
+        if need <= cap:
+            return
+        new_cap = min(self.max_len, max(need, 2 * cap))
+        keep = torch.arange(max(0, self.length - cap), self.length)  # the positions held
+        for name in ("wk", "wv"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], new_cap, *old.shape[2:]))
+            new[:, keep % new_cap] = old[:, keep % cap]
+            setattr(self, name, new)
 
     def advance(self, n: int) -> None:
         """Mark `n` more positions as stored (after every layer has appended them)."""

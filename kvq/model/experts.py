@@ -1,5 +1,9 @@
 """Routed-expert compute for one slice: SwiGLU experts, weighted and summed per token.
 
+An expert is `down(act(gate x + bg, up x + bu)) + bd`: `act` is silu(g) * u, or gpt-oss's
+clamped form (`swiglu_oai`); the biases exist only where the arch has them (gpt-oss) and come
+with the slice, so a worker computes exactly what the coordinator would.
+
 Because each expert's contribution is added independently, summing `expert_forward` over any
 partition of a layer's experts into slices gives the full-layer result; this is what lets the
 coordinator scatter one layer's tokens over many workers and add the partial outputs.
@@ -14,19 +18,37 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvq.errors import KvqError, ModelError
-from kvq.model.layers import swiglu
+from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
+from kvq.model.layers import OAI_ALPHA, OAI_LIMIT, gated, linear, swiglu
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.slices import ExpertSlice
 from kvq.quant import kernels
 
 ExpertWeights = tuple[Weight, Weight, Weight]  # gate [F, H], up, down [H, F]: dense or encoded
 WeightsOf = Callable[[int], ExpertWeights]  # expert index within [lo, hi) -> its weights
+ExpertBias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F], up [F], down [H]
+BiasOf = Callable[[int], ExpertBias | None]  # expert index within [lo, hi) -> its biases
+
+
+def expert_ffn(
+    x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str = ACT_SILU,
+    bias: ExpertBias | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One expert on rows x: `down(act(gate x + bg, up x + bu)) + bd`. x: [m, H] -> [m, H]."""
+    if act == ACT_SILU and bias is None:
+        return swiglu(x, gate, up, down)
+    g, u = linear(x, gate), linear(x, up)  # [m, F] each
+    if bias is not None:
+        g, u = g + bias[0].to(g.dtype), u + bias[1].to(u.dtype)
+    y = linear(gated(g, u, act), down)  # [m, H]
+    return y if bias is None else y + bias[2].to(y.dtype)
 
 
 def expert_forward(
@@ -39,17 +61,19 @@ def expert_forward(
     """
     check_inputs(sl.hidden, x, ids, weights)
     return grouped_expert_ffn(
-        x, ids, weights, sl.expert_start, sl.expert_end, sl.expert, sl.compute_dtype
-    )
+        x, ids, weights, sl.expert_start, sl.expert_end, sl.expert, sl.compute_dtype,
+        act=sl.act, bias_of=sl.bias if sl.biases is not None else None,
+    )  # fmt: skip
 
 
 def grouped_expert_ffn(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
     weights_of: WeightsOf, cdtype: torch.dtype, before_compute: Callable[[], None] | None = None,
-    inside: torch.Tensor | None = None,
+    inside: torch.Tensor | None = None, act: str = ACT_SILU, bias_of: BiasOf | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Sum over each row's selected experts in `[lo, hi)` of `w * swiglu(x, *weights_of(e))`,
-    computed in `cdtype` and returned in x.dtype.
+    """Sum over each row's selected experts in `[lo, hi)` of
+    `w * expert_ffn(x, *weights_of(e), act, bias_of(e))`, computed in `cdtype` and returned
+    in x.dtype.
 
     x: [T, H]; ids: [T, k] int64 global expert ids; weights: [T, k]. `weights_of` gets the
     expert's index within `[lo, hi)`. `before_compute` runs once before the first matmul, and
@@ -57,7 +81,7 @@ def grouped_expert_ffn(
     the caller already has it.
     """
     if x.device.type == "cpu" and cdtype == torch.float32:
-        fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute)
+        fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute, act, bias_of)
         if fused is not None:
             return fused.to(x.dtype)  # [T, H]
     out = torch.zeros(x.shape, dtype=cdtype, device=x.device)  # [T, H]
@@ -80,7 +104,8 @@ def grouped_expert_ffn(
         if n == 0:
             continue
         r = rows[start : start + n]  # [m]
-        y = swiglu(xc.index_select(0, r), *weights_of(e))  # [m, H]
+        bias = None if bias_of is None else bias_of(e)
+        y = expert_ffn(xc.index_select(0, r), *weights_of(e), act, bias)  # [m, H]
         if n == 1 and cpu:  # decode: the same sum; index_add_ would start torch's thread team
             out[int(r[0])].add_(y[0] * w[start])
         else:
@@ -91,14 +116,16 @@ def grouped_expert_ffn(
 
 def _int8_call(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
-    weights_of: WeightsOf, before_compute: Callable[[], None] | None,
+    weights_of: WeightsOf, before_compute: Callable[[], None] | None, act: str = ACT_SILU,
+    bias_of: BiasOf | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The CPU case with int8 activations: every row's experts in `[lo, hi)` in one C call,
     one token (decode at batch 1, `kernels.moe_int8`) or several (`kernels.moe_int8_batch`,
     each expert's weights unpacked once for all of its rows). Each row gets the same bits
     whatever else is in the batch, added in the order of the loop it replaces (by expert, each
-    term `w * y` added to a sum that starts at 0). x: [T, H]; ids, weights: [T, k]. Returns
-    [T, H] float32, or None where the kernel does not cover these experts (the loop runs)."""
+    term `w * y` added to a sum that starts at 0). x: [T, H]; ids, weights: [T, k]. `act` and
+    `bias_of`: gpt-oss's form, computed in the same call. Returns [T, H] float32, or None
+    where the kernel does not cover these experts (the loop runs)."""
     if not kernels.int8_active():
         return None
     pairs = sorted(
@@ -129,15 +156,25 @@ def _int8_call(
     assert types is not None
     if not kernels.moe_covers(types, int(x.shape[1]), int(raws[0][0].shape[0])):
         return None
+    biases = None
+    if bias_of is not None:
+        got = [bias_of(e) for e in experts]
+        if any(b is None or not all(t.device.type == "cpu" for t in b) for b in got):
+            return None
+        biases = [tuple(t.float().contiguous() for t in b) for b in got if b is not None]
     if before_compute is not None:
         before_compute()
     xf = x.to(torch.float32)
+    # gpt-oss's form where it applies (the plain call stays the plain one)
+    form: dict[str, Any] = {}
+    if act == ACT_SWIGLU_OAI or biases is not None:
+        form = {"oai": act == ACT_SWIGLU_OAI, "biases": biases}
     if x.shape[0] == 1:
-        return kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs])[None]
+        return kernels.moe_int8(xf[0], raws, types, [w for _, _, w in pairs], **form)[None]
     counts = collections.Counter(e for e, _, _ in pairs)
     start = list(itertools.accumulate((counts[e] for e in experts), initial=0))  # [n + 1]
     rows, wts = [t for _, t, _ in pairs], [w for _, _, w in pairs]
-    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts)
+    return kernels.moe_int8_batch(xf, raws, types, start, rows, wts, **form)
 
 
 def check_inputs(
@@ -164,9 +201,17 @@ def expert_forward_reference(
     x: npt.ArrayLike,
     ids: npt.ArrayLike,
     weights: npt.ArrayLike,
+    biases: tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike] | None = None,
+    act: str = ACT_SILU,
 ) -> npt.NDArray[np.float64]:
-    """Slow float64 loop version of `expert_forward` for tests (gate/up [n, F, H], down [n, H, F])."""
+    """Slow float64 loop version of `expert_forward` for tests (gate/up [n, F, H], down
+    [n, H, F]; biases [n, F], [n, F], [n, H])."""
     g, u, d = (np.asarray(a, dtype=np.float64) for a in (gate, up, down))
+    n, f, h = g.shape
+    bg, bu, bd = (
+        (np.zeros((n, f)), np.zeros((n, f)), np.zeros((n, h))) if biases is None
+        else (np.asarray(b, dtype=np.float64) for b in biases)
+    )  # fmt: skip
     xs = np.asarray(x, dtype=np.float64)  # [T, H]
     idx = np.asarray(ids, dtype=np.int64)  # [T, k]
     ws = np.asarray(weights, dtype=np.float64)  # [T, k]
@@ -176,7 +221,11 @@ def expert_forward_reference(
             e = int(idx[t, j]) - expert_start
             if not 0 <= e < g.shape[0]:
                 continue
-            a = g[e] @ xs[t]  # [F]
-            h = a / (1.0 + np.exp(-a)) * (u[e] @ xs[t])  # [F] silu(gate) * up
-            out[t] += ws[t, j] * (d[e] @ h)  # [H]
+            a, b = g[e] @ xs[t] + bg[e], u[e] @ xs[t] + bu[e]  # [F] each
+            if act == ACT_SWIGLU_OAI:
+                a, b = np.minimum(a, OAI_LIMIT), np.clip(b, -OAI_LIMIT, OAI_LIMIT) + 1.0
+                hid = a / (1.0 + np.exp(-OAI_ALPHA * a)) * b  # [F]
+            else:
+                hid = a / (1.0 + np.exp(-a)) * b  # [F] silu(gate) * up
+            out[t] += ws[t, j] * (d[e] @ hid + bd[e])  # [H]
     return out

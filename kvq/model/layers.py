@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.errors import ModelError
+from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
 from kvq.model.meta import ModelMeta
 from kvq.model.qstack import QMatrix, Weight
 
@@ -104,17 +105,20 @@ def _yarn_bounds(
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float = 0.0
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float = 0.0,
+    sinks: torch.Tensor | None = None, window: int = 0, k_start: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
-    q: [T, heads, d] at positions q_start..q_start+T-1; k: [S, kv, d], v: [S, kv, dv] with
-    S = q_start+T (dv may differ from d: MLA's latent values).
+    q: [T, heads, d] at positions q_start..q_start+T-1; k: [S, kv, d], v: [S, kv, dv] at
+    positions k_start..q_start+T-1 (dv may differ from d: MLA's latent values).
     Query head h reads kv head h // (heads / kv), as ggml's broadcasting matmul does: the
     `group` query heads of one kv head are stacked as rows of one matmul against that head's
     keys, so the cache is read in place, never copied per query head. A single new token
-    (decode) sees every cached position, so it needs no mask. `scale` 0 means 1/sqrt(d).
-    Returns [T, heads * dv].
+    (decode) sees every key it is given, so it needs no mask. `scale` 0 means 1/sqrt(d).
+    `window` > 0: a query at p sees only keys at p - window + 1..p (llama.cpp's standard
+    sliding window). `sinks` [heads]: a logit per head that joins the softmax without a value
+    (gpt-oss's attention sinks). Returns [T, heads * dv].
     """
     t, heads, d = q.shape
     dv = v.shape[-1]
@@ -124,10 +128,17 @@ def causal_attention(
     scores = (qg @ k.permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))  # [kv, group*T, S]
     if t > 1:
         qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T, 1]
-        kpos = torch.arange(k.shape[0], device=q.device)[None, :]  # [1, S]
-        scores = scores.view(kv, group, t, -1).masked_fill(kpos > qpos, float("-inf"))
+        kpos = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]  # [1, S]
+        masked = kpos > qpos  # [T, S]
+        if window > 0:
+            masked |= qpos - kpos >= window
+        scores = scores.view(kv, group, t, -1).masked_fill(masked, float("-inf"))
         scores = scores.view(kv, group * t, -1)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:  # one more column per head: its sink's logit, dropped after the softmax
+        sink = sinks.float().view(kv, group, 1, 1).expand(kv, group, t, 1).reshape(kv, -1, 1)
+        probs = torch.softmax(torch.cat((scores.float(), sink), -1), -1)[..., :-1].to(q.dtype)
     out = probs @ v.transpose(0, 1)  # [kv, group*T, dv]
     return out.view(kv, group, t, dv).permute(2, 0, 1, 3).reshape(t, heads * dv)  # [T, heads*dv]
 
@@ -136,8 +147,10 @@ def causal_attention(
 class Gating:
     """How a layer's router turns logits into experts and weights (from the file's metadata).
 
-    `scores` softmax or sigmoid; a `bias` tensor, where the layer has one, is added to the
-    scores for the choice only (DeepSeek-V3's `exp_probs_b`); with `groups` > 1 the experts
+    `scores` softmax or sigmoid, or `softmax_weight` (gpt-oss): the top-k logits are chosen
+    and softmaxed among themselves. A router bias, where the layer has one, is added to the
+    logits first; a `bias` tensor, where the layer has one, is added to the scores for the
+    choice only (DeepSeek-V3's `exp_probs_b`); with `groups` > 1 the experts
     form that many equal groups, each scored by the sum of its two best (biased) scores, and
     only the best `groups_used` groups compete; the chosen experts' unbiased scores are the
     weights, renormalised to sum 1 if `norm`, then times `scale`."""
@@ -162,15 +175,26 @@ _MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def route(
-    router: torch.Tensor, x: torch.Tensor, gating: Gating, bias: torch.Tensor | None = None
+    router: torch.Tensor,
+    x: torch.Tensor,
+    gating: Gating,
+    bias: torch.Tensor | None = None,
+    router_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k experts of each row and their weights, as `gating` says.
 
-    router: [E, H]; x: [T, H]; bias: [E] or None. Returns ids [T, k] int64 and weights
-    [T, k] float32, largest choice first.
+    router: [E, H]; x: [T, H]; bias: [E] or None (the choice's); router_bias: [E] or None
+    (the logits'). Returns ids [T, k] int64 and weights [T, k] float32, largest choice first.
     """
     logits = x.float() @ router.float().T  # [T, E] in f32, as llama.cpp does
-    probs = torch.softmax(logits, -1) if gating.scores == "softmax" else torch.sigmoid(logits)
+    if router_bias is not None:
+        logits = logits + router_bias.float()
+    if gating.scores == "softmax_weight":
+        probs = logits  # softmaxed below, over the chosen ones only
+    elif gating.scores == "softmax":
+        probs = torch.softmax(logits, -1)
+    else:
+        probs = torch.sigmoid(logits)
     choice = probs if bias is None else probs + bias.float()  # [T, E]
     if gating.groups > 1:
         t, e = choice.shape
@@ -181,6 +205,8 @@ def route(
         choice = grouped.masked_fill(mask[:, :, None], float("-inf")).view(t, e)
     ids = torch.topk(choice, gating.k, dim=-1).indices  # [T, k], largest first
     w = probs.gather(1, ids)  # [T, k]
+    if gating.scores == "softmax_weight":
+        w = torch.softmax(w, -1)
     if gating.norm:
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)  # [T, k]
     return ids, w * gating.scale if gating.scale != 1.0 else w
@@ -193,4 +219,24 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x). x: [T, H]; gate, up: [F, H]; down: [H, F]. Returns [T, H]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(gated(linear(x, gate), linear(x, up)), down)
+
+
+def gated(g: torch.Tensor, u: torch.Tensor, act: str = ACT_SILU) -> torch.Tensor:
+    """The gated activation of gate output g and up output u ([T, F] each): silu(g) * u, or
+    gpt-oss's `swiglu_oai`. Returns [T, F]."""
+    if act == ACT_SWIGLU_OAI:
+        return swiglu_oai(g, u)
+    return F.silu(g) * u
+
+
+# gpt-oss's clamped SwiGLU (llama.cpp's `ggml_swiglu_oai`, constants of `build_moe_ffn`)
+OAI_ALPHA = 1.702
+OAI_LIMIT = 7.0
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1).
+    g, u: [T, F] (the gate's and up's outputs, biases included). Returns [T, F]."""
+    g = g.clamp(max=OAI_LIMIT)
+    return g * torch.sigmoid(OAI_ALPHA * g) * (u.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)

@@ -4,15 +4,16 @@ A slice is experts `[expert_start, expert_end)` of one layer. The stacked expert
 `ffn_{gate,up,down}_exps` have experts as their outermost (numpy dim 0) axis, and each expert's
 rows are whole quant blocks, so the slice of each tensor is one contiguous, block-aligned byte
 range: `offset + e0 * per_expert`, `(e1 - e0) * per_expert` bytes, for every quant type. A
-worker can therefore fetch a slice with three HTTP range requests and decode it from the
-published layout alone (see `meta_to_dict`).
+worker can therefore fetch a slice with three HTTP range requests (six where the experts
+have biases, gpt-oss: `ffn_*_exps.bias` [E, F or H] are stacked the same way) and decode it
+from the published layout alone (see `meta_to_dict`).
 """
 
 from __future__ import annotations
 
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
-from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
+from kvq.model.meta import STACKED_KINDS, ModelMeta, TensorRange
 
 
 def _check_slice(meta: ModelMeta, layer: int, expert_start: int, expert_end: int) -> None:
@@ -36,11 +37,13 @@ def _check_slice(meta: ModelMeta, layer: int, expert_start: int, expert_end: int
 def slice_layout(
     meta: ModelMeta, layer: int, expert_start: int, expert_end: int
 ) -> list[TensorRange]:
-    """Byte ranges of experts `[expert_start, expert_end)` of `layer` in gate, up, down order."""
+    """Byte ranges of experts `[expert_start, expert_end)` of `layer` in gate, up, down order,
+    then their biases where the layer has them (`STACKED_KINDS`)."""
     _check_slice(meta, layer, expert_start, expert_end)
     out: list[TensorRange] = []
-    for kind in EXPERT_KINDS:
-        full = meta.expert_tensors[layer][kind]
+    tensors = meta.expert_tensors[layer]
+    for kind in (k for k in STACKED_KINDS if k in tensors):
+        full = tensors[kind]
         per_expert = gio.nbytes_for(full.ggml_type, full.expert_shape)  # whole quant blocks
         if per_expert * meta.expert_count != full.nbytes:
             raise ModelError(

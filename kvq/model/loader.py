@@ -48,6 +48,8 @@ class GqaWeights:
     bq: torch.Tensor | None = None  # [heads*d]
     bk: torch.Tensor | None = None  # [kv*d]
     bv: torch.Tensor | None = None  # [kv*d]
+    bo: torch.Tensor | None = None  # [H]
+    sinks: torch.Tensor | None = None  # [heads]: each head's sink logit (gpt-oss)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class MoeFfn:
 
     router: torch.Tensor  # [E, H]
     probs_bias: torch.Tensor | None = None  # [E]: added to the scores for the choice only
+    router_bias: torch.Tensor | None = None  # [E]: added to the logits (gpt-oss)
     shared: SharedExpert | None = None
 
 
@@ -170,6 +173,9 @@ def layer_weights(load: Loader, m: ModelMeta, spec: ArchSpec, i: int) -> LayerWe
         ffn = MoeFfn(
             router=load(p + "ffn_gate_inp.weight", (m.expert_count, h)),
             probs_bias=load.optional(p + "exp_probs_b.bias", (m.expert_count,)),
+            router_bias=(load if spec.router_bias else load.optional)(
+                p + "ffn_gate_inp.bias", (m.expert_count,)
+            ),
             shared=_shared_expert(load, m, spec, p) if spec.shared_expert else None,
         )
     else:
@@ -209,6 +215,8 @@ def _gqa(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> GqaWeights:
         bq=bias(p + "attn_q.bias", (q_out,)),
         bk=bias(p + "attn_k.bias", (kv_out,)),
         bv=bias(p + "attn_v.bias", (kv_out,)),
+        bo=(load if spec.out_bias else load.optional)(p + "attn_output.bias", (h,)),
+        sinks=load(p + "attn_sinks.weight", (m.head_count,)) if spec.attn_sinks else None,
     )
 
 

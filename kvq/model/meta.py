@@ -21,6 +21,9 @@ from kvq.model import gguf_io as gio
 from kvq.model.arch import MLA, SUPPORTED_TEXT, ArchSpec, arch_spec
 
 EXPERT_KINDS = ("gate", "up", "down")
+# the experts' biases (gpt-oss), stacked like the matrices: [E, F], [E, F], [E, H]
+BIAS_KINDS = ("gate_b", "up_b", "down_b")
+STACKED_KINDS = EXPERT_KINDS + BIAS_KINDS  # the order of a slice's ranges
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
@@ -29,11 +32,11 @@ class TensorRange:
     """A byte range of an expert tensor in the model file."""
 
     name: str
-    kind: str  # "gate" | "up" | "down"
+    kind: str  # "gate" | "up" | "down", or a bias: "gate_b" | "up_b" | "down_b"
     offset: int  # absolute byte offset in the file
     nbytes: int
     ggml_type: int
-    expert_shape: tuple[int, ...]  # numpy shape of ONE expert's matrix after dequantization
+    expert_shape: tuple[int, ...]  # numpy shape of ONE expert's matrix (or bias vector)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ class ModelMeta:
     q_lora_rank: int = 0  # MLA: rank of q's LoRA (0: a plain attn_q, as DeepSeek-V2-Lite)
     kv_lora_rank: int = 0  # MLA: size of the compressed KV latent; 0 for every non-MLA arch
     value_head_dim: int = 0  # MLA: each head's value size (v_head_dim); 0: the head size
+    sliding_window: int = 0  # positions a sliding layer sees (itself included); 0: none
+    sliding_window_pattern: int = 0  # layers i % p < p - 1 slide (p = 0: all of them)
+    rope_freq_base_swa: float = 0.0  # the sliding layers' rope base; 0: rope_freq_base
+    expert_act: str = "silu"  # the routed experts' activation (`kvq.model.arch.EXPERT_ACTS`)
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
 
     def expert_types(self) -> set[int]:
@@ -91,6 +98,13 @@ class ModelMeta:
     def moe_layers(self) -> range:
         """The layers whose FFN is the routed experts (the others are dense)."""
         return range(self.leading_dense_block_count, self.block_count)
+
+    def window(self, layer: int) -> int:
+        """Positions `layer` attends to (the newest ones), or 0 for all of them."""
+        p = self.sliding_window_pattern
+        if self.sliding_window <= 0 or not (p == 0 or layer % p < p - 1):
+            return 0
+        return self.sliding_window
 
     @property
     def rope_dims(self) -> int:
@@ -119,7 +133,7 @@ def read_meta(path: str | Path) -> ModelMeta:
         width = gio.numpy_shape(shexp)[0] if shexp is not None else 0
         meta = replace(meta, expert_shared_feed_forward_length=width)
     _check_unsupported_tensors(tensors)
-    experts = {layer: _layer_experts(tensors, meta, layer) for layer in meta.moe_layers}
+    experts = {layer: _layer_experts(tensors, meta, spec, layer) for layer in meta.moe_layers}
     for t in tensors.values():  # refuse unsupported quant types before any weight is read
         gio.check_supported(int(t.tensor_type), t.name)
     return replace(meta, expert_tensors=experts)  # replace keeps the dataclass frozen
@@ -170,7 +184,27 @@ def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
         rope_dim=rope_dim,
         rope_yarn_log_mul=gio.float_field(reader, f"{a}.rope.scaling.yarn_log_multiplier", 0.0),
         **_mla(reader, a, spec),
+        **_sliding(reader, a, spec),
+        expert_act=spec.expert_act,
     )
+
+
+def _sliding(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
+    """The sliding-window layers (gpt-oss): the window, the pattern and their rope base."""
+    if not spec.swa_pattern:
+        return {}
+    window = gio.int_field(reader, f"{a}.attention.sliding_window")
+    pattern = gio.int_field(reader, f"{a}.attention.sliding_window_pattern", spec.swa_pattern)
+    if window <= 0 or pattern < 0:
+        raise ModelError(
+            f"{a}.attention.sliding_window = {window} must be positive and "
+            f"sliding_window_pattern = {pattern} not negative"
+        )
+    return {
+        "sliding_window": window,
+        "sliding_window_pattern": pattern,
+        "rope_freq_base_swa": gio.float_field(reader, f"{a}.rope.freq_base_swa", 0.0),
+    }
 
 
 def _blocks(reader: GGUFReader, a: str, spec: ArchSpec) -> tuple[int, int]:
@@ -299,7 +333,7 @@ def _gating(reader: GGUFReader, a: str, spec: ArchSpec, experts: int) -> dict[st
     """How top-k gate weights are formed: the scores (softmax or sigmoid, as the file's
     `expert_gating_func` says, else the arch's default), expert groups, renormalisation and
     scale."""
-    funcs = {1: "softmax", 2: "sigmoid"}
+    funcs = {1: "softmax", 2: "sigmoid"}  # gpt-oss's softmax_weight is its arch's, never a key
     func = gio.int_field(reader, f"{a}.expert_gating_func", 0)
     if func not in (0, *funcs):
         raise ModelError(
@@ -349,14 +383,17 @@ def _check_unsupported_tensors(tensors: Mapping[str, ReaderTensor]) -> None:
 
 
 def _layer_experts(
-    tensors: Mapping[str, ReaderTensor], meta: ModelMeta, layer: int
+    tensors: Mapping[str, ReaderTensor], meta: ModelMeta, spec: ArchSpec, layer: int
 ) -> dict[str, TensorRange]:
-    """Full-tensor ranges of one layer's gate/up/down expert stacks, shape-checked."""
+    """Full-tensor ranges of one layer's gate/up/down expert stacks (and their biases where
+    the arch has them), shape-checked."""
     e, f, h = meta.expert_count, meta.expert_feed_forward_length, meta.embedding_length
-    want = {"gate": (e, f, h), "up": (e, f, h), "down": (e, h, f)}
+    want = {"gate": (e, f, h), "up": (e, f, h), "down": (e, h, f),
+            "gate_b": (e, f), "up_b": (e, f), "down_b": (e, h)}  # fmt: skip
     out: dict[str, TensorRange] = {}
-    for kind in EXPERT_KINDS:
-        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+    for kind in STACKED_KINDS if spec.expert_bias else EXPERT_KINDS:
+        base, part = kind.removesuffix("_b"), "bias" if kind.endswith("_b") else "weight"
+        name = f"blk.{layer}.ffn_{base}_exps.{part}"
         t = tensors.get(name)
         if t is None:
             raise ModelError(f"tensor {name!r} is missing; the file is not a complete MoE model")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 
 from kvq.errors import ModelError
-from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
+from kvq.model.meta import EXPERT_KINDS, STACKED_KINDS, ModelMeta, TensorRange
 from kvq.slices import range_from_dict, range_to_dict
 
 
@@ -48,7 +48,11 @@ def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
         f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
     }
     out["expert_tensors"] = [
-        [range_to_dict(meta.expert_tensors[layer][kind]) for kind in EXPERT_KINDS]
+        [
+            range_to_dict(meta.expert_tensors[layer][k])
+            for k in STACKED_KINDS
+            if k in meta.expert_tensors[layer]
+        ]
         for layer in sorted(meta.expert_tensors)
     ]
     return out
@@ -77,15 +81,17 @@ def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
 
 
 def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:
-    """One layer's gate/up/down ranges from their dict form."""
-    if not isinstance(rows, list) or len(rows) != len(EXPERT_KINDS):
+    """One layer's gate/up/down ranges (and bias ranges, if any) from their dict form."""
+    if not isinstance(rows, list) or len(rows) not in (len(EXPERT_KINDS), len(STACKED_KINDS)):
         raise ModelError(
-            f"model layout layer {layer} must list {EXPERT_KINDS} ranges, got {rows!r}"
+            f"model layout layer {layer} must list {EXPERT_KINDS} ranges (or "
+            f"{STACKED_KINDS}), got {rows!r}"
         )
     ranges = [range_from_dict(row, f"model layout layer {layer}") for row in rows]
     out = {r.kind: r for r in ranges}
-    if len(out) != len(EXPERT_KINDS):
+    if set(out) != set(STACKED_KINDS[: len(rows)]):
         raise ModelError(
-            f"model layout layer {layer} repeats a kind; need one each of {EXPERT_KINDS}"
+            f"model layout layer {layer} repeats a kind (has {sorted(out)}); need one each "
+            f"of {STACKED_KINDS[: len(rows)]}"
         )
     return out

@@ -12,7 +12,10 @@ Which type each tensor gets (`tensor_type`) follows `llama-quantize` (`src/llama
 - Kept F32: vectors (1-D), names not ending in `weight` (biases), norms, routers
   (`ffn_gate_inp.weight`), as `tensor_allows_quantization` does.
 - Every other matrix gets the requested type, or under the mix `q4_k_m` the Q4_K_M rule of
-  `llama_tensor_get_type_impl` (see `_q4_k_m`).
+  `llama_tensor_get_type_impl` (see `_q4_k_m`), or under the mix `mxfp4` the rule of
+  `MOSTLY_MXFP4_MOE` (gpt-oss's files): the stacked experts MXFP4, every other matrix Q8_0.
+  MXFP4 is encoded by gguf's own encoder (`quantize_blocks`: the scale from the block's
+  largest magnitude, each value to the nearest E2M1 value).
 - Rows (numpy's last dim, ggml's ne0) that are not whole blocks of that type fall back per
   tensor as `tensor_type_fallback` does: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; if the rows
   are not whole 32-blocks either, F16. llama.cpp refuses a 32-block type (Q4_0...Q8_0) on
@@ -37,9 +40,13 @@ F32 = npt.NDArray[np.float32]
 # every type kvq reads and writes; dequantization of each is tested against its encoder
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.MXFP4,
 )  # fmt: skip
-QUANT_NAMES: dict[str, GGMLQuantizationType] = {t.name.lower(): t for t in SUPPORTED_TYPES}
-MIXES = ("q4_k_m",)  # llama.cpp file types that mix tensor types, by llama-quantize's name
+# the types a whole file may be quantized to (MXFP4 only comes as the mix `mxfp4`)
+QUANT_NAMES: dict[str, GGMLQuantizationType] = {
+    t.name.lower(): t for t in SUPPORTED_TYPES if t != Q.MXFP4
+}
+MIXES = ("q4_k_m", "mxfp4")  # llama.cpp file types that mix tensor types
 _QK_K = 256
 # llama.cpp's tensor_type_fallback for rows that are not whole 256-blocks
 _FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
@@ -77,6 +84,8 @@ def tensor_type(
         return Q.F32
     if quant == "q4_k_m":
         qtype = _q4_k_m(name, shape[-1], n_layers, n_experts)
+    elif quant == "mxfp4":  # MOSTLY_MXFP4_MOE: the stacked experts, else Q8_0
+        qtype = Q.MXFP4 if len(shape) == 3 and "_exps." in name else Q.Q8_0
     else:
         qtype = QUANT_NAMES[quant]
     return fallback_type(qtype, shape[-1])
@@ -228,6 +237,16 @@ _RMS = {Q.Q8_0: 73.9, Q.Q4_0: 4.637, Q.Q4_1: 4.610, Q.Q5_0: 9.247, Q.Q5_1: 9.233
         Q.Q4_K: 41.86 * 4.610, Q.Q5_K: 41.86 * 9.233, Q.Q6_K: 41.86 * 18.48}  # fmt: skip
 
 
+_MXFP4_RMS = float(np.sqrt(np.mean(np.square([0, 1, 2, 3, 4, 6, 8, 12]) / 4.0)))  # per 2^(e-127)
+
+
+def _mxfp4_scales(std: float, n: int, rng: np.random.Generator) -> U8:
+    """E8M0 bytes for n blocks of uniform E2M1 values whose rms over the blocks is `std`."""
+    low = int(np.floor(np.log2(std / _MXFP4_RMS)))  # 2^low <= the unit that hits std
+    p = ((std / _MXFP4_RMS / 2.0**low) ** 2 - 1) / 3  # P(2^(low + 1)): the mean square fits
+    return (127 + low + (rng.random(n) < p)).astype(np.uint8)
+
+
 def random_blocks(
     qtype: GGMLQuantizationType, shape: tuple[int, ...], std: float, rng: np.random.Generator
 ) -> U8:
@@ -246,6 +265,9 @@ def random_blocks(
         return np.asarray(xs.view(np.uint8), dtype=np.uint8).reshape(byte_shape)
     bits = np.asarray(rng.bit_generator.random_raw(-(-n * size // 8)), dtype=np.uint64)
     out: U8 = bits.view(np.uint8)[: n * size].reshape(n, size)  # [n_blocks, type_size]
+    if qtype == Q.MXFP4:  # a power-of-two scale: 2^e0 or 2^(e0 + 1), mixed to the rms
+        out[:, 0] = _mxfp4_scales(std, n, rng)
+        return out.reshape(byte_shape)
     sign = np.where(rng.random(n, dtype=np.float32) < 0.5, -1.0, 1.0)
     d = sign * (std / _RMS[qtype]) * (0.75 + 0.5 * rng.random(n, dtype=np.float32))  # [n]
     pick = rng.integers(0, _POOL, n)  # [n] each block's scale pattern from a small pool

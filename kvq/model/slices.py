@@ -2,7 +2,8 @@
 
 A slice from a model file or a download keeps the GGUF encoding (`map_slice`, `decode_slice`):
 nothing is dequantized at load. Dense slices (torch tensors) remain for tests and references
-(`ExpertSlice.dense_copy`).
+(`ExpertSlice.dense_copy`). The experts' biases, where the arch has them (gpt-oss), travel in
+the same slice as three more stacked ranges and are held as float32 vectors (a few KB).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import torch
 
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import gguf_io as gio
+from kvq.model.arch import ACT_SILU, EXPERT_ACTS
 from kvq.model.layout import slice_layout
-from kvq.model.meta import EXPERT_KINDS, ModelMeta, TensorRange
+from kvq.model.meta import BIAS_KINDS, EXPERT_KINDS, ModelMeta, TensorRange
 from kvq.model.qstack import FileMap, QStack, Weight
+from kvq.quant import dequantize
 
 Stack = torch.Tensor | QStack  # [n, rows, cols]: dense, or encoded bytes
+Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [n, F], up [n, F], down [n, H]
 
 
 @dataclass
@@ -34,6 +38,12 @@ class ExpertSlice:
     up: Stack  # [n, ffn, hidden]
     down: Stack  # [n, hidden, ffn]
     dtype: torch.dtype | None = None  # None: the dense tensors' own dtype
+    biases: Biases | None = None  # float32, where the arch has expert biases (gpt-oss)
+    act: str = ACT_SILU  # the activation (`kvq.model.arch.EXPERT_ACTS`)
+
+    def __post_init__(self) -> None:
+        if self.act not in EXPERT_ACTS:
+            raise ModelError(f"expert activation {self.act!r} is not one of {EXPERT_ACTS}")
 
     @property
     def n_experts(self) -> int:
@@ -67,11 +77,20 @@ class ExpertSlice:
             t.weight(e, dt) if isinstance(t, QStack) else t[e] for t in self.stacks
         )
 
+    def bias(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Expert `e`'s (local index) gate, up and down biases, or None without biases."""
+        return None if self.biases is None else (
+            self.biases[0][e], self.biases[1][e], self.biases[2][e]
+        )  # fmt: skip
+
     def dense_copy(self, dtype: torch.dtype | None = None) -> ExpertSlice:
         """The same experts dequantized into dense tensors (references and tests)."""
         dt = dtype or self.compute_dtype
         g, u, d = (t.dense(dt) if isinstance(t, QStack) else t.to(dtype=dt) for t in self.stacks)
-        return ExpertSlice(self.layer, self.expert_start, self.expert_end, g, u, d)
+        return ExpertSlice(
+            self.layer, self.expert_start, self.expert_end, g, u, d, biases=self.biases,
+            act=self.act,
+        )  # fmt: skip
 
     def nbytes(self) -> int:
         """Bytes the slice holds as it is (encoded or dense)."""
@@ -85,10 +104,15 @@ class ExpertSlice:
             t.to(device) if isinstance(t, QStack) else t.to(device=device, dtype=dtype)
             for t in self.stacks
         )
+        biases = None if self.biases is None else _biases_on(self.biases, device)
         return ExpertSlice(
             self.layer, self.expert_start, self.expert_end, g, u, d,
-            (dtype or self.dtype) if self.quantized else None,
+            (dtype or self.dtype) if self.quantized else None, biases, self.act,
         )  # fmt: skip
+
+
+def _biases_on(b: Biases, device: str | torch.device) -> Biases:
+    return b[0].to(device), b[1].to(device), b[2].to(device)
 
 
 def decode_slice(
@@ -99,9 +123,11 @@ def decode_slice(
     expert_end: int,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    act: str = ACT_SILU,
 ) -> ExpertSlice:
-    """The gate/up/down byte blobs of a slice (in `layout` order) as a quantized ExpertSlice
-    that computes in `dtype` (the bytes are kept as they are: nothing is dequantized here).
+    """The gate/up/down byte blobs of a slice (in `layout` order, then any biases) as a
+    quantized ExpertSlice that computes in `dtype` with activation `act` (the matrices' bytes
+    are kept as they are; only the bias vectors are decoded).
 
     Raises SliceIntegrityError when a blob's length differs from its published `nbytes`.
     """
@@ -111,28 +137,45 @@ def decode_slice(
         )
     n = _check_range(expert_start, expert_end)
     stacks: dict[str, QStack] = {}
+    biases: dict[str, torch.Tensor] = {}
     for rng, blob in zip(layout, blobs, strict=True):
         if len(blob) != rng.nbytes:
             raise SliceIntegrityError(
                 f"{rng.name} slice of layer {layer} experts [{expert_start}, {expert_end}) "
                 f"has {len(blob)} bytes, the layout says {rng.nbytes}; re-download it"
             )
-        stacks[rng.kind] = QStack.from_bytes(blob, rng.ggml_type, _stack_shape(rng, n)).to(device)
-    return _assemble(stacks, layer, expert_start, expert_end, dtype)
+        if rng.kind in BIAS_KINDS:
+            raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            biases[rng.kind] = _bias_stack(raw, rng, n).to(device)
+        else:
+            qs = QStack.from_bytes(blob, rng.ggml_type, _stack_shape(rng, n))
+            stacks[rng.kind] = qs.to(device)
+    return _assemble(stacks, biases, layer, expert_start, expert_end, dtype, act)
 
 
 def map_slice(
     path: str | Path, layout: list[TensorRange], layer: int, expert_start: int,
-    expert_end: int, dtype: torch.dtype = torch.float32,
+    expert_end: int, dtype: torch.dtype = torch.float32, act: str = ACT_SILU,
 ) -> ExpertSlice:  # fmt: skip
     """A quantized slice whose bytes alias a memory map of `path`: no byte is read until an
-    expert is computed, and then only into the page cache."""
+    expert is computed, and then only into the page cache (biases are read at once)."""
     n = _check_range(expert_start, expert_end)
-    stacks = {}
+    stacks, biases = {}, {}
     for rng in layout:
-        raw = FileMap.bytes_of(path, rng.offset, rng.nbytes).reshape(n, -1)
-        stacks[rng.kind] = QStack(raw, rng.ggml_type, _stack_shape(rng, n))
-    return _assemble(stacks, layer, expert_start, expert_end, dtype)
+        raw = FileMap.bytes_of(path, rng.offset, rng.nbytes)
+        if rng.kind in BIAS_KINDS:
+            biases[rng.kind] = _bias_stack(raw, rng, n)
+        else:
+            stacks[rng.kind] = QStack(raw.reshape(n, -1), rng.ggml_type, _stack_shape(rng, n))
+    return _assemble(stacks, biases, layer, expert_start, expert_end, dtype, act)
+
+
+def _bias_stack(raw: torch.Tensor, rng: TensorRange, n: int) -> torch.Tensor:
+    """A stacked bias range as float32 [n, width]."""
+    if len(rng.expert_shape) != 1:
+        raise ModelError(f"{rng.name}: an expert bias must be 1-D, got {rng.expert_shape}")
+    gio.check_supported(rng.ggml_type, rng.name)
+    return dequantize(raw, rng.ggml_type, (n, rng.expert_shape[0]), torch.float32)
 
 
 def _check_range(expert_start: int, expert_end: int) -> int:
@@ -152,15 +195,19 @@ def _stack_shape(rng: TensorRange, n: int) -> tuple[int, int, int]:
 
 
 def _assemble(
-    stacks: dict[str, QStack], layer: int, expert_start: int, expert_end: int,
-    dtype: torch.dtype,
+    stacks: dict[str, QStack], biases: dict[str, torch.Tensor], layer: int, expert_start: int,
+    expert_end: int, dtype: torch.dtype, act: str,
 ) -> ExpertSlice:  # fmt: skip
     missing = [k for k in EXPERT_KINDS if k not in stacks]
+    if biases:
+        missing += [k for k in BIAS_KINDS if k not in biases]
     if missing:
         raise ModelError(f"slice layout lacks the {missing} tensors; use slice_layout()")
+    b = (biases["gate_b"], biases["up_b"], biases["down_b"]) if biases else None
     return ExpertSlice(
-        layer, expert_start, expert_end, stacks["gate"], stacks["up"], stacks["down"], dtype
-    )
+        layer, expert_start, expert_end, stacks["gate"], stacks["up"], stacks["down"], dtype,
+        b, act,
+    )  # fmt: skip
 
 
 def read_slice_file(path: str | Path | BinaryIO, layout: list[TensorRange]) -> list[bytes]:
@@ -204,5 +251,5 @@ def load_slice(
     serving paths keep slices quantized with `map_slice`)."""
     layout = slice_layout(meta, layer, expert_start, expert_end)
     blobs = read_slice_file(path, layout)
-    sl = decode_slice(layout, blobs, layer, expert_start, expert_end, "cpu", dtype)
+    sl = decode_slice(layout, blobs, layer, expert_start, expert_end, "cpu", dtype, meta.expert_act)
     return sl.dense_copy(dtype).to(device)

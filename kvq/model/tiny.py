@@ -45,6 +45,7 @@ FILE_TYPES = {
     "q5_0": LlamaFileType.MOSTLY_Q5_0, "q5_1": LlamaFileType.MOSTLY_Q5_1,
     "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q5_k": LlamaFileType.MOSTLY_Q5_K_S,
     "q6_k": LlamaFileType.MOSTLY_Q6_K, "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+    "mxfp4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }  # fmt: skip
 TokenizerArg = str | Callable[[GGUFWriter], object]
 # `tokenizer.chat_template` of the built-in tokenizers: not ChatML, so that a test can tell the
@@ -81,10 +82,10 @@ def make_tiny(
 ) -> None:
     """Write a tiny random MoE model to `path`.
 
-    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2, each with every part
+    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2 | gpt-oss, each with every part
     its family's real files use (`family_parts`; `variant` picks another form of a family:
     deepseek2 `v2-lite`, `kv-b`). `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
-    q5_1, q4_k, q5_k, q6_k, or the mix q4_k_m (rows that are not whole blocks fall back per
+    q5_1, q4_k, q5_k, q6_k, or the mixes q4_k_m and mxfp4 (experts MXFP4, the rest Q8_0; rows that are not whole blocks fall back per
     tensor, as llama-quantize does). `shared_expert_ffn` (qwen2moe; 0 = 2 * expert_ffn).
     `rope_scaling`: none | linear | yarn, by `rope_scaling_factor` (yarn's original context is
     the context / factor). `tokenizer`: bytes (kvq only) | bpe (llama.cpp loads it too).
@@ -113,6 +114,8 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     - glm4moe: one leading dense layer, one shared expert, sigmoid scores with the bias,
       renormalised weights, half-head rope, per-head q/k norms, q/k/v biases, and an MTP block.
     - olmoe: as many kv heads as heads (its k norm spans the whole projection).
+    - gpt-oss: a sliding window of 8 positions on the even layers (a test's context passes
+      it), attention sinks, q/k/v/o, router and expert biases (`layer_shapes`).
     """
     variants = VARIANTS.get(arch, ())
     if variant and variant not in variants:
@@ -139,6 +142,8 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         )  # fmt: skip
     if arch == "olmoe":
         return replace(cfg, kv_heads=cfg.heads)
+    if arch == "gpt-oss":
+        return replace(cfg, sliding_window=cfg.sliding_window or 8)
     return cfg
 
 
@@ -245,6 +250,8 @@ def add_metadata(
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
+    if spec.swa_pattern:  # the pattern is the arch's default (gpt-oss files omit it)
+        w.add_sliding_window(cfg.sliding_window)
     _add_routing(w, cfg, spec)
 
 

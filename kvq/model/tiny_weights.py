@@ -64,6 +64,7 @@ class TinyConfig:
     v_head_dim: int = 0  # MLA: per-head value size; 0: head_dim - rope_dim
     mla_split: bool = True  # MLA: attn_k_b/attn_v_b (recent converters), else one attn_kv_b
     nextn: int = 0  # MTP blocks after the trunk (glm4moe), written but never run
+    sliding_window: int = 0  # the sliding layers' window (archs with `swa_pattern`)
 
     @property
     def shared_ffn(self) -> int:
@@ -194,6 +195,10 @@ def _parts(
             out[name] = drawn[name]
         elif name.endswith("norm.weight"):
             out[name] = _norm_weight(rng, shape[0]).reshape(shape)
+        elif name.endswith("attn_sinks.weight"):  # logits of the order of the scores'
+            out[name] = _normal(rng, shape, 1.0) + 1.0
+        elif name.endswith(("gate_exps.bias", "up_exps.bias")):  # wide: the clamps are reached
+            out[name] = _normal(rng, shape, 2.5)
         elif name.endswith(".bias"):
             out[name] = _normal(rng, shape, 0.3)
         else:
@@ -233,6 +238,10 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         elif spec.qk_norm == QK_HEAD or cfg.head_norms:
             out.update({p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)})
     out[p + spec.ffn_norm + ".weight"] = (h,)
+    if spec.out_bias:
+        out[p + "attn_output.bias"] = (h,)
+    if spec.attn_sinks:
+        out[p + "attn_sinks.weight"] = (cfg.heads,)
     if layer < cfg.dense_layers:
         fd = cfg.dense_width
         out.update({p + "ffn_gate.weight": (fd, h), p + "ffn_up.weight": (fd, h),
@@ -251,6 +260,11 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
                         p + "ffn_down_shexp.weight": (h, fs)})  # fmt: skip
         if cfg.probs_bias:
             out[p + "exp_probs_b.bias"] = (e,)
+        if spec.router_bias:
+            out[p + "ffn_gate_inp.bias"] = (e,)
+        if spec.expert_bias:
+            out.update({p + "ffn_gate_exps.bias": (e, f), p + "ffn_up_exps.bias": (e, f),
+                        p + "ffn_down_exps.bias": (e, h)})  # fmt: skip
     if layer >= cfg.layers:  # an MTP block: its own projections and norms
         out.update({p + "nextn.eh_proj.weight": (h, 2 * h), p + "nextn.enorm.weight": (h,),
                     p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)})  # fmt: skip

@@ -25,7 +25,7 @@ from kvq.errors import ModelError
 
 Q = GGMLQuantizationType
 FAST_TYPES: tuple[GGMLQuantizationType, ...] = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
 )  # fmt: skip
 Decoder = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -131,6 +131,27 @@ def _q6_k(b: torch.Tensor, o: torch.Tensor) -> None:  # b [n, 210] -> o [n, 256]
     ov.mul_(d.view(-1, 1))
 
 
+# FP4 E2M1 values, doubled (the OCP MX spec's 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives)
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_e2m1_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _mxfp4(b: torch.Tensor, o: torch.Tensor) -> None:  # b [n, 17] -> o [n, 32]
+    """MXFP4: an E8M0 scale byte, then 16 bytes of E2M1 nibbles (low: values 0-15, high:
+    16-31). The scale is taken as half of 2^(e - 127) (llama.cpp's `e8m0_to_fp32_half`, whose
+    e < 2 are subnormal floats), times the doubled values: every product is exact."""
+    table = _e2m1_tables.get(b.device)
+    if table is None:
+        table = torch.tensor(_E2M1_X2, dtype=torch.float32, device=b.device)
+        _e2m1_tables[b.device] = table
+    q = b[:, 1:]  # [n, 16]
+    idx = torch.cat((q & 0x0F, q >> 4), dim=-1).long()  # [n, 32]
+    e = b[:, :1].to(torch.int32)  # [n, 1]
+    bits = torch.where(e < 2, torch.bitwise_left_shift(0x00200000, e), (e - 1) << 23)
+    o.copy_(table[idx])
+    o.mul_(bits.view(torch.float32))
+
+
 def _f32(b: torch.Tensor, o: torch.Tensor) -> None:
     o.copy_(b.view(torch.float32))
 
@@ -145,7 +166,7 @@ def _bf16(b: torch.Tensor, o: torch.Tensor) -> None:
 
 _DECODERS: dict[GGMLQuantizationType, Decoder] = {
     Q.F32: _f32, Q.F16: _f16_values, Q.BF16: _bf16, Q.Q8_0: _q8_0, Q.Q4_0: _q4_0,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4,
 }  # fmt: skip
 # (type, target dtype) pairs that are exact without a float32 detour
 _DIRECT = {(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)}

@@ -4,7 +4,8 @@ dequantized whole. `kvq.quant.kernels` chooses between them and the int8 C kerne
 Two kernels per type, each following the type's block layout in ggml (`dequantize_row_*` in
 ggml-quants.c):
 
-- **one row** (`_q8_0` ... `_q6_k`): a block's weights are `d * q` (Q8_0, Q6_K per sub-block)
+- **one row** (`_q8_0` ... `_q6_k`, `_mxfp4`): a block's weights are `d * q` (Q8_0, Q6_K per
+  sub-block, MXFP4 with q an E2M1 value from a table)
   or `d * q + m` (Q4_0, the K-quants), so the dot product of a sub-block with x is
   `d * sum(q * x) + m * sum(x)`: the quants are multiplied as small integers converted to
   float32, the scales applied once per sub-block, the sums of x per sub-block computed once.
@@ -43,6 +44,17 @@ F32 = npt.NDArray[np.float32]
 
 # float32 value of every float16 bit pattern: numba has no float16 type on the CPU
 _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+# MXFP4: the E2M1 values doubled, and half of each E8M0 scale (gguf's `e8m0_to_fp32_half`)
+_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+_E8M0_HALF = (
+    np.where(
+        np.arange(256) < 2,
+        np.uint32(0x00200000) << np.arange(256, dtype=np.uint32),
+        (np.arange(256, dtype=np.uint32) - 1) << np.uint32(23),
+    )
+    .astype(np.uint32)
+    .view(np.float32)
+)
 _jit = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 _inline = numba.njit(inline="always", cache=True)
 
@@ -105,6 +117,22 @@ def _q4_0(w: U8, x: F32, out: F32) -> None:  # block 32: d f16, 16 bytes of nibb
                     lo, hi = _split(np.float32(row[o + 2 + i]), 16)
                     dot += lo * x[b, k0 + i] + hi * x[b, k0 + 16 + i]
                 acc += _f16(row, o) * (dot - np.float32(8) * xs[b, blk])
+            out[b, n] = acc
+
+
+@_jit
+def _mxfp4(w: U8, x: F32, out: F32) -> None:  # block 32: E8M0 scale, 16 bytes of E2M1 pairs
+    for n in numba.prange(w.shape[0]):
+        row = w[n]
+        for b in range(x.shape[0]):
+            acc = np.float32(0)
+            for blk in range(x.shape[1] // 32):
+                o, k0 = blk * 17, blk * 32
+                dot = np.float32(0)
+                for i in range(16):  # element i: low nibble, element i + 16: high nibble
+                    v = row[o + 1 + i]
+                    dot += _E2M1_X2[v & 15] * x[b, k0 + i] + _E2M1_X2[v >> 4] * x[b, k0 + 16 + i]
+                acc += _E8M0_HALF[row[o]] * dot
             out[b, n] = acc
 
 
@@ -282,6 +310,17 @@ def _row_q5_0(row: U8, buf: F32, k: int) -> None:
 
 
 @_inline
+def _row_mxfp4(row: U8, buf: F32, k: int) -> None:
+    for blk in range(k // 32):
+        o, k0 = blk * 17, blk * 32
+        d = _E8M0_HALF[row[o]]
+        for i in range(16):
+            v = row[o + 1 + i]
+            buf[k0 + i] = d * _E2M1_X2[v & 15]
+            buf[k0 + 16 + i] = d * _E2M1_X2[v >> 4]
+
+
+@_inline
 def _row_q45_k(row: U8, buf: F32, k: int, five: bool) -> None:
     """Q4_K, or Q5_K with `five` (its qh[32] before qs and the fifth bit from it)."""
     size, qs = (176, 48) if five else (144, 16)
@@ -352,7 +391,7 @@ def _dot_rows(buf: F32, x: F32, out: F32, n: int) -> None:
 
 
 _T_Q8_0, _T_Q4_0, _T_Q4_K, _T_Q5_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K)
-_T_Q5_0 = int(Q.Q5_0)
+_T_Q5_0, _T_Q6_K, _T_MXFP4 = int(Q.Q5_0), int(Q.Q6_K), int(Q.MXFP4)
 _CHUNK = 16  # weight rows per parallel task (one float32 row buffer each)
 
 
@@ -373,11 +412,14 @@ def tiled(qtype: int, w: U8, x: F32, out: F32) -> None:
                 _row_q5_0(w[n], buf, k)
             elif qtype == _T_Q4_K or qtype == _T_Q5_K:
                 _row_q45_k(w[n], buf, k, qtype == _T_Q5_K)
-            else:
+            elif qtype == _T_Q6_K:
                 _row_q6_k(w[n], buf, k)
+            else:
+                _row_mxfp4(w[n], buf, k)
             _dot_rows(buf, x, out, n)
 
 
 ONE_ROW = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.MXFP4: _mxfp4,
 }  # fmt: skip

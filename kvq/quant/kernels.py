@@ -45,13 +45,9 @@ _KERNELS = fused.ONE_ROW
 # rows up to which the kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
 # 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
 _MAX_ROWS = {
-    Q.Q8_0: 32,
-    Q.Q4_0: 32,
-    Q.Q5_0: 32,
-    Q.Q4_K: MAX_ROWS,
-    Q.Q5_K: MAX_ROWS,
-    Q.Q6_K: MAX_ROWS,
-}
+    Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS,
+    Q.MXFP4: 32,
+}  # fmt: skip
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
@@ -104,7 +100,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
-_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32}
+_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32, Q.MXFP4: 32}
 
 
 def moe_covers(types: tuple[int, int, int], h: int, f: int) -> bool:
@@ -116,35 +112,54 @@ def moe_covers(types: tuple[int, int, int], h: int, f: int) -> bool:
     return h % gb == 0 and h % ub == 0 and f % db == 0
 
 
+Biases = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # per expert: gate, up, down
+
+
 def moe_int8(
     x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    types: tuple[int, int, int], weights: list[float],
+    types: tuple[int, int, int], weights: list[float], oai: bool = False,
+    biases: Biases = None,
 ) -> torch.Tensor:  # fmt: skip
     """One token's routed experts in one C call (`qdot.moe`, int8 activations):
     `sum_e weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given. x: [H]
     float32; experts: the raw bytes (uint8 [rows, row bytes], C-contiguous, on the CPU) of
     each expert's gate [F, H], up [F, H] and down [H, F], all of `types`. Returns [H] float32.
-    The caller checks `moe_covers`."""
+    The caller checks `moe_covers`. `oai` and `biases` (float32, contiguous, on the CPU; one
+    triple per expert): gpt-oss's `down_e(swiglu_oai(gate_e x + bg, up_e x + bu)) + bd`."""
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     wa = np.asarray(weights, dtype=np.float32)
-    return torch.from_numpy(qdot.moe(built, xa, ptrs, types, rb, f, wa, threads))
+    return torch.from_numpy(qdot.moe(
+        built, xa, ptrs, types, rb, f, wa, threads, act=int(oai), biases=_bias_ptrs(biases),
+    ))  # fmt: skip
 
 
 def moe_int8_batch(
     x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     types: tuple[int, int, int], start: list[int], rows: list[int], weights: list[float],
+    oai: bool = False, biases: Biases = None,
 ) -> torch.Tensor:  # fmt: skip
     """Several tokens' routed experts in one C call (`qdot.moe_batch`, int8 activations):
     row t is `sum weights[p] * down_e(silu(gate_e x[t]) * up_e x[t])` over the pairs p of token
     t, added in pair order, the same bits as `moe_int8` of x[t] with those experts. x: [T, H]
     float32; experts: as in `moe_int8`, each of them once; start: [n + 1], expert i takes pairs
     start[i] .. start[i + 1] - 1; rows, weights: [M], each pair's token row and weight.
-    Returns [T, H] float32. The caller checks `moe_covers`."""
+    Returns [T, H] float32. The caller checks `moe_covers`. `oai`, `biases`: as `moe_int8`."""
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     return torch.from_numpy(qdot.moe_batch(
         built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
-        np.asarray(weights, np.float32), types, rb, f, threads,
+        np.asarray(weights, np.float32), types, rb, f, threads, act=int(oai),
+        biases=_bias_ptrs(biases),
     ))  # fmt: skip
+
+
+def _bias_ptrs(biases: Biases) -> list[tuple[int, int, int]] | None:
+    if biases is None:
+        return None
+    for b in biases:
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+                   for t in b):  # fmt: skip
+            raise ValueError("expert biases must be contiguous float32 CPU tensors")
+    return [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in biases]
 
 
 def _moe_args(

@@ -1,8 +1,8 @@
 """The int8-activation kernel (`csrc/qdot.c`): built with the system C compiler at first use,
 loaded with ctypes.
 
-`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0) with x quantized to 8 bits
-per block (per 256 values for the K-quants, per 32 for Q8_0 and Q4_0), integer dot products
+`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, MXFP4) with x quantized to 8
+bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
 (vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. It
 computes below the stored precision (the activations lose bits), so it runs only where a
 setting asks for it (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`).
@@ -46,7 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
-TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
+TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
 _ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
            -4: "pairs out of order or a row out of range"}  # fmt: skip
@@ -124,10 +124,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvq_qdot.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, ctypes.c_int, ctypes.c_int]
     lib.kvq_qdot.restype = ctypes.c_int
     lib.kvq_qdot_moe.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, p, p, p, ctypes.c_int,
-                                 ctypes.c_int]  # fmt: skip
+                                 ctypes.c_int, ctypes.c_int, p]  # fmt: skip
     lib.kvq_qdot_moe.restype = ctypes.c_int
     lib.kvq_qdot_moe_batch.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, p, p, p, p, p,
-                                       ctypes.c_int, ctypes.c_int]  # fmt: skip
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, p]  # fmt: skip
     lib.kvq_qdot_moe_batch.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
@@ -205,10 +205,13 @@ def matmul(
 def moe(
     built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
     types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int,
-    weights: npt.NDArray[np.float32], threads: int, isa: int = -1,
+    weights: npt.NDArray[np.float32], threads: int, isa: int = -1, act: int = 0,
+    biases: list[tuple[int, int, int]] | None = None,
 ) -> npt.NDArray[np.float32]:  # fmt: skip
     """One token's routed experts in one call (`csrc/qdot_moe.h`): the sum over experts e of
-    `weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given.
+    `weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given; with `act` 1 and
+    `biases` (per expert the addresses of its float32 gate [f], up [f] and down [H] biases)
+    gpt-oss's `down_e(swiglu_oai(gate_e x + bg, up_e x + bu)) + bd`.
 
     x: [H] float32 (C-contiguous); experts: per expert the addresses of its gate [f, H], up
     [f, H] and down [H, f] bytes (C-contiguous, alive for the call); types and row_bytes: of
@@ -219,7 +222,7 @@ def moe(
     out = np.empty(h, dtype=np.float32)
     rc = built.lib.kvq_qdot_moe(
         n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h,
-        x.ctypes.data, weights.ctypes.data, out.ctypes.data, threads, isa,
+        x.ctypes.data, weights.ctypes.data, out.ctypes.data, threads, isa, act, _bias_ptrs(biases),
     )  # fmt: skip
     if rc != 0:
         names = "/".join(Q(t).name for t in types)
@@ -231,7 +234,7 @@ def moe_batch(
     built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
     start: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], weights: npt.NDArray[np.float32],
     types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int, threads: int,
-    isa: int = -1,
+    isa: int = -1, act: int = 0, biases: list[tuple[int, int, int]] | None = None,
 ) -> npt.NDArray[np.float32]:  # fmt: skip
     """A batch of tokens' routed experts in one call (`csrc/qdot_moe.h`): row t of the result
     is the sum over token t's pairs p, in order, of `weights[p] * down_e(silu(gate_e x[t]) *
@@ -241,7 +244,8 @@ def moe_batch(
     x: [T, H] float32 (C-contiguous); experts: n experts' addresses as in `moe`; start: [n + 1]
     int64, expert e takes pairs start[e] .. start[e + 1] - 1; rows: [M] int64 token row of
     each pair; weights: [M] float32. Returns [T, H] float32. ValueError as `moe`, or on pairs
-    that do not fit (start not ascending from 0, a row outside [0, T))."""
+    that do not fit (start not ascending from 0, a row outside [0, T)). `act`, `biases`: as in
+    `moe`, per expert."""
     n, (t, h) = len(experts), x.shape
     start, rows = np.ascontiguousarray(start, np.int64), np.ascontiguousarray(rows, np.int64)
     weights = np.ascontiguousarray(weights, np.float32)
@@ -253,9 +257,16 @@ def moe_batch(
     rc = built.lib.kvq_qdot_moe_batch(
         n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h, t,
         x.ctypes.data, start.ctypes.data, rows.ctypes.data, weights.ctypes.data, out.ctypes.data,
-        threads, isa,
+        threads, isa, act, _bias_ptrs(biases),
     )  # fmt: skip
     if rc != 0:
         names = "/".join(Q(ty).name for ty in types)
         raise ValueError(f"qdot moe_batch {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def _bias_ptrs(biases: list[tuple[int, int, int]] | None) -> ctypes.Array[ctypes.c_void_p] | None:
+    """3n addresses (expert e's gate, up and down biases at 3e..3e + 2), or None (NULL)."""
+    if biases is None:
+        return None
+    return (ctypes.c_void_p * max(3 * len(biases), 1))(*(a for b in biases for a in b))

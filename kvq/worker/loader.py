@@ -69,7 +69,7 @@ class Loader:
             part, at = blobs[at : at + len(ranges)], at + len(ranges)
             experts.append(decode_slice(
                 ranges, part, layer, spec.expert_start, spec.expert_end,
-                device=str(self.device), dtype=dtype,
+                device=str(self.device), dtype=dtype, act=info.meta.expert_act,
             ))  # fmt: skip
         bank = Bank(experts, self.bank_options, self.device, log_level=level)
         hidden = info.meta.embedding_length

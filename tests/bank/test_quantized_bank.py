@@ -119,3 +119,28 @@ def test_backbone_anonymous_memory_does_not_hold_the_experts(tmp_path: Path) -> 
     assert growth < dense_experts / 4, (
         f"anonymous memory grew {growth} bytes (experts: {dense_experts})"
     )
+
+
+@pytest.mark.parametrize("quant", ["f32", "mxfp4"])
+def test_gpt_oss_bank_computes_the_expert_biases_and_clamped_swiglu(
+    tmp_path: Path, quant: str
+) -> None:
+    """A bank over gpt-oss's slices (MXFP4 experts and their biases, the clamped SwiGLU),
+    hot and cold experts swapping, generates what the backbone's own experts generate; the
+    biases live in the bank, so a worker computes them."""
+    path = tmp_path / f"gpt-oss-{quant}.gguf"
+    make_tiny(path, arch="gpt-oss", layers=2, experts=8, hidden=64, expert_ffn=64, quant=quant)
+    bb = Backbone.from_gguf(path)
+    assert all(sl.biases is not None and sl.act == "swiglu_oai" for sl in bb.experts.values())
+    per = resident_bytes(bb.experts[0], torch.device("cpu"))
+    bank = Bank(bb.experts.values(), opts(hot_bytes=3 * per, dynamic=True, dyn_steps=2))
+    prompt = load_tokenizer(path).encode("sinks and windows")
+    want = bb.generate(prompt, 10, stop_at_eos=False)
+
+    def moe(layer, x, ids, w):  # type: ignore[no-untyped-def]
+        if layer == 0:
+            bank.step()
+        return bank.forward(layer, x, ids, w)
+
+    assert bb.generate(prompt, 10, moe=moe, stop_at_eos=False) == want
+    assert bank.stats()["swaps"] > 0, "the test must exercise swaps"

@@ -1,7 +1,8 @@
 """The swarm path for the newer families: a backbone-only coordinator (KVQ_COORDINATOR_EXPERTS
 =none) and two `kvq worker` processes, each holding half of every MoE layer's routed experts,
 give the same greedy tokens as all-local generation. The leading dense layer and the shared
-experts stay with the coordinator; only routed experts travel."""
+experts stay with the coordinator; only routed experts travel (gpt-oss's with their biases,
+three more stacked ranges per layer, and MXFP4 experts)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,19 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("arch", "variant"), [("deepseek2", "v3"), ("glm4moe", "")])
+@pytest.mark.parametrize(
+    ("arch", "variant", "quant"),
+    [("deepseek2", "v3", "f32"), ("glm4moe", "", "f32"), ("gpt-oss", "", "mxfp4")],
+)
 def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
     redis_server,
     tmp_path: Path,
     arch: str,
-    variant: str,  # type: ignore[no-untyped-def]
+    variant: str,
+    quant: str,  # type: ignore[no-untyped-def]
 ) -> None:
     model = tmp_path / f"{arch}.gguf"
-    make_tiny(model, arch=arch, variant=variant, layers=3, experts=8, seed=5)
+    make_tiny(model, arch=arch, variant=variant, layers=3, experts=8, seed=5, quant=quant)
     meta = read_meta(model)
     model_id = f"fam-{arch}"
     s = load_settings(
@@ -45,6 +50,8 @@ def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
         kids.wait_for(lambda: model_id in board.models(), 120, "registration")
         info = board.model_info(model_id)
         assert len(info.slices) == 2  # every MoE layer, experts 0-3 and 4-7
+        kinds = 6 if arch == "gpt-oss" else 3  # gpt-oss: the experts' biases travel too
+        assert all(len(sl.ranges) == kinds * len(meta.moe_layers) for sl in info.slices.values())
         assert all(sl.layer_start == meta.leading_dense_block_count for sl in info.slices.values())
         for w in ("w0", "w1"):
             kids.spawn(w, "worker", "--id", w)

@@ -282,7 +282,7 @@ def _moe(built: qdot.Built, raws, types, x, w, threads: int = 2, isa: int = -1) 
 
 
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
-             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K)]  # fmt: skip
+             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4, Q.MXFP4)]  # fmt: skip
 # and gate and up taking x in two orders (the 512-bit Q4_K pairs its chunks)
 BITS_TYPES = [*MOE_TYPES, (Q.Q4_K, Q.Q6_K, Q.Q4_K)]
 MOE_TOL = 3e-2  # max relative error of a layer's sum (measured 0.7-2.5%: two quantizations)

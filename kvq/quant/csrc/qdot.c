@@ -4,7 +4,7 @@
  * The activations are quantized once per call, symmetric, round to nearest even:
  *   K-quants (Q4_K, Q5_K, Q6_K): per 256 values, d = amax / 127, q = rint(x / d), plus the
  *     sums of q over each run of 16 (the weights' per-sub-block mins and offsets need them);
- *   Q8_0, Q4_0: per 32 values, the same with the sum of the 32 q.
+ *   Q8_0, Q4_0, MXFP4: per 32 values, the same with the sum of the 32 q.
  * A block's dot product is then integers only: sum(qw * qx) per sub-block, times the
  * sub-block's integer scale, exact in int32. Only the per-block combination
  * `acc += dx * (dw * isum - dmin * imin)` is float32, in the same order in every path, so the
@@ -27,7 +27,10 @@
 #define Q0 32  /* Q8_0 / Q4_0 block */
 
 /* ggml type ids */
-enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
+
+/* the 32-value block types (x0_t activations) */
+static int is_q0(int qtype) { return qtype == T_Q8_0 || qtype == T_Q4_0 || qtype == T_MXFP4; }
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3 };
 
 typedef struct { /* 256 activations */
@@ -51,6 +54,19 @@ static float f16(const uint8_t *p) {
         return sign ? -f : f;
     }
     bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* MXFP4 (OCP microscaling): one E8M0 scale byte, then 16 bytes of FP4 E2M1 nibbles (low:
+ * values 0-15, high: 16-31). The values, doubled, are small integers; the scale is taken as
+ * half of 2^(e - 127), as ggml's GGML_E8M0_TO_FP32_HALF (subnormal for e < 2), so each
+ * block's dot product is integers times one float32 scale, like Q8_0's. */
+static const int8_t kv_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
     memcpy(&f, &bits, 4);
     return f;
 }
@@ -220,6 +236,18 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
             isum += (w[2 + i] & 15) * x->q[i] + (w[2 + i] >> 4) * x->q[16 + i];
         }
         acc = combine_0(acc, x->d, f16(w), isum - 8 * x->sum);
+    }
+    return acc;
+}
+
+static float dot_mxfp4_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 17, x++) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) {
+            isum += kv_mxfp4[w[1 + i] & 15] * x->q[i] + kv_mxfp4[w[1 + i] >> 4] * x->q[16 + i];
+        }
+        acc = combine_0(acc, x->d, e8m0_half(w[0]), isum);
     }
     return acc;
 }
@@ -435,10 +463,12 @@ static dot_k_fn pick_k(int qtype, int isa) {
 
 static dot_0_fn pick_0(int qtype, int isa) {
 #ifdef QDOT_X86
-    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? dot_q8_0_vnni : dot_q4_0_vnni;
-    if (isa == ISA_AVX2) return qtype == T_Q8_0 ? dot_q8_0_avx2 : dot_q4_0_avx2;
+    if (isa >= ISA_VNNI)
+        return qtype == T_Q8_0 ? dot_q8_0_vnni : qtype == T_MXFP4 ? dot_mxfp4_vnni : dot_q4_0_vnni;
+    if (isa == ISA_AVX2)
+        return qtype == T_Q8_0 ? dot_q8_0_avx2 : qtype == T_MXFP4 ? dot_mxfp4_avx2 : dot_q4_0_avx2;
 #endif
-    return qtype == T_Q8_0 ? dot_q8_0_scalar : dot_q4_0_scalar;
+    return qtype == T_Q8_0 ? dot_q8_0_scalar : qtype == T_MXFP4 ? dot_mxfp4_scalar : dot_q4_0_scalar;
 }
 
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
@@ -468,10 +498,12 @@ static mdot_k_fn pick_mk(int qtype, int isa) {
 
 static mdot_0_fn pick_m0(int qtype, int isa) {
 #ifdef QDOT_X86
-    if (isa >= ISA_VNNI) return qtype == T_Q8_0 ? mdot_q8_0_vnni : mdot_q4_0_vnni;
-    if (isa == ISA_AVX2) return qtype == T_Q8_0 ? mdot_q8_0_avx2 : mdot_q4_0_avx2;
+    if (isa >= ISA_VNNI)
+        return qtype == T_Q8_0 ? mdot_q8_0_vnni : qtype == T_MXFP4 ? mdot_mxfp4_vnni : mdot_q4_0_vnni;
+    if (isa == ISA_AVX2)
+        return qtype == T_Q8_0 ? mdot_q8_0_avx2 : qtype == T_MXFP4 ? mdot_mxfp4_avx2 : mdot_q4_0_avx2;
 #endif
-    return qtype == T_Q8_0 ? mdot_q8_0_scalar : mdot_q4_0_scalar;
+    return qtype == T_Q8_0 ? mdot_q8_0_scalar : qtype == T_MXFP4 ? mdot_mxfp4_scalar : mdot_q4_0_scalar;
 }
 
 /* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and
@@ -483,7 +515,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     int best = kvq_qdot_best_isa();
     isa = (isa < 0 || isa > best) ? best : isa;
     int kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
-    if (!kq && qtype != T_Q8_0 && qtype != T_Q4_0) return -1;
+    if (!kq && !is_q0(qtype)) return -1;
     int64_t bs = kq ? QK : Q0, nb = k / bs;
     if (k % bs) return -2;
     size_t per = kq ? sizeof(xk_t) : sizeof(x0_t);

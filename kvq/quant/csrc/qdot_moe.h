@@ -2,6 +2,10 @@
  *
  *   out = sum over e = 0..n-1 of w[e] * down_e(silu(gate_e x) * up_e x)
  *
+ * or, with `act` 1 and biases (gpt-oss), w[e] * (down_e(swiglu_oai(gate_e x + bg_e,
+ * up_e x + bu_e)) + bd_e): `bias` then holds 3n float32 vectors, expert e's gate, up and down
+ * biases at 3e, 3e + 1 and 3e + 2 (NULL: none).
+ *
  * for x [h] float32, gate_e and up_e [f, h] and down_e [h, f] in GGUF blocks. The decode path
  * of a MoE layer was three kvq_qdot calls per expert plus torch's SiLU, product and weighted
  * sum around them: about 25 Python calls and 24 OpenMP regions per layer for 8 experts. Here
@@ -27,7 +31,7 @@ static int kern_init(kern_t *kn, int qtype, int isa) {
     kn->kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
     kn->qtype = qtype;
     kn->isa = isa;
-    if (!kn->kq && qtype != T_Q8_0 && qtype != T_Q4_0) return -1;
+    if (!kn->kq && !is_q0(qtype)) return -1;
     kn->block = kn->kq ? QK : Q0;
     kn->fk = kn->kq ? pick_k(qtype, isa) : 0;
     kn->f0 = kn->kq ? 0 : pick_0(qtype, isa);
@@ -74,6 +78,26 @@ static __attribute__((noinline)) float silu_mul(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* gpt-oss's clamped SwiGLU: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1) */
+static __attribute__((noinline)) float swiglu_oai(float g, float u) {
+    const float x = g < 7.0f ? g : 7.0f, y = u < -7.0f ? -7.0f : (u > 7.0f ? 7.0f : u);
+    return x / (1.0f + expf(-1.702f * x)) * (y + 1.0f);
+}
+
+/* the hidden value of gate output g and up output u of row r of expert e */
+static inline float moe_hidden(float g, float u, int act, const float *const *bias, int64_t e,
+                               int64_t r) {
+    if (bias) {
+        g = g + bias[3 * e][r];
+        u = u + bias[3 * e + 1][r];
+    }
+    return act ? swiglu_oai(g, u) : silu_mul(g, u);
+}
+
+static inline float moe_out(float y, const float *const *bias, int64_t e, int64_t r) {
+    return bias ? y + bias[3 * e + 2][r] : y;
+}
+
 /* The gate, up and down kernels for `types` on `isa` (clamped to the best this CPU has):
  * 0, -1 (a type not covered) or -2 (h or f not a multiple of a type's block). */
 static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg, kern_t *ku,
@@ -90,7 +114,8 @@ static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg
  * gate, up and down; types: their ggml types. */
 int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
                  const uint8_t *const *down, const int *types, const int64_t *rb, int64_t f,
-                 int64_t h, const float *x, const float *w, float *out, int threads, int isa) {
+                 int64_t h, const float *x, const float *w, float *out, int threads, int isa,
+                 int act, const float *const *bias) {
     kern_t kg, ku, kd;
     const int bad = moe_kerns(types, isa, h, f, &kg, &ku, &kd);
     if (bad) return bad;
@@ -119,14 +144,14 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
             const int64_t e = i / f, r = i % f;
             const float g = kern_dot(&kg, gate[e] + r * rb[0], xg, h);
             const float u = kern_dot(&ku, up[e] + r * rb[1], xu, h);
-            hb[i] = silu_mul(g, u);
+            hb[i] = moe_hidden(g, u, act, bias, e, r);
         }
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < n; e++) kern_quantize(&kd, hb + e * f, f, hq + (size_t)e * hq_n);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nh; i++) { /* [n, h] */
             const int64_t e = i / h, r = i % h;
-            y[i] = kern_dot(&kd, down[e] + r * rb[2], hq + (size_t)e * hq_n, f);
+            y[i] = moe_out(kern_dot(&kd, down[e] + r * rb[2], hq + (size_t)e * hq_n, f), bias, e, r);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < h; r++) {
@@ -181,7 +206,8 @@ static void pairs_by_token(int64_t m, const int64_t *row, int64_t t, int64_t *ts
 int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *up,
                        const uint8_t *const *down, const int *types, const int64_t *rb, int64_t f,
                        int64_t h, int64_t t, const float *x, const int64_t *start,
-                       const int64_t *row, const float *w, float *out, int threads, int isa) {
+                       const int64_t *row, const float *w, float *out, int threads, int isa,
+                       int act, const float *const *bias) {
     kern_t kg, ku, kd;
     const int bad = moe_kerns(types, isa, h, f, &kg, &ku, &kd);
     if (bad) return bad;
@@ -227,7 +253,8 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                 }
                 kern_mdot(&kg, gate[e] + r * rb[0], xsg, nx, h, g);
                 kern_mdot(&ku, up[e] + r * rb[1], xsu, nx, h, u);
-                for (int j = 0; j < nx; j++) hb[(p0 + j) * f + r] = silu_mul(g[j], u[j]);
+                for (int j = 0; j < nx; j++)
+                    hb[(p0 + j) * f + r] = moe_hidden(g[j], u[j], act, bias, e, r);
             }
         }
 #pragma omp for schedule(static)
@@ -241,7 +268,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                 float v[MX];
                 for (int j = 0; j < nx; j++) xs[j] = hq + hq_n * (size_t)(p0 + j);
                 kern_mdot(&kd, down[e] + r * rb[2], xs, nx, f, v);
-                for (int j = 0; j < nx; j++) y[(p0 + j) * h + r] = v[j];
+                for (int j = 0; j < nx; j++) y[(p0 + j) * h + r] = moe_out(v[j], bias, e, r);
             }
         }
 #pragma omp for schedule(static)

@@ -125,3 +125,22 @@ static void mdot_q4_0_scalar(const uint8_t *w, const void *const *xs, int nx, in
     }
     memcpy(out, acc, sizeof(float) * (size_t)nx);
 }
+
+static void mdot_mxfp4_scalar(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    float acc[MX] = {0};
+    for (int64_t b = 0; b < nb; b++, w += 17) {
+        int8_t q[Q0];
+        for (int i = 0; i < 16; i++) {
+            q[i] = kv_mxfp4[w[1 + i] & 15];
+            q[16 + i] = kv_mxfp4[w[1 + i] >> 4];
+        }
+        const float d = e8m0_half(w[0]);
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = (const x0_t *)xs[j] + b;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += q[i] * x->q[i];
+            acc[j] = combine_0(acc[j], x->d, d, isum);
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)nx);
+}

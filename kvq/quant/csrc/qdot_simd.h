@@ -150,6 +150,26 @@ static TGT float SFX(dot_q4_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
     return acc;
 }
 
+/* MXFP4's 32 values as signed bytes: each nibble looked up in the E2M1 table (pshufb) */
+static TGT inline __m256i SFX(mxfp4_values)(const uint8_t *w) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i tbl = _mm_loadu_si128((const __m128i *)(const void *)kv_mxfp4);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(w + 1));
+    return _mm256_set_m128i(_mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
+                            _mm_shuffle_epi8(tbl, _mm_and_si128(v, m4)));
+}
+
+static TGT float SFX(dot_mxfp4)(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 17, x++) {
+        const __m256i q = SFX(mxfp4_values)(w);
+        /* |w| as unsigned, and x with w's sign, as Q8_0 (|w| <= 12) */
+        __m256i p = MUL_SUM(_mm256_sign_epi8(q, q), _mm256_sign_epi8(LD(x->q), q));
+        acc = combine_0(acc, x->d, e8m0_half(w[0]), SFX(hsum)(p));
+    }
+    return acc;
+}
+
 #include "qdot_simd_multi.h"
 
 #undef LD

@@ -187,3 +187,20 @@ static TGT void SFX(mdot_q4_0)(const uint8_t *w, const void *const *xs, int nx, 
     }
     SFX(store_rows)(acc, nx, out);
 }
+
+static TGT void SFX(mdot_mxfp4)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 17) {
+        const __m256i q = SFX(mxfp4_values)(w), u = _mm256_sign_epi8(q, q);
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = (const x0_t *)xs[j] + b;
+            is[j] = MUL_SUM(u, _mm256_sign_epi8(LD(x->q), q));
+            dx[j] = x->d;
+        }
+        acc = SFX(combine_08)(acc, _mm256_loadu_ps(dx), e8m0_half(w[0]), SFX(hsum8)(is));
+    }
+    SFX(store_rows)(acc, nx, out);
+}
