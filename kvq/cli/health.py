@@ -24,6 +24,20 @@ def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{'ok' if ok else 'unhealthy'}: {what}")
         return EXIT_OK if ok else EXIT_FAIL
 
+    if args.role == "redis":  # a ping needs no board (whose records import numpy and gguf)
+        from kvq.bus import connect
+
+        r = connect(settings.bus)
+        try:
+            r.ping()
+            ok, what = True, "redis answers"
+        except redis.RedisError as exc:
+            ok, what = False, f"redis: {exc}"
+        finally:
+            r.close()
+        print(f"{'ok' if ok else 'unhealthy'}: {what}")
+        return EXIT_OK if ok else EXIT_FAIL
+
     from kvq.bus.redis_board import open_board
 
     board = open_board(settings.bus, settings.lifetimes)
