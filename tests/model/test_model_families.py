@@ -14,7 +14,9 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta  # noqa: E402
+from greedy import kvq_greedy, llama_greedy, llama_model  # noqa: E402
+
+from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta  # noqa: E402
 from kvq.model.gguf_io import open_reader, tensor_map  # noqa: E402
 from kvq.quant import qdot  # noqa: E402
 
@@ -24,7 +26,6 @@ PROMPT = "The quick brown fox jumps over"
 STEPS = 16
 FAMILIES = [("olmoe", ""), ("glm4moe", ""), ("deepseek2", "v3"), ("deepseek2", "v2-lite"),
             ("deepseek2", "kv-b")]  # fmt: skip
-_F32 = 0  # GGML_TYPE_F32 for llama.cpp's KV cache
 
 
 def _write(tmp_path: Path, arch: str, variant: str, quant: str, rope: str = "none") -> Path:
@@ -32,35 +33,6 @@ def _write(tmp_path: Path, arch: str, variant: str, quant: str, rope: str = "non
     make_tiny(path, arch=arch, variant=variant, quant=quant, tokenizer="bpe",
               rope_scaling=rope, rope_scaling_factor=4.0 if rope == "yarn" else 1.0, **DIMS)  # fmt: skip
     return path
-
-
-def _llama(path: Path) -> object:
-    return llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
-                           n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
-
-
-def _llama_greedy(llm: object, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """llama.cpp's greedy continuation of `ids` and the logits [n, V] that chose each token."""
-    llm.reset()  # type: ignore[attr-defined]
-    llm.eval(ids)  # type: ignore[attr-defined]
-    out, rows = [], []
-    for _ in range(n):
-        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)  # type: ignore[attr-defined]
-        rows.append(row)
-        out.append(int(row.argmax()))
-        llm.eval([out[-1]])  # type: ignore[attr-defined]
-    return out, np.stack(rows)
-
-
-def _kvq_greedy(bb: Backbone, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    cache = bb.new_cache()
-    logits = bb.forward([SeqStep(list(ids), cache)])[0]
-    out, rows = [], []
-    for _ in range(n):
-        rows.append(logits.double().numpy())
-        out.append(int(logits.argmax()))
-        logits = bb.forward([SeqStep([out[-1]], cache)])[0]
-    return out, np.stack(rows)
 
 
 def test_tiny_files_carry_every_part_of_their_family(tmp_path: Path) -> None:
@@ -88,8 +60,8 @@ def test_f32_greedy_tokens_and_logits_equal_llama_cpp(
 ) -> None:
     path = _write(tmp_path, arch, variant, "f32")
     ids = load_tokenizer(path).encode(PROMPT)
-    theirs, their_logits = _llama_greedy(_llama(path), ids, STEPS)
-    ours, our_logits = _kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
+    theirs, their_logits = llama_greedy(path, ids, STEPS)
+    ours, our_logits = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
     assert ours == theirs
     corr = [np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True)]
     assert min(corr) >= 0.9999, corr
@@ -100,8 +72,8 @@ def test_deepseek2_yarn_equals_llama_cpp(tmp_path: Path) -> None:
     frequencies and the attention's mscale^2."""
     path = _write(tmp_path, "deepseek2", "v3", "f32", rope="yarn")
     ids = load_tokenizer(path).encode(PROMPT)
-    theirs, their_logits = _llama_greedy(_llama(path), ids, STEPS)
-    ours, our_logits = _kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
+    theirs, their_logits = llama_greedy(path, ids, STEPS)
+    ours, our_logits = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
     assert ours == theirs
     assert (
         min(np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True))
@@ -129,8 +101,8 @@ def test_q4_k_m_argmax_agrees_with_llama_cpp(tmp_path: Path, arch: str, variant:
     path = _write(tmp_path, arch, variant, "q4_k_m")
     ids = load_tokenizer(path).encode(PROMPT)
     bb = Backbone.from_gguf(path)
-    ours, _ = _kvq_greedy(bb, ids, STEPS)
-    llm = _llama(path)
+    ours, _ = kvq_greedy(bb, ids, STEPS)
+    llm = llama_model(path)
     llm.reset()
     llm.eval(ids + ours[:-1])
     theirs = [int(np.argmax(llm.scores[len(ids) - 1 + i])) for i in range(STEPS)]

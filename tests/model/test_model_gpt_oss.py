@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
+from greedy import kvq_greedy, llama_greedy
 
 from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
 from kvq.model.experts import expert_forward, expert_forward_reference
@@ -42,33 +43,6 @@ def write(tmp_path: Path, quant: str = "f32", **dims: int) -> Path:
     make_tiny(path, arch="gpt-oss", quant=quant, tokenizer="bpe", rope_scaling="yarn",
               rope_scaling_factor=4.0, **(DIMS | dims))  # fmt: skip
     return path
-
-
-def llama_greedy(path: Path, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """llama.cpp's greedy continuation of `ids` and the logits [n, V] that chose each token."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
-                          n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
-    llm.eval(ids)
-    out, rows = [], []
-    for _ in range(n):
-        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        rows.append(row)
-        out.append(int(row.argmax()))
-        llm.eval([out[-1]])
-    return out, np.stack(rows)
-
-
-def kvq_greedy(bb: Backbone, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    cache = bb.new_cache()
-    logits = bb.forward([SeqStep(list(ids), cache)])[0]
-    out, rows = [], []
-    for _ in range(n):
-        rows.append(logits.double().numpy())
-        out.append(int(logits.argmax()))
-        logits = bb.forward([SeqStep([out[-1]], cache)])[0]
-    return out, np.stack(rows)
 
 
 def test_tiny_file_carries_every_part(tmp_path: Path) -> None:
