@@ -100,7 +100,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
-_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32, Q.MXFP4: 32}
+_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.MXFP4: 32}
 
 
 def moe_covers(types: tuple[int, int, int], h: int, f: int) -> bool:

@@ -46,7 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
-TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4)
+TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
 _ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
            -4: "pairs out of order or a row out of range"}  # fmt: skip

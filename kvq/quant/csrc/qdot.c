@@ -27,10 +27,12 @@
 #define Q0 32  /* Q8_0 / Q4_0 block */
 
 /* ggml type ids */
-enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
 
 /* the 32-value block types (x0_t activations) */
-static int is_q0(int qtype) { return qtype == T_Q8_0 || qtype == T_Q4_0 || qtype == T_MXFP4; }
+static int is_q0(int qtype) {
+    return qtype == T_Q8_0 || qtype == T_Q4_0 || qtype == T_Q5_0 || qtype == T_MXFP4;
+}
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3 };
 
 typedef struct { /* 256 activations */
@@ -236,6 +238,24 @@ static float dot_q4_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
             isum += (w[2 + i] & 15) * x->q[i] + (w[2 + i] >> 4) * x->q[16 + i];
         }
         acc = combine_0(acc, x->d, f16(w), isum - 8 * x->sum);
+    }
+    return acc;
+}
+
+/* Q5_0: per 32 values d, 32 fifth bits (qh, little-endian), 16 bytes of nibble pairs; the
+ * value of element i is d * ((nibble | bit_i << 4) - 16) */
+static float dot_q5_0_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 22, x++) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) {
+            int lo = (w[6 + i] & 15) | (int)(((qh >> i) & 1) << 4);
+            int hi = (w[6 + i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+            isum += lo * x->q[i] + hi * x->q[16 + i];
+        }
+        acc = combine_0(acc, x->d, f16(w), isum - 16 * x->sum);
     }
     return acc;
 }
@@ -464,11 +484,11 @@ static dot_k_fn pick_k(int qtype, int isa) {
 static dot_0_fn pick_0(int qtype, int isa) {
 #ifdef QDOT_X86
     if (isa >= ISA_VNNI)
-        return qtype == T_Q8_0 ? dot_q8_0_vnni : qtype == T_MXFP4 ? dot_mxfp4_vnni : dot_q4_0_vnni;
+        return qtype == T_Q8_0 ? dot_q8_0_vnni : qtype == T_MXFP4 ? dot_mxfp4_vnni : qtype == T_Q5_0 ? dot_q5_0_vnni : dot_q4_0_vnni;
     if (isa == ISA_AVX2)
-        return qtype == T_Q8_0 ? dot_q8_0_avx2 : qtype == T_MXFP4 ? dot_mxfp4_avx2 : dot_q4_0_avx2;
+        return qtype == T_Q8_0 ? dot_q8_0_avx2 : qtype == T_MXFP4 ? dot_mxfp4_avx2 : qtype == T_Q5_0 ? dot_q5_0_avx2 : dot_q4_0_avx2;
 #endif
-    return qtype == T_Q8_0 ? dot_q8_0_scalar : qtype == T_MXFP4 ? dot_mxfp4_scalar : dot_q4_0_scalar;
+    return qtype == T_Q8_0 ? dot_q8_0_scalar : qtype == T_MXFP4 ? dot_mxfp4_scalar : qtype == T_Q5_0 ? dot_q5_0_scalar : dot_q4_0_scalar;
 }
 
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
@@ -499,11 +519,11 @@ static mdot_k_fn pick_mk(int qtype, int isa) {
 static mdot_0_fn pick_m0(int qtype, int isa) {
 #ifdef QDOT_X86
     if (isa >= ISA_VNNI)
-        return qtype == T_Q8_0 ? mdot_q8_0_vnni : qtype == T_MXFP4 ? mdot_mxfp4_vnni : mdot_q4_0_vnni;
+        return qtype == T_Q8_0 ? mdot_q8_0_vnni : qtype == T_MXFP4 ? mdot_mxfp4_vnni : qtype == T_Q5_0 ? mdot_q5_0_vnni : mdot_q4_0_vnni;
     if (isa == ISA_AVX2)
-        return qtype == T_Q8_0 ? mdot_q8_0_avx2 : qtype == T_MXFP4 ? mdot_mxfp4_avx2 : mdot_q4_0_avx2;
+        return qtype == T_Q8_0 ? mdot_q8_0_avx2 : qtype == T_MXFP4 ? mdot_mxfp4_avx2 : qtype == T_Q5_0 ? mdot_q5_0_avx2 : mdot_q4_0_avx2;
 #endif
-    return qtype == T_Q8_0 ? mdot_q8_0_scalar : qtype == T_MXFP4 ? mdot_mxfp4_scalar : mdot_q4_0_scalar;
+    return qtype == T_Q8_0 ? mdot_q8_0_scalar : qtype == T_MXFP4 ? mdot_mxfp4_scalar : qtype == T_Q5_0 ? mdot_q5_0_scalar : mdot_q4_0_scalar;
 }
 
 /* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and

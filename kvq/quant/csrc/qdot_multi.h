@@ -126,6 +126,27 @@ static void mdot_q4_0_scalar(const uint8_t *w, const void *const *xs, int nx, in
     memcpy(out, acc, sizeof(float) * (size_t)nx);
 }
 
+static void mdot_q5_0_scalar(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    float acc[MX] = {0};
+    for (int64_t b = 0; b < nb; b++, w += 22) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        int q[Q0];
+        for (int i = 0; i < 16; i++) {
+            q[i] = (w[6 + i] & 15) | (int)(((qh >> i) & 1) << 4);
+            q[16 + i] = (w[6 + i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+        }
+        const float d = f16(w);
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = (const x0_t *)xs[j] + b;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += q[i] * x->q[i];
+            acc[j] = combine_0(acc[j], x->d, d, isum - 16 * x->sum);
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)nx);
+}
+
 static void mdot_mxfp4_scalar(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
     float acc[MX] = {0};
     for (int64_t b = 0; b < nb; b++, w += 17) {

@@ -159,6 +159,31 @@ static TGT inline __m256i SFX(mxfp4_values)(const uint8_t *w) {
                             _mm_shuffle_epi8(tbl, _mm_and_si128(v, m4)));
 }
 
+/* Q5_0's 32 values 0..31: the nibbles as Q4_0's, plus 16 where the element's fifth bit is set
+ * (byte j of the broadcast qh picked per 8 lanes, each lane testing its own bit) */
+static TGT inline __m256i SFX(q5_0_values)(const uint8_t *w) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(w + 6));
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    uint32_t qh;
+    memcpy(&qh, w + 2, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+    return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+static TGT float SFX(dot_q5_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 22, x++) {
+        const __m256i q = SFX(q5_0_values)(w);
+        acc = combine_0(acc, x->d, F16(w), SFX(hsum)(MUL_SUM(q, LD(x->q))) - 16 * x->sum);
+    }
+    return acc;
+}
+
 static TGT float SFX(dot_mxfp4)(const uint8_t *w, const x0_t *x, int64_t nb) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 17, x++) {

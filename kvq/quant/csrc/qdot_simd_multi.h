@@ -188,6 +188,24 @@ static TGT void SFX(mdot_q4_0)(const uint8_t *w, const void *const *xs, int nx, 
     SFX(store_rows)(acc, nx, out);
 }
 
+static TGT void SFX(mdot_q5_0)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
+    __m256i is[8];
+    for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
+    float dx[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 22) {
+        const __m256i q = SFX(q5_0_values)(w);
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = (const x0_t *)xs[j] + b;
+            /* minus 16 * sum: twice the sum from each of the 8 lanes */
+            is[j] = _mm256_sub_epi32(MUL_SUM(q, LD(x->q)), _mm256_set1_epi32(2 * x->sum));
+            dx[j] = x->d;
+        }
+        acc = SFX(combine_08)(acc, _mm256_loadu_ps(dx), F16(w), SFX(hsum8)(is));
+    }
+    SFX(store_rows)(acc, nx, out);
+}
+
 static TGT void SFX(mdot_mxfp4)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) {
     __m256i is[8];
     for (int j = nx; j < 8; j++) is[j] = _mm256_setzero_si256();
