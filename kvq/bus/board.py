@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
@@ -37,8 +37,10 @@ from kvq.bus.records import (
 )
 from kvq.errors import ModelError, WireError
 from kvq.machine import parse_cpus
-from kvq.model.registry import ModelInfo
-from kvq.swarm import WorkerView
+
+if TYPE_CHECKING:  # at run time only where used: the model and swarm modules import numpy, gguf
+    from kvq.model.registry import ModelInfo
+    from kvq.swarm import WorkerView
 
 log = logging.getLogger("kvq.bus")
 
@@ -216,6 +218,8 @@ def worker_view(
 ) -> WorkerView:
     """What routers see of a worker holding `sid` of `model`: its liveness and what its last
     beat said (ready: it serves that slice, whatever else it holds or loads)."""
+    from kvq.swarm import WorkerView
+
     if info is None:
         return WorkerView(worker, sid, alive)
     ready = info.ready_for(model, sid)

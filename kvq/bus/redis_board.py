@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -30,10 +31,11 @@ from kvq.bus.streams import is_cluster, unanswered, xadd
 from kvq.config import BusSettings
 from kvq.errors import ConfigError, WireError
 from kvq.keys import Keys, request_streams, split_slices
-from kvq.model import meta_from_dict, meta_to_dict
-from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
-from kvq.swarm import WorkerView
+
+if TYPE_CHECKING:  # imported where used: the model and swarm modules import numpy and gguf
+    from kvq.model.registry import ModelInfo
+    from kvq.swarm import WorkerView
 
 
 def _s(b: bytes) -> str:
@@ -56,6 +58,8 @@ class RedisBoard:
         return sorted(_s(m) for m in self.r.smembers(self.keys.models()))
 
     def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+        from kvq.model import meta_to_dict
+
         k, m = self.keys, info.model
         meta = info.meta
         entry = ModelEntry(
@@ -93,6 +97,9 @@ class RedisBoard:
             )
 
     def model_info(self, model: str) -> ModelInfo | None:
+        from kvq.model import meta_from_dict
+        from kvq.model.registry import ModelInfo
+
         entry = ModelEntry.from_hash(self.r.hgetall(self.keys.model_meta(model)))
         if entry is None:
             return None
