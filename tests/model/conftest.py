@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ if importlib.util.find_spec("kvq") is None:  # kvq not installed: import it from
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvq.model import Backbone, make_tiny  # noqa: E402
+from kvq.quant import qdot  # noqa: E402
 
 # non-square dimensions so any transposed matrix fails loudly
 ODD = {
@@ -67,3 +70,12 @@ def mixtral_backbone(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
     path = tmp_path_factory.mktemp("mixtral") / "mixtral.gguf"
     make_tiny(path, arch="mixtral", **ODD)  # type: ignore[arg-type]
     return Backbone.from_gguf(path)
+
+
+@pytest.fixture
+def int8_activations() -> Iterator[None]:
+    """kvq's kernels with int8 activations, as llama.cpp computes quantized matrices."""
+    before = qdot.options()
+    qdot.configure(replace(before, activations="int8"))
+    yield
+    qdot.configure(before)

@@ -5,8 +5,6 @@ files agree on the argmax of teacher-forced steps. Skipped where llama_cpp is no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,6 @@ from greedy import kvq_greedy, llama_greedy, llama_model  # noqa: E402
 
 from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta  # noqa: E402
 from kvq.model.gguf_io import open_reader, tensor_map  # noqa: E402
-from kvq.quant import qdot  # noqa: E402
 
 DIMS = {"layers": 3, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
         "kv_heads": 2, "head_dim": 64}  # fmt: skip
@@ -79,15 +76,6 @@ def test_deepseek2_yarn_equals_llama_cpp(tmp_path: Path) -> None:
         min(np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True))
         >= 0.9999
     )
-
-
-@pytest.fixture
-def int8_activations() -> Iterator[None]:
-    """kvq's kernels with int8 activations, as llama.cpp computes quantized matrices."""
-    before = qdot.options()
-    qdot.configure(replace(before, activations="int8"))
-    yield
-    qdot.configure(before)
 
 
 @pytest.mark.usefixtures("int8_activations")

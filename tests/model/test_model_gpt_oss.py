@@ -9,7 +9,6 @@ references here too. The llama.cpp tests skip where llama_cpp is not installed."
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,15 +130,6 @@ def test_causal_attention_with_sinks_and_window_equals_a_loop() -> None:
             e = torch.exp(torch.cat([sc, sinks[h : h + 1]]))
             want = (e[:-1, None] / e.sum() * v[keep, h // 2]).sum(0)
             torch.testing.assert_close(got[i, h], want)
-
-
-@pytest.fixture
-def int8_activations() -> Iterator[None]:
-    """kvq's kernels with int8 activations, as llama.cpp computes quantized matrices."""
-    before = qdot.options()
-    qdot.configure(replace(before, activations="int8"))
-    yield
-    qdot.configure(before)
 
 
 def test_mxfp4_experts_decode_as_gguf_does(tmp_path: Path) -> None:
