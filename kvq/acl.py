@@ -12,7 +12,12 @@
 |             |                         | `P:deadletter`; no scripts                              |
 | client      | `P-client`              | `XADD` requests and cancels, read (and delete) reply    |
 |             |                         | streams, read the model list and tables, slot state,    |
-|             |                         | the requests' length; the API key counters              |
+|             |                         | the requests' length and groups                         |
+| api         | `P-api`                 | the client's rights, and the API keys' call counters    |
+|             |                         | (`kvq api`, the one process trusted to count calls)     |
+
+No role may list key names (`SCAN`, `KEYS`, `RANDOMKEY`, `CLIENT TRACKING`: its `BCAST` mode
+reports every key written) or read a stream's entries beyond its own (`XINFO STREAM ... FULL`).
 
 `P` is the prefix. ACL key patterns are globs: the prefix is escaped and worker ids are limited to
 `[A-Za-z0-9_.-]` (`kvq.keys.check_id`), so `P:{w:W}:*` reaches no other worker's keys. `%R~`/`%W~`
@@ -34,9 +39,11 @@ from kvq.bus.streams import is_cluster
 from kvq.errors import ConfigError
 from kvq.keys import Keys, check_id
 
-ROLES = ("monitor", "coordinator", "worker", "client")
+ROLES = ("monitor", "coordinator", "worker", "client", "api")
+# no role lists key names: SCAN and KEYS, RANDOMKEY, CLIENT TRACKING (BCAST reports every key)
+_NO_LISTING = ["-scan", "-keys", "-randomkey", "-client|tracking"]
 # every role: no admin, no server-wide or destructive command, no pub/sub, no key listing
-_SAFE = ["+@all", "-@dangerous", "-@admin", "-@pubsub", "-scan"]
+_SAFE = ["+@all", "-@dangerous", "-@admin", "-@pubsub", *_NO_LISTING]
 _READ = ["+smembers", "+sismember", "+hgetall", "+hget", "+hmget", "+hkeys", "+exists"]
 _CONNECT = ["+ping", "+hello", "+auth", "+client|setinfo", "+client|setname", "+acl|whoami"]
 
@@ -75,7 +82,7 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
         # worker's command channel, and INFO (it reads the server's version)
         rules = [f"~{p}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
-                 "-@admin", "-scan", "+info"]  # fmt: skip
+                 "-@admin", *_NO_LISTING, "+info"]  # fmt: skip
     elif role == "coordinator":
         rules = [
             *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
@@ -95,18 +102,21 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:workers', *_READ])})",
             f"(%W~{p}:market %W~{p}:deadletter +xadd)",
         ]  # fmt: skip
-    elif role == "client":
+    elif role in ("client", "api"):
         rules = [
             "resetkeys", "-@all", *_CONNECT,
             f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
             # `kvq api` deletes a reply stream it has read to its end (its only reader)
             f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
-            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xinfo|stream)",
+            # the queue's length and its group's lag; no XINFO STREAM (its FULL form lists the
+            # queued requests of everyone: prompts, ids)
+            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers)",
             # the gateway's queue watch: slot state, and the token counters of its stats
             f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
-            f"(~{p}:{{k:*}}:calls +set +incr +pttl)",
         ]  # fmt: skip
+        if role == "api":  # redis-py's INCR sends INCRBY
+            rules.append(f"(~{p}:{{k:*}}:calls +set +incr +incrby +pttl)")
     else:
         raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     return AclUser(role, user_name(keys.prefix, role, worker if role == "worker" else None),

@@ -10,8 +10,28 @@ import time
 from typing import Any
 
 import uvicorn
+from starlette.requests import Request
 
 from kvq.errors import ServerError
+
+
+async def capped_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None once it is over `limit` bytes: a declared Content-Length
+    over it is refused before reading, and a chunked body (no length) is read only up to it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                return None
+        except ValueError:
+            return None
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def config(app: Any, host: str, port: int, loop: str = "asyncio") -> uvicorn.Config:

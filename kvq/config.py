@@ -77,6 +77,12 @@ class Settings(SettingsChecks):
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"
     )
+    replica_wait_s: float = Field(
+        30.0, gt=0, le=3600, allow_inf_nan=False,
+        description="a coordinator without a slice's experts (a backbone file) waits this long "
+        "for a live worker serving it (none yet, or every one failed the job), then the "
+        "requests of that step end with a NoReplica error",
+    )  # fmt: skip
     slot_poll_s: float = Field(
         0.5, gt=0, le=60, description="how often the coordinator samples its own busy slots"
     )
@@ -137,6 +143,11 @@ class Settings(SettingsChecks):
     trust_ban_after: int = Field(
         3, ge=1, description="mismatches after which a worker id is banned for good"
     )
+    trust_step_floor: float = Field(
+        0.3, ge=0, lt=1, allow_inf_nan=False,
+        description="chance that at least one of a worker's jobs in each engine step is "
+        "checked, however long its clean streak (trust that cannot be banked)",
+    )  # fmt: skip
     microbatches: int = Field(
         1,
         ge=1,
@@ -171,9 +182,10 @@ class Settings(SettingsChecks):
         "for quantized experts)",
     )
     activations: Literal["float32", "int8"] = Field(
-        "float32",
-        description="activations of the CPU kernels on quantized weights: float32 (exact) or "
-        "int8 (quantized per block, integer dot products: faster, below the stored precision)",
+        "int8",
+        description="activations of the CPU kernels on quantized weights: int8 (the default: "
+        "quantized per block, integer dot products, as llama.cpp; faster, the same bits on "
+        "every SIMD path) or float32 (exact to float32 rounding)",
     )
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
     load_retry_max_s: float = Field(
@@ -334,6 +346,7 @@ class Settings(SettingsChecks):
         return DispatchSettings(
             self.job_deadline_ms, self.verify_remote, self.trust_full_checks, self.trust_decay,
             self.trust_p_min, self.trust_quarantine_s, self.trust_ban_after, self.microbatches,
+            trust_step_floor=self.trust_step_floor, replica_wait_s=self.replica_wait_s,
         )  # fmt: skip
 
     @property
@@ -432,10 +445,16 @@ def describe(settings: Settings) -> list[dict[str, Any]]:
 
 
 def child_env(settings: Settings, **overrides: Any) -> dict[str, str]:
-    """Environment for a child kvq process: this process's env plus every setting as KVQ_*."""
+    """Environment for a child kvq process: this process's env plus every setting as KVQ_*,
+    except those left at their defaults (the child reads the same default, and a default is
+    not a choice the child's checks could find contradicting another setting)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
     values = settings.model_dump() | overrides
     for name, value in values.items():
+        field = Settings.model_fields.get(name)
+        chosen = name in settings.model_fields_set or name in overrides
+        if field is not None and not chosen and value == field.default:
+            continue
         if isinstance(value, bool):
             value = int(value)
         env[env_name(name)] = str(value)

@@ -16,6 +16,7 @@
     │   ├── NoRoute            every copy of the model has a down node
     │   ├── Unrecoverable      failover ladder exhausted (H6 d): expected, never an invalid route
     │   ├── UncoveredSlice     a slice has no live node: refuse the model's requests
+    │   │   └── NoReplica          ... and a backbone-only coordinator waited for one in vain
     │   ├── CapacityError      the nodes' memory cannot hold one copy of a model
     │   └── TopologyError      a swarm topology or plan is malformed or invalid
     ├── ServerError        the embedded Redis server could not be started
@@ -96,6 +97,11 @@ class Unrecoverable(RoutingError):
 
 class UncoveredSlice(RoutingError):
     """A slice of the model has no live node, so the model cannot be served until it does."""
+
+
+class NoReplica(UncoveredSlice):
+    """A backbone-only coordinator needs a slice that no live worker serves, and none came
+    within `KVQ_REPLICA_WAIT_S`: the requests of that step end with this error."""
 
 
 class CapacityError(RoutingError):

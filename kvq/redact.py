@@ -1,4 +1,5 @@
-"""Secrets out of everything kvq prints: Redis URLs lose their password, log lines too.
+"""Secrets out of everything kvq prints: Redis URLs lose their password (in the userinfo,
+`redis://user:PASSWORD@host`, and in the query, `?password=PASSWORD`), log lines too.
 
 `redacted_url` is for values kvq prints itself (`kvq config show`, the demo, bench reports);
 `RedactingFilter` catches what libraries put in log records and exception texts (a redis-py
@@ -11,8 +12,10 @@ import logging
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-# user:password@ inside any redis/rediss/unix URL
-_URL_PASSWORD = re.compile(r"((?:rediss?|unix)://[^:@/\s]*:)([^@\s]+)(@)")
+# user:password@ inside any redis/rediss/unix URL (with a +cluster or +sentinel mode)
+_URL_PASSWORD = re.compile(r"((?:rediss?|unix)(?:\+[a-z]+)?://[^:@/\s]*:)([^@\s]+)(@)")
+# ?password=... or &ssl_password=... anywhere in a text (redis-py takes both from a URL)
+_QUERY_PASSWORD = re.compile(r"([?&][A-Za-z_]*password=)([^&#\s]+)", re.IGNORECASE)
 
 
 def redacted_url(url: str) -> str:
@@ -22,16 +25,17 @@ def redacted_url(url: str) -> str:
         password = parts.password
     except ValueError:
         return redacted_text(url)
-    if password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    if password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0]
+        url = urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def redacted_text(text: str) -> str:
-    """`text` with the password of every Redis URL in it replaced by `***`."""
-    return _URL_PASSWORD.sub(r"\1***\3", text)
+    """`text` with the password of every Redis URL in it replaced by `***` (userinfo and
+    query)."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***\3", text))
 
 
 class RedactingFilter(logging.Filter):

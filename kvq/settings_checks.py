@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import re
 from typing import Literal
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
 _BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
@@ -32,6 +32,22 @@ def mode_of_url(url: str) -> str:
     """standalone, cluster or sentinel, as the URL's scheme says (`redis+cluster://...`)."""
     scheme = urlparse(url).scheme
     return scheme.split("+", 1)[1] if "+" in scheme else "standalone"
+
+
+_NO_CERT_CHECK = {"none", "optional", "cert_none", "cert_optional"}
+
+
+def tls_weakening(url: str) -> str:
+    """The query options of `url` that weaken TLS verification (redis-py reads them from the
+    URL: `ssl_cert_reqs=none|optional`, `ssl_check_hostname=false`), as `k=v` text, or ""."""
+    found = []
+    for key, value in parse_qsl(urlparse(url).query, keep_blank_values=True):
+        v = value.strip().lower()
+        if key == "ssl_cert_reqs" and v in _NO_CERT_CHECK:
+            found.append(f"{key}={value}")
+        elif key == "ssl_check_hostname" and v in _BOOLISH and not _BOOLISH[v]:
+            found.append(f"{key}={value}")
+    return ", ".join(found)
 
 
 class SettingsChecks(BaseSettings):
@@ -54,16 +70,33 @@ class SettingsChecks(BaseSettings):
             raise ValueError("must be sampled, all or off (1/true = all, 0/false = off)")
         return v
 
-    @field_validator("activations", check_fields=False)
-    @classmethod
-    def _check_activations(cls, v: str, info: ValidationInfo) -> str:
-        dtype = info.data.get("compute_dtype", "auto")
-        if v == "int8" and dtype not in ("auto", "float32"):
+    @model_validator(mode="after")
+    def _check_activations(self) -> SettingsChecks:
+        """int8 activations apply to the CPU kernels on quantized weights; a GPU dtype does not
+        use them. Asking for both is a contradiction; the default with a GPU dtype is not."""
+        dtype, act = getattr(self, "compute_dtype", "auto"), getattr(self, "activations", "int8")
+        if "activations" in self.model_fields_set and act == "int8" and dtype not in (
+            "auto", "float32",
+        ):  # fmt: skip
             raise ValueError(
-                f"int8 applies to the float32 kernels; KVQ_COMPUTE_DTYPE={dtype} does not use "
-                "them: set KVQ_COMPUTE_DTYPE=auto or float32, or KVQ_ACTIVATIONS=float32"
+                f"KVQ_ACTIVATIONS=int8 applies to the float32 kernels; KVQ_COMPUTE_DTYPE={dtype} "
+                "does not use them: set KVQ_COMPUTE_DTYPE=auto or float32, or leave "
+                "KVQ_ACTIVATIONS unset"
             )
-        return v
+        return self
+
+    @model_validator(mode="after")
+    def _check_tls_weakening(self) -> SettingsChecks:
+        """A Redis URL option that turns certificate checks off needs KVQ_TLS_INSECURE too: a
+        URL is copied around, and a copied `?ssl_cert_reqs=none` must not weaken TLS silently."""
+        url = getattr(self, "redis_url", "")
+        weak = tls_weakening(url)
+        if weak and not getattr(self, "tls_insecure", False):
+            raise ValueError(
+                f"KVQ_REDIS_URL has {weak}, which turns off the check of the Redis server's "
+                "certificate: set KVQ_TLS_INSECURE=1 to mean it, or remove it from the URL"
+            )
+        return self
 
     @field_validator("redis_url", "rq_url", check_fields=False)
     @classmethod

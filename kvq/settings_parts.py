@@ -58,6 +58,8 @@ class DispatchSettings:
     trust_quarantine_s: float = 600.0
     trust_ban_after: int = 3
     microbatches: int = 1
+    trust_step_floor: float = 0.3  # KVQ_TRUST_STEP_FLOOR
+    replica_wait_s: float = 30.0  # KVQ_REPLICA_WAIT_S: a backbone-only coordinator's wait
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,9 @@ class Job(_Msg, frozen=True):
     x: Tensor  # [T, H] activations after the FFN norm
     ids: Tensor  # [T, k] global expert ids
     weights: Tensor  # [T, k] gate weights
+    # the compute path the coordinator checks the result against (`kvq.coordinator.check`):
+    # a result in another is refused; None = any (a coordinator that predates it)
+    want_dtype: ComputeDType | None = None
 
     def __post_init__(self) -> None:
         xs, ids, ws = self.x.shape, self.ids.shape, self.weights.shape

@@ -42,10 +42,11 @@ from starlette.types import Receive, Scope, Send
 from kvq import wire
 from kvq.api.gate import Gate, failure_status, not_served
 from kvq.api.metrics import ApiMetrics
-from kvq.api.params import Call, parse, parse_messages
+from kvq.api.params import Call, json_object, parse, parse_messages
 from kvq.api.queue import SAMPLE_S, entry_key
 from kvq.api.shape import Answer, model_card, models_list
 from kvq.api.text import ModelText, Texts
+from kvq.asgi import capped_body
 from kvq.bus import connect_async
 from kvq.bus.connection import close_async
 from kvq.bus.redis_board import open_board
@@ -55,6 +56,7 @@ from kvq.errors import ApiError, WireError
 from kvq.keys import request_shard
 
 MAX_BODY = 1 << 20
+MAX_TOKEN_ID = 1 << 31  # above every vocabulary; the tokenizer says which ids below it exist
 T = TypeVar("T")
 
 
@@ -171,16 +173,16 @@ class Gateway:
             await run_in_threadpool(self.gate.cancel, call.model, request_id)
 
 
-def _json_body(raw: bytes) -> dict[str, Any]:
-    if len(raw) > MAX_BODY:
+async def _body(request: Request) -> bytes:
+    """The body, at most MAX_BODY bytes (chunked bodies too), else 413."""
+    raw = await capped_body(request, MAX_BODY)
+    if raw is None:
         raise ApiError(413, f"the body is over {MAX_BODY} bytes")
-    try:
-        d = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not JSON: {exc}", param="body") from None
-    if not isinstance(d, dict):
-        raise ApiError(400, "the body must be a JSON object", param="body")
-    return d
+    return raw
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    return json_object(raw)
 
 
 def _model_of(body: dict[str, Any]) -> str:
@@ -266,7 +268,7 @@ def create_app(settings: Settings) -> Starlette:
 
     async def tokenize(request: Request) -> Response:
         await authorize(request)
-        body = _json_body(await request.body())
+        body = _json_body(await _body(request))
         model = _model_of(body)
         text = await run_in_threadpool(gw.text, model)
         add_special = body.get("add_special_tokens", True)
@@ -284,17 +286,17 @@ def create_app(settings: Settings) -> Starlette:
 
     async def detokenize(request: Request) -> Response:
         await authorize(request)
-        body = _json_body(await request.body())
+        body = _json_body(await _body(request))
         text = await run_in_threadpool(gw.text, _model_of(body))
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID for i in ids
         ):
-            raise ApiError(400, "'tokens' must be a list of token ids (integers >= 0)",
-                           param="tokens")  # fmt: skip
+            raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
+                           f"{MAX_TOKEN_ID}))", param="tokens")  # fmt: skip
         try:
             prompt = await run_in_threadpool(text.tokenizer.decode, ids)
-        except (IndexError, KeyError, ValueError) as exc:
+        except (IndexError, KeyError, ValueError, OverflowError) as exc:
             raise ApiError(400, f"'tokens' holds an id outside the vocabulary: {exc}",
                            param="tokens") from None  # fmt: skip
         return JSONResponse({"prompt": prompt})
@@ -312,10 +314,8 @@ def create_app(settings: Settings) -> Starlette:
     async def _complete(request: Request, chat: bool) -> Response:
         t0 = time.monotonic()
         await authorize(request)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            raise ApiError(413, f"the body is over {MAX_BODY} bytes")
         call = parse(
-            await request.body(), chat=chat, max_tokens_default=gw.s.max_tokens_default,
+            await _body(request), chat=chat, max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
         )  # fmt: skip
         call = await run_in_threadpool(gw.fill_max_tokens, call)

@@ -3,7 +3,7 @@
 Everything is checked here, before anything is queued. Parameters kvq does not use (`user`,
 `logit_bias` when empty, ...) are accepted and ignored, as OpenAI-compatible servers do;
 parameters that would change the answer and that kvq cannot honour (`n` > 1, `echo`,
-`suffix`, tools) are refused rather than silently dropped.
+`suffix`, tools, a non-empty `logit_bias`) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -43,17 +43,50 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+MAX_DEPTH = 32  # nesting of a body's arrays and objects; OpenAI's deepest is about 6
+MAX_INT = 2**63 - 1  # any integer a body may hold (ids, seeds, counts) fits int64
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 (param `body`): not JSON, not an object, nested
+    deeper than MAX_DEPTH, a string that is not Unicode (a lone surrogate such as
+    "\\ud800"), or an integer beyond int64. Every later read can then trust the types."""
+    try:
+        d = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad("body", f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("body", f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(d, dict):
+        raise _bad("body", "the body must be a JSON object")
+    _check_values(d)
+    return d
+
+
+def _check_values(root: Any) -> None:
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_DEPTH:
+                raise _bad("body", f"the body is nested deeper than {MAX_DEPTH} levels")
+            items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _bad("body", "the body holds a string that is not valid Unicode (a lone "
+                           "surrogate escape such as \\ud800)") from None  # fmt: skip
+        elif isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT <= v <= MAX_INT:
+            raise _bad("body", f"the body holds an integer beyond 64 bits: {str(v)[:40]}")
+
+
 class _Body:
     """Typed reads of a JSON object's fields, each refusing with the field's name."""
 
     def __init__(self, raw: bytes) -> None:
-        try:
-            d = json.loads(raw or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad("body", f"the body is not JSON: {exc}") from None
-        if not isinstance(d, dict):
-            raise _bad("body", "the body must be a JSON object")
-        self.d: dict[str, Any] = d
+        self.d: dict[str, Any] = json_object(raw)
 
     def get(self, name: str) -> Any:
         v = self.d.get(name)
@@ -97,6 +130,8 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     for name in REFUSED:
         if b.get(name) not in (None, [], "", {"type": "text"}):  # plain text is what kvq gives
             raise _bad(name, f"'{name}' is not supported by kvq")
+    if b.get("logit_bias") not in (None, {}):  # empty: what some clients always send
+        raise _bad("logit_bias", "'logit_bias' is not supported by kvq")
     b.integer("n", 1, 1, 1)  # one choice per call
     b.integer("best_of", 1, 1, 1)
     if b.flag("echo", False):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import ssl
 import time
 import weakref
@@ -13,12 +14,13 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 import redis.asyncio.retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from kvq.config import BusSettings
 from kvq.errors import TlsError
 from kvq.redact import redacted_text, redacted_url
+from kvq.settings_checks import tls_weakening
 
 __all__ = [
     "Backoff", "connect", "connect_async", "is_connection_error", "is_tls_error", "redacted_url",
@@ -44,6 +46,10 @@ def tls_options(settings: BusSettings) -> dict[str, Any]:
         opts["ssl_ca_certs"] = settings.tls_ca_file
     if settings.tls_cert_file:
         opts["ssl_certfile"], opts["ssl_keyfile"] = settings.tls_cert_file, settings.tls_key_file
+    weak = tls_weakening(settings.redis_url)
+    if weak:  # the settings refuse this without KVQ_TLS_INSECURE
+        log.warning("KVQ_REDIS_URL has %s: the Redis server's certificate is NOT fully "
+                    "verified (KVQ_TLS_INSECURE=1 allows it)", weak)  # fmt: skip
     if settings.tls_insecure:
         log.warning("KVQ_TLS_INSECURE=1: the Redis server's certificate is NOT verified; "
                     "anyone on the path can read and change kvq's traffic")  # fmt: skip
@@ -76,12 +82,55 @@ def connect(settings: BusSettings) -> redis.Redis:
     )
     if urlsplit(settings.redis_url).scheme == "rediss":
         try:
-            r.ping()
-        except redis.RedisError as exc:
-            if is_tls_error(exc):
-                r.close()
-                raise TlsError(tls_message(settings.redis_url, exc)) from None
+            _first_tls_ping(settings, tls)
+        except TlsError:
+            r.close()
+            raise
     return r
+
+
+def _first_tls_ping(settings: BusSettings, tls: dict[str, Any]) -> None:
+    """One TLS connection, made now and not retried: a certificate problem, or a server that
+    speaks plain Redis on that port (a handshake there waits for an answer that never comes),
+    raises a one-line TlsError within a few seconds. Anything else (the server is down) is
+    left to the client's retries."""
+    probe = redis.Redis.from_url(
+        settings.redis_url, socket_timeout=_HANDSHAKE_S, socket_connect_timeout=_HANDSHAKE_S,
+        retry=Retry(NoBackoff(), 0), **tls,
+    )  # fmt: skip
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        tls_failed = is_tls_error(exc)
+        if (tls_failed or isinstance(exc, redis.TimeoutError)) and speaks_plain_redis(
+            settings.redis_url
+        ):
+            raise TlsError(
+                f"{redacted_url(settings.redis_url)} is a rediss:// (TLS) URL, but the server "
+                "there speaks plain Redis: use redis://, or the port of its --tls-port"
+            ) from None
+        if tls_failed:
+            raise TlsError(tls_message(settings.redis_url, exc)) from None
+    finally:
+        probe.close()
+
+
+_HANDSHAKE_S = 2.0  # a TLS handshake on loopback or a LAN takes milliseconds
+
+
+def speaks_plain_redis(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether host:port of `url` answers a plain-text PING as Redis does (+PONG, or an
+    error such as -NOAUTH): a TLS port closes on it or answers with a TLS alert instead."""
+    parts = urlsplit(plain_url(url))
+    try:
+        with socket.create_connection(
+            (parts.hostname or "", parts.port or 6379), timeout_s
+        ) as sock:
+            sock.sendall(b"PING\r\n")
+            first = sock.recv(1)
+    except OSError:
+        return False
+    return first in (b"+", b"-")
 
 
 def is_tls_error(exc: BaseException) -> bool:

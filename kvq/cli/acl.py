@@ -60,8 +60,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     a = sub.add_parser(
         "acl", help="least-privilege ACL users per role: print the rules, or --apply them"
     )
-    a.add_argument("--role", action="append", choices=["monitor", "coordinator", "worker", "client"],
-                   help="only this role (repeatable; default: every role)")  # fmt: skip
+    a.add_argument("--role", action="append",
+                   choices=["monitor", "coordinator", "worker", "client", "api"], help="only this role (repeatable; default: every role)")  # fmt: skip
     a.add_argument("--worker", action="append", metavar="ID",
                    help="a worker id to make a user for (repeatable)")  # fmt: skip
     a.add_argument("--prefix", help="key prefix (default KVQ_PREFIX)")

@@ -54,9 +54,15 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
         try:
-            read_meta(path)  # a bad file fails here, at once; checksumming it is a coarse job
+            meta = read_meta(path)  # a bad file fails here, at once; checksums: a coarse job
         except (OSError, ModelError) as exc:  # a wrong flag value: usage (exit 2)
             raise ConfigError(f"--model {spec}: {exc}") from None
+        if not meta.holds_experts:
+            raise ConfigError(
+                f"--model {spec}: {path!r} is a backbone file (kvq model split --backbone): "
+                "workers could not fetch the experts from it; register the full file it was "
+                "split from, and start the coordinator on the backbone file"
+            )
         models.append((model, path))
     jobs = None
     if settings.coarse_url:

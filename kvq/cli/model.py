@@ -1,4 +1,4 @@
-"""Model commands: `kvq model make-tiny|inspect`, `kvq generate`, `kvq bench experts`."""
+"""Model commands: `kvq model make-tiny|inspect|split`, `kvq generate`, `kvq bench experts`."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 # literal copies of kvq.model.arch.TINY_ARCHS, kvq.model.quants.QUANT_NAMES / MIXES,
 # kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
 # kvq.model here would load torch for every `kvq` command, even `--help`
-ARCHS = ("deepseek2", "glm4moe", "gpt-oss", "mixtral", "olmoe", "qwen2moe", "qwen3moe")
+ARCHS = (
+    "deepseek2", "glm4moe", "gpt-oss", "mixtral", "olmoe", "qwen2moe", "qwen3moe", "qwen35moe",
+)  # fmt: skip
 VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXES = ("q4_k_m", "mxfp4")
-PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b")
+PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b")
 TOKENIZERS = ("bytes", "bpe")
 _TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
               ("expert-ffn", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
@@ -59,7 +61,8 @@ def _write_preset(args: argparse.Namespace) -> int:
 
     from kvq.model.presets import plan, preset_named, write_preset
 
-    preset, quant = preset_named(args.preset), args.quant or "q4_k_m"
+    preset = preset_named(args.preset)
+    quant = args.quant or preset.quant
     total = sum(t.nbytes for t in plan(preset, quant))
     if args.dry_run:
         print(f"{args.preset} at {quant}: {total:,} bytes of tensors ({total / _GIB:.2f} GiB)")
@@ -113,6 +116,26 @@ def _print_memory(m: dict[str, Any]) -> None:
     print("  assumptions:")
     for line in m["assumptions"]:
         print(f"  - {line}")
+
+
+def cmd_split(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.model.split import write_backbone
+
+    r = write_backbone(args.file, args.backbone)
+    if args.json:
+        print(json.dumps({
+            "out": r.out, "kept": list(r.kept), "dropped": list(r.dropped),
+            "source_bytes": r.source_bytes, "backbone_bytes": r.backbone_bytes,
+            "dropped_bytes": r.dropped_bytes, "source_sha256": r.source.sha256,
+            "source_header_sha256": r.source.header_sha256,
+        }))  # fmt: skip
+        return EXIT_OK
+    print(f"wrote {r.out}: {len(r.kept)} tensors, {r.backbone_bytes:,} bytes "
+          f"({r.backbone_bytes / r.source_bytes:.1%} of {r.source_bytes:,}); left out "
+          f"{len(r.dropped)} routed expert tensors, {r.dropped_bytes:,} bytes")  # fmt: skip
+    print(f"  source sha256 {r.source.sha256} (workers fetch the experts from the registered "
+          "source: register the full file with the monitor)")  # fmt: skip
+    return EXIT_OK
 
 
 def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
@@ -276,7 +299,7 @@ def _quants(text: str) -> tuple[str, ...]:
 
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """model make-tiny, model inspect, generate, bench experts."""
+    """model make-tiny, model inspect, model split, generate, bench experts."""
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
@@ -285,7 +308,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mt.add_argument("--variant", choices=VARIANTS,
                     help="deepseek2's form: v3 (default), v2-lite (no q LoRA, softmax), "
                     "kv-b (one attn_kv_b, older converters)")  # fmt: skip
-    mt.add_argument("--quant", choices=QUANTS + MIXES, help="default f32 (preset: q4_k_m)")
+    mt.add_argument(
+        "--quant", choices=QUANTS + MIXES, help="default f32 (preset: its own, q4_k_m or mxfp4)"
+    )
     mt.add_argument("--tokenizer", choices=TOKENIZERS, help="default bpe (llama.cpp loads it)")
     mt.add_argument("--preset", choices=PRESETS, help="a real model's sizes, random weights")
     mt.add_argument("--dry-run", action="store_true", help="with --preset: print the size only")
@@ -304,6 +329,14 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
                     help="KV positions per sequence (default: the model's context)")  # fmt: skip
     mi.add_argument("--json", action="store_true", help="print JSON (for machines)")
     mi.set_defaults(fn=cmd_inspect)
+
+    ms = msub.add_parser("split", help="write a backbone-only GGUF (no routed experts)")
+    ms.add_argument("file", help="the full GGUF model")
+    ms.add_argument("--backbone", required=True, metavar="OUT",
+                    help="GGUF to write: every tensor but the routed experts, for a "
+                    "coordinator whose workers hold the experts")  # fmt: skip
+    ms.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    ms.set_defaults(fn=cmd_split)
 
     g = sub.add_parser("generate", help="generate locally from a GGUF model (no Redis)")
     g.add_argument("--model", required=True, help="GGUF file")

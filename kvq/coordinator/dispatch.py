@@ -31,7 +31,7 @@ from kvq.coordinator.results import WorkerResults
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.verify import Verdict, Verifier
 from kvq.device import dtype_name
-from kvq.errors import UncoveredSlice, WireError
+from kvq.errors import NoReplica, UncoveredSlice, WireError
 from kvq.keys import Keys
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
@@ -44,6 +44,8 @@ log = logging.getLogger("kvq.coordinator")
 class Dispatcher:
     """Per MoE layer: which slices go where, the remote round trip, the local fallback."""
 
+    has_experts = True  # set per instance in __init__
+
     def __init__(
         self, board: Board, r: redis.Redis, keys: Keys, settings: DispatchSettings,
         coord_id: str, info: ModelInfo, server: ExpertServer, routing: SliceRouter,
@@ -51,6 +53,9 @@ class Dispatcher:
     ) -> None:  # fmt: skip
         self.board, self.r, self.keys, self.s, self.maxlen = board, r, keys, settings, maxlen
         self.coord, self.info, self.server, self.routing = coord_id, info, server, routing
+        # False on a backbone file: no slice can be computed or recomputed here, so a job
+        # without a live worker waits for one (`replica_for`), then fails (NoReplica)
+        self.has_experts = server.bank is not None
         self.stats = DispatchCounters()
         self.verifier = Verifier(
             board, info.model, routing.trust, settings.verify_remote, dtype_name(server.dtype),
@@ -82,6 +87,7 @@ class Dispatcher:
         mb = mb if microbatches is None else microbatches
         self.sent_remote = False
         self.stats.microbatched_steps += mb > 1
+        self.verifier.trust.new_step()  # the step floor of checks counts jobs per step
         return _StepMoe(self, busy, total, mb)
 
     def count_routed(self, rows: dict[str, int]) -> None:
@@ -102,13 +108,47 @@ class Dispatcher:
         return self._layer_slices[layer]
 
     def route(self, rows: dict[str, int], busy: int, total: int) -> LiveRoute | None:
-        try:
-            return self.routing.route(rows, busy, total)
-        except UncoveredSlice as exc:
-            # admitted before coverage was lost: the weights are here, so finish locally
-            self.stats.uncovered_local += 1
-            log.warning("%s; computing locally", exc)
-            return None
+        """The layer's route; None: compute it all here (coverage lost, experts held here).
+        Without the experts (a backbone file), waits up to `KVQ_REPLICA_WAIT_S` for
+        coverage, then raises NoReplica."""
+        until = time.monotonic() + self.s.replica_wait_s
+        while True:
+            try:
+                return self.routing.route(rows, busy, total)
+            except UncoveredSlice as exc:
+                if self.has_experts:
+                    # admitted before coverage was lost: the weights are here, finish locally
+                    self.stats.uncovered_local += 1
+                    log.warning("%s; computing locally", exc)
+                    return None
+                if time.monotonic() >= until:
+                    raise self._no_replica(str(exc)) from exc
+                self._wait_coverage()
+
+    def replica_for(self, sid: str, avoid: str | None, until: float) -> str:
+        """A live worker serving `sid` for a job this coordinator cannot compute, preferring
+        one other than `avoid` (the worker that just failed it); waits for one until
+        `until` (monotonic), then raises NoReplica."""
+        while True:
+            live = self.routing.live_holders(sid)
+            if live:
+                others = [w for w in live if w != avoid]
+                return others[0] if others else live[0]
+            if time.monotonic() >= until:
+                raise self._no_replica(f"no live worker serves slice {sid}")
+            self._wait_coverage()
+
+    def _wait_coverage(self) -> None:
+        time.sleep(max(0.02, min(0.5, self.routing.refresh_s)))
+        self.routing.refresh(force=True)
+
+    def _no_replica(self, why: str) -> NoReplica:
+        return NoReplica(
+            f"model {self.info.model!r}: {why}, and this coordinator holds no routed experts "
+            f"(a backbone file) to compute it; waited {self.s.replica_wait_s:g} s "
+            "(KVQ_REPLICA_WAIT_S) for a worker. Start workers (kvq worker) with room for the "
+            "model's slices, then send the request again"
+        )
 
     def accept(self, sender: str, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
         """One entry of `sender`'s results stream: to the layer call that waits for it, to its
@@ -153,12 +193,20 @@ class Dispatcher:
         want = (p.rows.numel(), self.server.hidden)
         if y is not None and y.shape != want:  # no honest worker answers another shape
             self.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
+        if y is None and res.error is not None:
+            self.verifier.refused(sender, res.error)
         if y is None or y.shape != want:
             self.routing.observe_failure(p.worker, ms)
             return
         self.stats.trials_answered += 1
         verdict = Verdict.USED
-        if p.ref is not None and not self.verifier.barred(sender):
+        # a trial's reference was computed on this coordinator's path: it checks only a
+        # worker asked for that same path (a GPU worker's are checked on the hot path, exactly)
+        if (
+            p.ref is not None
+            and not self.verifier.barred(sender)
+            and not (self.verifier.exact_for(sender) and res.dtype == self.verifier.asked(sender))
+        ):
             self.stats.remote_rows += int(y.shape[0])
             verdict = self.verifier.check(sender, torch.from_numpy(y.copy()), res.dtype, p.ref)
         if verdict is not Verdict.REJECTED:

@@ -101,6 +101,11 @@ class Engine:
         self.active = [s for s in self.active if s.finish is None]
         return gone
 
+    def drop_all(self) -> list[Sequence]:
+        """Drop every active sequence (a step that cannot finish); returns them."""
+        gone, self.active = self.active, []
+        return gone
+
     def step(self, moe: MoeFn | None, on_tokens: TokenSink) -> list[Sequence]:
         """One forward over all active sequences; returns the sequences that finished."""
         if not self.active:

@@ -34,6 +34,8 @@ log = logging.getLogger("kvq.coordinator")
 class LayerCall:
     """One MoE layer over one batch's rows: `start`, then `finish` -> `[T, H]`."""
 
+    give_up_at = 0.0  # monotonic: when a job this coordinator cannot compute fails (set once)
+
     def __init__(
         self, d: Dispatcher, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> None:
@@ -61,6 +63,8 @@ class LayerCall:
         trial = route.trial if route is not None else None
         for spec, rows in self.order:
             worker = route.worker(spec.sid) if route is not None else None
+            if worker is None and not d.has_experts:  # a split kept it here: it cannot be
+                worker = d.replica_for(spec.sid, None, self._give_up_at())
             if worker is None:
                 local.append((spec, rows))
                 continue
@@ -111,6 +115,7 @@ class LayerCall:
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
+            want_dtype=d.verifier.asked(worker),
         )  # fmt: skip
 
     def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
@@ -126,28 +131,54 @@ class LayerCall:
         return y
 
     def fallback(self, p: Pending, latency_ms: float) -> None:
-        """A remote job failed or timed out: compute it here and count it, never lose it."""
+        """A remote job failed or timed out: compute it here and count it, never lose it
+        (without the experts here: send it again, `resend`)."""
         self.d.routing.observe_failure(p.worker, latency_ms)
+        if not self.d.has_experts:
+            self.resend(p)
+            return
         self.d.stats.fallback_jobs += 1
         self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+
+    def _give_up_at(self) -> float:
+        if not self.give_up_at:
+            self.give_up_at = time.monotonic() + self.d.s.replica_wait_s
+        return self.give_up_at
+
+    def resend(self, p: Pending) -> None:
+        """A backbone-only coordinator's job failed: the same rows go to a live replica of the
+        slice (another worker if there is one), waited for up to `KVQ_REPLICA_WAIT_S` from
+        this call's first failure; then NoReplica ends the step's requests with an error."""
+        d = self.d
+        worker = d.replica_for(p.spec.sid, p.worker, self._give_up_at())
+        job_id = d.next_job_id()
+        log.info("job for slice %s failed on %s; sent again to %s as %s", p.spec.sid,
+                 p.worker, worker, job_id)  # fmt: skip
+        self.deadline_ms = max(self.deadline_ms, int(time.time() * 1000) + d.s.job_deadline_ms)
+        d.send([(worker, wire.encode(self._job(job_id, p.spec, p.rows, worker)))])
+        self.pending[job_id] = Pending(p.spec, p.rows, worker, time.monotonic(), time.time() * 1000)
+        d.inflight[job_id] = self
+        d.stats.remote_sent += 1
 
     def _gather(self) -> None:
         d = self.d
         # a result checked on arrival is recomputed here (`Verifier.judge`): that is expert
         # compute (`local_expert_s`), not waiting
         t0, computed = time.perf_counter(), d.stats.local_expert_s
-        while self.pending:
-            left_ms = self.deadline_ms - int(time.time() * 1000)
-            if left_ms <= 0:
-                break
-            for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
-                d.accept(sender, stream, eid, fields)
+        while self.pending:  # a resent job (backbone-only) is waited for in turn
+            while self.pending:
+                left_ms = self.deadline_ms - int(time.time() * 1000)
+                if left_ms <= 0:
+                    break
+                for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
+                    d.accept(sender, stream, eid, fields)
+            missed, self.pending = self.pending, {}
+            for job_id, p in missed.items():
+                log.info("job %s on %s missed its deadline; %s", job_id, p.worker,
+                         "computing locally" if d.has_experts else "sending it again")  # fmt: skip
+                d.inflight.pop(job_id, None)
+                self.fallback(p, float(d.s.job_deadline_ms))
         d.stats.remote_wait_s += time.perf_counter() - t0 - (d.stats.local_expert_s - computed)
-        for job_id, p in list(self.pending.items()):
-            log.info("job %s on %s missed its deadline; computing locally", job_id, p.worker)
-            d.inflight.pop(job_id, None)
-            self.fallback(p, float(d.s.job_deadline_ms))
-        self.pending.clear()
 
     def deliver(self, sender: str, eid: bytes, res: wire.Result) -> None:
         """The result of one of this call's jobs, read from `sender`'s stream (the dispatcher
@@ -166,16 +197,28 @@ class LayerCall:
             self.fallback(p, ms)
             return
         if y is None:
+            if res.error is not None:
+                d.verifier.refused(sender, res.error)
             log.warning("worker %s failed job %s: %s", p.worker, res.job_id, res.error)
             stats.remote_errors += 1
             self.fallback(p, ms)
             return
         if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
+            if not d.has_experts:
+                self.resend(p)
+                return
             stats.fallback_jobs += 1
             self.partials[p.spec.sid] = self.local(p.spec, p.rows)
             return
-        y, verdict = d.verifier.judge(sender, y, res.dtype, lambda: self.local(p.spec, p.rows))
+        if not d.has_experts:  # nothing here can recompute it (docs/limits.md)
+            verdict = d.verifier.unchecked(sender, y, res.dtype)
+            if verdict is Verdict.REJECTED:
+                self.resend(p)
+                return
+        else:
+            recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
+            y, verdict = d.verifier.judge(sender, y, res.dtype, recompute)
         self.partials[p.spec.sid] = y
         if verdict is Verdict.REJECTED:
             stats.fallback_jobs += 1

@@ -141,6 +141,13 @@ class SliceRouter:
         per_row = v.ms_per_row or self.capacity.compute_ms(v.worker_id, rows) / rows
         return rows * per_row
 
+    def live_holders(self, sid: str) -> list[str]:
+        """The live, unbarred workers that serve slice `sid` (as of the last refresh)."""
+        return sorted(
+            w for w, sids in self.holders.items()
+            if sid in sids and w in self._alive and not self.trust.barred(w)
+        )  # fmt: skip
+
     def bar(self, worker: str) -> None:
         """`worker` was just caught: reread coverage before the next route (it is left out)."""
         self._at = float("-inf")

@@ -33,11 +33,12 @@ from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.telemetry import RequestTimes
 from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
-from kvq.errors import ModelError, UncoveredSlice, WireError
+from kvq.errors import ConfigError, ModelError, NoReplica, UncoveredSlice, WireError
 from kvq.keys import COORDINATOR_GROUP, request_streams
 from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
-from kvq.model.registry import check_model_file
+from kvq.model.registry import check_backbone_file, check_model_file
+from kvq.model.split import backbone_source
 from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
@@ -67,15 +68,29 @@ class Coordinator:
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
         self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
-        check_model_file(self.info, model_path)  # before loading: the wrong file fails fast
+        source = backbone_source(model_path)  # None: the full file, experts and all
+        # before loading: the wrong file fails fast
+        if source is None:
+            check_model_file(self.info, model_path)
+        else:
+            check_backbone_file(self.info, model_path, source)
         meta = read_meta(model_path)
-        dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, meta.expert_types())
+        dtype = compute_dtype(
+            torch.device("cpu"), settings.compute_dtype, self.info.meta.expert_types()
+        )
         self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
+        if not meta.holds_experts and routing.local_experts:
+            raise ConfigError(
+                f"{str(model_path)!r} is a backbone file without routed experts, so this "
+                "coordinator cannot compute them: unset KVQ_COORDINATOR_EXPERTS (or set it to "
+                "none), or start the coordinator on the full model file"
+            )
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.chat = load_chat_template(model_path)  # the file's own, or ChatML
         self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
-        self.bank = Bank(self.backbone.experts.values(), bank, cpu)
+        # a backbone file holds no expert: no bank, every slice on workers
+        self.bank = Bank(self.backbone.experts.values(), bank, cpu) if meta.holds_experts else None
         hidden = self.backbone.meta.embedding_length
         self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
         self.trust = Trust(trust_policy(dispatch), coord_id)
@@ -107,12 +122,20 @@ class Coordinator:
     def from_settings(
         cls, settings: Settings, coord_id: str, model: str, model_path: str | Path
     ) -> Coordinator:
+        from dataclasses import replace
+
+        routing = settings.routing
+        if backbone_source(model_path) is not None and (
+            "coordinator_experts" not in settings.model_fields_set
+        ):  # a backbone file implies KVQ_COORDINATOR_EXPERTS=none (set to all: refused)
+            routing = replace(routing, local_experts=False)
         board = open_board(settings.bus, settings.lifetimes)
-        # backbone-only: no hot experts; fallback and verification read the mapped file
-        only_backbone = {} if settings.routing.local_experts else {"hot_bytes": 0, "dynamic": False}
+        # KVQ_COORDINATOR_EXPERTS=none: no hot experts; fallback and verification read the
+        # mapped file (a backbone file has none: no bank at all)
+        only_backbone = {} if routing.local_experts else {"hot_bytes": 0, "dynamic": False}
         bank = BankOptions.from_settings(settings, **only_backbone)
         return cls(
-            board, settings.coordinator, settings.routing, settings.dispatch, bank,
+            board, settings.coordinator, routing, settings.dispatch, bank,
             coord_id, model, model_path,
         )  # fmt: skip
 
@@ -154,8 +177,21 @@ class Coordinator:
         self._take_requests()
         self.slots.note(self.engine.busy)
         if self.engine.busy:
-            self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
-            self.bank.step()  # B5: dynamic updates count engine steps
+            try:
+                self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
+            except NoReplica as exc:  # a backbone file, and no worker for a slice in time
+                self._fail_active(exc)
+                return
+            if self.bank is not None:
+                self.bank.step()  # B5: dynamic updates count engine steps
+
+    def _fail_active(self, exc: NoReplica) -> None:
+        """End every sequence of the failed step with an error event (and ack it): a step
+        without a slice's result has no token to give, and none is made up."""
+        log.warning("%s; %d request(s) end with an error", exc, self.engine.busy)
+        for seq in self.engine.drop_all():
+            self._refuse(seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica",
+                         str(exc))  # fmt: skip
 
     def _take_requests(self) -> None:
         """Admit new requests while slots are free. Refused ones take no slot, so reading
@@ -289,7 +325,9 @@ class Coordinator:
         try:
             self.routing.check()
         except UncoveredSlice as exc:
-            return str(exc)
+            if self.bank is not None:
+                return str(exc)
+            # a backbone file: admitted, its step waits up to KVQ_REPLICA_WAIT_S for workers
         vocab = self.backbone.meta.vocab_size
         if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             return f"prompt_ids must be in [0, {vocab})"
@@ -351,7 +389,7 @@ class Coordinator:
 
     def snapshot(self) -> CoordStats:
         """The counters to publish (read on the slot-poll thread: plain values only)."""
-        hot, cold = self.bank.hit_rates()
+        hot, cold = self.bank.hit_rates() if self.bank is not None else (0.0, 0.0)
         counters = msgspec.structs.asdict(self.dispatch.stats)
         return CoordStats(
             **counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),

@@ -17,6 +17,18 @@ before. A worker that returns garbage on a share g of its jobs, independently of
 (it cannot know), escapes detection for n jobs with probability <= prod_{i<n} (1 - g p(i));
 `catch_probability` is 1 minus that product. The defaults give 0.99923 for g = 0.1 within 100
 jobs (and 1 for g = 1: its first job is checked), at a steady cost of p_min = 2% of remote rows.
+
+Trust that cannot be banked: a worker honest for a long streak sits at p_min, so a liar that
+starts late would have about 1/p_min = 50 of its lies used before the first check, spread over
+several requests. The *step floor* bounds that per engine step instead of per job: each job of
+a worker that got `n` jobs per step (a running average) is checked with probability at least
+`1 - (1 - step_floor) ** (1 / n)`, so in every step where a worker lies on all its jobs, at
+least one is checked with probability `step_floor` (0.3 by default), whatever its history. A
+request of T tokens then catches a liar that turns within it with probability
+`1 - (1 - step_floor) ** T` (0.986 at 12 tokens). The cost, once trusted, is about
+`-ln(1 - step_floor) = 0.36` checked jobs per worker per step: 36% of the remote rows of a
+worker with one job per step (the tiny test models), under p_min for one with 18 or more (a
+real model's worker holds slices on many layers).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ class TrustPolicy:
     p_min: float = 0.02  # the floor: the steady share of a trusted worker's results recomputed
     quarantine_s: float = 600.0  # how long a caught worker gets no work
     ban_after: int = 3  # the mismatch that bans the id for good
+    step_floor: float = 0.3  # P(at least one of a worker's jobs in a step is checked)
 
     def p(self, ok: int) -> float:
         """Check probability of a worker whose clean streak is `ok` results."""
@@ -46,11 +59,17 @@ class TrustPolicy:
             return 1.0
         return max(self.p_min, self.decay ** (ok - self.full_checks))
 
+    def per_job(self, jobs_per_step: float) -> float:
+        """The check probability per job that makes a step of `jobs_per_step` jobs checked at
+        least once with probability `step_floor`."""
+        return float(1.0 - (1.0 - self.step_floor) ** (1.0 / max(1.0, jobs_per_step)))
+
 
 def trust_policy(s: DispatchSettings) -> TrustPolicy:
     return TrustPolicy(
-        s.trust_full_checks, s.trust_decay, s.trust_p_min, s.trust_quarantine_s, s.trust_ban_after
-    )
+        s.trust_full_checks, s.trust_decay, s.trust_p_min, s.trust_quarantine_s,
+        s.trust_ban_after, s.trust_step_floor,
+    )  # fmt: skip
 
 
 def catch_probability(policy: TrustPolicy, garbage: float, jobs: int) -> float:
@@ -88,15 +107,35 @@ class Trust:
         self.clock_ms = clock_ms
         self.workers: dict[str, WorkerTrust] = {}
         self.verdicts: dict[str, Quarantine] = {}  # the last one this coordinator published
+        # jobs per engine step of each worker: a running average over the steps it had jobs
+        # in, and the count of the current step; empty until `new_step` is first called
+        self.per_step: dict[str, float] = {}
+        self.this_step: dict[str, int] = {}
+        self.counting = False
 
     def _of(self, worker: str) -> WorkerTrust:
         return self.workers.setdefault(worker, WorkerTrust())
 
     def p(self, worker: str) -> float:
-        return self.policy.p(self._of(worker).ok)
+        """The check probability of `worker`'s next result: its streak's, raised to the step
+        floor's share once this coordinator counts steps."""
+        p = self.policy.p(self._of(worker).ok)
+        n = self.per_step.get(worker)
+        return p if n is None else max(p, self.policy.per_job(n))
+
+    def new_step(self) -> None:
+        """An engine step begins: fold the last step's job counts into the running average."""
+        self.counting = True
+        done, self.this_step = self.this_step, {}
+        for worker, n in done.items():
+            old = self.per_step.get(worker)
+            self.per_step[worker] = float(n) if old is None else 0.8 * old + 0.2 * n
 
     def should_check(self, worker: str) -> bool:
         """Draw whether this result of `worker` is recomputed before it is used."""
+        self.this_step[worker] = self.this_step.get(worker, 0) + 1
+        if self.counting and worker not in self.per_step:
+            self.per_step[worker] = 1.0  # until measured: one job per step, the strictest
         p = self.p(worker)
         return p >= 1.0 or self.rng.random() < p
 

@@ -8,6 +8,12 @@ recomputation (float32, and already paid for); one that does not is a mismatch: 
 result is used, the worker is quarantined (recorded on the board, so every coordinator of the
 model stops using it at its next coverage refresh) and, after repeated mismatches, banned.
 
+The coordinator says how a result is checked: each job asks for a compute path (`asked`: this
+coordinator's own, so `q8` against `q8` is a bitwise check), and a result labelled with another
+is refused and counted as a lie. A worker that cannot run the path asked (a CUDA worker) fails
+the job with `WrongDType` naming its own; the coordinator then asks it for that one only if it
+is a GPU path it checks by tolerance (`NEGOTIABLE`), never for a looser CPU label.
+
 Attribution is by the worker the job was sent to, and a result must name that worker (see
 `Dispatcher.accept`); a process that can write to the results stream and names the right worker
 is blamed on it: per-worker result streams (ACL, another branch) close that gap.
@@ -21,10 +27,21 @@ from collections.abc import Callable
 
 import torch
 
+from kvq import wire
 from kvq.bus.board import Board
 from kvq.bus.records import DispatchCounters
-from kvq.coordinator.check import Comparison, compare, finite, tolerance
+from kvq.coordinator.check import (
+    BIAS_WINDOW,
+    MEAN_BIAS_TOLERANCE,
+    Comparison,
+    bias_tolerance,
+    compare,
+    deterministic,
+    finite,
+    tolerance,
+)
 from kvq.coordinator.trust import Trust
+from kvq.quant import kernels
 
 log = logging.getLogger("kvq.coordinator")
 
@@ -33,6 +50,12 @@ class Verdict(enum.Enum):
     USED = "used"  # not checked: the remote result is used as it is
     VERIFIED = "verified"  # checked and equal within the dtype's tolerance: proves the worker
     REJECTED = "rejected"  # non-finite or a mismatch: the worker was caught
+
+
+# paths a worker may ask to compute in instead of the coordinator's: the GPU dtypes, each
+# checked by its own measured tolerance (`kvq.coordinator.check`)
+NEGOTIABLE = ("bfloat16", "float16")
+WRONG_DTYPE = "WrongDType"  # kvq.worker.server.WRONG_DTYPE (no import: the worker side)
 
 
 class Verifier:
@@ -44,6 +67,21 @@ class Verifier:
     ) -> None:  # fmt: skip
         self.board, self.model, self.trust, self.mode = board, model, trust, mode
         self.local_dtype, self.stats, self.on_caught = local_dtype, stats, on_caught
+        self.paths: dict[str, str] = {}  # worker -> the path asked of it, if not local_dtype
+        self.biases: dict[str, list[float]] = {}  # worker -> its last checked results' biases
+
+    def asked(self, worker: str) -> wire.ComputeDType:
+        """The compute path this coordinator asks of `worker` (and checks against)."""
+        return self.paths.get(worker, self.local_dtype)  # type: ignore[return-value]
+
+    def refused(self, worker: str, error: wire.Failure) -> None:
+        """`worker` failed a job: if because it runs another path that this coordinator can
+        check (a GPU dtype), ask it for that path from now on."""
+        if error.type == WRONG_DTYPE and error.message in NEGOTIABLE:
+            if self.paths.get(worker) != error.message:
+                log.info("worker %s computes in %s: its jobs ask for %s from now on", worker,
+                         error.message, error.message)  # fmt: skip
+            self.paths[worker] = error.message
 
     def barred(self, worker: str) -> bool:
         """Quarantined or banned: nothing it sends is used."""
@@ -60,23 +98,76 @@ class Verifier:
             return recompute(), Verdict.REJECTED
         if self.mode == "off" or (self.mode == "sampled" and not self.trust.should_check(worker)):
             return y, Verdict.USED
+        if self.exact_for(worker):  # a tolerance path: checked against exact float32
+            with kernels.float32_activations():
+                ref = recompute()
+            return ref, self.check(worker, y, dtype, ref, "float32")
         ref = recompute()
         return ref, self.check(worker, y, dtype, ref)
 
-    def check(self, worker: str, y: torch.Tensor, dtype: str, ref: torch.Tensor) -> Verdict:
-        """Compare `y` with this coordinator's `ref`; record the outcome."""
-        c: Comparison = compare(y, ref, tolerance(dtype, self.local_dtype))
+    def unchecked(self, worker: str, y: torch.Tensor, dtype: str) -> Verdict:
+        """Remote result `y` of a slice this coordinator holds no experts of (a backbone file):
+        nothing can recompute it here, so it is used as it is (USED) unless it is non-finite
+        or labelled with a path this coordinator did not ask for (REJECTED: caught). Checks
+        across replicas are not done yet (docs/limits.md)."""
+        self.stats.remote_rows += int(y.shape[0])
+        if not finite(y):
+            self.stats.nonfinite_results += 1
+            self.caught(worker, "its result holds NaN or infinity")
+            return Verdict.REJECTED
+        if dtype != self.asked(worker):
+            self.caught(worker, f"a {dtype} result for a job asking {self.asked(worker)}")
+            return Verdict.REJECTED
+        return Verdict.USED
+
+    def exact_for(self, worker: str) -> bool:
+        """Whether `worker`'s results are checked against float32 activations: its path is
+        not this coordinator's deterministic one."""
+        return self.local_dtype == "q8" and not deterministic(self.asked(worker), "q8")
+
+    def check(
+        self, worker: str, y: torch.Tensor, dtype: str, ref: torch.Tensor,
+        ref_dtype: str | None = None,
+    ) -> Verdict:  # fmt: skip
+        """Compare `y` with `ref`, this coordinator's recomputation in `ref_dtype` (None: its
+        own path); record the outcome."""
         st = self.stats
+        local = self.local_dtype if ref_dtype is None else ref_dtype
+        want = self.asked(worker)
+        if dtype != want:  # the coordinator decides how results are checked, not the worker
+            st.verified += 1
+            st.mismatches += 1
+            self.caught(worker, f"a {dtype} result for a job asking {want}")
+            return Verdict.REJECTED
+        tol = tolerance(dtype, local)
+        c: Comparison = compare(y, ref, tol, bias_tolerance(dtype, local))
         st.verified += 1
         st.verified_rows += int(ref.shape[0])
         if c.finite and c.abs_err != float("inf"):
             st.max_abs_err = max(st.max_abs_err, c.abs_err)
+        if c.ok and tol != 0.0:
+            last = self.biases.setdefault(worker, [])
+            last.append(c.bias)
+            del last[:-BIAS_WINDOW]
+            mean = sum(last) / len(last)
+            if len(last) == BIAS_WINDOW and abs(mean) > MEAN_BIAS_TOLERANCE.get(dtype, 4e-3):
+                st.mismatches += 1
+                self.biases.pop(worker, None)
+                self.caught(worker, f"mean bias {mean:.3g} over its last {BIAS_WINDOW} checked "
+                                    f"results ({dtype} results)")  # fmt: skip
+                return Verdict.REJECTED
         if c.ok:
             self.trust.passed(worker)
             return Verdict.VERIFIED
         st.mismatches += 1
-        why = "non-finite values" if not c.finite else f"relative row error {c.rel_err:.3g}"
-        self.caught(worker, f"{why} > {tolerance(dtype, self.local_dtype):g} ({dtype} result)")
+        self.biases.pop(worker, None)
+        if not c.finite:
+            why = "non-finite values"
+        elif tol == 0.0:
+            why = f"not bit-exact (relative row error {c.rel_err:.3g}, bias {c.bias:.3g})"
+        else:
+            why = f"relative row error {c.rel_err:.3g}, bias {c.bias:.3g} (tolerance {tol:g})"
+        self.caught(worker, f"{why} ({dtype} result)")
         return Verdict.REJECTED
 
     def caught(self, worker: str, reason: str) -> None:

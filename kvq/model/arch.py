@@ -15,6 +15,7 @@ function, expert groups, YaRN) come from the file (`kvq.model.meta`).
 | `glm4moe`   | GLM-4.5, 4.5-Air, 4.6         | GQA, q/k/v biases, partial rope | per head if present | NEOX | sigmoid + bias, renormalised | plain    | leading dense, MTP layer skipped |
 | `deepseek2` | DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2 | MLA, latent KV cache    | (q LoRA, kv latent norms) | NORM | softmax (V2) or sigmoid + bias (V3), groups | plain | leading dense |
 | `gpt-oss`   | gpt-oss-20b, 120b             | GQA, q/k/v/o biases, sinks, sliding window on even layers | - | NEOX | router bias, softmax over the top-k logits | - | all MoE, clamped SwiGLU experts with biases |
+| `qwen35moe` | Qwen3.5 MoE (35B-A3B, 122B-A10B, 397B-A17B) | Gated DeltaNet on 3 of 4 layers, gated-q GQA on every `full_attention_interval`-th | per head (GQA layers) | NEOX (IMROPE, text), partial | softmax, renormalised | sigmoid-gated | all MoE |
 
 `qwen2moe`'s shared expert is gated per token: `sigmoid(x . w_gate) * ffn_shexp(x)`; the
 `plain` shared experts of `glm4moe` and `deepseek2` are added as they are. `llama` is Mixtral
@@ -30,6 +31,15 @@ renormalisation with `<arch>.expert_weights_norm` and the gating with `expert_ga
 `attention.sliding_window` positions; the router adds `ffn_gate_inp.bias` to its logits,
 picks the top-k logits and softmaxes those (llama.cpp's SOFTMAX_WEIGHT gating); the experts
 add `ffn_{gate,up,down}_exps.bias` and use OpenAI's clamped SwiGLU (`EXPERT_ACTS`).
+
+`qwen35moe` (Qwen3.5): layer i is linear attention where the file's
+`attention.recurrent_layers` says so, or, without that array, unless
+`(i + 1) % full_attention_interval == 0` (default 4): Gated DeltaNet (`kvq.model.deltanet`:
+no KV cache, a fixed-size recurrent state per sequence beside it, sizes from `ssm.*`). Its full
+attention projects q and an output gate together (`attn_q` is `[heads * 2d, H]`, per head q
+then gate) and multiplies the attention output by `sigmoid(gate)` before `attn_output`. Its
+IMROPE gives a text token its position in the t, h and w sections and 0 in e (`Rope`), which
+is NEOX rope over `rope.dimension_count` with the e pairs unrotated.
 """
 
 from __future__ import annotations
@@ -87,6 +97,9 @@ class ArchSpec:
     router_bias: bool = False  # ffn_gate_inp.bias added to the router's logits
     expert_bias: bool = False  # ffn_{gate,up,down}_exps.bias, stacked like the experts
     expert_act: str = ACT_SILU  # ACT_SILU | ACT_SWIGLU_OAI
+    linear_attn: bool = False  # Gated DeltaNet layers between full ones (full_attention_interval)
+    gated_q: bool = False  # attn_q also projects a per-head output gate (sigmoid) (qwen35moe)
+    imrope: bool = False  # interleaved multi-section rope (rope.dimension_sections) (qwen35moe)
 
     @property
     def shared_expert(self) -> bool:
@@ -99,29 +112,59 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", rope_style="norm", hf_permuted_qk=True),
     "olmoe": ArchSpec("olmoe", qk_norm=QK_FULL, norm_topk=False),
     "glm4moe": ArchSpec(
-        "glm4moe", qkv_bias=True, shared=SHARED_PLAIN, norm_topk=False, gating="sigmoid",
-        ffn_norm="post_attention_norm", dense_lead=True, partial_rope=True,
+        "glm4moe",
+        qkv_bias=True,
+        shared=SHARED_PLAIN,
+        norm_topk=False,
+        gating="sigmoid",
+        ffn_norm="post_attention_norm",
+        dense_lead=True,
+        partial_rope=True,
     ),
     "deepseek2": ArchSpec(
-        "deepseek2", attention=MLA, rope_style="norm", shared=SHARED_PLAIN, norm_topk=False,
-        dense_lead=True, partial_rope=True,
+        "deepseek2",
+        attention=MLA,
+        rope_style="norm",
+        shared=SHARED_PLAIN,
+        norm_topk=False,
+        dense_lead=True,
+        partial_rope=True,
     ),
     "gpt-oss": ArchSpec(
-        "gpt-oss", qkv_bias=True, out_bias=True, attn_sinks=True, swa_pattern=2,
-        router_bias=True, expert_bias=True, expert_act=ACT_SWIGLU_OAI, norm_topk=False,
-        gating="softmax_weight", ffn_norm="post_attention_norm",
+        "gpt-oss",
+        qkv_bias=True,
+        out_bias=True,
+        attn_sinks=True,
+        swa_pattern=2,
+        router_bias=True,
+        expert_bias=True,
+        expert_act=ACT_SWIGLU_OAI,
+        norm_topk=False,
+        gating="softmax_weight",
+        ffn_norm="post_attention_norm",
     ),
-}  # fmt: skip
+    "qwen35moe": ArchSpec(
+        "qwen35moe",
+        qk_norm=QK_HEAD,
+        shared=SHARED_GATED,
+        ffn_norm="post_attention_norm",
+        partial_rope=True,
+        linear_attn=True,
+        gated_q=True,
+        imrope=True,
+    ),
+}
 
 # names accepted by `make_tiny(arch=...)` and `kvq model make-tiny --arch`
 TINY_ARCHS: dict[str, str] = {
     "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
     "glm4moe": "glm4moe", "deepseek2": "deepseek2", "gpt-oss": "gpt-oss",
+    "qwen35moe": "qwen35moe",
 }  # fmt: skip
 
 SUPPORTED_TEXT = (
     "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 "
-    "(Mixtral), gpt-oss"
+    "(Mixtral), gpt-oss, qwen35moe"
 )
 
 

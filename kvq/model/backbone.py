@@ -2,9 +2,10 @@
 routed-expert FFN behind a pluggable MoeFn.
 
 Each block is built from the parts its weights have: GQA or MLA attention (`GqaWeights`,
-`MlaWeights`), then a dense FFN (`DenseFfn`: deepseek2's and glm4moe's leading layers) or the
-routed experts (`MoeFfn`) with any shared expert beside them. Token rows of every sequence in
-a batch are concatenated before the MoE call, so one MoeFn call per MoE layer per forward
+`MlaWeights`) or Gated DeltaNet linear attention (`DeltaWeights`, qwen35moe: its recurrent
+state per sequence beside the KV cache, `KVCache.state`), then a dense FFN (`DenseFfn`:
+deepseek2's and glm4moe's leading layers) or the routed experts (`MoeFfn`) with any shared
+expert beside them. Token rows of every sequence in a batch are concatenated before the MoE call, so one MoeFn call per MoE layer per forward
 covers the whole batch (that call is what gets dispatched to remote expert workers);
 attention runs per sequence against that sequence's own KVCache. Shared experts and dense
 layers always run here, next to the routed MoeFn.
@@ -20,8 +21,10 @@ from pathlib import Path
 import torch
 
 from kvq.errors import ModelError
+from kvq.model import deltanet
 from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
+from kvq.model.deltanet import DeltaState, DeltaWeights
 from kvq.model.experts import expert_forward
 from kvq.model.generate import generate
 from kvq.model.layers import Gating, Rope, causal_attention, linear, rms_norm, route, swiglu
@@ -33,6 +36,7 @@ from kvq.model.loader import (
     Loader,
     MlaWeights,
     SharedExpert,
+    delta_dims,
     layer_weights,
     output_weight,
 )
@@ -109,26 +113,35 @@ class Backbone:
         layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
         experts = {
             i: map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype, m.expert_act).to(device)
-            for i in m.moe_layers
-        }
+            for i in (m.moe_layers if m.holds_experts else ())
+        }  # a backbone file (`kvq model split --backbone`) holds none: workers compute them
         embed = load.rows("token_embd.weight", (m.vocab_size, h))
         output = output_weight(load, m)
         return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts)
 
     def new_cache(self) -> KVCache:
-        """An empty KV cache that grows up to the model's context length."""
+        """An empty KV cache that grows up to the model's context length, with a zero
+        recurrent state beside it for the linear-attention layers (if any)."""
         m = self.meta
         kv, width = m.cache_width
+        rec = m.recurrent_layers
+        # float32 whatever the compute dtype, as llama.cpp keeps it: the state sums every
+        # token of the sequence, so bfloat16 rounding would build up along it
+        state = DeltaState(rec, delta_dims(m), self.device, torch.float32) if rec else None
         return KVCache(
             m.block_count, m.context_length, kv, width, self.device, self.dtype,
             latent_values=m.kv_lora_rank, windows=[m.window(i) for i in range(m.block_count)],
+            state=state,
         )  # fmt: skip
 
     def local_moe(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
         """MoeFn computing all of `layer`'s experts locally."""
-        return expert_forward(self.experts[layer], x, ids, w)
+        sl = self.experts.get(layer)
+        if sl is None:
+            raise ModelError(no_experts_message(layer))
+        return expert_forward(sl, x, ids, w)
 
     @torch.no_grad()
     def forward(self, steps: list[SeqStep], moe: MoeFn | None = None) -> torch.Tensor:
@@ -153,6 +166,8 @@ class Backbone:
         such passes can be interleaved (`kvq.model.microbatch`) and each computes exactly
         what `forward` computes for its steps."""
         lens = self._check_steps(steps)
+        for s in steps:
+            s.cache.begin()
         tokens = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
         pos = torch.cat(
             [
@@ -208,7 +223,37 @@ class Backbone:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
         if isinstance(lw.attn, MlaWeights):
             return self._mla(layer, lw.attn, x, steps, lens, pos)
+        if isinstance(lw.attn, DeltaWeights):
+            return self._delta(layer, lw.attn, x, steps, lens)
         return self._gqa(layer, lw.attn, x, steps, lens, pos)
+
+    def _delta(
+        self, layer: int, w: DeltaWeights, x: torch.Tensor, steps: list[SeqStep], lens: list[int]
+    ) -> torch.Tensor:
+        """Gated DeltaNet linear attention (`kvq.model.deltanet`): each sequence's rows run
+        from its committed recurrent state (float32), and the state after them is staged for
+        `advance` to commit. x: [N, H]."""
+        dims, eps = delta_dims(self.meta), self.meta.rms_eps
+        mixed, z, beta, g = deltanet.project(x, w)  # every row of the batch at once
+        outs, start = [], 0
+        with _small(max(lens))():
+            for s, t in zip(steps, lens, strict=True):
+                state = s.cache.state
+                if state is None:
+                    raise ModelError(
+                        f"layer {layer} is linear attention but the cache has no recurrent "
+                        "state; make caches with Backbone.new_cache"
+                    )
+                rows = slice(start, start + t)
+                conv, ssm = state.get(layer)
+                o, conv, ssm = deltanet.recur(
+                    mixed[rows].float(), beta[rows].float(), g[rows].float(), w, dims,
+                    conv, ssm, eps,
+                )  # fmt: skip
+                state.stage(layer, conv, ssm)
+                outs.append(o)
+                start += t
+        return deltanet.output(torch.cat(outs).to(z.dtype), z, w, dims, eps)  # [N, H]
 
     def _gqa(
         self,
@@ -220,11 +265,16 @@ class Backbone:
         pos: torch.Tensor,
     ) -> torch.Tensor:
         """Grouped-query attention (K and V of each kv head cached; only the window's on a
-        sliding layer), with sinks and an output bias where the weights have them. x: [N, H]."""
+        sliding layer), with sinks, an output bias and an output gate (qwen35moe: each head's
+        output times sigmoid(gate)) where the weights have them. x: [N, H]."""
         m, n, eps = self.meta, x.shape[0], self.meta.rms_eps
         window = m.window(layer)
         rope = self.rope_swa if window else self.rope
         q, kk = _linear(x, a.wq, a.bq), _linear(x, a.wk, a.bk)  # [N, heads*d], [N, kv*d]
+        gate = None
+        if a.gated:  # qwen35moe: per head d values of q, then d of the output gate
+            qg = q.view(n, m.head_count, 2, m.head_dim)
+            q, gate = qg[:, :, 0].reshape(n, -1), qg[:, :, 1].reshape(n, -1)  # [N, heads*d]
         vv = _linear(x, a.wv, a.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
         with _small(n)():
             qn, kn = a.q_norm, a.k_norm
@@ -249,7 +299,10 @@ class Backbone:
                     a.sinks, window, k0,
                 ))  # fmt: skip
                 start += t
-        return _linear(torch.cat(outs), a.wo, a.bo)  # [N, H]
+        o = torch.cat(outs)  # [N, heads*d]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return _linear(o, a.wo, a.bo)  # [N, H]
 
     def _mla(
         self,
@@ -320,6 +373,14 @@ class Backbone:
         """Greedy decoding; returns the generated ids only (EOS not included). Stops early at
         EOS (if `stop_at_eos`) or when the context is full. Sampling: `kvq.model.generate`."""
         return generate(self, prompt_ids, max_tokens, moe=moe, stop_at_eos=stop_at_eos)
+
+
+def no_experts_message(layer: int) -> str:
+    return (
+        f"layer {layer}'s routed experts are not in this file: it is a backbone file (kvq "
+        "model split --backbone), whose experts only workers compute; run `kvq generate` on "
+        "the full model, or serve this file with `kvq coordinator` and workers"
+    )
 
 
 def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:

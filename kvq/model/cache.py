@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq.errors import ModelError
+from kvq.model.deltanet import DeltaState
 
 
 class KVCache:
@@ -27,6 +28,12 @@ class KVCache:
     of `W - 1 + the longest pass` positions (position p in slot p % capacity), all that a
     pass reads there (`append_window`); a failed pass still leaves every position it needs
     for its retry, since it writes only slots of positions at or after `length`.
+
+    Linear-attention layers (`recurrent`, qwen35moe's Gated DeltaNet) store no K/V: the
+    sequence's fixed-size recurrent state (`state`, a `DeltaState`) stands beside the cache
+    for them. A pass stages its new states there, `advance` commits them with the positions
+    and `begin` (at the start of every pass) drops what a failed pass staged, so a retry
+    starts again from the committed state, as it does from `length`.
     """
 
     def __init__(
@@ -40,12 +47,15 @@ class KVCache:
         initial: int = 256,
         latent_values: int = 0,
         windows: Sequence[int] = (),
+        state: DeltaState | None = None,
     ) -> None:
         self.windows = list(windows) or [0] * n_layers  # [L] 0: the layer sees everything
         if len(self.windows) != n_layers or (latent_values and any(self.windows)):
             raise ModelError(f"windows {self.windows} must give one per layer ({n_layers}), "
                              "and a latent cache has none")  # fmt: skip
-        full = [i for i, w in enumerate(self.windows) if w <= 0]
+        self.state = state  # the linear-attention layers' recurrent state, if any
+        recurrent = set(state.layers) if state is not None else set()
+        full = [i for i, w in enumerate(self.windows) if w <= 0 and i not in recurrent]
         sliding = [i for i, w in enumerate(self.windows) if w > 0]
         # each layer's row in k/v (full layers) or in wk/wv (sliding ones)
         self._row = {i: r for rows in (full, sliding) for r, i in enumerate(rows)}
@@ -134,10 +144,18 @@ class KVCache:
             new[:, keep % new_cap] = old[:, keep % cap]
             setattr(self, name, new)
 
+    def begin(self) -> None:
+        """Start a pass: drop any recurrent state a failed pass staged."""
+        if self.state is not None:
+            self.state.discard()
+
     def advance(self, n: int) -> None:
-        """Mark `n` more positions as stored (after every layer has appended them)."""
+        """Mark `n` more positions as stored (after every layer has appended them) and
+        commit the recurrent state the pass staged."""
         self.check_room(n)
         self.length += n
+        if self.state is not None:
+            self.state.commit()
 
 
 @dataclass

@@ -45,6 +45,7 @@ def describe_model(
     out.update(
         attention=spec.attention, rope_style=spec.rope_style, qk_norm=spec.qk_norm,
         shared_expert=spec.shared_expert,
+        routed_experts="present" if meta.holds_experts else "absent (a backbone file)",
     )  # fmt: skip
     reader = gio.open_reader(path)
     out["quant_types"] = quant_types(reader)
@@ -65,7 +66,10 @@ def quant_types(reader: GGUFReader) -> dict[str, dict[str, int]]:
 
 
 def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
-    """Every (layer, expert range) slice at expert grain, with its download size in bytes."""
+    """Every (layer, expert range) slice at expert grain, with its download size in bytes
+    (none in a backbone file: its experts are in the full file only)."""
+    if not meta.holds_experts:
+        return []
     return [
         {"layer": b.layer_start, "expert_start": b.expert_start, "expert_end": b.expert_end,
          "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
@@ -108,7 +112,14 @@ def memory_needs(
     positions = a.kv_positions or meta.context_length
     heads, width = meta.cache_width
     per_token = heads * width * (1 if meta.kv_lora_rank else 2)  # MLA: the latent, once
-    kv = a.n_slots * positions * meta.block_count * per_token * size
+    rec = meta.recurrent_layers  # Gated DeltaNet: no K/V, a fixed-size state per sequence
+    kv_layers = meta.block_count - len(rec)
+    kv = a.n_slots * positions * kv_layers * per_token * size
+    if rec:
+        d = meta.ssm_state_size
+        channels = (2 * meta.ssm_group_count + meta.ssm_time_step_rank) * d
+        state = (meta.ssm_conv_kernel - 1) * channels + meta.ssm_time_step_rank * d * d
+        kv += a.n_slots * len(rec) * state * size
     expert_bytes = tensor_sizes(reader, meta)["expert_bytes"]
     backbone = dense + mapped
     per_slice = [s["bytes"] for s in slices] or [0]
@@ -131,14 +142,20 @@ def memory_needs(
             "matrices of kernel types ("
             + ", ".join(q.name for q in kernels.KERNEL_TYPES)
             + "), computed encoded from the memory-mapped file (page cache)",
-            f"KV cache: {a.n_slots} sequences x {positions} positions x {meta.block_count} "
+            f"KV cache: {a.n_slots} sequences x {positions} positions x {kv_layers} "
             + (
                 f"layers x one MLA latent of {meta.cache_width[1]} values in {a.dtype} "
                 if meta.kv_lora_rank
                 else f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} "
                 f"in {a.dtype} "
             )
-            + "(the cache grows by doubling, so this is its full size)",
+            + "(the cache grows by doubling, so this is its full size)"
+            + (
+                f"; + per sequence the recurrent state of {len(rec)} Gated DeltaNet layers "
+                "(conv inputs and one state matrix per value head)"
+                if rec
+                else ""
+            ),
             "all: + every routed expert at its encoded size (memory-mapped from the file); "
             "none: experts on workers only (a coordinator that still maps them for fallback "
             "pays page cache, not its own memory)",

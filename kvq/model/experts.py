@@ -80,7 +80,8 @@ def grouped_expert_ffn(
     only if some pair falls inside. `inside` ([T, k] bool): the mask of ids in `[lo, hi)`, if
     the caller already has it.
     """
-    if x.device.type == "cpu" and cdtype == torch.float32:
+    if x.device.type == "cpu" and cdtype == torch.float32 and kernels.int8_active():
+        weights_of = _looked_up_once(weights_of)  # the loop below reuses what the call saw
         fused = _int8_call(x, ids, weights, lo, hi, weights_of, before_compute, act, bias_of)
         if fused is not None:
             return fused.to(x.dtype)  # [T, H]
@@ -112,6 +113,18 @@ def grouped_expert_ffn(
             out.index_add_(0, r, y * w[start : start + n, None])
         start += n
     return out.to(x.dtype)
+
+
+def _looked_up_once(weights_of: WeightsOf) -> WeightsOf:
+    """`weights_of` that looks each expert up once (a bank's lookup may load it)."""
+    seen: dict[int, ExpertWeights] = {}
+
+    def once(e: int) -> ExpertWeights:
+        if e not in seen:
+            seen[e] = weights_of(e)
+        return seen[e]
+
+    return once
 
 
 def _int8_call(

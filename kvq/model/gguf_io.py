@@ -7,6 +7,7 @@ Dequantization lives in `kvq.quant`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
@@ -56,6 +57,13 @@ def open_reader(path: str | Path) -> GGUFReader:
             f"{str(path)!r} is not a readable GGUF file ({exc}); "
             "pass a GGUF model written by llama.cpp's converter or kvq.model.make_tiny"
         ) from exc
+
+
+def header_sha256(path: str | Path) -> str:
+    """sha256 of everything before the tensor data (header, metadata, tensor table)."""
+    end = int(open_reader(path).data_offset)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(end)).hexdigest()
 
 
 def field(reader: GGUFReader, key: str, default: Any = None, *, required: bool = True) -> Any:

@@ -29,6 +29,12 @@ class Rope:
     `1 + 0.1 ln(factor)` (or by `mscale` where the arch says otherwise). `head_dim` is the
     number of dimensions rotated: a head wider than that (partial rotary, glm4moe) keeps the
     rest as they are.
+
+    `sections` [t, h, w, e] (IMROPE, qwen35moe): pair j belongs to section t, h or w by
+    `j % sum(sections) % 3` within that section's share of the interleave, else to e, as
+    ggml's `ggml_mrope_cache_init` assigns them. A text token's position is its position in
+    t, h and w and 0 in e (llama.cpp's `llm_graph_input_pos`), so its e pairs stay as they are
+    and the others rotate as NEOX rope does.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class Rope:
         original_context: int = 0,
         beta: tuple[float, float] = (32.0, 1.0),
         mscale: float | None = None,
+        sections: tuple[int, ...] = (),
     ) -> None:
         if style not in ("neox", "norm"):
             raise ModelError(f"rope style {style!r} is not 'neox' or 'norm'")
@@ -57,6 +64,8 @@ class Rope:
             self.mscale = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
         if mscale is not None:
             self.mscale = mscale
+        if sections:
+            inv_freq = inv_freq * _text_pairs(sections, half)
         self.inv_freq = inv_freq  # [d/2]
         self.style = style
         self.dims = head_dim
@@ -67,7 +76,7 @@ class Rope:
         return cls(
             meta.rope_dims, meta.rope_freq_base, style, meta.rope_scaling_type,
             meta.rope_scaling_factor, meta.rope_original_context_length or meta.context_length,
-            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow), mscale,
+            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow), mscale, meta.rope_sections,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -88,6 +97,21 @@ class Rope:
         x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, heads, d/2] each
         rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, h, d/2, 2]
         return rot.flatten(-2)
+
+
+def _text_pairs(sections: tuple[int, ...], half: int) -> torch.Tensor:
+    """1 for each of the `half` rope pairs that a text token rotates under IMROPE (its t, h
+    or w pairs), 0 for its e pairs (position 0)."""
+    t, h, w = sections[0], sections[1], sections[2]
+    total = sum(sections)
+    keep = []
+    for j in range(half):
+        sec = j % total
+        r = sec % 3
+        keep.append(
+            (r == 1 and sec < 3 * h) or (r == 2 and sec < 3 * w) or (r == 0 and sec < 3 * t)
+        )
+    return torch.tensor(keep, dtype=torch.float32)
 
 
 def _yarn_bounds(

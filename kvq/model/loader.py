@@ -19,6 +19,7 @@ from gguf import ReaderTensor
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import MLA, QK_FULL, QK_HEAD, SHARED_GATED, ArchSpec
+from kvq.model.deltanet import DeltaDims, DeltaWeights
 from kvq.model.meta import ModelMeta
 from kvq.model.qstack import FileMap, QMatrix, QRows, Weight
 from kvq.quant import dequantize, kernels
@@ -50,6 +51,7 @@ class GqaWeights:
     bv: torch.Tensor | None = None  # [kv*d]
     bo: torch.Tensor | None = None  # [H]
     sinks: torch.Tensor | None = None  # [heads]: each head's sink logit (gpt-oss)
+    gated: bool = False  # wq is [heads*2d, H]: per head q then an output gate (qwen35moe)
 
 
 @dataclass
@@ -95,7 +97,7 @@ class LayerWeights:
     """Dense weights of one block, numpy/torch order [out, in]."""
 
     attn_norm: torch.Tensor  # [H]
-    attn: GqaWeights | MlaWeights
+    attn: GqaWeights | MlaWeights | DeltaWeights
     ffn_norm: torch.Tensor  # [H]
     ffn: MoeFfn | DenseFfn
 
@@ -167,7 +169,11 @@ class Loader:
 def layer_weights(load: Loader, m: ModelMeta, spec: ArchSpec, i: int) -> LayerWeights:
     """The dense weights of block `i` (attention, norms, router, shared or dense FFN)."""
     h, p = m.embedding_length, f"blk.{i}."
-    attn = _mla(load, m, p) if spec.attention == MLA else _gqa(load, m, spec, p)
+    attn: GqaWeights | MlaWeights | DeltaWeights
+    if i in m.recurrent_layers:
+        attn = _delta(load, m, p)
+    else:
+        attn = _mla(load, m, p) if spec.attention == MLA else _gqa(load, m, spec, p)
     ffn: MoeFfn | DenseFfn
     if i in m.moe_layers:
         ffn = MoeFfn(
@@ -196,6 +202,7 @@ def layer_weights(load: Loader, m: ModelMeta, spec: ArchSpec, i: int) -> LayerWe
 def _gqa(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> GqaWeights:
     h, d = m.embedding_length, m.head_dim
     q_out, kv_out = m.head_count * d, m.head_count_kv * d
+    q_rows = 2 * q_out if spec.gated_q else q_out
     bias = load if spec.qkv_bias else load.optional
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -206,7 +213,7 @@ def _gqa(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> GqaWeights:
         norm = load if spec.qk_norm == QK_HEAD else load.optional
         q_norm, k_norm = norm(p + "attn_q_norm.weight", (d,)), norm(p + "attn_k_norm.weight", (d,))
     return GqaWeights(
-        wq=load.matrix(p + "attn_q.weight", (q_out, h)),
+        wq=load.matrix(p + "attn_q.weight", (q_rows, h)),
         wk=load.matrix(p + "attn_k.weight", (kv_out, h)),
         wv=load.matrix(p + "attn_v.weight", (kv_out, h)),
         wo=load.matrix(p + "attn_output.weight", (h, q_out)),
@@ -217,6 +224,28 @@ def _gqa(load: Loader, m: ModelMeta, spec: ArchSpec, p: str) -> GqaWeights:
         bv=bias(p + "attn_v.bias", (kv_out,)),
         bo=(load if spec.out_bias else load.optional)(p + "attn_output.bias", (h,)),
         sinks=load(p + "attn_sinks.weight", (m.head_count,)) if spec.attn_sinks else None,
+        gated=spec.gated_q,
+    )
+
+
+def delta_dims(m: ModelMeta) -> DeltaDims:
+    return DeltaDims(m.ssm_group_count, m.ssm_time_step_rank, m.ssm_state_size, m.ssm_conv_kernel)
+
+
+def _delta(load: Loader, m: ModelMeta, p: str) -> DeltaWeights:
+    """A Gated DeltaNet layer's weights (llama.cpp's names; `ssm_a` is -exp(A_log))."""
+    h, dd = m.embedding_length, delta_dims(m)
+    c, hv, vd = dd.channels, dd.v_heads, dd.value_dim
+    return DeltaWeights(
+        wqkv=load.matrix(p + "attn_qkv.weight", (c, h)),
+        wgate=load.matrix(p + "attn_gate.weight", (vd, h)),
+        conv=load(p + "ssm_conv1d.weight", (c, dd.conv)),
+        dt_bias=load(p + "ssm_dt.bias", (hv,)),
+        a=load(p + "ssm_a", (hv,)),
+        wbeta=load.matrix(p + "ssm_beta.weight", (hv, h)),
+        walpha=load.matrix(p + "ssm_alpha.weight", (hv, h)),
+        norm=load(p + "ssm_norm.weight", (dd.head_dim,)),
+        wout=load.matrix(p + "ssm_out.weight", (h, vd)),
     )
 
 

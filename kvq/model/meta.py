@@ -25,6 +25,9 @@ EXPERT_KINDS = ("gate", "up", "down")
 BIAS_KINDS = ("gate_b", "up_b", "down_b")
 STACKED_KINDS = EXPERT_KINDS + BIAS_KINDS  # the order of a slice's ranges
 ROPE_SCALINGS = ("none", "linear", "yarn")
+# a backbone file (`kvq model split --backbone`, `kvq.model.split`) says so under this key
+ROUTED_EXPERTS_KEY = "kvq.routed_experts"
+ROUTED_EXPERTS_ABSENT = "absent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +89,26 @@ class ModelMeta:
     value_head_dim: int = 0  # MLA: each head's value size (v_head_dim); 0: the head size
     sliding_window: int = 0  # positions a sliding layer sees (itself included); 0: none
     sliding_window_pattern: int = 0  # layers i % p < p - 1 slide (p = 0: all of them)
+    sliding_layers: tuple[bool, ...] = ()  # the pattern as a per-layer array, when so given
     rope_freq_base_swa: float = 0.0  # the sliding layers' rope base; 0: rope_freq_base
     expert_act: str = "silu"  # the routed experts' activation (`kvq.model.arch.EXPERT_ACTS`)
+    # Gated DeltaNet (qwen35moe, `kvq.model.deltanet`); full_attention_interval 0: no such layers
+    full_attention_interval: int = 0  # layer i is full attention when (i + 1) % this == 0
+    recurrent_list: tuple[int, ...] = ()  # attention.recurrent_layers, where the file has it
+    ssm_conv_kernel: int = 0  # ssm.conv_kernel: the causal conv's taps
+    ssm_state_size: int = 0  # ssm.state_size: each q/k/v head's size
+    ssm_group_count: int = 0  # ssm.group_count: q/k heads
+    ssm_time_step_rank: int = 0  # ssm.time_step_rank: value heads
+    # IMROPE (qwen35moe): rope.dimension_sections [t, h, w, e]; a text token has its position
+    # in t, h and w and 0 in e, so the pairs of an e section are not rotated (`Rope`)
+    rope_sections: tuple[int, ...] = ()
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
+
+    @property
+    def holds_experts(self) -> bool:
+        """Whether the file holds its routed experts (False: a backbone file, whose
+        `expert_tensors` is empty; workers hold them)."""
+        return bool(self.expert_tensors)
 
     def expert_types(self) -> set[int]:
         """The ggml types the expert tensors are stored in."""
@@ -102,9 +122,21 @@ class ModelMeta:
     def window(self, layer: int) -> int:
         """Positions `layer` attends to (the newest ones), or 0 for all of them."""
         p = self.sliding_window_pattern
-        if self.sliding_window <= 0 or not (p == 0 or layer % p < p - 1):
-            return 0
-        return self.sliding_window
+        if self.sliding_layers:
+            slides = self.sliding_layers[layer]
+        else:
+            slides = p == 0 or layer % p < p - 1
+        return self.sliding_window if self.sliding_window > 0 and slides else 0
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """The Gated DeltaNet layers (a recurrent state per sequence, no KV cache): the file's
+        `attention.recurrent_layers` where it has that array, else every layer but each
+        `full_attention_interval`-th."""
+        if self.recurrent_list:
+            return list(self.recurrent_list)
+        n = self.full_attention_interval
+        return [i for i in range(self.block_count) if n and (i + 1) % n]
 
     @property
     def rope_dims(self) -> int:
@@ -133,7 +165,9 @@ def read_meta(path: str | Path) -> ModelMeta:
         width = gio.numpy_shape(shexp)[0] if shexp is not None else 0
         meta = replace(meta, expert_shared_feed_forward_length=width)
     _check_unsupported_tensors(tensors)
-    experts = {layer: _layer_experts(tensors, meta, spec, layer) for layer in meta.moe_layers}
+    experts = {}
+    if gio.str_field(reader, ROUTED_EXPERTS_KEY, "") != ROUTED_EXPERTS_ABSENT:
+        experts = {layer: _layer_experts(tensors, meta, spec, layer) for layer in meta.moe_layers}
     for t in tensors.values():  # refuse unsupported quant types before any weight is read
         gio.check_supported(int(t.tensor_type), t.name)
     return replace(meta, expert_tensors=experts)  # replace keeps the dataclass frozen
@@ -185,6 +219,8 @@ def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
         rope_yarn_log_mul=gio.float_field(reader, f"{a}.rope.scaling.yarn_log_multiplier", 0.0),
         **_mla(reader, a, spec),
         **_sliding(reader, a, spec),
+        **_delta(reader, a, spec, blocks, nextn),
+        **_rope_sections(reader, a, spec),
         expert_act=spec.expert_act,
     )
 
@@ -194,7 +230,17 @@ def _sliding(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
     if not spec.swa_pattern:
         return {}
     window = gio.int_field(reader, f"{a}.attention.sliding_window")
-    pattern = gio.int_field(reader, f"{a}.attention.sliding_window_pattern", spec.swa_pattern)
+    key = f"{a}.attention.sliding_window_pattern"
+    given = gio.field(reader, key, None, required=False)
+    layers: tuple[bool, ...] = ()
+    if isinstance(given, list):  # one flag per layer, as llama.cpp also reads it
+        blocks = gio.int_field(reader, f"{a}.block_count")
+        if len(given) != blocks or not all(isinstance(b, bool | int) for b in given):
+            raise ModelError(f"{key} is an array of {len(given)} items; a per-layer pattern "
+                             f"needs one flag for each of the {blocks} layers")  # fmt: skip
+        layers, pattern = tuple(bool(b) for b in given), 0
+    else:
+        pattern = gio.int_field(reader, key, spec.swa_pattern)
     if window <= 0 or pattern < 0:
         raise ModelError(
             f"{a}.attention.sliding_window = {window} must be positive and "
@@ -203,8 +249,64 @@ def _sliding(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
     return {
         "sliding_window": window,
         "sliding_window_pattern": pattern,
+        "sliding_layers": layers,
         "rope_freq_base_swa": gio.float_field(reader, f"{a}.rope.freq_base_swa", 0.0),
     }
+
+
+def _delta(reader: GGUFReader, a: str, spec: ArchSpec, blocks: int, nextn: int) -> dict[str, Any]:
+    """The Gated DeltaNet sizes (qwen35moe), checked as llama.cpp's recurrence needs them,
+    and its layer pattern."""
+    if not spec.linear_attn:
+        return {}
+    out = {
+        "full_attention_interval": gio.int_field(reader, f"{a}.full_attention_interval", 4),
+        "ssm_conv_kernel": gio.int_field(reader, f"{a}.ssm.conv_kernel"),
+        "ssm_state_size": gio.int_field(reader, f"{a}.ssm.state_size"),
+        "ssm_group_count": gio.int_field(reader, f"{a}.ssm.group_count"),
+        "ssm_time_step_rank": gio.int_field(reader, f"{a}.ssm.time_step_rank"),
+    }
+    inner = gio.int_field(reader, f"{a}.ssm.inner_size")
+    k, hv, d = out["ssm_group_count"], out["ssm_time_step_rank"], out["ssm_state_size"]
+    if min(out.values()) < 1 or hv % k or inner != hv * d:
+        raise ModelError(
+            f"{a}: Gated DeltaNet sizes {out} with ssm.inner_size {inner} are inconsistent "
+            "(value heads a multiple of group_count, inner_size = value heads * state_size)"
+        )
+    return out | _recurrent_list(reader, a, blocks, nextn)
+
+
+def _recurrent_list(reader: GGUFReader, a: str, blocks: int, nextn: int) -> dict[str, Any]:
+    """`attention.recurrent_layers`, one bool per block (MTP blocks included, never
+    recurrent), as the converter writes it from the HF config's `layer_types`; llama.cpp then
+    ignores `full_attention_interval`."""
+    key = f"{a}.attention.recurrent_layers"
+    if gio.array_len(reader, key) == 0:
+        return {}
+    flags = gio.field(reader, key)
+    if (
+        not isinstance(flags, list)
+        or len(flags) != blocks + nextn
+        or not all(isinstance(f, bool) for f in flags)
+        or any(flags[blocks:])
+    ):
+        raise ModelError(
+            f"{key} = {flags!r} must be {blocks + nextn} booleans, one per block, with the "
+            f"{nextn} MTP block(s) not recurrent"
+        )
+    return {"recurrent_list": tuple(i for i, f in enumerate(flags[:blocks]) if f)}
+
+
+def _rope_sections(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
+    """IMROPE's four sections (llama.cpp requires them for its IMROPE archs)."""
+    if not spec.imrope:
+        return {}
+    raw = gio.field(reader, f"{a}.rope.dimension_sections")
+    sections = tuple(int(v) for v in raw) if isinstance(raw, list) else ()
+    if len(sections) < 4 or min(sections[:4]) < 0 or sum(sections[:3]) <= 0:
+        raise ModelError(f"{a}.rope.dimension_sections = {raw!r} is not four section sizes "
+                         "with a positive t, h or w")  # fmt: skip
+    return {"rope_sections": sections[:4]}
 
 
 def _blocks(reader: GGUFReader, a: str, spec: ArchSpec) -> tuple[int, int]:

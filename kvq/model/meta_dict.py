@@ -1,4 +1,5 @@
-"""ModelMeta as plain values (ints, floats, strs, bools, lists) for publishing over Redis/JSON.
+"""ModelMeta as plain values (ints, floats, strs, bools, lists of ints) for publishing over
+Redis/JSON.
 
 Fields that have a default in `ModelMeta` may be absent (a layout published by an older kvq);
 the others must be present with the right type.
@@ -38,14 +39,33 @@ def _as_bool(key: str, value: object) -> bool:
     return value
 
 
-_CHECKERS = {"int": _as_int, "float": _as_float, "str": _as_str, "bool": _as_bool}
+def _as_flags(key: str, value: object) -> tuple[bool, ...]:
+    """A list of bools, e.g. `sliding_layers`."""
+    if not isinstance(value, list | tuple) or len(value) > 4096:
+        raise ModelError(f"model layout key {key!r} = {value!r} is not a list of bools")
+    return tuple(_as_bool(key, v) for v in value)
+
+
+def _as_ints(key: str, value: object) -> tuple[int, ...]:
+    """A list of ints (JSON has no tuples), e.g. `rope_sections`."""
+    if not isinstance(value, list | tuple):
+        raise ModelError(f"model layout key {key!r} = {value!r} is not a list of ints")
+    return tuple(_as_int(key, v) for v in value)
+
+
+_CHECKERS = {
+    "int": _as_int, "float": _as_float, "str": _as_str, "bool": _as_bool,
+    "tuple[bool, ...]": _as_flags, "tuple[int, ...]": _as_ints,
+}  # fmt: skip
 
 
 def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
     """`meta` as a dict of plain values; `expert_tensors` becomes a list over the MoE layers,
     in order (the first is layer `leading_dense_block_count`)."""
     out: dict[str, object] = {
-        f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"
+        f.name: list(v) if isinstance(v := getattr(meta, f.name), tuple) else v
+        for f in fields(meta)
+        if f.name != "expert_tensors"
     }
     out["expert_tensors"] = [
         [

@@ -15,6 +15,12 @@
   0.707), context 32768 here (the real one: 163840). About 15.7 B parameters.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert FFN 768,
   32 heads / 4 KV heads of 128, vocab 151936, context 40960), arch `qwen3moe`.
+- `gpt-oss-20b`: gpt-oss-20b (arch `gpt-oss`: 24 layers, 32 experts top-4, hidden 2880,
+  expert FFN 2880, 64 heads / 8 KV heads of 64, a sink per head, a 128-position window on the
+  even layers, biases on q/k/v/o, the router and every expert matrix; vocab 201088; rope base
+  150000 with YaRN x32 over 4096 positions, as its converter writes it: no log multiplier),
+  context 131072. Its widths are not multiples of 256, so it has no K-quant: its default is
+  the `mxfp4` mix of the real files (MXFP4 experts, Q8_0 elsewhere: about 12 GB).
 
 Weights are valid random blocks of each tensor's type (`kvq.model.quants.random_blocks`), not
 quantized floats: rms 1/sqrt(fan-in) for input projections and `_OUT`/sqrt(fan-in) for
@@ -62,7 +68,9 @@ class Preset:
     rope_base: float
     rms_eps: float
     arch: str = "qwen3moe"  # a GGUF arch kvq runs
-    yarn: tuple[float, int, float] | None = None  # (factor, original context, log multiplier)
+    # (factor, original context, log multiplier; 0: the key is not written)
+    yarn: tuple[float, int, float] | None = None
+    quant: str = "q4_k_m"  # the default type or mix (`make-tiny --preset` without --quant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +105,12 @@ PRESETS: dict[str, Preset] = {
     "qwen3-30b-a3b": Preset(
         "qwen3-30b-a3b", TinyConfig(48, 128, 8, 2048, 768, 32, 4, 128, vocab=151936),
         context=40960, rope_base=1e6, rms_eps=1e-6,
+    ),
+    "gpt-oss-20b": Preset(
+        "gpt-oss-20b",
+        TinyConfig(24, 32, 4, 2880, 2880, 64, 8, 64, vocab=201088, sliding_window=128),
+        context=131072, rope_base=150000.0, rms_eps=1e-5, arch="gpt-oss",
+        yarn=(32.0, 4096, 0.0), quant="mxfp4",
     ),
 }  # fmt: skip
 
@@ -142,7 +156,8 @@ def write_preset(path: str | Path, p: Preset, quant: str = "q4_k_m", seed: int =
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(factor)
             w.add_rope_scaling_orig_ctx_len(original)
-            w.add_rope_scaling_yarn_log_mul(log_mul)
+            if log_mul:
+                w.add_rope_scaling_yarn_log_mul(log_mul)
         bpe.add_vocab(w, bpe.tiny_vocab(p.cfg.vocab))
         for t in tensors:
             block, size = GGML_QUANT_SIZES[t.qtype]

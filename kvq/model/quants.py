@@ -80,6 +80,7 @@ def tensor_type(
     name or a mix, in a model of `n_layers` blocks and `n_experts` experts."""
     quant = check_quant(quant)
     keep = len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name
+    keep = keep or "ssm_conv1d" in name  # llama-quantize keeps the small conv taps F32
     if keep or "ffn_gate_inp.weight" in name:
         return Q.F32
     if quant == "q4_k_m":
@@ -110,14 +111,16 @@ def _q4_k_m(name: str, row: int, n_layers: int, n_experts: int) -> GGMLQuantizat
     """LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.cpp's `llama_tensor_get_type_impl` (before the
     fallback), for the tensors kvq's archs have: Q4_K by default; `output.weight` Q6_K (Q8_0
     if its rows are not whole 256-blocks); `attn_v` and every `ffn_down*` (experts, shared
-    expert) Q6_K where `use_more_bits(layer)`; with exactly 8 experts (Mixtral) `attn_v` and
+    expert) Q6_K where `use_more_bits(layer)` (`attn_qkv`, qwen35moe's DeltaNet input, counts
+    as `attn_v`: its ATTENTION_QKV rule is never reached, and each layer has one of the two,
+    so the counter is still the layer); with exactly 8 experts (Mixtral) `attn_v` and
     `attn_k` Q8_0 and `attn_output` Q5_K. The layer is parsed from `blk.N.`, as llama.cpp does
     for MoE models (its attn_v counter equals the layer: it visits tensors in layer order)."""
     if name == "output.weight":
         return Q.Q6_K if row % _QK_K == 0 else Q.Q8_0
     match = re.match(r"blk\.(\d+)\.", name)
     layer = int(match.group(1)) if match else 0
-    if "attn_v.weight" in name:
+    if "attn_v.weight" in name or "attn_qkv.weight" in name:  # llama.cpp: both attn_v-like
         if n_experts == 8:
             return Q.Q8_0
         return Q.Q6_K if use_more_bits(layer, n_layers) else Q.Q4_K

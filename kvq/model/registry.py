@@ -17,6 +17,7 @@ from kvq.errors import ConfigError, ModelMismatch
 from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import ModelMeta, read_meta
+from kvq.model.split import BackboneSource
 from kvq.slices import SliceSpec, slice_grid
 
 log = logging.getLogger("kvq.model")
@@ -73,6 +74,12 @@ def plan_model(
         )
     path = Path(path).resolve()
     meta = read_meta(path)
+    if not meta.holds_experts:
+        raise ConfigError(
+            f"{str(path)!r} is a backbone file (kvq model split --backbone): workers could not "
+            f"fetch model {model!r}'s experts from it; register the full file it was split "
+            "from, and start the coordinator on the backbone file"
+        )
     slices = plan_slices(meta, path, slice_layers, slice_experts)
     by_id = {s.sid: s for s in slices}
     return ModelInfo(model, source or str(path), meta, by_id, header_sha256(path), request_shards)
@@ -81,9 +88,28 @@ def plan_model(
 def header_sha256(path: str | Path) -> str:
     """sha256 of everything before the tensor data: the GGUF header, every metadata key and
     value (architecture, hyper-parameters, tokenizer) and the tensor table."""
-    end = int(gio.open_reader(path).data_offset)
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read(end)).hexdigest()
+    return gio.header_sha256(path)
+
+
+def check_backbone_file(info: ModelInfo, path: str | Path, source: BackboneSource) -> None:
+    """Refuse (ModelMismatch) a backbone file split from another file than the one registered
+    as `info.model`: workers fetch its experts from that registration. The full file's size
+    and metadata hash recorded at the split must match it (a full file with the same layout
+    and metadata but other expert weights is not told apart: docs/limits.md)."""
+    what = (
+        f"backbone file {str(path)!r} was not split from the file registered as model "
+        f"{info.model!r} (from {info.source!r})"
+    )
+    fix = "split the registered file (kvq model split FILE --backbone OUT), or register its source"
+    if source.size != info.meta.file_size:
+        raise ModelMismatch(f"{what}: its source had {source.size} bytes, registered "
+                            f"{info.meta.file_size}; {fix}")  # fmt: skip
+    if info.header_sha256 and source.header_sha256 != info.header_sha256:
+        raise ModelMismatch(f"{what}: source metadata sha256 {source.header_sha256[:16]}..., "
+                            f"registered {info.header_sha256[:16]}...; {fix}")  # fmt: skip
+    if not info.header_sha256:
+        log.warning("model %s was registered without a metadata hash; only the size of the "
+                    "backbone file's source is checked", info.model)  # fmt: skip
 
 
 def check_model_file(info: ModelInfo, path: str | Path) -> None:

@@ -82,7 +82,8 @@ def make_tiny(
 ) -> None:
     """Write a tiny random MoE model to `path`.
 
-    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2 | gpt-oss, each with every part
+    `arch`: qwen3moe | qwen2moe | mixtral | olmoe | glm4moe | deepseek2 | gpt-oss |
+    qwen35moe, each with every part
     its family's real files use (`family_parts`; `variant` picks another form of a family:
     deepseek2 `v2-lite`, `kv-b`). `quant`: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
     q5_1, q4_k, q5_k, q6_k, or the mixes q4_k_m and mxfp4 (experts MXFP4, the rest Q8_0; rows that are not whole blocks fall back per
@@ -116,6 +117,11 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     - olmoe: as many kv heads as heads (its k norm spans the whole projection).
     - gpt-oss: a sliding window of 8 positions on the even layers (a test's context passes
       it), attention sinks, q/k/v/o, router and expert biases (`layer_shapes`).
+    - qwen35moe: Gated DeltaNet on the even layers and gated full attention on the odd ones
+      (`full_attention_interval` 2, so a 2-layer file has both), more value heads than key
+      heads (the tiling), a conv of 4 taps, the sigmoid-gated shared expert, partial rope of
+      half the head with IMROPE sections [1, 1, 1, 1] per 4 pairs (the 4th pair of each is
+      IMROPE's e section, which a text token does not rotate).
     """
     variants = VARIANTS.get(arch, ())
     if variant and variant not in variants:
@@ -144,6 +150,13 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         return replace(cfg, kv_heads=cfg.heads)
     if arch == "gpt-oss":
         return replace(cfg, sliding_window=cfg.sliding_window or 8)
+    if arch == "qwen35moe":
+        k_heads = max(1, cfg.kv_heads)
+        return replace(
+            cfg, rope_dim=half, full_attention_interval=2, ssm_k_heads=k_heads,
+            ssm_v_heads=2 * k_heads, ssm_state=cfg.head_dim, ssm_conv=4,
+            rope_sections=(1, 1, 1, 1),
+        )  # fmt: skip
     return cfg
 
 
@@ -252,7 +265,24 @@ def add_metadata(
     w.add_expert_used_count(cfg.experts_used)
     if spec.swa_pattern:  # the pattern is the arch's default (gpt-oss files omit it)
         w.add_sliding_window(cfg.sliding_window)
+    if spec.linear_attn:
+        _add_delta(w, cfg)
+    if spec.imrope:
+        w.add_rope_dimension_sections(list(cfg.rope_sections))
     _add_routing(w, cfg, spec)
+
+
+def _add_delta(w: GGUFWriter, cfg: TinyConfig) -> None:
+    """The Gated DeltaNet keys llama.cpp's converter writes for Qwen3.5."""
+    w.add_full_attention_interval(cfg.full_attention_interval)
+    if cfg.recurrent_pattern:  # one flag per block, the MTP blocks not recurrent
+        flags = [*cfg.recurrent_pattern, *[False] * cfg.nextn]
+        w.add_array(f"{w.arch}.attention.recurrent_layers", flags)  # gguf 0.19 lacks the helper
+    w.add_ssm_conv_kernel(cfg.ssm_conv)
+    w.add_ssm_state_size(cfg.ssm_state)
+    w.add_ssm_group_count(cfg.ssm_k_heads)
+    w.add_ssm_time_step_rank(cfg.ssm_v_heads)
+    w.add_ssm_inner_size(cfg.ssm_v_heads * cfg.ssm_state)
 
 
 def _add_mla(w: GGUFWriter, cfg: TinyConfig) -> None:

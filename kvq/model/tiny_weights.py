@@ -65,12 +65,35 @@ class TinyConfig:
     mla_split: bool = True  # MLA: attn_k_b/attn_v_b (recent converters), else one attn_kv_b
     nextn: int = 0  # MTP blocks after the trunk (glm4moe), written but never run
     sliding_window: int = 0  # the sliding layers' window (archs with `swa_pattern`)
+    # Gated DeltaNet (archs with `linear_attn`): layer i is full attention when
+    # (i + 1) % full_attention_interval == 0, else linear attention of these sizes
+    full_attention_interval: int = 0
+    ssm_k_heads: int = 0  # ssm.group_count
+    ssm_v_heads: int = 0  # ssm.time_step_rank
+    ssm_state: int = 0  # ssm.state_size (each head's size)
+    ssm_conv: int = 0  # ssm.conv_kernel
+    rope_sections: tuple[int, ...] = ()  # IMROPE's [t, h, w, e] (archs with `imrope`)
+    # per trunk layer, whether it is linear attention: written as `attention.recurrent_layers`
+    # (as the converter does from the HF config's layer_types), overriding the interval
+    recurrent_pattern: tuple[bool, ...] = ()
 
     @property
     def shared_ffn(self) -> int:
         if self.shared_count:
             return self.shared_count * self.expert_ffn
         return self.shared_expert_ffn or 2 * self.expert_ffn
+
+    def recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (Gated DeltaNet) layer."""
+        if self.recurrent_pattern:
+            return layer < len(self.recurrent_pattern) and self.recurrent_pattern[layer]
+        n = self.full_attention_interval
+        return bool(n) and layer < self.layers and (layer + 1) % n != 0
+
+    @property
+    def ssm_channels(self) -> int:
+        """The conv's channels: q and k (group_count heads), then v."""
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_state
 
     @property
     def dense_width(self) -> int:
@@ -109,6 +132,11 @@ class TinyConfig:
             raise ModelError(
                 f"make_tiny expert_groups={self.expert_groups} must divide experts and "
                 f"groups_used={self.groups_used} be in 1..expert_groups"
+            )
+        if self.recurrent_pattern and len(self.recurrent_pattern) != self.layers:
+            raise ModelError(
+                f"make_tiny recurrent_pattern {self.recurrent_pattern} must give one flag per "
+                f"layer ({self.layers})"
             )
         if not 0 <= self.dense_layers < self.layers:
             raise ModelError(
@@ -195,6 +223,10 @@ def _parts(
             out[name] = drawn[name]
         elif name.endswith("norm.weight"):
             out[name] = _norm_weight(rng, shape[0]).reshape(shape)
+        elif name.endswith("ssm_a"):  # -exp(A_log): a decay per value head
+            out[name] = -np.exp(_normal(rng, shape, 0.5))
+        elif name.endswith("ssm_conv1d.weight"):  # the causal conv's taps
+            out[name] = _normal(rng, shape, 0.5)
         elif name.endswith("attn_sinks.weight"):  # logits of the order of the scores'
             out[name] = _normal(rng, shape, 1.0) + 1.0
         elif name.endswith(("gate_exps.bias", "up_exps.bias")):  # wide: the clamps are reached
@@ -228,10 +260,13 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
     h, f, e, d = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.head_dim
     q, kv, p = cfg.heads * d, cfg.kv_heads * d, f"blk.{layer}."
     out: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (h,)}
-    if spec.attention == MLA:
+    if cfg.recurrent(layer):
+        out.update(_delta_shapes(cfg, p))
+    elif spec.attention == MLA:
         out.update(_mla_shapes(cfg, p))
     else:
-        out.update({p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
+        q_rows = 2 * q if spec.gated_q else q  # qwen35moe: per head q, then the output gate
+        out.update({p + "attn_q.weight": (q_rows, h), p + "attn_k.weight": (kv, h),
                     p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q)})  # fmt: skip
         if spec.qk_norm == QK_FULL:
             out.update({p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)})
@@ -269,6 +304,18 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         out.update({p + "nextn.eh_proj.weight": (h, 2 * h), p + "nextn.enorm.weight": (h,),
                     p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)})  # fmt: skip
     return out
+
+
+def _delta_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors, as llama.cpp's `qwen35moe` loads them."""
+    h, c, hv = cfg.hidden, cfg.ssm_channels, cfg.ssm_v_heads
+    vd = hv * cfg.ssm_state
+    return {
+        p + "attn_qkv.weight": (c, h), p + "attn_gate.weight": (vd, h),
+        p + "ssm_conv1d.weight": (c, cfg.ssm_conv), p + "ssm_dt.bias": (hv,), p + "ssm_a": (hv,),
+        p + "ssm_beta.weight": (hv, h), p + "ssm_alpha.weight": (hv, h),
+        p + "ssm_norm.weight": (cfg.ssm_state,), p + "ssm_out.weight": (h, vd),
+    }  # fmt: skip
 
 
 def _mla_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:

@@ -38,9 +38,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvq import acl
-from kvq.asgi import ThreadedServer
+from kvq.asgi import ThreadedServer, capped_body
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
+from kvq.errors import ConfigError
+from kvq.keys import check_id
 from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
 
@@ -176,25 +178,49 @@ def _parse_volunteer(body: bytes) -> _Ask:
         d = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
         raise HttpError(HTTPStatus.BAD_REQUEST, "BadRequest", f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("the body is nested too deeply") from None
     if not isinstance(d, dict):
         raise HttpError(HTTPStatus.BAD_REQUEST, "BadRequest", 'want a JSON object {"worker": id}')
     worker, model = d.get("worker"), d.get("model")
-    if not isinstance(worker, str) or not 0 < len(worker) <= 200 or worker.strip() != worker:
-        raise HttpError(
-            HTTPStatus.BAD_REQUEST, "BadRequest",
-            f"'worker' must be a non-empty id of at most 200 characters, got {worker!r}",
-        )  # fmt: skip
-    if model is not None and (not isinstance(model, str) or not model):
-        raise _bad(f"'model' must be an id, got {model!r}")
+    if not isinstance(worker, str):
+        raise _bad(f"'worker' must be a worker id, got {_short(worker)}")
+    try:
+        check_id("'worker'", worker)
+    except ConfigError as exc:
+        raise _bad(str(exc)) from None
+    if model is not None and (not isinstance(model, str) or not _printable(model, 512)):
+        raise _bad(f"'model' must be an id, got {_short(model)}")
     held, room = d.get("held") or {}, d.get("room")
-    if not isinstance(held, dict) or not all(
-        isinstance(m, str) and isinstance(sids, list) and all(isinstance(x, str) for x in sids)
+    if not isinstance(held, dict) or len(held) > 64 or not all(
+        _printable(m, 512) and isinstance(sids, list) and len(sids) <= 4096
+        and all(isinstance(x, str) and _printable(x, 64) for x in sids)
         for m, sids in held.items()
+    ):  # fmt: skip
+        raise _bad(f"'held' must map model ids to lists of slice ids, got {_short(held)}")
+    if room is not None and (
+        isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63
     ):
-        raise _bad(f"'held' must map model ids to lists of slice ids, got {held!r}")
-    if room is not None and (isinstance(room, bool) or not isinstance(room, int) or room < 0):
         raise _bad(f"'room' must be a number of bytes >= 0 or null, got {room!r}")
     return _Ask(worker, model, {m: tuple(sids) for m, sids in held.items()}, room)
+
+
+def _printable(v: object, most: int) -> bool:
+    """A non-empty printable string of at most `most` characters, valid Unicode (no lone
+    surrogate)."""
+    if not isinstance(v, str) or not 0 < len(v) <= most or not v.isprintable():
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(v: object) -> str:
+    """`v` as an error message may quote it: at most 80 characters of its repr."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSONResponse:
@@ -244,15 +270,13 @@ def create_app(api: Api) -> Starlette:
         return _static(name)
 
     async def volunteer(request: Request) -> Response:
-        try:
-            n = int(request.headers.get("content-length") or 0)
-        except ValueError:
-            n = -1
-        if not 0 <= n <= MAX_BODY:
+        body = await capped_body(request, MAX_BODY)
+        if body is None:  # a declared length over the cap, or a chunked body that ran past it
             raise HttpError(
-                HTTPStatus.BAD_REQUEST, "BadRequest", f"body length must be 0..{MAX_BODY}"
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                "BadRequest",
+                f"the body is over {MAX_BODY} bytes",
             )
-        body = await request.body()
         got = await run_in_threadpool(api.volunteer, body, request.headers.get("authorization"))
         if got is None:
             return Response(b"", 204, media_type="application/json")

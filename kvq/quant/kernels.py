@@ -16,10 +16,11 @@ Threads: numba's parallel loops (`prange`) over output rows, as many threads as 
 numba's default threading layer does not allow two parallel launches at once, so calls take a
 process-wide lock; the kernel already uses every core.
 
-int8 activations (`KVQ_ACTIVATIONS=int8`, `configure`): every call of the types it covers
-goes through the C kernel of `kvq.quant.qdot` instead, which quantizes x to 8 bits per block
-and multiplies integers, as llama.cpp does, unpacking each weight block once per 8 rows of x
-(each row gets the bits it gets alone); below the stored precision, so only on request. A
+int8 activations (`KVQ_ACTIVATIONS=int8`, the default; `configure`): every call of the types
+it covers goes through the C kernel of `kvq.quant.qdot` instead, which quantizes x to 8 bits
+per block and multiplies integers, as llama.cpp does, unpacking each weight block once per 8
+rows of x (each row gets the bits it gets alone, on every SIMD path); below the stored
+precision (errors in docs/models.md), so `KVQ_ACTIVATIONS=float32` keeps the exact path. A
 MoE layer's routed experts are one C call (`moe_int8`, `moe_int8_batch`).
 """
 
@@ -67,10 +68,28 @@ def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+_exact = threading.local()  # `on`: this thread computes with float32 activations for now
+
+
+class float32_activations:  # noqa: N801 - used as a function: `with float32_activations():`
+    """This thread's products use float32 activations inside the block, whatever
+    `KVQ_ACTIVATIONS` says: a coordinator checking a worker's bfloat16 result recomputes it
+    exactly (`kvq.coordinator.verify`)."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_exact, "on", False)
+        _exact.on = True
+
+    def __exit__(self, *_exc: object) -> None:
+        _exact.on = self.before
+
+
 def int8_kernel() -> qdot.Built | None:
     """The C kernel when int8 activations are asked for and it could be built, else None
     (the first call builds it, or warns once that it cannot and the float32 kernels stay)."""
     global _int8_for
+    if getattr(_exact, "on", False):
+        return None
     o = qdot.options()
     last = _int8_for
     if last is not None and last[0] is o:  # every decode matmul asks: keep it cheap
@@ -96,7 +115,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in qdot.TYPES:
         built = int8_kernel()
         if built is not None:
-            return torch.from_numpy(qdot.matmul(built, xa, wa, qtype, threads))
+            return torch.from_numpy(qdot.matmul(built, xa, wa, qtype, threads, qdot.options().isa))
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
@@ -129,7 +148,8 @@ def moe_int8(
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     wa = np.asarray(weights, dtype=np.float32)
     return torch.from_numpy(qdot.moe(
-        built, xa, ptrs, types, rb, f, wa, threads, act=int(oai), biases=_bias_ptrs(biases),
+        built, xa, ptrs, types, rb, f, wa, threads, qdot.options().isa, act=int(oai),
+        biases=_bias_ptrs(biases),
     ))  # fmt: skip
 
 
@@ -147,7 +167,7 @@ def moe_int8_batch(
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     return torch.from_numpy(qdot.moe_batch(
         built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
-        np.asarray(weights, np.float32), types, rb, f, threads, act=int(oai),
+        np.asarray(weights, np.float32), types, rb, f, threads, qdot.options().isa, act=int(oai),
         biases=_bias_ptrs(biases),
     ))  # fmt: skip
 

@@ -137,14 +137,17 @@ def _declare(lib: ctypes.CDLL) -> None:
 class KernelOptions:
     """How this process's kernels compute; set once at the entry point (`configure`).
 
-    `activations`: `float32` (the precision rule's default) or `int8` (KVQ_ACTIVATIONS:
-    through the C kernel, `kvq.quant.qdot`). `cc`: the C compiler that builds it
+    `activations`: `int8` (the default, KVQ_ACTIVATIONS: through the C kernel, what llama.cpp
+    does) or `float32` (the exact path: the numba kernels of `kvq.quant.fused`). `isa`: the
+    SIMD path of the C kernel, -1 the best this CPU has (tests force one; every path gives the
+    same bits). `cc`: the C compiler that builds it
     (the CC environment variable). `cache_dir`: where the built library is kept ("" =
     `qdot.default_cache_dir()`)."""
 
-    activations: str = "float32"
+    activations: str = "int8"
     cc: str = "cc"
     cache_dir: str = ""
+    isa: int = -1
 
 
 _options = KernelOptions()

@@ -20,13 +20,15 @@ import torch
 from kvq import wire
 from kvq.bank import Bank
 from kvq.device import dtype_name
-from kvq.errors import WireError
+from kvq.errors import ModelError, WireError
 
 log = logging.getLogger("kvq.worker")
 
 BAD_JOB = "BadJob"
 DEADLINE_EXPIRED = "DeadlineExpired"
 NON_FINITE = "NonFinite"
+WRONG_DTYPE = "WrongDType"  # the job asks for a compute path this worker does not run; the
+# message is the one it runs (the coordinator may ask for it next: `Verifier.refused`)
 _FLOATS = ("float32", "float16")
 
 
@@ -38,7 +40,7 @@ class ExpertServer:
     """Serves the experts of `bank` (some layers, each an expert range) of `model`."""
 
     def __init__(
-        self, name: str, model: str, bank: Bank, hidden: int, dtype: torch.dtype,
+        self, name: str, model: str, bank: Bank | None, hidden: int, dtype: torch.dtype,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:  # fmt: skip
         self.name, self.model, self.bank, self.hidden = name, model, bank, hidden
@@ -55,6 +57,8 @@ class ExpertServer:
     ) -> torch.Tensor:
         """Sum over each row's experts in `[lo, hi)` of `w * expert(x)`. x: [T, H]; ids, w:
         [T, k]. Returns [T, H] in x.dtype, on x.device."""
+        if self.bank is None:  # a backbone-only coordinator: its dispatch never asks this
+            raise ModelError(f"{self.name} holds no routed experts (a backbone file)")
         with torch.inference_mode():
             return self.bank.forward(layer, x, ids, w, lo, hi)
 
@@ -63,6 +67,10 @@ class ExpertServer:
         t0 = time.perf_counter()
         try:
             self.check(job)
+            if job.want_dtype is not None and job.want_dtype != self.dtype_name:
+                # an honest worker never sends a result the coordinator did not ask for
+                error = wire.Failure(type=WRONG_DTYPE, message=self.dtype_name)
+                return self._failed(job, error, t0)
             if job.deadline_ms and self.clock_ms() > job.deadline_ms:
                 # the coordinator has computed it locally already; say so instead of working
                 error = wire.Failure(
@@ -96,6 +104,8 @@ class ExpertServer:
 
     def check(self, job: wire.Job) -> None:
         """BadJob unless this server holds the job's experts and its shapes fit."""
+        if self.bank is None:
+            raise BadJob(f"job {job.job_id}: {self.name} holds no routed experts")
         if job.model != self.model or job.layer not in self.bank.layers:
             raise BadJob(
                 f"job {job.job_id} for {job.model} layer {job.layer}: this server holds "
@@ -119,6 +129,7 @@ class ExpertServer:
                 raise BadJob(f"job {job.job_id}: {name} holds NaN or infinity")
 
     def _run(self, job: wire.Job) -> np.ndarray:
+        assert self.bank is not None  # `check` refused the job otherwise
         dev, dtype = self.bank.device, self.dtype
         x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(dev, dtype)
         ids = torch.from_numpy(np.array(job.ids.array(), dtype=np.int64)).to(dev)

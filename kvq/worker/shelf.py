@@ -68,7 +68,10 @@ class Shelf:
                 f"this worker holds no slice of {job.model}" if not mine
                 else f"this worker holds slice(s) {', '.join(mine)} of {job.model}, not that one"
             )  # fmt: skip
-            held = ", ".join(f"{m} layers {sv.bank.layers}" for (m, _), sv in self.servers.items())
+            held = ", ".join(
+                f"{m} layers {sv.bank.layers if sv.bank else []}"
+                for (m, _), sv in self.servers.items()
+            )
             error = wire.Failure(
                 type=BAD_JOB,
                 message=f"job {job.job_id} for {job.model} slice {job.slice}: {where}; "
@@ -82,7 +85,7 @@ class Shelf:
         """B5: a batch with jobs of these slices was one engine step of their banks."""
         for key in slices:
             sv = self.servers.get(key)
-            if sv is not None:
+            if sv is not None and sv.bank is not None:
                 sv.bank.step()
 
     # -- what the heartbeat reports ----------------------------------------------------------

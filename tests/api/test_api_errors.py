@@ -188,3 +188,48 @@ def test_api_keys_and_the_per_key_limit(system: System) -> None:
     two = OpenAI(base_url=url + "/v1", api_key=keys[1], max_retries=0)
     assert two.models.list().data, "the limit is per key"
     assert httpx.get(url + "/health").status_code == 200, "health needs no key"
+
+
+def _chunks(total: int, size: int = 64 * 1024) -> Any:
+    sent = 0
+    while sent < total:
+        yield b" " * min(size, total - sent)
+        sent += size
+
+
+def test_a_chunked_body_over_the_cap_is_413_without_reading_it_whole(system: System) -> None:
+    """No Content-Length (chunked transfer): the cap holds all the same, nothing is queued."""
+    queued = system.queued()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        t0 = time.monotonic()
+        resp = httpx.post(system.url + path, content=_chunks(10 << 20), timeout=30)
+        assert resp.request.headers.get("transfer-encoding") == "chunked"
+        assert_error(resp, 413)
+        assert time.monotonic() - t0 < 5, path
+    assert system.queued() == queued
+
+
+NESTED = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+MALFORMED: list[tuple[str, bytes]] = [
+    ("/v1/completions", NESTED),
+    ("/v1/completions", b'{"model": "%s", "prompt": [18446744073709551616]}' % MODEL.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": [-1]}' % MODEL.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800 lone"}' % MODEL.encode()),
+    ("/v1/chat/completions",
+     b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}' % MODEL.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "max_tokens": 1e400}' % MODEL.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "seed": 18446744073709551616}'
+     % MODEL.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "logit_bias": {"99999999999999999999": 1}}'
+     % MODEL.encode()),
+    ("/tokenize", b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode()),
+    ("/detokenize", b'{"model": "%s", "tokens": [18446744073709551616]}' % MODEL.encode()),
+    ("/v1/completions", b"\xff\xfe not utf-8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body"), MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_inputs_are_4xx_in_openais_shape(system: System, path: str, body: bytes) -> None:
+    resp = post(system.url, path, body)
+    assert 400 <= resp.status_code < 500, resp.text[:300]
+    assert_error(resp, resp.status_code)

@@ -18,7 +18,7 @@ import pytest
 
 from kvq.bus.connection import connect
 from kvq.config import Settings, load_settings
-from kvq.errors import TlsError
+from kvq.errors import ConfigError, TlsError
 from kvq.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +156,23 @@ def test_the_verification_opt_out_connects_and_warns(
     finally:
         r.close()
     assert any("NOT verified" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_url_that_weakens_tls_connects_only_with_the_opt_out_and_warns(
+    pki: Pki, tls_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"rediss://localhost:{tls_port}/0?ssl_cert_reqs=none"
+    with pytest.raises(ConfigError, match="KVQ_TLS_INSECURE"):
+        load_settings(redis_url=url)
+    s = load_settings(redis_url=url, tls_insecure=True, tls_cert_file=str(pki.client_cert),
+                      tls_key_file=str(pki.client_key))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kvq.bus"):
+        r = connect(s.bus)
+    try:
+        assert r.ping()
+    finally:
+        r.close()
+    assert any("ssl_cert_reqs=none" in rec.getMessage() for rec in caplog.records)
 
 
 def test_a_worker_with_a_wrong_ca_exits_with_one_line(pki: Pki, tls_port: int) -> None:

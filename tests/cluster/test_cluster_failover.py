@@ -79,6 +79,15 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
     # to have a new master, not for "ok" alone (which held 0.1 s after the kill in one CI run)
     wait_for(lambda: cluster.master_port(slot) not in (None, victim.port) and cluster.healthy(),
              60, "a replica to take over the dead master's slots")  # fmt: skip
+
+    def client_sees_new_master() -> bool:  # the client's slot map, not only the cluster's
+        try:
+            mon.board.r.exists(keys.model_requests("tiny"))
+            return True
+        except redis.RedisError:
+            return False
+
+    wait_for(client_sees_new_master, 30, "the client to reach the slot's new master")
     recovered_at = time.monotonic()
     wait_for(lambda: sum(o == "ok" for t, o in outcomes if t > recovered_at) >= 10, 120,
              "ten requests served after the failover")  # fmt: skip

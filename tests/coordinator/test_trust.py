@@ -125,7 +125,7 @@ def test_verdicts_of_other_coordinators_are_merged() -> None:
 
 def test_settings_build_the_policy_and_name_bad_values() -> None:
     s = load_settings(trust_p_min=0.05, trust_full_checks=60, verify_remote="sampled")
-    assert trust_policy(s.dispatch) == TrustPolicy(60, 0.95, 0.05, 600.0, 3)
+    assert trust_policy(s.dispatch) == TrustPolicy(60, 0.95, 0.05, 600.0, 3, 0.3)
     from kvq.errors import ConfigError
 
     with pytest.raises(ConfigError, match="KVQ_TRUST_P_MIN"):
@@ -134,3 +134,63 @@ def test_settings_build_the_policy_and_name_bad_values() -> None:
         load_settings(verify_remote="sometimes")
     assert load_settings(verify_remote="1").verify_remote == "all"
     assert load_settings(verify_remote="0").verify_remote == "off"
+
+
+def _late_liar_steps(trust: Trust, jobs_per_step: int, honest_steps: int, limit: int) -> int | None:
+    """A worker honest for `honest_steps` engine steps of `jobs_per_step` jobs each (it earns
+    the p_min floor), then lying on every job: the lying steps it gets through before the
+    check that catches it (0: caught in its first lying step), or None within `limit`."""
+    for step in range(honest_steps + limit):
+        trust.new_step()
+        for _ in range(jobs_per_step):
+            if trust.should_check("w"):
+                if step >= honest_steps:
+                    trust.failed("w", "late lie")
+                    return step - honest_steps
+                trust.passed("w")
+    return None
+
+
+@pytest.mark.parametrize("jobs_per_step", [1, 4, 48])
+def test_trust_cannot_be_banked_a_late_liar_is_caught_per_step(jobs_per_step: int) -> None:
+    """After 300 honest steps the streak alone would check 2% of jobs; the step floor still
+    checks each lying step with probability >= 0.3, so a 12-token request that a liar turns in
+    catches it with probability >= 1 - 0.7**12 = 0.986 (the measured share must agree)."""
+    runs, within_12 = 2000, 0
+    for i in range(runs):
+        trust = Trust(DEFAULT, "c", rng=random.Random(i))
+        got = _late_liar_steps(trust, jobs_per_step, 300, 200)
+        assert got is not None
+        within_12 += got < 12
+        if i == 0:
+            assert trust.workers["w"].ok == 0 and trust.per_step["w"] == pytest.approx(
+                jobs_per_step
+            )
+    share = within_12 / runs
+    print(f"{jobs_per_step} jobs/step: late liar caught within 12 steps in {share:.4f} of runs")
+    assert share >= 0.975  # 0.986 expected; 2000 runs: standard error 0.0026
+    # without the floor, the same late liar usually gets further (the banked trust)
+    banked = sum(
+        (_late_liar_steps(Trust(TrustPolicy(step_floor=0.0), "c", rng=random.Random(i)),
+                          jobs_per_step, 300, 400) or 400) < 12
+        for i in range(runs)
+    ) / runs  # fmt: skip
+    assert banked < share - 0.1 or jobs_per_step == 48
+
+
+@pytest.mark.parametrize(("jobs_per_step", "cost"), [(1, 0.3), (4, 0.085), (48, 0.02)])
+def test_step_floor_cost_once_trusted(jobs_per_step: int, cost: float) -> None:
+    """The floor's price: about -ln(0.7) = 0.36 checked jobs per worker per step once trusted,
+    so 30% of the rows of a worker with one job per step, p_min's 2% from 18 jobs on."""
+    trust = Trust(DEFAULT, "c", rng=random.Random(3))
+    checked = []
+    for _ in range(6000):
+        trust.new_step()
+        for _ in range(jobs_per_step):
+            c = trust.should_check("w")
+            checked.append(c)
+            if c:
+                trust.passed("w")
+    steady = sum(checked[len(checked) // 2 :]) / (len(checked) - len(checked) // 2)
+    print(f"{jobs_per_step} jobs/step: {steady:.4f} of jobs checked once trusted")
+    assert steady == pytest.approx(cost, rel=0.15)

@@ -14,6 +14,7 @@ import torch
 
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import DispatchCounters
+from kvq.coordinator.check import BIAS_WINDOW
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verdict, Verifier
 
@@ -71,12 +72,35 @@ def test_a_mismatch_quarantines_on_the_board_and_the_local_result_is_used() -> N
     assert v.stats.mismatches == 1 and caught == ["w"]
 
 
-def test_dtype_decides_the_tolerance() -> None:
-    """The same 2% error: rounding for a bfloat16 worker, a lie for a float32 one."""
-    off = REF * 1.02
-    v, _, _ = _verifier()
-    assert v.check("bf16-worker", off, "bfloat16", REF) is Verdict.VERIFIED
-    assert v.check("f32-worker", off, "float32", REF) is Verdict.REJECTED
+def test_the_coordinator_not_the_label_decides_the_check() -> None:
+    """A result labelled with another path than its job asked for is refused and counts as a
+    lie; a worker that says (by failing a job) it runs a GPU dtype is asked for that one, held
+    to its measured tolerance, which a 1% lie fails; a looser CPU label is never granted."""
+    from kvq import wire
+
+    v, board, caught = _verifier()
+    assert v.asked("w") == "float32"
+    assert v.check("w", REF.clone(), "bfloat16", REF) is Verdict.REJECTED
+    assert "a bfloat16 result for a job asking float32" in board.quarantined("m")["w"].reason
+    v.refused("q", wire.Failure(type="WrongDType", message="q8"))
+    assert v.asked("q") == "float32", "q8 is not checkable by a float32 coordinator"
+    v.refused("g", wire.Failure(type="WrongDType", message="bfloat16"))
+    assert v.asked("g") == "bfloat16"
+    noise = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) * 1e-3
+    assert v.check("g", REF + noise * REF, "bfloat16", REF) is Verdict.VERIFIED
+    assert v.check("g", REF * 1.05, "bfloat16", REF) is Verdict.REJECTED, "5%: at once"
+    verdicts = [v.check("g", REF * 1.01, "bfloat16", REF) for _ in range(BIAS_WINDOW)]
+    assert verdicts[-1] is Verdict.REJECTED, "1%: by the mean bias of its last checked results"
+    assert caught == ["w", "g", "g"]
+
+
+def test_q8_against_q8_is_bitwise() -> None:
+    board = MemoryBoard()
+    v = Verifier(board, "m", Trust(TrustPolicy(), "c1"), "all", "q8", DispatchCounters())
+    assert v.check("w", REF.clone(), "q8", REF) is Verdict.VERIFIED
+    one_ulp = torch.nextafter(REF, torch.full_like(REF, 10.0))
+    assert v.check("w2", one_ulp, "q8", REF) is Verdict.REJECTED, "one ulp is a lie"
+    assert "not bit-exact" in board.quarantined("m")["w2"].reason
 
 
 def test_sampling_skips_checks_once_trusted_and_off_never_checks() -> None:

@@ -3,9 +3,11 @@ well-formed but wrong on a share of its jobs (issue 11). Nothing in kvq knows ab
 lie is patched in here, the way an adversary would run modified code.
 
     python tests/integration/liar_worker.py --id ID --garbage 0.1 --seed 3 [--kind noise|nan]
+        [--honest-first N]
 
 `KVQ_*` settings come from the environment as for `kvq worker`. Each lie is logged ("LIE job"),
-so a test can count the jobs the coordinator received from it.
+so a test can count the jobs the coordinator received from it. `--honest-first N` answers its
+first N jobs honestly (it banks trust) and lies from then on.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from kvq.worker import server
 log = logging.getLogger("liar")
 
 
-def patch(garbage: float, seed: int, kind: str) -> None:
+def patch(garbage: float, seed: int, kind: str, honest_first: int = 0) -> None:
     rng = random.Random(seed)
     honest = server.ExpertServer.handle
+    answered = 0
 
     def handle(self: server.ExpertServer, job: wire.Job) -> wire.Result:
+        nonlocal answered
         res = honest(self, job)
-        if res.y is None or rng.random() >= garbage:
+        answered += 1
+        if res.y is None or answered <= honest_first or rng.random() >= garbage:
             return res
         y = res.y.array()
         if kind == "nan":
@@ -51,6 +56,7 @@ if __name__ == "__main__":
     ap.add_argument("--garbage", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kind", choices=["noise", "nan"], default="noise")
+    ap.add_argument("--honest-first", type=int, default=0)
     a = ap.parse_args()
-    patch(a.garbage, a.seed, a.kind)
+    patch(a.garbage, a.seed, a.kind, a.honest_first)
     raise SystemExit(main(["worker", "--id", a.id]))

@@ -1,5 +1,6 @@
 """`kvq acl` prints the rules; `kvq acl --apply` then a whole deployment of `kvq` processes
-(monitor, workers, coordinator, client), each logged in as its role's user: zero NOPERM."""
+(monitor, workers, coordinator, client, and `kvq api` with API keys and a per-key limit),
+each logged in as its role's user: zero NOPERM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from acl_helpers import denials
@@ -18,6 +20,7 @@ from kvq import acl
 from kvq.cli import main
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
+from kvq.server import free_port
 
 LOADED = {"saturation_threshold": 1, "job_deadline_ms": 10_000, "dispatch_policy": "copies"}
 
@@ -25,7 +28,7 @@ LOADED = {"saturation_threshold": 1, "job_deadline_ms": 10_000, "dispatch_policy
 def test_kvq_acl_prints_every_role(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["acl", "--prefix", "pp", "--worker", "gpu1"]) == 0
     out = capsys.readouterr().out
-    for user in ("pp-monitor", "pp-coordinator", "pp-worker-gpu1", "pp-client"):
+    for user in ("pp-monitor", "pp-coordinator", "pp-worker-gpu1", "pp-client", "pp-api"):
         assert f"ACL SETUSER {user} reset on" in out
     assert "'~pp:{w:gpu1}:*'" in out and "><PASSWORD>" in out
 
@@ -83,6 +86,7 @@ def test_apply_then_a_whole_deployment_on_those_users(
         assert out.returncode == 0, out.stderr.decode() + _logs(tmp_path)
         got = json.loads(out.stdout)
         assert got["token_ids"] == local_tokens(tiny_model, "acl", 6)
+        _keyed_api_under_its_user(s, url["api"], tmp_path, procs)
         assert denials(r, settings.prefix) == [], _logs(tmp_path)
         assert "NOPERM" not in _logs(tmp_path)
     finally:
@@ -95,6 +99,38 @@ def test_apply_then_a_whole_deployment_on_those_users(
                 p.kill()
                 p.wait()
         acl.remove(r, made)
+
+
+def _keyed_api_under_its_user(
+    s: Settings, api_url: str, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """`kvq api` as the `P-api` user with API keys and KVQ_API_KEY_RPM=2: two calls of a key
+    are served, its third is 429 (the per-key counter works under the ACL), another key's call
+    is served."""
+    port = free_port()
+    keys = "key-aaaaaaaa-1,key-bbbbbbbb-2"
+    env = child_env(s, redis_url=api_url, api_port=port, api_keys=keys, api_key_rpm=2)
+    with (tmp_path / "api.log").open("wb") as log:
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvq", "api"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and procs[-1].poll() is None, _logs(tmp_path)
+        time.sleep(0.2)
+
+    def call(key: str) -> httpx.Response:
+        return httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "tiny", "prompt": "acl", "max_tokens": 3}, timeout=60)  # fmt: skip
+
+    got = [call("key-aaaaaaaa-1").status_code for _ in range(3)]
+    assert got == [200, 200, 429], _logs(tmp_path)
+    assert call("key-bbbbbbbb-2").status_code == 200, _logs(tmp_path)
 
 
 def _logs(d: Path) -> str:

@@ -42,6 +42,9 @@ WORKER_FORBIDDEN = {
     "read the answers of another worker": ("XRANGE", "{answers_b}", "-", "+"),
     "delete the dead-letter stream": ("DEL", "{deadletter}"),
     "list every key": ("SCAN", "0"),
+    "list keys by pattern": ("KEYS", "*"),
+    "pick a random key name": ("RANDOMKEY",),
+    "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
     "wipe the server": ("FLUSHALL",),
     "change ACL users": ("ACL", "SETUSER", "a2", "on"),
 }  # fmt: skip
@@ -58,6 +61,12 @@ CLIENT_FORBIDDEN = {
     "post a job": ("XADD", "{inbox_b}", "*", "t", "job"),
     "write a reply": ("XADD", "{reply}", "*", "kind", "done"),
     "write the model table": ("HSET", "{meta}", "source", "x"),
+    "read everyone's queued requests": ("XINFO", "STREAM", "{requests}", "FULL"),
+    "read the request stream": ("XRANGE", "{requests}", "-", "+"),
+    "pick a random key name": ("RANDOMKEY",),
+    "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
+    "reset an API key's call counter": ("SET", "{calls}", "0"),
+    "count an API key's calls": ("INCRBY", "{calls}", "1"),
 }
 CLIENT_ALLOWED = {  # what kvq.client and `kvq api` do
     "queue a request": ("XADD", "{requests}", "MAXLEN", "~", "10000", "*", "t", "request"),
@@ -70,10 +79,14 @@ CLIENT_ALLOWED = {  # what kvq.client and `kvq api` do
     "read a coordinator's slots": ("HGETALL", "{slots}"),
     "read a coordinator's token counter": ("HGETALL", "{stats}"),
     "measure the queue": ("XLEN", "{requests}"),
-    "count an API key's calls": ("SET", "{calls}", "0", "EX", "60", "NX"),
-    "count one more": ("INCR", "{calls}"),
-    "see the window left": ("PTTL", "{calls}"),
+    "see the queue's group lag": ("XINFO", "GROUPS", "{requests}"),
     "ping": ("PING",),
+}
+API_ALLOWED = {  # what `kvq api` does beyond a client: count each API key's calls
+    "count an API key's calls": ("SET", "{calls}", "0", "EX", "60", "NX"),
+    "count one more (redis-py's INCR)": ("INCRBY", "{calls}", "1"),
+    "see the window left": ("PTTL", "{calls}"),
+    "queue a request": ("XADD", "{requests}", "MAXLEN", "~", "10000", "*", "t", "request"),
 }
 COORD_FORBIDDEN = {
     "repoint meta.source": ("HSET", "{meta}", "source", "x"),
@@ -81,6 +94,15 @@ COORD_FORBIDDEN = {
     "fake coverage": ("HSET", "{coverage}", "{sid}", "9"),
     "read a worker's inbox": ("XRANGE", "{inbox_b}", "-", "+"),
     "run a script": ("EVAL", "return 1", "0"),
+    "pick a random key name": ("RANDOMKEY",),
+    "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
+    "list every key": ("SCAN", "0"),
+}
+MONITOR_FORBIDDEN = {
+    "pick a random key name": ("RANDOMKEY",),
+    "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
+    "list every key": ("SCAN", "0"),
+    "wipe the server": ("FLUSHALL",),
 }
 
 
@@ -160,6 +182,17 @@ def test_a_client_cannot(what: str, world: dict[str, str], as_role: RoleSettings
 @pytest.mark.parametrize("what", sorted(CLIENT_ALLOWED))
 def test_a_client_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
     _run(as_role("client"), CLIENT_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(API_ALLOWED))
+def test_the_api_gateway_can(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    _run(as_role("api"), API_ALLOWED[what], world)
+
+
+@pytest.mark.parametrize("what", sorted(MONITOR_FORBIDDEN))
+def test_a_monitor_cannot(what: str, world: dict[str, str], as_role: RoleSettings) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        _run(as_role("monitor"), MONITOR_FORBIDDEN[what], world)
 
 
 @pytest.mark.parametrize("what", sorted(COORD_ALLOWED))

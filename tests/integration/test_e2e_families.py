@@ -2,7 +2,8 @@
 =none) and two `kvq worker` processes, each holding half of every MoE layer's routed experts,
 give the same greedy tokens as all-local generation. The leading dense layer and the shared
 experts stay with the coordinator; only routed experts travel (gpt-oss's with their biases,
-three more stacked ranges per layer, and MXFP4 experts)."""
+three more stacked ranges per layer, and MXFP4 experts). qwen35moe's DeltaNet layers keep
+their recurrent state per sequence in the coordinator, beside its KV cache."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("arch", "variant", "quant"),
-    [("deepseek2", "v3", "f32"), ("glm4moe", "", "f32"), ("gpt-oss", "", "mxfp4")],
+    [
+        ("deepseek2", "v3", "f32"),
+        ("glm4moe", "", "f32"),
+        ("gpt-oss", "", "mxfp4"),
+        ("qwen35moe", "", "f32"),
+    ],
 )
 def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
     redis_server,

@@ -56,11 +56,11 @@ def kids(s: Settings, tmp_path: Path) -> Iterator[Children]:
 
 
 def _spawn_liar(kids: Children, s: Settings, tmp_path: Path, wid: str, garbage: float,
-                seed: int, kind: str = "noise") -> None:  # fmt: skip
+                seed: int, kind: str = "noise", honest_first: int = 0) -> None:  # fmt: skip
     log = (tmp_path / f"{wid}.log").open("wb")
     kids.procs[wid] = subprocess.Popen(
         [sys.executable, str(LIAR), "--id", wid, "--garbage", str(garbage), "--seed",
-         str(seed), "--kind", kind],
+         str(seed), "--kind", kind, "--honest-first", str(honest_first)],
         env=child_env(s), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     log.close()
@@ -135,6 +135,37 @@ def test_a_liar_is_caught_and_its_garbage_never_used(
     assert coord.routing.trust.barred("liar")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trust_cannot_be_banked_a_late_liar_spoils_at_most_one_completion(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, seed: int
+) -> None:  # fmt: skip
+    """Issue 32 item 4. The liar answers its first 300 jobs honestly (its streak takes it to
+    the 2% floor, where a late lie used to go unchecked for about 50 jobs: 4 of 16 requests
+    wrong), then lies on every job. Requests one at a time, each compared with all-local
+    generation: at most 1 of them is wrong before the step floor's check catches it."""
+    honest_first = 300
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
+                        lambda: _spawn_liar(kids, s, tmp_path, "liar", 1.0, seed,
+                                            honest_first=honest_first))  # fmt: skip
+    keys, r = Keys(s.prefix), mon.board.r
+    want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+    requests = wrong = 0
+    while "liar" not in mon.board.quarantined("tiny"):
+        assert requests < 100, "not caught within 100 requests"
+        prompt = PROMPTS[requests % len(PROMPTS)]
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        requests += 1
+        wrong += got != want[prompt]
+    lies = _lies(tmp_path, "liar")
+    t = coord.trust.workers["liar"]
+    print(f"late liar (seed {seed}): honest for {honest_first} jobs, caught after {lies} lies "
+          f"at its check {t.checked}; {wrong} wrong of {requests} requests; "
+          f"jobs/step {coord.trust.per_step.get('liar', 0):.2f}")  # fmt: skip
+    assert lies >= 1, "it did start lying before the catch"
+    assert wrong <= 1 and requests <= 100
+
+
 def test_an_impersonator_is_caught_but_blamed_on_the_worker_whose_stream_it_writes(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -204,12 +235,14 @@ def test_an_honest_bfloat16_worker_is_never_flagged(
     assert mon.board.quarantined("tiny") == {}
 
 
-def test_checks_cost_under_five_percent_once_trust_is_earned(
+def test_checks_cost_what_the_schedule_says_once_trust_is_earned(
     s: Settings, run_in_thread, tiny_model: Path
 ) -> None:
     """Two honest workers (threads), every job remote: after each has sent 1,100 results
-    (trust earned: p at its 2% floor), the rows recomputed to check results are <= 5% of the
-    remote rows (measured: 2.0-2.6%; 3.3% when counted from the start over 10,000 jobs)."""
+    (trust earned: the streak's p at its 2% floor), the rows recomputed to check results are
+    the share the step floor sets for their jobs per step (`kvq.coordinator.trust`): on the
+    tiny model a worker gets about one job per step, so about 30%; a real model's worker,
+    with jobs on many layers per step, pays p_min's 2% (tests/coordinator/test_trust.py)."""
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     workers = [Worker.from_settings(s, f"w{i}") for i in range(2)]
@@ -231,7 +264,12 @@ def test_checks_cost_under_five_percent_once_trust_is_earned(
             snap = (st.remote_rows, st.verified_rows)
     assert snap is not None
     share = (st.verified_rows - snap[1]) / (st.remote_rows - snap[0])
-    print(f"once trusted: {share:.4f} of remote rows recomputed; from the start "
-          f"{st.verified_rows / st.remote_rows:.4f}")  # fmt: skip
-    assert share <= 0.05 and st.mismatches == 0
-    assert all(coord.trust.p(f"w{i}") == s.trust_p_min for i in range(2))
+    policy, trust = coord.trust.policy, coord.trust
+    predicted = sum(trust.p(f"w{i}") for i in range(2)) / 2
+    print(f"once trusted: {share:.4f} of remote rows recomputed (the schedule says "
+          f"{predicted:.4f}; jobs per step {[round(trust.per_step[f'w{i}'], 2) for i in range(2)]}); "
+          f"from the start {st.verified_rows / st.remote_rows:.4f}")  # fmt: skip
+    assert st.mismatches == 0
+    assert all(trust.workers[f"w{i}"].ok > policy.full_checks + 100 for i in range(2))
+    assert policy.p_min <= predicted <= policy.step_floor + 0.01
+    assert share == pytest.approx(predicted, rel=0.35)

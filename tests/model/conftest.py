@@ -79,3 +79,13 @@ def int8_activations() -> Iterator[None]:
     qdot.configure(replace(before, activations="int8"))
     yield
     qdot.configure(before)
+
+
+@pytest.fixture
+def float32_activations() -> Iterator[None]:
+    """kvq's exact path (`KVQ_ACTIVATIONS=float32`): quantized weights times float32 activations,
+    for comparisons with a float reference that int8 activations would miss by their rounding."""
+    before = qdot.options()
+    qdot.configure(replace(before, activations="float32"))
+    yield
+    qdot.configure(before)

@@ -18,9 +18,11 @@ CONTROL = [
     BOS, EOS, "<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>",
     "<|constrain|>", "<|end|>", "<|return|>", "<|call|>", "[gMASK]", "<sop>", "<|user|>",
-    "<|assistant|>", "<|system|>", "<|observation|>",
+    "<|assistant|>", "<|system|>", "<|observation|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>",
 ]  # fmt: skip
-USER_DEFINED = ["<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "<think>", "</think>"]
+USER_DEFINED = ["<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "<think>", "</think>",
+                "<tool_call>", "</tool_call>"]  # fmt: skip
 
 _WHITESPACE = [
     " ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\n\n\n", "\r\n", " \n", "\n ", " \t \n",
@@ -43,7 +45,11 @@ _CODE = [
     "    indented\n\tand tabbed", "<div class=\"a\">b</div>", "SELECT * FROM t WHERE id=1;",
     "path/to/file.py:42", "__init__ self._x = None", "$HOME ~/.bashrc | grep -v '^#'",
 ]  # fmt: skip
-_MARKS = ["cafe\u0301", "e\u0301\u0301", "n\u0303o", "a\u0308b\u0308c", "\u0301alone"]
+# combining marks: inside words, and after what is not a letter (Qwen3.5's words take \p{M})
+_MARKS = ["cafe\u0301", "e\u0301\u0301", "n\u0303o", "a\u0308b\u0308c", "\u0301alone",
+          "9\u0308 x", "!\u0301?", " \u0301\u0302 ", "\u0301\u0301", "x'\u0301s",
+          "Tie\u0302\u0301ng Vie\u0323\u0302t", "\u0639\u064e\u0631\u064e\u0628\u0650\u064a\u0651",
+          "\u0e17\u0e35\u0e48\u0e19\u0e35\u0e48", "\u0915\u093f\u0924\u093e\u092c\u0947\u0902 \u0967\u0968"]  # fmt: skip
 _APOSTROPHES = [
     "it's", "we'll", "THEY'RE", "I'M", "you've", "he'd", "don't", "'s", "'ll 'RE", "rock 'n' roll",
     "O'Neil's", "l'homme", "\u2019s curly",
@@ -56,6 +62,8 @@ _SPECIAL = [
     "<|start|>assistant<|channel|>final<|message|>Done.<|return|>",
     "[gMASK]<sop><|user|>\nhello<|assistant|>", "<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c><think>\nhmm</think>ok",
     "<|im_start|>system\nbe brief<|im_end|>\n", "<|endoftext|><|endoftext|>", "a<|end|>b <|call|> c",
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"f\"}\n</tool_call><|im_end|>",
+    "<|vision_start|><|image_pad|><|vision_end|>describe it",
 ]  # fmt: skip
 CASES: list[str] = [
     "", *_WHITESPACE, *_DIGITS, *_SCRIPTS, *_EMOJI, *_CODE, *_MARKS, *_APOSTROPHES, *_PUNCT,

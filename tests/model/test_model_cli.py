@@ -43,7 +43,7 @@ def test_cli_choices_match_the_library() -> None:
 @pytest.mark.parametrize(
     ("arch", "quant"),
     [("qwen2moe", "q4_k"), ("mixtral", "q5_0"), ("deepseek2", "q4_k"), ("glm4moe", "q8_0"),
-     ("olmoe", "f16")],
+     ("olmoe", "f16"), ("qwen35moe", "q8_0")],
 )  # fmt: skip
 def test_make_tiny_then_inspect(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, arch: str, quant: str

@@ -9,6 +9,7 @@ references here too. The llama.cpp tests skip where llama_cpp is not installed."
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from greedy import kvq_greedy, llama_greedy
 
+from kvq.errors import ModelError
 from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
 from kvq.model.experts import expert_forward, expert_forward_reference
 from kvq.model.gguf_io import open_reader, tensor_map
@@ -213,3 +215,38 @@ def test_mxfp4_experts_take_the_one_call_int8_kernel_rows_alone(tmp_path: Path) 
     rows = [expert_forward(sl, x[i : i + 1], ids[i : i + 1], w[i : i + 1]) for i in range(5)]
     assert torch.equal(torch.cat(rows), fused)
     assert torch.equal(expert_forward(sl, x, ids, w), fused)
+
+
+def _write_array_pattern(tmp_path: Path, flags: list[bool]) -> Path:
+    """The tiny gpt-oss file, its sliding layers given as a per-layer array (a form llama.cpp
+    reads for every arch with a sliding-window pattern) instead of the default 2."""
+    from kvq.model.tiny import TinyConfig, family_parts, write_tiny
+
+    cfg = family_parts(TinyConfig(DIMS["layers"], DIMS["experts"], 2, DIMS["hidden"],
+                                  DIMS["expert_ffn"], DIMS["heads"], DIMS["kv_heads"],
+                                  DIMS["head_dim"]), "gpt-oss")  # fmt: skip
+    path = tmp_path / "gpt-oss-array.gguf"
+    write_tiny(path, cfg, arch="gpt-oss", tokenizer="bpe", rope=("yarn", 4.0),
+               extra=lambda w: w.add_array("gpt-oss.attention.sliding_window_pattern", flags))  # fmt: skip
+    return path
+
+
+def test_a_per_layer_sliding_pattern_array_is_read(tmp_path: Path) -> None:
+    m = read_meta(_write_array_pattern(tmp_path, [True, True, False]))
+    assert [m.window(i) for i in range(m.block_count)] == [8, 8, 0]
+    from kvq.model import meta_from_dict, meta_to_dict
+
+    assert meta_from_dict(json.loads(json.dumps(meta_to_dict(m)))) == m  # as the board keeps it
+    with pytest.raises(ModelError, match="one flag for each of the 3 layers"):
+        read_meta(_write_array_pattern(tmp_path, [True, False]))
+
+
+@needs_llama
+def test_a_per_layer_sliding_pattern_array_equals_llama_cpp(tmp_path: Path) -> None:
+    path = _write_array_pattern(tmp_path, [True, True, False])
+    ids = load_tokenizer(path).encode(PROMPT)
+    theirs, their_logits = llama_greedy(path, ids, STEPS)
+    ours, our_logits = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
+    assert ours == theirs
+    corr = [np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True)]
+    assert min(corr) >= 0.9999, corr

@@ -56,6 +56,30 @@ def test_encodes_like_llama_cpp(tmp_path: Path, name: str) -> None:
     assert not differ, f"{len(differ)}/{len(fx.CASES)} cases differ, first: {differ[0]}"
 
 
+# merges learned across whole lines: every piece boundary a pre-tokenizer draws changes ids
+LINES = PreTokenizer((r"[^\n]+|\n+",))
+# where a vocabulary trained on a name's own splits cannot tell two regexes apart (no merge
+# crosses the boundary one draws and the other does not), one trained on LINES can
+COARSE_NAMES = ("qwen35", "qwen2", "llama-bpe", "gpt-4o", "deepseek-v3", "kimi-k2")
+
+
+@pytest.mark.parametrize("name", COARSE_NAMES)
+def test_coarse_vocabulary_encodes_like_llama_cpp(tmp_path: Path, name: str) -> None:
+    """The same check over a vocabulary whose merges span words, marks and spaces: it fails
+    when kvq cuts a piece llama.cpp does not (qwen35 run with Qwen2's regex: the combining
+    marks that Qwen3.5's words take)."""
+    path = tmp_path / f"{name}.gguf"
+    fx.write_vocab(path, name, _trained(LINES))
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    ours = load_tokenizer(path)
+    differ = [
+        text
+        for text in fx.CASES
+        if ours.encode(text) != llm.tokenize(text.encode(), add_bos=True, special=True)
+    ]
+    assert not differ, f"{len(differ)}/{len(fx.CASES)} cases differ, first: {differ[:3]!r}"
+
+
 def test_bos_and_visible_tokens_follow_llama_cpp(tmp_path: Path) -> None:
     tok = {}
     for name in ("llama-bpe", "gpt-4o", "deepseek-v3"):

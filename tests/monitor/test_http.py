@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,6 +134,35 @@ def test_bad_volunteer_bodies_are_400(url: str) -> None:
         assert got["type"] == "BadRequest" and got["retryable"] is False and got["message"]
     status, got = call(url, "/api/expert-volunteer", b'{"worker": "w", "model": "nope"}')
     assert status == 404 and got["type"] == "UnknownModel"
+
+
+MALFORMED = [
+    b'{"worker": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",  # nested past the parser's limit
+    b'{"worker": "w", "held": ' + b'{"m": ' * 500 + b"[]" + b"}" * 500 + b"}",
+    b'{"worker": "a:b"}', b'{"worker": "w{x}"}', b'{"worker": "w*"}', b'{"worker": "\\ud800"}',
+    b'{"worker": "' + b"x" * 65 + b'"}', b'{"worker": " w"}', b'{"worker": "w", "model": "\\udc00"}',
+    b'{"worker": "w", "held": {"\\ud800": ["s"]}}', b'{"worker": "w", "room": 1e400}',
+    b'{"worker": "w", "room": 18446744073709551616}', b"\xff\xfe",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_volunteer_bodies_are_400_never_500(url: str, body: bytes) -> None:
+    status, got = call(url, "/api/expert-volunteer", body)
+    assert status == 400, (body[:80], got)
+    assert got["type"] == "BadRequest" and got["message"]
+
+
+def test_a_chunked_body_over_the_cap_is_413(url: str) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(160):  # 10 MiB, no Content-Length
+            yield b" " * 65536
+
+    t0 = time.monotonic()
+    resp = httpx.post(url + "/api/expert-volunteer", content=chunks(), timeout=30)
+    assert resp.request.headers.get("transfer-encoding") == "chunked"
+    assert resp.status_code == 413 and resp.json()["type"] == "BadRequest"
+    assert time.monotonic() - t0 < 5
 
 
 def test_metrics_read_redis_on_scrape(mon: Monitor, url: str, r: redis.Redis) -> None:

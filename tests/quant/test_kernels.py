@@ -11,7 +11,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.model.quants import random_blocks
-from kvq.quant import kernels
+from kvq.quant import kernels, qdot
+
+
+@pytest.fixture(autouse=True)
+def exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are the float32 kernels (`KVQ_ACTIVATIONS=float32`; int8 is the default)."""
+    monkeypatch.setattr(qdot, "_options", qdot.KernelOptions("float32"))
+
 
 # float32 accumulation against float64: a few float32 ulps of the largest output
 TOL = 2e-6

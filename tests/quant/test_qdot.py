@@ -127,7 +127,7 @@ def test_kernels_use_it_for_every_row_count_only_when_asked() -> None:
     many = kernels.matmul(xt, w, Q.Q6_K)
     assert torch.equal(many, torch.from_numpy(qdot.matmul(built, x, raw, Q.Q6_K, 1)))
     assert torch.equal(many[:1], one)
-    qdot.configure(qdot.KernelOptions())
+    qdot.configure(qdot.KernelOptions("float32"))
     assert not kernels.int8_active()
     assert torch.equal(kernels.matmul(xt, w, Q.Q6_K), kernels.matmul_float32(xt, w, Q.Q6_K))
     assert not torch.equal(kernels.matmul(xt, w, Q.Q6_K), many)
@@ -139,7 +139,7 @@ def test_no_compiler_means_the_float32_kernels_and_one_warning(
 ) -> None:
     raw, x, _ = _case(Q.Q4_K, 16, 512, 1)
     w, xt = torch.from_numpy(raw), torch.from_numpy(x)
-    f32 = kernels.matmul(xt, w, Q.Q4_K)
+    f32 = kernels.matmul_float32(xt, w, Q.Q4_K)
     before = qdot.options()
     try:
         for cc in (str(tmp_path / "no-such-cc"), "false"):  # missing; a build that fails
@@ -240,7 +240,7 @@ def test_an_honest_int8_worker_is_never_flagged_against_float32(
             )
             ids = torch.from_numpy(np.argsort(rng.random((1, 8)), axis=1)[:, :2].copy())
             w = torch.from_numpy(rng.random((1, 2)).astype(np.float32))
-            qdot.configure(qdot.KernelOptions())
+            qdot.configure(qdot.KernelOptions("float32"))
             ref = bank.forward(0, x, ids, w)
             qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
             got = bank.forward(0, x, ids, w)

@@ -197,7 +197,7 @@ def test_several_rows_take_the_batch_call_and_keep_each_rows_bits(
 def test_float32_activations_keep_the_python_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without KVQ_ACTIVATIONS=int8 no int8 call runs (the float32 kernels' precision rule)."""
+    """With KVQ_ACTIVATIONS=float32 no int8 call runs (the float32 kernels' precision rule)."""
     from kvq.model import make_tiny, read_meta
     from kvq.model.experts import expert_forward
     from kvq.model.slices import map_slice, slice_layout
@@ -211,6 +211,7 @@ def test_float32_activations_keep_the_python_loop(
 
     monkeypatch.setattr(kernels, "moe_int8_batch", refuse)
     monkeypatch.setattr(kernels, "moe_int8", refuse)
+    monkeypatch.setattr(qdot, "_options", qdot.KernelOptions("float32"))
     assert not kernels.int8_active()
     x = torch.ones((4, 256))
     ids = torch.tensor([[0, 1], [2, 3], [0, 7], [5, 6]])

@@ -219,3 +219,24 @@ def test_unknown_kvq_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("KVQ_N_SLOT", "8")  # typo of KVQ_N_SLOTS
     with pytest.raises(ConfigError, match="KVQ_N_SLOT"):
         load_settings()
+
+
+@pytest.mark.parametrize(
+    "query", ["ssl_cert_reqs=none", "ssl_cert_reqs=optional", "ssl_check_hostname=false"]
+)
+def test_url_options_that_weaken_tls_need_tls_insecure(
+    monkeypatch: pytest.MonkeyPatch, query: str
+) -> None:
+    """A URL copied with `?ssl_cert_reqs=none` must not turn certificate checks off silently:
+    refused, naming both settings, until KVQ_TLS_INSECURE=1 says it is meant (which warns at
+    connect: tests/bus/test_tls.py)."""
+    monkeypatch.setenv("KVQ_REDIS_URL", f"rediss://h:6380/0?{query}")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    msg = str(info.value)
+    assert "KVQ_REDIS_URL" in msg and "KVQ_TLS_INSECURE" in msg and query in msg
+    monkeypatch.setenv("KVQ_TLS_INSECURE", "1")
+    assert load_settings().tls_insecure
+    monkeypatch.setenv("KVQ_REDIS_URL", "rediss://h:6380/0?ssl_cert_reqs=required")
+    monkeypatch.delenv("KVQ_TLS_INSECURE")
+    assert load_settings().redis_url.endswith("required")
