@@ -46,14 +46,20 @@ def cpus_text(ids: Iterable[int]) -> str:
     return ",".join(out)
 
 
+MAX_CPU = 4096  # CPU ids a heartbeat may name (Linux's default NR_CPUS on x86-64: 8192)
+
+
 def parse_cpus(text: str) -> frozenset[int]:
-    """`cpus_text` read back; an empty set for "" or anything malformed (unknown)."""
+    """`cpus_text` read back; an empty set for "" or anything malformed (unknown), or naming a
+    CPU id of MAX_CPU or more (so reading one costs at most MAX_CPU set entries)."""
     got: set[int] = set()
+    if len(text) > 8 * MAX_CPU:
+        return frozenset()
     try:
         for part in filter(None, text.split(",")):
             lo, dash, hi = part.partition("-")
             a, b = int(lo), int(hi if dash else lo)
-            if a < 0 or b < a or b - a > 65536:
+            if a < 0 or b < a or b >= MAX_CPU:
                 return frozenset()
             got.update(range(a, b + 1))
     except ValueError:

@@ -36,6 +36,8 @@ _NP: dict[str, np.dtype[Any]] = {
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
 ComputeDType = Literal["float32", "float16", "bfloat16", "q8"]  # q8: int8 activations
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tensor on the wire
+MAX_ELEMENTS = 1 << 32  # its dimensions multiplied (zeros left out): numpy can make it
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
@@ -55,10 +57,12 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tensor on the wire; sizes are checked when it is decoded or built."""
 
     dtype: DType
-    shape: Annotated[list[NonNeg], msgspec.Meta(max_length=4)]
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=4)]
     data: bytes
 
     def __post_init__(self) -> None:
+        if math.prod(d for d in self.shape if d) > MAX_ELEMENTS:  # [2^62, 0] holds no bytes
+            raise ValueError(f"shape {self.shape} is larger than any tensor kvq sends")
         want = math.prod(self.shape) * _NP[self.dtype].itemsize
         if want != len(self.data):
             raise ValueError(

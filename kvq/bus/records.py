@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Self
+from typing import Annotated, Any, NamedTuple, Self
 
 import msgspec
 
@@ -53,14 +53,37 @@ class HashCodec:
         try:
             return msgspec.convert(plain, cls, strict=False)
         except msgspec.ValidationError as exc:
-            log.warning(
-                "ignoring a %s hash that does not decode (%s): %r", cls.__name__, exc, plain
-            )
+            _warn_once(f"{cls.__name__}: {exc}", "ignoring a %s hash that does not decode (%s): "
+                       "%.200r", cls.__name__, exc, plain)  # fmt: skip
             return None
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         return cls.__struct_fields__
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(what: str, msg: str, *args: object) -> None:
+    """A warning the first time `what` happens, debug after: a worker that writes the same bad
+    record on every beat must not flood the log of every reader."""
+    if what in _warned:
+        log.debug(msg, *args)
+        return
+    if len(_warned) < 1024:
+        _warned.add(what)
+    log.warning(msg, *args)
+
+
+# Bounds of the fields a worker writes (its `info` hash): past them the record does not decode
+# and is ignored (the worker is then as good as absent). Sizes far above any honest value, small
+# enough that reading one costs nothing.
+Text64 = Annotated[str, msgspec.Meta(max_length=64)]
+Text512 = Annotated[str, msgspec.Meta(max_length=512)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # NaN and infinity fail the bounds
+MAX_JSON_FIELD = 256 * 1024  # `holds`, `queued_by`: JSON text (3,700 slice ids: about 80 KB)
 
 
 class Record(msgspec.Struct, HashCodec, frozen=True, kw_only=True):
@@ -201,37 +224,37 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     While it downloads (`state` "loading") it beats like a serving worker, so it is never
     reaped for a slow download and its reservation holds; routers skip it until "serving"."""
 
-    model: str
-    slice: str
-    device: str
-    served: int = 0
-    last_serve_ms: int = 0  # > 0: it has really computed experts (K3)
-    state: str = SERVING  # IDLE before it takes a slice, LOADING while it downloads one
-    loaded_bytes: int = 0  # download progress while loading
-    total_bytes: int = 0
-    load: float = 0.0  # share of the last beat interval spent computing jobs, in [0, 1] (H5)
-    ms_per_row: float = 0.0  # its own compute time per token row over that interval (0: none)
-    busy_rows: int = 0  # rows of the job it was computing at the beat
-    queued_rows: int = 0  # rows waiting: read and not started, plus unread jobs x mean rows
-    queued_by: str = "{}"  # JSON {coordinator: rows} of busy + read rows (not the unread)
+    model: Text512
+    slice: Text512
+    device: Text64
+    served: Count = 0
+    last_serve_ms: Count = 0  # > 0: it has really computed experts (K3)
+    state: Text64 = SERVING  # IDLE before it takes a slice, LOADING while it downloads one
+    loaded_bytes: Count = 0  # download progress while loading
+    total_bytes: Count = 0
+    load: Rate = 0.0  # share of the last beat interval spent computing jobs, in [0, 1] (H5)
+    ms_per_row: Rate = 0.0  # its own compute time per token row over that interval (0: none)
+    busy_rows: Count = 0  # rows of the job it was computing at the beat
+    queued_rows: Count = 0  # rows waiting: read and not started, plus unread jobs x mean rows
+    # JSON {coordinator: rows} of busy + read rows (not the unread)
+    queued_by: Annotated[str, msgspec.Meta(max_length=MAX_JSON_FIELD)] = "{}"
 
     def queued_by_coord(self) -> dict[str, int]:
         """`queued_by` decoded; {} when it does not decode (an older or corrupt beat)."""
-        try:
-            got = json.loads(self.queued_by)
-        except ValueError:
-            return {}
-        if not isinstance(got, dict):
-            return {}
-        return {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
+        got = _json_object(self.queued_by)
+        return {
+            str(k)[:512]: int(v)
+            for k, v in got.items()
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53
+        }
 
-    instance: str = ""  # the process's random token: two live workers cannot share an id
+    instance: Text512 = ""  # the process's random token: two live workers cannot share an id
     # JSON {model: [slice ids]} of every slice it serves (loaded and warm), "{}" for none;
     # `model`, `slice` and `state` are then the slice it is loading, else the one it loaded
     # last. "" (a beat from before workers held several slices): `state` alone says it serves.
-    holds: str = ""
-    machine: str = ""  # the kernel's boot id (`kvq.machine`): "" unknown
-    cpus: str = ""  # the CPUs it computes on, e.g. "0-3,8"; "" unknown
+    holds: Annotated[str, msgspec.Meta(max_length=MAX_JSON_FIELD)] = ""
+    machine: Text512 = ""  # the kernel's boot id (`kvq.machine`): "" unknown
+    cpus: Text512 = ""  # the CPUs it computes on, e.g. "0-3,8"; "" unknown
 
     @property
     def ready(self) -> bool:
@@ -258,17 +281,24 @@ def holds_text(held: Mapping[str, Iterable[str]]) -> str:
 def parse_holds(text: str) -> dict[str, tuple[str, ...]]:
     """`holds_text` decoded; {} when it does not decode. A model's single slice id (as beats
     wrote it before a worker held several slices of one model) reads as a one-slice list."""
-    try:
-        got = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    if not isinstance(got, dict):
-        return {}
+    got = _json_object(text)
     out: dict[str, tuple[str, ...]] = {}
     for k, v in got.items():
         sids = [v] if isinstance(v, str) else v if isinstance(v, list) else []
         out[str(k)] = tuple(sorted({x for x in sids if isinstance(x, str)}))
     return out
+
+
+def _json_object(text: str) -> dict[Any, Any]:
+    """A JSON object of a worker-written field, or {} for anything else: not JSON, nested past
+    the parser's depth, too long, not an object."""
+    if not text or len(text) > MAX_JSON_FIELD:
+        return {}
+    try:
+        got = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 class SliceDemand(NamedTuple):

@@ -483,3 +483,16 @@ def test_failure_helper() -> None:
     assert f == Failure(type="KeyError", message="'k'", retryable=True)
     res = Result(job_id="j", worker="w", error=f)
     assert wire.decode(wire.encode(res), Result).error == f
+
+
+@pytest.mark.parametrize("shape", [[2**62, 0], [1 << 24, 1 << 24, 0], [0, 1 << 25], [-1, 0]])
+def test_a_tensor_with_an_impossible_shape_is_a_wire_error(shape: list[int]) -> None:
+    """[2^62, 0] holds no bytes, but numpy cannot make it (a coordinator that read such a
+    result of a worker exited, issue 32): refused when decoded, like any other bad message."""
+    y = {"dtype": "float32", "shape": shape, "data": b""}
+    raw = msgspec.msgpack.encode({"v": wire.VERSION, "job_id": "j", "worker": "w", "y": y})
+    with pytest.raises(WireError):
+        wire.unpack(raw, Result)
+    ok = msgspec.msgpack.encode({"v": wire.VERSION, "job_id": "j", "worker": "w",
+                                 "y": {"dtype": "float32", "shape": [3, 0], "data": b""}})  # fmt: skip
+    assert wire.unpack(ok, Result).y.array().shape == (3, 0)
