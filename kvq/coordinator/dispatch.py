@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -102,7 +103,11 @@ class Dispatcher:
         return out
 
     def next_job_id(self) -> str:
-        return f"{self.coord}:{next(self._seq)}"
+        """`C:N:TOKEN`: the sequence number for people, and 64 random bits that make the id
+        the job's token: only the worker whose inbox it went to (its ACL user alone reads it),
+        or the peer the monitor moved it to, knows it; no other worker can answer the job
+        (`accept`). A sequence alone let a peer of the slice answer its neighbours' jobs."""
+        return f"{self.coord}:{next(self._seq)}:{secrets.token_hex(8)}"
 
     def slices_of(self, layer: int) -> list[SliceSpec]:
         return self._layer_slices[layer]
@@ -159,7 +164,9 @@ class Dispatcher:
             dead_letter(self.r, self.keys, stream, eid, fields, str(exc), self.maxlen)
             return
         # who answered is where it arrived, never the result's `worker` field: the worker the
-        # job went to, or a peer of its slice the monitor moved it to when that worker died
+        # job went to, or a peer of its slice the monitor moved it to when that worker died.
+        # The job id is the token that proves it: 64 random bits only an inbox's reader sees
+        # (`next_job_id`), so a peer cannot answer a job that was not moved to it
         owner = self.inflight.get(res.job_id)
         p = self.shadows.get(res.job_id) or (
             owner.pending.get(res.job_id) if owner is not None else None

@@ -21,7 +21,7 @@ import torch
 
 from kvq import wire
 from kvq.bus.board import Fields
-from kvq.coordinator.pending import Pending, latency_ms
+from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.verify import Verdict
 from kvq.slices import SliceSpec
 
@@ -130,10 +130,12 @@ class LayerCall:
         self.d.stats.local_rows += int(rows.numel())
         return y
 
-    def fallback(self, p: Pending, latency_ms: float) -> None:
+    def fallback(self, p: Pending, latency_ms: float, failed_by: str | None = None) -> None:
         """A remote job failed or timed out: compute it here and count it, never lose it
-        (without the experts here: send it again, `resend`)."""
-        self.d.routing.observe_failure(p.worker, latency_ms)
+        (without the experts here: send it again, `resend`). The failure counts against
+        `failed_by`, the worker whose answer failed (a peer the job was moved to, perhaps),
+        else against `p.worker`, which did not answer in time."""
+        self.d.routing.observe_failure(failed_by or p.worker, latency_ms)
         if not self.d.has_experts:
             self.resend(p)
             return
@@ -194,14 +196,14 @@ class LayerCall:
         if y is not None and y.shape != want:  # no honest worker answers another shape
             stats.remote_errors += 1
             d.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
-            self.fallback(p, ms)
+            self.fallback(p, ms, sender)
             return
         if y is None:
             if res.error is not None:
                 d.verifier.refused(sender, res.error)
-            log.warning("worker %s failed job %s: %s", p.worker, res.job_id, res.error)
+            log.warning("worker %s failed job %s: %s", sender, res.job_id, res.error)
             stats.remote_errors += 1
-            self.fallback(p, ms)
+            self.fallback(p, ms, sender)
             return
         if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
@@ -211,21 +213,78 @@ class LayerCall:
             stats.fallback_jobs += 1
             self.partials[p.spec.sid] = self.local(p.spec, p.rows)
             return
-        if not d.has_experts:  # nothing here can recompute it (docs/limits.md)
-            verdict = d.verifier.unchecked(sender, y, res.dtype)
-            if verdict is Verdict.REJECTED:
-                self.resend(p)
-                return
-        else:
-            recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
-            y, verdict = d.verifier.judge(sender, y, res.dtype, recompute)
+        if not d.has_experts:  # nothing here can recompute it: replicas check each other
+            self._quorum(p, Answer(sender, y, res.dtype), ms, res.compute_ms)
+            return
+        recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
+        y, verdict = d.verifier.judge(sender, y, res.dtype, recompute)
         self.partials[p.spec.sid] = y
         if verdict is Verdict.REJECTED:
             stats.fallback_jobs += 1
             return
-        stats.remote_jobs += 1
-        d.routing.observe_result(
-            sender, ms, int(p.rows.numel()), res.compute_ms,
-            verified=verdict is Verdict.VERIFIED,
-        )  # fmt: skip
-        d.per_worker[sender] = d.per_worker.get(sender, 0) + 1
+        self._used(sender, p, ms, res.compute_ms, verdict is Verdict.VERIFIED)
+
+    def _used(self, worker: str, p: Pending, ms: float, compute_ms: float, verified: bool) -> None:
+        d = self.d
+        d.stats.remote_jobs += 1
+        d.routing.observe_result(worker, ms, int(p.rows.numel()), compute_ms, verified=verified)
+        d.per_worker[worker] = d.per_worker.get(worker, 0) + 1
+
+    def _quorum(self, p: Pending, got: Answer, ms: float, compute_ms: float) -> None:
+        """A coordinator without experts checks a result by the same job's result from another
+        holder of the slice (BOINC's quorum), drawn as often as a recomputation would be. Two
+        that agree are used; on disagreement a third holder decides, and the one outvoted is
+        caught; with no holder left to ask, none is used and the job is sent again (it waits,
+        up to `KVQ_REPLICA_WAIT_S`, then NoReplica: never a wrong token)."""
+        d = self.d
+        if d.verifier.unchecked(got.worker, got.y, got.dtype) is Verdict.REJECTED:
+            if p.answers:  # a witness that failed: ask another, the earlier answers wait
+                self._witness(p, p.answers, None)
+            else:
+                self.resend(p)
+            return
+        if not p.answers and not d.verifier.wants_witness(got.worker):
+            self.partials[p.spec.sid] = got.y
+            self._used(got.worker, p, ms, compute_ms, False)
+            return
+        agreeing = next((a for a in p.answers if d.verifier.agree(a, got)), None)
+        if agreeing is not None:
+            d.verifier.confirmed([agreeing, got])
+            for a in p.answers:
+                if a is not agreeing:
+                    d.verifier.outvoted(a, [agreeing, got])
+            self.partials[p.spec.sid] = got.y
+            self._used(got.worker, p, ms, compute_ms, True)
+            return
+        self._witness(p, [*p.answers, got], got.worker)
+
+    def _witness(self, p: Pending, answers: list[Answer], last: str | None) -> None:
+        """Send `p`'s rows to a live holder of the slice that has not answered them yet, to
+        confirm one of `answers`; with none left, the answers are dropped and the job sent
+        again."""
+        d = self.d
+        asked = {a.worker for a in answers} | {p.worker}
+        free = [w for w in d.routing.live_holders(p.spec.sid)
+                if w not in asked and not d.verifier.barred(w)]  # fmt: skip
+        if not free:
+            if len(answers) > 1:
+                log.warning("slice %s: %d answers to one job disagree and no other live worker "
+                            "holds it; none is used, the job is sent again", p.spec.sid,
+                            len(answers))  # fmt: skip
+                d.stats.unresolved += 1
+                self.resend(p)
+            else:  # no second holder: used unconfirmed, as without quorum
+                d.stats.unwitnessed += 1
+                self.partials[p.spec.sid] = answers[0].y
+                self._used(answers[0].worker, p, 0.0, 0.0, False)
+            return
+        worker, job_id = free[0], d.next_job_id()
+        self.deadline_ms = max(self.deadline_ms, int(time.time() * 1000) + d.s.job_deadline_ms)
+        d.send([(worker, wire.encode(self._job(job_id, p.spec, p.rows, worker)))])
+        witness = Pending(p.spec, p.rows, worker, time.monotonic(), time.time() * 1000)
+        witness.answers = answers
+        self.pending[job_id] = witness
+        d.inflight[job_id] = self
+        d.stats.witness_jobs += 1
+        log.debug("slice %s: job %s asks %s to confirm %s", p.spec.sid, job_id, worker,
+                  ", ".join(a.worker for a in answers) or "-")  # fmt: skip

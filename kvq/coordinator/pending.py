@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,18 @@ class Pending:
     sent_at: float  # time.monotonic()
     sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
     ref: torch.Tensor | None = None  # a trial's or probe's local result: its answer's check
+    # answers to the same rows from other workers, waiting for this job's to confirm one
+    # (a backbone-only coordinator's quorum, `LayerCall.deliver`)
+    answers: list[Answer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One worker's result for a job's rows, as it came (`dtype`: the path it computed in)."""
+
+    worker: str
+    y: torch.Tensor  # [R, H]
+    dtype: str
 
 
 def latency_ms(p: Pending, eid: bytes) -> float:

@@ -40,6 +40,7 @@ from kvq.coordinator.check import (
     finite,
     tolerance,
 )
+from kvq.coordinator.pending import Answer
 from kvq.coordinator.trust import Trust
 from kvq.quant import kernels
 
@@ -108,8 +109,8 @@ class Verifier:
     def unchecked(self, worker: str, y: torch.Tensor, dtype: str) -> Verdict:
         """Remote result `y` of a slice this coordinator holds no experts of (a backbone file):
         nothing can recompute it here, so it is used as it is (USED) unless it is non-finite
-        or labelled with a path this coordinator did not ask for (REJECTED: caught). Checks
-        across replicas are not done yet (docs/limits.md)."""
+        or labelled with a path this coordinator did not ask for (REJECTED: caught). Whether
+        another holder of the slice confirms it first is `wants_witness` (`LayerCall`)."""
         self.stats.remote_rows += int(y.shape[0])
         if not finite(y):
             self.stats.nonfinite_results += 1
@@ -119,6 +120,36 @@ class Verifier:
             self.caught(worker, f"a {dtype} result for a job asking {self.asked(worker)}")
             return Verdict.REJECTED
         return Verdict.USED
+
+    def wants_witness(self, worker: str) -> bool:
+        """Whether a coordinator without experts has `worker`'s result confirmed by another
+        holder of the slice before using it: the same draw as a recomputation would be
+        (`KVQ_VERIFY_REMOTE`, the trust schedule)."""
+        if self.mode == "off":
+            return False
+        return self.mode == "all" or self.trust.should_check(worker)
+
+    def agree(self, a: Answer, b: Answer) -> bool:
+        """Whether two workers' answers to the same rows agree: bit for bit on a
+        deterministic path (`q8` both: the int8 kernels give the same bits on every SIMD
+        path), else within the looser path's tolerances (`kvq.coordinator.check`)."""
+        if deterministic(a.dtype, b.dtype):
+            return torch.equal(a.y, b.y)
+        tol, btol = tolerance(a.dtype, b.dtype), bias_tolerance(a.dtype, b.dtype)
+        return compare(a.y, b.y, tol, btol).ok
+
+    def confirmed(self, answers: list[Answer]) -> None:
+        """Answers that agreed: each worker's streak grows as after a recomputation."""
+        self.stats.verified += 1
+        self.stats.verified_rows += int(answers[0].y.shape[0])
+        for a in answers:
+            self.trust.passed(a.worker)
+
+    def outvoted(self, liar: Answer, by: list[Answer]) -> None:
+        """`liar` disagreed with `by`, who agree with each other: caught."""
+        self.stats.mismatches += 1
+        self.caught(liar.worker, f"its {liar.dtype} result disagreed with those of "
+                                 f"{', '.join(a.worker for a in by)} for the same job")  # fmt: skip
 
     def exact_for(self, worker: str) -> bool:
         """Whether `worker`'s results are checked against float32 activations: its path is

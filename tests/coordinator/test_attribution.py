@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+import re
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -27,10 +29,12 @@ def _call() -> tuple[LayerCall, Any]:
     """A layer call waiting for job `j1`, sent to w0 (slice A); w1 holds B, w2 holds A too.
     Results reach it through the dispatcher (`Dispatcher.accept`), which finds the owner."""
     seen: list[str] = []
+    failed: list[str] = []
     routing = SimpleNamespace(
         holders={"w0": frozenset("A"), "w1": frozenset("B"), "w2": frozenset("A")},
         observe_result=lambda worker, *a, **kw: seen.append(worker),
-        observe_failure=lambda *a: None,
+        observe_failure=lambda worker, *a: failed.append(worker),
+        failed=failed,
     )
     stats = DispatchCounters()
     board = MemoryBoard()
@@ -87,3 +91,26 @@ def test_a_lie_is_blamed_on_the_stream_it_arrived_in() -> None:
                                       for k, v in fields.items()})  # fmt: skip
     assert list(d.board.quarantined("m")) == ["w2"] and d.stats.nonfinite_results == 1
     assert torch.equal(call.partials["A"], torch.zeros(2, H)) and d.per_worker == {}
+
+
+def test_a_peer_s_failed_answer_counts_against_the_peer_not_the_worker_it_was_sent_to() -> None:
+    """Issue 32: failures of a job answered by a peer were counted against the honest worker
+    the job was first sent to."""
+    call, d = _call()
+    call.local = lambda spec, rows: torch.zeros(2, H)  # type: ignore[method-assign]
+    d.has_experts = True
+    fields = wire.encode(wire.Result(job_id="j1", worker="w0",
+                                     error=wire.Failure(type="BadJob", message="no")))  # fmt: skip
+    d.accept("w2", "s2", b"1-0", {k.encode() if isinstance(k, str) else k: v
+                                      for k, v in fields.items()})  # fmt: skip
+    assert d.routing.failed == ["w2"] and d.stats.remote_errors == 1
+
+
+def test_job_ids_are_tokens_no_worker_can_guess() -> None:
+    """A job id is `C:N:TOKEN` with 64 random bits: a peer of the slice that reads only its own
+    inbox cannot name a job sent to its neighbour (and so cannot answer it)."""
+    d = object.__new__(Dispatcher)
+    d.coord, d._seq = "c1", itertools.count()
+    ids = [d.next_job_id() for _ in range(1000)]
+    assert len({i.rsplit(":", 1)[1] for i in ids}) == 1000
+    assert all(re.fullmatch(r"c1:\d+:[0-9a-f]{16}", i) for i in ids)

@@ -1,7 +1,8 @@
 """A forging worker for issue 29 item 6: a real `kvq worker` process that posts forged results
 on its own results stream. Each job it gets is answered with a forged result of one kind, and
-beside it, results for jobs it never got: an id no coordinator issued, and the next ids the
-coordinator will issue (which may go to it, or to a peer of another slice).
+beside it, results for jobs it never got: an id no coordinator issued, and its guesses of the
+next ids the coordinator will issue (the sequence numbers are guessable; the random token each
+id ends with is not, so the guesses never name a real job).
 
     python tests/integration/forger_worker.py --id ID --kind nan|noise|shape
 
@@ -46,9 +47,12 @@ def patch(worker: str, kind: str) -> None:
         else:
             noise = np.random.default_rng(len(job.job_id)).standard_normal(y.shape)
             bad = (noise * (np.abs(y).mean() + 1e-3)).astype(np.float32)
-        coord, _, seq = job.job_id.rpartition(":")
+        # ids are C:N:TOKEN: it guesses the next sequence numbers with its own job's token
+        head, _, token = job.job_id.rpartition(":")
+        coord, _, seq = head.rpartition(":")
         stream = keys.worker_results(worker, job.coord)
-        for other in (f"{coord}:999999999", *(f"{coord}:{int(seq) + i}" for i in (1, 2, 3))):
+        guesses = (f"{coord}:{int(seq) + i}:{token}" for i in (1, 2, 3))
+        for other in (f"{coord}:999999999:{token}", *guesses):
             fake = msgspec.structs.replace(res, job_id=other, y=wire.Tensor.of(bad))
             xadd(r, stream, wire.encode(fake), 1000)
         log.warning("FORGED job %s (%s) and 4 jobs it never got", job.job_id, kind)

@@ -28,6 +28,7 @@ from kvq.procs import Children
 
 pytestmark = pytest.mark.slow
 
+LIAR = Path(__file__).with_name("liar_worker.py")
 PROMPTS = ("backbone only", "experts live elsewhere")
 TOKENS = 12
 
@@ -174,4 +175,48 @@ def test_a_stopped_replica_jobs_go_to_the_other_one(
     finally:
         for proc in kids.procs.values():
             os.kill(proc.pid, signal.SIGCONT)
+        kids.stop_all()
+
+
+def test_replicas_check_each_other_and_a_liar_is_outvoted(
+    settings: Settings, tiny_model: Path, backbone: Path, run_in_thread, tmp_path: Path
+) -> None:
+    """Issue 32 item 5: three workers hold every slice, one of them (`liar_worker.py`) answers
+    every job with noise. The backbone-only coordinator cannot recompute anything: it has each
+    result drawn for a check confirmed by another holder (with the default trust schedule, all
+    of a new worker's first 50), a third decides a disagreement. Every token equals
+    `generate`'s, the liar is quarantined, and the honest ones serve on."""
+    s = settings.model_copy(update={
+        "slice_experts": 8, "base_replicas": 3, "worker_max_slices": 2,
+        "job_deadline_ms": 5000, "replica_wait_s": 30.0,
+    })  # fmt: skip
+    keys = Keys(s.prefix)
+    mon = Monitor.from_settings(s)
+    mon.register("tiny", tiny_model)
+    run_in_thread(mon)
+    kids = Children(child_env(s), log_dir=str(tmp_path))
+    try:
+        for i in range(2):
+            kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
+        with (tmp_path / "liar.log").open("wb") as out:
+            kids.procs["liar"] = subprocess.Popen(
+                [sys.executable, str(LIAR), "--id", "liar", "--garbage", "1"], env=kids.env,
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        wait_ready(mon, "tiny", 6, 120)  # 2 slices x 3 replicas
+        coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
+        run_in_thread(coord)
+        r = mon.board.r
+        for prompt in PROMPTS:
+            rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=TOKENS)
+            got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+            assert got == _generate(tiny_model, prompt), prompt
+        st = coord.dispatch.stats
+        assert "liar" in mon.board.quarantined("tiny"), (tmp_path / "liar.log").read_text()[-2000:]
+        assert st.witness_jobs > 0 and st.verified > 0 and st.mismatches >= 1
+        assert st.local_jobs == 0, "nothing computed here"
+        print(f"witness jobs {st.witness_jobs}, confirmed {st.verified}, outvoted "
+              f"{st.mismatches}, unresolved {st.unresolved}; used per worker "
+              f"{coord.dispatch.per_worker}")  # fmt: skip
+    finally:
         kids.stop_all()
