@@ -137,21 +137,28 @@ def test_backbone_refuses_all_experts_and_another_source(
         Coordinator.from_settings(settings, "c2", "tiny", other_bb)
 
 
+def _replicated(
+    settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path, replicas: int,
+    **more: object,
+) -> tuple[Settings, Keys, Monitor, Children]:  # fmt: skip
+    """The tiny model in 2 slices of `replicas` copies each, registered, its monitor running;
+    the workers are the test's to start (`kids`)."""
+    s = settings.model_copy(update={"slice_experts": 8, "base_replicas": replicas,
+                                    "worker_max_slices": 2, "replica_wait_s": 30.0, **more})  # fmt: skip
+    mon = Monitor.from_settings(s)
+    mon.register("tiny", tiny_model)
+    run_in_thread(mon)
+    return s, Keys(s.prefix), mon, Children(child_env(s), log_dir=str(tmp_path))
+
+
 def test_a_stopped_replica_jobs_go_to_the_other_one(
     settings: Settings, tiny_model: Path, backbone: Path, run_in_thread, tmp_path: Path
 ) -> None:
     """Two workers hold every slice; the one in use is SIGSTOPped mid-request: its jobs miss
     their deadline and are sent again to the other replica, the tokens stay those of
     `generate`."""
-    s = settings.model_copy(update={
-        "slice_experts": 8, "base_replicas": 2, "worker_max_slices": 2,
-        "job_deadline_ms": 1500, "heartbeat_ttl_s": 30.0, "replica_wait_s": 30.0,
-    })  # fmt: skip
-    keys = Keys(s.prefix)
-    mon = Monitor.from_settings(s)
-    mon.register("tiny", tiny_model)
-    run_in_thread(mon)
-    kids = Children(child_env(s), log_dir=str(tmp_path))
+    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 2,
+                                     job_deadline_ms=1500, heartbeat_ttl_s=30.0)  # fmt: skip
     try:
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
@@ -186,15 +193,8 @@ def test_replicas_check_each_other_and_a_liar_is_outvoted(
     result drawn for a check confirmed by another holder (with the default trust schedule, all
     of a new worker's first 50), a third decides a disagreement. Every token equals
     `generate`'s, the liar is quarantined, and the honest ones serve on."""
-    s = settings.model_copy(update={
-        "slice_experts": 8, "base_replicas": 3, "worker_max_slices": 2,
-        "job_deadline_ms": 5000, "replica_wait_s": 30.0,
-    })  # fmt: skip
-    keys = Keys(s.prefix)
-    mon = Monitor.from_settings(s)
-    mon.register("tiny", tiny_model)
-    run_in_thread(mon)
-    kids = Children(child_env(s), log_dir=str(tmp_path))
+    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 3,
+                                     job_deadline_ms=5000)  # fmt: skip
     try:
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
