@@ -195,6 +195,9 @@ class MarketDesk:
         self._cursor = b"0-0"
         self.answered = 0
         self.refused = 0
+        # (model, worker) -> the slices this desk granted it (a volunteer's answer, an accepted
+        # rejoin): what a rejoin may claim back whatever the demand
+        self.granted: dict[tuple[str, str], set[str]] = {}
 
     def serve(self, block_ms: int | None) -> int:
         """Answer every ask of the workers whose doorbell rang; the number answered."""
@@ -229,6 +232,33 @@ class MarketDesk:
             self.answered += 1
         return len(entries)
 
+    def _rejoin(self, worker: str, model: str, sids: tuple[str, ...]) -> dict[str, str]:
+        """A worker counts its slices again (it outlived its reap, or Redis lost its keys).
+        Taken only for slices this desk granted it, or that are still wanted (replica target
+        above coverage), as a volunteer would get them: a worker that holds nothing cannot list
+        itself beside every slice's holders and fake coverage."""
+        info = self.board.model_info(model)
+        bad = [s for s in sids if info is None or s not in info.slices]
+        if bad or not sids:
+            return {"error": f"no slice {join_slices(bad) or join_slices(sids)!r} of model "
+                             f"{model!r}"}  # fmt: skip
+        mine = self.granted.get((model, worker), set())
+        demand = self.board.slice_demand(model)
+        wanted = {sid for sid, d in demand.items() if d.target > d.coverage}
+        taken = [s for s in sids if s in mine or s in wanted]
+        refused = [s for s in sids if s not in taken]
+        if taken:
+            self.market.rejoin(model, worker, *taken)
+            self.granted.setdefault((model, worker), set()).update(taken)
+        if refused:
+            self.refused += 1
+            log.warning("refused rejoin of %s to %s of %s: never granted here and not wanted",
+                        worker, join_slices(refused), model)  # fmt: skip
+            if not taken:
+                return {"error": f"rejoin of {join_slices(refused)} of {model!r} refused: not "
+                                 "granted by this monitor and not wanted; volunteer instead"}  # fmt: skip
+        return {"model": model, "slice": join_slices(taken)}
+
     def _answer(self, worker: str, ask: dict[str, str]) -> dict[str, str]:
         op, model, sid = ask.get("op", ""), ask.get("model", ""), ask.get("slice", "")
         live = self.board.worker_instance(worker)
@@ -243,17 +273,14 @@ class MarketDesk:
             skip = {m for m in ask.get("skip", "").split(",") if m}
             held = parse_holds(ask.get("held", ""))
             got = self.market.volunteer(worker, held, _room(ask.get("room", "")), skip)
+            if got:
+                self.granted.setdefault((got.model, worker), set()).add(got.sid)
             return {"model": got.model, "slice": got.sid} if got else {"slice": ""}
         if op == REJOIN:
-            info = self.board.model_info(model)
-            sids = split_slices(sid)
-            bad = [s for s in sids if info is None or s not in info.slices]
-            if bad or not sids:
-                return {"error": f"no slice {join_slices(bad) or sid!r} of model {model!r}"}
-            self.market.rejoin(model, worker, *sids)
-            return {"model": model, "slice": join_slices(sids)}
+            return self._rejoin(worker, model, split_slices(sid))
         if op == RELEASE:
             gone = self.market.release(model, worker, sid or None)
+            self.granted.get((model, worker), set()).difference_update(gone)
             return {"model": model, "slice": join_slices(gone)}
         if not sid:  # an ask from a worker that held one slice per model: that one
             sid = next(iter(self.board.assignments(model).get(worker, ())), "")

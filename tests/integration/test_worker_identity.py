@@ -3,6 +3,8 @@ market asks are answered for the worker whose key they were found in."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 from acl_helpers import RoleSettings
@@ -85,3 +87,48 @@ def test_a_worker_user_serves_only_its_own_id(settings: Settings, as_role: RoleS
 def test_worker_ids_are_limited_to_acl_safe_characters(settings: Settings, bad: str) -> None:
     with pytest.raises(ConfigError, match="not allowed"):
         Worker.from_settings(settings, bad)
+
+
+def test_a_rejoin_claims_back_only_granted_or_wanted_slices(
+    settings: Settings, r: redis.Redis, tiny_model
+) -> None:
+    """Issue 32: a worker that holds nothing asked `rejoin` for every slice and was listed
+    beside every holder (fake coverage). The desk takes a rejoin only for slices it granted
+    that worker, or that are still wanted (target above coverage)."""
+    from kvq.monitor import Monitor
+
+    keys = Keys(settings.prefix)
+    mon = Monitor.from_settings(settings)
+    info = mon.register("tiny", tiny_model)
+    board = open_board(settings.bus, settings.lifetimes)
+    desk = MarketDesk(board, board.r, keys, 1000)
+    sids = sorted(info.slices)
+
+    def ask(worker: str, op: str, sid: str = "") -> dict[bytes, bytes]:
+        held = json.dumps({"tiny": list(board.held_by("tiny", worker))})
+        r.xadd(keys.worker_asks(worker), {"op": op, "instance": "", "nonce": op + sid,
+                                          "model": "tiny", "slice": sid, "held": held})  # fmt: skip
+        r.xadd(keys.market(), {"worker": worker})
+        desk.serve(block_ms=None)
+        return r.xrange(keys.worker_answers(worker))[-1][1]
+
+    for _ in sids:  # an honest worker covers every slice (base target 1) through the desk
+        assert ask("honest", "volunteer")[b"slice"]
+    assert all(d.coverage >= d.target for d in board.slice_demand("tiny").values()), (
+        board.slice_demand("tiny"),
+        board.held_by("tiny", "honest"),
+    )
+    # a worker that got nothing claims every slice back: refused, listed nowhere
+    got = ask("faker", "rejoin", ",".join(sids))
+    assert b"refused" in got[b"error"] and board.held_by("tiny", "faker") == ()
+    # the honest one, reaped (its slices released) and back: it takes back what it was granted
+    board.release("tiny", "honest")
+    got = ask("honest", "rejoin", ",".join(sids))
+    assert got[b"slice"].decode().split(",") == sids and board.held_by("tiny", "honest") == tuple(
+        sids
+    )
+    # a slice still wanted may be claimed as a volunteer would get it
+    board.release("tiny", "honest", sids[0])
+    assert ask("faker", "rejoin", sids[0])[b"slice"].decode() == sids[0]
+    board.r.close()
+    mon.board.r.close()
