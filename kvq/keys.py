@@ -147,6 +147,11 @@ class Keys:
     def model_workers(self, model: str) -> str:
         return self._m(model, "workers")
 
+    def model_grant(self, model: str, worker: str) -> str:
+        """The slices of `model` the monitor granted `worker` (a set, the monitor's alone): what
+        a `rejoin` may claim back, across monitor restarts."""
+        return self._m(model, f"grant:{worker}")
+
     def model_coordinators(self, model: str) -> str:
         return self._m(model, "coordinators")
 

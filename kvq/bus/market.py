@@ -41,6 +41,7 @@ log = logging.getLogger("kvq.bus")
 VOLUNTEER, RELEASE, REJOIN, RETIRE = "volunteer", "release", "rejoin", "retire"
 _OPS = (VOLUNTEER, RELEASE, REJOIN, RETIRE)
 _ASKS_MAXLEN = 100  # a worker's own unanswered asks (no monitor running): capped, not grown
+GRANT_TTL_S = 86_400  # a grant outlives the worker's absence this long after the last one
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +196,6 @@ class MarketDesk:
         self._cursor = b"0-0"
         self.answered = 0
         self.refused = 0
-        # (model, worker) -> the slices this desk granted it (a volunteer's answer, an accepted
-        # rejoin): what a rejoin may claim back whatever the demand
-        self.granted: dict[tuple[str, str], set[str]] = {}
 
     def serve(self, block_ms: int | None) -> int:
         """Answer every ask of the workers whose doorbell rang; the number answered."""
@@ -232,6 +230,18 @@ class MarketDesk:
             self.answered += 1
         return len(entries)
 
+    def granted(self, model: str, worker: str) -> set[str]:
+        """The slices of `model` this monitor (or one before it) granted `worker`."""
+        return {_s(m) for m in self.r.smembers(self.keys.model_grant(model, worker))}
+
+    def _grant(self, model: str, worker: str, sids: Collection[str]) -> None:
+        # in Redis, so that a restarted monitor honours the grants of the one before it; kept
+        # GRANT_TTL_S after the last grant (a worker gone that long volunteers afresh)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(self.keys.model_grant(model, worker), *sids)
+        pipe.expire(self.keys.model_grant(model, worker), GRANT_TTL_S)
+        pipe.execute()
+
     def _rejoin(self, worker: str, model: str, sids: tuple[str, ...]) -> dict[str, str]:
         """A worker counts its slices again (it outlived its reap, or Redis lost its keys).
         Taken only for slices this desk granted it, or that are still wanted (replica target
@@ -242,14 +252,14 @@ class MarketDesk:
         if bad or not sids:
             return {"error": f"no slice {join_slices(bad) or join_slices(sids)!r} of model "
                              f"{model!r}"}  # fmt: skip
-        mine = self.granted.get((model, worker), set())
+        mine = self.granted(model, worker)
         demand = self.board.slice_demand(model)
         wanted = {sid for sid, d in demand.items() if d.target > d.coverage}
         taken = [s for s in sids if s in mine or s in wanted]
         refused = [s for s in sids if s not in taken]
         if taken:
             self.market.rejoin(model, worker, *taken)
-            self.granted.setdefault((model, worker), set()).update(taken)
+            self._grant(model, worker, taken)
         if refused:
             self.refused += 1
             log.warning("refused rejoin of %s to %s of %s: never granted here and not wanted",
@@ -274,15 +284,18 @@ class MarketDesk:
             held = parse_holds(ask.get("held", ""))
             got = self.market.volunteer(worker, held, _room(ask.get("room", "")), skip)
             if got:
-                self.granted.setdefault((got.model, worker), set()).add(got.sid)
+                self._grant(got.model, worker, [got.sid])
             return {"model": got.model, "slice": got.sid} if got else {"slice": ""}
         if op == REJOIN:
             return self._rejoin(worker, model, split_slices(sid))
         if op == RELEASE:
             gone = self.market.release(model, worker, sid or None)
-            self.granted.get((model, worker), set()).difference_update(gone)
+            if gone:
+                self.r.srem(self.keys.model_grant(model, worker), *gone)
             return {"model": model, "slice": join_slices(gone)}
         if not sid:  # an ask from a worker that held one slice per model: that one
             sid = next(iter(self.board.assignments(model).get(worker, ())), "")
         retired = self.market.retire(model, worker, sid)
+        if retired:
+            self.r.srem(self.keys.model_grant(model, worker), retired)
         return {"model": model, "slice": retired or ""}

@@ -121,8 +121,11 @@ def test_a_rejoin_claims_back_only_granted_or_wanted_slices(
     # a worker that got nothing claims every slice back: refused, listed nowhere
     got = ask("faker", "rejoin", ",".join(sids))
     assert b"refused" in got[b"error"] and board.held_by("tiny", "faker") == ()
-    # the honest one, reaped (its slices released) and back: it takes back what it was granted
+    # the honest one, reaped (its slices released) and back after the monitor restarted (a
+    # new desk): it takes back what it was granted, from the grant record in Redis
     board.release("tiny", "honest")
+    desk = MarketDesk(board, board.r, keys, 1000)
+    assert desk.granted("tiny", "honest") == set(sids) and desk.granted("tiny", "faker") == set()
     got = ask("honest", "rejoin", ",".join(sids))
     assert got[b"slice"].decode().split(",") == sids and board.held_by("tiny", "honest") == tuple(
         sids

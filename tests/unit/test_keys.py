@@ -23,7 +23,8 @@ SCOPES: dict[str, str] = {
     "model_": "m", "worker_": "w", "coord_": "c", "request_": "r", "apikey_": "k",
 }  # fmt: skip
 GLOBAL = {"models", "deadletter", "monitor_lease", "market"}
-TWO_IDS = {"worker_results", "bench_tagged"}  # (worker, coordinator): the worker's tag
+# (scope id, second id): the first id's tag
+TWO_IDS = {"worker_results", "bench_tagged", "model_grant"}
 
 
 def builders() -> dict[str, Callable[..., str]]:
