@@ -225,6 +225,12 @@ class Settings(SettingsChecks):
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
     slice_layers: int = Field(1, ge=1, description="layers per slice (layer grain)")
     base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
+    backbone_replicas: int = Field(
+        2, ge=0,
+        description="replicas per slice at rest while a live coordinator of the model holds "
+        "no experts (a backbone file): the larger of this and KVQ_BASE_REPLICAS, so that a "
+        "lost worker leaves a copy and replicas can check each other (quorum)",
+    )  # fmt: skip
     request_shards: int = Field(
         1, ge=1, le=256,
         description="request streams per model the monitor registers, each with its own hash "
@@ -381,7 +387,7 @@ class Settings(SettingsChecks):
             self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
             self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
             self.http_host, self.http_port, self.saturation_enter_s, self.saturation_leave_s,
-            self.monitor_lease_s, self.request_shards,
+            self.monitor_lease_s, self.request_shards, self.backbone_replicas,
         )  # fmt: skip
 
 

@@ -168,16 +168,19 @@ class MemoryBoard:
             if lost:
                 return lost[0]
             cover = self._coverage.setdefault(model, {})
-            best: tuple[int, int, str] | None = None  # (-demand, coverage, sid): min wins
+            routed = self._routed.get(model, {})
+            # as volunteer.lua: uncovered first, then hottest, largest demand, fewest holders
+            best: tuple[int, int, int, int, str] | None = None  # min wins
             for sid, want in self._target.get(model, {}).items():
                 cov = cover.get(sid, 0)
-                if sid in mine or not fits(sid):
+                if sid in mine or not fits(sid) or want - cov <= 0:
                     continue
-                if want - cov > 0 and (best is None or (cov - want, cov, sid) < best):
-                    best = (cov - want, cov, sid)
+                key = (-(cov == 0), -routed.get(sid, 0), cov - want, cov, sid)
+                if best is None or key < best:
+                    best = key
             if best is None:
                 return None
-            sid = best[2]
+            sid = best[4]
             cover[sid] = cover.get(sid, 0) + 1
             self._workers[model][worker] = sorted([*mine, sid])
             return sid

@@ -139,6 +139,9 @@ class SlotState(Record, frozen=True, kw_only=True):
     busy: int
     total: int
     ts_ms: int
+    # whether it can recompute expert results itself (False: a backbone file, every expert
+    # job goes to workers and replicas check each other): the monitor then wants more copies
+    experts: bool = True
 
 
 class DispatchCounters(Counters, kw_only=True):

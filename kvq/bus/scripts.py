@@ -34,13 +34,14 @@ class Scripts:
         self, r: redis.Redis, model: str, worker: str, room: int | None = None,
         held: Collection[str] = (),
     ) -> str | None:  # fmt: skip
-        """Atomically take the rarest slice of `model` with positive demand and at most `room`
-        bytes (None: any size) that `worker` does not hold, or None. `held`: the slice ids it
-        knows it holds; one listed for it beyond those (a lost answer) comes back first."""
+        """Atomically take a slice of `model` with positive demand and at most `room` bytes
+        (None: any size) that `worker` does not hold, or None: an uncovered one first, then
+        the hottest (`volunteer.lua`). `held`: the slice ids it knows it holds; one listed for
+        it beyond those (a lost answer) comes back first."""
         k = self.keys
         keys = [k.model_target(model), k.model_coverage(model), k.model_workers(model)]
         got = self._volunteer(
-            keys=[*keys, k.model_slices(model)],
+            keys=[*keys, k.model_slices(model), k.model_routed(model)],
             args=[worker, "" if room is None else max(0, room), join_slices(held)],
             client=r,
         )

@@ -1,9 +1,12 @@
--- volunteer: give a worker the rarest slice of one model that still has positive demand, that
--- it does not hold yet, and that fits in the memory the worker has left.
+-- volunteer: give a worker a slice of one model that still has positive demand, that it does
+-- not hold yet, and that fits in the memory the worker has left. Which one: coverage first (a
+-- slice no worker holds, before any slice gets another copy), then the hottest (most token
+-- rows routed to it, KEYS[5]), then the largest demand, the fewest holders, the smallest id.
 -- KEYS[1] target hash   (slice id -> wanted replicas; written by the monitor)
 -- KEYS[2] coverage hash (slice id -> workers holding it; written by this script and release)
 -- KEYS[3] workers hash  (worker id -> the slice ids it holds, sorted, joined by ",")
 -- KEYS[4] slices hash   (slice id -> JSON layout with "bytes"; written by the monitor)
+-- KEYS[5] routed hash   (slice id -> token rows routed to it; coordinators count them)
 -- ARGV[1] worker id
 -- ARGV[2] bytes the worker can still hold ("" or absent: no limit); a slice with more is
 --         never taken, so no reservation is wasted on a worker that cannot load it
@@ -38,7 +41,15 @@ if dropped then
 end
 if lost then return lost end
 local target = redis.call('HGETALL', KEYS[1])
-local best, best_demand, best_cov = false, 0, 0
+-- the best so far: {uncovered (1/0), rows routed, demand, -coverage}, larger wins, then sid
+local best, key = false, nil
+local function better(k, sid)
+  if not best then return true end
+  for i = 1, 4 do
+    if k[i] ~= key[i] then return k[i] > key[i] end
+  end
+  return sid < best
+end
 for i = 1, #target, 2 do
   local sid = target[i]
   local want = tonumber(target[i + 1]) or 0
@@ -47,10 +58,9 @@ for i = 1, #target, 2 do
   if mine[sid] then demand = 0 end
   if demand > 0 and not fits(sid) then demand = 0 end
   if demand > 0 then
-    local better = (not best) or demand > best_demand
-      or (demand == best_demand and cov < best_cov)
-      or (demand == best_demand and cov == best_cov and sid < best)
-    if better then best, best_demand, best_cov = sid, demand, cov end
+    local rows = KEYS[5] and tonumber(redis.call('HGET', KEYS[5], sid) or '0') or 0
+    local k = {cov == 0 and 1 or 0, rows, demand, -cov}
+    if better(k, sid) then best, key = sid, k end
   end
 end
 if not best then return false end

@@ -174,10 +174,18 @@ class Monitor:
             self.reregistered += 1
         return sorted(set(listed) | set(self.known))
 
+    def base_target(self, backbone: bool) -> int:
+        """Copies per slice at rest: `KVQ_BASE_REPLICAS`, at least `KVQ_BACKBONE_REPLICAS`
+        while a live coordinator holds no experts (a lost worker's slices are then served
+        only by other replicas, and results are checked by a second holder)."""
+        if backbone:
+            return max(self.s.base_replicas, self.s.backbone_replicas)
+        return self.s.base_replicas
+
     def poll(self, model: str) -> ModelState:
         """Saturation of `model` from its coordinators' slot state (K6); writes targets (K7)."""
         busy = total = live = 0
-        saturated = False
+        saturated = backbone = False
         for view in self.board.coordinators(model):
             if view.state is None:  # its slot state expired: the coordinator is gone
                 self.board.forget_coordinator(model, view.coord)
@@ -186,6 +194,7 @@ class Monitor:
                 continue
             b, t = view.state.busy, view.state.total
             busy, total, live = busy + b, total + t, live + 1
+            backbone |= not view.state.experts
             saturated |= b >= self.s.saturation_threshold
         sat = self._saturation.setdefault(
             model, Hysteresis(self.s.saturation_enter_s, self.s.saturation_leave_s)
@@ -195,16 +204,17 @@ class Monitor:
         if saturated != was:
             log.info("%s: %s (busy %d of %d)", model,
                      "saturated: boosting" if saturated else "drained: boost off", busy, total)  # fmt: skip
-        effective = self.s.base_replicas + (self.s.boost_replicas if saturated else 0)
+        base = self.base_target(backbone)
+        effective = base + (self.s.boost_replicas if saturated else 0)
         rates = self.popularity.update(model, self.board.routed(model))
         targets = None
         if saturated:
             info = self.board.model_info(model)
             sids = sorted(info.slices) if info is not None else []
-            targets = spread(self.s.base_replicas, self.s.boost_replicas, rates, sids)
+            targets = spread(base, self.s.boost_replicas, rates, sids)
         state = ModelState(
             saturated=saturated, busy=busy, total=total, coordinators=live,
-            base_target=self.s.base_replicas, effective_target=effective,
+            base_target=base, effective_target=effective,
             ts_ms=int(time.time() * 1000),
         )  # fmt: skip
         self.board.publish_model_state(model, state, targets)

@@ -50,6 +50,8 @@ ops = st.lists(
         st.tuples(st.just("retire"), st.sampled_from(WORKERS), st.sampled_from(SIDS)),
         st.tuples(st.just("rejoin"), st.sampled_from(WORKERS), some_sids),
         st.tuples(st.just("target"), st.sampled_from(SIDS), st.integers(0, 3)),
+        # coordinators count the token rows routed to a slice: the hotter is taken first
+        st.tuples(st.just("routed"), st.sampled_from(SIDS), st.integers(1, 50)),
     ),
     max_size=40,
 )
@@ -60,6 +62,10 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
     if kind == "target":
         sid, n = args
         board.set_target("m", str(sid), int(str(n)))
+        return None
+    if kind == "routed":
+        sid, n = args
+        board.add_routed("m", {str(sid): int(str(n))})
         return None
     if kind == "volunteer":
         worker, held, *room = args
@@ -108,6 +114,19 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
         ("volunteer", "a", [SIDS[0]]),
         ("volunteer", "a", [SIDS[0]], 0),
         ("volunteer", "b", []),
+    ],
+)
+# coverage first: an uncovered slice before a hot one's second copy; then the hotter of two
+@example(
+    targets=[3, 1, 2, 2],
+    program=[
+        ("routed", SIDS[0], 40),
+        ("volunteer", "a", []),
+        ("volunteer", "b", []),
+        ("volunteer", "c", []),
+        ("volunteer", "d", []),
+        ("routed", SIDS[3], 9),
+        ("volunteer", "e", []),
     ],
 )
 def test_market_answers_match_the_lua_scripts(

@@ -88,6 +88,28 @@ def test_volunteer_full_tie_goes_to_lower_slice_id(
     assert scripts.volunteer(r, MODEL, "w5") is None
 
 
+def test_volunteer_covers_every_slice_before_any_second_copy(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    """Issue 33 item 2: a hot slice boosted to 4 copies (demand 3) waits until the cold,
+    uncovered ones (demand 1) have a holder each."""
+    set_target(r, keys, {S[0]: 4, S[1]: 1, S[2]: 1})
+    set_coverage(r, keys, {S[0]: 1})
+    r.hset(keys.model_routed(MODEL), mapping={S[0]: 1000})
+    assert [scripts.volunteer(r, MODEL, w) for w in ("w1", "w2", "w3")] == [S[1], S[2], S[0]]
+
+
+def test_volunteer_takes_the_hottest_of_the_covered_slices(
+    r: redis.Redis, keys: Keys, scripts: Scripts
+) -> None:
+    """Every slice held once, two copies wanted of each: the slice with the most token rows
+    routed to it gets its second copy first, whatever its id."""
+    set_target(r, keys, {S[0]: 2, S[1]: 2, S[2]: 2})
+    set_coverage(r, keys, {S[0]: 1, S[1]: 1, S[2]: 1})
+    r.hset(keys.model_routed(MODEL), mapping={S[0]: 5, S[1]: 70, S[2]: 30})
+    assert [scripts.volunteer(r, MODEL, w) for w in ("w1", "w2", "w3")] == [S[1], S[2], S[0]]
+
+
 def test_volunteer_sequence_spreads_replicas(r: redis.Redis, keys: Keys, scripts: Scripts) -> None:
     set_target(r, keys, {S[0]: 2, S[1]: 1})
     assert scripts.volunteer(r, MODEL, "w1") == S[0]  # demand 2 vs 1

@@ -30,9 +30,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _slots(case: BoardCase, coord: str, busy: int, age_s: float = 0.0) -> None:
+def _slots(
+    case: BoardCase, coord: str, busy: int, age_s: float = 0.0, experts: bool = True
+) -> None:
     ts = int((time.time() - age_s) * 1000)
-    state = SlotState(model="m", busy=busy, total=4, ts_ms=ts)
+    state = SlotState(model="m", busy=busy, total=4, ts_ms=ts, experts=experts)
     case.board.publish_slots(coord, state, CoordStats())
 
 
@@ -65,6 +67,26 @@ def test_saturation_raises_then_drain_lowers_targets(board_case: BoardCase, mode
     _slots(board_case, "c1", busy=0)
     assert mon.poll("m").effective_target == BASE.base_replicas
     assert _targets(board_case) == {BASE.base_replicas}
+
+
+def test_a_backbone_only_coordinator_raises_the_base_to_two_copies(
+    board_case: BoardCase, model: Path
+) -> None:
+    """Issue 33 item 2: while a live coordinator of the model holds no experts, every slice
+    wants `KVQ_BACKBONE_REPLICAS` (2) copies at rest, the boost on top; once it is gone, the
+    base is `KVQ_BASE_REPLICAS` again."""
+    mon = Monitor(board_case.board, BASE)
+    mon.register("m", model)
+    _slots(board_case, "full", busy=0)
+    assert mon.poll("m").base_target == BASE.base_replicas == 1
+    _slots(board_case, "backbone", busy=0, experts=False)
+    st = mon.poll("m")
+    assert st.base_target == st.effective_target == BASE.backbone_replicas == 2
+    assert _targets(board_case) == {2}
+    _slots(board_case, "backbone", busy=BASE.saturation_threshold, experts=False)
+    assert _targets(board_case) == {2} and mon.poll("m").effective_target == 3
+    board_case.vanish_coordinator("backbone")
+    assert mon.poll("m").base_target == 1 and _targets(board_case) == {1}
 
 
 def test_stale_and_vanished_coordinators_are_ignored(board_case: BoardCase, model: Path) -> None:
