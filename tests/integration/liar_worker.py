@@ -3,11 +3,13 @@ well-formed but wrong on a share of its jobs (issue 11). Nothing in kvq knows ab
 lie is patched in here, the way an adversary would run modified code.
 
     python tests/integration/liar_worker.py --id ID --garbage 0.1 --seed 3 [--kind noise|nan]
-        [--honest-first N]
+        [--honest-first N] [--kind scale --factor 1.05] [--label bfloat16]
 
 `KVQ_*` settings come from the environment as for `kvq worker`. Each lie is logged ("LIE job"),
 so a test can count the jobs the coordinator received from it. `--honest-first N` answers its
-first N jobs honestly (it banks trust) and lies from then on.
+first N jobs honestly (it banks trust) and lies from then on. `--kind scale` multiplies its
+honest result by `--factor` (a lie that hides inside a tolerance, if any would); `--label`
+names its results' compute path whatever it computed (a worker choosing its own tolerance).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from kvq.worker import server
 log = logging.getLogger("liar")
 
 
-def patch(garbage: float, seed: int, kind: str, honest_first: int = 0) -> None:
+def patch(
+    garbage: float, seed: int, kind: str, honest_first: int = 0, factor: float = 1.05,
+    label: str | None = None,
+) -> None:  # fmt: skip
     rng = random.Random(seed)
     honest = server.ExpertServer.handle
     answered = 0
@@ -38,14 +43,17 @@ def patch(garbage: float, seed: int, kind: str, honest_first: int = 0) -> None:
         if res.y is None or answered <= honest_first or rng.random() >= garbage:
             return res
         y = res.y.array()
-        if kind == "nan":
+        if kind == "scale":
+            bad = (y * factor).astype(np.float32)
+        elif kind == "nan":
             bad = y.copy()
             bad.flat[0] = np.nan
         else:  # same shape and scale, wrong numbers
             noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(y.shape)
             bad = (noise * (np.abs(y).mean() + 1e-3)).astype(np.float32)
         log.warning("LIE job %s", job.job_id)
-        return msgspec.structs.replace(res, y=wire.Tensor.of(bad))
+        lied = msgspec.structs.replace(res, y=wire.Tensor.of(bad))
+        return msgspec.structs.replace(lied, dtype=label) if label else lied
 
     server.ExpertServer.handle = handle  # type: ignore[method-assign]
 
@@ -55,8 +63,10 @@ if __name__ == "__main__":
     ap.add_argument("--id", required=True)
     ap.add_argument("--garbage", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kind", choices=["noise", "nan"], default="noise")
+    ap.add_argument("--kind", choices=["noise", "nan", "scale"], default="noise")
+    ap.add_argument("--factor", type=float, default=1.05)
+    ap.add_argument("--label", default=None)
     ap.add_argument("--honest-first", type=int, default=0)
     a = ap.parse_args()
-    patch(a.garbage, a.seed, a.kind, a.honest_first)
+    patch(a.garbage, a.seed, a.kind, a.honest_first, a.factor, a.label)
     raise SystemExit(main(["worker", "--id", a.id]))

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from kvq.keys import Keys
 from kvq.monitor import Monitor
 from kvq.monitor.http import Api
 from kvq.procs import Children
+from kvq.quant import qdot
 from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -56,20 +59,21 @@ def kids(s: Settings, tmp_path: Path) -> Iterator[Children]:
 
 
 def _spawn_liar(kids: Children, s: Settings, tmp_path: Path, wid: str, garbage: float,
-                seed: int, kind: str = "noise", honest_first: int = 0) -> None:  # fmt: skip
+                seed: int, kind: str = "noise", honest_first: int = 0,
+                extra: tuple[str, ...] = ()) -> None:  # fmt: skip
     log = (tmp_path / f"{wid}.log").open("wb")
     kids.procs[wid] = subprocess.Popen(
         [sys.executable, str(LIAR), "--id", wid, "--garbage", str(garbage), "--seed",
-         str(seed), "--kind", kind, "--honest-first", str(honest_first)],
+         str(seed), "--kind", kind, "--honest-first", str(honest_first), *extra],
         env=child_env(s), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     log.close()
 
 
 def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
-           spawn_first) -> tuple[Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
+           spawn_first, coord_s: Settings | None = None) -> tuple[Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
     """Register, start `first` (it takes layer 0's slice), then an honest worker, then the
-    coordinator."""
+    coordinator (with `coord_s` if given)."""
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", model)
     spawn_first()
@@ -77,7 +81,7 @@ def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
                   f"{first} holding layer 0")  # fmt: skip
     kids.spawn("honest", "worker", "--id", "honest")
     wait_ready(mon, "tiny", 2)
-    coord = Coordinator.from_settings(s, "c1", "tiny", model)
+    coord = Coordinator.from_settings(coord_s or s, "c1", "tiny", model)
     run_in_thread(coord)
     return mon, coord
 
@@ -273,3 +277,80 @@ def test_checks_cost_what_the_schedule_says_once_trust_is_earned(
     assert all(trust.workers[f"w{i}"].ok > policy.full_checks + 100 for i in range(2))
     assert policy.p_min <= predicted <= policy.step_floor + 0.01
     assert share == pytest.approx(predicted, rel=0.35)
+
+
+# path -> (the liar's KVQ_COMPUTE_DTYPE, everyone's KVQ_ACTIVATIONS, model quant, the label it
+# puts on its results); "q8" is float32 weights or quantized ones times int8 activations
+LIAR_PATHS = {
+    "float32": ("float32", "float32", "f32", None),  # the exact path, tolerance 1e-3
+    "q8 (f32 weights)": ("auto", "int8", "f32", None),  # the default: bitwise
+    "q8 (Q4_K)": ("auto", "int8", "q4_k_m", None),
+    "bfloat16": ("bfloat16", "int8", "f32", None),  # a GPU's path: row and bias tolerances
+    "float16": ("float16", "int8", "f32", None),
+    "float32 labelled bfloat16": ("float32", "float32", "f32", "bfloat16"),  # its own tolerance
+    "q8 labelled bfloat16": ("auto", "int8", "q4_k_m", "bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvq.model import make_tiny
+
+    path = tmp_path_factory.mktemp("models") / "tiny-q4k.gguf"
+    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256,
+              quant="q4_k_m", seed=3)  # fmt: skip
+    return path
+
+
+@contextmanager
+def _activations(kind: str) -> Iterator[None]:
+    """This process's kernels (the coordinator's thread, the reference) on `kind`."""
+    before = qdot.options()
+    qdot.configure(replace(before, activations=kind))
+    try:
+        yield
+    finally:
+        qdot.configure(before)
+
+
+@pytest.mark.parametrize("factor", [1.01, 1.05])
+@pytest.mark.parametrize("path", list(LIAR_PATHS))
+def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tiny_q4k: Path,
+    tmp_path: Path, path: str, factor: float,
+) -> None:  # fmt: skip
+    """Issue 32 item 3, the report's table rerun with real processes: a worker whose every
+    result is its honest one times `factor` (1.01 hides inside bfloat16's one-job spread), on
+    each compute path the coordinator can ask for, labelled as the worker likes. The
+    coordinator decides the path and the check (bitwise for q8, tolerances for the rest) and
+    refuses a label it did not ask for. Requests one at a time until the liar is quarantined,
+    each compared with all-local generation on the coordinator's path."""
+    dtype, acts, quant, label = LIAR_PATHS[path]
+    model = tiny_q4k if quant == "q4_k_m" else tiny_model
+    if acts == "float32":  # (int8 is the default; a GPU dtype refuses it named explicitly)
+        s = s.model_copy(update={"activations": acts})
+    liar_s = s.model_copy(update={"compute_dtype": dtype})
+    extra = ("--factor", str(factor), *(("--label", label) if label else ()))
+    with _activations(acts):
+        want = {p: local_tokens(model, p, MAX_TOKENS) for p in PROMPTS}
+        mon, coord = _start(s, kids, run_in_thread, model, "liar",
+                            lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "scale",
+                                                extra=extra))  # fmt: skip
+        keys, r = Keys(s.prefix), mon.board.r
+        requests = wrong = 0
+        while "liar" not in mon.board.quarantined("tiny"):
+            assert requests < 40, f"{path} x{factor}: not caught within 40 requests"
+            prompt = PROMPTS[requests % len(PROMPTS)]
+            rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+            got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+            requests += 1
+            wrong += got != want[prompt]
+    t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
+    asked = coord.dispatch.verifier.asked("liar")
+    print(f"LIAR-TABLE | {path} | x{factor} | asked {asked} | caught at check {t.checked} | "
+          f"{lies} lies | {wrong} wrong of {requests} requests |")  # fmt: skip
+    assert t.mismatches == 1 and "honest" not in mon.board.quarantined("tiny")
+    if dtype in ("float32", "auto") or label:  # exact, bitwise, or the wrong label: first lie
+        assert lies == 1 and wrong == 0
+    else:  # a GPU path's tolerance: a 1% lie may pass one job, not the running mean bias
+        assert lies <= 8
