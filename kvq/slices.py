@@ -10,6 +10,9 @@ This module owns the concept for every role:
       {"layers": [ls, le], "experts": [es, ee], "bytes": n,
        "ranges": [{"name", "kind", "offset", "nbytes", "ggml_type", "expert_shape", "sha256"}]}
 
+  with `"step": n` too where only every n-th layer of [ls, le) is MoE (llama4's interleaved
+  layers: the slice holds layers ls, ls + n, ...);
+
 - the dict form of a `TensorRange`, which `kvq.model.meta_dict` uses for whole layers.
 
 A slice's dequantized tensors are a `kvq.model.ExpertSlice`. This module imports no torch, so
@@ -67,21 +70,24 @@ class SliceBounds(NamedTuple):
 
 
 def slice_grid(
-    layers: int, experts: int, slice_layers: int, slice_experts: int, first: int = 0
-) -> list[SliceBounds]:
+    layers: int, experts: int, slice_layers: int, slice_experts: int, first: int = 0,
+    step: int = 1,
+) -> list[SliceBounds]:  # fmt: skip
     """The slices that cut layers `[first, layers)` x `experts` exactly once each, in slice
     order (layer range, then expert range); the last range of an axis is shorter when the size
     does not divide it. `first`: the first MoE layer (the leading dense layers have no
-    experts to cut)."""
+    experts to cut); `step`: only every `step`-th layer from `first` on is MoE (llama4), and
+    a slice holds `slice_layers` of those."""
     for name, n, least in (
         ("layers", layers, 0), ("experts", experts, 0),
-        ("slice_layers", slice_layers, 1), ("slice_experts", slice_experts, 1),
+        ("slice_layers", slice_layers, 1), ("slice_experts", slice_experts, 1), ("step", step, 1),
     ):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ConfigError(f"{name} must be an int >= {least}, got {n!r}")
+    span = (slice_layers - 1) * step + 1  # from a slice's first MoE layer past its last
     return [
-        SliceBounds(ls, min(ls + slice_layers, layers), es, min(es + slice_experts, experts))
-        for ls in range(first, layers, slice_layers)
+        SliceBounds(ls, min(ls + span, layers), es, min(es + slice_experts, experts))
+        for ls in range(first, layers, slice_layers * step)
         for es in range(0, experts, slice_experts)
     ]
 
@@ -132,7 +138,8 @@ def _as_str(where: str, key: str, value: object) -> str:
 @dataclass(frozen=True, slots=True)
 class SliceSpec:
     """A published slice: its bounds, the byte ranges of its expert tensors in the model file
-    (layer by layer, gate/up/down within a layer) and the sha256 of each range."""
+    (layer by layer, gate/up/down within a layer) and the sha256 of each range. `layer_step`
+    n > 1: its layers are every n-th of [layer_start, layer_end) (llama4's MoE layers)."""
 
     sid: str
     layer_start: int
@@ -141,6 +148,7 @@ class SliceSpec:
     expert_end: int
     ranges: tuple[TensorRange, ...]
     sha256: tuple[str, ...]  # one per range
+    layer_step: int = 1
 
     def __post_init__(self) -> None:
         b = self.bounds
@@ -148,10 +156,12 @@ class SliceSpec:
             raise ModelError(f"slice {self.sid!r}: {b} is empty or negative; {_REPUBLISH}")
         if self.sid != b.sid:
             raise ModelError(f"slice id {self.sid!r} does not name {b} ({b.sid!r}); {_REPUBLISH}")
-        if not self.ranges or len(self.ranges) % (b.layer_end - b.layer_start):
+        if self.layer_step < 1:
+            raise ModelError(f"slice {self.sid!r}: step {self.layer_step} < 1; {_REPUBLISH}")
+        if not self.ranges or len(self.ranges) % len(self.layers()):
             raise ModelError(
                 f"slice {self.sid!r}: {len(self.ranges)} ranges do not split evenly over layers "
-                f"[{b.layer_start}, {b.layer_end}); {_REPUBLISH}"
+                f"[{b.layer_start}, {b.layer_end}) step {self.layer_step}; {_REPUBLISH}"
             )
         if len(self.sha256) != len(self.ranges):
             raise ModelError(
@@ -168,19 +178,20 @@ class SliceSpec:
         return sum(r.nbytes for r in self.ranges)
 
     def layers(self) -> range:
-        return range(self.layer_start, self.layer_end)
+        return range(self.layer_start, self.layer_end, self.layer_step)
 
     def ranges_of(self, layer: int) -> list[TensorRange]:
         """The ranges of one of the slice's layers, in gate, up, down order."""
-        if layer not in self.layers():
+        layers = self.layers()
+        if layer not in layers:
             raise ModelError(f"layer {layer} is not in slice {self.sid!r}")
-        per_layer = len(self.ranges) // (self.layer_end - self.layer_start)
-        i = (layer - self.layer_start) * per_layer
+        per_layer = len(self.ranges) // len(layers)
+        i = layers.index(layer) * per_layer
         return list(self.ranges[i : i + per_layer])
 
     def to_dict(self) -> dict[str, object]:
         """The published form as plain values (`to_json` is its JSON text)."""
-        return {
+        out: dict[str, object] = {
             "layers": [self.layer_start, self.layer_end],
             "experts": [self.expert_start, self.expert_end],
             "bytes": self.nbytes,
@@ -189,6 +200,9 @@ class SliceSpec:
                 for r, h in zip(self.ranges, self.sha256, strict=True)
             ],
         }
+        if self.layer_step != 1:
+            out["step"] = self.layer_step
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -207,7 +221,8 @@ class SliceSpec:
             raise ModelError(f"{where}: 'ranges' must be a list, got {rows!r}; {_REPUBLISH}")
         ranges = tuple(range_from_dict(row, f"{where} range {i}") for i, row in enumerate(rows))
         sums = tuple(_sha256(f"{where} range {i}", row) for i, row in enumerate(rows))
-        spec = cls(sid, ls, le, es, ee, ranges, sums)
+        step = _as_int(where, "step", doc.get("step", 1))
+        spec = cls(sid, ls, le, es, ee, ranges, sums, step)
         if _as_int(where, "bytes", doc.get("bytes")) != spec.nbytes:
             raise ModelError(
                 f"{where}: 'bytes' = {doc.get('bytes')!r}, its ranges sum to {spec.nbytes}; "

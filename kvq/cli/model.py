@@ -15,7 +15,8 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 # kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
 # kvq.model here would load torch for every `kvq` command, even `--help`
 ARCHS = (
-    "deepseek2", "glm4moe", "gpt-oss", "mixtral", "olmoe", "qwen2moe", "qwen3moe", "qwen35moe",
+    "deepseek2", "glm4moe", "gpt-oss", "llama4", "mixtral", "olmoe", "qwen2moe", "qwen3moe",
+    "qwen35moe",
 )  # fmt: skip
 VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")

@@ -16,6 +16,7 @@ function, expert groups, YaRN) come from the file (`kvq.model.meta`).
 | `deepseek2` | DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2 | MLA, latent KV cache    | (q LoRA, kv latent norms) | NORM | softmax (V2) or sigmoid + bias (V3), groups | plain | leading dense |
 | `gpt-oss`   | gpt-oss-20b, 120b             | GQA, q/k/v/o biases, sinks, sliding window on even layers | - | NEOX | router bias, softmax over the top-k logits | - | all MoE, clamped SwiGLU experts with biases |
 | `qwen35moe` | Qwen3.5 MoE (35B-A3B, 122B-A10B, 397B-A17B) | Gated DeltaNet on 3 of 4 layers, gated-q GQA on every `full_attention_interval`-th | per head (GQA layers) | NEOX (IMROPE, text), partial | softmax, renormalised | sigmoid-gated | all MoE |
+| `llama4`    | Llama-4 Scout, Maverick       | GQA, chunked on 3 of 4 layers, NoPE on every 4th | unweighted RMS on rope layers | NORM, rope_freqs | top-k logits, sigmoid weight scales the input | plain | every `interleave_moe_layer_step`-th MoE |
 
 `qwen2moe`'s shared expert is gated per token: `sigmoid(x . w_gate) * ffn_shexp(x)`; the
 `plain` shared experts of `glm4moe` and `deepseek2` are added as they are. `llama` is Mixtral
@@ -40,6 +41,18 @@ attention projects q and an output gate together (`attn_q` is `[heads * 2d, H]`,
 then gate) and multiplies the attention output by `sigmoid(gate)` before `attn_output`. Its
 IMROPE gives a text token its position in the t, h and w sections and 0 in e (`Rope`), which
 is NEOX rope over `rope.dimension_count` with the e pairs unrotated.
+
+`llama4` (Llama-4, `kvq.model.meta` reads its layer pattern): layer i is MoE when
+`(i + 1) % interleave_moe_layer_step == 0`, dense otherwise; every 4th layer
+(`(i + 1) % 4 == 0`, llama.cpp's `n_no_rope_layer_step`) has no rope (NoPE) and full
+attention, and on the NoPE layers q is scaled by the attention temperature
+`1 + 0.1 ln(floor((p + 1) / 8192) + 1)`; the others rope q and k (with the file's
+`rope_freqs` factors), then RMS-normalise them without a weight (unless the model has 128
+experts: Maverick) and attend within their chunk of 8192 positions (query p sees keys
+`floor(p / 8192) * 8192 .. p`). A file with `attention.sliding_window = 0` has no chunks and
+ropes every layer but the last. The router takes the top-k logits; each chosen expert reads
+its input times `sigmoid(logit)` (`ArchSpec.scale_input`), and the shared expert (as wide
+as one expert) is added as it is.
 """
 
 from __future__ import annotations
@@ -100,6 +113,11 @@ class ArchSpec:
     linear_attn: bool = False  # Gated DeltaNet layers between full ones (full_attention_interval)
     gated_q: bool = False  # attn_q also projects a per-head output gate (sigmoid) (qwen35moe)
     imrope: bool = False  # interleaved multi-section rope (rope.dimension_sections) (qwen35moe)
+    moe_step: bool = False  # reads `interleave_moe_layer_step`: every n-th layer MoE (llama4)
+    chunked: bool = False  # llama4's chunked attention, NoPE layers, temperature tuning, kq norm
+    choose_logits: bool = False  # the top-k is taken on the router's logits (llama4)
+    scale_input: bool = False  # a chosen expert reads x * weight, its output unweighted (llama4)
+    rope_freqs: bool = False  # rope_freqs.weight: llama3-style frequency factors, if present
 
     @property
     def shared_expert(self) -> bool:
@@ -153,18 +171,30 @@ ARCHS: dict[str, ArchSpec] = {
         gated_q=True,
         imrope=True,
     ),
+    "llama4": ArchSpec(
+        "llama4",
+        rope_style="norm",
+        shared=SHARED_PLAIN,
+        norm_topk=False,
+        gating="sigmoid",
+        moe_step=True,
+        chunked=True,
+        choose_logits=True,
+        scale_input=True,
+        rope_freqs=True,
+    ),
 }
 
 # names accepted by `make_tiny(arch=...)` and `kvq model make-tiny --arch`
 TINY_ARCHS: dict[str, str] = {
     "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
     "glm4moe": "glm4moe", "deepseek2": "deepseek2", "gpt-oss": "gpt-oss",
-    "qwen35moe": "qwen35moe",
+    "qwen35moe": "qwen35moe", "llama4": "llama4",
 }  # fmt: skip
 
 SUPPORTED_TEXT = (
     "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 "
-    "(Mixtral), gpt-oss, qwen35moe"
+    "(Mixtral), gpt-oss, qwen35moe, llama4"
 )
 
 

@@ -27,7 +27,15 @@ from kvq.model.cache import KVCache, SeqStep
 from kvq.model.deltanet import DeltaState, DeltaWeights
 from kvq.model.experts import expert_forward
 from kvq.model.generate import generate
-from kvq.model.layers import Gating, Rope, causal_attention, linear, rms_norm, route, swiglu
+from kvq.model.layers import (
+    Gating,
+    Rope,
+    attn_temperature,
+    causal_attention,
+    linear,
+    rms_norm,
+    swiglu,
+)
 from kvq.model.layout import slice_layout
 from kvq.model.loader import (
     DenseFfn,
@@ -35,13 +43,13 @@ from kvq.model.loader import (
     LayerWeights,
     Loader,
     MlaWeights,
-    SharedExpert,
     delta_dims,
     layer_weights,
     output_weight,
 )
 from kvq.model.meta import ModelMeta, read_meta
 from kvq.model.mla import mla_scales
+from kvq.model.moe_ffn import MoeCall, moe_ffn
 from kvq.model.qstack import QRows, Weight
 from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
@@ -60,8 +68,8 @@ def _small(rows: int) -> Callable[[], AbstractContextManager[None]]:
 __all__ = ["Backbone", "KVCache", "LayerCalls", "LayerWeights", "MoeCall", "MoeFn", "SeqStep"]
 
 # (layer, x [T, H] after ffn_norm, topk_ids [T, k] int64, topk_w [T, k] float32) -> [T, H]
+# (llama4: x [T*k, H] scaled by the weights, one expert per row: `kvq.model.moe_ffn`)
 MoeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MoeCall = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # MoeFn's arguments
 LayerCalls = Generator[MoeCall, torch.Tensor, torch.Tensor]  # see Backbone.layer_calls
 
 
@@ -76,6 +84,7 @@ class Backbone:
         output_norm: torch.Tensor,
         output: Weight,
         experts: dict[int, ExpertSlice],
+        rope_factors: torch.Tensor | None = None,
     ) -> None:
         self.meta = meta
         self.embed = embed  # [V, H]
@@ -88,11 +97,12 @@ class Backbone:
         self.spec = arch_spec(meta.arch)
         self.gating = Gating.from_meta(meta)
         rope_mscale, self.mla_kq_scale = mla_scales(meta)
-        self.rope = Rope.from_meta(meta, self.spec.rope_style, rope_mscale)
+        style = self.spec.rope_style  # rope_factors [d/2]: the file's `rope_freqs` (llama4)
+        self.rope = Rope.from_meta(meta, style, rope_mscale, rope_factors)
         # sliding layers may have their own rope base (`rope.freq_base_swa`)
         swa_base = meta.rope_freq_base_swa
         self.rope_swa = (
-            Rope.from_meta(replace(meta, rope_freq_base=swa_base), self.spec.rope_style)
+            Rope.from_meta(replace(meta, rope_freq_base=swa_base), style, None, rope_factors)
             if swa_base and swa_base != meta.rope_freq_base else self.rope
         )  # fmt: skip
 
@@ -117,7 +127,10 @@ class Backbone:
         }  # a backbone file (`kvq model split --backbone`) holds none: workers compute them
         embed = load.rows("token_embd.weight", (m.vocab_size, h))
         output = output_weight(load, m)
-        return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts)
+        factors = (
+            load.optional("rope_freqs.weight", (m.rope_dims // 2,)) if spec.rope_freqs else None
+        )
+        return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts, factors)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache that grows up to the model's context length, with a zero
@@ -188,18 +201,7 @@ class Backbone:
             if isinstance(ffn, DenseFfn):
                 h = h + swiglu(x, ffn.gate, ffn.up, ffn.down)
                 continue
-            with small():
-                ids, w = route(ffn.router, x, self.gating, ffn.probs_bias, ffn.router_bias)
-            y = yield i, x, ids, w  # [N, H]; ids, w: [N, k]
-            if tuple(y.shape) != tuple(x.shape):
-                raise ModelError(
-                    f"moe fn returned shape {tuple(y.shape)} for layer {i}, "
-                    f"expected {tuple(x.shape)}"
-                )
-            y = y.to(device=h.device, dtype=h.dtype)
-            if ffn.shared is not None:
-                y = y + _shared_ffn(ffn.shared, x)
-            h = h + y
+            h = h + (yield from moe_ffn(i, ffn, x, self.gating, self.spec.scale_input, small))
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
         with small():
             hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
@@ -285,7 +287,12 @@ class Backbone:
             kk = kk.view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
             if not full and qn is not None and kn is not None:  # per head
                 q, kk = rms_norm(q, qn, eps), rms_norm(kk, kn, eps)
-            q, kk = rope(q, pos), rope(kk, pos)
+            if m.ropes(layer):
+                q, kk = rope(q, pos), rope(kk, pos)
+                if m.kq_norm:  # llama4: RMS over each head, no weight, after rope
+                    q, kk = rms_norm(q, None, eps), rms_norm(kk, None, eps)
+            elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
+                q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
         outs, start = [], 0
         with _small(max(lens))():
             for s, t in zip(steps, lens, strict=True):
@@ -296,7 +303,7 @@ class Backbone:
                     keys, values = s.cache.append(layer, kt, vt)
                 outs.append(causal_attention(
                     q[start : start + t], keys, values, s.cache.length, m.attention_scale,
-                    a.sinks, window, k0,
+                    a.sinks, window, k0, m.chunk(layer),
                 ))  # fmt: skip
                 start += t
         o = torch.cat(outs)  # [N, heads*d]
@@ -387,10 +394,3 @@ def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T (+ b). x: [N, in]; w: [out, in]. Returns [N, out]."""
     y = linear(x, w)  # [N, out]
     return y if b is None else y + b
-
-
-def _shared_ffn(sh: SharedExpert, x: torch.Tensor) -> torch.Tensor:
-    """The shared expert(s), gated per row by a sigmoid where the arch has that gate
-    (qwen2moe). x: [N, H]. Returns [N, H]."""
-    y = swiglu(x, sh.gate, sh.up, sh.down)  # [N, H]
-    return y if sh.gate_inp is None else torch.sigmoid(x @ sh.gate_inp)[:, None] * y

@@ -24,8 +24,9 @@ class KVCache:
     more than the pages its positions touch (zeroing an olmoe cache's 67 MB took 2.4% of a
     saturated coordinator's time with 16-token requests).
 
-    Sliding-window layers (`windows[layer]` = W > 0, gpt-oss's even layers) keep only a ring
-    of `W - 1 + the longest pass` positions (position p in slot p % capacity), all that a
+    Sliding-window layers (`windows[layer]` = W > 0: gpt-oss's even layers, llama4's chunked
+    ones, W the chunk) keep only a ring of up to `W - 1 + the longest pass` positions
+    (position p in slot p % capacity; it doubles as it fills, like the full layers'), all that a
     pass reads there (`append_window`); a failed pass still leaves every position it needs
     for its retry, since it writes only slots of positions at or after `length`.
 
@@ -62,7 +63,8 @@ class KVCache:
         self.window = max(self.windows, default=0)
         if len({w for w in self.windows if w > 0}) > 1:
             raise ModelError(f"sliding windows {self.windows} differ between layers")
-        ring = (len(sliding), min(max_len, max(self.window, 1)), kv_heads, head_dim)
+        # the ring too starts small and doubles (llama4's chunks are 8192 positions)
+        ring = (len(sliding), min(max_len, max(min(self.window, initial), 1)), kv_heads, head_dim)
         self.wk = torch.empty(ring, device=device, dtype=dtype)  # [Ls, ring, kv, d]
         self.wv = torch.empty(ring, device=device, dtype=dtype)  # [Ls, ring, kv, d]
         n_layers = len(full)

@@ -74,7 +74,8 @@ def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
         {"layer": b.layer_start, "expert_start": b.expert_start, "expert_end": b.expert_end,
          "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
         for b in slice_grid(
-            meta.block_count, meta.expert_count, 1, slice_experts, meta.leading_dense_block_count
+            meta.block_count, meta.expert_count, 1, slice_experts, meta.moe_layers.start,
+            meta.moe_layers.step,
         )
     ]  # fmt: skip
 

@@ -9,15 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from kvq.errors import ModelError
-from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
+from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.meta import ModelMeta
 from kvq.model.qstack import QMatrix, Weight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (no weight: None)."""
     var = x.pow(2).mean(dim=-1, keepdim=True)  # [..., 1]
-    return x * torch.rsqrt(var + eps) * weight
+    y = x * torch.rsqrt(var + eps)
+    return y if weight is None else y * weight
+
+
+def attn_temperature(pos: torch.Tensor, floor: int, scale: float) -> torch.Tensor:
+    """llama4's attention temperature of the NoPE layers' queries at positions pos [T]:
+    `1 + scale ln(floor((p + 1) / floor) + 1)` (llama.cpp's offset of 1). Returns [T] f32."""
+    steps = torch.floor((pos.to(torch.float32) + 1.0) / floor)  # [T]
+    return torch.log(steps + 1.0) * scale + 1.0
 
 
 class Rope:
@@ -35,6 +43,9 @@ class Rope:
     ggml's `ggml_mrope_cache_init` assigns them. A text token's position is its position in
     t, h and w and 0 in e (llama.cpp's `llm_graph_input_pos`), so its e pairs stay as they are
     and the others rotate as NEOX rope does.
+
+    `factors` [d/2] (a file's `rope_freqs`, llama3-style scaling): pair i turns at its
+    frequency divided by `factors[i]`, as ggml's `freq_factors` do.
     """
 
     def __init__(
@@ -48,6 +59,7 @@ class Rope:
         beta: tuple[float, float] = (32.0, 1.0),
         mscale: float | None = None,
         sections: tuple[int, ...] = (),
+        factors: torch.Tensor | None = None,
     ) -> None:
         if style not in ("neox", "norm"):
             raise ModelError(f"rope style {style!r} is not 'neox' or 'norm'")
@@ -66,17 +78,23 @@ class Rope:
             self.mscale = mscale
         if sections:
             inv_freq = inv_freq * _text_pairs(sections, half)
+        if factors is not None:
+            inv_freq = inv_freq / factors.float().cpu()
         self.inv_freq = inv_freq  # [d/2]
         self.style = style
         self.dims = head_dim
 
     @classmethod
-    def from_meta(cls, meta: ModelMeta, style: str, mscale: float | None = None) -> Rope:
-        """The rope of a model, from its metadata."""
+    def from_meta(
+        cls, meta: ModelMeta, style: str, mscale: float | None = None,
+        factors: torch.Tensor | None = None,
+    ) -> Rope:  # fmt: skip
+        """The rope of a model, from its metadata (and its `rope_freqs`, if any)."""
         return cls(
             meta.rope_dims, meta.rope_freq_base, style, meta.rope_scaling_type,
             meta.rope_scaling_factor, meta.rope_original_context_length or meta.context_length,
             (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow), mscale, meta.rope_sections,
+            factors,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -130,7 +148,7 @@ def _yarn_bounds(
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float = 0.0,
-    sinks: torch.Tensor | None = None, window: int = 0, k_start: int = 0,
+    sinks: torch.Tensor | None = None, window: int = 0, k_start: int = 0, chunk: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
@@ -141,7 +159,8 @@ def causal_attention(
     keys, so the cache is read in place, never copied per query head. A single new token
     (decode) sees every key it is given, so it needs no mask. `scale` 0 means 1/sqrt(d).
     `window` > 0: a query at p sees only keys at p - window + 1..p (llama.cpp's standard
-    sliding window). `sinks` [heads]: a logit per head that joins the softmax without a value
+    sliding window). `chunk` > 0: a query at p sees only keys from `p // chunk * chunk` on
+    (llama4's chunked attention, decode steps included). `sinks` [heads]: a logit per head that joins the softmax without a value
     (gpt-oss's attention sinks). Returns [T, heads * dv].
     """
     t, heads, d = q.shape
@@ -150,12 +169,14 @@ def causal_attention(
     group = heads // kv
     qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
     scores = (qg @ k.permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))  # [kv, group*T, S]
-    if t > 1:
+    if t > 1 or chunk > 0:
         qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T, 1]
         kpos = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]  # [1, S]
         masked = kpos > qpos  # [T, S]
         if window > 0:
             masked |= qpos - kpos >= window
+        if chunk > 0:
+            masked |= kpos < qpos // chunk * chunk
         scores = scores.view(kv, group, t, -1).masked_fill(masked, float("-inf"))
         scores = scores.view(kv, group * t, -1)
     if sinks is None:
@@ -177,7 +198,9 @@ class Gating:
     choice only (DeepSeek-V3's `exp_probs_b`); with `groups` > 1 the experts
     form that many equal groups, each scored by the sum of its two best (biased) scores, and
     only the best `groups_used` groups compete; the chosen experts' unbiased scores are the
-    weights, renormalised to sum 1 if `norm`, then times `scale`."""
+    weights, renormalised to sum 1 if `norm`, then times `scale`. `on_logits` (llama4): the
+    top-k is chosen on the logits themselves (the same order as the sigmoid's, without its
+    ties where it saturates)."""
 
     k: int
     scores: str = "softmax"
@@ -185,12 +208,13 @@ class Gating:
     scale: float = 1.0
     groups: int = 1
     groups_used: int = 1
+    on_logits: bool = False
 
     @classmethod
     def from_meta(cls, m: ModelMeta) -> Gating:
         return cls(
             m.expert_used_count, m.expert_gating, m.expert_weights_norm, m.expert_weights_scale,
-            m.expert_group_count, m.expert_group_used_count,
+            m.expert_group_count, m.expert_group_used_count, arch_spec(m.arch).choose_logits,
         )  # fmt: skip
 
 
@@ -220,6 +244,8 @@ def route(
     else:
         probs = torch.sigmoid(logits)
     choice = probs if bias is None else probs + bias.float()  # [T, E]
+    if gating.on_logits:
+        choice = logits
     if gating.groups > 1:
         t, e = choice.shape
         grouped = choice.view(t, gating.groups, e // gating.groups)  # [T, G, E/G]

@@ -19,6 +19,7 @@ from gguf import GGUFReader, ReaderTensor
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import MLA, SUPPORTED_TEXT, ArchSpec, arch_spec
+from kvq.model.meta_llama4 import layer_pattern, llama4_fields
 
 EXPERT_KINDS = ("gate", "up", "down")
 # the experts' biases (gpt-oss), stacked like the matrices: [E, F], [E, F], [E, H]
@@ -102,6 +103,14 @@ class ModelMeta:
     # IMROPE (qwen35moe): rope.dimension_sections [t, h, w, e]; a text token has its position
     # in t, h and w and 0 in e, so the pairs of an e section are not rotated (`Rope`)
     rope_sections: tuple[int, ...] = ()
+    # llama4 (`kvq.model.meta_llama4`): MoE every `moe_layer_step`-th layer, chunked windows,
+    # NoPE layers, q/k RMS norm and the NoPE layers' attention temperature
+    moe_layer_step: int = 1  # layer i is MoE when (i + 1 - leading dense) % this == 0
+    swa_chunked: bool = False  # the sliding layers attend within chunks of `sliding_window`
+    no_rope_step: int = 0  # layer i has no rope when (i + 1) % this == 0; 0: all rope
+    kq_norm: bool = False  # unweighted RMS norm of q and k after rope (rope layers)
+    attn_temp_floor: int = 0  # NoPE layers: q * (1 + scale ln(floor((p + 1) / floor) + 1))
+    attn_temp_scale: float = 0.0  # ... with this scale; floor 0: no temperature tuning
     expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
 
     @property
@@ -116,8 +125,10 @@ class ModelMeta:
 
     @property
     def moe_layers(self) -> range:
-        """The layers whose FFN is the routed experts (the others are dense)."""
-        return range(self.leading_dense_block_count, self.block_count)
+        """The layers whose FFN is the routed experts (the others are dense): all after the
+        leading dense ones, or every `moe_layer_step`-th (llama4)."""
+        step = self.moe_layer_step
+        return range(self.leading_dense_block_count + step - 1, self.block_count, step)
 
     def window(self, layer: int) -> int:
         """Positions `layer` attends to (the newest ones), or 0 for all of them."""
@@ -127,6 +138,16 @@ class ModelMeta:
         else:
             slides = p == 0 or layer % p < p - 1
         return self.sliding_window if self.sliding_window > 0 and slides else 0
+
+    def chunk(self, layer: int) -> int:
+        """The chunk `layer` attends within (llama4: query p sees keys from
+        `p // chunk * chunk`), or 0 for none."""
+        return self.window(layer) if self.swa_chunked else 0
+
+    def ropes(self, layer: int) -> bool:
+        """Whether `layer` rotates q and k (llama4's NoPE layers do not)."""
+        n = self.no_rope_step
+        return n <= 0 or (layer + 1) % n != 0
 
     @property
     def recurrent_layers(self) -> list[int]:
@@ -161,10 +182,10 @@ def read_meta(path: str | Path) -> ModelMeta:
     tensors = gio.tensor_map(reader)
     meta = _meta_fields(reader, arch, os.path.getsize(path))
     if spec.shared_expert and meta.expert_shared_feed_forward_length <= 0:
-        shexp = tensors.get(f"blk.{meta.leading_dense_block_count}.ffn_up_shexp.weight")
+        shexp = tensors.get(f"blk.{meta.moe_layers[0]}.ffn_up_shexp.weight")
         width = gio.numpy_shape(shexp)[0] if shexp is not None else 0
         meta = replace(meta, expert_shared_feed_forward_length=width)
-    _check_unsupported_tensors(tensors)
+    _check_unsupported_tensors(tensors, spec)
     experts = {}
     if gio.str_field(reader, ROUTED_EXPERTS_KEY, "") != ROUTED_EXPERTS_ABSENT:
         experts = {layer: _layer_experts(tensors, meta, spec, layer) for layer in meta.moe_layers}
@@ -221,6 +242,7 @@ def _meta_fields(reader: GGUFReader, arch: str, file_size: int) -> ModelMeta:
         **_sliding(reader, a, spec),
         **_delta(reader, a, spec, blocks, nextn),
         **_rope_sections(reader, a, spec),
+        **(llama4_fields(reader, a, blocks, experts) if spec.chunked else {}),
         expert_act=spec.expert_act,
     )
 
@@ -230,22 +252,10 @@ def _sliding(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]:
     if not spec.swa_pattern:
         return {}
     window = gio.int_field(reader, f"{a}.attention.sliding_window")
-    key = f"{a}.attention.sliding_window_pattern"
-    given = gio.field(reader, key, None, required=False)
-    layers: tuple[bool, ...] = ()
-    if isinstance(given, list):  # one flag per layer, as llama.cpp also reads it
-        blocks = gio.int_field(reader, f"{a}.block_count")
-        if len(given) != blocks or not all(isinstance(b, bool | int) for b in given):
-            raise ModelError(f"{key} is an array of {len(given)} items; a per-layer pattern "
-                             f"needs one flag for each of the {blocks} layers")  # fmt: skip
-        layers, pattern = tuple(bool(b) for b in given), 0
-    else:
-        pattern = gio.int_field(reader, key, spec.swa_pattern)
-    if window <= 0 or pattern < 0:
-        raise ModelError(
-            f"{a}.attention.sliding_window = {window} must be positive and "
-            f"sliding_window_pattern = {pattern} not negative"
-        )
+    blocks = gio.int_field(reader, f"{a}.block_count")
+    pattern, layers = layer_pattern(reader, a, blocks, spec.swa_pattern)
+    if window <= 0:
+        raise ModelError(f"{a}.attention.sliding_window = {window} must be positive")
     return {
         "sliding_window": window,
         "sliding_window_pattern": pattern,
@@ -470,9 +480,10 @@ def _vocab_size(reader: GGUFReader) -> int:
     return n
 
 
-def _check_unsupported_tensors(tensors: Mapping[str, ReaderTensor]) -> None:
-    """Refuse per-expert tensors (pre-2024 Mixtral conversions) and llama3 rope factors."""
-    if "rope_freqs.weight" in tensors:
+def _check_unsupported_tensors(tensors: Mapping[str, ReaderTensor], spec: ArchSpec) -> None:
+    """Refuse per-expert tensors (pre-2024 Mixtral conversions) and llama3 rope factors
+    outside the archs that run them (llama4)."""
+    if "rope_freqs.weight" in tensors and not spec.rope_freqs:
         raise ModelError(
             "tensor 'rope_freqs.weight' (llama3-style rope frequency factors) is not supported"
         )

@@ -8,7 +8,7 @@ the others must be present with the right type.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
 from kvq.errors import ModelError
 from kvq.model.meta import EXPERT_KINDS, STACKED_KINDS, ModelMeta, TensorRange
@@ -61,7 +61,8 @@ _CHECKERS = {
 
 def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
     """`meta` as a dict of plain values; `expert_tensors` becomes a list over the MoE layers,
-    in order (the first is layer `leading_dense_block_count`)."""
+    in order (`meta.moe_layers`: the first is layer `leading_dense_block_count`, llama4 every
+    `moe_layer_step`-th)."""
     out: dict[str, object] = {
         f.name: list(v) if isinstance(v := getattr(meta, f.name), tuple) else v
         for f in fields(meta)
@@ -94,10 +95,15 @@ def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
     layers = d.get("expert_tensors")
     if not isinstance(layers, list):
         raise ModelError(f"model layout 'expert_tensors' must be a list, got {layers!r}")
-    first = values.get("leading_dense_block_count", 0)
-    assert isinstance(first, int)
-    experts = {first + i: _layer_from_list(first + i, rows) for i, rows in enumerate(layers)}
-    return ModelMeta(**values, expert_tensors=experts)  # type: ignore[arg-type]
+    meta = ModelMeta(**values)  # type: ignore[arg-type]
+    moe = meta.moe_layers
+    if layers and len(layers) != len(moe):
+        raise ModelError(f"model layout lists {len(layers)} MoE layers, its metadata "
+                         f"{len(moe)} ({list(moe)}); republish the model")  # fmt: skip
+    experts = {
+        layer: _layer_from_list(layer, rows) for layer, rows in zip(moe, layers, strict=False)
+    }
+    return replace(meta, expert_tensors=experts)
 
 
 def _layer_from_list(layer: int, rows: object) -> dict[str, TensorRange]:

@@ -29,18 +29,19 @@ def plan_slices(
     """Cut the model into slices and checksum every byte range of each."""
     out = []
     with open(path, "rb") as f:
+        moe = meta.moe_layers
         grid = slice_grid(
-            meta.block_count, meta.expert_count, slice_layers, slice_experts,
-            meta.leading_dense_block_count,
-        )  # fmt: skip
+            meta.block_count, meta.expert_count, slice_layers, slice_experts, moe.start, moe.step
+        )
         for bounds in grid:
             ls, le, es, ee = bounds
-            ranges = [r for layer in range(ls, le) for r in slice_layout(meta, layer, es, ee)]
+            layers = range(ls, le, moe.step)
+            ranges = [r for layer in layers for r in slice_layout(meta, layer, es, ee)]
             sums = []
             for r in ranges:
                 f.seek(r.offset)
                 sums.append(hashlib.sha256(f.read(r.nbytes)).hexdigest())
-            out.append(SliceSpec(bounds.sid, *bounds, tuple(ranges), tuple(sums)))
+            out.append(SliceSpec(bounds.sid, *bounds, tuple(ranges), tuple(sums), moe.step))
     return out
 
 

@@ -27,7 +27,7 @@ from kvq.model import bpe
 from kvq.model.arch import MLA, QK_NONE, SHARED_GATED, SHARED_NONE, ArchSpec, tiny_arch
 from kvq.model.meta import ROPE_SCALINGS
 from kvq.model.quants import check_quant, encode, tensor_type
-from kvq.model.tiny_weights import TinyConfig, tiny_tensors
+from kvq.model.tiny_weights import TinyConfig, llama3_rope_factors, tiny_tensors
 from kvq.model.tokenizer import BYTE_TOKENIZER, N_BYTES, byte_token_list
 
 __all__ = ["TOKENIZERS", "TinyConfig", "add_metadata", "make_tiny", "write_tiny"]
@@ -122,6 +122,10 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
       heads (the tiling), a conv of 4 taps, the sigmoid-gated shared expert, partial rope of
       half the head with IMROPE sections [1, 1, 1, 1] per 4 pairs (the 4th pair of each is
       IMROPE's e section, which a text token does not rotate).
+    - llama4: at least 4 layers, the odd ones MoE (`interleave_moe_layer_step` 2) with one
+      shared expert and top-1 routing, the even ones dense; every 4th layer NoPE with full
+      attention, the others chunked (llama.cpp's fixed chunk of 8192 positions, so the
+      context is 16384 for a test to cross it) with the q/k norm; llama3 `rope_freqs`.
     """
     variants = VARIANTS.get(arch, ())
     if variant and variant not in variants:
@@ -157,6 +161,11 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
             ssm_v_heads=2 * k_heads, ssm_state=cfg.head_dim, ssm_conv=4,
             rope_sections=(1, 1, 1, 1),
         )  # fmt: skip
+    if arch == "llama4":
+        return replace(
+            cfg, layers=max(4, cfg.layers), moe_step=2, shared_count=1, experts_used=1,
+            context=16384, rope_factors=True,
+        )  # fmt: skip
     return cfg
 
 
@@ -184,10 +193,12 @@ def write_tiny(
             f"use one of {ROPE_SCALINGS} with a positive factor"
         )
     tensors = tiny_tensors(cfg, spec, np.random.default_rng(seed))
+    if cfg.rope_factors:
+        tensors["rope_freqs.weight"] = llama3_rope_factors(cfg.rope_dims, ROPE_FREQ_BASE)
     writer = GGUFWriter(str(path), spec.name)
     try:
         name = f"kvq-tiny-{arch}-{cfg.layers}L-{cfg.experts}E-s{seed}"
-        add_metadata(writer, cfg, spec, name, quant=quant)
+        add_metadata(writer, cfg, spec, name, quant=quant, context=cfg.context or CONTEXT_LENGTH)
         _add_rope_scaling(writer, *rope)
         if spec.attention == MLA and rope[0] == "yarn":  # DeepSeek's mscale_all_dim = 1
             writer.add_rope_scaling_yarn_log_mul(0.1)
@@ -242,12 +253,13 @@ def add_metadata(
     w.add_block_count(cfg.layers + cfg.nextn)
     w.add_context_length(context)
     w.add_embedding_length(cfg.hidden)
-    w.add_feed_forward_length(cfg.dense_width if cfg.dense_layers else cfg.expert_ffn)
+    dense = cfg.dense_layers or cfg.moe_step > 1
+    w.add_feed_forward_length(cfg.dense_width if dense else cfg.expert_ffn)
     if spec.name != "llama":  # Mixtral files carry the expert width as feed_forward_length
         w.add_expert_feed_forward_length(cfg.expert_ffn)
     if spec.shared == SHARED_GATED:
         w.add_expert_shared_feed_forward_length(cfg.shared_ffn)
-    elif spec.shared != SHARED_NONE:
+    elif spec.shared != SHARED_NONE and not spec.moe_step:  # llama4's is one expert, unwritten
         w.add_expert_shared_count(cfg.shared_count)
     w.add_head_count(cfg.heads)
     if spec.attention == MLA:
@@ -307,6 +319,8 @@ def _add_routing(w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec) -> None:
     """The layer pattern and router keys of the newer families (only those set)."""
     if spec.dense_lead:
         w.add_leading_dense_block_count(cfg.dense_layers)
+    if spec.moe_step:
+        w.add_interleave_moe_layer_step(cfg.moe_step)
     if cfg.gating:
         w.add_expert_gating_func(ExpertGatingFuncType[cfg.gating.upper()])
     if cfg.expert_groups > 1:

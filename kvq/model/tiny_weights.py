@@ -76,6 +76,16 @@ class TinyConfig:
     # per trunk layer, whether it is linear attention: written as `attention.recurrent_layers`
     # (as the converter does from the HF config's layer_types), overriding the interval
     recurrent_pattern: tuple[bool, ...] = ()
+    # llama4: layer i is MoE when (i + 1) % moe_step == 0 (`interleave_moe_layer_step`), the
+    # others dense; 0: every layer after `dense_layers`
+    moe_step: int = 0
+    context: int = 0  # context_length; 0: `kvq.model.tiny.CONTEXT_LENGTH`
+    rope_factors: bool = False  # rope_freqs.weight, llama3-style frequency factors (llama4)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is the routed experts (else a dense FFN)."""
+        step = self.moe_step
+        return layer >= self.dense_layers and (step <= 1 or (layer + 1) % step == 0)
 
     @property
     def shared_ffn(self) -> int:
@@ -138,10 +148,10 @@ class TinyConfig:
                 f"make_tiny recurrent_pattern {self.recurrent_pattern} must give one flag per "
                 f"layer ({self.layers})"
             )
-        if not 0 <= self.dense_layers < self.layers:
+        if not 0 <= self.dense_layers < self.layers or not 0 <= self.moe_step <= self.layers:
             raise ModelError(
-                f"make_tiny dense_layers={self.dense_layers} must leave a MoE layer of "
-                f"{self.layers}"
+                f"make_tiny dense_layers={self.dense_layers} and moe_step={self.moe_step} "
+                f"must leave a MoE layer of {self.layers}"
             )
 
 
@@ -277,7 +287,7 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         out[p + "attn_output.bias"] = (h,)
     if spec.attn_sinks:
         out[p + "attn_sinks.weight"] = (cfg.heads,)
-    if layer < cfg.dense_layers:
+    if not cfg.is_moe(layer):
         fd = cfg.dense_width
         out.update({p + "ffn_gate.weight": (fd, h), p + "ffn_up.weight": (fd, h),
                     p + "ffn_down.weight": (h, fd)})  # fmt: skip
@@ -286,7 +296,7 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
                     p + "ffn_up_exps.weight": (e, f, h), p + "ffn_down_exps.weight": (e, h, f)})  # fmt: skip
     if spec.qkv_bias:
         out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-    if layer >= cfg.dense_layers:
+    if cfg.is_moe(layer):
         fs = cfg.shared_ffn
         if spec.shared == SHARED_GATED:
             out[p + "ffn_gate_inp_shexp.weight"] = (h,)
@@ -345,3 +355,17 @@ def _shared_tensors(rng: np.random.Generator, p: str, h: int, fs: int) -> dict[s
         p + "ffn_up_shexp.weight": _normal(rng, (fs, h), 1.0 / np.sqrt(h)),  # [Fs, H]
         p + "ffn_down_shexp.weight": _normal(rng, (h, fs), 1.0 / np.sqrt(fs)),  # [H, Fs]
     }
+
+
+def llama3_rope_factors(dims: int, base: float, factor: float = 8.0) -> F32:
+    """`rope_freqs.weight` [dims / 2] as llama.cpp's converter derives it from a llama3
+    `rope_scaling` (Llama-3.1's: low 1, high 4, over an original 8192 positions): 1 for
+    wavelengths under 8192 / 4, `factor` over 8192, blended in between."""
+    original, low, high = 8192.0, 1.0, 4.0
+    wavelen = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)  # [d/2]
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended)
+    )
+    return out.astype(np.float32)

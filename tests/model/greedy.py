@@ -13,17 +13,19 @@ from kvq.model import Backbone, SeqStep
 _F32 = 0  # GGML_TYPE_F32, for llama.cpp's KV cache
 
 
-def llama_model(path: Path) -> Any:
+def llama_model(path: Path, n_ctx: int = 128) -> Any:
     """llama.cpp on `path` with an F32 KV cache (its default F16 cache rounds K and V)."""
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
                            n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
 
 
-def llama_greedy(path: Path, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+def llama_greedy(
+    path: Path, ids: list[int], n: int, n_ctx: int = 128
+) -> tuple[list[int], np.ndarray]:
     """llama.cpp's greedy continuation of `ids` and the logits [n, V] that chose each token."""
-    llm = llama_model(path)
+    llm = llama_model(path, n_ctx)
     llm.eval(ids)
     out, rows = [], []
     for _ in range(n):
