@@ -115,7 +115,7 @@ class MonitorSettings:
     saturation_leave_s: float = 0.0
     lease_s: float = 5.0  # KVQ_MONITOR_LEASE_S: one active monitor, standbys take over
     request_shards: int = 1  # KVQ_REQUEST_SHARDS: request streams per model it registers
-    backbone_replicas: int = 2  # KVQ_BACKBONE_REPLICAS: the base while a coordinator cannot recompute
+    backbone_replicas: int = 2  # KVQ_BACKBONE_REPLICAS: the base without a computing coordinator
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,6 +230,12 @@ class MarketDesk:
             self.answered += 1
         return len(entries)
 
+    def _barred_in(self, worker: str) -> set[str]:
+        """The models in which `worker` is quarantined or banned now."""
+        now_ms = time.time() * 1000
+        return {m for m in self.board.models()
+                if (q := self.board.quarantined(m).get(worker)) and q.active(now_ms)}  # fmt: skip
+
     def granted(self, model: str, worker: str) -> set[str]:
         """The slices of `model` this monitor (or one before it) granted `worker`."""
         return {_s(m) for m in self.r.smembers(self.keys.model_grant(model, worker))}
@@ -279,8 +285,13 @@ class MarketDesk:
                     "in_use": "1"}  # fmt: skip
         if op not in _OPS:
             return {"error": f"unknown op {op!r}"}
+        if op in (VOLUNTEER, REJOIN):  # a caught worker takes nothing while its verdict lasts
+            barred = self._barred_in(worker)
+            if op == REJOIN and model in barred:
+                self.refused += 1
+                return {"error": f"worker {worker!r} is quarantined for {model!r}"}
         if op == VOLUNTEER:
-            skip = {m for m in ask.get("skip", "").split(",") if m}
+            skip = {m for m in ask.get("skip", "").split(",") if m} | barred
             held = parse_holds(ask.get("held", ""))
             got = self.market.volunteer(worker, held, _room(ask.get("room", "")), skip)
             if got:

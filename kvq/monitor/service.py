@@ -61,6 +61,7 @@ class Monitor:
         self.popularity = Popularity()
         self.stop = threading.Event()
         self.reaped = 0
+        self.released_quarantined = 0  # slices lists taken from quarantined workers
         self.requeued = 0
         self.known: dict[str, ModelInfo] = {}  # every model seen registered: re-published
         self.reregistered = 0  # ... when Redis lost its registration
@@ -154,7 +155,26 @@ class Monitor:
         models = self.keep_registered(self.board.models())
         states = [(model, self.poll(model)) for model in models]
         self.reap(*models)
+        for model in models:
+            self.release_quarantined(model)
         return states
+
+    def release_quarantined(self, model: str) -> list[str]:
+        """Take the slices of `model` away from its quarantined workers, so that they stop
+        counting as coverage and the pool's spare budget re-covers them (a caught liar's slice
+        is served by its other copies meanwhile, never refused while one lives). The market
+        refuses such a worker's rejoin and volunteer asks while its verdict lasts."""
+        now_ms = time.time() * 1000
+        barred = {w for w, q in self.board.quarantined(model).items() if q.active(now_ms)}
+        out = []
+        for w, sids in self.board.assignments(model).items():
+            if w in barred and sids:
+                self.board.release(model, w)
+                self.released_quarantined += 1
+                out.append(w)
+                log.warning("released %s of %s from quarantined worker %s",
+                            ", ".join(sids), model, w)  # fmt: skip
+        return out
 
     def keep_registered(self, listed: list[str]) -> list[str]:
         """The models to tick: those listed, plus every model this monitor has seen

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import wait_ready
+from e2e_helpers import wait_for, wait_ready
 
 from kvq import client
 from kvq.client import RequestFailed
@@ -215,6 +215,12 @@ def test_replicas_check_each_other_and_a_liar_is_outvoted(
         assert "liar" in mon.board.quarantined("tiny"), (tmp_path / "liar.log").read_text()[-2000:]
         assert st.witness_jobs > 0 and st.verified > 0 and st.mismatches >= 1
         assert st.local_jobs == 0, "nothing computed here"
+        # its slices are taken from it (re-covered from the pool), the honest copies serve on
+        wait_for(lambda: mon.board.held_by("tiny", "liar") == (), 15, "the liar's slices freed")
+        assert mon.released_quarantined >= 1
+        rid = client.send(r, keys, "tiny", prompt=PROMPTS[0], max_tokens=TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        assert got == _generate(tiny_model, PROMPTS[0])
         print(f"witness jobs {st.witness_jobs}, confirmed {st.verified}, outvoted "
               f"{st.mismatches}, unresolved {st.unresolved}; used per worker "
               f"{coord.dispatch.per_worker}")  # fmt: skip

@@ -65,6 +65,7 @@ KINDS: dict[str, KeysOf] = {
     "model_coverage": lambda c: [c.keys.model_coverage(MODEL)],
     "model_routed": lambda c: [c.keys.model_routed(MODEL)],
     "model_workers": lambda c: [c.keys.model_workers(MODEL)],
+    "model_grant": lambda c: [c.keys.model_grant(MODEL, w) for w in WORKERS],
     "model_coordinators": lambda c: [c.keys.model_coordinators(MODEL)],
     "model_requests": lambda c: request_streams(c.keys, MODEL, 2),
     "model_state": lambda c: [c.keys.model_state(MODEL)],

@@ -4,6 +4,7 @@ market asks are answered for the worker whose key they were found in."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import redis
@@ -11,6 +12,7 @@ from acl_helpers import RoleSettings
 from e2e_helpers import wait_for
 
 from kvq.bus.market import MarketDesk, MarketDoor
+from kvq.bus.records import Quarantine
 from kvq.bus.redis_board import open_board
 from kvq.config import Settings
 from kvq.errors import ConfigError, IdentityInUse
@@ -133,5 +135,12 @@ def test_a_rejoin_claims_back_only_granted_or_wanted_slices(
     # a slice still wanted may be claimed as a volunteer would get it
     board.release("tiny", "honest", sids[0])
     assert ask("faker", "rejoin", sids[0])[b"slice"].decode() == sids[0]
+    # caught lying: it takes nothing back, and is offered nothing, while its verdict lasts
+    until = int(time.time() * 1000) + 600_000
+    board.quarantine("tiny", "honest", Quarantine(until_ms=until, mismatches=1, coord="c1"))
+    board.release("tiny", "honest")
+    got = ask("honest", "rejoin", ",".join(sids))
+    assert b"quarantined" in got[b"error"] and board.held_by("tiny", "honest") == ()
+    assert ask("honest", "volunteer")[b"slice"] == b"" and board.held_by("tiny", "honest") == ()
     board.r.close()
     mon.board.r.close()

@@ -12,7 +12,7 @@ import pytest
 import redis
 from boards import BoardCase
 
-from kvq.bus.records import CoordStats, SlotState, WorkerInfo
+from kvq.bus.records import CoordStats, Quarantine, SlotState, WorkerInfo
 from kvq.bus.redis_board import RedisBoard
 from kvq.config import Settings, load_settings
 from kvq.keys import WORKER_GROUP, Keys
@@ -99,6 +99,31 @@ def test_stale_and_vanished_coordinators_are_ignored(board_case: BoardCase, mode
     st = mon.poll("m")
     assert not st.saturated and st.coordinators == 0
     assert [c.coord for c in board_case.board.coordinators("m")] == ["old"]
+
+
+def test_a_quarantined_workers_slices_are_re_covered_by_the_pool(
+    board_case: BoardCase, model: Path
+) -> None:
+    """Issue 32 item 5: a caught liar stops counting as coverage: the monitor takes its slices
+    away, so that a spare worker re-covers them, while its other copy serves on."""
+    board = board_case.board
+    mon = Monitor(board, BASE)
+    info = mon.register("m", model)
+    sid = sorted(info.slices)[0]
+    for other in info.slices:
+        board.set_target("m", other, 2 if other == sid else 0)
+    assert board.volunteer("m", "liar") == sid and board.volunteer("m", "honest") == sid
+    assert board.volunteer("m", "spare") is None, "two copies: nothing wanted"
+    for w in ("liar", "honest", "spare"):  # all alive: only the verdict tells them apart
+        board.beat(w, _info(sid))
+    now = int(time.time() * 1000)
+    board.quarantine("m", "liar", Quarantine(until_ms=now + 600_000, mismatches=1, coord="c1"))
+    board.quarantine("m", "old", Quarantine(until_ms=now - 1, mismatches=1, coord="c1"))
+    assert mon.release_quarantined("m") == ["liar"]  # (every tick does it)
+    assert board.held_by("m", "liar") == () and board.held_by("m", "honest") == (sid,)
+    assert board.slice_demand("m")[sid].coverage == 1
+    assert board.volunteer("m", "spare") == sid, "its copy is wanted again"
+    assert mon.release_quarantined("m") == [] and board.held_by("m", "spare") == (sid,)
 
 
 def test_reap_releases_slice_and_requeues_jobs(board_case: BoardCase, model: Path) -> None:
