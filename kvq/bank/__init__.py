@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvq.bank.dynamic import HitRates, UpdateReport
 from kvq.bank.hist import Histogram, hist_from_json, load_hist, rerank, save_hist
-from kvq.bank.planner import LayerTable, Plan, plan_hot_set, plan_swaps, table
+from kvq.bank.hot_set import plan_hot_set
+from kvq.bank.planner import LayerTable, Plan, plan_swaps, table
 
 if TYPE_CHECKING:
     from kvq.bank.bank import Bank

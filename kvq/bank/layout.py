@@ -10,8 +10,9 @@ import numpy.typing as npt
 import torch
 
 from kvq.bank.hist import Histogram
+from kvq.bank.hot_set import plan_hot_set
 from kvq.bank.options import BankOptions, device_free_bytes, resolve_budget
-from kvq.bank.planner import LayerTable, Plan, plan_hot_set, table
+from kvq.bank.planner import LayerTable, Plan, table
 from kvq.bank.store import hot_encoded
 from kvq.errors import BankError
 from kvq.model.qstack import QStack

@@ -217,24 +217,6 @@ def greedy_mask(it: Items, budget: int) -> npt.NDArray[np.bool_]:
     return chosen
 
 
-def plan_hot_set(
-    tables: Sequence[LayerTable], budget_bytes: int, exact: ExactMode = "auto"
-) -> Plan:
-    """The hot set for one budget across all layers: greedy, or the exact solver's plan when
-    sizes are mixed and it is cheap enough (the result then reports the gap to greedy)."""
-    base = greedy(tables, budget_bytes)
-    if base.optimal or exact == "never":
-        return base
-    from kvq.bank.exact import exact_plan  # here: exact.py builds on this module
-
-    best = exact_plan(tables, budget_bytes)
-    if best is None:
-        base.notes.append("mixed sizes; exact solver skipped (too costly), greedy may be short")
-        return base
-    return Plan(best.hot, best.bytes_used, best.budget_bytes, best.covered, best.total,
-                best.method, base.covered, True)  # fmt: skip
-
-
 def tables_from(
     counts: Mapping[int, npt.ArrayLike], expert_bytes: Mapping[int, npt.ArrayLike]
 ) -> list[LayerTable]:

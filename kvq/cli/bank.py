@@ -59,7 +59,7 @@ def cmd_rerank(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bank.hist import load_hist
     from kvq.bank.options import GIB
-    from kvq.bank.planner import plan_hot_set
+    from kvq.bank.hot_set import plan_hot_set
     from kvq.errors import ConfigError
 
     if not args.budget_gib >= 0:

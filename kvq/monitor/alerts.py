@@ -2,7 +2,7 @@
 dashboard: which conditions hold now. Prometheus stays the alerting system (it adds each rule's
 `for:` and routes notifications); this shows an operator at a glance what it would fire on.
 Each rule here has the same name, threshold and grouping as its PromQL (a test compares the
-names with the file); rates and increases use `kvq.monitor.dashboard.History` (the last 10
+names with the file); rates and increases use `kvq.monitor.history.History` (the last 10
 minutes, at most the rule's own window).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvq.monitor.dashboard import Labels, Sample, increase, pick, since
+from kvq.monitor.history import Labels, Sample, increase, pick, since
 
 Fired = list[dict[str, Any]]
 

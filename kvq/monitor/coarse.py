@@ -82,7 +82,7 @@ def collect_histogram(
 def plan_hot_set(hist_path: str, budget_bytes: int) -> dict[str, Any]:
     """`kvq balance plan`: the hot set for a byte budget, as JSON."""
     from kvq.bank.hist import load_hist
-    from kvq.bank.planner import plan_hot_set as plan
+    from kvq.bank.hot_set import plan_hot_set as plan
 
     doc: dict[str, Any] = plan(load_hist(hist_path).layers, budget_bytes).to_json()
     return doc

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.bank.exact import exact_plan, oracle
-from kvq.bank.planner import greedy, plan_hot_set, plan_swaps, table, tables_from
+from kvq.bank.hot_set import plan_hot_set
+from kvq.bank.planner import greedy, plan_swaps, table, tables_from
 from kvq.errors import BankError
 
 FAST = settings(max_examples=150, deadline=None)

@@ -62,7 +62,7 @@ def test_the_monitor_registers_through_rq_and_rq_info_shows_it(
 @pytest.mark.standalone  # RQ needs a standalone server (KVQ_RQ_URL)
 def test_histogram_and_plan_run_as_rq_jobs(settings: Settings, model: Path, tmp_path: Path) -> None:
     from kvq.bank.collect import collect_histogram
-    from kvq.bank.planner import plan_hot_set
+    from kvq.bank.hot_set import plan_hot_set
 
     board = open_board(settings.bus, settings.lifetimes)
     jobs = coarse.CoarseJobs(settings.redis_url, settings.prefix, "test-coarse")
