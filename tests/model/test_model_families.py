@@ -1,7 +1,8 @@
-"""The MoE families from parts (olmoe, glm4moe, deepseek2 in its three forms) against llama.cpp
-itself on the same files: `make_tiny` writes every part the real files use, llama.cpp loads
-each, and kvq's greedy tokens and logits equal llama.cpp's (F32 files, F32 KV cache); Q4_K_M
-files agree on the argmax of teacher-forced steps. Skipped where llama_cpp is not installed."""
+"""The MoE families from parts (olmoe, glm4moe, deepseek2 in its three forms, llama4) against
+llama.cpp itself on the same files: `make_tiny` writes every part the real files use, llama.cpp
+loads each, and kvq's greedy tokens and logits equal llama.cpp's (F32 files, F32 KV cache);
+Q4_K_M files agree on the argmax of teacher-forced steps (llama4's own file:
+`test_model_llama4.py`). Skipped where llama_cpp is not installed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ DIMS = {"layers": 3, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
 PROMPT = "The quick brown fox jumps over"
 STEPS = 16
 FAMILIES = [("olmoe", ""), ("glm4moe", ""), ("deepseek2", "v3"), ("deepseek2", "v2-lite"),
-            ("deepseek2", "kv-b")]  # fmt: skip
+            ("deepseek2", "kv-b"), ("llama4", "")]  # fmt: skip
 
 
 def _write(tmp_path: Path, arch: str, variant: str, quant: str, rope: str = "none") -> Path:
@@ -79,7 +80,7 @@ def test_deepseek2_yarn_equals_llama_cpp(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("int8_activations")
-@pytest.mark.parametrize(("arch", "variant"), FAMILIES[:3])
+@pytest.mark.parametrize(("arch", "variant"), [*FAMILIES[:3], ("llama4", "")])
 def test_q4_k_m_argmax_agrees_with_llama_cpp(tmp_path: Path, arch: str, variant: str) -> None:
     """Teacher-forced: both engines read the same 16 tokens (kvq's greedy continuation) and
     the argmax of each step is compared. Both round activations to 8 bits, not at the same
