@@ -141,7 +141,7 @@ def test_deepseek2_preset_carries_its_parts_and_generates(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "glm4moe", "deepseek2"]
+    "arch", ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "glm4moe", "deepseek2", "llama4"]
 )
 def test_preset_shapes_are_what_make_tiny_writes(arch: str) -> None:
     """One description of every family's tensors (`layer_shapes`): the presets' plan and the
