@@ -19,7 +19,13 @@ from kvq.model.split import backbone_source, is_routed, write_backbone
 
 @pytest.fixture(
     scope="module",
-    params=[("qwen2moe", "q4_k"), ("qwen3moe", "f32"), ("gpt-oss", "mxfp4"), ("deepseek2", "f32")],
+    params=[
+        ("qwen2moe", "q4_k"),
+        ("qwen3moe", "f32"),
+        ("gpt-oss", "mxfp4"),
+        ("deepseek2", "f32"),
+        ("llama4", "q8_0"),
+    ],
 )
 def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     arch, quant = request.param
