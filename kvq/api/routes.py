@@ -1,0 +1,215 @@
+"""The endpoints of `kvq api`, one class per concern, each over the process's `Gateway`:
+
+- `InfoRoutes`: `/health`, `/metrics`, `/v1/models`, `/v1/models/{id}`;
+- `TokenRoutes`: vLLM's `/tokenize` and `/detokenize`;
+- `CompletionRoutes`: `/v1/completions` and `/v1/chat/completions`, whole or streamed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvq import wire
+from kvq.api.gateway import Gateway
+from kvq.api.io import SseResponse, json_body, model_of, or_disconnect, read_body, sse
+from kvq.api.params import Call, parse, parse_messages
+from kvq.api.shape import Answer, models_list
+from kvq.errors import ApiError
+
+MAX_TOKEN_ID = 1 << 31  # above every vocabulary; the tokenizer says which ids below it exist
+
+
+async def authorize(gw: Gateway, request: Request) -> None:
+    """401/403 unless the call carries one of `KVQ_API_KEYS` (none set: every call passes)."""
+    if gw.s.keys:  # no thread hop when auth is off
+        await run_in_threadpool(gw.gate.authorize, request.headers.get("authorization"))
+
+
+class InfoRoutes:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        ok = await run_in_threadpool(self.gw.gate.healthy)
+        return JSONResponse({"ok": ok}, 200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        await authorize(self.gw, request)
+        return JSONResponse(models_list(await run_in_threadpool(self.gw.cards)))
+
+    async def model(self, request: Request) -> Response:
+        await authorize(self.gw, request)
+        cards = await run_in_threadpool(self.gw.cards, request.path_params["model"])
+        return JSONResponse(cards[0])
+
+
+class TokenRoutes:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ]
+
+    async def tokenize(self, request: Request) -> Response:
+        await authorize(self.gw, request)
+        body = json_body(await read_body(request))
+        text = await run_in_threadpool(self.gw.text, model_of(body))
+        special = body.get("add_special_tokens", True) is not False
+        if body.get("messages") is not None:
+            messages = parse_messages(body["messages"])
+            ids = await run_in_threadpool(text.encode, None, messages, special)
+        elif isinstance(body.get("prompt"), str):
+            ids = await run_in_threadpool(text.encode, body["prompt"], None, special)
+        else:
+            raise ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": text.context_length,
+                             "tokens": ids, "token_strs": None})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        await authorize(self.gw, request)
+        body = json_body(await read_body(request))
+        text = await run_in_threadpool(self.gw.text, model_of(body))
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID for i in ids
+        ):
+            raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
+                           f"{MAX_TOKEN_ID}))", param="tokens")  # fmt: skip
+        try:
+            prompt = await run_in_threadpool(text.tokenizer.decode, ids)
+        except (IndexError, KeyError, ValueError, OverflowError) as exc:
+            raise ApiError(400, f"'tokens' holds an id outside the vocabulary: {exc}",
+                           param="tokens") from None  # fmt: skip
+        return JSONResponse({"prompt": prompt})
+
+
+class CompletionRoutes:
+    """A call is checked, admitted and queued, then its reply events are read: the first one
+    before any byte is sent (so an error still has a real status), the rest whole or as
+    server-sent events. A client that goes away cancels its request."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        gw, t0 = self.gw, time.monotonic()
+        await authorize(gw, request)
+        call = parse(
+            await read_body(request), chat=chat, max_tokens_default=gw.s.max_tokens_default,
+            max_tokens_limit=gw.max_tokens_limit,
+        )  # fmt: skip
+        call = await run_in_threadpool(gw.fill_max_tokens, call)
+        rid, entry = await run_in_threadpool(gw.gate.admit, call)
+        answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
+        events = gw.events(call.model, rid, entry)
+        try:
+            first = await self.first(request, events)  # errors before any byte: a real status
+        except BaseException:
+            await gw.cancel(call, rid)
+            raise
+        gw.metrics.first_token(time.monotonic() - t0)
+        if call.stream:
+            return self.stream(call, answer, rid, first, events)
+        return await self.whole(request, call, answer, rid, first, events)
+
+    async def first(
+        self, request: Request, events: AsyncIterator[wire.ReplyEvent]
+    ) -> wire.ReplyEvent:
+        gone, ev = await or_disconnect(request, lambda: anext(events))
+        if gone or ev is None:
+            raise ApiError(499, "the client went away", code="client_closed")
+        return ev
+
+    async def whole(
+        self, request: Request, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
+        events: AsyncIterator[wire.ReplyEvent],
+    ) -> Response:  # fmt: skip
+        answer.add(first)
+
+        async def rest() -> bool:
+            async for ev in events:
+                answer.add(ev)
+            return True
+
+        done = first.kind == "done"
+        try:
+            if not done:
+                _, got = await or_disconnect(request, rest)
+                done = bool(got)
+        finally:
+            if not done:
+                await self.gw.cancel(call, rid)
+        if not done:
+            raise ApiError(499, "the client went away", code="client_closed")
+        self.gw.metrics.finished(call, answer.tokens)
+        return JSONResponse(answer.whole())
+
+    def stream(
+        self, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
+        events: AsyncIterator[wire.ReplyEvent],
+    ) -> Response:  # fmt: skip
+        gw, lp = self.gw, call.sampling.logprobs is not None
+
+        async def body() -> AsyncIterator[bytes]:
+            if call.chat:
+                yield sse(answer.chunk("", [], first=True))
+            try:
+                ev: wire.ReplyEvent | None = first
+                while ev is not None:
+                    text = answer.add(ev)
+                    if ev.kind == "token" and (text or lp):
+                        yield sse(answer.chunk(text, [ev] if lp else []))
+                    elif ev.kind == "done":
+                        if text:
+                            yield sse(answer.chunk(text, []))
+                        yield sse(answer.chunk("", [], finish=answer.finish))
+                        if call.include_usage:
+                            yield sse(answer.usage_chunk())
+                        break
+                    ev = await anext(events, None)
+                resp.finished = True
+                gw.metrics.finished(call, answer.tokens)
+            except ApiError as exc:  # headers are sent: the error travels as an event
+                gw.metrics.failed(exc.status)
+                yield sse(exc.body())
+            yield b"data: [DONE]\n\n"
+
+        async def abort() -> None:
+            await gw.cancel(call, rid)
+            gw.metrics.cancelled()
+
+        resp = SseResponse(body(), abort)
+        return resp
