@@ -110,6 +110,20 @@ def test_top2_routing_scales_each_choice_input_as_llama_cpp(tmp_path: Path) -> N
     assert min(corr) >= 0.9999, corr
 
 
+@needs_llama
+def test_128_experts_run_without_the_kq_norm_as_llama_cpp(tmp_path: Path) -> None:
+    """llama.cpp turns the q/k norm off for 128 experts (Maverick's 17B-128E); so does kvq."""
+    path = tmp_path / "llama4-128e.gguf"
+    make_tiny(path, arch="llama4", tokenizer="bpe", **(SMALL | {"experts": 128, "expert_ffn": 32}))
+    assert not read_meta(path).kq_norm
+    ids = load_tokenizer(path).encode(PROMPT)
+    theirs, their_logits = llama_greedy(path, ids, STEPS)
+    ours, our_logits = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
+    assert ours == theirs
+    corr = [np.corrcoef(a, b)[0, 1] for a, b in zip(their_logits, our_logits, strict=True)]
+    assert min(corr) >= 0.9999, corr
+
+
 def _long_run(bb: Backbone, ids: list[int], then: list[int]) -> np.ndarray:
     """kvq's logits [len(then), V] after `ids` (prefilled in passes of 1024 tokens) and after
     each token of `then` but the last, one decode step at a time."""
