@@ -58,8 +58,8 @@ def cmd_rerank(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bank.hist import load_hist
-    from kvq.bank.options import GIB
     from kvq.bank.hot_set import plan_hot_set
+    from kvq.bank.options import GIB
     from kvq.errors import ConfigError
 
     if not args.budget_gib >= 0:
