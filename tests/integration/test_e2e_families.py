@@ -3,7 +3,8 @@
 give the same greedy tokens as all-local generation. The leading dense layer and the shared
 experts stay with the coordinator; only routed experts travel (gpt-oss's with their biases,
 three more stacked ranges per layer, and MXFP4 experts). qwen35moe's DeltaNet layers keep
-their recurrent state per sequence in the coordinator, beside its KV cache."""
+their recurrent state per sequence in the coordinator, beside its KV cache; llama4's dense
+layers between its MoE ones stay there too."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.slow
         ("glm4moe", "", "f32"),
         ("gpt-oss", "", "mxfp4"),
         ("qwen35moe", "", "f32"),
+        ("llama4", "", "f32"),  # MoE on every other layer: a slice takes layers 1, 3 (a step)
     ],
 )
 def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
@@ -58,7 +60,7 @@ def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
         assert len(info.slices) == 2  # every MoE layer, experts 0-3 and 4-7
         kinds = 6 if arch == "gpt-oss" else 3  # gpt-oss: the experts' biases travel too
         assert all(len(sl.ranges) == kinds * len(meta.moe_layers) for sl in info.slices.values())
-        assert all(sl.layer_start == meta.leading_dense_block_count for sl in info.slices.values())
+        assert all(sl.layer_start == meta.moe_layers.start for sl in info.slices.values())
         for w in ("w0", "w1"):
             kids.spawn(w, "worker", "--id", w)
 
