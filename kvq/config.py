@@ -7,8 +7,9 @@ CLI reads the environment. Every field's env name is `KVQ_` + the field name in 
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_type_hints
 
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
@@ -16,10 +17,12 @@ from pydantic_settings import SettingsConfigDict
 from kvq.errors import ConfigError
 from kvq.settings_checks import RedisMode, SettingsChecks, mode_of_url
 from kvq.settings_parts import (
+    COMPUTED,
     ApiSettings,
     BusSettings,
     CoordinatorSettings,
     DispatchSettings,
+    From,
     MonitorSettings,
     RoutingSettings,
     WorkerSettings,
@@ -27,6 +30,8 @@ from kvq.settings_parts import (
 
 if TYPE_CHECKING:
     from kvq.bus.records import Lifetimes
+
+P = TypeVar("P")  # a part of the settings (kvq.settings_parts)
 
 __all__ = [
     "NUMA_POLICIES", "ApiSettings", "BusSettings", "CoordinatorSettings", "DispatchSettings", "MonitorSettings",
@@ -316,13 +321,24 @@ class Settings(SettingsChecks):
         return mode_of_url(self.redis_url) if self.redis_mode == "auto" else self.redis_mode
 
     # -- the sub-settings each component takes (STYLE habit 4) ----------------------------
+    def carve(self, part: type[P], **computed: Any) -> P:
+        """The part `part` of these settings: each field from the setting of its name (or of
+        the name its `From(...)` mark says), the `COMPUTED` ones given here."""
+        hints = get_type_hints(part, include_extras=True)
+        values = {}
+        for f in dataclasses.fields(part):  # type: ignore[arg-type]
+            mark = next((m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, From)), None)  # fmt: skip
+            if mark == COMPUTED:
+                values[f.name] = computed.pop(f.name)
+            else:
+                values[f.name] = getattr(self, mark.setting if mark else f.name)
+        if computed:
+            raise TypeError(f"{part.__name__} has no computed field {sorted(computed)}")
+        return part(**values)
+
     @property
     def bus(self) -> BusSettings:
-        return BusSettings(
-            self.redis_url, self.prefix, self.stream_maxlen, self.block_ms,
-            self.reconnect_max_s, self.socket_timeout_s, self.tls_ca_file, self.tls_cert_file,
-            self.tls_key_file, self.tls_insecure, self.redis_mode_resolved,
-        )  # fmt: skip
+        return self.carve(BusSettings, mode=self.redis_mode_resolved)
 
     @property
     def lifetimes(self) -> Lifetimes:
@@ -332,12 +348,7 @@ class Settings(SettingsChecks):
 
     @property
     def routing(self) -> RoutingSettings:
-        return RoutingSettings(
-            self.saturation_threshold, self.worker_grace_ms, self.swarm_ewma_alpha,
-            self.cost_w_latency, self.cost_w_load, self.cost_w_score, self.cost_w_hops,
-            self.cost_w_tokens, self.dispatch_refresh_ms, self.coordinator_experts == "all",
-            self.reprobe_ms, self.estimate_half_life_ms, self.dispatch_policy,
-        )  # fmt: skip
+        return self.carve(RoutingSettings, local_experts=self.coordinator_experts == "all")
 
     @property
     def coarse_url(self) -> str:
@@ -349,46 +360,27 @@ class Settings(SettingsChecks):
 
     @property
     def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(
-            self.job_deadline_ms, self.verify_remote, self.trust_full_checks, self.trust_decay,
-            self.trust_p_min, self.trust_quarantine_s, self.trust_ban_after, self.microbatches,
-            trust_step_floor=self.trust_step_floor, replica_wait_s=self.replica_wait_s,
-        )  # fmt: skip
+        return self.carve(DispatchSettings)
 
     @property
     def coordinator(self) -> CoordinatorSettings:
-        return CoordinatorSettings(
-            self.n_slots, self.saturation_threshold, self.slot_poll_s, self.claim_idle_ms,
-            self.model_wait_s, self.max_tokens_limit, self.block_ms, self.reconnect_max_s,
-            self.compute_dtype, self.max_attempts,
-        )  # fmt: skip
+        return self.carve(CoordinatorSettings)
 
     @property
     def worker(self) -> WorkerSettings:
-        return WorkerSettings(
-            self.volunteer_poll_s, self.idle_shutdown_s, self.device, self.download_timeout_s,
-            self.block_ms, self.reconnect_max_s, self.compute_dtype, self.load_retry_max_s,
-            self.idle_release_s, self.worker_market, self.market_wait_s,
-            self.worker_memory_gib, self.worker_memory_reserve_gib, self.worker_max_slices,
-        )  # fmt: skip
+        return self.carve(WorkerSettings)
 
     @property
     def api(self) -> ApiSettings:
-        keys = tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
-        return ApiSettings(
-            self.api_host, self.api_port, keys, self.api_key_rpm, self.api_max_queue,
-            self.api_timeout_s, self.api_retry_after_s, self.api_max_tokens_default,
-            tuple(o.strip() for o in self.api_cors_origins.split(",") if o.strip()),
-        )  # fmt: skip
+        def listed(text: str) -> tuple[str, ...]:
+            return tuple(k.strip() for k in text.split(",") if k.strip())
+
+        return self.carve(ApiSettings, keys=listed(self.api_keys),
+                          cors_origins=listed(self.api_cors_origins))  # fmt: skip
 
     @property
     def monitor(self) -> MonitorSettings:
-        return MonitorSettings(
-            self.slice_layers, self.slice_experts, self.base_replicas, self.boost_replicas,
-            self.saturation_threshold, self.monitor_poll_s, self.reconnect_max_s,
-            self.http_host, self.http_port, self.saturation_enter_s, self.saturation_leave_s,
-            self.monitor_lease_s, self.request_shards, self.backbone_replicas,
-        )  # fmt: skip
+        return self.carve(MonitorSettings)
 
 
 def env_name(field: str) -> str:
