@@ -21,6 +21,7 @@ import redis
 import torch
 
 from kvq import wire
+from kvq.bank.server import ExpertServer
 from kvq.bus import dead_letter
 from kvq.bus.board import Board, Fields
 from kvq.bus.histogram import Histogram
@@ -37,7 +38,6 @@ from kvq.keys import Keys
 from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
 from kvq.swarm import LiveRoute
-from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
 

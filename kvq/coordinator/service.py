@@ -19,6 +19,7 @@ import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
+from kvq.bank.server import ExpertServer
 from kvq.bus import Backoff, claim_from_dead, dead_letter, is_connection_error
 from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.records import CoordStats, SlotState
@@ -39,7 +40,6 @@ from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
 from kvq.model.registry import check_backbone_file, check_model_file
 from kvq.model.split import backbone_source
-from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.coordinator")
 READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)

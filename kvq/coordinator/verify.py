@@ -3,7 +3,7 @@
 `KVQ_VERIFY_REMOTE` says which results are recomputed: `sampled` (the default: graded trust,
 `kvq.coordinator.trust`), `all`, or `off`. Whatever it says, a result holding NaN or infinity
 is never used: it is recomputed here and counts as a lie (an honest worker sends a `NonFinite`
-error instead, `kvq.worker.server`). A checked result that agrees is replaced by the local
+error instead, `kvq.bank.server`). A checked result that agrees is replaced by the local
 recomputation (float32, and already paid for); one that does not is a mismatch: the local
 result is used, the worker is quarantined (recorded on the board, so every coordinator of the
 model stops using it at its next coverage refresh) and, after repeated mismatches, banned.
@@ -56,7 +56,7 @@ class Verdict(enum.Enum):
 # paths a worker may ask to compute in instead of the coordinator's: the GPU dtypes, each
 # checked by its own measured tolerance (`kvq.coordinator.check`)
 NEGOTIABLE = ("bfloat16", "float16")
-WRONG_DTYPE = "WrongDType"  # kvq.worker.server.WRONG_DTYPE (no import: the worker side)
+WRONG_DTYPE = "WrongDType"  # kvq.bank.server.WRONG_DTYPE
 
 
 class Verifier:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from kvq.bank import Bank, BankOptions
+from kvq.bank.server import ExpertServer
 from kvq.bus.board import Board
 from kvq.bus.market import Held
 from kvq.device import compute_dtype
 from kvq.errors import ModelError
 from kvq.model import decode_slice
 from kvq.worker.fetch import fetch_slice
-from kvq.worker.server import ExpertServer
 
 log = logging.getLogger("kvq.worker")
 

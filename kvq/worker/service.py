@@ -30,6 +30,7 @@ import redis
 from kvq import wire
 from kvq.acl import user_name
 from kvq.bank import BankOptions
+from kvq.bank.server import BAD_JOB, ExpertServer
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
 from kvq.bus.redis_board import RedisBoard, open_board
@@ -40,7 +41,6 @@ from kvq.keys import WORKER_GROUP, check_id
 from kvq.worker.budget import Budget
 from kvq.worker.loader import Loaded, Loader
 from kvq.worker.membership import Held, Membership
-from kvq.worker.server import BAD_JOB, ExpertServer
 from kvq.worker.shelf import Shelf
 
 log = logging.getLogger("kvq.worker")

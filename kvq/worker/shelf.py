@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 from kvq import wire
-from kvq.worker.server import BAD_JOB, ExpertServer
+from kvq.bank.server import BAD_JOB, ExpertServer
 
 Key = tuple[str, str]  # (model, slice id)
 

@@ -20,11 +20,11 @@ import msgspec
 import numpy as np
 
 from kvq import wire
+from kvq.bank import server
 from kvq.bus import connect, xadd
 from kvq.cli import main
 from kvq.config import load_settings
 from kvq.keys import Keys
-from kvq.worker import server
 
 log = logging.getLogger("forger")
 

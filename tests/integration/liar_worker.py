@@ -22,8 +22,8 @@ import msgspec
 import numpy as np
 
 from kvq import wire
+from kvq.bank import server
 from kvq.cli import main
-from kvq.worker import server
 
 log = logging.getLogger("liar")
 

@@ -25,6 +25,7 @@ import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
+from kvq.bank.server import ExpertServer
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
 from kvq.model import make_tiny
@@ -35,7 +36,6 @@ from kvq.procs import Children
 from kvq.slices import SliceSpec
 from kvq.worker import Worker
 from kvq.worker.budget import GIB
-from kvq.worker.server import ExpertServer
 
 _OPTS = BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False)
 

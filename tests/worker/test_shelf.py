@@ -8,8 +8,8 @@ import torch
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
+from kvq.bank.server import BAD_JOB, ExpertServer
 from kvq.model import load_slice, make_tiny, read_meta
-from kvq.worker.server import BAD_JOB, ExpertServer
 from kvq.worker.shelf import Shelf
 
 _OPTS = BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False)
