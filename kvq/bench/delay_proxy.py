@@ -15,10 +15,15 @@ import time
 
 
 class DelayProxy:
-    """127.0.0.1:`port` -> `upstream_host`:`upstream_port`, adding `rtt_ms` per round trip."""
+    """`listen_host`:`port` -> `upstream_host`:`upstream_port`, adding `rtt_ms` per round trip
+    (`listen_host`: loopback unless a bench gives the address of a device it made)."""
 
-    def __init__(self, upstream_host: str, upstream_port: int, rtt_ms: float) -> None:
+    def __init__(
+        self, upstream_host: str, upstream_port: int, rtt_ms: float,
+        listen_host: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
         self.upstream = (upstream_host, upstream_port)
+        self.listen_host = listen_host
         self.delay_s = max(0.0, rtt_ms) / 2000.0
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -33,7 +38,7 @@ class DelayProxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0)
+            asyncio.start_server(self._serve, self.listen_host, 0)
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()

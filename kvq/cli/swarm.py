@@ -27,6 +27,12 @@ def _load_json(path: str, what: str) -> Any:
 def cmd_swarm_sim(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.swarm import SimOptions, parse_nodes, parse_topology, simulate
 
+    if args.throughput:
+        return _throughput(args)
+    if not args.topology:
+        print("kvq swarm-sim: error: --topology is required (or --throughput; see kvq "
+              "swarm-sim --help)", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     try:
         topo = parse_topology(_load_json(args.topology, "topology"))
         grow = parse_nodes(_load_json(args.grow, "growth")) if args.grow else ()
@@ -41,6 +47,22 @@ def cmd_swarm_sim(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_USAGE
     print(json.dumps(report, indent=2))
     return EXIT_OK if report["final_plan_valid"] else EXIT_FAIL
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from kvq.swarm.calibrate import throughput_report
+
+    try:
+        reports = [_load_json(path, "bench report") for path in args.measured or ()]
+        report = throughput_report(reports, args.shapes.split(","), args.workers,
+                                   args.rtt_ms, args.batch)  # fmt: skip
+    except (RoutingError, KeyError, TypeError) as exc:  # a file that is no bench report
+        kind = type(exc).__name__ if isinstance(exc, RoutingError) else "RoutingError"
+        print(f"kvq swarm-sim: {kind}: not a usable kvq bench pool report: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    print(json.dumps(report, indent=2))
+    return EXIT_OK
 
 
 def cmd_bench_swarm(args: argparse.Namespace, settings: Settings) -> int:
@@ -133,10 +155,53 @@ def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.pool import PoolBench, run_pool_bench
+    from kvq.bench.pool_report import lines
+
+    cfg = PoolBench(
+        preset=args.preset, model=args.model, cache_dir=args.cache_dir, workers=args.workers,
+        cap_fraction=args.cap_fraction, overhead_mib=args.overhead_mib, rtts_ms=args.rtt_ms,
+        sequences=args.sequences, max_tokens=args.max_tokens, warmup_s=args.warmup_s,
+        measure_s=args.measure_s, kill=not args.no_kill, netns=not args.no_netns,
+        heartbeat_ttl_s=args.heartbeat_ttl_s, microbatches=args.microbatches,
+        copies=args.copies, log_dir=args.log_dir,
+    )  # fmt: skip
+    r = run_pool_bench(cfg)
+    print(json.dumps(r) if args.json else "\n".join(lines(r)))
+    return EXIT_OK
+
+
+def _add_pool(bench: Subparsers) -> None:
+    p = bench.add_parser("pool", help="a model no worker can hold, served by capped workers")
+    p.add_argument("--preset", default="small", help="model shape written to --cache-dir")
+    p.add_argument("--model", help="a GGUF file instead of the preset")
+    p.add_argument("--cache-dir", default="~/.cache/kvq/pool", help="preset and backbone files")
+    p.add_argument("--workers", type=_positive, default=3, help="worker processes")
+    p.add_argument("--cap-fraction", type=float, default=0.7,
+                   help="each worker's budget and cgroup cap, x the routed-expert bytes")  # fmt: skip
+    p.add_argument("--overhead-mib", type=int, default=1024,
+                   help="added to the cgroup cap for the worker process itself")  # fmt: skip
+    p.add_argument("--rtt-ms", type=_floats, default=(0.0, 5.0, 20.0), help="comma list")
+    p.add_argument("--sequences", type=_ints, default=(1, 8), help="comma list of loads")
+    p.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
+    p.add_argument("--warmup-s", type=float, default=5.0, help="load before each window")
+    p.add_argument("--measure-s", type=float, default=20.0, help="measured window")
+    p.add_argument("--heartbeat-ttl-s", type=float, default=3.0, help="KVQ_HEARTBEAT_TTL_S")
+    p.add_argument("--microbatches", type=_positive, default=1, help="KVQ_MICROBATCHES")
+    p.add_argument("--copies", type=_positive, default=2,
+                   help="KVQ_BACKBONE_REPLICAS: copies per slice wanted (no boost)")  # fmt: skip
+    p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL phase")
+    p.add_argument("--no-netns", action="store_true", help="workers on loopback, no namespace")
+    p.add_argument("--log-dir", help="the processes' logs (default: --cache-dir/logs)")
+    p.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    p.set_defaults(fn=cmd_bench_pool)
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
     """swarm-sim, bench swarm, bench offload."""
     s = sub.add_parser("swarm-sim", help="run the swarm lifecycle in memory and print JSON")
-    s.add_argument("--topology", required=True, metavar="FILE.json", help="nodes and models")
+    s.add_argument("--topology", metavar="FILE.json", help="nodes and models")
     s.add_argument("--kill", action="append", metavar="NODE", help="node that dies (repeatable)")
     s.add_argument("--pipelines", type=_positive, help="copies per model (default: topology's)")
     s.add_argument("--grow", metavar="NODES.json", help="nodes that join after the kills")
@@ -145,6 +210,15 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     s.add_argument("--requests", type=int, default=64, help="simulated requests between steps")
     s.add_argument("--model", help="model whose route each step shows (default: the first)")
     s.add_argument("--no-degrade", action="store_true", help="forbid fallback models")
+    t = s.add_argument_group("throughput model (issue 33 item 6)")
+    t.add_argument("--throughput", action="store_true",
+                   help="calibrate tok/s from bench reports and project (no --topology)")  # fmt: skip
+    t.add_argument("--measured", action="append", metavar="BENCH.json",
+                   help="a kvq bench pool --json report (repeatable; the first calibrates)")  # fmt: skip
+    t.add_argument("--shapes", default="qwen3-235b-a22b,deepseek-v3", help="comma list")
+    t.add_argument("--workers", type=_ints, default=(8, 32, 128), help="comma list")
+    t.add_argument("--rtt-ms", type=_floats, default=(20.0, 40.0, 80.0), help="comma list")
+    t.add_argument("--batch", type=_positive, default=32, help="sequences of the batched column")
     s.set_defaults(fn=cmd_swarm_sim)
 
     b = bench.add_parser("swarm", help="route decisions per second; a large seeded simulation")
@@ -194,3 +268,5 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     m.add_argument("--log-dir", help="keep the worker's log here")
     m.add_argument("--json", action="store_true", help="print JSON (for machines)")
     m.set_defaults(fn=cmd_bench_microbatch)
+
+    _add_pool(bench)
