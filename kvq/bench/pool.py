@@ -41,6 +41,7 @@ from .pool_load import CountingLoad
 from .pool_workers import PoolWorkers
 
 MODEL_ID = "pool"
+SURVIVORS_CANNOT = "the workers left after a kill cannot hold the model: (workers - 1) x cap < 1"
 COORD_ID = "pool-coord"
 
 
@@ -59,7 +60,7 @@ class PoolBench:
     measure_s: float = 20.0
     kill: bool = True
     netns: bool = True
-    heartbeat_ttl_s: float = 3.0
+    hb_ttl_s: float = 3.0  # KVQ_HEARTBEAT_TTL_S of every process
     copies: int = 2  # KVQ_BACKBONE_REPLICAS: copies per slice wanted (no saturation boost)
     recover_timeout_s: float = 60.0
     microbatches: int = 1
@@ -80,6 +81,10 @@ class PoolBench:
             raise ConfigError("--max-tokens >= 1, --measure-s > 0, --warmup-s >= 0")
         if not 1 <= self.microbatches <= 8 or self.overhead_mib < 0 or self.copies < 1:
             raise ConfigError("--microbatches in 1..8, --overhead-mib >= 0, --copies >= 1")
+
+
+def _survivors_hold(cfg: PoolBench) -> bool:
+    return (cfg.workers - 1) * cfg.cap_fraction >= 1
 
 
 def run_pool_bench(cfg: PoolBench) -> dict[str, Any]:
@@ -110,13 +115,13 @@ def model_files(cfg: PoolBench) -> tuple[Path, Path]:
         full = Path(cfg.model)
     else:
         full = Path(cfg.cache_dir).expanduser() / f"{cfg.preset}.gguf"
-        if not full.exists():
+        if not full.is_file():
             full.parent.mkdir(parents=True, exist_ok=True)
             preset = preset_named(cfg.preset)
             write_preset(full.with_suffix(".part"), preset, preset.quant)
             full.with_suffix(".part").rename(full)
     backbone = full.with_name(full.stem + "-backbone.gguf")
-    if not backbone.exists() or backbone.stat().st_mtime < full.stat().st_mtime:
+    if not backbone.is_file() or backbone.stat().st_mtime < full.stat().st_mtime:
         write_backbone(full, backbone)
     return full, backbone
 
@@ -128,7 +133,7 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
         s = load_settings(
             redis_url=server.url, prefix="kvqpool", n_slots=max(cfg.sequences),
             max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
-            heartbeat_ttl_s=cfg.heartbeat_ttl_s, monitor_poll_s=0.5,
+            heartbeat_ttl_s=cfg.hb_ttl_s, monitor_poll_s=0.5,
             microbatches=cfg.microbatches, backbone_replicas=cfg.copies, base_replicas=1,
             boost_replicas=0,
         )  # fmt: skip
@@ -158,7 +163,12 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
                         runs.append({"rtt_ms": rtt, "sequences": n, "join": joined}
                                     | _window(board, s, cfg, kids, pool, n))  # fmt: skip
                     last = i == len(cfg.rtts_ms) - 1
-                    kill = _kill_phase(board, s, cfg, kids, pool) if cfg.kill and last else None
+                    if cfg.kill and last:
+                        kill = (
+                            _kill_phase(board, s, cfg, kids, pool)
+                            if _survivors_hold(cfg)
+                            else {"skipped": SURVIVORS_CANNOT}
+                        )
                 finally:
                     pool.stop()
         finally:
@@ -215,7 +225,7 @@ def _kill_phase(
         "rtt_ms": pool.rtt_ms, "sequences": n, "victim": victim, "victim_slices": lost,
         "victim_only_copies": alone, "uncovered_after": uncovered, "copies_before": before, "copies_after": pool.copies(), "recover_s": None if recover_s is None else round(recover_s, 2),
         "recover_timeout_s": cfg.recover_timeout_s,
-        "heartbeat_ttl_s": cfg.heartbeat_ttl_s, "failed_requests": load.failed + load.stuck,
+        "heartbeat_ttl_s": cfg.hb_ttl_s, "failed_requests": load.failed + load.stuck,
         "stuck_requests": load.stuck,
         "completed_requests": load.ok, "errors": load.errors[:3],
         "longest_token_gap_s": round(load.longest_gap_s(killed, end), 2),

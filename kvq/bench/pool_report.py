@@ -12,13 +12,10 @@ is calibrated from.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import CoordStats
-
-if TYPE_CHECKING:
-    from .pool import PoolBench
 
 REPORT_KEYS = (
     "preset", "model", "file_bytes", "backbone_bytes", "expert_bytes", "slices", "shape",
@@ -83,8 +80,8 @@ def shape_of(meta: Any, slices: int) -> dict[str, int]:
     }  # fmt: skip
 
 
-def build(
-    cfg: PoolBench, full: Path, backbone: Path, expert_bytes: int, slices: int,
+def build(  # cfg: a kvq.bench.pool.PoolBench (not imported: pool imports this module)
+    cfg: Any, full: Path, backbone: Path, expert_bytes: int, slices: int,
     shape: dict[str, int], netns: bool, runs: list[dict[str, Any]],
     kill: dict[str, Any] | None, cpus: tuple[int, int],
 ) -> dict[str, Any]:  # fmt: skip
@@ -101,7 +98,7 @@ def build(
         "omp_num_threads": 1, "microbatches": cfg.microbatches, "copies": cfg.copies,
         "max_tokens": cfg.max_tokens,
         "warmup_s": cfg.warmup_s, "measure_s": cfg.measure_s,
-        "heartbeat_ttl_s": cfg.heartbeat_ttl_s, "runs": runs, "kill": kill,
+        "heartbeat_ttl_s": cfg.hb_ttl_s, "runs": runs, "kill": kill,
     }  # fmt: skip
     assert tuple(out) == REPORT_KEYS
     return out
@@ -130,7 +127,9 @@ def lines(r: dict[str, Any]) -> list[str]:
             f"{run['job_rtt_mean_ms']!s:>11} {run['failed_requests']:>7}  {held}"
         )
     k = r["kill"]
-    if k:
+    if k and "skipped" in k:
+        out.append(f"  SIGKILL phase skipped: {k['skipped']}")
+    elif k:
         out.append(
             f"  SIGKILL of {k['victim']} ({k['victim_slices']} slices) at {k['rtt_ms']} ms, "
             f"{k['sequences']} sequences, {k['victim_only_copies']} of them its alone: every "

@@ -32,7 +32,7 @@ def memory_cgroup_dir(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) 
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(",") and (root / "memory").is_dir():
             d = root / "memory" / path.lstrip("/")
-            return d if (d / "memory.limit_in_bytes").exists() else None
+            return d if (d / "memory.limit_in_bytes").is_file() else None
     for line in text.splitlines():
         hid, _, path = line.split(":", 2)
         if hid == "0" and "memory" in _read(str(root / "cgroup.controllers")).split():
@@ -69,7 +69,7 @@ class Sandbox:
         d = self.base / f"kvq-pool-{os.getpid()}-{name}"
         d.mkdir(exist_ok=True)
         self.made.append(d)
-        v1 = (d / "memory.limit_in_bytes").exists()
+        v1 = (d / "memory.limit_in_bytes").is_file()
         (d / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(self.cap_bytes))
         return d
 
@@ -100,7 +100,7 @@ class Sandbox:
 
 def usage_bytes(d: Path) -> tuple[int, int]:
     """(current, peak) memory charged to cgroup `d` (peak: 0 where the kernel keeps none)."""
-    if (d / "memory.usage_in_bytes").exists():
+    if (d / "memory.usage_in_bytes").is_file():
         now, peak = d / "memory.usage_in_bytes", d / "memory.max_usage_in_bytes"
     else:
         now, peak = d / "memory.current", d / "memory.peak"

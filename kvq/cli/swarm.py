@@ -55,7 +55,8 @@ def _throughput(args: argparse.Namespace) -> int:
     try:
         reports = [_load_json(path, "bench report") for path in args.measured or ()]
         report = throughput_report(reports, args.shapes.split(","), args.workers,
-                                   args.rtt_ms, args.batch)  # fmt: skip
+                                   args.rtt_ms, args.batch,
+                                   (args.coord_speedup, args.worker_speedup))  # fmt: skip
     except (RoutingError, KeyError, TypeError) as exc:  # a file that is no bench report
         kind = type(exc).__name__ if isinstance(exc, RoutingError) else "RoutingError"
         print(f"kvq swarm-sim: {kind}: not a usable kvq bench pool report: {exc}",
@@ -164,7 +165,7 @@ def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
         cap_fraction=args.cap_fraction, overhead_mib=args.overhead_mib, rtts_ms=args.rtt_ms,
         sequences=args.sequences, max_tokens=args.max_tokens, warmup_s=args.warmup_s,
         measure_s=args.measure_s, kill=not args.no_kill, netns=not args.no_netns,
-        heartbeat_ttl_s=args.heartbeat_ttl_s, microbatches=args.microbatches,
+        hb_ttl_s=args.hb_ttl_s, microbatches=args.microbatches,
         copies=args.copies, log_dir=args.log_dir,
     )  # fmt: skip
     r = run_pool_bench(cfg)
@@ -187,7 +188,9 @@ def _add_pool(bench: Subparsers) -> None:
     p.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
     p.add_argument("--warmup-s", type=float, default=5.0, help="load before each window")
     p.add_argument("--measure-s", type=float, default=20.0, help="measured window")
-    p.add_argument("--heartbeat-ttl-s", type=float, default=3.0, help="KVQ_HEARTBEAT_TTL_S")
+    p.add_argument(
+        "--heartbeat-ttl-s", dest="hb_ttl_s", type=float, default=3.0, help="KVQ_HEARTBEAT_TTL_S"
+    )
     p.add_argument("--microbatches", type=_positive, default=1, help="KVQ_MICROBATCHES")
     p.add_argument("--copies", type=_positive, default=2,
                    help="KVQ_BACKBONE_REPLICAS: copies per slice wanted (no boost)")  # fmt: skip
@@ -219,6 +222,10 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     t.add_argument("--workers", type=_ints, default=(8, 32, 128), help="comma list")
     t.add_argument("--rtt-ms", type=_floats, default=(20.0, 40.0, 80.0), help="comma list")
     t.add_argument("--batch", type=_positive, default=32, help="sequences of the batched column")
+    t.add_argument("--coord-speedup", type=float, default=1.0,
+                   help="the projected coordinator's speed over the bench's CPU")  # fmt: skip
+    t.add_argument("--worker-speedup", type=float, default=1.0,
+                   help="each projected worker's speed over the bench's CPU")  # fmt: skip
     s.set_defaults(fn=cmd_swarm_sim)
 
     b = bench.add_parser("swarm", help="route decisions per second; a large seeded simulation")

@@ -3,7 +3,8 @@ checked against every measured window, then projected to other shapes, swarms an
 
 Calibration (one report, its lowest RTT, its smallest and largest `sequences` B1 < B2): with
 steps = tokens / B and L MoE layers, per layer and step
-  coordinator C = its CPU ms / (steps L)           -> c0, c1 (a line through the two points)
+  coordinator C = wall ms / (steps L) - its wait    -> c0, c1 (a line through the two points;
+                 (`remote_wait_s`, per layer-step)     not its CPU time, which holds polling)
   workers     W = their CPU ms / (steps L) = o_job J + c_row B k  (J: jobs per layer-step,
                                                       measured)     -> o_job, c_row
   fixed       r = wall ms / (steps L) - C - W       -> r0_0, r0_1 (at RTT 0)
@@ -45,9 +46,10 @@ def _per_layer_step(run: dict[str, Any], layers: int) -> dict[str, float]:
     b = run["sequences"]
     steps = run["tokens"] / b
     n = steps * layers
+    wall, wait = 1000 * run["window_s"] / n, run["wait_ms_per_layer_token"] * b
     return {
-        "b": b, "coord": 1000 * run["coord_cpu_s"] / n, "work": 1000 * run["workers_cpu_s"] / n,
-        "wall": 1000 * run["window_s"] / n, "jobs": run["jobs_per_layer_token"] * b,
+        "b": b, "coord": wall - wait, "work": 1000 * run["workers_cpu_s"] / n,
+        "wall": wall, "jobs": run["jobs_per_layer_token"] * b,
         "rtt": run["rtt_ms"],
     }  # fmt: skip
 
@@ -113,7 +115,7 @@ def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
 
 def project(
     costs: Costs, frm: Shape, shapes: list[str], workers: tuple[int, ...],
-    rtts_ms: tuple[float, ...], batch: int,
+    rtts_ms: tuple[float, ...], batch: int, speedups: tuple[float, float] = (1.0, 1.0),
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Per shape, workers and RTT: tok/s at 1 sequence and at `batch` (1 micro-batch and the
     best of 2..8), and the smallest batch whose round trips micro-batches hide."""
@@ -122,7 +124,7 @@ def project(
         if name not in SHAPES:
             raise RoutingError(f"unknown shape {name!r}; choose from {sorted(SHAPES)}")
         to = SHAPES[name]
-        c = replace(costs.scaled(frm, to), workers_parallel=0)  # a CPU per worker
+        c = replace(costs.scaled(frm, to, *speedups), workers_parallel=0)  # a CPU per worker
         one = replace(c, one_rtt_per_layer=True)
         for w in workers:
             for rtt in rtts_ms:
@@ -148,11 +150,14 @@ def _at(hide: tuple[int, int] | None) -> dict[str, int] | None:
 
 def throughput_report(
     reports: list[dict[str, Any]], shapes: list[str], workers: tuple[int, ...],
-    rtts_ms: tuple[float, ...], batch: int,
+    rtts_ms: tuple[float, ...], batch: int, speedups: tuple[float, float] = (1.0, 1.0),
 ) -> dict[str, Any]:  # fmt: skip
-    """Calibrated from the first report; checked against all; projected."""
+    """Calibrated from the first report; checked against all; projected with the coordinator
+    and the workers `speedups` times as fast as the bench's CPUs."""
     if not reports:
         raise RoutingError("--throughput needs at least one --measured bench report")
+    if min(speedups) <= 0:
+        raise RoutingError(f"--coord-speedup and --worker-speedup must be > 0, got {speedups}")
     costs = calibrate(reports[0])
     checks = check(reports, costs)
     errors = [abs(c["error"]) for c in checks]
@@ -161,5 +166,7 @@ def throughput_report(
         "costs_ms": {f: round(getattr(costs, f), 4) for f in
                      ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "rtts_per_job")},
         "check": checks, "max_abs_error": round(max(errors), 3) if errors else None,
-        "projection": project(costs, bench_shape(reports[0]), shapes, workers, rtts_ms, batch),
+        "speedups": {"coordinator": speedups[0], "workers": speedups[1]},
+        "projection": project(costs, bench_shape(reports[0]), shapes, workers, rtts_ms, batch,
+                              speedups),
     }  # fmt: skip

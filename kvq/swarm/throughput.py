@@ -10,7 +10,7 @@ b = B/m sequences, a layer takes, in steady state,
     T = max(m * C(b),  C(b) + D(b),  m * W(b))     (coordinator, one micro-batch's own loop,
                                                     the busiest worker)
 
-and tok/s = B / (L x T). The round trips are hidden when the first term is the largest:
+and tok/s = B / (L x T). The round trips are hidden when the middle term is not the largest:
 `hiding_batch` finds the smallest B where it is. `simulate_period` plays the same schedule
 event by event (the brute force the tests hold the formula to).
 
@@ -74,11 +74,14 @@ class Costs:
     workers_parallel: int = 0  # CPUs the workers compute on; 0: one per worker
     one_rtt_per_layer: bool = False  # what if: a layer waits one RTT, however many jobs
 
-    def scaled(self, frm: Shape, to: Shape) -> Costs:
-        """These costs for shape `to`, by parameter ratios (same CPUs)."""
-        kc = to.backbone_params / frm.backbone_params
-        kw = (to.hidden * to.expert_ffn) / (frm.hidden * frm.expert_ffn)
-        return replace(self, c0=self.c0 * kc, c1=self.c1 * kc, c_row=self.c_row * kw)
+    def scaled(self, frm: Shape, to: Shape, coord_speedup: float = 1.0,
+               worker_speedup: float = 1.0) -> Costs:  # fmt: skip
+        """These costs for shape `to`, by parameter ratios, on a coordinator `coord_speedup`
+        and workers `worker_speedup` times as fast as the calibrating machine's."""
+        kc = to.backbone_params / frm.backbone_params / coord_speedup
+        kw = (to.hidden * to.expert_ffn) / (frm.hidden * frm.expert_ffn) / worker_speedup
+        return replace(self, c0=self.c0 * kc, c1=self.c1 * kc, c_row=self.c_row * kw,
+                       o_job=self.o_job / worker_speedup)  # fmt: skip
 
 
 def jobs(shape: Shape, b: float) -> float:
@@ -176,9 +179,10 @@ def tok_s(
 
 
 def hidden(shape: Shape, c: Costs, workers: int, rtt_ms: float, batch: int, m: int) -> bool:
-    """The round trips cost nothing: the coordinator is the bound."""
+    """The round trips cost nothing: a layer takes as long as its busiest machine (the
+    coordinator or the busiest worker) computes, not one micro-batch's loop through them."""
     t = layer_times(shape, c, workers, rtt_ms, batch / m)
-    return m * t.coord >= max(t.coord + t.wait, m * t.worker)
+    return max(m * t.coord, m * t.worker) >= t.coord + t.wait
 
 
 def hiding_batch(

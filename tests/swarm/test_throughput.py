@@ -48,10 +48,10 @@ def test_the_hiding_batch_is_the_smallest_the_brute_force_finds(rtt: float, work
     shape = SHAPES["qwen3-235b-a22b"]
     c = COSTS.scaled(SMALL, shape)
 
-    def brute(m: int) -> int | None:  # the schedule itself bound by the coordinator alone
+    def brute(m: int) -> int | None:  # the schedule bound by a machine's compute alone
         for batch in range(m, 4097, m):
             t = layer_times(shape, c, workers, rtt, batch / m)
-            if simulate_period(t, m, layers=60) <= m * t.coord * (1 + 1e-9):
+            if simulate_period(t, m, layers=60) <= max(m * t.coord, m * t.worker) * (1 + 1e-9):
                 return batch
         return None
 
@@ -94,6 +94,7 @@ def _synthetic(c: Costs, workers: int, rtts: tuple[float, ...]) -> dict[str, Any
                 "rtt_ms": rtt, "sequences": b, "tokens": int(steps * b),
                 "window_s": layer_ms(SMALL, c, workers, rtt, b) * n / 1000,
                 "coord_cpu_s": t.coord * n / 1000, "workers_cpu_s": t.worker * n / 1000,
+                "wait_ms_per_layer_token": t.wait / b,
                 "jobs_per_layer_token": jobs(SMALL, b) / b,
                 "tok_s": tok_s(SMALL, c, workers, rtt, b),
             })  # fmt: skip
