@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import threading
+import uuid
 from typing import Any
 
 from kvq.api.limits import MAX_TEMPERATURE
@@ -142,16 +143,20 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=args.stop or [],
     )  # fmt: skip
-    rid, entry = client.submit(
-        r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling
-    )
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
     done, lost = threading.Event(), threading.Event()
-    threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
+    # the id is chosen here, so that a Ctrl-C at any point after the request may have been
+    # queued (even inside submit) cancels it: a cancel of an id never queued is harmless
+    rid = uuid.uuid4().hex
     try:
-        for ev in client.events(r, keys, rid, timeout_s=args.timeout, entry=entry):
+        queued, entry = client.submit(
+            r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+            sampling=sampling, request_id=rid,
+        )  # fmt: skip
+        threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
+        for ev in client.events(r, keys, queued, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
                 ids.append(ev.token_id)
                 shown += ev.text
