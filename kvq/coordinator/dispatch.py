@@ -133,14 +133,25 @@ class Dispatcher:
     def replica_for(self, sid: str, avoid: str | None, until: float) -> str:
         """A live worker serving `sid` for a job this coordinator cannot compute, preferring
         one other than `avoid` (the worker that just failed it); waits for one until
-        `until` (monotonic), then raises NoReplica."""
+        `until` (monotonic), then raises NoReplica.
+
+        Holders are reread before `avoid` is tried again (a step's view can be older than the
+        worker's death), and `avoid` alone is retried only until `until`: a dead worker whose
+        heartbeat has not expired yet never holds a step past the wait."""
+        reread = False
         while True:
             live = self.routing.live_holders(sid)
-            if live:
-                others = [w for w in live if w != avoid]
-                return others[0] if others else live[0]
+            others = [w for w in live if w != avoid]
+            if others:
+                return others[0]
+            if not reread:
+                self.routing.refresh(force=True)
+                reread = True
+                continue
             if time.monotonic() >= until:
                 raise self._no_replica(f"no live worker serves slice {sid}")
+            if live:
+                return live[0]  # only the one that just failed: once more, within the wait
             self._wait_coverage()
 
     def _wait_coverage(self) -> None:

@@ -185,6 +185,39 @@ def test_a_stopped_replica_jobs_go_to_the_other_one(
         kids.stop_all()
 
 
+def test_the_only_holder_killed_ends_the_request_within_the_wait(
+    settings: Settings, tiny_model: Path, backbone: Path, run_in_thread, tmp_path: Path
+) -> None:
+    """One copy of each slice, on one worker, SIGKILLed mid-request while its heartbeat has
+    a minute to live: the step's jobs are retried on it only until `KVQ_REPLICA_WAIT_S`
+    after the first miss, then the request ends with NoReplica (no made-up token), not
+    after the heartbeat expires."""
+    wait_s, deadline_ms = 3.0, 1000
+    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 1,
+                                     job_deadline_ms=deadline_ms, heartbeat_ttl_s=60.0,
+                                     replica_wait_s=wait_s)  # fmt: skip
+    try:
+        kids.spawn("w0", "worker", "--id", "w0")
+        wait_ready(mon, "tiny", 2, 120)
+        coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
+        run_in_thread(coord)
+        r = mon.board.r
+        rid = client.send(r, keys, "tiny", prompt="the only holder", max_tokens=200)
+        events = client.events(r, keys, rid, 120)
+        assert next(events).token_id is not None
+        kids.procs["w0"].kill()
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailed) as caught:
+            for _ in events:
+                pass
+        took = time.monotonic() - t0
+        failure = caught.value.failure
+        assert failure is not None and failure.type == "NoReplica", failure
+        assert took < deadline_ms / 1000 * 3 + wait_s + 5, took  # not the heartbeat's 60 s
+    finally:
+        kids.stop_all()
+
+
 def test_replicas_check_each_other_and_a_liar_is_outvoted(
     settings: Settings, tiny_model: Path, backbone: Path, run_in_thread, tmp_path: Path
 ) -> None:
