@@ -232,7 +232,11 @@ class MemoryBoard:
             if sid not in mine:
                 return None
             want = self._target.get(model, {}).get(sid, 0)
-            if self._coverage.get(model, {}).get(sid, 0) <= want:
+            cover = self._coverage.get(model, {})
+            targets = self._target.get(model, {})
+            uncovered = any(n > 0 and cover.get(s, 0) <= 0 for s, n in targets.items())
+            cov = cover.get(sid, 0)
+            if cov <= want and not (cov >= 2 and uncovered):  # retire.lua's rule
                 return None
             self._keep(model, worker, [s for s in mine if s != sid])
             self._uncover(model, sid)

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import Counter
 
 import redis
 
@@ -169,9 +170,11 @@ class Worker:
             # for this worker, unknown to it), which room 0 does and takes nothing new
             if self.membership.lost_answers():
                 self.membership.volunteer(0)
+            self._make_room_for_coverage()
             return False
         held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
-        if held is None:
+        if held is None:  # nothing wanted fits the room left
+            self._make_room_for_coverage()
             return False
         if self.shelf:
             self._loader = threading.Thread(
@@ -186,6 +189,37 @@ class Worker:
             return False
         self._install(got)
         return True
+
+    def _make_room_for_coverage(self) -> bool:
+        """Full while a slice of a model it serves has no holder (its holder died and nobody
+        has room): give back a slice that another worker also holds and whose bytes make room
+        for the uncovered one, so that the next ask takes it (coverage before copies). The
+        market refuses a last copy, and any copy while every wanted slice has a holder. True
+        if one was given back."""
+        room = self.budget.room(self.shelf.used_bytes)  # None: any size fits
+        for model, mine in self.membership.by_model().items():
+            info = self.board.model_info(model)
+            if info is None:
+                continue
+            holders = Counter(
+                sid for sids in self.board.assignments(model).values() for sid in sids
+            )
+            need = [s.nbytes for sid, s in info.slices.items() if not holders[sid]]
+            if not need:
+                continue
+            spare = sorted(
+                (sid for sid in mine if holders[sid] >= 2 and (model, sid) in self.shelf
+                 and (room is None or room + info.slices[sid].nbytes >= min(need))),
+                key=lambda sid: (-holders[sid], sid),
+            )  # fmt: skip
+            for sid in spare:
+                if self.membership.retire(model, sid) is not None:
+                    log.info("%d slice(s) of %s have no holder: gave back %s (%d holders) to "
+                             "take one", len(need), model, sid, holders[sid])  # fmt: skip
+                    self.shelf.drop(model, sid)
+                    self._next_ask = 0.0
+                    return True
+        return False
 
     def _load_beside(self, held: Held) -> None:
         try:

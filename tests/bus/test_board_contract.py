@@ -116,6 +116,19 @@ def _apply(board: MemoryBoard | RedisBoard, op: tuple[object, ...]) -> object:
         ("volunteer", "b", []),
     ],
 )
+# a full worker gives up a second copy while a wanted slice has no holder, never a last one
+@example(
+    targets=[2, 1, 0, 0],
+    program=[
+        ("volunteer", "a", []),
+        ("volunteer", "b", []),
+        ("volunteer", "c", []),
+        ("retire", "a", SIDS[0]),
+        ("release", "b", None),
+        ("retire", "a", SIDS[0]),
+        ("retire", "c", SIDS[0]),
+    ],
+)
 # coverage first: an uncovered slice before a hot one's second copy; then the hotter of two
 @example(
     targets=[3, 1, 2, 2],
@@ -215,6 +228,22 @@ def test_workers_view_has_one_view_per_slice_a_worker_holds(board_case: BoardCas
     assert board.assignments("m") == {"a": tuple(SIDS[:3])}
     assert board.release("m", "a") == tuple(SIDS[:3])
     assert board.assignments("m") == {} and board.workers("m") == []
+
+
+def test_a_second_copy_makes_room_for_an_uncovered_slice(board_case: BoardCase) -> None:
+    """Coverage before copies: a copy held elsewhere too may be retired below its target
+    while some wanted slice has no holder; the last copy of a slice never."""
+    board = board_case.board
+    board.set_target("m", SIDS[0], 2)
+    board.set_target("m", SIDS[1], 1)
+    assert board.volunteer("m", "a", None, []) == SIDS[0]
+    assert board.volunteer("m", "b", None, []) == SIDS[1]
+    assert board.volunteer("m", "c", None, []) == SIDS[0]
+    assert board.retire("m", "a", SIDS[0]) is None, "every slice is covered: the copy stays"
+    assert board.release("m", "b") == (SIDS[1],)
+    assert board.retire("m", "a", SIDS[0]) == SIDS[0], "SIDS[1] has no holder"
+    assert board.retire("m", "c", SIDS[0]) is None, "the last copy stays"
+    assert board.volunteer("m", "a", None, []) == SIDS[1], "the uncovered slice first"
 
 
 def test_a_beat_of_an_older_worker_lists_one_slice_per_model() -> None:

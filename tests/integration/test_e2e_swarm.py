@@ -149,3 +149,56 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
         kids.stop_all()
+
+
+def test_full_workers_give_up_second_copies_to_cover_a_dead_workers_slices(
+    settings: Settings, files: tuple[Path, Path], run_in_thread, tmp_path: Path
+) -> None:
+    """Coverage before copies, also after a loss: three workers fit 5 of the 10 slices each
+    (15 copies: every slice once, 5 twice). A SIGKILL of a worker with sole copies leaves
+    slices without a holder while the two survivors are full of second copies; they give
+    those back and take the uncovered slices, and the swarm serves the same tokens again."""
+    full, backbone = files
+    s = settings.model_copy(update={
+        "slice_experts": 2, "worker_max_slices": 0, "job_deadline_ms": 1500,
+        "replica_wait_s": 60.0, "heartbeat_ttl_s": 3.0, "monitor_poll_s": 0.25,
+    })  # fmt: skip
+    keys = Keys(s.prefix)
+    mon = Monitor.from_settings(s)
+    info = mon.register("tiny", full)
+    sids = sorted(info.slices)
+    expert_bytes = sum(sl.nbytes for sl in info.slices.values())
+    budget_gib = 0.52 * expert_bytes / 2**30  # 5 of the 10 equal slices
+    kids = Children(child_env(s.model_copy(update={"worker_memory_gib": budget_gib})),
+                    log_dir=str(tmp_path))  # fmt: skip
+    run_in_thread(mon)
+    coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
+    run_in_thread(coord)
+    wait_for(lambda: {d.target for d in mon.board.slice_demand("tiny").values()} == {2}, 15,
+             "targets of 2 copies")  # fmt: skip
+    try:
+        for i, want in enumerate((5, 10, 15)):
+            kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
+            wait_for(lambda want=want: sum(_copies(mon, sids)) == want, 120,  # type: ignore[misc]
+                     f"{want} copies after w{i} joined")  # fmt: skip
+        held = _holders(mon)
+        assert min(_copies(mon, sids)) == 1
+        sole = Counter(next(iter(ws)) for ws in held.values() if len(ws) == 1)
+        victim, alone = sole.most_common(1)[0]
+        kids.procs[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: min(_copies(mon, sids)) == 1
+                 and all(victim not in ws for ws in _holders(mon).values()), 60,
+                 "every slice held again by a survivor")  # fmt: skip
+        recover_s = time.monotonic() - killed
+        per_worker = Counter(w for ws in _holders(mon).values() for w in ws)
+        assert all(n <= 5 for n in per_worker.values()), per_worker  # within each budget
+        print(f"SWARM SIGKILL of {victim} ({alone} sole copies): every slice covered again "
+              f"after {recover_s:.1f} s by {dict(per_worker)}")  # fmt: skip
+        r = mon.board.r
+        prompt = "covered again"
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        assert got == _generate(full, prompt)
+    finally:
+        kids.stop_all()
