@@ -45,14 +45,14 @@ class Children:
         out: int | object = subprocess.DEVNULL
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            out = open(f"{self.log_dir}/{name}.log", "wb")  # noqa: SIM115 - closed with the child
+            out = open(f"{self.log_dir}/{name}.log", "wb")  # closed with the child
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvq", *args],
             env=self.env if env is None else env,
             stdout=out,  # type: ignore[arg-type]
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if cpus is None else _pinned(cpus),  # noqa: PLW1509
+            preexec_fn=_die_with_parent if cpus is None else _pinned(cpus),
         )
         if self.log_dir and hasattr(out, "close"):
             out.close()  # the child holds its own descriptor

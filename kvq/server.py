@@ -121,7 +121,7 @@ class EmbeddedRedis:
             args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch the child
+            preexec_fn=_die_with_parent,  # no threads touch the child
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)

@@ -93,7 +93,7 @@ class ExpertServer:
             )  # fmt: skip
         except BadJob as exc:
             return self._failed(job, wire.Failure(type=BAD_JOB, message=str(exc)), t0)
-        except Exception as exc:  # noqa: BLE001 - one job must never stop a server
+        except Exception as exc:  # one job must never stop a server
             log.exception("job %s failed", job.job_id)
             return self._failed(job, wire.failure(exc), t0)
         self.served += 1

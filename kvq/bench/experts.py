@@ -122,7 +122,7 @@ def _ffn_row(
 
     def matmuls() -> None:
         for e, xe in blocks:
-            (xe @ g[e].T, xe @ u[e].T)[0] @ d[e].T  # noqa: B018
+            (xe @ g[e].T, xe @ u[e].T)[0] @ d[e].T
 
     with torch.no_grad():
         t_ffn, t_mm = _best_s([lambda: expert_forward(sl, x, ids, w), matmuls], cfg.repeat, dev)

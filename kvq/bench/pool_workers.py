@@ -85,7 +85,7 @@ class PoolWorkers:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=preexec)  # fmt: skip  # noqa: PLW1509
+                                    stdin=subprocess.DEVNULL, preexec_fn=preexec)  # fmt: skip
         self.kids.procs[name] = proc
         self.names.append(name)
 

@@ -238,7 +238,7 @@ class Coordinator:
             self._start(stream, eid, fields, req)
         except redis.RedisError:
             raise  # the serving loop waits out an outage; the entry is re-read after it
-        except Exception as exc:  # noqa: BLE001 - one request's fault must not stop serving
+        except Exception as exc:  # one request's fault must not stop serving
             log.exception("request entry %s of %s could not be started", eid.decode(), stream)
             self._bad_entry(stream, eid, fields, f"{type(exc).__name__}: {exc}")
 

@@ -51,7 +51,7 @@ def _tojson(
 class _Namespace(Namespace):
     """`namespace(...)` whose attributes cannot reach Python internals."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805  (Namespace's own trick)
+    def __init__(*args: Any, **kwargs: Any) -> None:  # (Namespace's own trick)
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

@@ -130,7 +130,7 @@ class CoarseJobs:
         assert self._worker is not None
         try:
             self._worker.work(logging_level="WARNING")
-        except Exception:  # noqa: BLE001 - the monitor goes on without its coarse worker
+        except Exception:  # the monitor goes on without its coarse worker
             log.exception("the RQ coarse-job worker stopped")
 
     def close(self, timeout_s: float = 5.0) -> None:

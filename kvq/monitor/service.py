@@ -136,7 +136,7 @@ class Monitor:
             except redis.RedisError as exc:
                 log.warning("market: %s; retrying", exc)
                 self.stop.wait(self.s.poll_s)
-            except Exception:  # noqa: BLE001 - one bad ask must not stop recruitment
+            except Exception:  # one bad ask must not stop recruitment
                 log.exception("market: answering asks failed; going on")
                 self.stop.wait(self.s.poll_s)
 

@@ -107,7 +107,7 @@ def _file_ranges(path: str, ranges: list[tuple[int, int]], bar: _Bar) -> list[by
 def _http_range(url: str, offset: int, n: int, timeout_s: float, bar: _Bar) -> bytes:
     req = urllib.request.Request(url, headers={"Range": f"bytes={offset}-{offset + n - 1}"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - http(s) only
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # http(s) only
             if resp.status != 206:
                 raise ModelError(
                     f"{url} answered {resp.status} to a Range request; the server must support "

@@ -29,7 +29,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
             f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
             f"sentinel monitor kvqmaster 127.0.0.1 {master.port} 1\n"
         )
-        proc = subprocess.Popen(  # noqa: S603 - the bundled server binary, fixed arguments
+        proc = subprocess.Popen(  # the bundled server binary, fixed arguments
             [find_server_binary(), str(conf), "--sentinel"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip

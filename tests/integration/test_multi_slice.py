@@ -369,7 +369,7 @@ class _HeldBackHandler(http.server.SimpleHTTPRequestHandler):
 
     go = threading.Event()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         self.go.wait(30)
         data = Path(self.translate_path(self.path)).read_bytes()
         start, end = (int(p) for p in self.headers["Range"].removeprefix("bytes=").split("-"))

@@ -26,7 +26,7 @@ def as_float64(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..
     new = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
     assert new != src, f"{fn.__qualname__} has no float32 cast to lift"
     scope: dict[str, Any] = {}
-    exec(compile(new, f"<lifted {fn.__qualname__}>", "exec"), namespace, scope)  # noqa: S102
+    exec(compile(new, f"<lifted {fn.__qualname__}>", "exec"), namespace, scope)
     return scope[fn.__name__]  # type: ignore[no-any-return]
 
 

@@ -17,10 +17,10 @@ from gguf import GGUFWriter
 
 pytest.importorskip("tokenizers")
 
-import tokenizer_fixtures as fx  # noqa: E402
+import tokenizer_fixtures as fx
 
-from kvq.errors import ModelError  # noqa: E402
-from kvq.model import ByteTokenizer, load_tokenizer, read_meta  # noqa: E402
+from kvq.errors import ModelError
+from kvq.model import ByteTokenizer, load_tokenizer, read_meta
 
 TEXTS = [
     "Hello world",

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_reference import hf_model  # noqa: E402
+from hf_reference import hf_model
 
-from kvq.model import Backbone, ByteTokenizer, SeqStep, make_tiny  # noqa: E402
+from kvq.model import Backbone, ByteTokenizer, SeqStep, make_tiny
 
 STEPS = 32
 PROMPT = "The quick brown fox"

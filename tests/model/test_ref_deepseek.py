@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_lift import as_float64, randomize  # noqa: E402
-from ref_deepseek import (  # noqa: E402
+from hf_lift import as_float64, randomize
+from ref_deepseek import (
     MlaConfig,
     mla_attention_absorbed_ref,
     mla_attention_ref,
@@ -36,11 +36,11 @@ from ref_deepseek import (  # noqa: E402
     yarn_inv_freq_ref,
     yarn_mscale_ref,
 )
-from transformers import modeling_rope_utils  # noqa: E402
-from transformers.models.deepseek_v2 import configuration_deepseek_v2 as c2  # noqa: E402
-from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m2  # noqa: E402
-from transformers.models.deepseek_v3 import configuration_deepseek_v3 as c3  # noqa: E402
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3  # noqa: E402
+from transformers import modeling_rope_utils
+from transformers.models.deepseek_v2 import configuration_deepseek_v2 as c2
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m2
+from transformers.models.deepseek_v3 import configuration_deepseek_v3 as c3
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3
 
 TIGHT = 1e-10  # float64 against float64
 F32 = 2e-5  # against HF's float32 steps, relative to the output's scale

@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_lift import as_float64, randomize  # noqa: E402
-from ref_deepseek import moe_ffn_ref  # noqa: E402
-from ref_glm4_moe import Glm4MoeAttnConfig, glm4_moe_attention_ref, glm4_moe_route_ref  # noqa: E402
-from transformers.models.glm4_moe import configuration_glm4_moe as cg  # noqa: E402
-from transformers.models.glm4_moe import modeling_glm4_moe as mg  # noqa: E402
+from hf_lift import as_float64, randomize
+from ref_deepseek import moe_ffn_ref
+from ref_glm4_moe import Glm4MoeAttnConfig, glm4_moe_attention_ref, glm4_moe_route_ref
+from transformers.models.glm4_moe import configuration_glm4_moe as cg
+from transformers.models.glm4_moe import modeling_glm4_moe as mg
 
 TIGHT, F32 = 1e-10, 2e-5
 T, N_TOK = 9, 64

@@ -23,7 +23,7 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
 
     sent = 0
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         path = Path(self.translate_path(self.path))
         data = path.read_bytes()
         rng = self.headers.get("Range")

@@ -27,7 +27,7 @@ PAUSE_S = 0.01  # after each chunk: ~150 KB/s
 class _SlowRangeHandler(http.server.SimpleHTTPRequestHandler):
     """Single-range GETs, sent CHUNK bytes at a time with a pause between chunks."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         data = Path(self.translate_path(self.path)).read_bytes()
         start, end = (int(p) for p in self.headers["Range"].removeprefix("bytes=").split("-"))
         body = data[start : end + 1]
