@@ -417,7 +417,7 @@ SECRET_SETTINGS = ("redis_url", "api_keys")  # printed only redacted
 def redact(name: str, value: Any) -> Any:
     """`value` of setting `name` as it may be printed: no password, no API key."""
     if name == "redis_url" and isinstance(value, str):
-        from kvq.redact import redacted_url
+        from kvq.security.redact import redacted_url
 
         return redacted_url(value)
     if name == "api_keys" and value:

@@ -1,7 +1,7 @@
 """How kvq's processes log: one line a record on stderr, as text (default) or, with
 `KVQ_LOG_FORMAT=json`, one JSON object a line for log collectors (Loki, Elasticsearch, ...):
 `{"ts", "level", "logger", "message"}`, plus `"exc"` with the traceback when there is one.
-Every handler redacts Redis URL passwords (`kvq.redact`)."""
+Every handler redacts Redis URL passwords (`kvq.security.redact`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from kvq.redact import install_log_redaction
+from kvq.security.redact import install_log_redaction
 
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 

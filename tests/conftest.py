@@ -14,9 +14,9 @@ import redis
 from boards import BoardCase, make_case
 
 from kvq.bus import connect
-from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings, load_settings
-from kvq.server import EmbeddedRedis
+from kvq.local.cluster import EmbeddedCluster
+from kvq.local.server import EmbeddedRedis
 
 # CLUSTER_TESTS=1: the same tests against a local 3-master Redis Cluster (issue 14); tests
 # that need a single server (restarting it, raw multi-key commands) are marked `standalone`

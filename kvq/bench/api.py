@@ -26,9 +26,9 @@ from kvq import client
 from kvq.bus.redis_board import open_board
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 
 MODEL_ID = "bench"
 COORD_ID = "bench-coord"

@@ -23,7 +23,7 @@ from kvq import wire
 from kvq.bus import Consumer, redacted_url, xadd
 from kvq.config import Settings
 from kvq.keys import Keys
-from kvq.server import EmbeddedRedis
+from kvq.local.server import EmbeddedRedis
 from kvq.slices import slice_id
 
 ROWS, HIDDEN, TOPK = 8, 128, 2  # x is 8 x 128 float32 = 4 KiB

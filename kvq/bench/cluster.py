@@ -19,10 +19,10 @@ from redis.crc import key_slot
 from kvq import wire
 from kvq.bench.bus import BATCH, MAXLEN, WINDOW, _job
 from kvq.bus import Consumer, connect, ensure_group, xadd
-from kvq.cluster import SLOTS, EmbeddedCluster
 from kvq.config import load_settings
 from kvq.keys import Keys
-from kvq.server import EmbeddedRedis
+from kvq.local.cluster import SLOTS, EmbeddedCluster
+from kvq.local.server import EmbeddedRedis
 
 
 def pair_tags(n: int) -> list[str]:

@@ -33,12 +33,12 @@ from typing import Any
 from kvq.bench.closed_loop import ClosedLoop
 from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
-from kvq.cluster import local_redis
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError, KvqError
+from kvq.local.cluster import local_redis
+from kvq.local.procs import Children
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
-from kvq.procs import Children
 
 MODEL_ID = "elastic"
 COORD_ID = "elastic-coord"

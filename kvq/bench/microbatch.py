@@ -32,11 +32,11 @@ from kvq.bench.offload import DEFAULT_MODEL, _host_port
 from kvq.config import child_env, load_settings
 from kvq.coordinator import Coordinator
 from kvq.errors import ConfigError
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
 from kvq.monitor import Monitor
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 
 MODEL_ID = "mb"
 

@@ -45,13 +45,13 @@ from typing import Any
 from kvq import client
 from kvq.bus import connect
 from kvq.bus.redis_board import RedisBoard, open_board
-from kvq.cluster import local_redis
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError, KvqError
 from kvq.keys import Keys
+from kvq.local.cluster import local_redis
+from kvq.local.procs import Children
 from kvq.model import make_tiny
 from kvq.model.meta import read_meta
-from kvq.procs import Children
 
 from .delay_proxy import DelayProxy
 

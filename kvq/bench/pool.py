@@ -31,10 +31,10 @@ from typing import Any
 
 from kvq.bus.histogram import Histogram
 from kvq.bus.redis_board import RedisBoard, open_board
-from kvq.cluster import local_redis
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError
-from kvq.procs import Children
+from kvq.local.cluster import local_redis
+from kvq.local.procs import Children
 
 from . import pool_report as report
 from .pool_load import CountingLoad

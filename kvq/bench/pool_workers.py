@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 
 from kvq.bus.redis_board import RedisBoard
 from kvq.config import Settings
-from kvq.procs import Children
-from kvq.server import _die_with_parent
+from kvq.local.procs import Children
+from kvq.local.server import _die_with_parent
 
 from .delay_proxy import DelayProxy
 from .pool_sandbox import Sandbox, join_cgroup, usage_bytes

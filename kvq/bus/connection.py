@@ -19,7 +19,7 @@ from redis.retry import Retry
 
 from kvq.config import BusSettings
 from kvq.errors import TlsError
-from kvq.redact import redacted_text, redacted_url
+from kvq.security.redact import redacted_text, redacted_url
 from kvq.settings_checks import tls_weakening
 
 __all__ = [

@@ -22,7 +22,7 @@ from kvq.cli import acl, api, bank, core, deadletter, elastic, health, model, sw
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
-from kvq.redact import redacted_text
+from kvq.security.redact import redacted_text
 
 
 class Parser(argparse.ArgumentParser):

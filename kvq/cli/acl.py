@@ -17,8 +17,8 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 def cmd_acl(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq import acl
     from kvq.keys import Keys
+    from kvq.security import acl
 
     keys = Keys(args.prefix or settings.prefix)
     wanted = acl.users(keys, args.role or [], args.worker or [])
@@ -37,7 +37,7 @@ def cmd_acl(args: argparse.Namespace, settings: Settings) -> int:
     path = Path(args.secrets)
     path.write_text(json.dumps(secrets, indent=2) + "\n")
     os.chmod(path, 0o600)
-    from kvq.redact import redacted_url
+    from kvq.security.redact import redacted_url
 
     for name, s in secrets.items():
         print(f"created {name} ({s['role']}): {redacted_url(s['url'])}")
@@ -46,8 +46,8 @@ def cmd_acl(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _apply(url: str, wanted: list[Any], settings: Settings) -> dict[str, str]:
-    from kvq import acl
     from kvq.bus import connect
+    from kvq.security import acl
 
     r = connect(dataclasses.replace(settings.bus, redis_url=url))
     try:

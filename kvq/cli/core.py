@@ -113,7 +113,7 @@ def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.identity import default_worker_id
+    from kvq.security.identity import default_worker_id
     from kvq.worker import Worker
 
     worker = Worker.from_settings(settings, args.id or default_worker_id(settings.state_dir))
@@ -202,7 +202,7 @@ def _watch(board: Any, model: str, done: threading.Event, lost: threading.Event)
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.demo import DemoOptions, run_demo
+    from kvq.local.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         redis_url=args.redis, model_path=args.model, workers=args.workers,
@@ -247,12 +247,12 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.server import EmbeddedRedis
+    from kvq.local.server import EmbeddedRedis
 
     stop = threading.Event()
     stop_on_signals(stop)
     if args.cluster:
-        from kvq.cluster import EmbeddedCluster
+        from kvq.local.cluster import EmbeddedCluster
 
         with EmbeddedCluster(args.cluster, args.cluster_replicas, data_dir=args.dir) as cl:
             print(cl.url, flush=True)  # KVQ_REDIS_URL for every kvq process

@@ -72,7 +72,7 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
         coord = node_id(ident, "coord")
         return board.coordinator_alive(coord), f"coordinator {coord} publishes fresh slot state"
     if role == "worker":
-        from kvq.identity import default_worker_id
+        from kvq.security.identity import default_worker_id
 
         worker = ident or default_worker_id(s.state_dir)
         return board.worker_alive(worker), f"worker {worker} heartbeats"

@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 
 from kvq.errors import ServerError
-from kvq.server import EmbeddedRedis, free_port
+from kvq.local.server import EmbeddedRedis, free_port
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 2000  # a master silent this long is failed over to its replica

@@ -20,14 +20,14 @@ from kvq import client, wire
 from kvq.bus import redacted_url
 from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
-from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings, child_env
-from kvq.demo_acl import DemoUsers
 from kvq.errors import KvqError
 from kvq.keys import request_streams
+from kvq.local.cluster import EmbeddedCluster
+from kvq.local.demo_acl import DemoUsers
+from kvq.local.procs import ChildDied, Children
+from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny, read_meta
-from kvq.procs import ChildDied, Children
-from kvq.server import EmbeddedRedis
 
 MODEL_ID = "tiny"
 COORD_ID = "coord-demo"
@@ -43,7 +43,7 @@ class DemoOptions:
     timeout_s: float = 120.0
     log_dir: str | None = None
     cluster: int = 0  # > 0: a local Redis Cluster of this many masters instead of one server
-    acl: bool = False  # each process under its role's least-privilege ACL user (kvq.demo_acl)
+    acl: bool = False  # each process under its role's least-privilege ACL user (kvq.local.demo_acl)
 
 
 def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[str, Any]:

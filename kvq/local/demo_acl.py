@@ -1,4 +1,4 @@
-"""`kvq demo --acl`: each demo process logs in as its role's least-privilege user (`kvq.acl`).
+"""`kvq demo --acl`: each demo process logs in as its role's least-privilege user (`kvq.security.acl`).
 
 The users are made for the demo's prefix with fresh passwords on the demo's (admin) connection,
 each child gets its role's URL, and the summary counts the `ACL LOG` entries of those users
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvq import acl
 from kvq.keys import Keys
+from kvq.security import acl
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq.errors import KvqError
-from kvq.server import _die_with_parent
+from kvq.local.server import _die_with_parent
 
 
 class ChildDied(KvqError):

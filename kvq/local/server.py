@@ -87,7 +87,7 @@ class EmbeddedRedis:
         extra_args: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.port = port or free_port()
-        self.extra_args = extra_args  # e.g. cluster mode (kvq.cluster)
+        self.extra_args = extra_args  # e.g. cluster mode (kvq.local.cluster)
         self._own_dir = data_dir is None
         # absolute: the server changes into --dir before it opens --logfile (a relative
         # `kvq server --dir redis-data` could not open redis-data/redis-data/server.log)

@@ -37,7 +37,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvq import acl
 from kvq.asgi import ThreadedServer, capped_body
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
@@ -45,6 +44,7 @@ from kvq.errors import ConfigError
 from kvq.keys import check_id
 from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
+from kvq.security import acl
 
 log = logging.getLogger("kvq.monitor.http")
 MAX_BODY = 64 * 1024

@@ -29,7 +29,6 @@ from collections import Counter
 import redis
 
 from kvq import wire
-from kvq.acl import user_name
 from kvq.bank import BankOptions
 from kvq.bank.server import BAD_JOB, ExpertServer
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
@@ -39,6 +38,7 @@ from kvq.config import Settings, WorkerSettings
 from kvq.device import pick_device
 from kvq.errors import BankError, ConfigError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, check_id
+from kvq.security.acl import user_name
 from kvq.worker.budget import Budget
 from kvq.worker.loader import Loaded, Loader
 from kvq.worker.membership import Held, Membership

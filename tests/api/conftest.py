@@ -27,9 +27,9 @@ from kvq.asgi import ThreadedServer
 from kvq.config import Settings, child_env, load_settings
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny
 from kvq.monitor import Monitor
-from kvq.server import EmbeddedRedis
 from kvq.worker import Worker
 
 MODEL = "tiny"

@@ -16,11 +16,11 @@ from openai import OpenAI
 
 from kvq.config import load_settings
 from kvq.coordinator import Coordinator
+from kvq.local.server import EmbeddedRedis
 from kvq.model import Backbone, load_tokenizer, make_tiny
 from kvq.model.chat import load_chat_template
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
-from kvq.server import EmbeddedRedis
 
 FAMILIES = {"olmoe": ("olmoe", ""), "glm": ("glm4moe", ""), "dsv3": ("deepseek2", "v3"),
             "dsv2lite": ("deepseek2", "v2-lite")}  # fmt: skip

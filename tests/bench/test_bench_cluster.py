@@ -7,7 +7,7 @@ import pytest
 from redis.crc import key_slot
 
 from kvq.bench.cluster import pair_tags, run_cluster_bench
-from kvq.cluster import SLOTS
+from kvq.local.cluster import SLOTS
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 import redis
 
 from kvq.bench.delay_proxy import DelayProxy
-from kvq.server import EmbeddedRedis
+from kvq.local.server import EmbeddedRedis
 
 
 def _echo_server() -> tuple[socket.socket, int]:

@@ -30,9 +30,9 @@ from kvq.bus.records import (
 )
 from kvq.bus.redis_board import RedisBoard
 from kvq.keys import Keys
+from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny
 from kvq.model.registry import plan_model
-from kvq.server import EmbeddedRedis
 from kvq.slices import slice_id
 
 SIDS = [slice_id(0, 1, 4 * i, 4 * i + 4) for i in range(4)]

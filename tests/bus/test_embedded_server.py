@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvq.errors import ServerError
-from kvq.server import EmbeddedRedis
+from kvq.local.server import EmbeddedRedis
 
 
 def test_a_busy_port_is_refused(redis_server: EmbeddedRedis) -> None:

@@ -15,7 +15,7 @@ import pytest
 from kvq.bus import connect
 from kvq.bus.connection import close_async, connect_async
 from kvq.config import load_settings
-from kvq.server import EmbeddedRedis, find_server_binary, free_port
+from kvq.local.server import EmbeddedRedis, find_server_binary, free_port
 
 pytestmark = pytest.mark.standalone  # it starts its own server, never a cluster
 

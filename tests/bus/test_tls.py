@@ -19,7 +19,7 @@ import pytest
 from kvq.bus.connection import connect
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, TlsError
-from kvq.server import free_port
+from kvq.local.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".tools"

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from kvq.bus.connection import connect, speaks_plain_redis
-from kvq.cluster import EmbeddedCluster
 from kvq.config import load_settings
 from kvq.errors import TlsError
-from kvq.server import EmbeddedRedis, free_port
+from kvq.local.cluster import EmbeddedCluster
+from kvq.local.server import EmbeddedRedis, free_port
 
 
 def test_rediss_to_a_plain_port_fails_within_5_s_with_one_line(

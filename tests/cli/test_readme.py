@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvq.server import free_port
+from kvq.local.server import free_port
 
 pytestmark = pytest.mark.slow
 

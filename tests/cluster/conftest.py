@@ -1,4 +1,4 @@
-"""Cluster tests: each starts its own local Redis Cluster (`kvq.cluster.EmbeddedCluster`). The
+"""Cluster tests: each starts its own local Redis Cluster (`kvq.local.cluster.EmbeddedCluster`). The
 end-to-end and fault tests also run on a 3-master cluster in `make test`'s second run
 (`CLUSTER_TESTS=1`, tests/conftest.py)."""
 

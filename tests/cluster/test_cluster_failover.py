@@ -15,10 +15,10 @@ import redis
 from e2e_helpers import local_tokens, wait_for
 
 from kvq import client
-from kvq.cluster import EmbeddedCluster
 from kvq.config import Settings
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.cluster import EmbeddedCluster
 from kvq.monitor import Monitor
 from kvq.worker import Worker
 

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from kvq.bus import connect
-from kvq.cluster import EmbeddedCluster
 from kvq.config import load_settings
+from kvq.local.cluster import EmbeddedCluster
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from slot_guard import command_keys, guard_pipelines

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import redis
 
-from kvq import acl
 from kvq.config import Settings
 from kvq.keys import Keys
+from kvq.security import acl
 
 RoleSettings = Callable[..., Settings]
 

@@ -9,9 +9,9 @@ import pytest
 import redis
 from acl_helpers import RoleSettings, role_settings
 
-from kvq import acl
 from kvq.config import Settings
 from kvq.model import make_tiny
+from kvq.security import acl
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def as_role(settings: Settings, r: redis.Redis) -> Iterator[RoleSettings]:
     """`as_role(role, worker=None)`: the test's settings logged in as that role's least-privilege
-    ACL user (`kvq.acl`), deleted after the test."""
+    ACL user (`kvq.security.acl`), deleted after the test."""
     made: list[str] = []
     yield role_settings(settings, r, made)
     if made:

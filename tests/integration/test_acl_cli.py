@@ -16,11 +16,11 @@ import redis
 from acl_helpers import denials
 from e2e_helpers import local_tokens
 
-from kvq import acl
 from kvq.cli import main
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
-from kvq.server import free_port
+from kvq.local.server import free_port
+from kvq.security import acl
 
 LOADED = {"saturation_threshold": 1, "job_deadline_ms": 10_000, "dispatch_policy": "copies"}
 

@@ -1,4 +1,4 @@
-"""What each role's ACL user may not do (`kvq.acl`), against a real server: one case each.
+"""What each role's ACL user may not do (`kvq.security.acl`), against a real server: one case each.
 
 A worker `a` tries what a hostile volunteer would, against a registered model, a peer `b` with
 jobs in its inbox, a coordinator `c1` and a client's request `R`."""

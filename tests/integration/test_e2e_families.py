@@ -18,8 +18,8 @@ from kvq.bus import connect
 from kvq.bus.redis_board import open_board
 from kvq.config import child_env, load_settings
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.model import make_tiny, read_meta
-from kvq.procs import Children
 
 pytestmark = pytest.mark.slow
 

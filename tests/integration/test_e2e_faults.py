@@ -16,10 +16,10 @@ from kvq import client, wire
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis
 from kvq.model import Backbone, ByteTokenizer, expert_forward_reference, load_slice, read_meta
 from kvq.monitor import Monitor
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -20,10 +20,10 @@ import redis
 from kvq import wire
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis
 from kvq.model import read_meta
 from kvq.monitor import Monitor
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis
 from kvq.slices import SliceSpec
 
 pytestmark = pytest.mark.slow

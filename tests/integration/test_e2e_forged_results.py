@@ -24,8 +24,8 @@ from kvq import client
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.monitor import Monitor
-from kvq.procs import Children
 
 pytestmark = pytest.mark.slow
 FORGER = Path(__file__).with_name("forger_worker.py")

@@ -19,8 +19,8 @@ from e2e_helpers import local_tokens, wait_for, wait_ready
 from kvq import client
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.monitor import Monitor
-from kvq.procs import Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 N_FUZZ = 20_000  # per stream

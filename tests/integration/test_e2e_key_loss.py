@@ -27,8 +27,8 @@ from kvq import client
 from kvq.bus import connect
 from kvq.config import Settings, child_env, load_settings
 from kvq.keys import Keys, request_streams
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis, free_port
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis, free_port
 
 MODEL = "tiny"
 WORKERS = ("w0", "w1")

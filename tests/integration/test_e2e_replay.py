@@ -15,8 +15,8 @@ from kvq import client, wire
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.monitor import Monitor
-from kvq.procs import Children
 
 PROMPT = "the same words again"
 

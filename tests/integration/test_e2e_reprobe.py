@@ -18,9 +18,9 @@ from kvq.bench.delay_proxy import DelayProxy
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.model import make_tiny
 from kvq.monitor import Monitor
-from kvq.procs import Children
 
 pytestmark = pytest.mark.slow
 REPROBE_MS = 500.0

@@ -13,9 +13,9 @@ from kvq import client
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.model import make_tiny
 from kvq.monitor import Monitor
-from kvq.procs import Children
 from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow

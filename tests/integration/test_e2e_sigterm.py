@@ -18,8 +18,8 @@ import redis
 
 from kvq.config import child_env, load_settings
 from kvq.keys import Keys
-from kvq.procs import Children
-from kvq.server import EmbeddedRedis, free_port
+from kvq.local.procs import Children
+from kvq.local.server import EmbeddedRedis, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.standalone]  # it stops its own server
 

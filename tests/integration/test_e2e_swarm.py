@@ -22,10 +22,10 @@ from kvq import client
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.model import make_tiny
 from kvq.model.split import write_backbone
 from kvq.monitor import Monitor
-from kvq.procs import Children
 
 pytestmark = pytest.mark.slow
 

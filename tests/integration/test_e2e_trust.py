@@ -28,9 +28,9 @@ from kvq import client, wire
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
+from kvq.local.procs import Children
 from kvq.monitor import Monitor
 from kvq.monitor.http import Api
-from kvq.procs import Children
 from kvq.quant import qdot
 from kvq.worker import Worker
 

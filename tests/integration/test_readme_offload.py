@@ -32,7 +32,7 @@ from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import child_env, load_settings
 from kvq.keys import Keys
-from kvq.procs import Children
+from kvq.local.procs import Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.standalone]
 MODEL = "small"

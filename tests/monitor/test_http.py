@@ -230,7 +230,7 @@ def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> N
 def test_http_volunteering_is_bound_to_the_worker_s_acl_user(mon: Monitor, mode: str) -> None:
     """Issue 11: with KVQ_HTTP_VOLUNTEER=acl only a caller holding worker W's `kvq acl`
     password may take a slice as W (checked by an AUTH as that user); off refuses everyone."""
-    from kvq import acl
+    from kvq.security import acl
 
     made = acl.apply(mon.board.r, [acl.role_user(mon.board.keys, "worker", "wa")])
     (password,) = made.values()

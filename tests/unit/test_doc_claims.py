@@ -1,6 +1,6 @@
 """Claims of the operator docs checked against the code (issue 30, item 7): one check per kind of
 false claim found, so the next one fails CI: every `KVQ_*` name is a setting (or said not to be
-one), every default worker id has the form `kvq.identity` makes, every exit code is one the CLI
+one), every default worker id has the form `kvq.security.identity` makes, every exit code is one the CLI
 has. The pages: docs/*.md, README.md, workers/ (README, scripts, unit), compose.yaml."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from kvq.cli.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from kvq.config import Settings, env_name
-from kvq.identity import default_worker_id
+from kvq.security.identity import default_worker_id
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "compose.yaml",

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvq.errors import ConfigError
-from kvq.identity import default_worker_id
 from kvq.keys import check_id
+from kvq.security.identity import default_worker_id
 
 
 def test_the_default_id_is_kept_and_reused(tmp_path: Path) -> None:

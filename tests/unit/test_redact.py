@@ -9,7 +9,7 @@ import pytest
 from kvq.cli import main
 from kvq.config import load_settings
 from kvq.errors import ConfigError
-from kvq.redact import RedactingFilter, redacted_text, redacted_url
+from kvq.security.redact import RedactingFilter, redacted_text, redacted_url
 
 SECRET = "s3cr%40t-pw"
 
