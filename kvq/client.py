@@ -83,6 +83,36 @@ class ReplyFilter:
         return True
 
 
+class ReplyReader:
+    """A request's reply events as its reader must see them, without I/O (the blocking
+    `events` and the API's async gateway both feed it the entries they read): `take` gives
+    each token once, in order (`ReplyFilter`), None for an event that is not the reader's,
+    and raises RequestFailed for an error event, or for tokens that vanished from the
+    stream before a later one (a gap: Redis lost them; failure type `Lost`, retryable)."""
+
+    def __init__(self, request_id: str, entry: str | None = None) -> None:
+        self.request_id, self.seen = request_id, ReplyFilter(entry)
+
+    def take(self, fields: dict[bytes, bytes]) -> wire.ReplyEvent | None:
+        """The event of one reply stream entry (WireError if it does not decode)."""
+        ev = wire.decode(fields, wire.ReplyEvent)
+        expected = self.seen.next_index
+        if not self.seen.accept(ev):
+            return None
+        if ev.kind == "error":
+            msg = ev.error.message if ev.error else "unknown error"
+            raise RequestFailed(f"request {self.request_id} failed: {msg}", ev.error)
+        if (ev.kind == "token" and ev.index > expected) or (
+            ev.kind == "done" and ev.index > self.seen.next_index
+        ):
+            raise RequestFailed(
+                f"request {self.request_id} was lost in part: tokens {expected} to "
+                f"{ev.index - 1} vanished from its reply stream (Redis lost it)",
+                wire.Failure(type="Lost", message="reply tokens lost by Redis", retryable=True),
+            )
+        return ev
+
+
 def send(
     r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
     prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
@@ -117,22 +147,37 @@ def submit(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
         )
-    request_id = str(request_id or uuid.uuid4().hex)  # a plain str (a `RequestId` given back)
-    req = wire.Request(
-        request_id=request_id, model=model, prompt=prompt, prompt_ids=prompt_ids,
-        messages=messages, max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
-    )  # fmt: skip
-    stream = keys.model_requests(model, request_shard(request_id, shards))
+    req = new_request(model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                      sampling=sampling, messages=messages, request_id=request_id)  # fmt: skip
+    stream = keys.model_requests(model, request_shard(req.request_id, shards))
     queued = r.xlen(stream)
     if queued >= maxlen:
         raise RequestFailed(
             f"model {model!r} has {queued} requests queued on {stream}, the cap ({maxlen}, "
             "KVQ_STREAM_MAXLEN per request stream); retry later"
         )
-    # never trimmed: trimming would drop queued requests without an answer
+    return enqueue(r, stream, req)
+
+
+def new_request(
+    model: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
+    max_tokens: int = 16, sampling: wire.SamplingParams | None = None,
+    messages: list[wire.ChatMessage] | None = None, request_id: str | None = None,
+) -> wire.Request:  # fmt: skip
+    """A request (a fresh id unless `request_id` is given), not queued yet."""
+    return wire.Request(
+        request_id=str(request_id or uuid.uuid4().hex),  # a plain str: the codec's rule
+        model=model, prompt=prompt, prompt_ids=prompt_ids, messages=messages,
+        max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
+    )  # fmt: skip
+
+
+def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
+    """Append `req` to its request stream (the caller checked the queue's room), never trimmed:
+    trimming would drop queued requests without an answer."""
     got = xadd(r, stream, wire.encode(req), None)
     entry = got.decode() if isinstance(got, bytes) else str(got)
-    return Submitted(RequestId(request_id, entry, stream), entry)
+    return Submitted(RequestId(req.request_id, entry, stream), entry)
 
 
 def cancel(r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = 1000) -> None:
@@ -159,7 +204,7 @@ def events(
     entry = entry or getattr(request_id, "entry", "") or None
     stream = stream or getattr(request_id, "stream", "") or None
     key = keys.request_reply(request_id)
-    seen = ReplyFilter(entry)
+    reader = ReplyReader(request_id, entry)
     last = b"0-0"
     now = time.monotonic()
     deadline, quiet_since = now + timeout_s, now
@@ -185,22 +230,9 @@ def events(
             quiet_since = time.monotonic()
             for eid, fields in entries:
                 last = eid
-                ev = wire.decode(fields, wire.ReplyEvent)
-                expected = seen.next_index
-                if not seen.accept(ev):
+                ev = reader.take(fields)
+                if ev is None:
                     continue
-                if ev.kind == "error":
-                    msg = ev.error.message if ev.error else "unknown error"
-                    raise RequestFailed(f"request {request_id} failed: {msg}", ev.error)
-                if (ev.kind == "token" and ev.index > expected) or (
-                    ev.kind == "done" and ev.index > seen.next_index
-                ):
-                    raise RequestFailed(
-                        f"request {request_id} was lost in part: tokens {expected} to "
-                        f"{ev.index - 1} vanished from its reply stream (Redis lost it)",
-                        wire.Failure(type="Lost", message="reply tokens lost by Redis",
-                                     retryable=True),
-                    )  # fmt: skip
                 yield ev
                 if ev.kind == "done":
                     return

@@ -13,12 +13,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import uuid
 
 from kvq import client, wire
 from kvq.api.params import Call
 from kvq.api.queue import QueueSample, QueueWatch
-from kvq.bus import xadd
 from kvq.bus.redis_board import RedisBoard, request_shards
 from kvq.errors import ApiError
 from kvq.keys import request_shard, request_streams
@@ -98,17 +96,12 @@ class Gate:
             return self._queue(call, watch.streams)
 
     def _queue(self, call: Call, streams: list[str]) -> client.Submitted:
-        request_id = uuid.uuid4().hex
-        stream = streams[request_shard(request_id, len(streams))]
-        req = wire.Request(
-            request_id=request_id, model=call.model, prompt=call.prompt,
-            prompt_ids=call.prompt_ids, messages=call.messages, max_tokens=call.max_tokens,
-            sampling=call.sampling,
+        req = client.new_request(
+            call.model, prompt=call.prompt, prompt_ids=call.prompt_ids, messages=call.messages,
+            max_tokens=call.max_tokens, sampling=call.sampling,
         )  # fmt: skip
-        # as kvq.client.send, whose checks are done above
-        # never trimmed (as kvq.client.submit): the queue check above bounds it
-        entry = xadd(self.board.r, stream, wire.encode(req), None)
-        return client.Submitted(request_id, entry.decode())
+        stream = streams[request_shard(req.request_id, len(streams))]
+        return client.enqueue(self.board.r, stream, req)  # its room was checked above
 
     def _check_room(self, model: str, watch: QueueWatch, q: QueueSample) -> None:
         """429 when `q.waiting` requests are ahead and the queue is full, or drains too slowly

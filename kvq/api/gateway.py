@@ -22,7 +22,7 @@ from kvq.api.shape import model_card
 from kvq.api.text import ModelText, Texts
 from kvq.bus import connect_async
 from kvq.bus.redis_board import open_board
-from kvq.client import ReplyFilter
+from kvq.client import ReplyReader, RequestFailed
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
 from kvq.keys import request_shard
@@ -99,7 +99,7 @@ class Gateway:
         key = self.board.keys.request_reply(request_id)
         watch = self.gate.watch(model)
         shard = request_shard(request_id, len(watch.streams))
-        seen, mine = ReplyFilter(entry), entry_key(entry)
+        reader, mine = ReplyReader(request_id, entry), entry_key(entry)
         last, deadline = b"0-0", time.monotonic() + self.s.timeout_s
         taken, moved = False, -1
         while True:
@@ -124,13 +124,13 @@ class Gateway:
                 for eid, fields in entries:
                     last = eid
                     try:
-                        ev = wire.decode(fields, wire.ReplyEvent)
+                        ev = reader.take(fields)
                     except WireError as exc:
                         raise ApiError(500, str(exc), kind="server_error") from None
-                    if not seen.accept(ev):
+                    except RequestFailed as exc:
+                        raise failure_status(exc.failure) from None
+                    if ev is None:
                         continue
-                    if ev.kind == "error":
-                        raise failure_status(ev.error)
                     yield ev
                     if ev.kind == "done":
                         await self.ar.delete(key)  # this gateway is its only reader
