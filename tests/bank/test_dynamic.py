@@ -115,8 +115,12 @@ def test_one_good_update_resets_the_error_count(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr("kvq.bank.bank.plan_swaps", flaky)
     bank = _bank()
-    for _ in range(5):
-        bank.step(10)
+    reports = [bank.step(10) for _ in range(5)]  # 4 errors in 5, never 3 in a row: no abort
+    assert all(r is not None for r in reports) and fail == []
+    assert bank._errors == 2, "the good update reset the count; the two after it count anew"
+    fail.append(True)
+    with pytest.raises(BankError, match="3 planner errors in a row"):
+        bank.step(10)  # the third in a row
 
 
 def test_manual_swaps_are_validated() -> None:
