@@ -17,11 +17,14 @@ numba's default threading layer does not allow two parallel launches at once, so
 process-wide lock; the kernel already uses every core.
 
 int8 activations (`KVQ_ACTIVATIONS=int8`, the default; `configure`): every call of the types
-it covers goes through the C kernel of `kvq.quant.qdot` instead, which quantizes x to 8 bits
-per block and multiplies integers, as llama.cpp does, unpacking each weight block once per 8
-rows of x (each row gets the bits it gets alone, on every SIMD path); below the stored
-precision (errors in docs/models.md), so `KVQ_ACTIVATIONS=float32` keeps the exact path. A
-MoE layer's routed experts are one C call (`moe_int8`, `moe_int8_batch`).
+it covers, of any number of rows, goes through the C kernel of `kvq.quant.qdot` instead, which
+quantizes x to 8 bits per block and multiplies integers, as llama.cpp does, unpacking each
+weight block once per 8 rows of x, or, from 16 rows on a CPU with AVX512BW + VNNI (a prompt),
+once per tile of 16 weight rows and 128 rows of x (`csrc/qdot_gemm.h`): no matrix is ever
+dequantized, and each row gets the bits it gets alone, on every SIMD path. Below the stored
+precision (errors in docs/models.md), so `KVQ_ACTIVATIONS=float32` keeps the exact path
+(which dequantizes a matrix per call above `_MAX_ROWS` rows). A MoE layer's routed experts
+are one C call (`moe_int8`, `moe_int8_batch`).
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from gguf import GGMLQuantizationType
 from kvq.quant import fused, qdot
 
 Q = GGMLQuantizationType
-MAX_ROWS = 64  # above this many rows (fewer for some types), dequantize and use a matmul
+MAX_ROWS = 64  # float32 activations: above this many rows (fewer for some), dequantize + matmul
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 
 _KERNELS = fused.ONE_ROW
-# rows up to which the kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
+# rows up to which the float32 kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
 # 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
 _MAX_ROWS = {
     Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS,
@@ -61,17 +64,18 @@ def keeps_encoded(qtype: int, device: torch.device | str, dtype: torch.dtype) ->
 
 
 def covers(qtype: int, rows: int, x: torch.Tensor) -> bool:
-    """Whether `matmul` has a kernel for `rows` rows of x (CPU, float32) times `qtype`."""
-    return (
-        qtype in _KERNELS and 0 < rows <= _MAX_ROWS[qtype] and x.device.type == "cpu"
-        and x.dtype == torch.float32
-    )  # fmt: skip
+    """Whether `matmul` has a kernel for `rows` rows of x (CPU, float32) times `qtype`: the
+    int8 kernel for any number of rows (a prompt's included: many rows take its tile kernel),
+    the float32 kernels up to `_MAX_ROWS`."""
+    if qtype not in _KERNELS or rows <= 0 or x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    return rows <= _MAX_ROWS[qtype] or (qtype in qdot.TYPES and int8_kernel() is not None)
 
 
 _exact = threading.local()  # `on`: this thread computes with float32 activations for now
 
 
-class float32_activations:  # noqa: N801 - used as a function: `with float32_activations():`
+class float32_activations:  # used as a function: `with float32_activations():`
     """This thread's products use float32 activations inside the block, whatever
     `KVQ_ACTIVATIONS` says: a coordinator checking a worker's bfloat16 result recomputes it
     exactly (`kvq.coordinator.verify`)."""
@@ -99,6 +103,18 @@ def int8_kernel() -> qdot.Built | None:
         built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
     _int8_for = (o, built)
     return built
+
+
+def paths() -> dict[str, str]:
+    """What this process multiplies quantized matrices with, for reports: the activations,
+    the int8 kernel's instruction-set path (as asked for, lowered to what the CPU has) and
+    what computes calls of many rows (a prompt)."""
+    built = int8_kernel()
+    if built is None:
+        return {"activations": "float32", "int8_isa": "",
+                "many_rows": f"dequantize + torch matmul above {MAX_ROWS} rows"}  # fmt: skip
+    isa = built.isa(qdot.options().isa)
+    return {"activations": "int8", "int8_isa": isa, "many_rows": qdot.many_rows_kernel(isa)}
 
 
 def int8_active() -> bool:

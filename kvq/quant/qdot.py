@@ -1,9 +1,12 @@
 """The int8-activation kernel (`csrc/qdot.c`): built with the system C compiler at first use,
 loaded with ctypes.
 
-`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, MXFP4) with x quantized to 8
-bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
-(vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. It
+`y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, MXFP4) with x quantized to
+8 bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
+(vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. From 16
+rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
+unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
+weight row per int32 lane; the same integers and float steps, so the same bits. It
 computes below the stored precision (the activations lose bits), so it runs only where a
 setting asks for it (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`).
 
@@ -63,6 +66,20 @@ class Built:
     @property
     def best_isa(self) -> str:
         return ISA_NAMES[int(self.lib.kvq_qdot_best_isa())]
+
+    def isa(self, asked: int = -1) -> str:
+        """The path a call asking for `asked` runs (-1: the best; higher than the CPU has is
+        lowered, as the C code does)."""
+        best = int(self.lib.kvq_qdot_best_isa())
+        return ISA_NAMES[best if asked < 0 or asked > best else asked]
+
+
+def many_rows_kernel(isa: str) -> str:
+    """What computes a call of GEMM_MIN rows or more on path `isa` (`csrc/qdot_gemm.h` on
+    AVX-512, the multi-row dots elsewhere)."""
+    if isa == "avx512":
+        return "tile: 16 weight rows unpacked once per 128 rows (AVX512BW + VNNI)"
+    return "multi-row dots: each weight row unpacked once per 8 rows"
 
 
 def default_cache_dir(state_dir: str = "") -> Path:

@@ -403,6 +403,7 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
 }
 
 #include "qdot_q4k_z.h"
+#include "qdot_gemm.h"
 #undef TGTZ
 #undef F16Z
 #undef LDY
@@ -547,6 +548,14 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
         else
             quantize_0(x + r * k, k, (x0_t *)xq + r * nb);
     }
+#ifdef QDOT_X86
+    if (isa == ISA_AVX512 && n_x >= GEMM_MIN) { /* many rows: tiles of weight rows (qdot_gemm.h) */
+        int rc = gemm_matmul(qtype, k_paired(qtype, isa), w, n_rows, row_bytes, xq, per * (size_t)nb,
+                             n_x, nb, out, threads < 1 ? 1 : threads);
+        free(xq);
+        return rc;
+    }
+#endif
     dot_k_fn fk = kq ? pick_k(qtype, isa) : 0;
     dot_0_fn f0 = kq ? 0 : pick_0(qtype, isa);
     mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;

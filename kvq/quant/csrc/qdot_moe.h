@@ -183,6 +183,12 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
 /* weight rows per scheduled piece: experts' pair counts differ, so a static split is uneven
  * (dynamic pieces of 64 rows: the call 9-12% faster at 8 sequences of the olmoe preset) */
 #define MOE_ROWS 64
+#define MOE_TILE 16 /* weight rows per scheduled unit: the tile kernel's GT */
+
+#ifdef QDOT_X86
+_Static_assert(MOE_TILE == GT, "a MoE tile is one tile of the tile kernel");
+#include "qdot_moe_gemm.h"
+#endif
 
 static int pairs_valid(int n, const int64_t *start, const int64_t *row, int64_t t) {
     if (start[0] != 0) return 0;
@@ -232,43 +238,73 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
     pairs_by_token(m, row, t, tstart, tpair);
     if (threads < 1) threads = 1;
     (void)threads;
-    const int64_t nf = (int64_t)n * f, nh = (int64_t)n * h;
+    const int64_t tf = (f + MOE_TILE - 1) / MOE_TILE, th = (h + MOE_TILE - 1) / MOE_TILE;
+#ifdef QDOT_X86
+    int64_t most = 0; /* the most pairs of one expert: whether any takes the tile kernel */
+    for (int e = 0; e < n; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+    const int want_tiles = most >= GEMM_MIN && (kern_gemm(&kg) || kern_gemm(&kd));
+#endif
 #pragma omp parallel num_threads(threads)
     {
+#ifdef QDOT_X86
+        moe_bufs_t bufs = {0};
+        /* without its buffers a thread keeps the multi-row dots: the same bits */
+        const int tiles_ok = want_tiles && moe_bufs_alloc(&bufs, &kg, &ku, &kd, h, f);
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < t; i++) {
             kern_quantize(&kg, x + i * h, h, xg + xg_n * (size_t)i);
             if (xu_n) kern_quantize(&ku, x + i * h, h, xu + xu_n * (size_t)i);
         }
-#pragma omp for schedule(dynamic, MOE_ROWS)
-        for (int64_t i = 0; i < nf; i++) { /* [n, f]: expert i / f, row i % f */
-            const int64_t e = i / f, r = i % f;
-            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
-                const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
-                const void *xsg[MX], *xsu[MX];
-                float g[MX], u[MX];
-                for (int j = 0; j < nx; j++) {
-                    xsg[j] = xg + xg_n * (size_t)row[p0 + j];
-                    xsu[j] = xu + xu_row * (size_t)row[p0 + j];
+#pragma omp for schedule(dynamic, MOE_ROWS / MOE_TILE)
+        for (int64_t i = 0; i < n * tf; i++) { /* [n, tf]: expert i / tf, its tile i % tf */
+            const int64_t e = i / tf, r0 = (i % tf) * MOE_TILE;
+            const int nr = (int)(f - r0 < MOE_TILE ? f - r0 : MOE_TILE);
+#ifdef QDOT_X86
+            if (tiles_ok && kern_gemm(&kg) && kern_gemm(&ku) && start[e + 1] - start[e] >= GEMM_MIN) {
+                moe_tile_gate_up(&bufs, &kg, &ku, gate[e], up[e], rb, r0, nr, h, f, xg, xg_n, xu, xu_row,
+                                 row, start[e], start[e + 1], hb, act, bias, e);
+                continue;
+            }
+#endif
+            for (int64_t r = r0; r < r0 + nr; r++) {
+                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
+                    const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
+                    const void *xsg[MX], *xsu[MX];
+                    float g[MX], u[MX];
+                    for (int j = 0; j < nx; j++) {
+                        xsg[j] = xg + xg_n * (size_t)row[p0 + j];
+                        xsu[j] = xu + xu_row * (size_t)row[p0 + j];
+                    }
+                    kern_mdot(&kg, gate[e] + r * rb[0], xsg, nx, h, g);
+                    kern_mdot(&ku, up[e] + r * rb[1], xsu, nx, h, u);
+                    for (int j = 0; j < nx; j++)
+                        hb[(p0 + j) * f + r] = moe_hidden(g[j], u[j], act, bias, e, r);
                 }
-                kern_mdot(&kg, gate[e] + r * rb[0], xsg, nx, h, g);
-                kern_mdot(&ku, up[e] + r * rb[1], xsu, nx, h, u);
-                for (int j = 0; j < nx; j++)
-                    hb[(p0 + j) * f + r] = moe_hidden(g[j], u[j], act, bias, e, r);
             }
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < m; p++) kern_quantize(&kd, hb + p * f, f, hq + hq_n * (size_t)p);
-#pragma omp for schedule(dynamic, MOE_ROWS)
-        for (int64_t i = 0; i < nh; i++) { /* [n, h] */
-            const int64_t e = i / h, r = i % h;
-            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
-                const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
-                const void *xs[MX];
-                float v[MX];
-                for (int j = 0; j < nx; j++) xs[j] = hq + hq_n * (size_t)(p0 + j);
-                kern_mdot(&kd, down[e] + r * rb[2], xs, nx, f, v);
-                for (int j = 0; j < nx; j++) y[(p0 + j) * h + r] = moe_out(v[j], bias, e, r);
+#pragma omp for schedule(dynamic, MOE_ROWS / MOE_TILE)
+        for (int64_t i = 0; i < n * th; i++) { /* [n, th] */
+            const int64_t e = i / th, r0 = (i % th) * MOE_TILE;
+            const int nr = (int)(h - r0 < MOE_TILE ? h - r0 : MOE_TILE);
+#ifdef QDOT_X86
+            if (tiles_ok && kern_gemm(&kd) && start[e + 1] - start[e] >= GEMM_MIN) {
+                moe_tile_down(&bufs, &kd, down[e], rb[2], r0, nr, h, f, hq, hq_n, start[e], start[e + 1],
+                              y, bias, e);
+                continue;
+            }
+#endif
+            for (int64_t r = r0; r < r0 + nr; r++) {
+                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
+                    const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
+                    const void *xs[MX];
+                    float v[MX];
+                    for (int j = 0; j < nx; j++) xs[j] = hq + hq_n * (size_t)(p0 + j);
+                    kern_mdot(&kd, down[e] + r * rb[2], xs, nx, f, v);
+                    for (int j = 0; j < nx; j++) y[(p0 + j) * h + r] = moe_out(v[j], bias, e, r);
+                }
             }
         }
 #pragma omp for schedule(static)
@@ -284,6 +320,9 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                 }
             }
         }
+#ifdef QDOT_X86
+        moe_bufs_free(&bufs);
+#endif
     }
     free(mem);
     return 0;
