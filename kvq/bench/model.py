@@ -1,4 +1,4 @@
-"""`kvq bench model`: load time, memory and decode throughput of one GGUF file in kvq, beside
+"""`kvq bench model`: load time, memory, prefill and decode throughput of one GGUF file in kvq, beside
 llama.cpp (llama-cpp-python, the optional `bench` extra) on the same file and thread count.
 
 Every round of every engine runs in a fresh subprocess (`python -m kvq.bench.model --child
@@ -17,6 +17,11 @@ being timed. Per engine, each figure is the median over its rounds;
   embedding stay mapped, encoded); llama `Llama(...)`.
 - `peak_rss_mb`: VmHWM at the end; `anon_rss_mb_load|decode`: RssAnon after the load and after
   the decodes. llama.cpp maps the file, so its weights count in RSS but not in RssAnon.
+- `prefill_tok_s`, `ttft_s`, `ttft_first_s` (`prefill_tokens`, default 512; `kvq.bench.prefill`):
+  right after the load, two prompts of that many tokens, each prefilled in one pass; the second
+  gives the figures, the first (kvq mapping its experts on first touch) `ttft_first_s`. `paths`:
+  what each engine computed with (kvq: activations, the int8 kernel's instruction set and its
+  many-row kernel; llama.cpp: its system info line); `cpu`: the CPU's model and features.
 - `decode_tok_s`: batch 1, greedy, EOS ignored, from the first generated token to the last
   (the prompt's prefill excluded): kvq `kvq.model.generate`, llama `Llama.generate`.
 - `aggregate_tok_s` (kvq only): `batch` sequences through the coordinator's path, an `Engine`
@@ -45,6 +50,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvq.bench.prefill import PREFILL_TOKENS, cpu_features, kvq_prefill, llama_prefill
 from kvq.errors import ConfigError, ModelError
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the rain in Spain falls mainly"
@@ -54,7 +60,7 @@ NOTE_NO_LLAMA = (
     "model', gives the build flags)"
 )
 RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode", "decode_tok_s",
-              "aggregate_tok_s")  # fmt: skip
+              "aggregate_tok_s", "prefill_tok_s", "ttft_s", "ttft_first_s")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class ModelBench:
     llama: bool = True
     bank: dict[str, Any] | None = None
     kernels: dict[str, Any] | None = None
+    prefill_tokens: int = PREFILL_TOKENS  # 0: no prefill figures
 
     def check(self) -> None:
         """ConfigError naming the first bad value."""
@@ -78,6 +85,8 @@ class ModelBench:
                            ("batch", "sequences")):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench model --{flag} {getattr(self, name)} must be >= 1")
+        if self.prefill_tokens < 0:
+            raise ConfigError(f"bench model --prefill-tokens {self.prefill_tokens} must be >= 0")
         if not self.prompt:
             raise ConfigError("bench model --prompt must not be empty")
         if not Path(self.model).is_file():
@@ -110,8 +119,8 @@ def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": cfg.model, "file_mb": os.path.getsize(cfg.model) / MB, "threads": cfg.threads,
         "tokens": cfg.tokens, "rounds": cfg.rounds, "batch": cfg.batch, "prompt": cfg.prompt,
-        "page_cache_warm_s": warm_s, "page_cache_rewarm_s": rewarm_s,
-        "kvq": _summary(runs["kvq"]),
+        "page_cache_warm_s": warm_s, "page_cache_rewarm_s": rewarm_s, "cpu": cpu_features(),
+        "prefill_tokens": cfg.prefill_tokens, "kvq": _summary(runs["kvq"]),
     }  # fmt: skip
     if not use_llama:
         out["llama_note"] = "skipped (--no-llama)" if not cfg.llama else NOTE_NO_LLAMA
@@ -233,6 +242,10 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     anon_load = _status_mb("RssAnon")
     tok = load_tokenizer(cfg.model)
+    prefill: dict[str, Any] = {}
+    if cfg.prefill_tokens:
+        prefill = kvq_prefill(bb, lambda s: tok.encode(s, add_bos=True), cfg.prompt,
+                              min(cfg.prefill_tokens, bb.meta.context_length - 1))  # fmt: skip
     prompt = tok.encode(cfg.prompt, add_bos=True)
     stamps: list[float] = []
     one = ExpertTally(bb.local_moe, rows=1)
@@ -266,8 +279,8 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "expert_share_1": one.share(span(stamps)), "expert_share_batch": many.share(agg_s),
         "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "activations": qdot.options().activations,
-        "int8_kernel": kernels.int8_active(),
-    }  # fmt: skip
+        "int8_kernel": kernels.int8_active(), "paths": kernels.paths(),
+    } | prefill  # fmt: skip
 
 
 def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:
@@ -299,16 +312,20 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
     from llama_cpp import Llama
 
     from .llama_batch import decode_together
+    from .prefill import llama_system_info
 
-    n_ctx = len(cfg.prompt.encode()) + cfg.tokens + 16  # BPE never has more tokens than bytes
+    # BPE never has more tokens than bytes; one batch takes the whole prefill prompt
+    n_ctx = max(len(cfg.prompt.encode()) + cfg.tokens, cfg.prefill_tokens) + 16
+    n_batch = max(512, cfg.prefill_tokens)
     t0 = time.perf_counter()
     try:  # verbose: llama.cpp logs why a load failed, and only when verbose
         llm = Llama(model_path=cfg.model, n_threads=cfg.threads, n_threads_batch=cfg.threads,
-                    n_ctx=n_ctx, verbose=True)  # fmt: skip
+                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, verbose=True)  # fmt: skip
     except (ValueError, RuntimeError, OSError) as exc:
         return {"error": f"llama.cpp could not load the file: {exc}"}
     load_s = time.perf_counter() - t0
     anon_load = _status_mb("RssAnon")
+    prefill = llama_prefill(llm, cfg.prompt, cfg.prefill_tokens) if cfg.prefill_tokens else {}
     prompt = llm.tokenize(cfg.prompt.encode(), add_bos=True)
     stamps: list[float] = []
     for _tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
@@ -327,8 +344,8 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
         "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
         "decode_tokens": len(stamps), "decode_tok_s": decode, "aggregate_tok_s": agg,
         "aggregate_gain": _ratio(agg, decode), "aggregate_sequences": cfg.batch,
-        "aggregate_note": agg_note,
-    }  # fmt: skip
+        "aggregate_note": agg_note, "paths": {"system_info": llama_system_info()},
+    } | prefill  # fmt: skip
 
 
 def _child_main(argv: list[str]) -> int:

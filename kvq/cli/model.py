@@ -236,6 +236,7 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
         rounds=args.rounds, batch=args.sequences, prompt=args.prompt or PROMPT, llama=not args.no_llama,
         bank=asdict(BankOptions.from_settings(settings)), kernels=asdict(qdot.options()),
+        prefill_tokens=args.prefill_tokens,
     )  # fmt: skip
     r = run_model_bench(cfg)
     if args.json:
@@ -244,10 +245,14 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     print(f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
           f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
           "activations")  # fmt: skip
+    cpu = r.get("cpu") or {}
+    print(f"  CPU: {cpu.get('model', '?')} ({', '.join(cpu.get('flags', [])) or 'no listed flags'}); "
+          f"prefill prompt {r['prefill_tokens']} tokens")  # fmt: skip
     kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
     print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
     for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
-                "prompt_tokens", "decode_tok_s", "aggregate_tok_s", "aggregate_gain"):  # fmt: skip
+                "prefill_tok_s", "ttft_s", "ttft_first_s", "prompt_tokens", "decode_tok_s",
+                "aggregate_tok_s", "aggregate_gain"):  # fmt: skip
         cells = [f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}"
                  for v in (kq.get(key), ll.get(key), ratio.get(key))]  # fmt: skip
         print(f"  {key:<20} {' '.join(cells)}")
@@ -256,6 +261,11 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
               f"routed pairs")  # fmt: skip
     print(f"  bank: {kq['bank_note']}")
+    paths = kq.get("paths", {})
+    print(f"  kvq kernels: {paths.get('activations')} activations, {paths.get('int8_isa') or '-'}"
+          f"; many rows: {paths.get('many_rows')}")  # fmt: skip
+    if ll.get("paths"):
+        print(f"  llama.cpp: {ll['paths']['system_info']}")
     if "experts_per_layer_1" in kq:
         print(f"  distinct experts a layer: {kq['experts_per_layer_1']:.1f} at batch 1, "
               f"{kq['experts_per_layer_batch']:.1f} at {kq['aggregate_sequences']} sequences "
@@ -373,7 +383,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bk.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bk.set_defaults(fn=cmd_bench_kernels)
 
-    bm = bench.add_parser("model", help="load, memory and decode tok/s of a GGUF vs llama.cpp")
+    bm = bench.add_parser("model", help="load, memory, prefill and decode of a GGUF vs llama.cpp")
     bm.add_argument("--model", required=True, help="GGUF file")
     bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")
     bm.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
@@ -381,6 +391,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bm.add_argument("--sequences", type=int, default=8,
                     help="sequences decoded together for aggregate_tok_s")  # fmt: skip
     bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
+    bm.add_argument("--prefill-tokens", type=int, default=512,
+                    help="prompt length for prefill_tok_s and TTFT (0: skip)")  # fmt: skip
     bm.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
     bm.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bm.set_defaults(fn=cmd_bench_model)

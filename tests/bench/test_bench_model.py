@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 KVQ_FIGURES = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
                "decode_tok_s", "aggregate_tok_s", "aggregate_gain", "prompt_tokens",
                "experts_per_layer_1", "experts_per_layer_batch", "expert_ms_per_layer_1",
-               "expert_ms_per_layer_batch", "expert_share_1", "expert_share_batch")  # fmt: skip
+               "expert_ms_per_layer_batch", "expert_share_1", "expert_share_batch",
+               "prefill_tok_s", "ttft_s", "ttft_first_s")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,9 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
 def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
     r: dict[str, Any] = {"load_s": 2.0, "peak_rss_mb": 100.0, "anon_rss_mb_load": 50.0,
                          "anon_rss_mb_decode": 60.0, "prompt_tokens": 9, "decode_tokens": 4,
-                         "decode_tok_s": decode_tok_s}  # fmt: skip
+                         "decode_tok_s": decode_tok_s, "prefill_tokens": 512,
+                         "prefill_tok_s": 10 * decode_tok_s, "ttft_s": 51.2 / decode_tok_s,
+                         "ttft_first_s": 60.0 / decode_tok_s}  # fmt: skip
     if engine == "kvq":
         r |= {"aggregate_tok_s": 3 * decode_tok_s, "hit_rate": None, "bank_note": "stub"}
     return r
@@ -45,9 +48,14 @@ def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
 
 def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     r = _json(capsys, "bench", "model", "--model", str(tiny), "--no-llama", "--tokens", "4",
-              "--rounds", "1", "--threads", "1", "--json")  # fmt: skip
+              "--rounds", "1", "--threads", "1", "--prefill-tokens", "40", "--json")  # fmt: skip
     assert r["file_mb"] > 0 and r["threads"] == 1 and r["rounds"] == 1
     kq = r["kvq"]
+    assert r["prefill_tokens"] == 40 and kq["prefill_tokens"] == 40
+    assert kq["prefill_tok_s"] == pytest.approx(40 / kq["ttft_s"])
+    assert set(kq["paths"]) == {"activations", "int8_isa", "many_rows"}
+    assert kq["paths"]["activations"] == kq["activations"]
+    assert isinstance(r["cpu"], dict)
     for key in KVQ_FIGURES:
         assert isinstance(kq[key], int | float) and kq[key] > 0, key
     assert kq["decode_tokens"] == 4
@@ -120,6 +128,9 @@ def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
     assert order == ["kvq", "llama"] * 3
     assert r["kvq"]["decode_tok_s"] == 20.0 and r["llama"]["decode_tok_s"] == 40.0
     assert r["ratio"]["decode_tok_s"] == pytest.approx(0.5)
+    assert r["kvq"]["prefill_tok_s"] == 200.0 and r["llama"]["prefill_tok_s"] == 400.0
+    assert r["ratio"]["prefill_tok_s"] == pytest.approx(0.5)
+    assert r["ratio"]["ttft_s"] == pytest.approx(2.0)  # a time: kvq / llama, lower is better
     assert r["ratio"]["load_s"] == pytest.approx(1.0)
     assert r["kvq"]["prompt_tokens"] == 9 and isinstance(r["kvq"]["prompt_tokens"], int)
     assert r["ratio"]["aggregate_tok_s"] is None  # the stub's llama rounds have none
@@ -127,6 +138,7 @@ def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
     assert main(["bench", "model", "--model", str(tiny), "--rounds", "1"]) == 0
     text = capsys.readouterr().out
     assert "decode_tok_s" in text and "kvq/llama" in text
+    assert "prefill_tok_s" in text and "ttft_s" in text
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
@@ -149,9 +161,39 @@ def test_stderr_hint_keeps_the_reason_of_a_failed_load() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
 def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     r = _json(capsys, "bench", "model", "--model", str(tiny), "--tokens", "4", "--rounds", "1",
-              "--threads", "1", "--json")  # fmt: skip
+              "--threads", "1", "--prefill-tokens", "40", "--json")  # fmt: skip
     ll = r["llama"]
     assert ll.get("error") or ll["decode_tok_s"] > 0
+    if not ll.get("error"):  # both engines prefill the same number of tokens in the round
+        assert ll["prefill_tokens"] == r["kvq"]["prefill_tokens"] == 40
+        assert ll["prefill_tok_s"] == pytest.approx(40 / ll["ttft_s"])
+        assert ll["paths"]["system_info"]
+        assert r["ratio"]["prefill_tok_s"] > 0
+
+
+def test_prefill_prompts_have_exactly_n_tokens_and_differ() -> None:
+    from kvq.bench.prefill import prompt_ids
+
+    def encode(text: str) -> list[int]:  # BOS, then one id per word
+        return [1] + [len(w) for w in text.split()]
+
+    a, b = (prompt_ids(encode, "the quick brown fox", 512, salt) for salt in (0, 1))
+    assert len(a) == len(b) == 512 and a[0] == b[0] == 1
+    assert prompt_ids(encode, "x", 3, 0) == [1, 1, 5]  # "x (0.0)": cut at n
+    assert prompt_ids(lambda t: [1] + [7] * (len(t) // 40), "word", 100, 0)[1:] == [7] * 99
+
+
+def test_cpu_features_name_the_isa_extensions(tmp_path: Path) -> None:
+    from kvq.bench.prefill import cpu_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f "
+                    "avx512bw avx512_vnni avx512_bf16\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n")  # fmt: skip
+    assert cpu_features(info) == {
+        "model": "AMD EPYC",
+        "flags": ["avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"],
+    }
+    assert cpu_features(tmp_path / "none") == {}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
