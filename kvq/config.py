@@ -78,6 +78,12 @@ class Settings(SettingsChecks):
 
     # -- coordinator --------------------------------------------------------------------
     n_slots: int = Field(4, ge=1, le=1024, description="sequences generated together")
+    prefill_chunk: int = Field(
+        512, ge=0, le=1_048_576,
+        description="prompt tokens one engine step reads at most, over every sequence still "
+        "reading its prompt (chunked prefill: the other sequences decode between the chunks "
+        "of a long prompt); 0 = each prompt whole in one step",
+    )  # fmt: skip
     saturation_threshold: int = Field(2, ge=1, description="busy slots at which it is loaded")
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"

@@ -83,6 +83,7 @@ class CoordinatorSettings:
     """The coordinator's serving loop."""
 
     n_slots: int
+    prefill_chunk: int  # KVQ_PREFILL_CHUNK: chunked prefill's token budget per step
     saturation_threshold: int
     slot_poll_s: float
     claim_idle_ms: int

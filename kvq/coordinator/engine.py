@@ -1,7 +1,13 @@
 """Continuous batching over `n_slots` sequences: admit, step all together, retire.
 
-One `step()` runs one backbone forward over every active sequence (prefill tokens of new ones,
+One `step()` runs one backbone forward over every active sequence (prompt tokens of new ones,
 one decode token of the others), so each MoE layer sees all their token rows at once.
+
+Chunked prefill (as vLLM schedules it): one step takes at most `prefill_chunk` prompt tokens
+over all the sequences still reading their prompt, first admitted first. A long prompt is
+read over several steps, and the decode steps of the other sequences go on between its
+chunks instead of waiting for the whole prompt; it gives its first token once it has read
+its last chunk. A decode token never counts against the budget.
 """
 
 from __future__ import annotations
@@ -58,8 +64,12 @@ TokenSink = Callable[[list[Sequence]], None]  # called once per step with every 
 class Engine:
     """Generation for up to `n_slots` sequences at a time, each with its own sampling."""
 
-    def __init__(self, backbone: Backbone, tokenizer: Tokenizer, n_slots: int) -> None:
+    def __init__(
+        self, backbone: Backbone, tokenizer: Tokenizer, n_slots: int, prefill_chunk: int = 0
+    ) -> None:
+        """`prefill_chunk`: prompt tokens one step takes at most (0: every prompt whole)."""
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
+        self.prefill_chunk = prefill_chunk
         self.active: list[Sequence] = []
 
     @property
@@ -107,20 +117,29 @@ class Engine:
         return gone
 
     def step(self, moe: MoeFn | None, on_tokens: TokenSink) -> list[Sequence]:
-        """One forward over all active sequences; returns the sequences that finished."""
+        """One forward over all active sequences (a sequence whose prompt is longer than
+        what is left of the step's prefill budget reads a chunk of it and gives no token);
+        returns the sequences that finished."""
         if not self.active:
             return []
-        steps = [SeqStep(s.next_input, s.cache) for s in self.active]
+        takes = self._tokens_to_read()
+        stepping = [(s, n) for s, n in zip(self.active, takes, strict=True) if n]
+        for seq in self.active:
+            seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
+        steps = [SeqStep(s.next_input[:n], s.cache) for s, n in stepping]
         with torch.inference_mode():
             logits = self._forward(steps, moe)  # [S, vocab]
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
             done = []
-            for i, seq in enumerate(self.active):
+            for i, (seq, n) in enumerate(stepping):
+                if n < len(seq.next_input):  # a chunk of its prompt: the rest in later steps
+                    seq.next_input = seq.next_input[n:]
+                    continue
                 assert seq.sampler is not None
-                n = len(seq.generated)
-                forced = seq.forced[n] if n < len(seq.forced) else None
+                made = len(seq.generated)
+                forced = seq.forced[made] if made < len(seq.forced) else None
                 if seq.sampler.greedy:
                     tok = greedy_ids[i] if forced is None else forced
                 else:
@@ -132,6 +151,20 @@ class Engine:
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
+
+    def _tokens_to_read(self) -> list[int]:
+        """Per active sequence, the tokens of its `next_input` this step reads: all of a
+        decode step's one; of prompts, what the step's `prefill_chunk` budget has left, in
+        admission order (0: it waits for the next step)."""
+        left = self.prefill_chunk or None
+        takes = []
+        for seq in self.active:
+            n = len(seq.next_input)
+            if n > 1 and left is not None:
+                n = min(n, left)
+                left -= n
+            takes.append(n)
+        return takes
 
     def _forward(self, steps: list[SeqStep], moe: MoeFn | None) -> torch.Tensor:
         """One forward of `steps`, cut into the micro-batches `moe` asks for (if it can)."""

@@ -87,7 +87,9 @@ class Coordinator:
             )
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.chat = load_chat_template(model_path)  # the file's own, or ChatML
-        self.engine = Engine(self.backbone, self.tokenizer, settings.n_slots)
+        self.engine = Engine(
+            self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk
+        )
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         # a backbone file holds no expert: no bank, every slice on workers
         self.bank = Bank(self.backbone.experts.values(), bank, cpu) if meta.holds_experts else None
