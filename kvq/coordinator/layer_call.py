@@ -1,10 +1,15 @@
 """One MoE layer's dispatch for one (micro-)batch: its rows, jobs in flight and partial sums.
 
 A call is `start`ed (route, send the remote jobs, compute the local slices while they are in
-flight) and later `finish`ed (wait for its results, fall back locally on a miss, add the
+flight) and later `finish`ed (collect its results, fall back locally on a miss, add the
 partial sums). Between the two the engine may run another micro-batch's attention
-(`kvq.model.microbatch`), so several calls can be in flight at once: results are read from
-the workers' results streams by the dispatcher and handed to the call that sent the job.
+(`kvq.model.microbatch`), so several calls can be in flight at once: each collects its own
+results from the mailbox, which keeps those another call's read brought.
+
+A call works with the parts its dispatcher hands it (`CallParts`) and never reaches back into
+the dispatcher: what it learns goes into the step's tally, the routing's estimates and the
+verifier, and what the dispatcher needs after it (whether it sent remote jobs) it reads off
+the call.
 
 Partial sums are added in slice order whatever the arrival order, so remote and local
 generation agree bit for bit when the worker computes with the same dtype.
@@ -14,21 +19,48 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvq import wire
+from kvq.bank.server import ExpertServer
 from kvq.bus.board import Fields
+from kvq.bus.histogram import Histogram
+from kvq.bus.records import DispatchCounters
+from kvq.config import DispatchSettings
+from kvq.coordinator.mailbox import Delivery, Mailbox
 from kvq.coordinator.pending import Answer, Pending, latency_ms
-from kvq.coordinator.verify import Verdict
+from kvq.coordinator.placement import Placement
+from kvq.coordinator.routing import SliceRouter
+from kvq.coordinator.verify import Verdict, Verifier
 from kvq.slices import SliceSpec
 
-if TYPE_CHECKING:
-    from kvq.coordinator.dispatch import Dispatcher
-
 log = logging.getLogger("kvq.coordinator")
+
+
+@dataclass
+class Tally:
+    """What the layer calls count, read by the coordinator's stats."""
+
+    stats: DispatchCounters = field(default_factory=DispatchCounters)
+    per_worker: dict[str, int] = field(default_factory=dict)  # results used per worker
+    job_rtt: Histogram = field(default_factory=Histogram)  # remote jobs: sent -> result read
+
+
+@dataclass(frozen=True)
+class CallParts:
+    """What a layer call works with, all owned by its dispatcher."""
+
+    model: str
+    settings: DispatchSettings
+    placement: Placement
+    routing: SliceRouter
+    mailbox: Mailbox
+    verifier: Verifier
+    server: ExpertServer
+    tally: Tally
 
 
 class LayerCall:
@@ -37,25 +69,33 @@ class LayerCall:
     give_up_at = 0.0  # monotonic: when a job this coordinator cannot compute fails (set once)
 
     def __init__(
-        self, d: Dispatcher, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+        self, parts: CallParts, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> None:
-        self.d, self.layer, self.x, self.ids, self.w = d, layer, x, ids, w  # [T,H] [T,k] [T,k]
+        self.parts, self.layer, self.x, self.ids, self.w = (
+            parts,
+            layer,
+            x,
+            ids,
+            w,
+        )  # [T,H] [T,k] [T,k]
+        self.stats = parts.tally.stats
         self.partials: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Pending] = {}
         self.order: list[tuple[SliceSpec, torch.Tensor]] = []
-        self.deadline_ms = int(time.time() * 1000) + d.s.job_deadline_ms
+        self.deadline_ms = int(time.time() * 1000) + parts.settings.job_deadline_ms
+        self.sent_remote = False  # it sent jobs it waits for (the dispatcher reads it)
 
     def start(self, busy: int, total: int) -> None:
         """Route the layer, send its remote jobs, compute its local slices."""
-        d, stats = self.d, self.d.stats
-        for spec in d.slices_of(self.layer):
+        parts, stats, place = self.parts, self.stats, self.parts.placement
+        for spec in place.slices_of(self.layer):
             hit = ((self.ids >= spec.expert_start) & (self.ids < spec.expert_end)).any(dim=1)
             rows = hit.nonzero().squeeze(1)  # [R]
             if rows.numel():
                 self.order.append((spec, rows))
         work = {spec.sid: int(rows.numel()) for spec, rows in self.order}
-        d.count_routed(work)  # the monitor weights replica targets by it (K7)
-        route = d.route(work, busy, total)
+        place.count_routed(work)  # the monitor weights replica targets by it (K7)
+        route = place.route(work, busy, total)
         t_send = time.perf_counter()
         local: list[tuple[SliceSpec, torch.Tensor]] = []
         jobs: list[tuple[str, Fields]] = []
@@ -63,71 +103,85 @@ class LayerCall:
         trial = route.trial if route is not None else None
         for spec, rows in self.order:
             worker = route.worker(spec.sid) if route is not None else None
-            if worker is None and not d.has_experts:  # a split kept it here: it cannot be
-                worker = d.replica_for(spec.sid, None, self._give_up_at())
+            if worker is None and not place.has_experts:  # a split kept it here: it cannot be
+                worker = place.replica_for(spec.sid, None, self._give_up_at())
             if worker is None:
                 local.append((spec, rows))
                 continue
-            job_id = d.next_job_id()
+            job_id = parts.mailbox.next_job_id()
             jobs.append((worker, wire.encode(self._job(job_id, spec, rows, worker))))
             p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
-            if worker == trial and d.routing.router.holds_locally(spec.sid):
+            if worker == trial and parts.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
                 # not waited for, so a slow worker costs no layer call its round trip
-                d.shadows[job_id] = p
+                parts.mailbox.expect_trial(job_id, p)
                 trials.append(p)
                 local.append((spec, rows))
             else:
-                self.pending[job_id] = p
-                d.inflight[job_id] = self
-        d.send(jobs)
+                self._expect(job_id, p)
+        parts.mailbox.post(jobs, parts.routing.holders)
         stats.remote_send_s += time.perf_counter() - t_send
         stats.remote_sent += len(self.pending)
         stats.trials_sent += len(jobs) - len(self.pending)
-        d.sent_remote = d.sent_remote or bool(self.pending)
+        self.sent_remote = bool(self.pending)
         for spec, rows in local:  # while the remote jobs are in flight
             self.partials[spec.sid] = self.local(spec, rows)
             stats.local_jobs += 1
-        for shadow in trials:  # this call's trials: the local answer checks theirs
-            shadow.ref = self.partials[shadow.spec.sid]
+        for p in trials:  # this call's trials: the local answer checks theirs
+            p.ref = self.partials[p.spec.sid]
 
     def finish(self) -> torch.Tensor:
-        """Wait for this call's results (others' are handed to their calls), fall back
+        """Collect this call's results (the mailbox keeps others' for them), fall back
         locally on a miss; the layer's output `[T, H]`."""
-        d = self.d
         if self.pending:
             self._gather()
-        elif d.shadows:  # nothing to wait for: pick up answered trials without blocking
-            for sender, stream, eid, fields in d.results.read(count=256, block_ms=None):
-                d.accept(sender, stream, eid, fields)
-        d.expire_shadows()
+        elif self.parts.mailbox.has_trials:  # nothing to wait for: read answered trials
+            self.receive(self.parts.mailbox.collect(self, None))
         out = torch.zeros_like(self.x)
         for spec, rows in self.order:
             out.index_add_(0, rows, self.partials[spec.sid])
         return out
 
+    def _expect(self, job_id: str, p: Pending) -> None:
+        self.pending[job_id] = p
+        self.parts.mailbox.expect(job_id, p, self)
+
+    def _send(self, worker: str, spec: SliceSpec, rows: torch.Tensor) -> Pending:
+        """One more job for rows this call already routed (sent again, or to a witness); its
+        deadline is the job deadline from now."""
+        parts = self.parts
+        job_id = parts.mailbox.next_job_id()
+        self.deadline_ms = max(self.deadline_ms,
+                               int(time.time() * 1000) + parts.settings.job_deadline_ms)  # fmt: skip
+        parts.mailbox.post([(worker, wire.encode(self._job(job_id, spec, rows, worker)))],
+                           parts.routing.holders)  # fmt: skip
+        p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
+        self._expect(job_id, p)
+        return p
+
     def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor, worker: str) -> wire.Job:
-        d = self.d
+        parts = self.parts
         return wire.Job(
-            job_id=job_id, model=d.info.model, layer=self.layer, slice=spec.sid,
+            job_id=job_id, model=parts.model, layer=self.layer, slice=spec.sid,
             expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=d.coord, reply_to=d.results.key(worker), deadline_ms=self.deadline_ms,
+            coord=parts.mailbox.coord, reply_to=parts.mailbox.results_key(worker),
+            deadline_ms=self.deadline_ms,
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
-            want_dtype=d.verifier.asked(worker),
+            want_dtype=parts.verifier.asked(worker),
         )  # fmt: skip
 
     def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        y = self.d.server.compute(
+        y = self.parts.server.compute(
             self.layer, self.x[rows], self.ids[rows], self.w[rows],
             spec.expert_start, spec.expert_end,
         )  # fmt: skip
         took = time.perf_counter() - t0
-        self.d.routing.observe_local(int(rows.numel()), took * 1000)
-        self.d.stats.local_expert_s += took
-        self.d.stats.local_rows += int(rows.numel())
+        self.parts.routing.observe_local(int(rows.numel()), took * 1000)
+        self.stats.local_expert_s += took
+        self.stats.local_rows += int(rows.numel())
         return y
 
     def fallback(self, p: Pending, latency_ms: float, failed_by: str | None = None) -> None:
@@ -135,89 +189,91 @@ class LayerCall:
         (without the experts here: send it again, `resend`). The failure counts against
         `failed_by`, the worker whose answer failed (a peer the job was moved to, perhaps),
         else against `p.worker`, which did not answer in time."""
-        self.d.routing.observe_failure(failed_by or p.worker, latency_ms)
-        if not self.d.has_experts:
+        self.parts.routing.observe_failure(failed_by or p.worker, latency_ms)
+        if not self.parts.placement.has_experts:
             self.resend(p)
             return
-        self.d.stats.fallback_jobs += 1
+        self.stats.fallback_jobs += 1
         self.partials[p.spec.sid] = self.local(p.spec, p.rows)
 
     def _give_up_at(self) -> float:
         if not self.give_up_at:
-            self.give_up_at = time.monotonic() + self.d.s.replica_wait_s
+            self.give_up_at = time.monotonic() + self.parts.settings.replica_wait_s
         return self.give_up_at
 
     def resend(self, p: Pending) -> None:
         """A backbone-only coordinator's job failed: the same rows go to a live replica of the
         slice (another worker if there is one), waited for up to `KVQ_REPLICA_WAIT_S` from
         this call's first failure; then NoReplica ends the step's requests with an error."""
-        d = self.d
-        worker = d.replica_for(p.spec.sid, p.worker, self._give_up_at())
-        job_id = d.next_job_id()
-        log.info("job for slice %s failed on %s; sent again to %s as %s", p.spec.sid,
-                 p.worker, worker, job_id)  # fmt: skip
-        self.deadline_ms = max(self.deadline_ms, int(time.time() * 1000) + d.s.job_deadline_ms)
-        d.send([(worker, wire.encode(self._job(job_id, p.spec, p.rows, worker)))])
-        self.pending[job_id] = Pending(p.spec, p.rows, worker, time.monotonic(), time.time() * 1000)
-        d.inflight[job_id] = self
-        d.stats.remote_sent += 1
+        worker = self.parts.placement.replica_for(p.spec.sid, p.worker, self._give_up_at())
+        log.info("job for slice %s failed on %s; sent again to %s", p.spec.sid, p.worker,
+                 worker)  # fmt: skip
+        self._send(worker, p.spec, p.rows)
+        self.stats.remote_sent += 1
 
     def _gather(self) -> None:
-        d = self.d
+        mailbox, stats = self.parts.mailbox, self.stats
         # a result checked on arrival is recomputed here (`Verifier.judge`): that is expert
         # compute (`local_expert_s`), not waiting
-        t0, computed = time.perf_counter(), d.stats.local_expert_s
+        t0, computed = time.perf_counter(), stats.local_expert_s
         while self.pending:  # a resent job (backbone-only) is waited for in turn
             while self.pending:
                 left_ms = self.deadline_ms - int(time.time() * 1000)
+                # past the deadline: one last look, without blocking, at what has arrived
+                self.receive(mailbox.collect(self, left_ms if left_ms > 0 else None))
                 if left_ms <= 0:
                     break
-                for sender, stream, eid, fields in d.results.read(count=256, block_ms=left_ms):
-                    d.accept(sender, stream, eid, fields)
             missed, self.pending = self.pending, {}
             for job_id, p in missed.items():
                 log.info("job %s on %s missed its deadline; %s", job_id, p.worker,
-                         "computing locally" if d.has_experts else "sending it again")  # fmt: skip
-                d.inflight.pop(job_id, None)
-                self.fallback(p, float(d.s.job_deadline_ms))
-        d.stats.remote_wait_s += time.perf_counter() - t0 - (d.stats.local_expert_s - computed)
+                         "computing locally" if self.parts.placement.has_experts
+                         else "sending it again")  # fmt: skip
+                mailbox.forget(job_id)
+                self.fallback(p, float(self.parts.settings.job_deadline_ms))
+        stats.remote_wait_s += time.perf_counter() - t0 - (stats.local_expert_s - computed)
 
-    def deliver(self, sender: str, eid: bytes, res: wire.Result) -> None:
-        """The result of one of this call's jobs, read from `sender`'s stream (the dispatcher
-        found its owner and checked that `sender` may answer it)."""
-        d, stats = self.d, self.d.stats
-        p = self.pending.pop(res.job_id)
-        ms = latency_ms(p, eid)
-        d.job_rtt.observe(ms / 1000)
+    def receive(self, deliveries: list[Delivery]) -> None:
+        """Results of this call's jobs, as the mailbox hands them over (it has checked that
+        their senders may answer them)."""
+        for dv in deliveries:
+            if dv.job_id in self.pending:
+                self._deliver(dv)
+
+    def _deliver(self, dv: Delivery) -> None:
+        parts, stats = self.parts, self.stats
+        sender, res = dv.sender, dv.result
+        p = self.pending.pop(dv.job_id)
+        ms = latency_ms(p, dv.eid)
+        parts.tally.job_rtt.observe(ms / 1000)
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
         want = (p.rows.numel(), self.x.shape[1])
         if y is not None and y.shape != want:  # no honest worker answers another shape
             stats.remote_errors += 1
-            d.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
+            parts.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
             self.fallback(p, ms, sender)
             return
         if y is None:
             if res.error is not None:
-                d.verifier.refused(sender, res.error)
+                parts.verifier.refused(sender, res.error)
             log.warning("worker %s failed job %s: %s", sender, res.job_id, res.error)
             stats.remote_errors += 1
             self.fallback(p, ms, sender)
             return
-        if d.verifier.barred(sender):  # caught earlier: nothing it sends is used
+        if parts.verifier.barred(sender):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
-            if not d.has_experts:
+            if not parts.placement.has_experts:
                 self.resend(p)
                 return
             stats.fallback_jobs += 1
             self.partials[p.spec.sid] = self.local(p.spec, p.rows)
             return
-        if not d.has_experts:  # nothing here can recompute it: replicas check each other
+        if not parts.placement.has_experts:  # nothing here can recompute it: replicas check
             self._quorum(p, Answer(sender, y, res.dtype), ms, res.compute_ms)
             return
         recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
-        y, verdict = d.verifier.judge(sender, y, res.dtype, recompute)
+        y, verdict = parts.verifier.judge(sender, y, res.dtype, recompute)
         self.partials[p.spec.sid] = y
         if verdict is Verdict.REJECTED:
             stats.fallback_jobs += 1
@@ -225,10 +281,12 @@ class LayerCall:
         self._used(sender, p, ms, res.compute_ms, verdict is Verdict.VERIFIED)
 
     def _used(self, worker: str, p: Pending, ms: float, compute_ms: float, verified: bool) -> None:
-        d = self.d
-        d.stats.remote_jobs += 1
-        d.routing.observe_result(worker, ms, int(p.rows.numel()), compute_ms, verified=verified)
-        d.per_worker[worker] = d.per_worker.get(worker, 0) + 1
+        tally = self.parts.tally
+        tally.stats.remote_jobs += 1
+        self.parts.routing.observe_result(
+            worker, ms, int(p.rows.numel()), compute_ms, verified=verified
+        )
+        tally.per_worker[worker] = tally.per_worker.get(worker, 0) + 1
 
     def _quorum(self, p: Pending, got: Answer, ms: float, compute_ms: float) -> None:
         """A coordinator without experts checks a result by the same job's result from another
@@ -236,23 +294,23 @@ class LayerCall:
         that agree are used; on disagreement a third holder decides, and the one outvoted is
         caught; with no holder left to ask, none is used and the job is sent again (it waits,
         up to `KVQ_REPLICA_WAIT_S`, then NoReplica: never a wrong token)."""
-        d = self.d
-        if d.verifier.unchecked(got.worker, got.y, got.dtype) is Verdict.REJECTED:
+        verifier = self.parts.verifier
+        if verifier.unchecked(got.worker, got.y, got.dtype) is Verdict.REJECTED:
             if p.answers:  # a witness that failed: ask another, the earlier answers wait
                 self._witness(p, p.answers, None)
             else:
                 self.resend(p)
             return
-        if not p.answers and not d.verifier.wants_witness(got.worker):
+        if not p.answers and not verifier.wants_witness(got.worker):
             self.partials[p.spec.sid] = got.y
             self._used(got.worker, p, ms, compute_ms, False)
             return
-        agreeing = next((a for a in p.answers if d.verifier.agree(a, got)), None)
+        agreeing = next((a for a in p.answers if verifier.agree(a, got)), None)
         if agreeing is not None:
-            d.verifier.confirmed([agreeing, got])
+            verifier.confirmed([agreeing, got])
             for a in p.answers:
                 if a is not agreeing:
-                    d.verifier.outvoted(a, [agreeing, got])
+                    verifier.outvoted(a, [agreeing, got])
             self.partials[p.spec.sid] = got.y
             self._used(got.worker, p, ms, compute_ms, True)
             return
@@ -262,29 +320,24 @@ class LayerCall:
         """Send `p`'s rows to a live holder of the slice that has not answered them yet, to
         confirm one of `answers`; with none left, the answers are dropped and the job sent
         again."""
-        d = self.d
+        parts = self.parts
         asked = {a.worker for a in answers} | {p.worker}
-        free = [w for w in d.routing.live_holders(p.spec.sid)
-                if w not in asked and not d.verifier.barred(w)]  # fmt: skip
+        free = [w for w in parts.routing.live_holders(p.spec.sid)
+                if w not in asked and not parts.verifier.barred(w)]  # fmt: skip
         if not free:
             if len(answers) > 1:
                 log.warning("slice %s: %d answers to one job disagree and no other live worker "
                             "holds it; none is used, the job is sent again", p.spec.sid,
                             len(answers))  # fmt: skip
-                d.stats.unresolved += 1
+                self.stats.unresolved += 1
                 self.resend(p)
             else:  # no second holder: used unconfirmed, as without quorum
-                d.stats.unwitnessed += 1
+                self.stats.unwitnessed += 1
                 self.partials[p.spec.sid] = answers[0].y
                 self._used(answers[0].worker, p, 0.0, 0.0, False)
             return
-        worker, job_id = free[0], d.next_job_id()
-        self.deadline_ms = max(self.deadline_ms, int(time.time() * 1000) + d.s.job_deadline_ms)
-        d.send([(worker, wire.encode(self._job(job_id, p.spec, p.rows, worker)))])
-        witness = Pending(p.spec, p.rows, worker, time.monotonic(), time.time() * 1000)
+        witness = self._send(free[0], p.spec, p.rows)
         witness.answers = answers
-        self.pending[job_id] = witness
-        d.inflight[job_id] = self
-        d.stats.witness_jobs += 1
-        log.debug("slice %s: job %s asks %s to confirm %s", p.spec.sid, job_id, worker,
+        self.stats.witness_jobs += 1
+        log.debug("slice %s: a job asks %s to confirm %s", p.spec.sid, free[0],
                   ", ".join(a.worker for a in answers) or "-")  # fmt: skip

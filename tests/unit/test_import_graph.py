@@ -15,8 +15,6 @@ import kvq
 
 ROOT = Path(kvq.__file__).parent
 KNOWN = {
-    # LayerCall reads and writes the Dispatcher's state (TYPE_CHECKING import only)
-    frozenset({"kvq.coordinator.dispatch", "kvq.coordinator.layer_call"}),
     # Backbone.generate calls into generate.py, which drives a Backbone
     frozenset({"kvq.model.backbone", "kvq.model.generate"}),
 }
