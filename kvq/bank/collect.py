@@ -16,6 +16,7 @@ import torch
 from kvq.bank.hist import Histogram, merge_counts
 from kvq.errors import BankError
 from kvq.model import Backbone, expert_forward, load_tokenizer, slice_nbytes
+from kvq.model.generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def collect_histogram(
         return expert_forward(bb.experts[layer], x, ids, w)
 
     for i, prompt in enumerate(prompts):
-        bb.generate(tok.encode(prompt), tokens, moe=counting_moe, stop_at_eos=False)
+        generate(bb, tok.encode(prompt), tokens, moe=counting_moe, stop_at_eos=False)
         log.debug("prompt %d/%d done", i + 1, len(prompts))
     sizes = {
         layer: [slice_nbytes(meta, layer, j, j + 1) for j in range(e)] for layer in meta.moe_layers

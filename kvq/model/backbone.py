@@ -26,7 +26,6 @@ from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.deltanet import DeltaState, DeltaWeights
 from kvq.model.experts import expert_forward
-from kvq.model.generate import generate
 from kvq.model.layers import (
     Gating,
     Rope,
@@ -369,17 +368,6 @@ class Backbone:
                 raise ModelError(f"SeqStep {i} has token ids {bad[:5]} outside [0, {vocab})")
             s.cache.check_room(len(s.tokens))
         return [len(s.tokens) for s in steps]
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        moe: MoeFn | None = None,
-        stop_at_eos: bool = True,
-    ) -> list[int]:
-        """Greedy decoding; returns the generated ids only (EOS not included). Stops early at
-        EOS (if `stop_at_eos`) or when the context is full. Sampling: `kvq.model.generate`."""
-        return generate(self, prompt_ids, max_tokens, moe=moe, stop_at_eos=stop_at_eos)
 
 
 def no_experts_message(layer: int) -> str:

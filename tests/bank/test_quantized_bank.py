@@ -20,6 +20,7 @@ from bank_helpers import opts
 from kvq.bank import Bank
 from kvq.bank.layout import resident_bytes
 from kvq.model import Backbone, load_tokenizer, make_tiny
+from kvq.model.generate import generate
 from kvq.model.qstack import QStack
 
 
@@ -44,14 +45,14 @@ def test_experts_stay_encoded_and_swaps_are_bit_exact(quant_model: Path) -> None
     assert bank.cold_bytes == sum(s.nbytes() for s in bb.experts.values())  # the encoded bytes
     tok = load_tokenizer(quant_model)
     prompt = tok.encode("quantized hot and cold")
-    want = bb.generate(prompt, 10, stop_at_eos=False)
+    want = generate(bb, prompt, 10, stop_at_eos=False)
 
     def moe(layer, x, ids, w):  # type: ignore[no-untyped-def]
         if layer == 0:
             bank.step()
         return bank.forward(layer, x, ids, w)
 
-    assert bb.generate(prompt, 10, moe=moe, stop_at_eos=False) == want
+    assert generate(bb, prompt, 10, moe=moe, stop_at_eos=False) == want
     assert bank.stats()["swaps"] > 0, "the test must exercise swaps"
 
 
@@ -93,6 +94,7 @@ def test_mapping_reads_no_expert_bytes_until_they_are_used(tmp_path: Path) -> No
 _CHILD = r"""
 import json, sys, torch
 from kvq.model import Backbone
+from kvq.model.generate import generate
 def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
@@ -135,12 +137,12 @@ def test_gpt_oss_bank_computes_the_expert_biases_and_clamped_swiglu(
     per = resident_bytes(bb.experts[0], torch.device("cpu"))
     bank = Bank(bb.experts.values(), opts(hot_bytes=3 * per, dynamic=True, dyn_steps=2))
     prompt = load_tokenizer(path).encode("sinks and windows")
-    want = bb.generate(prompt, 10, stop_at_eos=False)
+    want = generate(bb, prompt, 10, stop_at_eos=False)
 
     def moe(layer, x, ids, w):  # type: ignore[no-untyped-def]
         if layer == 0:
             bank.step()
         return bank.forward(layer, x, ids, w)
 
-    assert bb.generate(prompt, 10, moe=moe, stop_at_eos=False) == want
+    assert generate(bb, prompt, 10, moe=moe, stop_at_eos=False) == want
     assert bank.stats()["swaps"] > 0, "the test must exercise swaps"

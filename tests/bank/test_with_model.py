@@ -10,6 +10,7 @@ from bank_helpers import opts, per_expert
 
 from kvq.bank import Bank
 from kvq.model import Backbone, ByteTokenizer, make_tiny
+from kvq.model.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +25,14 @@ def test_generation_is_unchanged_and_counted(backbone: Backbone, dynamic: bool) 
     bank = Bank(backbone.experts.values(), opts(hot_bytes=4 * per_expert(backbone.experts[0]),
                                        dynamic=dynamic, dyn_steps=3))  # fmt: skip
     prompt = ByteTokenizer.from_meta(backbone.meta).encode("hot and cold")
-    want = backbone.generate(prompt, 12, stop_at_eos=False)
+    want = generate(backbone, prompt, 12, stop_at_eos=False)
 
     def moe(layer, x, ids, w):  # type: ignore[no-untyped-def]
         if layer == 0:
             bank.step()  # one engine step per forward pass
         return bank.forward(layer, x, ids, w)
 
-    assert backbone.generate(prompt, 12, moe=moe, stop_at_eos=False) == want
+    assert generate(backbone, prompt, 12, moe=moe, stop_at_eos=False) == want
     s = bank.stats()
     assert s["updates"] == 4 and s["rates"].routed == (len(prompt) + 11) * 2 * 2
     hot, cold = bank.hit_rates()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.model import Backbone, load_tokenizer, make_tiny
+from kvq.model.generate import generate
 
 
 def test_eos_is_not_a_token(tmp_path: Path) -> None:
@@ -14,7 +15,7 @@ def test_eos_is_not_a_token(tmp_path: Path) -> None:
     make_tiny(path, layers=1, experts=4, experts_used=2)
     bb, tok = Backbone.from_gguf(path), load_tokenizer(path)
     prompt = tok.encode("hello")
-    greedy = bb.generate(prompt, 3, stop_at_eos=False)
+    greedy = generate(bb, prompt, 3, stop_at_eos=False)
     tok.eos_id = greedy[2]  # the third greedy token ends the sequence
     k = greedy.index(tok.eos_id)  # where greedy decoding first meets it
     engine = Engine(bb, tok, n_slots=1)

@@ -10,6 +10,7 @@ from typing import Any
 from kvq.config import Settings
 from kvq.keys import Keys
 from kvq.model import Backbone, load_tokenizer
+from kvq.model.generate import generate
 from kvq.monitor import Monitor
 from kvq.worker import Worker
 
@@ -35,7 +36,7 @@ def wait_ready(mon: Monitor, model_id: str, n: int, timeout_s: float = 60.0) -> 
 def local_tokens(model: Path, prompt: str, n: int) -> list[int]:
     """Greedy tokens of all-local generation: what every remote path must reproduce."""
     bb = Backbone.from_gguf(model)
-    return bb.generate(load_tokenizer(model).encode(prompt), n)
+    return generate(bb, load_tokenizer(model).encode(prompt), n)
 
 
 def start_with_worker(

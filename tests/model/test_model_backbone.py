@@ -10,6 +10,7 @@ import torch
 
 from kvq.errors import ModelError
 from kvq.model import Backbone, ByteTokenizer, ExpertSlice, KVCache, SeqStep, expert_forward
+from kvq.model.generate import generate
 
 ALL_BACKBONES = ["backbone", "odd_backbone", "qwen2_backbone", "mixtral_backbone"]
 PROMPTS = [
@@ -67,12 +68,12 @@ def test_logits_are_sane(backbone: Backbone) -> None:
 
 
 def test_generate_is_deterministic_and_depends_on_prompt(backbone: Backbone) -> None:
-    outs = [backbone.generate(_ids(backbone, p), 12, stop_at_eos=False) for p in PROMPTS]
+    outs = [generate(backbone, _ids(backbone, p), 12, stop_at_eos=False) for p in PROMPTS]
     assert all(len(o) == 12 for o in outs)
-    assert outs[0] == backbone.generate(_ids(backbone, PROMPTS[0]), 12, stop_at_eos=False)
+    assert outs[0] == generate(backbone, _ids(backbone, PROMPTS[0]), 12, stop_at_eos=False)
     assert len({tuple(o) for o in outs}) >= len(PROMPTS) - 1
     assert all(len(set(o)) > 2 for o in outs)  # not a single repeated token
-    assert backbone.generate(_ids(backbone, "x"), 0) == []
+    assert generate(backbone, _ids(backbone, "x"), 0) == []
 
 
 def _split_moe(bb: Backbone, cut: int):  # type: ignore[no-untyped-def]
@@ -95,8 +96,8 @@ def test_split_moe_gives_identical_greedy_tokens(
     bb: Backbone = request.getfixturevalue(which)
     moe = _split_moe(bb, bb.meta.expert_count // 2)
     for p in PROMPTS[:3]:
-        want = bb.generate(_ids(bb, p), 10, stop_at_eos=False)
-        assert bb.generate(_ids(bb, p), 10, moe=moe, stop_at_eos=False) == want
+        want = generate(bb, _ids(bb, p), 10, stop_at_eos=False)
+        assert generate(bb, _ids(bb, p), 10, moe=moe, stop_at_eos=False) == want
 
 
 def test_one_moe_call_per_layer_covers_the_batch(backbone: Backbone) -> None:
@@ -123,7 +124,7 @@ def test_router_popularity_is_skewed(backbone: Backbone) -> None:
         return backbone.local_moe(layer, x, ids, w)
 
     for p in PROMPTS:
-        backbone.generate(_ids(backbone, p), 8, moe=record, stop_at_eos=False)
+        generate(backbone, _ids(backbone, p), 8, moe=record, stop_at_eos=False)
     ranked = sorted(counts.values(), reverse=True)
     top = max(1, backbone.meta.expert_count // 4)
     assert sum(ranked[:top]) > 0.5 * sum(ranked)
@@ -133,7 +134,7 @@ def test_router_popularity_is_skewed(backbone: Backbone) -> None:
 def test_bfloat16_backbone_runs(tiny_path: Path) -> None:
     bb = Backbone.from_gguf(tiny_path, dtype=torch.bfloat16)
     assert bb.experts[0].compute_dtype == torch.bfloat16
-    assert len(bb.generate(_ids(bb, "bf16"), 4, stop_at_eos=False)) == 4
+    assert len(generate(bb, _ids(bb, "bf16"), 4, stop_at_eos=False)) == 4
 
 
 def test_bad_steps_raise_and_leave_caches_alone(backbone: Backbone) -> None:

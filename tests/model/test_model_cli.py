@@ -14,6 +14,7 @@ from kvq.cli import main
 from kvq.cli import model as cli_model
 from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
 from kvq.model.arch import TINY_ARCHS
+from kvq.model.generate import generate
 from kvq.model.loader import GqaWeights
 from kvq.model.presets import PRESETS, Preset, plan, write_preset
 from kvq.model.qstack import QMatrix
@@ -162,12 +163,12 @@ def test_generate_json_matches_the_library(
     tok = load_tokenizer(odd_path)
     d = _json(capsys, "generate", "--model", str(odd_path), "--prompt", "hi there",
               "--max-tokens", "7", "--json")  # fmt: skip
-    want = odd_backbone.generate(tok.encode("hi there"), 7)
+    want = generate(odd_backbone, tok.encode("hi there"), 7)
     assert d["token_ids"] == want and d["text"] == tok.decode(want)
     assert d["prompt_ids"] == tok.encode("hi there")
     d2 = _json(capsys, "generate", "--model", str(odd_path), "--prompt-ids", "256,104,105",
                "--max-tokens", "3", "--json")  # fmt: skip
-    assert d2["token_ids"] == odd_backbone.generate([256, 104, 105], 3)
+    assert d2["token_ids"] == generate(odd_backbone, [256, 104, 105], 3)
 
 
 def test_generate_sampling_is_seeded(capsys: pytest.CaptureFixture[str], odd_path: Path) -> None:

@@ -12,7 +12,7 @@ PROMPT = [256, 104, 101, 108, 108, 111]
 
 
 def test_greedy_and_top_k_1_equal_backbone_generate(odd_backbone: Backbone) -> None:
-    want = odd_backbone.generate(PROMPT, 10, stop_at_eos=False)
+    want = generate(odd_backbone, PROMPT, 10, stop_at_eos=False)
     seen: list[int] = []
     got = generate(odd_backbone, PROMPT, 10, stop_at_eos=False, on_token=seen.append)
     assert got == seen == want

@@ -15,6 +15,7 @@ from gguf import GGUFReader
 from kvq.errors import ModelError
 from kvq.model import Backbone, SeqStep, load_tokenizer, read_meta
 from kvq.model import gguf_io as gio
+from kvq.model.generate import generate
 from kvq.model.presets import PRESETS, Preset, plan, preset_named, write_preset
 from kvq.model.tiny import TinyConfig
 
@@ -59,7 +60,7 @@ def test_small_preset_runs_with_bounded_activations_and_skewed_routing(small: Pa
         top_share = counts.most_common(1)[0][1] / len(ids)
         assert top_share > 0.9, (layer, counts)  # one expert in (nearly) every token's top-4
         assert len(counts) < 16  # some experts are never picked for this text
-    assert len(bb.generate(ids[:4], 6, stop_at_eos=False)) == 6
+    assert len(generate(bb, ids[:4], 6, stop_at_eos=False)) == 6
 
 
 def test_writing_streams_tensor_by_tensor(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from kvq.model import Backbone, expert_forward_reference, make_tiny
+from kvq.model.generate import generate
 
 
 def _as_iq4_nl(path: Path) -> None:
@@ -36,4 +37,4 @@ def test_iq4_nl_experts_compute_like_their_reference(tmp_path: Path) -> None:
     ref = expert_forward_reference(dense.gate, dense.up, dense.down, 0, x, ids, w)
     got = bb.local_moe(0, x, ids, w).double().numpy()
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5  # float32 vs float64 rounding
-    assert len(bb.generate([1, 2, 3], 4, stop_at_eos=False)) == 4
+    assert len(generate(bb, [1, 2, 3], 4, stop_at_eos=False)) == 4

@@ -13,6 +13,7 @@ from kvq.cli import main
 from kvq.errors import ModelError
 from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta
 from kvq.model import gguf_io as gio
+from kvq.model.generate import generate
 from kvq.model.registry import header_sha256
 from kvq.model.split import backbone_source, is_routed, write_backbone
 
@@ -75,10 +76,10 @@ def test_backbone_loader_runs_the_backbone_and_refuses_experts(full: Path, tmp_p
     assert bb.experts == {}
     assert load_tokenizer(out).encode("split me") == load_tokenizer(full).encode("split me")
     with pytest.raises(ModelError, match="backbone file .* only workers compute"):
-        bb.generate([1, 2, 3], 2)
+        generate(bb, [1, 2, 3], 2)
     # with the full file's experts plugged in, the backbone file generates the same tokens
     prompt = load_tokenizer(full).encode("the same tokens")
-    assert bb.generate(prompt, 6, moe=ref.local_moe) == ref.generate(prompt, 6)
+    assert generate(bb, prompt, 6, moe=ref.local_moe) == generate(ref, prompt, 6)
     cache_a, cache_b = bb.new_cache(), ref.new_cache()
     from kvq.model import SeqStep
 

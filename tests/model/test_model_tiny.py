@@ -13,6 +13,7 @@ from kvq.errors import ModelError
 from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model import gguf_io as gio
 from kvq.model.bpe import tiny_vocab
+from kvq.model.generate import generate
 from kvq.model.presets import Preset, plan
 from kvq.model.quants import tensor_type
 from kvq.model.tiny import TinyConfig, make_tiny, write_tiny
@@ -30,7 +31,7 @@ def test_k_quants_with_the_default_sizes_fall_back_per_tensor(tmp_path: Path) ->
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == "Q5_0"
     assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_norm.weight"] == "F32"
     bb = Backbone.from_gguf(path)
-    assert len(bb.generate([256, 104, 105], 4, stop_at_eos=False)) == 4
+    assert len(generate(bb, [256, 104, 105], 4, stop_at_eos=False)) == 4
 
 
 def test_q4_k_m_mix_in_a_file(tmp_path: Path) -> None:
@@ -48,7 +49,7 @@ def test_q4_k_m_mix_in_a_file(tmp_path: Path) -> None:
     assert reader.get_field("general.file_type").contents() == LlamaFileType.MOSTLY_Q4_K_M
     bb = Backbone.from_gguf(path)
     ids = load_tokenizer(path).encode("The experts")
-    assert len(bb.generate(ids, 3, stop_at_eos=False)) == 3
+    assert len(generate(bb, ids, 3, stop_at_eos=False)) == 3
 
 
 @pytest.mark.parametrize(("arch", "quant"), [("qwen2moe", "q4_k_m"), ("mixtral", "q5_0"),

@@ -14,6 +14,7 @@ import torch
 from kvq.bank import Bank, BankOptions
 from kvq.model import Backbone, expert_forward_reference, make_tiny
 from kvq.model.backbone import SeqStep
+from kvq.model.generate import generate
 from kvq.quant import qdot
 
 QUANTS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
@@ -63,8 +64,8 @@ def test_greedy_tokens_agree_with_float64_over_64_steps(model: Path) -> None:
     fast = Backbone.from_gguf(model)  # float32, experts dequantized per call
     ref = Backbone.from_gguf(model, dtype=torch.float64)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    got = fast.generate(prompt, 64, stop_at_eos=False)
-    want = ref.generate(prompt, 64, stop_at_eos=False)
+    got = generate(fast, prompt, 64, stop_at_eos=False)
+    want = generate(ref, prompt, 64, stop_at_eos=False)
     agree = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
     assert agree == 1.0, f"{model.stem}: {agree:.3f} of 64 greedy tokens agree"
 
@@ -86,7 +87,7 @@ def test_int8_default_path_error_and_greedy_agreement(quant: str, tmp_path: Path
     path = _tiny(tmp_path / f"{quant}.gguf", quant)
     bb = Backbone.from_gguf(path)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    want = bb.generate(prompt, 64, stop_at_eos=False)  # float32 (the fixture)
+    want = generate(bb, prompt, 64, stop_at_eos=False)  # float32 (the fixture)
     cc, cache = qdot.options().cc, qdot.options().cache_dir
     qdot.configure(qdot.KernelOptions("int8", cc, cache))
     from kvq.quant import kernels

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
+from kvq.model.generate import generate
 from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
 
@@ -200,13 +201,13 @@ def test_greedy_tokens_with_int8_activations_agree_with_float32(
               kv_heads=2, head_dim=64, quant=quant)  # fmt: skip
     bb = Backbone.from_gguf(path)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    want = bb.generate(prompt, 64, stop_at_eos=False)
+    want = generate(bb, prompt, 64, stop_at_eos=False)
     assert _forced_argmax(bb, prompt, want) == want
     before = qdot.options()
     qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
     try:
         got = _forced_argmax(bb, prompt, want)
-        free = bb.generate(prompt, 64, stop_at_eos=False)
+        free = generate(bb, prompt, 64, stop_at_eos=False)
     finally:
         qdot.configure(before)
     agree = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
