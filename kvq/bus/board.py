@@ -34,13 +34,13 @@ from kvq.bus.records import (
     SliceDemand,
     SlotState,
     WorkerInfo,
+    WorkerView,
 )
 from kvq.errors import ModelError, WireError
 from kvq.machine import parse_cpus
 
-if TYPE_CHECKING:  # at run time only where used: the model and swarm modules import numpy, gguf
+if TYPE_CHECKING:  # at run time only where used: the model modules import numpy, gguf
     from kvq.model.registry import ModelInfo
-    from kvq.swarm import WorkerView
 
 log = logging.getLogger("kvq.bus")
 
@@ -218,8 +218,6 @@ def worker_view(
 ) -> WorkerView:
     """What routers see of a worker holding `sid` of `model`: its liveness and what its last
     beat said (ready: it serves that slice, whatever else it holds or loads)."""
-    from kvq.swarm import WorkerView
-
     if info is None:
         return WorkerView(worker, sid, alive)
     ready = info.ready_for(model, sid)

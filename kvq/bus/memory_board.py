@@ -20,9 +20,9 @@ from kvq.bus.records import (
     SliceDemand,
     SlotState,
     WorkerInfo,
+    WorkerView,
 )
 from kvq.model.registry import ModelInfo
-from kvq.swarm import WorkerView
 
 
 class MemoryBoard:

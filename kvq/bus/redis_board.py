@@ -25,6 +25,7 @@ from kvq.bus.records import (
     SliceDemand,
     SlotState,
     WorkerInfo,
+    WorkerView,
 )
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import is_cluster, unanswered, xadd
@@ -33,9 +34,8 @@ from kvq.errors import ConfigError, WireError
 from kvq.keys import Keys, request_streams, split_slices
 from kvq.slices import SliceSpec
 
-if TYPE_CHECKING:  # imported where used: the model and swarm modules import numpy and gguf
+if TYPE_CHECKING:  # imported where used: the model modules import numpy and gguf
     from kvq.model.registry import ModelInfo
-    from kvq.swarm import WorkerView
 
 
 def _s(b: bytes) -> str:

@@ -13,7 +13,8 @@ dies. Pure and synchronous over plain data; the caller owns time, threads and I/
   calibrated from `kvq bench pool` (`kvq swarm-sim --throughput`, issue 33 item 6).
 """
 
-from kvq.swarm.live import LivePolicy, LiveRoute, LiveRouter, WorkerView
+from kvq.bus.records import WorkerView
+from kvq.swarm.live import LivePolicy, LiveRoute, LiveRouter
 from kvq.swarm.plan import SwarmPlan, place
 from kvq.swarm.route import failover_in_swarm, route_problems, route_request
 from kvq.swarm.sim import SimOptions, simulate

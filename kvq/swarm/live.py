@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvq.bus.records import WorkerView
 from kvq.errors import RoutingError, UncoveredSlice, Unrecoverable
 from kvq.swarm.plan import SwarmPlan
 from kvq.swarm.route import failover_in_swarm
@@ -47,26 +48,6 @@ from kvq.swarm.types import CostWeights, FailoverOptions, ModelSpec, NodeProfile
 
 _NO_DEGRADE = FailoverOptions(allow_degraded=False)
 ELIGIBLE_SCORE = 0.5  # success EWMA below which a worker gets no share of a capacity split
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """One slice of this model a worker holds, as read at a coverage refresh (a worker holding
-    several slices gives one view each)."""
-
-    worker_id: str
-    slice_id: str
-    alive: bool = True  # its heartbeat key exists
-    last_serve_ms: int = 0  # from its info hash (self-reported): > 0 makes it worth a re-probe
-    load: float | None = None  # its own load in [0, 1] if it reports one
-    first_seen_ms: float | None = None  # K4 grace start; None: when this router first saw it
-    ready: bool = True  # False while it still downloads its slice (alive, not routable)
-    ms_per_row: float = 0.0  # its own compute time per row over its last beat (0: none)
-    queued_rows: int = 0  # rows it computes or has waiting, all coordinators (its last beat)
-    queued_by: tuple[tuple[str, int], ...] = ()  # the part of those it knows per coordinator
-    device: str = ""  # "cpu", "cuda", ...; "" unknown
-    machine: str = ""  # the kernel's boot id of its host; "" unknown (`kvq.machine`)
-    cpus: frozenset[int] = frozenset()  # the CPUs it computes on; empty: unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,3 +111,18 @@ def test_no_new_import_circle() -> None:
     got = circles(graph())
     assert got - KNOWN == set(), "new import circles"
     assert KNOWN - got == set(), "a known circle is gone: take it off the list"
+
+
+def test_the_bus_imports_no_role_and_no_router() -> None:
+    """`kvq.bus` sits under the roles: it imports neither a role's package nor the swarm
+    router (the model registry's records, read lazily, are the one exception left)."""
+    above = ("kvq.swarm", "kvq.coordinator", "kvq.worker", "kvq.monitor", "kvq.api")
+    g = graph()
+    bad = {
+        (m, dep)
+        for m, deps in g.items()
+        if m.startswith("kvq.bus")
+        for dep in deps
+        if dep.startswith(above)
+    }
+    assert bad == set()
