@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
+from kvq.bus.records import Lifetimes  # the bus takes its settings from kvq.settings_parts
 from kvq.errors import ConfigError
 from kvq.settings_checks import RedisMode, SettingsChecks, mode_of_url
 from kvq.settings_parts import (
@@ -27,9 +28,6 @@ from kvq.settings_parts import (
     RoutingSettings,
     WorkerSettings,
 )
-
-if TYPE_CHECKING:
-    from kvq.bus.records import Lifetimes
 
 P = TypeVar("P")  # a part of the settings (kvq.settings_parts)
 
@@ -348,8 +346,6 @@ class Settings(SettingsChecks):
 
     @property
     def lifetimes(self) -> Lifetimes:
-        from kvq.bus.records import Lifetimes  # kvq.bus imports this module
-
         return Lifetimes(self.heartbeat_ttl_s, self.slot_state_stale_s, self.request_ttl_s)
 
     @property

@@ -66,7 +66,7 @@ def make_case(
     """A `kind` ("memory" or "redis") board; `lifetimes` replaces the test settings' TTL rules
     (a short heartbeat for tests that watch one expire)."""
     if kind == "memory":
-        return BoardCase(MemoryBoard(lifetimes or Lifetimes(heartbeat_ttl_s=1.0)))
+        return BoardCase(MemoryBoard(lifetimes or Lifetimes(1.0, 10.0, 600)))
     settings: Settings = request.getfixturevalue("settings")
     board = open_board(settings.bus, lifetimes or settings.lifetimes)
     request.addfinalizer(board.r.close)

@@ -17,10 +17,10 @@ import redis.asyncio.retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from kvq.config import BusSettings
 from kvq.errors import TlsError
 from kvq.security.redact import redacted_text, redacted_url
 from kvq.settings_checks import tls_weakening
+from kvq.settings_parts import BusSettings
 
 __all__ = [
     "Backoff", "connect", "connect_async", "is_connection_error", "is_tls_error", "redacted_url",

@@ -22,6 +22,7 @@ from kvq.bus.records import (
     WorkerInfo,
     WorkerView,
 )
+from kvq.config import Settings
 from kvq.model.registry import ModelInfo
 
 
@@ -31,7 +32,7 @@ class MemoryBoard:
     def __init__(
         self, lifetimes: Lifetimes | None = None, clock: Callable[[], float] = time.time
     ) -> None:
-        self.lifetimes = lifetimes or Lifetimes()
+        self.lifetimes = lifetimes or Settings.model_construct().lifetimes  # the defaults
         self.clock = clock
         self._lock = threading.RLock()
         self._models: dict[str, ModelInfo] = {}

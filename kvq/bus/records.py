@@ -331,9 +331,9 @@ class Lifetimes:
     state is fresher than `slot_state_stale_s`.
     """
 
-    heartbeat_ttl_s: float = 6.0
-    slot_state_stale_s: float = 10.0
-    request_ttl_s: int = 600
+    heartbeat_ttl_s: float  # KVQ_HEARTBEAT_TTL_S (`Settings.lifetimes`)
+    slot_state_stale_s: float  # KVQ_SLOT_STATE_STALE_S
+    request_ttl_s: int  # KVQ_REQUEST_TTL_S
 
     def load_fresh_s(self) -> float:
         """How long a slot sample counts as load (K5): for the coordinator's own dispatch as for

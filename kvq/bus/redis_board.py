@@ -29,9 +29,9 @@ from kvq.bus.records import (
 )
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import is_cluster, unanswered, xadd
-from kvq.config import BusSettings
 from kvq.errors import ConfigError, WireError
 from kvq.keys import Keys, request_streams, split_slices
+from kvq.settings_parts import BusSettings
 from kvq.slices import SliceSpec
 
 if TYPE_CHECKING:  # imported where used: the model modules import numpy and gguf

@@ -147,7 +147,7 @@ def test_market_answers_match_the_lua_scripts(
 ) -> None:
     client = redis.Redis.from_url(redis_server.url)
     try:
-        real = RedisBoard(client, Keys(f"c{uuid.uuid4().hex[:10]}"), Lifetimes())
+        real = RedisBoard(client, Keys(f"c{uuid.uuid4().hex[:10]}"), Lifetimes(6.0, 10.0, 600))
         fake = MemoryBoard()
         for board in (real, fake):
             for sid, n in zip(SIDS, targets, strict=True):
@@ -305,7 +305,7 @@ def test_register_and_read_back_a_model(board_case: BoardCase, tmp_path: Path) -
 @pytest.mark.parametrize("kind", ["memory"])
 def test_memory_board_expires_heartbeats_on_its_clock(kind: str) -> None:
     now = [1000.0]
-    board = MemoryBoard(Lifetimes(heartbeat_ttl_s=1.0), clock=lambda: now[0])
+    board = MemoryBoard(Lifetimes(1.0, 10.0, 600), clock=lambda: now[0])
     board.set_target("m", SIDS[0], 1)
     board.volunteer("m", "a")
     board.beat("a", WorkerInfo(model="m", slice=SIDS[0], device="cpu"))

@@ -197,7 +197,7 @@ def test_give_back_returns_an_offered_slice(board_case: BoardCase, gguf: Path) -
 @pytest.fixture(params=["memory", "redis"])
 def short_case(request: pytest.FixtureRequest) -> BoardCase:
     """Both boards with a heartbeat that expires in `SHORT_TTL_S`."""
-    return make_case(request, request.param, Lifetimes(heartbeat_ttl_s=SHORT_TTL_S))
+    return make_case(request, request.param, Lifetimes(SHORT_TTL_S, 10.0, 600))
 
 
 def _alive(board: Board, worker: str) -> bool:
@@ -276,7 +276,7 @@ def test_a_beat_racing_a_reader_that_expires_the_old_one_is_kept(gguf: Path) -> 
             t.join(timeout=0.5)  # a board that serialises the two lets the beat wait instead
         return now[0]
 
-    board = MemoryBoard(Lifetimes(heartbeat_ttl_s=1.0), clock=clock)
+    board = MemoryBoard(Lifetimes(1.0, 10.0, 600), clock=clock)
     sid = _register(board, gguf)[0]
     board.set_target("m", sid, 1)
     _holding(board, "w", sid)
