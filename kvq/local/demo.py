@@ -49,39 +49,16 @@ class DemoOptions:
 def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[str, Any]:
     """Run the demo; returns the summary (the `--json` document)."""
     t0 = time.monotonic()
-    server: EmbeddedRedis | EmbeddedCluster | None = None
-    if opts.cluster:
-        server = EmbeddedCluster(opts.cluster).start()
-    elif not opts.redis_url:
-        server = EmbeddedRedis().start()
+    server = _start_server(opts)
     url = opts.redis_url or (server.url if server else "")
     tmp = tempfile.TemporaryDirectory(prefix="kvq-demo-")
     children: Children | None = None
     users: DemoUsers | None = None
     try:
         say(f"redis: {'embedded at ' + url if server else redacted_url(url)}")
-        model_path = opts.model_path or str(Path(tmp.name) / "tiny.gguf")
-        if not opts.model_path:
-            make_tiny(model_path, layers=2, experts=8, experts_used=2)
-            say(f"made a tiny MoE model: {model_path}")
+        model_path = _model_path(opts, tmp.name, say)
         s = settings.model_copy(update={"redis_url": url})
-        env = child_env(
-            s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote="all", heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
-            idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
-            dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
-            saturation_enter_s=min(s.saturation_enter_s, 0.2),  # and boosts come and go (a
-            # burst of 16 short requests can be over in 2 s on a fast machine)
-            saturation_leave_s=min(s.saturation_leave_s, 2.0),
-            # the tiny model's experts cost less than a round trip, so the default capacity
-            # split would keep them local; whole copies show the remote path (docs/routing.md)
-            dispatch_policy="copies",
-            # one slice a worker (unless set): the demo shows several workers recruited, where
-            # one worker's budget would fit every slice of the tiny model
-            worker_max_slices=s.worker_max_slices or 1,
-        )  # fmt: skip
-        # several torch processes share this machine's cores: one thread each avoids OpenMP
-        # threads spinning against each other
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = _demo_env(s, model_path)
         children = Children(env, log_dir=opts.log_dir)
         board = open_board(s.bus, s.lifetimes)
         _flush_prefix(board)
@@ -89,30 +66,10 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         if opts.acl:
             users = DemoUsers.make(board.r, board.keys, url, wids)
             say(f"ACL users: {', '.join(users.names)}")
-
-        def as_role(role: str) -> dict[str, str] | None:
-            return None if users is None else env | {"KVQ_REDIS_URL": users.urls[role]}
-
-        children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}",
-                       env=as_role("monitor"))  # fmt: skip
-        children.wait_for(lambda: MODEL_ID in board.models(), 30, "model registration")
-        children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
-                       "--model", model_path, "--id", COORD_ID, env=as_role("coordinator"))  # fmt: skip
-        for w in wids:
-            children.spawn(w, "worker", "--id", w, env=as_role(w))
-        # every worker that the base demand has room for takes its slice before the burst
-        info = board.model_info(MODEL_ID)
-        wanted = min(opts.workers, (len(info.slices) if info else 0) * s.base_replicas)
-        children.wait_for(lambda: _ready_workers(board) >= wanted, 60,
-              "workers to volunteer and load their slices")  # fmt: skip
-        children.wait_for(lambda: board.coordinator_alive(COORD_ID), 60, "the coordinator")
+        _spawn_roles(children, board, env, users, model_path, wids)
+        _wait_ready(children, board, opts.workers, s.base_replicas)
         say(f"{opts.workers} workers volunteered; sending a burst of {opts.requests} requests")
-        sender = redis.Redis.from_url(users.urls["client"]) if users else board.r
-        try:
-            burst = _burst(board, sender, opts, children)
-        finally:
-            if sender is not board.r:
-                sender.close()
+        burst = _client_burst(board, users, opts, children)
         say("burst done; waiting for the monitor to see the load drain")
         children.wait_for(
             lambda: _stats(board).completed >= opts.requests, 30, "final coordinator stats"
@@ -133,6 +90,89 @@ def run_demo(settings: Settings, opts: DemoOptions, say: Any = print) -> dict[st
         if server is not None:
             server.close()
         tmp.cleanup()
+
+
+def _start_server(opts: DemoOptions) -> EmbeddedRedis | EmbeddedCluster | None:
+    """An embedded server or cluster, unless the demo runs against a given URL."""
+    if opts.cluster:
+        return EmbeddedCluster(opts.cluster).start()
+    if not opts.redis_url:
+        return EmbeddedRedis().start()
+    return None
+
+
+def _model_path(opts: DemoOptions, tmp_dir: str, say: Any) -> str:
+    """The given model, or a tiny MoE model made in `tmp_dir`."""
+    model_path = opts.model_path or str(Path(tmp_dir) / "tiny.gguf")
+    if not opts.model_path:
+        make_tiny(model_path, layers=2, experts=8, experts_used=2)
+        say(f"made a tiny MoE model: {model_path}")
+    return model_path
+
+
+def _demo_env(s: Settings, model_path: str) -> dict[str, str]:
+    """The children's environment: settings tuned so a short demo shows every mechanism."""
+    env = child_env(
+        s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote="all", heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
+        idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
+        dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
+        saturation_enter_s=min(s.saturation_enter_s, 0.2),  # and boosts come and go (a
+        # burst of 16 short requests can be over in 2 s on a fast machine)
+        saturation_leave_s=min(s.saturation_leave_s, 2.0),
+        # the tiny model's experts cost less than a round trip, so the default capacity
+        # split would keep them local; whole copies show the remote path (docs/routing.md)
+        dispatch_policy="copies",
+        # one slice a worker (unless set): the demo shows several workers recruited, where
+        # one worker's budget would fit every slice of the tiny model
+        worker_max_slices=s.worker_max_slices or 1,
+    )  # fmt: skip
+    # several torch processes share this machine's cores: one thread each avoids OpenMP
+    # threads spinning against each other
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _spawn_roles(
+    children: Children,
+    board: RedisBoard,
+    env: dict[str, str],
+    users: DemoUsers | None,
+    model_path: str,
+    wids: list[str],
+) -> None:
+    """Start the monitor, then (once it registered the model) the coordinator and workers."""
+
+    def as_role(role: str) -> dict[str, str] | None:
+        return None if users is None else env | {"KVQ_REDIS_URL": users.urls[role]}
+
+    children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}",
+                   env=as_role("monitor"))  # fmt: skip
+    children.wait_for(lambda: MODEL_ID in board.models(), 30, "model registration")
+    children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
+                   "--model", model_path, "--id", COORD_ID, env=as_role("coordinator"))  # fmt: skip
+    for w in wids:
+        children.spawn(w, "worker", "--id", w, env=as_role(w))
+
+
+def _wait_ready(children: Children, board: RedisBoard, workers: int, base_replicas: int) -> None:
+    """Every worker that the base demand has room for takes its slice before the burst."""
+    info = board.model_info(MODEL_ID)
+    wanted = min(workers, (len(info.slices) if info else 0) * base_replicas)
+    children.wait_for(lambda: _ready_workers(board) >= wanted, 60,
+          "workers to volunteer and load their slices")  # fmt: skip
+    children.wait_for(lambda: board.coordinator_alive(COORD_ID), 60, "the coordinator")
+
+
+def _client_burst(
+    board: RedisBoard, users: DemoUsers | None, opts: DemoOptions, children: Children
+) -> dict[str, Any]:
+    """The burst, sent on the client's connection (its own ACL user when there are users)."""
+    sender = redis.Redis.from_url(users.urls["client"]) if users else board.r
+    try:
+        return _burst(board, sender, opts, children)
+    finally:
+        if sender is not board.r:
+            sender.close()
 
 
 def _quarter_of_experts_gib(model_path: str) -> float:
