@@ -269,30 +269,48 @@ def cmd_server(args: argparse.Namespace, settings: Settings) -> int:
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
     """config, monitor, coordinator, worker, submit, demo, server, bench bus."""
+    _add_config(sub)
+    _add_monitor(sub)
+    _add_coordinator(sub)
+    _add_worker(sub)
+    _add_submit(sub)
+    _add_demo(sub)
+    _add_server(sub)
+    _add_bench_bus(bench)
 
+
+def _add_config(sub: Subparsers) -> None:
     c = sub.add_parser("config", help="show or check the effective settings")
     c.add_argument("action", choices=["show", "check"], help="print the settings, or check them")
     c.add_argument("--json", action="store_true", help="print JSON (for machines)")
     c.set_defaults(fn=cmd_config, kernels=False)
 
+
+def _add_monitor(sub: Subparsers) -> None:
     mon = sub.add_parser("monitor", help="run the control plane")
     mon.add_argument("--model", action="append", metavar="ID=PATH", help="register a model")
     mon.add_argument("--source", help="URL workers download the model from (default: PATH)")
     mon.add_argument("--id", help="monitor id for the lease (default monitor-HOSTNAME-PID)")
     mon.set_defaults(fn=cmd_monitor)
 
+
+def _add_coordinator(sub: Subparsers) -> None:
     co = sub.add_parser("coordinator", help="run a coordinator for one model")
     co.add_argument("--model", required=True, help="GGUF file")
     co.add_argument("--model-id", required=True, help="registered model id")
     co.add_argument("--id", help="coordinator id (default coord-HOSTNAME)")
     co.set_defaults(fn=cmd_coordinator)
 
+
+def _add_worker(sub: Subparsers) -> None:
     w = sub.add_parser("worker", help="run a worker (outbound connections only)")
     w.add_argument(
         "--id", help="worker id: 1-64 of A-Z a-z 0-9 _ . - (default: HOSTNAME-<kept suffix>)"
     )
     w.set_defaults(fn=cmd_worker)
 
+
+def _add_submit(sub: Subparsers) -> None:
     s = sub.add_parser("submit", help="send a prompt and stream the completion")
     s.add_argument("--model", required=True, help="registered model id")
     s.add_argument("--prompt", required=True, help="text, encoded by the coordinator")
@@ -309,6 +327,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     s.add_argument("--json", action="store_true", help="print JSON (for machines)")
     s.set_defaults(fn=cmd_submit, kernels=False)
 
+
+def _add_demo(sub: Subparsers) -> None:
     d = sub.add_parser("demo", help="run everything on this machine and summarise")
     d.add_argument("--redis", type=redis_url, help="Redis URL (default: start an embedded server)")
     d.add_argument("--model", help="GGUF file (default: make a tiny one)")
@@ -323,6 +343,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
                    help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
     d.set_defaults(fn=cmd_demo)
 
+
+def _add_server(sub: Subparsers) -> None:
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
     sv.add_argument("--port", type=PORT, default=6379, help="port on 127.0.0.1 (0 = any free)")
     sv.add_argument("--dir", help="data directory (persists across restarts)")
@@ -332,6 +354,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
                     help="with --cluster: R replicas per master")  # fmt: skip
     sv.set_defaults(fn=cmd_server, kernels=False)
 
+
+def _add_bench_bus(bench: Subparsers) -> None:
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
     bb.add_argument("--jobs", type=COUNT, default=2000, help="jobs per side")
     bb.add_argument("--redis", type=redis_url, help="Redis URL (default: start an embedded server)")

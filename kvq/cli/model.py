@@ -313,6 +313,16 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     """model make-tiny, model inspect, model split, generate, bench experts."""
     m = sub.add_parser("model", help="model tools")
     msub = m.add_subparsers(dest="model_cmd", required=True)
+    _add_make_tiny(msub)
+    _add_inspect(msub)
+    _add_split(msub)
+    _add_generate(sub)
+    _add_bench_experts(bench)
+    _add_bench_kernels(bench)
+    _add_bench_model(bench)
+
+
+def _add_make_tiny(msub: Subparsers) -> None:
     mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
     mt.add_argument("out", help="GGUF file to write")
     mt.add_argument("--arch", choices=ARCHS, help="default qwen3moe")
@@ -330,6 +340,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mt.add_argument("--seed", type=int, default=0, help="the same seed writes the same file")
     mt.set_defaults(fn=cmd_make_tiny)
 
+
+def _add_inspect(msub: Subparsers) -> None:
     mi = msub.add_parser("inspect", help="hyper-parameters, quant types, slices, sizes, memory")
     mi.add_argument("file", help="GGUF file to read")
     mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
@@ -341,6 +353,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     mi.add_argument("--json", action="store_true", help="print JSON (for machines)")
     mi.set_defaults(fn=cmd_inspect)
 
+
+def _add_split(msub: Subparsers) -> None:
     ms = msub.add_parser("split", help="write a backbone-only GGUF (no routed experts)")
     ms.add_argument("file", help="the full GGUF model")
     ms.add_argument("--backbone", required=True, metavar="OUT",
@@ -349,6 +363,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     ms.add_argument("--json", action="store_true", help="print JSON (for machines)")
     ms.set_defaults(fn=cmd_split)
 
+
+def _add_generate(sub: Subparsers) -> None:
     g = sub.add_parser("generate", help="generate locally from a GGUF model (no Redis)")
     g.add_argument("--model", required=True, help="GGUF file")
     src = g.add_mutually_exclusive_group(required=True)
@@ -363,6 +379,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     g.add_argument("--json", action="store_true", help="print JSON (for machines)")
     g.set_defaults(fn=cmd_generate)
 
+
+def _add_bench_experts(bench: Subparsers) -> None:
     be = bench.add_parser("experts", help="expert FFN GFLOP/s vs matmul; slice load MB/s")
     for name, default in (("hidden", 2048), ("expert-ffn", 768), ("experts", 16),
                           ("experts-used", 8), ("repeat", 5)):  # fmt: skip
@@ -374,6 +392,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     be.add_argument("--json", action="store_true", help="print JSON (for machines)")
     be.set_defaults(fn=cmd_bench_experts)
 
+
+def _add_bench_kernels(bench: Subparsers) -> None:
     bk = bench.add_parser("kernels", help="fused quantized matmul vs dequantize + matmul")
     bk.add_argument("--rows", type=int, default=2048, help="output rows of the matrix")
     bk.add_argument("--cols", type=int, default=1024, help="a multiple of 256")
@@ -383,6 +403,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     bk.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bk.set_defaults(fn=cmd_bench_kernels)
 
+
+def _add_bench_model(bench: Subparsers) -> None:
     bm = bench.add_parser("model", help="load, memory, prefill and decode of a GGUF vs llama.cpp")
     bm.add_argument("--model", required=True, help="GGUF file")
     bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")

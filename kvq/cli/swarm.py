@@ -203,6 +203,14 @@ def _add_pool(bench: Subparsers) -> None:
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
     """swarm-sim, bench swarm, bench offload."""
+    _add_swarm_sim(sub)
+    _add_bench_swarm(bench)
+    _add_bench_offload(bench)
+    _add_bench_microbatch(bench)
+    _add_pool(bench)
+
+
+def _add_swarm_sim(sub: Subparsers) -> None:
     s = sub.add_parser("swarm-sim", help="run the swarm lifecycle in memory and print JSON")
     s.add_argument("--topology", metavar="FILE.json", help="nodes and models")
     s.add_argument("--kill", action="append", metavar="NODE", help="node that dies (repeatable)")
@@ -228,6 +236,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
                    help="each projected worker's speed over the bench's CPU")  # fmt: skip
     s.set_defaults(fn=cmd_swarm_sim)
 
+
+def _add_bench_swarm(bench: Subparsers) -> None:
     b = bench.add_parser("swarm", help="route decisions per second; a large seeded simulation")
     b.add_argument("--nodes", type=_positive, default=1000, help="simulated machines")
     b.add_argument("--models", type=_positive, default=4, help="simulated models")
@@ -237,6 +247,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     b.add_argument("--json", action="store_true", help="print JSON (for machines)")
     b.set_defaults(fn=cmd_bench_swarm)
 
+
+def _add_bench_offload(bench: Subparsers) -> None:
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
     o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
     o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
@@ -258,6 +270,8 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     o.add_argument("--json", action="store_true", help="print JSON (for machines)")
     o.set_defaults(fn=cmd_bench_offload)
 
+
+def _add_bench_microbatch(bench: Subparsers) -> None:
     m = bench.add_parser("microbatch", help="engine step time, 1 vs n micro-batches, paired")
     m.add_argument("--model", help="GGUF file (default: the offload bench's 240 MB model)")
     m.add_argument("--rtt-ms", type=float, default=0.0, help="round trip added to the worker's")
@@ -275,5 +289,3 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     m.add_argument("--log-dir", help="keep the worker's log here")
     m.add_argument("--json", action="store_true", help="print JSON (for machines)")
     m.set_defaults(fn=cmd_bench_microbatch)
-
-    _add_pool(bench)
