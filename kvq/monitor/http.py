@@ -240,6 +240,17 @@ def _static(name: str) -> Response:
 
 def create_app(api: Api) -> Starlette:
     """The monitor's endpoints as a Starlette app (sync handlers: they run in a thread pool)."""
+    return Starlette(
+        routes=[*_api_routes(api), *_dashboard_routes(api), _volunteer_route(api)],
+        exception_handlers={
+            HttpError: _api_error, 404: _not_found, 405: _not_found,
+            redis.RedisError: _bus_error, Exception: _other,
+        },
+    )  # fmt: skip
+
+
+def _api_routes(api: Api) -> list[Route]:
+    """The read-only JSON and Prometheus endpoints."""
 
     def metrics(request: Request) -> Response:
         return Response(api.metrics(), media_type=CONTENT_TYPE_LATEST)
@@ -257,6 +268,18 @@ def create_app(api: Api) -> Starlette:
     def trust(request: Request) -> Response:
         return JSONResponse(api.trust())
 
+    return [
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/api/moe/recruitment", recruitment, methods=["GET"]),
+        Route("/api/expert-demand", demand, methods=["GET"]),
+        Route("/api/trust", trust, methods=["GET"]),
+    ]
+
+
+def _dashboard_routes(api: Api) -> list[Route]:
+    """The dashboard's snapshot, its page and the page's assets."""
+
     def dashboard(request: Request) -> Response:
         return JSONResponse(api.dashboard.snapshot(), headers={"Cache-Control": "no-store"})
 
@@ -268,6 +291,16 @@ def create_app(api: Api) -> Starlette:
         if name not in STATIC_TYPES:  # only the package's own files, by name
             raise HttpError(HTTPStatus.NOT_FOUND, "NotFound", f"no asset {name!r}")
         return _static(name)
+
+    return [
+        Route("/api/dashboard", dashboard, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Route("/static/{name}", asset, methods=["GET"]),
+    ]
+
+
+def _volunteer_route(api: Api) -> Route:
+    """`POST /api/expert-volunteer`: the body capped, then handed to `Api.volunteer`."""
 
     async def volunteer(request: Request) -> Response:
         body = await capped_body(request, MAX_BODY)
@@ -282,39 +315,27 @@ def create_app(api: Api) -> Starlette:
             return Response(b"", 204, media_type="application/json")
         return JSONResponse(got)
 
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HttpError)
-        return _error(exc.status, exc.kind, str(exc), exc.retryable)
+    return Route("/api/expert-volunteer", volunteer, methods=["POST"])
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        msg = f"no endpoint {request.method} {request.url.path}"
-        return _error(HTTPStatus.NOT_FOUND, "NotFound", msg, False)
 
-    async def bus_error(request: Request, exc: Exception) -> Response:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, "BusError", f"redis: {exc}", True)
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpError)
+    return _error(exc.status, exc.kind, str(exc), exc.retryable)
 
-    async def other(request: Request, exc: Exception) -> Response:
-        # one bad request must not take the monitor down
-        log.error("%s %s failed: %r", request.method, request.url.path, exc)
-        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, type(exc).__name__, str(exc), False)
 
-    return Starlette(
-        routes=[
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/api/moe/recruitment", recruitment, methods=["GET"]),
-            Route("/api/expert-demand", demand, methods=["GET"]),
-            Route("/api/trust", trust, methods=["GET"]),
-            Route("/api/dashboard", dashboard, methods=["GET"]),
-            Route("/", page, methods=["GET"]),
-            Route("/static/{name}", asset, methods=["GET"]),
-            Route("/api/expert-volunteer", volunteer, methods=["POST"]),
-        ],
-        exception_handlers={
-            HttpError: api_error, 404: not_found, 405: not_found,
-            redis.RedisError: bus_error, Exception: other,
-        },
-    )  # fmt: skip
+async def _not_found(request: Request, exc: Exception) -> Response:
+    msg = f"no endpoint {request.method} {request.url.path}"
+    return _error(HTTPStatus.NOT_FOUND, "NotFound", msg, False)
+
+
+async def _bus_error(request: Request, exc: Exception) -> Response:
+    return _error(HTTPStatus.SERVICE_UNAVAILABLE, "BusError", f"redis: {exc}", True)
+
+
+async def _other(request: Request, exc: Exception) -> Response:
+    # one bad request must not take the monitor down
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return _error(HTTPStatus.INTERNAL_SERVER_ERROR, type(exc).__name__, str(exc), False)
 
 
 def serve_api(

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvq.bus.groups import GroupStats, group_stats, merged, server_ms
-from kvq.bus.records import Quarantine
+from kvq.bus.records import ModelState, Quarantine, SliceDemand, WorkerView
 from kvq.bus.redis_board import RedisBoard
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
 from kvq.monitor.coord_metrics import CoordMetrics
@@ -107,6 +107,63 @@ class _Trust:
         return (self.quarantined, self.banned, self.mismatches, self.count)
 
 
+class _Market:
+    """Per model and slice: saturation, demand and coverage, live workers and coordinators."""
+
+    def __init__(self) -> None:
+        slice_labels = ["model", "slice"]
+        self.saturated = _gauge("kvq_model_saturated", "1 while the model is saturated", ["model"])
+        self.demand = _gauge("kvq_slice_demand", "replicas wanted beyond coverage", slice_labels)
+        self.target = _gauge("kvq_slice_target", "replicas wanted", slice_labels)
+        self.coverage = _gauge("kvq_slice_coverage", "workers holding the slice", slice_labels)
+        self.live = _gauge(
+            "kvq_slice_live_workers", "serving workers of the slice with a live heartbeat",
+            slice_labels,
+        )  # fmt: skip
+        self.no_live = _gauge(
+            "kvq_slices_without_live_worker", "slices no live serving worker holds", ["model"]
+        )
+        self.alive = _gauge(
+            "kvq_workers_alive", "workers holding a slice with a live heartbeat", ["model"]
+        )
+        self.coords = _gauge(
+            "kvq_coordinators_alive", "coordinators with fresh slot state", ["model"]
+        )
+        self.orphaned = _gauge(
+            "kvq_requests_orphaned",
+            "requests pending under a consumer that is no live coordinator", ["model"],
+        )  # fmt: skip
+
+    def add_coordinators(self, model: str, up: set[str], requests: GroupStats) -> None:
+        self.coords.add_metric([model], len(up))
+        orphaned = sum(c.pending for c in requests.consumers if c.name not in up)
+        self.orphaned.add_metric([model], orphaned)
+
+    def add_slices(
+        self,
+        model: str,
+        state: ModelState | None,
+        views: list[WorkerView],
+        slices: Mapping[str, SliceDemand],
+    ) -> None:
+        self.saturated.add_metric([model], int(state is not None and state.saturated))
+        serving: dict[str, int] = {}
+        for v in views:
+            if v.alive and v.ready:
+                serving[v.slice_id] = serving.get(v.slice_id, 0) + 1
+        for sid, d in slices.items():
+            self.demand.add_metric([model, sid], d.demand)
+            self.target.add_metric([model, sid], d.target)
+            self.coverage.add_metric([model, sid], d.coverage)
+            self.live.add_metric([model, sid], serving.get(sid, 0))
+        self.no_live.add_metric([model], sum(1 for sid in slices if not serving.get(sid)))
+        self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
+
+    def families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (self.saturated, self.demand, self.target, self.coverage, self.live, self.no_live,
+                self.alive, self.coords, self.orphaned)  # fmt: skip
+
+
 class RedisCollector(Collector):
     """Every kvq metric, computed from Redis at scrape time."""
 
@@ -114,69 +171,16 @@ class RedisCollector(Collector):
         self.board = board
 
     def collect(self) -> Iterator[Metric]:
-        board, r, k = self.board, self.board.r, self.board.keys
+        r, k = self.board.r, self.board.keys
         now_ms = server_ms(r)
-        q = _Queues()
-        saturated = _gauge("kvq_model_saturated", "1 while the model is saturated", ["model"])
-        demand = _gauge("kvq_slice_demand", "replicas wanted beyond coverage", ["model", "slice"])
-        target = _gauge("kvq_slice_target", "replicas wanted", ["model", "slice"])
-        coverage = _gauge("kvq_slice_coverage", "workers holding the slice", ["model", "slice"])
-        live = _gauge(
-            "kvq_slice_live_workers", "serving workers of the slice with a live heartbeat",
-            ["model", "slice"],
-        )  # fmt: skip
-        no_live = _gauge(
-            "kvq_slices_without_live_worker", "slices no live serving worker holds", ["model"]
-        )
-        alive = _gauge(
-            "kvq_workers_alive", "workers holding a slice with a live heartbeat", ["model"]
-        )
-        coords = _gauge("kvq_coordinators_alive", "coordinators with fresh slot state", ["model"])
-        orphaned = _gauge(
-            "kvq_requests_orphaned",
-            "requests pending under a consumer that is no live coordinator", ["model"],
-        )  # fmt: skip
-        per_coord = CoordMetrics()
-        trust = _Trust()
-        for m in board.models():
-            trust.add(m, board.quarantined(m), now_ms)
-            shards = request_streams(k, m, board.shard_count(m))
-            g = merged([group_stats(r, s, COORDINATOR_GROUP, now_ms) for s in shards])
-            q.add(["requests", m, "", ""], g)
-            views = board.workers(m)  # one per (worker, slice)
-            ids = sorted({v.worker_id for v in views})
-            for w in ids:
-                inbox = group_stats(r, k.worker_inbox(w), WORKER_GROUP, now_ms)
-                q.add(["inbox", m, w, ""], inbox)
-            cviews = board.coordinators(m)
-            up = {c.coord for c in cviews if c.alive}
-            for c in cviews:
-                # results wait in one stream per (worker, coordinator)
-                waiting = sum(int(r.xlen(k.worker_results(w, c.coord))) for w in ids)
-                q.length.add_metric(["results", m, "", c.coord], waiting)
-                stats = board.coord_stats(c.coord)
-                if stats is not None:
-                    per_coord.add(m, c.coord, stats)
-            coords.add_metric([m], len(up))
-            orphaned.add_metric([m], sum(c.pending for c in g.consumers if c.name not in up))
-            state = board.model_state(m)
-            saturated.add_metric([m], int(state is not None and state.saturated))
-            serving: dict[str, int] = {}
-            for v in views:
-                if v.alive and v.ready:
-                    serving[v.slice_id] = serving.get(v.slice_id, 0) + 1
-            slices = board.slice_demand(m)
-            for sid, d in slices.items():
-                demand.add_metric([m, sid], d.demand)
-                target.add_metric([m, sid], d.target)
-                coverage.add_metric([m, sid], d.coverage)
-                live.add_metric([m, sid], serving.get(sid, 0))
-            no_live.add_metric([m], sum(1 for sid in slices if not serving.get(sid)))
-            alive.add_metric([m], len({v.worker_id for v in views if v.alive}))
+        q, market, per_coord, trust = _Queues(), _Market(), CoordMetrics(), _Trust()
+        for m in self.board.models():
+            trust.add(m, self.board.quarantined(m), now_ms)
+            self._collect_model(m, now_ms, q, market, per_coord)
         dead = r.xlen(k.deadletter())
         q.length.add_metric(["deadletter", "", "", ""], dead)
         yield from q.families()
-        yield from (saturated, demand, target, coverage, live, no_live, alive, coords, orphaned)
+        yield from market.families()
         yield GaugeMetricFamily("kvq_deadletter_length", "entries in the dead-letter stream", dead)
         yield CounterMetricFamily(
             "kvq_deadletter_added", "entries ever added to the dead-letter stream (survives "
@@ -184,6 +188,31 @@ class RedisCollector(Collector):
         )  # fmt: skip
         yield from per_coord.families()
         yield from trust.families()
+
+    def _collect_model(
+        self, m: str, now_ms: int, q: _Queues, market: _Market, per_coord: CoordMetrics
+    ) -> None:
+        """One model's queues, coordinators and slices, added to the scrape's families."""
+        board, r, k = self.board, self.board.r, self.board.keys
+        shards = request_streams(k, m, board.shard_count(m))
+        g = merged([group_stats(r, s, COORDINATOR_GROUP, now_ms) for s in shards])
+        q.add(["requests", m, "", ""], g)
+        views = board.workers(m)  # one per (worker, slice)
+        ids = sorted({v.worker_id for v in views})
+        for w in ids:
+            inbox = group_stats(r, k.worker_inbox(w), WORKER_GROUP, now_ms)
+            q.add(["inbox", m, w, ""], inbox)
+        cviews = board.coordinators(m)
+        up = {c.coord for c in cviews if c.alive}
+        for c in cviews:
+            # results wait in one stream per (worker, coordinator)
+            waiting = sum(int(r.xlen(k.worker_results(w, c.coord))) for w in ids)
+            q.length.add_metric(["results", m, "", c.coord], waiting)
+            stats = board.coord_stats(c.coord)
+            if stats is not None:
+                per_coord.add(m, c.coord, stats)
+        market.add_coordinators(m, up, g)
+        market.add_slices(m, board.model_state(m), views, board.slice_demand(m))
 
 
 def _entries_added(r: redis.Redis, stream: str) -> int:
