@@ -103,24 +103,9 @@ def memory_needs(
             f"memory assumptions {a} are invalid: dtype one of {sorted(DTYPE_BYTES)}, "
             "n_slots >= 1, kv_positions >= 0"
         )
-    experts, size = _expert_names(meta), DTYPE_BYTES[a.dtype]
-    dense = mapped = 0
-    for t in reader.tensors:
-        if t.name == "token_embd.weight" or (t.name not in experts and _kept_encoded(t, a)):
-            mapped += int(t.n_bytes)
-        elif t.name not in experts:
-            dense += int(t.n_elements) * size
+    dense, mapped = _backbone_bytes(reader, meta, a)
     positions = a.kv_positions or meta.context_length
-    heads, width = meta.cache_width
-    per_token = heads * width * (1 if meta.kv_lora_rank else 2)  # MLA: the latent, once
-    rec = meta.recurrent_layers  # Gated DeltaNet: no K/V, a fixed-size state per sequence
-    kv_layers = meta.block_count - len(rec)
-    kv = a.n_slots * positions * kv_layers * per_token * size
-    if rec:
-        d = meta.ssm_state_size
-        channels = (2 * meta.ssm_group_count + meta.ssm_time_step_rank) * d
-        state = (meta.ssm_conv_kernel - 1) * channels + meta.ssm_time_step_rank * d * d
-        kv += a.n_slots * len(rec) * state * size
+    kv = _kv_cache_bytes(meta, a, positions)
     expert_bytes = tensor_sizes(reader, meta)["expert_bytes"]
     backbone = dense + mapped
     per_slice = [s["bytes"] for s in slices] or [0]
@@ -136,33 +121,67 @@ def memory_needs(
         "coordinator_none_bytes": backbone + kv,
         "worker_slice_bytes_max": max(per_slice),
         "worker_slice_bytes_min": min(per_slice),
-        "assumptions": [
-            f"backbone: dense = vectors, norms, routers and weight matrices of types without "
-            f"a fused kernel, dequantized to {a.dtype} once at load (anonymous memory); "
-            "mapped = token_embd (rows dequantized on use) and, in float32, the weight "
-            "matrices of kernel types ("
-            + ", ".join(q.name for q in kernels.KERNEL_TYPES)
-            + "), computed encoded from the memory-mapped file (page cache)",
-            f"KV cache: {a.n_slots} sequences x {positions} positions x {kv_layers} "
-            + (
-                f"layers x one MLA latent of {meta.cache_width[1]} values in {a.dtype} "
-                if meta.kv_lora_rank
-                else f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} "
-                f"in {a.dtype} "
-            )
-            + "(the cache grows by doubling, so this is its full size)"
-            + (
-                f"; + per sequence the recurrent state of {len(rec)} Gated DeltaNet layers "
-                "(conv inputs and one state matrix per value head)"
-                if rec
-                else ""
-            ),
-            "all: + every routed expert at its encoded size (memory-mapped from the file); "
-            "none: experts on workers only (a coordinator that still maps them for fallback "
-            "pays page cache, not its own memory)",
-            "worker: the encoded bytes of its slice; activations and scratch not counted",
-        ],
+        "assumptions": _memory_assumptions(meta, a, positions),
     }
+
+
+def _backbone_bytes(reader: GGUFReader, meta: ModelMeta, a: MemoryAssumptions) -> tuple[int, int]:
+    """(dense, mapped): bytes of the backbone dequantized to `a.dtype`, and kept encoded."""
+    experts, size = _expert_names(meta), DTYPE_BYTES[a.dtype]
+    dense = mapped = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" or (t.name not in experts and _kept_encoded(t, a)):
+            mapped += int(t.n_bytes)
+        elif t.name not in experts:
+            dense += int(t.n_elements) * size
+    return dense, mapped
+
+
+def _kv_cache_bytes(meta: ModelMeta, a: MemoryAssumptions, positions: int) -> int:
+    """The full KV cache of `a.n_slots` sequences, plus the recurrent layers' state."""
+    size = DTYPE_BYTES[a.dtype]
+    heads, width = meta.cache_width
+    per_token = heads * width * (1 if meta.kv_lora_rank else 2)  # MLA: the latent, once
+    rec = meta.recurrent_layers  # Gated DeltaNet: no K/V, a fixed-size state per sequence
+    kv_layers = meta.block_count - len(rec)
+    kv = a.n_slots * positions * kv_layers * per_token * size
+    if rec:
+        d = meta.ssm_state_size
+        channels = (2 * meta.ssm_group_count + meta.ssm_time_step_rank) * d
+        state = (meta.ssm_conv_kernel - 1) * channels + meta.ssm_time_step_rank * d * d
+        kv += a.n_slots * len(rec) * state * size
+    return kv
+
+
+def _memory_assumptions(meta: ModelMeta, a: MemoryAssumptions, positions: int) -> list[str]:
+    """What `memory_needs` counts, in words, for the result's `assumptions`."""
+    rec = meta.recurrent_layers
+    kv_layers = meta.block_count - len(rec)
+    return [
+        f"backbone: dense = vectors, norms, routers and weight matrices of types without "
+        f"a fused kernel, dequantized to {a.dtype} once at load (anonymous memory); "
+        "mapped = token_embd (rows dequantized on use) and, in float32, the weight "
+        "matrices of kernel types ("
+        + ", ".join(q.name for q in kernels.KERNEL_TYPES)
+        + "), computed encoded from the memory-mapped file (page cache)",
+        f"KV cache: {a.n_slots} sequences x {positions} positions x {kv_layers} "
+        + (
+            f"layers x one MLA latent of {meta.cache_width[1]} values in {a.dtype} "
+            if meta.kv_lora_rank
+            else f"layers x K and V x {meta.head_count_kv} KV heads x {meta.head_dim} in {a.dtype} "
+        )
+        + "(the cache grows by doubling, so this is its full size)"
+        + (
+            f"; + per sequence the recurrent state of {len(rec)} Gated DeltaNet layers "
+            "(conv inputs and one state matrix per value head)"
+            if rec
+            else ""
+        ),
+        "all: + every routed expert at its encoded size (memory-mapped from the file); "
+        "none: experts on workers only (a coordinator that still maps them for fallback "
+        "pays page cache, not its own memory)",
+        "worker: the encoded bytes of its slice; activations and scratch not counted",
+    ]
 
 
 def _kept_encoded(t: ReaderTensor, a: MemoryAssumptions) -> bool:

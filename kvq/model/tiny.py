@@ -135,16 +135,7 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         )
     half = max(2, cfg.head_dim // 2 // 2 * 2)
     if arch == "deepseek2":
-        lite = variant == "v2-lite"
-        groups = 1 if lite or cfg.experts % 2 else 2
-        return replace(
-            cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
-            q_lora_rank=0 if lite else max(2, cfg.hidden // 2), kv_lora_rank=max(2, cfg.hidden // 2),
-            v_head_dim=cfg.head_dim, mla_split=variant != "kv-b",
-            gating="softmax" if lite else "sigmoid", probs_bias=not lite,
-            expert_groups=groups, groups_used=1, weights_norm=not lite,
-            weights_scale=1.0 if lite else 2.5,
-        )  # fmt: skip
+        return _deepseek2_parts(cfg, variant, half)
     if arch == "glm4moe":
         return replace(
             cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
@@ -155,18 +146,37 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     if arch == "gpt-oss":
         return replace(cfg, sliding_window=cfg.sliding_window or 8)
     if arch == "qwen35moe":
-        k_heads = max(1, cfg.kv_heads)
-        return replace(
-            cfg, rope_dim=half, full_attention_interval=2, ssm_k_heads=k_heads,
-            ssm_v_heads=2 * k_heads, ssm_state=cfg.head_dim, ssm_conv=4,
-            rope_sections=(1, 1, 1, 1),
-        )  # fmt: skip
+        return _qwen35moe_parts(cfg, half)
     if arch == "llama4":
         return replace(
             cfg, layers=max(4, cfg.layers), moe_step=2, shared_count=1, experts_used=1,
             context=16384, rope_factors=True,
         )  # fmt: skip
     return cfg
+
+
+def _deepseek2_parts(cfg: TinyConfig, variant: str, half: int) -> TinyConfig:
+    """deepseek2's parts in `variant` (see `family_parts`); `half`: the rope part's width."""
+    lite = variant == "v2-lite"
+    groups = 1 if lite or cfg.experts % 2 else 2
+    return replace(
+        cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
+        q_lora_rank=0 if lite else max(2, cfg.hidden // 2), kv_lora_rank=max(2, cfg.hidden // 2),
+        v_head_dim=cfg.head_dim, mla_split=variant != "kv-b",
+        gating="softmax" if lite else "sigmoid", probs_bias=not lite,
+        expert_groups=groups, groups_used=1, weights_norm=not lite,
+        weights_scale=1.0 if lite else 2.5,
+    )  # fmt: skip
+
+
+def _qwen35moe_parts(cfg: TinyConfig, half: int) -> TinyConfig:
+    """qwen35moe's parts (see `family_parts`); `half`: the rope part's width."""
+    k_heads = max(1, cfg.kv_heads)
+    return replace(
+        cfg, rope_dim=half, full_attention_interval=2, ssm_k_heads=k_heads,
+        ssm_v_heads=2 * k_heads, ssm_state=cfg.head_dim, ssm_conv=4,
+        rope_sections=(1, 1, 1, 1),
+    )  # fmt: skip
 
 
 def write_tiny(
