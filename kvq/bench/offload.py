@@ -44,6 +44,7 @@ from typing import Any
 
 from kvq import client
 from kvq.bus import connect
+from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError, KvqError
@@ -237,54 +238,79 @@ def _phase(
     board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, coord: str
 ) -> dict[str, Any]:
     """The closed loop of `cfg.sequences` clients; tok/s and job shares in the window."""
-    stop = threading.Event()
-    stamps: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def loop(n: int) -> None:
-        r = connect(s.bus)  # any mode: standalone or cluster
-        keys = Keys(s.prefix)
-        k = 0
-        try:
-            while not stop.is_set():
-                rid = client.send(r, keys, MODEL_ID, prompt=f"Request {n}.{k}: the quick brown fox",
-                                  max_tokens=cfg.max_tokens)  # fmt: skip
-                k += 1
-                for ev in client.events(r, keys, rid, timeout_s=600):
-                    if ev.kind == "token":
-                        with lock:
-                            stamps.append(time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - any failure fails the bench, never a silent 0
-            errors.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            r.close()
-
-    threads = [threading.Thread(target=loop, args=(n,), daemon=True) for n in range(cfg.sequences)]
-    for t in threads:
-        t.start()
+    loops = _ClientLoops(s, cfg)
+    loops.start()
     time.sleep(cfg.warmup_s)
     start, st0 = time.monotonic(), board.coord_stats(coord)
     deadline = start + cfg.measure_s
     while time.monotonic() < deadline:
         if kids.dead():
-            stop.set()
+            loops.stop.set()
             raise KvqError(f"{', '.join(kids.dead())} exited during the bench; see its log")
         time.sleep(0.2)
     end, st1 = time.monotonic(), board.coord_stats(coord)
-    stop.set()
-    for t in threads:
-        t.join(600)
-    if errors:
-        raise KvqError(f"requests failed during the bench: {errors[0]}")
-    tokens = sum(start <= t < end for t in stamps)
+    loops.finish()
+    if loops.errors:
+        raise KvqError(f"requests failed during the bench: {loops.errors[0]}")
+    tokens = sum(start <= t < end for t in loops.stamps)
+    return _phase_result(tokens, end - start, st0, st1)
+
+
+class _ClientLoops:
+    """`cfg.sequences` client threads, each sending its next request when the last one ends;
+    the arrival time of every token streamed back, and the errors that ended a loop."""
+
+    def __init__(self, s: Settings, cfg: OffloadBench) -> None:
+        self.s, self.cfg = s, cfg
+        self.stop = threading.Event()
+        self.stamps: list[float] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._loop, args=(n,), daemon=True)
+            for n in range(cfg.sequences)
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(600)
+
+    def _loop(self, n: int) -> None:
+        r = connect(self.s.bus)  # any mode: standalone or cluster
+        keys = Keys(self.s.prefix)
+        k = 0
+        try:
+            while not self.stop.is_set():
+                rid = client.send(r, keys, MODEL_ID, prompt=f"Request {n}.{k}: the quick brown fox",
+                                  max_tokens=self.cfg.max_tokens)  # fmt: skip
+                k += 1
+                for ev in client.events(r, keys, rid, timeout_s=600):
+                    if ev.kind == "token":
+                        with self.lock:
+                            self.stamps.append(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - any failure fails the bench, never a silent 0
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            r.close()
+
+
+def _phase_result(
+    tokens: int, window: float, st0: CoordStats | None, st1: CoordStats | None
+) -> dict[str, Any]:
+    """A phase's figures: `tokens` over `window` seconds, and the coordinator's stats grown
+    from `st0` to `st1` over it."""
 
     def delta(field: str) -> Any:  # a counter's growth over the window (0 without stats)
         return getattr(st1, field) - getattr(st0, field) if st0 and st1 else 0
 
     local, remote, fallback = delta("local_jobs"), delta("remote_jobs"), delta("fallback_jobs")
     rows = delta("local_rows")
-    jobs, window = local + remote + fallback, end - start
+    jobs = local + remote + fallback
     return {
         "tok_s": round(tokens / window, 3), "tokens": tokens, "local_jobs": local,
         "remote_jobs": remote, "fallback_jobs": fallback,
