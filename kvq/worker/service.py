@@ -172,9 +172,11 @@ class Worker:
                 self.membership.volunteer(0)
             self._make_room_for_coverage()
             return False
-        held = self.membership.volunteer(self.budget.room(self.shelf.used_bytes))
-        if held is None:  # nothing wanted fits the room left
-            self._make_room_for_coverage()
+        room = self.budget.room(self.shelf.used_bytes)
+        held = self.membership.volunteer(room)
+        if held is None:
+            if room is not None:  # nothing wanted fits the room left (without a limit: none)
+                self._make_room_for_coverage()
             return False
         if self.shelf:
             self._loader = threading.Thread(

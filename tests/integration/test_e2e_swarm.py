@@ -67,21 +67,23 @@ def _copies(mon: Monitor, sids: list[str]) -> list[int]:
     return [len(held.get(sid, ())) for sid in sids]
 
 
-def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
-    settings: Settings, files: tuple[Path, Path], run_in_thread, tmp_path: Path
-) -> None:
+def _swarm(
+    settings: Settings, files: tuple[Path, Path], run_in_thread, tmp_path: Path, share: float
+) -> tuple[Settings, Keys, Monitor, Coordinator, list[str], Children]:  # fmt: skip
+    """The 10-slice model registered, its monitor and a backbone-only coordinator running
+    (two copies of each slice wanted), and workers (to spawn) whose budgets hold `share` of
+    the routed experts each."""
     full, backbone = files
     s = settings.model_copy(update={
         "slice_experts": 2, "worker_max_slices": 0, "job_deadline_ms": 1500,
         "replica_wait_s": 30.0, "heartbeat_ttl_s": 3.0, "monitor_poll_s": 0.25,
     })  # fmt: skip
-    keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", full)
     sids = sorted(info.slices)
     expert_bytes = sum(sl.nbytes for sl in info.slices.values())
     assert len(sids) == 10 and len({sl.nbytes for sl in info.slices.values()}) == 1
-    budget_gib = SHARE * expert_bytes / 2**30
+    budget_gib = share * expert_bytes / 2**30
     kids = Children(child_env(s.model_copy(update={"worker_memory_gib": budget_gib})),
                     log_dir=str(tmp_path))  # fmt: skip
     run_in_thread(mon)
@@ -91,6 +93,14 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
     # the monitor sees a coordinator without experts: two copies of each slice wanted
     wait_for(lambda: {d.target for d in mon.board.slice_demand("tiny").values()} == {2}, 15,
              "targets of 2 copies")  # fmt: skip
+    return s, Keys(s.prefix), mon, coord, sids, kids
+
+
+def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
+    settings: Settings, files: tuple[Path, Path], run_in_thread, tmp_path: Path
+) -> None:
+    full = files[0]
+    s, keys, mon, coord, sids, kids = _swarm(settings, files, run_in_thread, tmp_path, SHARE)
     try:
         t0 = time.monotonic()
         joined: list[float] = []
@@ -158,24 +168,8 @@ def test_full_workers_give_up_second_copies_to_cover_a_dead_workers_slices(
     (15 copies: every slice once, 5 twice). A SIGKILL of a worker with sole copies leaves
     slices without a holder while the two survivors are full of second copies; they give
     those back and take the uncovered slices, and the swarm serves the same tokens again."""
-    full, backbone = files
-    s = settings.model_copy(update={
-        "slice_experts": 2, "worker_max_slices": 0, "job_deadline_ms": 1500,
-        "replica_wait_s": 60.0, "heartbeat_ttl_s": 3.0, "monitor_poll_s": 0.25,
-    })  # fmt: skip
-    keys = Keys(s.prefix)
-    mon = Monitor.from_settings(s)
-    info = mon.register("tiny", full)
-    sids = sorted(info.slices)
-    expert_bytes = sum(sl.nbytes for sl in info.slices.values())
-    budget_gib = 0.52 * expert_bytes / 2**30  # 5 of the 10 equal slices
-    kids = Children(child_env(s.model_copy(update={"worker_memory_gib": budget_gib})),
-                    log_dir=str(tmp_path))  # fmt: skip
-    run_in_thread(mon)
-    coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
-    run_in_thread(coord)
-    wait_for(lambda: {d.target for d in mon.board.slice_demand("tiny").values()} == {2}, 15,
-             "targets of 2 copies")  # fmt: skip
+    full = files[0]
+    s, keys, mon, coord, sids, kids = _swarm(settings, files, run_in_thread, tmp_path, 0.52)
     try:
         for i, want in enumerate((5, 10, 15)):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
