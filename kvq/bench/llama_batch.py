@@ -34,7 +34,10 @@ def decode_together(
     params.n_threads = params.n_threads_batch = threads
     ctx = lc.llama_init_from_model(llm._model.model, params)
     if not ctx:
-        raise RuntimeError("llama.cpp could not create a multi-sequence context")
+        raise RuntimeError(
+            f"llama.cpp could not create a context of {n} sequences (n_ctx {params.n_ctx}, "
+            f"n_seq_max {n}, n_batch {params.n_batch}); its log on stderr says why"
+        )
     batch = lc.llama_batch_init(params.n_batch, 0, n)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
     try:

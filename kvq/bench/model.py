@@ -24,11 +24,14 @@ being timed. Per engine, each figure is the median over its rounds;
   many-row kernel; llama.cpp: its system info line); `cpu`: the CPU's model and features.
 - `decode_tok_s`: batch 1, greedy, EOS ignored, from the first generated token to the last
   (the prompt's prefill excluded): kvq `kvq.model.generate`, llama `Llama.generate`.
-- `aggregate_tok_s` (kvq only): `batch` sequences through the coordinator's path, an `Engine`
+- `aggregates` (both engines): {"N": tok/s} for each count N of `sequences` (8 by default), in
+  order, in the same round: kvq runs N sequences through the coordinator's path, an `Engine`
   whose MoE runs in a `Bank` built as the coordinator builds it; tokens after each sequence's
-  first, over the time after the first step. `hit_rate`: that bank's hot/cold shares of routed
-  pairs. llama: the same prompts through llama.cpp's multi-sequence batch API
-  (`kvq.bench.llama_batch`), in the same round after its batch-1 decode.
+  first, over the time after the first step. llama: the same prompts through llama.cpp's
+  multi-sequence batch API (`kvq.bench.llama_batch`) after its batch-1 decode, in a context
+  that holds all N (null, with the reason in `aggregate_notes`, where llama.cpp refuses it).
+  `aggregate_tok_s` is the first count's (`batch`), as before; `hit_rate`: the bank's hot/cold
+  shares of routed pairs over that first count. `ratio.aggregates`: kvq / llama per count.
 - `aggregate_gain` (both engines): `aggregate_tok_s` / `decode_tok_s`, the engine's own gain
   from batching. kvq also reports `experts_per_layer_1|batch` (distinct experts one decode
   call routes to, batch 1 and `batch` sequences), `expert_ms_per_layer_1|batch` and
@@ -72,19 +75,28 @@ class ModelBench:
     threads: int = 2
     tokens: int = 32
     rounds: int = 3
-    batch: int = 8
+    sequences: tuple[int, ...] = (8,)  # the aggregate's counts; the first is `batch`
     prompt: str = PROMPT
     llama: bool = True
     bank: dict[str, Any] | None = None
     kernels: dict[str, Any] | None = None
     prefill_tokens: int = PREFILL_TOKENS  # 0: no prefill figures
 
+    @property
+    def batch(self) -> int:
+        """The first count of `sequences`: the one `aggregate_tok_s` reports."""
+        return self.sequences[0]
+
     def check(self) -> None:
         """ConfigError naming the first bad value."""
-        for name, flag in (("threads", "threads"), ("tokens", "tokens"), ("rounds", "rounds"),
-                           ("batch", "sequences")):  # fmt: skip
+        for name in ("threads", "tokens", "rounds"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"bench model --{flag} {getattr(self, name)} must be >= 1")
+                raise ConfigError(f"bench model --{name} {getattr(self, name)} must be >= 1")
+        counts = ",".join(map(str, self.sequences))
+        if not self.sequences or min(self.sequences) < 1:
+            raise ConfigError(f"bench model --sequences {counts!r}: each count must be >= 1")
+        if len(set(self.sequences)) < len(self.sequences):
+            raise ConfigError(f"bench model --sequences {counts!r}: give each count once")
         if self.prefill_tokens < 0:
             raise ConfigError(f"bench model --prefill-tokens {self.prefill_tokens} must be >= 0")
         if not self.prompt:
@@ -118,7 +130,8 @@ def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
             runs["llama"].append(_spawn("llama", cfg))
     out: dict[str, Any] = {
         "model": cfg.model, "file_mb": os.path.getsize(cfg.model) / MB, "threads": cfg.threads,
-        "tokens": cfg.tokens, "rounds": cfg.rounds, "batch": cfg.batch, "prompt": cfg.prompt,
+        "tokens": cfg.tokens, "rounds": cfg.rounds, "batch": cfg.batch,
+        "sequences": list(cfg.sequences), "prompt": cfg.prompt,
         "page_cache_warm_s": warm_s, "page_cache_rewarm_s": rewarm_s, "cpu": cpu_features(),
         "prefill_tokens": cfg.prefill_tokens, "kvq": _summary(runs["kvq"]),
     }  # fmt: skip
@@ -133,6 +146,8 @@ def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
     if len(good) < len(runs["llama"]):
         out["llama"]["failed_rounds"] = [r["error"] for r in runs["llama"] if "error" in r]
     out["ratio"] = {k: _ratio(out["kvq"].get(k), out["llama"].get(k)) for k in RATIO_KEYS}
+    kq_agg, ll_agg = out["kvq"].get("aggregates") or {}, out["llama"].get("aggregates") or {}
+    out["ratio"]["aggregates"] = {n: _ratio(kq_agg.get(n), ll_agg.get(n)) for n in kq_agg}
     return out
 
 
@@ -153,8 +168,20 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     every round's numeric figures."""
     first = runs[0]
     keys = [k for k, v in first.items() if _is_number(v)]
-    med = {k: _median([r[k] for r in runs if _is_number(r.get(k))]) for k in keys}
+    med: dict[str, Any] = {k: _median([r[k] for r in runs if _is_number(r.get(k))]) for k in keys}
+    if isinstance(first.get("aggregates"), dict):
+        med["aggregates"] = _median_map([r.get("aggregates") or {} for r in runs])
+        keys.append("aggregates")
     return first | med | {"per_round": [{k: r.get(k) for k in keys} for r in runs]}
+
+
+def _median_map(maps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key of the first map, the median of the rounds' numbers (None where none has one)."""
+    out: dict[str, Any] = {}
+    for key in maps[0]:
+        values = [m[key] for m in maps if _is_number(m.get(key))]
+        out[key] = _median(values) if values else None
+    return out
 
 
 def _is_number(v: Any) -> bool:
@@ -227,7 +254,6 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     """One kvq round: load, batch-1 decode, then the coordinator's batched path."""
     import torch
 
-    from kvq.coordinator.engine import Engine
     from kvq.model import Backbone, load_tokenizer
     from kvq.model.generate import generate
     from kvq.quant import kernels, qdot
@@ -252,20 +278,12 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     generate(bb, prompt, cfg.tokens, moe=one, stop_at_eos=False,
              on_token=lambda _t: stamps.append(time.perf_counter()))  # fmt: skip
     bank, bank_note = _coordinator_bank(bb, cfg)
-    many = ExpertTally(bank.forward if bank is not None else bb.local_moe, rows=cfg.batch)
-    engine = Engine(bb, tok, n_slots=cfg.batch)
-    for i in range(cfg.batch):  # distinct prompts, so no two sequences are the same work
-        engine.admit(f"bench-{i}", tok.encode(f"{cfg.prompt} {i}", add_bos=True), cfg.tokens, b"")
-    seqs = list(engine.active)
-    engine.step(many, lambda _s: None)  # prefill of all, first token of each
-    t1 = time.perf_counter()
-    while engine.busy:
-        engine.step(many, lambda _s: None)
-        if bank is not None:
-            bank.step()  # as the coordinator does after every engine step
-    agg_s = time.perf_counter() - t1
-    agg_tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
-    agg = agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0
+    moe = bank.forward if bank is not None else bb.local_moe
+    many = ExpertTally(moe, rows=cfg.batch)
+    agg, agg_tokens, agg_s = _kvq_aggregate(bb, tok, cfg, cfg.batch, many, bank)
+    hit_rate, aggregates = _hit_rate(bank), {str(cfg.batch): agg}
+    for n in cfg.sequences[1:]:
+        aggregates[str(n)] = _kvq_aggregate(bb, tok, cfg, n, moe, bank)[0]
     decode = _decode_rate(stamps)
     return {
         "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
@@ -273,7 +291,7 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "decode_tokens": len(stamps), "decode_tok_s": decode,
         "aggregate_tok_s": agg, "aggregate_gain": _ratio(agg, decode),
         "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
-        "hit_rate": _hit_rate(bank), "bank_note": bank_note,
+        "aggregates": aggregates, "hit_rate": hit_rate, "bank_note": bank_note,
         "experts_per_layer_1": one.mean_distinct(), "experts_per_layer_batch": many.mean_distinct(),
         "expert_ms_per_layer_1": one.mean_ms(), "expert_ms_per_layer_batch": many.mean_ms(),
         "expert_share_1": one.share(span(stamps)), "expert_share_batch": many.share(agg_s),
@@ -281,6 +299,29 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(), "paths": kernels.paths(),
     } | prefill  # fmt: skip
+
+
+def _kvq_aggregate(
+    bb: Any, tok: Any, cfg: ModelBench, n: int, moe: Any, bank: Any
+) -> tuple[float, int, float]:
+    """`n` sequences through a coordinator `Engine` until all are done: (tok/s, tokens,
+    seconds), counting the tokens after each sequence's first over the time after the first
+    step."""
+    from kvq.coordinator.engine import Engine
+
+    engine = Engine(bb, tok, n_slots=n)
+    for i in range(n):  # distinct prompts, so no two sequences are the same work
+        engine.admit(f"bench-{i}", tok.encode(f"{cfg.prompt} {i}", add_bos=True), cfg.tokens, b"")
+    seqs = list(engine.active)
+    engine.step(moe, lambda _s: None)  # prefill of all, first token of each
+    t1 = time.perf_counter()
+    while engine.busy:
+        engine.step(moe, lambda _s: None)
+        if bank is not None:
+            bank.step()  # as the coordinator does after every engine step
+    agg_s = time.perf_counter() - t1
+    agg_tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
+    return (agg_tokens / agg_s if agg_s > 0 and agg_tokens else 0.0), agg_tokens, agg_s
 
 
 def _coordinator_bank(bb: Any, cfg: ModelBench) -> tuple[Any, str]:
@@ -332,19 +373,23 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
         stamps.append(time.perf_counter())
         if len(stamps) >= cfg.tokens:
             break
-    prompts = [llm.tokenize(f"{cfg.prompt} {i}".encode(), add_bos=True) for i in range(cfg.batch)]
-    try:
-        agg: float | None = decode_together(llm, prompts, cfg.tokens, cfg.threads)[1]
-        agg_note = ""
-    except RuntimeError as exc:
-        agg, agg_note = None, str(exc)
+    aggregates: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for n in cfg.sequences:
+        prompts = [llm.tokenize(f"{cfg.prompt} {i}".encode(), add_bos=True) for i in range(n)]
+        try:
+            aggregates[str(n)] = decode_together(llm, prompts, cfg.tokens, cfg.threads)[1]
+        except RuntimeError as exc:
+            aggregates[str(n)], notes[str(n)] = None, str(exc)
+    agg, agg_note = aggregates[str(cfg.batch)], notes.get(str(cfg.batch), "")
     decode = _decode_rate(stamps)
     return {
         "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
         "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
         "decode_tokens": len(stamps), "decode_tok_s": decode, "aggregate_tok_s": agg,
         "aggregate_gain": _ratio(agg, decode), "aggregate_sequences": cfg.batch,
-        "aggregate_note": agg_note, "paths": {"system_info": llama_system_info()},
+        "aggregate_note": agg_note, "aggregates": aggregates, "aggregate_notes": notes,
+        "paths": {"system_info": llama_system_info()},
     } | prefill  # fmt: skip
 
 
@@ -354,7 +399,7 @@ def _child_main(argv: list[str]) -> int:
         return 2
     spec = json.loads(argv[1])
     engine = spec.pop("engine")
-    cfg = ModelBench(**spec)
+    cfg = ModelBench(**spec | {"sequences": tuple(spec["sequences"])})
     result = child_kvq(cfg) if engine == "kvq" else child_llama(cfg)
     print(json.dumps(result), flush=True)
     return 0

@@ -234,7 +234,7 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
 
     cfg = ModelBench(
         args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
-        rounds=args.rounds, batch=args.sequences, prompt=args.prompt or PROMPT, llama=not args.no_llama,
+        rounds=args.rounds, sequences=tuple(args.sequences), prompt=args.prompt or PROMPT, llama=not args.no_llama,
         bank=asdict(BankOptions.from_settings(settings)), kernels=asdict(qdot.options()),
         prefill_tokens=args.prefill_tokens,
     )  # fmt: skip
@@ -256,6 +256,10 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         cells = [f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}"
                  for v in (kq.get(key), ll.get(key), ratio.get(key))]  # fmt: skip
         print(f"  {key:<20} {' '.join(cells)}")
+    for n, v in (kq.get("aggregates") or {}).items():
+        cells = [f"{x:10.2f}" if isinstance(x, int | float) else f"{'-':>10}"
+                 for x in (v, (ll.get("aggregates") or {}).get(n), (ratio.get("aggregates") or {}).get(n))]  # fmt: skip
+        print(f"  {'aggregate @ ' + n:<20} {' '.join(cells)}")
     hr = kq["hit_rate"]
     if hr is not None:
         print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
@@ -271,7 +275,8 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
               f"{kq['experts_per_layer_batch']:.1f} at {kq['aggregate_sequences']} sequences "
               f"({kq['expert_ms_per_layer_1']:.2f} / {kq['expert_ms_per_layer_batch']:.2f} ms; "
               f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)")  # fmt: skip
-    for note in (r.get("llama_note"), ll.get("error"), ll.get("aggregate_note")):
+    notes = [f"{n} sequences: {v}" for n, v in (ll.get("aggregate_notes") or {}).items()]
+    for note in (r.get("llama_note"), ll.get("error"), *notes):
         if note:
             print(f"  llama.cpp: {note}")
     return EXIT_OK
@@ -410,8 +415,9 @@ def _add_bench_model(bench: Subparsers) -> None:
     bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")
     bm.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
     bm.add_argument("--rounds", type=int, default=3, help="rounds per engine, alternating")
-    bm.add_argument("--sequences", type=int, default=8,
-                    help="sequences decoded together for aggregate_tok_s")  # fmt: skip
+    bm.add_argument("--sequences", type=_int_list("--sequences"), default=[8],
+                    help="counts of sequences decoded together, comma list (aggregates; the "
+                         "first is aggregate_tok_s)")  # fmt: skip
     bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
     bm.add_argument("--prefill-tokens", type=int, default=512,
                     help="prompt length for prefill_tok_s and TTFT (0: skip)")  # fmt: skip

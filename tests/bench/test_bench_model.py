@@ -43,6 +43,8 @@ def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
                          "ttft_first_s": 60.0 / decode_tok_s}  # fmt: skip
     if engine == "kvq":
         r |= {"aggregate_tok_s": 3 * decode_tok_s, "hit_rate": None, "bank_note": "stub"}
+    # llama.cpp refuses the 64-sequence context: null, with its note
+    r["aggregates"] = {"8": 3 * decode_tok_s, "64": 5 * decode_tok_s if engine == "kvq" else None}
     return r
 
 
@@ -60,6 +62,8 @@ def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny
         assert isinstance(kq[key], int | float) and kq[key] > 0, key
     assert kq["decode_tokens"] == 4
     assert kq["aggregate_sequences"] == 8 and kq["aggregate_tokens"] > 0
+    assert r["batch"] == 8 and r["sequences"] == [8]
+    assert kq["aggregates"] == {"8": kq["aggregate_tok_s"]}
     assert kq["peak_rss_mb"] >= kq["anon_rss_mb_load"]
     # top-2 of 8 experts: one token routes to exactly 2 a layer, 8 sequences to 2..8
     assert kq["experts_per_layer_1"] == 2.0
@@ -134,10 +138,15 @@ def test_rounds_alternate_and_ratios_are_kvq_over_llama_medians(
     assert r["ratio"]["load_s"] == pytest.approx(1.0)
     assert r["kvq"]["prompt_tokens"] == 9 and isinstance(r["kvq"]["prompt_tokens"], int)
     assert r["ratio"]["aggregate_tok_s"] is None  # the stub's llama rounds have none
+    # per count: medians over rounds, and kvq / llama where both have a figure
+    assert r["kvq"]["aggregates"] == {"8": 60.0, "64": 100.0}
+    assert r["llama"]["aggregates"] == {"8": 120.0, "64": None}
+    assert r["ratio"]["aggregates"] == {"8": pytest.approx(0.5), "64": None}
+    assert [p["aggregates"]["8"] for p in r["kvq"]["per_round"]] == [30.0, 90.0, 60.0]
     rates = iter([10.0, 40.0])
     assert main(["bench", "model", "--model", str(tiny), "--rounds", "1"]) == 0
     text = capsys.readouterr().out
-    assert "decode_tok_s" in text and "kvq/llama" in text
+    assert "decode_tok_s" in text and "kvq/llama" in text and "aggregate @ 64" in text
     assert "prefill_tok_s" in text and "ttft_s" in text
 
 
@@ -146,6 +155,11 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str], tiny: Path) ->
     assert "--tokens" in capsys.readouterr().err
     assert main(["bench", "model", "--model", str(tiny), "--sequences", "0"]) == 2
     assert "--sequences" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # argparse's own exit
+        main(["bench", "model", "--model", str(tiny), "--sequences", "8,x"])
+    assert bad.value.code == 2 and "--sequences" in capsys.readouterr().err
+    assert main(["bench", "model", "--model", str(tiny), "--sequences", "8,8"]) == 2
+    assert "each count once" in capsys.readouterr().err
     assert main(["bench", "model", "--model", str(tiny.with_suffix(".nope"))]) == 2
 
 
@@ -161,9 +175,11 @@ def test_stderr_hint_keeps_the_reason_of_a_failed_load() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
 def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     r = _json(capsys, "bench", "model", "--model", str(tiny), "--tokens", "4", "--rounds", "1",
-              "--threads", "1", "--prefill-tokens", "40", "--json")  # fmt: skip
+              "--threads", "1", "--prefill-tokens", "40", "--sequences", "2,3", "--json")  # fmt: skip
     ll = r["llama"]
     assert ll.get("error") or ll["decode_tok_s"] > 0
+    assert set(r["kvq"]["aggregates"]) == {"2", "3"} and r["kvq"]["aggregate_sequences"] == 2
+    assert all(v > 0 for v in r["kvq"]["aggregates"].values())
     if not ll.get("error"):  # both engines prefill the same number of tokens in the round
         assert ll["prefill_tokens"] == r["kvq"]["prefill_tokens"] == 40
         assert ll["prefill_tok_s"] == pytest.approx(40 / ll["ttft_s"])
@@ -218,3 +234,19 @@ def test_llama_batch_decodes_each_sequence_as_alone(tmp_path: Path) -> None:
             if len(alone) == 6:
                 break
         assert together == alone
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
+def test_llama_round_gives_each_count_or_a_note(tmp_path: Path) -> None:
+    """Each count of `sequences` gets its own multi-sequence context; one llama.cpp refuses
+    (more sequences than its LLAMA_MAX_SEQ, 256) is null with the reason, the others stand."""
+    path = tmp_path / "bpe.gguf"
+    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=64,
+              tokenizer="bpe", quant="q4_k")  # fmt: skip
+    cfg = bench_model.ModelBench(str(path), threads=1, tokens=3, sequences=(2, 4, 300),
+                                 prefill_tokens=0)  # fmt: skip
+    r = bench_model.child_llama(cfg)
+    assert r["aggregates"]["2"] > 0 and r["aggregates"]["4"] > 0
+    assert r["aggregate_tok_s"] == r["aggregates"]["2"] and r["aggregate_sequences"] == 2
+    assert r["aggregates"]["300"] is None and "300 sequences" in r["aggregate_notes"]["300"]
+    assert set(r["aggregate_notes"]) == {"300"} and r["aggregate_note"] == ""
