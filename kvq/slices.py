@@ -13,7 +13,8 @@ This module owns the concept for every role:
   with `"step": n` too where only every n-th layer of [ls, le) is MoE (llama4's interleaved
   layers: the slice holds layers ls, ls + n, ...);
 
-- the dict form of a `TensorRange`, which `kvq.model.meta_dict` uses for whole layers.
+- `TensorRange`, one expert tensor's byte range in the file, and its dict form, which
+  `kvq.catalog` uses for whole layers.
 
 A slice's dequantized tensors are a `kvq.model.ExpertSlice`. This module imports no torch, so
 the swarm (pure routing) can use it.
@@ -25,17 +26,30 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from kvq.errors import ConfigError, ModelError
 
-if TYPE_CHECKING:
-    from kvq.model.meta import TensorRange
-
 _SLICE_ID = re.compile(r"L(\d{3,})-(\d{3,}):E(\d{4,})-(\d{4,})")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+EXPERT_KINDS = ("gate", "up", "down")
+# the experts' biases (gpt-oss), stacked like the matrices: [E, F], [E, F], [E, H]
+BIAS_KINDS = ("gate_b", "up_b", "down_b")
+STACKED_KINDS = EXPERT_KINDS + BIAS_KINDS  # the order of a slice's ranges
 RANGE_KEYS = ("name", "kind", "offset", "nbytes", "ggml_type", "expert_shape")
 _REPUBLISH = "re-register the model (kvq monitor --model ID=PATH)"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRange:
+    """A byte range of an expert tensor in the model file."""
+
+    name: str
+    kind: str  # "gate" | "up" | "down", or a bias: "gate_b" | "up_b" | "down_b"
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    ggml_type: int
+    expert_shape: tuple[int, ...]  # numpy shape of ONE expert's matrix (or bias vector)
 
 
 def slice_id(layer_start: int, layer_end: int, expert_start: int, expert_end: int) -> str:
@@ -101,9 +115,6 @@ def range_to_dict(r: TensorRange) -> dict[str, object]:
 def range_from_dict(row: object, where: str) -> TensorRange:
     """Inverse of `range_to_dict` (other keys are ignored); ModelError naming `where` and the
     missing or mistyped key."""
-    # here, not at the top: kvq.model imports torch, and imports this module (meta_dict)
-    from kvq.model.meta import STACKED_KINDS, TensorRange
-
     if not isinstance(row, Mapping) or any(k not in row for k in RANGE_KEYS):
         raise ModelError(f"{where}: range {row!r} lacks one of {RANGE_KEYS}")
     shape = row["expert_shape"]

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvq import wire
+from kvq.catalog import ModelInfo
 from kvq.errors import ApiError, ModelError
-from kvq.model.registry import ModelInfo
 
 
 @dataclass(frozen=True, slots=True)

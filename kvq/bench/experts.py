@@ -25,9 +25,9 @@ from gguf import GGML_QUANT_SIZES
 from kvq.device import timed_call
 from kvq.errors import ConfigError
 from kvq.model.experts import expert_forward
-from kvq.model.meta import EXPERT_KINDS, TensorRange
 from kvq.model.quants import QUANT_NAMES, encode
 from kvq.model.slices import ExpertSlice, decode_slice
+from kvq.slices import EXPERT_KINDS, TensorRange
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import redis
 
@@ -36,11 +36,9 @@ from kvq.bus.records import (
     WorkerInfo,
     WorkerView,
 )
+from kvq.catalog import ModelInfo
 from kvq.errors import ModelError, WireError
 from kvq.machine import parse_cpus
-
-if TYPE_CHECKING:  # at run time only where used: the model modules import numpy, gguf
-    from kvq.model.registry import ModelInfo
 
 log = logging.getLogger("kvq.bus")
 

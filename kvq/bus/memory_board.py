@@ -22,8 +22,8 @@ from kvq.bus.records import (
     WorkerInfo,
     WorkerView,
 )
+from kvq.catalog import ModelInfo
 from kvq.config import Settings
-from kvq.model.registry import ModelInfo
 
 
 class MemoryBoard:

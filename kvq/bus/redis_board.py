@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import redis
 
@@ -29,13 +28,11 @@ from kvq.bus.records import (
 )
 from kvq.bus.scripts import Scripts
 from kvq.bus.streams import is_cluster, unanswered, xadd
+from kvq.catalog import ModelInfo, meta_from_dict, meta_to_dict
 from kvq.errors import ConfigError, WireError
 from kvq.keys import Keys, request_streams, split_slices
 from kvq.settings_parts import BusSettings
 from kvq.slices import SliceSpec
-
-if TYPE_CHECKING:  # imported where used: the model modules import numpy and gguf
-    from kvq.model.registry import ModelInfo
 
 
 def _s(b: bytes) -> str:
@@ -58,8 +55,6 @@ class RedisBoard:
         return sorted(_s(m) for m in self.r.smembers(self.keys.models()))
 
     def register_model(self, info: ModelInfo, base_replicas: int) -> None:
-        from kvq.model import meta_to_dict
-
         k, m = self.keys, info.model
         meta = info.meta
         entry = ModelEntry(
@@ -97,9 +92,6 @@ class RedisBoard:
             )
 
     def model_info(self, model: str) -> ModelInfo | None:
-        from kvq.model import meta_from_dict
-        from kvq.model.registry import ModelInfo
-
         entry = ModelEntry.from_hash(self.r.hgetall(self.keys.model_meta(model)))
         if entry is None:
             return None

@@ -24,6 +24,7 @@ import torch
 
 from kvq.bank.server import ExpertServer
 from kvq.bus.board import Board
+from kvq.catalog import ModelInfo
 from kvq.config import DispatchSettings
 from kvq.coordinator.layer_call import CallParts, LayerCall, Tally
 from kvq.coordinator.mailbox import Delivery, Mailbox
@@ -33,7 +34,6 @@ from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.verify import Verdict, Verifier
 from kvq.device import dtype_name
 from kvq.keys import Keys
-from kvq.model.registry import ModelInfo
 
 log = logging.getLogger("kvq.coordinator")
 

@@ -9,10 +9,10 @@ import threading
 import time
 
 from kvq.bus.records import DispatchCounters
+from kvq.catalog import ModelInfo
 from kvq.config import DispatchSettings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import NoReplica, UncoveredSlice
-from kvq.model.registry import ModelInfo
 from kvq.slices import SliceSpec
 from kvq.swarm import LiveRoute
 

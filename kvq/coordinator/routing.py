@@ -15,11 +15,11 @@ import time
 from collections.abc import Mapping
 
 from kvq.bus.board import Board
+from kvq.catalog import ModelInfo
 from kvq.config import RoutingSettings
 from kvq.coordinator.capacity import Capacity
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.machine import cpus, cpus_text, machine_id
-from kvq.model.registry import ModelInfo
 from kvq.swarm import CostWeights, LivePolicy, LiveRoute, LiveRouter, WorkerView
 
 CAPACITY_ROUTE = -2  # LiveRoute.pipeline_id of a capacity split

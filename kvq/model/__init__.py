@@ -9,14 +9,15 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from kvq.catalog import ModelMeta, meta_from_dict, meta_to_dict
     from kvq.model.backbone import Backbone, KVCache, MoeFn, SeqStep
     from kvq.model.experts import expert_forward, expert_forward_reference
     from kvq.model.layout import slice_layout, slice_nbytes
-    from kvq.model.meta import ModelMeta, TensorRange, read_meta
-    from kvq.model.meta_dict import meta_from_dict, meta_to_dict
+    from kvq.model.meta import read_meta
     from kvq.model.slices import ExpertSlice, decode_slice, load_slice, read_slice_file
     from kvq.model.tiny import make_tiny
     from kvq.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+    from kvq.slices import TensorRange
 
 # public name -> the module that defines it, imported on first access: a process that only
 # needs the registry (the board, `kvq api`) does not load torch
@@ -25,10 +26,10 @@ _LAZY = {
     "ByteTokenizer": "kvq.model.tokenizer",
     "ExpertSlice": "kvq.model.slices",
     "KVCache": "kvq.model.backbone",
-    "ModelMeta": "kvq.model.meta",
+    "ModelMeta": "kvq.catalog",
     "MoeFn": "kvq.model.backbone",
     "SeqStep": "kvq.model.backbone",
-    "TensorRange": "kvq.model.meta",
+    "TensorRange": "kvq.slices",
     "Tokenizer": "kvq.model.tokenizer",
     "decode_slice": "kvq.model.slices",
     "expert_forward": "kvq.model.experts",
@@ -36,8 +37,8 @@ _LAZY = {
     "load_slice": "kvq.model.slices",
     "load_tokenizer": "kvq.model.tokenizer",
     "make_tiny": "kvq.model.tiny",
-    "meta_from_dict": "kvq.model.meta_dict",
-    "meta_to_dict": "kvq.model.meta_dict",
+    "meta_from_dict": "kvq.catalog",
+    "meta_to_dict": "kvq.catalog",
     "read_meta": "kvq.model.meta",
     "read_slice_file": "kvq.model.slices",
     "slice_layout": "kvq.model.layout",

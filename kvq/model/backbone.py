@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model import deltanet
 from kvq.model.arch import arch_spec
@@ -46,7 +47,7 @@ from kvq.model.loader import (
     layer_weights,
     output_weight,
 )
-from kvq.model.meta import ModelMeta, read_meta
+from kvq.model.meta import read_meta
 from kvq.model.mla import mla_scales
 from kvq.model.moe_ffn import MoeCall, moe_ffn
 from kvq.model.qstack import QRows, Weight

@@ -11,11 +11,12 @@ from typing import Any
 
 from gguf import GGUFReader, ReaderTensor
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import arch_spec
 from kvq.model.layout import slice_nbytes
-from kvq.model.meta import ModelMeta, read_meta
+from kvq.model.meta import read_meta
 from kvq.quant import kernels
 from kvq.slices import slice_grid
 

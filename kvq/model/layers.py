@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
-from kvq.model.meta import ModelMeta
 from kvq.model.qstack import QMatrix, Weight
 
 

@@ -11,9 +11,10 @@ from the published layout alone (see `meta_to_dict`).
 
 from __future__ import annotations
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
-from kvq.model.meta import STACKED_KINDS, ModelMeta, TensorRange
+from kvq.slices import STACKED_KINDS, TensorRange
 
 
 def _check_slice(meta: ModelMeta, layer: int, expert_start: int, expert_end: int) -> None:

@@ -10,168 +10,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader, ReaderTensor
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import MLA, SUPPORTED_TEXT, ArchSpec, arch_spec
 from kvq.model.meta_llama4 import layer_pattern, llama4_fields
+from kvq.slices import EXPERT_KINDS, STACKED_KINDS, TensorRange
 
-EXPERT_KINDS = ("gate", "up", "down")
-# the experts' biases (gpt-oss), stacked like the matrices: [E, F], [E, F], [E, H]
-BIAS_KINDS = ("gate_b", "up_b", "down_b")
-STACKED_KINDS = EXPERT_KINDS + BIAS_KINDS  # the order of a slice's ranges
 ROPE_SCALINGS = ("none", "linear", "yarn")
 # a backbone file (`kvq model split --backbone`, `kvq.model.split`) says so under this key
 ROUTED_EXPERTS_KEY = "kvq.routed_experts"
 ROUTED_EXPERTS_ABSENT = "absent"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRange:
-    """A byte range of an expert tensor in the model file."""
-
-    name: str
-    kind: str  # "gate" | "up" | "down", or a bias: "gate_b" | "up_b" | "down_b"
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-    ggml_type: int
-    expert_shape: tuple[int, ...]  # numpy shape of ONE expert's matrix (or bias vector)
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    """Everything about a model except its weights. `expert_tensors[layer][kind]` spans all
-    experts of that layer's stacked tensor (use `slice_layout` for a sub-range)."""
-
-    arch: str
-    name: str
-    block_count: int
-    expert_count: int
-    expert_used_count: int
-    embedding_length: int
-    expert_feed_forward_length: int
-    head_count: int
-    head_count_kv: int
-    head_dim: int
-    rope_freq_base: float
-    rms_eps: float
-    context_length: int
-    vocab_size: int
-    bos_id: int
-    eos_id: int
-    file_size: int
-    feed_forward_length: int = 0
-    tokenizer_model: str = ""
-    rope_scaling_type: str = "none"  # none | linear | yarn
-    rope_scaling_factor: float = 1.0
-    rope_original_context_length: int = 0  # yarn: the pre-training context
-    rope_yarn_beta_fast: float = 32.0
-    rope_yarn_beta_slow: float = 1.0
-    attention_scale: float = 0.0  # 0: 1/sqrt(head_dim)
-    expert_weights_norm: bool = True  # renormalise the top-k weights to sum 1
-    expert_weights_scale: float = 1.0  # multiplies the top-k weights
-    expert_shared_feed_forward_length: int = 0  # the shared expert(s)' total width; 0 if none
-    expert_gating: str = "softmax"  # the router's scores: softmax | sigmoid
-    expert_group_count: int = 1  # group-limited routing: experts in this many equal groups
-    expert_group_used_count: int = 1  # ... of which the best this many are kept per token
-    leading_dense_block_count: int = 0  # layers [0, n) run a dense FFN, the rest are MoE
-    nextn_predict_layers: int = 0  # MTP blocks after the trunk (in the file, not run)
-    rope_dim: int = 0  # dimensions rope rotates (rope.dimension_count); 0: the head size
-    rope_yarn_log_mul: float = (
-        0.0  # rope.scaling.yarn_log_multiplier (deepseek2: 0.1 x mscale_all_dim)
-    )
-    q_lora_rank: int = 0  # MLA: rank of q's LoRA (0: a plain attn_q, as DeepSeek-V2-Lite)
-    kv_lora_rank: int = 0  # MLA: size of the compressed KV latent; 0 for every non-MLA arch
-    value_head_dim: int = 0  # MLA: each head's value size (v_head_dim); 0: the head size
-    sliding_window: int = 0  # positions a sliding layer sees (itself included); 0: none
-    sliding_window_pattern: int = 0  # layers i % p < p - 1 slide (p = 0: all of them)
-    sliding_layers: tuple[bool, ...] = ()  # the pattern as a per-layer array, when so given
-    rope_freq_base_swa: float = 0.0  # the sliding layers' rope base; 0: rope_freq_base
-    expert_act: str = "silu"  # the routed experts' activation (`kvq.model.arch.EXPERT_ACTS`)
-    # Gated DeltaNet (qwen35moe, `kvq.model.deltanet`); full_attention_interval 0: no such layers
-    full_attention_interval: int = 0  # layer i is full attention when (i + 1) % this == 0
-    recurrent_list: tuple[int, ...] = ()  # attention.recurrent_layers, where the file has it
-    ssm_conv_kernel: int = 0  # ssm.conv_kernel: the causal conv's taps
-    ssm_state_size: int = 0  # ssm.state_size: each q/k/v head's size
-    ssm_group_count: int = 0  # ssm.group_count: q/k heads
-    ssm_time_step_rank: int = 0  # ssm.time_step_rank: value heads
-    # IMROPE (qwen35moe): rope.dimension_sections [t, h, w, e]; a text token has its position
-    # in t, h and w and 0 in e, so the pairs of an e section are not rotated (`Rope`)
-    rope_sections: tuple[int, ...] = ()
-    # llama4 (`kvq.model.meta_llama4`): MoE every `moe_layer_step`-th layer, chunked windows,
-    # NoPE layers, q/k RMS norm and the NoPE layers' attention temperature
-    moe_layer_step: int = 1  # layer i is MoE when (i + 1 - leading dense) % this == 0
-    swa_chunked: bool = False  # the sliding layers attend within chunks of `sliding_window`
-    no_rope_step: int = 0  # layer i has no rope when (i + 1) % this == 0; 0: all rope
-    kq_norm: bool = False  # unweighted RMS norm of q and k after rope (rope layers)
-    attn_temp_floor: int = 0  # NoPE layers: q * (1 + scale ln(floor((p + 1) / floor) + 1))
-    attn_temp_scale: float = 0.0  # ... with this scale; floor 0: no temperature tuning
-    expert_tensors: Mapping[int, Mapping[str, TensorRange]] = field(default_factory=dict)
-
-    @property
-    def holds_experts(self) -> bool:
-        """Whether the file holds its routed experts (False: a backbone file, whose
-        `expert_tensors` is empty; workers hold them)."""
-        return bool(self.expert_tensors)
-
-    def expert_types(self) -> set[int]:
-        """The ggml types the expert tensors are stored in."""
-        return {r.ggml_type for layer in self.expert_tensors.values() for r in layer.values()}
-
-    @property
-    def moe_layers(self) -> range:
-        """The layers whose FFN is the routed experts (the others are dense): all after the
-        leading dense ones, or every `moe_layer_step`-th (llama4)."""
-        step = self.moe_layer_step
-        return range(self.leading_dense_block_count + step - 1, self.block_count, step)
-
-    def window(self, layer: int) -> int:
-        """Positions `layer` attends to (the newest ones), or 0 for all of them."""
-        p = self.sliding_window_pattern
-        if self.sliding_layers:
-            slides = self.sliding_layers[layer]
-        else:
-            slides = p == 0 or layer % p < p - 1
-        return self.sliding_window if self.sliding_window > 0 and slides else 0
-
-    def chunk(self, layer: int) -> int:
-        """The chunk `layer` attends within (llama4: query p sees keys from
-        `p // chunk * chunk`), or 0 for none."""
-        return self.window(layer) if self.swa_chunked else 0
-
-    def ropes(self, layer: int) -> bool:
-        """Whether `layer` rotates q and k (llama4's NoPE layers do not)."""
-        n = self.no_rope_step
-        return n <= 0 or (layer + 1) % n != 0
-
-    @property
-    def recurrent_layers(self) -> list[int]:
-        """The Gated DeltaNet layers (a recurrent state per sequence, no KV cache): the file's
-        `attention.recurrent_layers` where it has that array, else every layer but each
-        `full_attention_interval`-th."""
-        if self.recurrent_list:
-            return list(self.recurrent_list)
-        n = self.full_attention_interval
-        return [i for i in range(self.block_count) if n and (i + 1) % n]
-
-    @property
-    def rope_dims(self) -> int:
-        """How many dimensions of each head rope rotates."""
-        return self.rope_dim or self.head_dim
-
-    @property
-    def cache_width(self) -> tuple[int, int]:
-        """(kv heads, values per head) a KV cache stores per token and layer: K and V of each
-        kv head, or, for MLA, one latent of `kv_lora_rank + rope_dims` values (the values
-        are its first `kv_lora_rank`, stored once)."""
-        if self.kv_lora_rank:
-            return 1, self.kv_lora_rank + self.rope_dims
-        return self.head_count_kv, self.head_dim
 
 
 def read_meta(path: str | Path) -> ModelMeta:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from kvq.model.meta import ModelMeta
+from kvq.catalog import ModelMeta
 
 
 def mla_scales(meta: ModelMeta) -> tuple[float | None, float]:

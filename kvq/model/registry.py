@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvq.catalog import ModelInfo, ModelMeta
 from kvq.errors import ConfigError, ModelMismatch
 from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
-from kvq.model.meta import ModelMeta, read_meta
+from kvq.model.meta import read_meta
 from kvq.model.split import BackboneSource
 from kvq.slices import SliceSpec, slice_grid
 
@@ -43,24 +43,6 @@ def plan_slices(
                 sums.append(hashlib.sha256(f.read(r.nbytes)).hexdigest())
             out.append(SliceSpec(bounds.sid, *bounds, tuple(ranges), tuple(sums), moe.step))
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """A registered model: what workers download and coordinators dispatch over."""
-
-    model: str
-    source: str  # a path or an http(s) URL workers fetch slices from
-    meta: ModelMeta
-    slices: dict[str, SliceSpec]
-    header_sha256: str = ""  # of the file's bytes before its tensor data ("": not recorded)
-    request_shards: int = 1  # request streams clients spread requests over (KVQ_REQUEST_SHARDS)
-
-    def layer_slices(self, layer: int) -> list[SliceSpec]:
-        return sorted(
-            (s for s in self.slices.values() if s.layer_start <= layer < s.layer_end),
-            key=lambda s: s.expert_start,
-        )
 
 
 def plan_model(

@@ -14,13 +14,14 @@ from typing import BinaryIO
 
 import torch
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import gguf_io as gio
 from kvq.model.arch import ACT_SILU, EXPERT_ACTS
 from kvq.model.layout import slice_layout
-from kvq.model.meta import BIAS_KINDS, EXPERT_KINDS, ModelMeta, TensorRange
 from kvq.model.qstack import FileMap, QStack, Weight
 from kvq.quant import dequantize
+from kvq.slices import BIAS_KINDS, EXPERT_KINDS, TensorRange
 
 Stack = torch.Tensor | QStack  # [n, rows, cols]: dense, or encoded bytes
 Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [n, F], up [n, F], down [n, H]

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
+from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model import gguf_io as gio
-from kvq.model.meta import ModelMeta
 
 BYTE_TOKENIZER = "kvq-bytes"
 N_BYTES = 256

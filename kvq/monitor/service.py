@@ -36,8 +36,9 @@ from kvq.bus.board import Board
 from kvq.bus.market import MarketDesk
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.catalog import ModelInfo
 from kvq.config import MonitorSettings, Settings
-from kvq.model.registry import ModelInfo, plan_model
+from kvq.model.registry import plan_model
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
 

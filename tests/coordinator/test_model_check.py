@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.errors import ModelMismatch
 from kvq.model import make_tiny
-from kvq.model.registry import ModelInfo, check_model_file, plan_model
+from kvq.model.registry import check_model_file, plan_model
 from kvq.monitor import Monitor
 
 

@@ -13,11 +13,12 @@ from boards import BoardCase
 
 from kvq.bus.board import Board
 from kvq.bus.records import Quarantine, WorkerInfo
+from kvq.catalog import ModelInfo
 from kvq.config import RoutingSettings, load_settings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice
 from kvq.model import make_tiny
-from kvq.model.registry import ModelInfo, plan_model
+from kvq.model.registry import plan_model
 
 TOTAL = 4
 

@@ -26,11 +26,11 @@ import torch
 from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
+from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
 from kvq.local.procs import Children
 from kvq.model import make_tiny
-from kvq.model.registry import ModelInfo
 from kvq.model.slices import map_slice
 from kvq.monitor import Monitor
 from kvq.slices import SliceSpec

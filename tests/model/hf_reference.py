@@ -27,7 +27,8 @@ from transformers import (
 )
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from kvq.model import ModelMeta, read_meta
+from kvq.catalog import ModelMeta
+from kvq.model import read_meta
 
 
 def hf_model(path: str | Path) -> PreTrainedModel:

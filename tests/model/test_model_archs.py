@@ -12,8 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, meta_from_dict, meta_to_dict, read_meta
+from kvq.model import Backbone, SeqStep, read_meta
 from kvq.model.arch import ARCHS, permute_qk
 from kvq.model.tiny import TinyConfig, write_tiny
 

@@ -234,7 +234,7 @@ def _write_array_pattern(tmp_path: Path, flags: list[bool]) -> Path:
 def test_a_per_layer_sliding_pattern_array_is_read(tmp_path: Path) -> None:
     m = read_meta(_write_array_pattern(tmp_path, [True, True, False]))
     assert [m.window(i) for i in range(m.block_count)] == [8, 8, 0]
-    from kvq.model import meta_from_dict, meta_to_dict
+    from kvq.catalog import meta_from_dict, meta_to_dict
 
     assert meta_from_dict(json.loads(json.dumps(meta_to_dict(m)))) == m  # as the board keeps it
     with pytest.raises(ModelError, match="one flag for each of the 3 layers"):

@@ -21,11 +21,11 @@ import torch
 from gguf import GGUFReader
 from greedy import kvq_greedy, llama_greedy
 
+from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
 from kvq.model.gguf_io import open_reader, tensor_map
 from kvq.model.layers import Gating, attn_temperature, causal_attention, rms_norm
 from kvq.model.loader import MoeFfn
-from kvq.model.meta_dict import meta_from_dict, meta_to_dict
 from kvq.model.moe_ffn import moe_ffn
 from kvq.model.registry import plan_slices
 from kvq.model.slices import decode_slice, load_slice, read_slice_file

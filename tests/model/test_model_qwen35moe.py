@@ -19,13 +19,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from greedy import kvq_greedy, llama_greedy, llama_model
 
+from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.errors import ModelError
 from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
 from kvq.model.deltanet import DeltaWeights
 from kvq.model.describe import MemoryAssumptions, describe_model
 from kvq.model.gguf_io import open_reader, tensor_map
 from kvq.model.layers import Rope
-from kvq.model.meta_dict import meta_from_dict, meta_to_dict
 from kvq.model.qstack import QMatrix
 from kvq.model.tiny import family_parts, write_tiny
 from kvq.model.tiny_weights import TinyConfig

@@ -9,6 +9,8 @@ test fails on any other, and on a listed one that is gone (so the list only shri
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvq
@@ -113,16 +115,34 @@ def test_no_new_import_circle() -> None:
     assert KNOWN - got == set(), "a known circle is gone: take it off the list"
 
 
-def test_the_bus_imports_no_role_and_no_router() -> None:
-    """`kvq.bus` sits under the roles: it imports neither a role's package nor the swarm
-    router (the model registry's records, read lazily, are the one exception left)."""
-    above = ("kvq.swarm", "kvq.coordinator", "kvq.worker", "kvq.monitor", "kvq.api")
+def test_the_bus_imports_no_role_no_router_and_no_model() -> None:
+    """`kvq.bus` sits under the roles and under the model code: it imports neither a role's
+    package, the swarm router, nor `kvq.model` (a registered model travels as `kvq.catalog`'s
+    records, which know nothing of how a file is read or run)."""
+    above = ("kvq.swarm", "kvq.coordinator", "kvq.worker", "kvq.monitor", "kvq.api", "kvq.model")
     g = graph()
     bad = {
         (m, dep)
         for m, deps in g.items()
-        if m.startswith("kvq.bus")
+        if m.startswith("kvq.bus") or m in ("kvq.catalog", "kvq.slices")
         for dep in deps
         if dep.startswith(above)
     }
     assert bad == set()
+
+
+def test_the_records_import_no_numeric_library() -> None:
+    """`kvq.catalog` and `kvq.slices` are what a process that only routes needs of a model:
+    they import no numpy, gguf or torch, at any depth; the bus (whose wire rows are numpy
+    arrays) imports no gguf or torch."""
+
+    def loaded(modules: str) -> str:
+        code = (
+            f"import sys, {modules}; print(sorted({{'numpy', 'gguf', 'torch'}} & set(sys.modules)))"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert loaded("kvq.catalog, kvq.slices") == "[]"
+    assert loaded("kvq.bus.redis_board, kvq.bus.memory_board") == "['numpy']"

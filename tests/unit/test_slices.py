@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 
 import kvq
 from kvq.errors import ConfigError, ModelError
-from kvq.model.meta import EXPERT_KINDS, TensorRange
 from kvq.slices import (
+    EXPERT_KINDS,
     RANGE_KEYS,
     SliceBounds,
     SliceSpec,
+    TensorRange,
     parse_slice_id,
     range_from_dict,
     range_to_dict,

@@ -15,9 +15,10 @@ from boards import BoardCase, make_case
 from kvq.bus.board import Board
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import Lifetimes, WorkerInfo
+from kvq.catalog import ModelInfo
 from kvq.machine import cpus, cpus_text, machine_id
 from kvq.model import make_tiny
-from kvq.model.registry import ModelInfo, plan_model
+from kvq.model.registry import plan_model
 from kvq.swarm import WorkerView
 from kvq.worker.membership import Held, Membership
 
