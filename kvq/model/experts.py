@@ -153,20 +153,10 @@ def _int8_call(
     if not pairs:
         return torch.zeros(x.shape, dtype=torch.float32)
     experts = sorted({e for e, _, _ in pairs})
-    raws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    types: tuple[int, int, int] | None = None
-    for e in experts:
-        g, u, d = weights_of(e)
-        if not (isinstance(g, QMatrix) and isinstance(u, QMatrix) and isinstance(d, QMatrix)):
-            return None
-        if types is None:
-            types = (g.qtype, u.qtype, d.qtype)
-        if (g.qtype, u.qtype, d.qtype) != types or not all(
-            m.raw.is_contiguous() and m.raw.device.type == "cpu" for m in (g, u, d)
-        ):
-            return None
-        raws.append((g.raw, u.raw, d.raw))
-    assert types is not None
+    packed = _packed_weights(experts, weights_of)
+    if packed is None:
+        return None
+    raws, types = packed
     if not kernels.moe_covers(types, int(x.shape[1]), int(raws[0][0].shape[0])):
         return None
     biases = None
@@ -188,6 +178,29 @@ def _int8_call(
     start = list(itertools.accumulate((counts[e] for e in experts), initial=0))  # [n + 1]
     rows, wts = [t for _, t, _ in pairs], [w for _, _, w in pairs]
     return kernels.moe_int8_batch(xf, raws, types, start, rows, wts, **form)
+
+
+Raws = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _packed_weights(
+    experts: list[int], weights_of: WeightsOf
+) -> tuple[Raws, tuple[int, int, int]] | None:
+    """Each expert's gate, up and down blocks as stored (contiguous CPU tensors) and their
+    three ggml types, or None unless every expert is quantized alike (the kernel's input)."""
+    raws: Raws = []
+    types: tuple[int, int, int] | None = None
+    for e in experts:
+        g, u, d = weights_of(e)
+        if not (isinstance(g, QMatrix) and isinstance(u, QMatrix) and isinstance(d, QMatrix)):
+            return None
+        types = types or (g.qtype, u.qtype, d.qtype)
+        if (g.qtype, u.qtype, d.qtype) != types or not all(
+            m.raw.is_contiguous() and m.raw.device.type == "cpu" for m in (g, u, d)
+        ):
+            return None
+        raws.append((g.raw, u.raw, d.raw))
+    return (raws, types) if types is not None else None
 
 
 def check_inputs(
