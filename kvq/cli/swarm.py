@@ -56,7 +56,8 @@ def _throughput(args: argparse.Namespace) -> int:
         reports = [_load_json(path, "bench report") for path in args.measured or ()]
         report = throughput_report(reports, args.shapes.split(","), args.workers,
                                    args.rtt_ms, args.batch,
-                                   (args.coord_speedup, args.worker_speedup))  # fmt: skip
+                                   (args.coord_speedup, args.worker_speedup),
+                                   args.calibrate)  # fmt: skip
     except (RoutingError, KeyError, TypeError) as exc:  # a file that is no bench report
         kind = type(exc).__name__ if isinstance(exc, RoutingError) else "RoutingError"
         print(f"kvq swarm-sim: {kind}: not a usable kvq bench pool report: {exc}",
@@ -225,7 +226,10 @@ def _add_swarm_sim(sub: Subparsers) -> None:
     t.add_argument("--throughput", action="store_true",
                    help="calibrate tok/s from bench reports and project (no --topology)")  # fmt: skip
     t.add_argument("--measured", action="append", metavar="BENCH.json",
-                   help="a kvq bench pool --json report (repeatable; the first calibrates)")  # fmt: skip
+                   help="a kvq bench pool --json report (repeatable)")  # fmt: skip
+    t.add_argument("--calibrate", type=int, default=0, metavar="N",
+                   help="calibrate from the first N reports (default 0: all); the others' "
+                        "windows are predicted")  # fmt: skip
     t.add_argument("--shapes", default="qwen3-235b-a22b,deepseek-v3", help="comma list")
     t.add_argument("--workers", type=_ints, default=(8, 32, 128), help="comma list")
     t.add_argument("--rtt-ms", type=_floats, default=(20.0, 40.0, 80.0), help="comma list")

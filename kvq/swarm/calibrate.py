@@ -1,18 +1,22 @@
 """`kvq swarm-sim --throughput`: the throughput model calibrated from `kvq bench pool` reports,
 checked against every measured window, then projected to other shapes, swarms and RTTs.
 
-Calibration (one report, its lowest RTT, its smallest and largest `sequences` B1 < B2): with
-steps = tokens / B and L MoE layers, per layer and step
-  coordinator C = wall ms / (steps L) - its wait    -> c0, c1 (a line through the two points;
-                 (`remote_wait_s`, per layer-step)     not its CPU time, which holds polling)
-  workers     W = their CPU ms / (steps L) = o_job J + c_row B k  (J: jobs per layer-step,
-                                                      measured)     -> o_job, c_row
-  fixed       r = wall ms / (steps L) - C - W       -> r0_0, r0_1 (at RTT 0)
-and, from its highest RTT, the RTTs each job of the busiest worker adds to a layer's wait
-(`rtts_per_job`: the rest of the wall time over RTT x the expected jobs of the busiest of the
-report's workers). The windows at other RTTs and other worker counts check the result, with
-each window's measured jobs per layer (the bench's router is skewed and its windows hold
-prefills: the uniform-routing count `jobs` is for the projections only).
+Calibration, jointly over every window of the calibrating reports (B sequences, RTT, W
+workers; steps = tokens / B, L MoE layers), per layer and step:
+  coordinator C = wall ms / (steps L) - its wait    = c0 + c1 B
+                 (`remote_wait_s`, per layer-step; not its CPU time, which holds polling)
+  workers     W = their CPU ms / (steps L)          = o_job J + c_row B k   (J: jobs per
+                                                      layer-step, measured)
+  the rest    R = wall ms / (steps L) - C - W       = r0_0 + r0_1 B + r_contact (reached - 1)
+                                                      + RTT (rtts_fixed + rtts_per_job J_busiest)
+each a least-squares fit of the windows' relative errors with no coefficient below 0 (one that
+would be is dropped and the rest refitted). `reached` and `J_busiest` are the expected distinct
+workers and the busiest worker's share of J jobs over the report's W workers. Reports at
+different worker counts are what separate the fixed RTTs from those per job: a lone worker
+reads all of a layer's jobs in one read. The check runs the model on every window of every
+report, each with its measured jobs per layer (the bench's router is skewed and its windows hold
+prefills: the uniform-routing count `jobs` is for the projections only); windows of reports
+left out of the calibration (`calibrate`) are predictions.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from kvq.errors import RoutingError
 from kvq.swarm.throughput import (
     SHAPES,
     Costs,
     Shape,
     busiest,
+    contacted,
     gqa_params,
     hiding_batch,
     jobs,
@@ -54,48 +61,59 @@ def _per_layer_step(run: dict[str, Any], layers: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-def calibrate(report: dict[str, Any]) -> Costs:
-    """Costs from one bench report (see the module docstring)."""
-    shape = bench_shape(report)
-    runs = [r for r in report["runs"] if r["tokens"] > 0]
-    if not runs:
-        raise RoutingError("the bench report has no window with tokens: nothing to calibrate")
-    low = min(r["rtt_ms"] for r in runs)
-    at = sorted((r for r in runs if r["rtt_ms"] == low), key=lambda r: r["sequences"])
-    p1, p2 = (_per_layer_step(r, shape.layers) for r in (at[0], at[-1]))
-    k = shape.experts_used
-    if p2["b"] == p1["b"]:
-        c1, c0 = 0.0, p1["coord"]
-        o_job, c_row = 0.0, p1["work"] / (p1["b"] * k)
-        r1 = 0.0
-    else:
-        c1 = (p2["coord"] - p1["coord"]) / (p2["b"] - p1["b"])
-        c0 = p1["coord"] - c1 * p1["b"]
-        det = p1["jobs"] * p2["b"] * k - p2["jobs"] * p1["b"] * k
-        o_job = (p1["work"] * p2["b"] * k - p2["work"] * p1["b"] * k) / det if det else 0.0
-        c_row = (p1["work"] - o_job * p1["jobs"]) / (p1["b"] * k)
-        if o_job < 0 or c_row < 0:  # the two points do not separate them: all per row
-            o_job, c_row = 0.0, p2["work"] / (p2["b"] * k)
-        r1 = 0.0
-    w = report["workers"]
-    rest = [p["wall"] - p["coord"] - p["work"] - p["rtt"] * busiest(p["jobs"], w) for p in (p1, p2)]
-    if p2["b"] != p1["b"]:
-        r1 = (rest[1] - rest[0]) / (p2["b"] - p1["b"])
-    r0 = rest[0] - r1 * p1["b"]
-    high = max(r["rtt_ms"] for r in runs)
-    per_job = []
-    for run in (r for r in runs if r["rtt_ms"] == high and high > low):
-        p = _per_layer_step(run, shape.layers)
-        excess = p["wall"] - p["coord"] - p["work"] - (r0 + r1 * p["b"])
-        per_job.append(excess / (high * busiest(p["jobs"], w)))
-    rtts = sum(per_job) / len(per_job) if per_job else 1.0
-    return Costs(c0, c1, o_job, c_row, r0, r1, rtts_per_job=rtts, workers_parallel=1)
+def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Every window with tokens, as per-layer-step figures with its report's workers and k."""
+    out = []
+    for rep in reports:
+        shape = bench_shape(rep)
+        for run in rep["runs"]:
+            if run["tokens"] > 0:
+                p = _per_layer_step(run, shape.layers)
+                out.append({**p, "w": rep["workers"], "k": shape.experts_used})
+    return out
+
+
+def _fit(rows: list[list[float]], target: list[float], scale: list[float]) -> list[float]:
+    """Least squares of `target` over the columns of `rows`, each row weighted 1 / `scale`
+    (relative errors), every coefficient >= 0: a column whose coefficient comes out negative
+    is dropped (the most negative first) and the others refitted."""
+    a = np.asarray(rows, dtype=np.float64) / np.asarray(scale, dtype=np.float64)[:, None]
+    y = np.asarray(target, dtype=np.float64) / np.asarray(scale, dtype=np.float64)
+    keep = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        if keep:
+            coef[keep] = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
+        negative = [i for i in keep if coef[i] < -1e-12]
+        if not negative:
+            return [max(0.0, float(c)) for c in coef]
+        keep.remove(min(negative, key=lambda i: coef[i]))
+
+
+def calibrate(reports: list[dict[str, Any]]) -> Costs:
+    """Costs from bench reports, jointly (see the module docstring)."""
+    pts = _points(reports)
+    if not pts:
+        raise RoutingError("the bench reports have no window with tokens: nothing to calibrate")
+    walls = [p["wall"] for p in pts]
+    c0, c1 = _fit([[1.0, p["b"]] for p in pts], [p["coord"] for p in pts], walls)
+    o_job, c_row = _fit([[p["jobs"], p["b"] * p["k"]] for p in pts], [p["work"] for p in pts],
+                        walls)  # fmt: skip
+    rest = [p["wall"] - p["coord"] - p["work"] for p in pts]
+    cols = [
+        [1.0, p["b"], max(0.0, contacted(p["jobs"], int(p["w"])) - 1), p["rtt"],
+         p["rtt"] * busiest(p["jobs"], int(p["w"]))]
+        for p in pts
+    ]  # fmt: skip
+    r0_0, r0_1, r_contact, fixed, per_job = _fit(cols, rest, walls)
+    return Costs(c0, c1, o_job, c_row, r0_0, r0_1, rtts_per_job=per_job, rtts_fixed=fixed,
+                 r_contact=r_contact, workers_parallel=1)  # fmt: skip
 
 
 def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
     """Every measured window against the model: tok/s measured, modelled, error."""
     out = []
-    for rep in reports:
+    for i, rep in enumerate(reports):
         shape = bench_shape(rep)
         for run in rep["runs"]:
             if not run["tokens"]:
@@ -104,7 +122,8 @@ def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
             got = tok_s(shape, costs, rep["workers"], run["rtt_ms"], run["sequences"],
                         rep.get("microbatches", 1), measured_jobs)  # fmt: skip
             out.append({
-                "workers": rep["workers"], "rtt_ms": run["rtt_ms"], "sequences": run["sequences"],
+                "report": i, "workers": rep["workers"], "rtt_ms": run["rtt_ms"],
+                "sequences": run["sequences"],
                 "tok_s": run["tok_s"], "model_tok_s": round(got, 3),
                 "error": round(got / run["tok_s"] - 1, 3),
                 "jobs_per_layer_step": round(run["jobs_per_layer_token"] * run["sequences"], 2),
@@ -151,20 +170,28 @@ def _at(hide: tuple[int, int] | None) -> dict[str, int] | None:
 def throughput_report(
     reports: list[dict[str, Any]], shapes: list[str], workers: tuple[int, ...],
     rtts_ms: tuple[float, ...], batch: int, speedups: tuple[float, float] = (1.0, 1.0),
+    calibrate_with: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Calibrated from the first report; checked against all; projected with the coordinator
-    and the workers `speedups` times as fast as the bench's CPUs."""
+    """Calibrated from the first `calibrate_with` reports (0: all); checked against all (the
+    others' windows are predictions); projected with the coordinator and the workers
+    `speedups` times as fast as the bench's CPUs."""
     if not reports:
         raise RoutingError("--throughput needs at least one --measured bench report")
     if min(speedups) <= 0:
         raise RoutingError(f"--coord-speedup and --worker-speedup must be > 0, got {speedups}")
-    costs = calibrate(reports[0])
+    if not 0 <= calibrate_with <= len(reports):
+        raise RoutingError(f"--calibrate {calibrate_with}: there are {len(reports)} reports")
+    used = reports[: calibrate_with or len(reports)]
+    costs = calibrate(used)
     checks = check(reports, costs)
+    for c in checks:
+        c["predicted"] = c.pop("report") >= len(used)
     errors = [abs(c["error"]) for c in checks]
+    fields = ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "r_contact", "rtts_fixed",
+              "rtts_per_job")  # fmt: skip
     return {
-        "calibrated_from": {"workers": reports[0]["workers"], "preset": reports[0].get("preset")},
-        "costs_ms": {f: round(getattr(costs, f), 4) for f in
-                     ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "rtts_per_job")},
+        "calibrated_from": [{"workers": r["workers"], "preset": r.get("preset")} for r in used],
+        "costs_ms": {f: round(getattr(costs, f), 4) for f in fields},
         "check": checks, "max_abs_error": round(max(errors), 3) if errors else None,
         "speedups": {"coordinator": speedups[0], "workers": speedups[1]},
         "projection": project(costs, bench_shape(reports[0]), shapes, workers, rtts_ms, batch,

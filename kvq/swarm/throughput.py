@@ -3,7 +3,9 @@
 One engine step runs B sequences through L MoE layers. Each layer: the coordinator computes its
 part (attention, router; `C(b) = c0 + c1 * b` ms for b sequences), sends one job per slice the
 b x k routed rows touch, and waits `D` for the results: a fixed `r0(b)` (Redis, wake-ups),
-`round_trips` x RTT, and the busiest worker's compute (`o_job` per job + `c_row` per row).
+`r_contact` per worker reached beyond the first, `rtts_fixed + rtts_per_job x J_busiest` RTTs
+(J_busiest: the busiest worker's jobs; a lone worker reads all of a layer's jobs in one read),
+and the busiest worker's compute (`o_job` per job + `c_row` per row).
 With m micro-batches (strict round robin, as `forward_microbatched` drives them) each of
 b = B/m sequences, a layer takes, in steady state,
 
@@ -71,6 +73,8 @@ class Costs:
     r0_0: float  # fixed latency per layer: r0(b) = r0_0 + r0_1 * b
     r0_1: float = 0.0
     rtts_per_job: float = 1.0  # RTTs each job of the busiest worker adds to a layer's wait
+    rtts_fixed: float = 0.0  # RTTs a layer waits whatever its jobs (sending, the first read)
+    r_contact: float = 0.0  # ms per worker a layer reaches beyond the first (another wake-up)
     workers_parallel: int = 0  # CPUs the workers compute on; 0: one per worker
     one_rtt_per_layer: bool = False  # what if: a layer waits one RTT, however many jobs
 
@@ -88,6 +92,13 @@ def jobs(shape: Shape, b: float) -> float:
     """Expected slices one layer's b sequences touch (a job each)."""
     s = shape.slices_per_layer
     return s * (1 - float((1 - 1 / s) ** (b * shape.experts_used)))
+
+
+def contacted(total: float, workers: int) -> float:
+    """Expected distinct workers `total` jobs reach, each job on a uniform one of `workers`."""
+    if workers <= 1 or total <= 0:
+        return min(1.0, max(0.0, total)) if workers >= 1 else 0.0
+    return float(workers * (1 - (1 - 1 / workers) ** total))
 
 
 def busiest(total: float, workers: int) -> float:
@@ -157,8 +168,9 @@ def layer_times(
         work = j * c.o_job + rows * c.c_row  # every worker's job on one CPU, one after another
     else:
         work = busiest(j, par) * c.o_job + busiest(rows, par) * c.c_row
-    rtts = 1.0 if c.one_rtt_per_layer else c.rtts_per_job * busiest(j, workers)
-    wait = c.r0_0 + c.r0_1 * b + rtts * rtt_ms + work
+    rtts = 1.0 if c.one_rtt_per_layer else c.rtts_fixed + c.rtts_per_job * busiest(j, workers)
+    reach = c.r_contact * max(0.0, contacted(j, workers) - 1)
+    wait = c.r0_0 + c.r0_1 * b + reach + rtts * rtt_ms + work
     return LayerTimes(c.c0 + c.c1 * b, wait, work)
 
 

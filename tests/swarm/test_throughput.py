@@ -18,6 +18,8 @@ from kvq.swarm.throughput import (
     Costs,
     LayerTimes,
     Shape,
+    busiest,
+    contacted,
     gqa_params,
     hidden,
     hiding_batch,
@@ -105,17 +107,44 @@ def _synthetic(c: Costs, workers: int, rtts: tuple[float, ...]) -> dict[str, Any
 
 
 def test_calibration_recovers_the_costs_and_predicts_other_rtts() -> None:
-    truth = Costs(0.6, 0.15, 0.3, 0.05, 0.8, 0.02, workers_parallel=1)
-    rep = _synthetic(truth, 3, (0.0, 5.0, 20.0))
-    got = calibrate(rep)
-    for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1"):
+    truth = Costs(0.6, 0.15, 0.3, 0.05, 0.8, 0.02, rtts_per_job=0.9, rtts_fixed=1.1,
+                  r_contact=0.4, workers_parallel=1)  # fmt: skip
+    reps = [_synthetic(truth, w, (0.0, 5.0, 20.0)) for w in (1, 3)]
+    got = calibrate(reps)
+    for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "rtts_per_job", "rtts_fixed",
+              "r_contact"):  # fmt: skip
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6, abs=1e-9), f
-    assert bench_shape(rep).backbone_params == SMALL.backbone_params
-    out = throughput_report([rep], ["qwen3-235b-a22b"], (8,), (20.0,), 32)
-    assert out["max_abs_error"] <= 1e-3 and len(out["check"]) == 6
+    assert bench_shape(reps[0]).backbone_params == SMALL.backbone_params
+    held_out = _synthetic(truth, 2, (0.0, 5.0, 20.0))  # predicted, not fitted
+    out = throughput_report([*reps, held_out], ["qwen3-235b-a22b"], (8,), (20.0,), 32,
+                            calibrate_with=2)  # fmt: skip
+    assert out["max_abs_error"] <= 1e-3 and len(out["check"]) == 18
+    assert [c["predicted"] for c in out["check"]] == [False] * 12 + [True] * 6
+    assert [r["workers"] for r in out["calibrated_from"]] == [1, 3]
     row = out["projection"][0]
     assert row["shape"] == "qwen3-235b-a22b" and row["tok_s_b1"] > 0
     assert row["tok_s_b32_best_m"] >= row["tok_s_b32"]
+
+
+def test_a_lone_worker_waits_fewer_round_trips_than_one_per_job() -> None:
+    """The fixed and per-job RTTs come apart only across worker counts: with both, a lone
+    worker's layer waits rtts_fixed + rtts_per_job x J RTTs, fewer than the old charge."""
+    c = Costs(0.6, 0.15, 0.3, 0.05, 0.8, rtts_per_job=0.5, rtts_fixed=1.0, workers_parallel=1)
+    one = layer_times(SMALL, c, 1, 20.0, 1, n_jobs=4.0)
+    three = layer_times(SMALL, c, 3, 20.0, 1, n_jobs=4.0)
+    assert one.wait - three.wait == pytest.approx(20.0 * 0.5 * (4.0 - busiest(4.0, 3)))
+    assert contacted(4.0, 1) == 1.0 and contacted(4.0, 3) == pytest.approx(3 * (1 - (2 / 3) ** 4))
+
+
+def test_the_fit_keeps_every_cost_non_negative() -> None:
+    """A cost the windows would fit below 0 is dropped, not returned negative."""
+    truth = Costs(0.6, 0.15, 0.3, 0.05, 0.8, 0.0, rtts_per_job=1.2, workers_parallel=1)
+    rep = _synthetic(truth, 3, (0.0, 20.0))
+    for run in rep["runs"]:  # noise that pulls r0_1 below zero
+        run["window_s"] *= 1.0 - 0.01 * run["sequences"]
+    got = calibrate([rep])
+    assert min(getattr(got, f) for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1",
+                                         "rtts_per_job", "rtts_fixed", "r_contact")) >= 0  # fmt: skip
 
 
 def test_the_cli_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
