@@ -149,6 +149,15 @@ class Consumer:
         acks = {self.stream: list(entry_ids)} if entry_ids else {}
         answer_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
 
+    def answer_each(
+        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
+        maxlen: int,
+    ) -> list[redis.RedisError | None]:  # fmt: skip
+        """`answer` for a batch, in the same one round trip, with each append's refusal in
+        its place (`answers_then_ack`)."""
+        acks = {self.stream: list(entry_ids)} if entry_ids else {}
+        return answers_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
+
     def reset_pending(self) -> None:
         """Re-read own pending entries at the next `read()` (after a reconnect or a claim)."""
         self._cursor = b"0"
@@ -162,19 +171,50 @@ def answer_then_ack(
     """Append each `(stream, fields, ttl_s)`, then ack and delete the entries `acks` names per
     stream, in that order (`Consumer.answer`): one round trip on one server; on a cluster a
     pipeline runs per node in no order between nodes, so the answers (other hash tags) are
-    written first and the acks take a second round trip."""
+    written first and the acks take a second round trip. The first refused append raises,
+    after every command has run (as a pipeline does)."""
+    errors = answers_then_ack(r, cluster, group, appends, acks, maxlen)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def answers_then_ack(
+    r: redis.Redis, cluster: bool, group: str,
+    appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    acks: Mapping[str, Sequence[bytes]], maxlen: int,
+) -> list[redis.RedisError | None]:  # fmt: skip
+    """`answer_then_ack`, with each append's own refusal (WRONGTYPE, NOPERM) returned in its
+    place instead of raised: one bad answer does not hide whether the others were written.
+    A lost connection still raises, and so does a refused ack."""
     pipe = r.pipeline(transaction=False)
     for stream, fields, ttl_s in appends:
         xadd(pipe, stream, fields, maxlen)
         if ttl_s is not None:
             pipe.expire(stream, ttl_s)
     if acks and cluster:
-        pipe.execute()
+        got = pipe.execute(raise_on_error=False)
         pipe = r.pipeline(transaction=False)
     for stream, ids in acks.items():
         pipe.xack(stream, group, *ids)
         pipe.xdel(stream, *ids)  # answered: see `Consumer.ack`
-    pipe.execute()
+    if not (acks and cluster):
+        got = pipe.execute(raise_on_error=False)
+        done, got = got[len(got) - 2 * len(acks) :], got[: len(got) - 2 * len(acks)]
+    else:
+        done = pipe.execute(raise_on_error=False)
+    for reply in done:
+        if isinstance(reply, Exception):
+            raise reply
+    errors: list[redis.RedisError | None] = []
+    for _, _, ttl_s in appends:
+        own = got[: 2 if ttl_s is not None else 1]
+        got = got[len(own) :]
+        bad = next((x for x in own if isinstance(x, Exception)), None)
+        if bad is not None and not isinstance(bad, redis.RedisError):
+            raise bad
+        errors.append(bad)
+    return errors
 
 
 def claim_from_dead(

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 
 import redis
 
@@ -285,14 +286,16 @@ class Worker:
         plate = self.membership.backlog
         # decoded before serving: the heartbeat reports the batch's rows per coordinator
         plate.read([(job.coord, _rows(job)) for _, _, job in jobs if job is not None])
+        served: list[_Served] = []
         try:
             for eid, fields, job in jobs:
                 if job is not None:
                     plate.start(job.coord, _rows(job))
-                    self._serve_one(eid, fields, job)
+                    served.append(self._serve_one(eid, fields, job))
                     plate.done()
         finally:
             plate.read([])
+        self._answer(served)
         # B5: a batch of jobs is the engine step of the banks it used
         self.shelf.step({(job.model, job.slice) for _, _, job in jobs if job is not None})
         if self.s.idle_release_s > 0:
@@ -326,10 +329,10 @@ class Worker:
             self._dead_letter(eid, fields, str(exc))
             return None
 
-    def _serve_one(self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job) -> None:
-        """Serve, write the result, then ack. No entry stops the worker: one that cannot be
-        served or answered (a `reply_to` of another type or outside its ACL, a slice it does
-        not hold) is dead-lettered with the reason (one that cannot be decoded, by `_decode`)."""
+    def _serve_one(self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job) -> _Served:
+        """Compute one job's result (answered with its batch, `_answer`). A job that cannot
+        be served (a slice this worker does not hold, rows of the wrong shape) is dead-lettered
+        with the reason and still answered, so that its coordinator hears at once."""
         assert self.consumer is not None
         # always this worker's own results stream for the job's coordinator, whatever
         # `reply_to` says (a job moved here from a dead peer names the peer's): results are
@@ -338,14 +341,28 @@ class Worker:
         result = self.shelf.handle(job)
         if result.error is not None and result.error.type == BAD_JOB:
             self._dead_letter(eid, fields, result.error.message, ack=False)
+        return _Served(eid, fields, own, wire.encode(result))
+
+    def _answer(self, served: list[_Served]) -> None:
+        """Write a batch's results, then ack its entries, in one round trip: a lone worker
+        with a layer's four jobs waits one RTT for them, not four. No entry stops the worker:
+        one whose result cannot be written (its `coord` names a key of another type, or one
+        outside this worker's ACL) is dead-lettered with the reason. Its entry is acked by
+        then, with the others: a crash in between loses that one job, which its coordinator
+        times out on as on any unanswered job."""
+        assert self.consumer is not None
+        if not served:
+            return
         ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
-        try:
-            self.consumer.answer([(own, wire.encode(result), ttl_s)], [eid], self.board.maxlen)
-        except redis.RedisError as exc:  # WRONGTYPE, NOPERM, ...: this job's problem only
+        appends = [(s.results, s.encoded, ttl_s) for s in served]
+        errors = self.consumer.answer_each(appends, [s.eid for s in served], self.board.maxlen)
+        for s, exc in zip(served, errors, strict=True):
+            if exc is None:
+                continue
             if is_connection_error(exc):
-                raise
-            reason = f"cannot write the result to {own!r}: {_redis_reason(exc)}"
-            self._dead_letter(eid, fields, reason)
+                raise exc
+            reason = f"cannot write the result to {s.results!r}: {_redis_reason(exc)}"
+            self._dead_letter(s.eid, s.fields, reason, ack=False)
 
     def _dead_letter(
         self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
@@ -365,6 +382,16 @@ class Worker:
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """A job's result, computed and not yet written: its entry, where the result goes."""
+
+    eid: bytes
+    fields: dict[bytes, bytes]
+    results: str  # this worker's results stream for the job's coordinator
+    encoded: dict[str, bytes | str]
 
 
 def _rows(job: wire.Job) -> int:

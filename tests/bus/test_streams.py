@@ -321,3 +321,26 @@ def test_consumer_on_fakeredis() -> None:
         ensure_group(fr, "s", "g")  # BUSYGROUP swallowed there too
     finally:
         fr.close()
+
+
+# -- answers in one round trip -------------------------------------------------------------
+def test_answer_each_writes_every_answer_and_reports_each_refusal(
+    r: redis.Redis, keys: Keys, stream: str
+) -> None:
+    """A batch of answers in one pipeline: the writable ones are written, a refused one (a
+    key of another type) comes back in its place, and every entry is acked and deleted."""
+    c = Consumer(r, stream, WORKER_GROUP, "w1")
+    eids = add(r, stream, 3)
+    assert ids_of(c.read(count=10, block_ms=None)) == eids
+    good, bad = keys.worker_results("w1", "c1"), keys.worker_results("w1", "c2")
+    r.set(bad, "not a stream")
+    errors = c.answer_each(
+        [(good, {"n": "0"}, 60), (bad, {"n": "1"}, 60), (good, {"n": "2"}, None)], eids, 100
+    )
+    assert [e is None for e in errors] == [True, False, True]
+    assert "WRONGTYPE" in str(errors[1])
+    assert [f[b"n"] for _, f in r.xrange(good)] == [b"0", b"2"]
+    assert 0 < r.ttl(good) <= 60
+    assert r.xlen(stream) == 0 and r.xpending(stream, WORKER_GROUP)["pending"] == 0
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # the one-answer form raises
+        c.answer([(bad, {"n": "3"}, None)], [], 100)
