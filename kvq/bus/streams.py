@@ -92,10 +92,14 @@ class Consumer:
         self.r, self.stream, self.group, self.name = r, stream, group, name
         self._cluster = is_cluster(r)  # asked once: `answer` is on the hot path
         self._cursor: bytes | None = b"0"  # None: the pending pass is over
+        self._ready: list[Entry] = []  # read with the last answers (`answer_and_read`)
         ensure_group(r, stream, group)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries; `block_ms=None` returns at once when there are none."""
+        if self._ready:
+            got, self._ready = self._ready, []
+            return got
         return self.read_pending(count) or self._read(">", count, block_ms)[0]
 
     def read_pending(self, count: int) -> list[Entry]:
@@ -120,6 +124,10 @@ class Consumer:
             regroup(self.r, self.stream, self.group, exc)
             self._cursor = b"0"
             return [], None
+        return self._entries(resp)
+
+    def _entries(self, resp: Any) -> tuple[list[Entry], bytes | None]:
+        """An XREADGROUP reply as (entries with fields, id of the last entry or None)."""
         if not resp or not resp[0][1]:
             return [], None
         _, entries = resp[0]
@@ -158,9 +166,36 @@ class Consumer:
         acks = {self.stream: list(entry_ids)} if entry_ids else {}
         return answers_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
 
+    def answer_and_read(
+        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
+        maxlen: int, count: int, block_ms: int | None,
+    ) -> list[redis.RedisError | None]:  # fmt: skip
+        """`answer_each`, and the next `read(count, block_ms)` in the same round trip: the
+        answers, the acks, then a blocking XREADGROUP, pipelined, so that a consumer far from
+        Redis is listening again as soon as its answers land, not one more round trip later.
+        The entries wait for the next `read()`. Where the read cannot ride along (its pending
+        pass is not over, a cluster splits pipelines per node) it is left to that `read()`."""
+        if self._cluster or self._cursor is not None or self._ready:
+            return self.answer_each(appends, entry_ids, maxlen)
+        acks = {self.stream: list(entry_ids)} if entry_ids else {}
+        pipe = self.r.pipeline(transaction=False)
+        _queue_answers(pipe, self.group, appends, acks, maxlen)
+        pipe.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
+        *got, resp = pipe.execute(raise_on_error=False)
+        errors = _answer_errors(got, appends, acks)
+        if isinstance(resp, redis.ResponseError):  # the group or the stream went: as `_read`
+            regroup(self.r, self.stream, self.group, resp)
+            self._cursor = b"0"
+        elif isinstance(resp, Exception):
+            raise resp
+        else:
+            self._ready = self._entries(resp)[0]
+        return errors
+
     def reset_pending(self) -> None:
         """Re-read own pending entries at the next `read()` (after a reconnect or a claim)."""
         self._cursor = b"0"
+        self._ready = []  # pending too: the pass returns them
 
 
 def answer_then_ack(
@@ -188,28 +223,45 @@ def answers_then_ack(
     place instead of raised: one bad answer does not hide whether the others were written.
     A lost connection still raises, and so does a refused ack."""
     pipe = r.pipeline(transaction=False)
+    if acks and cluster:
+        _queue_answers(pipe, group, appends, {}, maxlen)
+        errors = _answer_errors(pipe.execute(raise_on_error=False), appends, {})
+        pipe = r.pipeline(transaction=False)
+        _queue_answers(pipe, group, (), acks, maxlen)
+        _answer_errors(pipe.execute(raise_on_error=False), (), acks)
+        return errors
+    _queue_answers(pipe, group, appends, acks, maxlen)
+    return _answer_errors(pipe.execute(raise_on_error=False), appends, acks)
+
+
+def _queue_answers(
+    pipe: Any, group: str, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    acks: Mapping[str, Sequence[bytes]], maxlen: int,
+) -> None:  # fmt: skip
+    """Queue each append (XADD, and EXPIRE where it has a TTL), then each stream's XACK and
+    XDEL."""
     for stream, fields, ttl_s in appends:
         xadd(pipe, stream, fields, maxlen)
         if ttl_s is not None:
             pipe.expire(stream, ttl_s)
-    if acks and cluster:
-        got = pipe.execute(raise_on_error=False)
-        pipe = r.pipeline(transaction=False)
     for stream, ids in acks.items():
         pipe.xack(stream, group, *ids)
         pipe.xdel(stream, *ids)  # answered: see `Consumer.ack`
-    if not (acks and cluster):
-        got = pipe.execute(raise_on_error=False)
-        done, got = got[len(got) - 2 * len(acks) :], got[: len(got) - 2 * len(acks)]
-    else:
-        done = pipe.execute(raise_on_error=False)
-    for reply in done:
+
+
+def _answer_errors(
+    got: Sequence[Any], appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    acks: Mapping[str, Sequence[bytes]],
+) -> list[redis.RedisError | None]:  # fmt: skip
+    """Per append, its refusal or None, from the replies of `_queue_answers`' commands; a
+    refused ack, or any error that is no Redis reply, raises."""
+    got = list(got)
+    for reply in got[len(got) - 2 * len(acks) :] if acks else ():
         if isinstance(reply, Exception):
             raise reply
     errors: list[redis.RedisError | None] = []
     for _, _, ttl_s in appends:
-        own = got[: 2 if ttl_s is not None else 1]
-        got = got[len(own) :]
+        own, got = got[: 2 if ttl_s is not None else 1], got[2 if ttl_s is not None else 1 :]
         bad = next((x for x in own if isinstance(x, Exception)), None)
         if bad is not None and not isinstance(bad, redis.RedisError):
             raise bad

@@ -295,7 +295,7 @@ class Worker:
                     plate.done()
         finally:
             plate.read([])
-        self._answer(served)
+        self._answer(served, block)
         # B5: a batch of jobs is the engine step of the banks it used
         self.shelf.step({(job.model, job.slice) for _, _, job in jobs if job is not None})
         if self.s.idle_release_s > 0:
@@ -343,9 +343,11 @@ class Worker:
             self._dead_letter(eid, fields, result.error.message, ack=False)
         return _Served(eid, fields, own, wire.encode(result))
 
-    def _answer(self, served: list[_Served]) -> None:
-        """Write a batch's results, then ack its entries, in one round trip: a lone worker
-        with a layer's four jobs waits one RTT for them, not four. No entry stops the worker:
+    def _answer(self, served: list[_Served], block_ms: int) -> None:
+        """Write a batch's results, ack its entries and start the next read, in one round
+        trip: a lone worker with a layer's four jobs waits one RTT for them, not four, and
+        listens again as its answers land (`Consumer.answer_and_read`). No entry stops the
+        worker:
         one whose result cannot be written (its `coord` names a key of another type, or one
         outside this worker's ACL) is dead-lettered with the reason. Its entry is acked by
         then, with the others: a crash in between loses that one job, which its coordinator
@@ -355,7 +357,8 @@ class Worker:
             return
         ttl_s = self.board.lifetimes.coordinator_s()  # outlives no coordinator it serves
         appends = [(s.results, s.encoded, ttl_s) for s in served]
-        errors = self.consumer.answer_each(appends, [s.eid for s in served], self.board.maxlen)
+        eids, maxlen = [s.eid for s in served], self.board.maxlen
+        errors = self.consumer.answer_and_read(appends, eids, maxlen, _BATCH, block_ms)
         for s, exc in zip(served, errors, strict=True):
             if exc is None:
                 continue

@@ -344,3 +344,56 @@ def test_answer_each_writes_every_answer_and_reports_each_refusal(
     assert r.xlen(stream) == 0 and r.xpending(stream, WORKER_GROUP)["pending"] == 0
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # the one-answer form raises
         c.answer([(bad, {"n": "3"}, None)], [], 100)
+
+
+def test_answer_and_read_takes_the_next_entries_in_the_same_round_trip(
+    r: redis.Redis, keys: Keys, stream: str
+) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "w1")
+    first = add(r, stream, 2)
+    assert ids_of(c.read(count=10, block_ms=None)) == first  # after an empty pending pass
+    later = add(r, stream, 3, start=2)
+    out = keys.worker_results("w1", "c1")
+    calls: list[int] = []
+    execute = redis.client.Pipeline.execute
+
+    def counted(self: redis.client.Pipeline, raise_on_error: bool = True) -> list[object]:
+        calls.append(len(self.command_stack))
+        return execute(self, raise_on_error=raise_on_error)
+
+    redis.client.Pipeline.execute = counted  # type: ignore[method-assign]
+    try:
+        errors = c.answer_and_read([(out, {"n": "0"}, None)], first, 100, 10, 100)
+        assert errors == [None]
+        assert ids_of(c.read(count=10, block_ms=None)) == later  # read with the answers
+    finally:
+        redis.client.Pipeline.execute = execute  # type: ignore[method-assign]
+    assert calls == [4]  # XADD, XACK, XDEL, XREADGROUP: one round trip, nothing after it
+    assert r.xpending(stream, WORKER_GROUP)["pending"] == 3  # the next batch, not yet answered
+
+
+def test_answer_and_read_leaves_the_pending_pass_to_read(
+    r: redis.Redis, keys: Keys, stream: str
+) -> None:
+    """Before its pending pass is over a consumer answers alone: its next `read` walks what it
+    had taken before a restart, as ever."""
+    Consumer(r, stream, WORKER_GROUP, "w1").read(count=10, block_ms=None)
+    taken = add(r, stream, 2)
+    assert ids_of(Consumer(r, stream, WORKER_GROUP, "w1").read(count=10, block_ms=None)) == taken
+    again = Consumer(r, stream, WORKER_GROUP, "w1")  # restarted: both still pending
+    (first, _), *_ = again.read(count=1, block_ms=None)
+    errors = again.answer_and_read([(keys.worker_results("w1", "c"), {"n": "0"}, None)],
+                                   [first], 100, 10, 100)  # fmt: skip
+    assert errors == [None]
+    assert ids_of(again.read(count=10, block_ms=None)) == taken[1:]
+
+
+def test_answer_and_read_recreates_a_deleted_inbox(r: redis.Redis, keys: Keys, stream: str) -> None:
+    c = Consumer(r, stream, WORKER_GROUP, "w1")
+    eids = add(r, stream, 1)
+    assert ids_of(c.read(count=10, block_ms=None)) == eids
+    r.delete(stream)  # a FLUSHALL or an operator: the group goes with the stream
+    assert c.answer_and_read([(keys.worker_results("w1", "c"), {"n": "0"}, None)], [], 100, 10,
+                             None) == [None]  # fmt: skip
+    add(r, stream, 1, start=5)
+    assert [f[b"n"] for _, f in c.read(count=10, block_ms=None)] == [b"5"]

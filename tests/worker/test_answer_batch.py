@@ -26,13 +26,13 @@ def test_a_batch_of_jobs_is_answered_in_one_round_trip(
     s = settings.model_copy(update={"slice_experts": 8, "base_replicas": 1})
     (sid,) = Monitor.from_settings(s).register("m", model).slices
     batches: list[list[str]] = []
-    answer_each = Consumer.answer_each
+    answer_each = Consumer.answer_and_read
 
-    def counted(self: Consumer, appends: Any, entry_ids: Any, maxlen: int) -> Any:
+    def counted(self: Consumer, appends: Any, entry_ids: Any, *args: Any) -> Any:
         batches.append([str(stream) for stream, _, _ in appends])
-        return answer_each(self, appends, entry_ids, maxlen)
+        return answer_each(self, appends, entry_ids, *args)
 
-    monkeypatch.setattr(Consumer, "answer_each", counted)
+    monkeypatch.setattr(Consumer, "answer_and_read", counted)
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
     _wait(lambda: worker.server is not None and worker.holding is not None)
