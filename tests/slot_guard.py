@@ -24,7 +24,7 @@ from redis.crc import key_slot
 
 # "module:function" of the kvq code that builds a pipeline → why its parts may run in any order
 ORDER_FREE: dict[str, str] = {
-    "kvq.bus.streams:answer_then_ack": "on a cluster, answers go first and the acks in a "
+    "kvq.bus.streams:answers_then_ack": "on a cluster, answers go first and the acks in a "
     "second execute (two round trips): each execute's parts are independent",
     "kvq.bus.shards:_read_new": "one non-blocking XREADGROUP per shard, each on its own stream",
     "kvq.bus.streams:_poll": "one XREAD per results stream plus XDELs of entries already read",
