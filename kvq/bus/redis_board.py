@@ -251,7 +251,11 @@ class RedisBoard:
     def send_jobs(self, jobs: Sequence[tuple[str, Fields]]) -> None:
         if not jobs:
             return
-        pipe = self.r.pipeline(transaction=False)  # one inbox per tag: appends, no ordering
+        # one MULTI/EXEC on one server: a worker blocked on its inbox wakes once, to every
+        # job of the step (Redis serves a blocked reader after each command otherwise, so it
+        # took a layer's first job alone and paid one more round trip for the rest); on a
+        # cluster, one inbox per tag: independent appends
+        pipe = self.r.pipeline(transaction=not self.cluster)
         for worker, fields in jobs:
             xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
         pipe.execute()

@@ -397,3 +397,23 @@ def test_answer_and_read_recreates_a_deleted_inbox(r: redis.Redis, keys: Keys, s
                              None) == [None]  # fmt: skip
     add(r, stream, 1, start=5)
     assert [f[b"n"] for _, f in c.read(count=10, block_ms=None)] == [b"5"]
+
+
+def test_a_blocked_worker_wakes_to_every_job_of_one_send(
+    r: redis.Redis, keys: Keys, stream: str, settings: Settings
+) -> None:
+    """The jobs of one `send_jobs` land together (MULTI/EXEC on one server): a worker blocked
+    on its inbox reads them in one batch, not the first alone and the rest a round trip
+    later."""
+    from kvq.bus.redis_board import RedisBoard
+
+    board = RedisBoard(r, keys, settings.lifetimes)
+    c = Consumer(r, stream, WORKER_GROUP, "w1")
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(len(c.read(count=32, block_ms=5000))))
+    reader.start()
+    time.sleep(0.3)  # blocked in XREADGROUP by now
+    board.send_jobs([("w1", {"n": str(i)}) for i in range(4)])
+    reader.join(10)
+    assert len(got) == 1
+    assert got[0] == 4 or (board.cluster and got[0] >= 1)  # a cluster's appends: independent
