@@ -79,6 +79,8 @@ class Sandbox:
         host_ip, ns_ip = f"{NET_PREFIX}.{i}.1", f"{NET_PREFIX}.{i}.2"
         _ip("netns", "add", ns)
         self.spaces.append(ns)
+        with contextlib.suppress(subprocess.CalledProcessError):  # left by a killed run whose
+            _ip("link", "del", host)  # pid this one reuses (the names hold the pid)
         _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", ns)
         _ip("addr", "add", f"{host_ip}/30", "dev", host)
         _ip("link", "set", host, "up")
