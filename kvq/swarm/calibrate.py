@@ -8,7 +8,7 @@ workers; steps = tokens / B, L MoE layers), per layer and step:
   workers     W = their CPU ms / (steps L)          = o_job J + c_row B k   (J: jobs per
                                                       layer-step, measured)
   the rest    R = wall ms / (steps L) - C - W       = r0_0 + r0_1 B + r_contact (reached - 1)
-                                                      + RTT (rtts_fixed + rtts_per_job J_busiest)
+                                  + RTT (rtts_fixed + rtts_per_job J_busiest + rtts_contact (reached - 1))
 each a least-squares fit of the windows' relative errors with no coefficient below 0 (one that
 would be is dropped and the rest refitted). `reached` and `J_busiest` are the expected distinct
 workers and the busiest worker's share of J jobs over the report's W workers. Reports at
@@ -100,14 +100,14 @@ def calibrate(reports: list[dict[str, Any]]) -> Costs:
     o_job, c_row = _fit([[p["jobs"], p["b"] * p["k"]] for p in pts], [p["work"] for p in pts],
                         walls)  # fmt: skip
     rest = [p["wall"] - p["coord"] - p["work"] for p in pts]
+    more = [max(0.0, contacted(p["jobs"], int(p["w"])) - 1) for p in pts]
     cols = [
-        [1.0, p["b"], max(0.0, contacted(p["jobs"], int(p["w"])) - 1), p["rtt"],
-         p["rtt"] * busiest(p["jobs"], int(p["w"]))]
-        for p in pts
+        [1.0, p["b"], m, p["rtt"], p["rtt"] * busiest(p["jobs"], int(p["w"])), p["rtt"] * m]
+        for p, m in zip(pts, more, strict=True)
     ]  # fmt: skip
-    r0_0, r0_1, r_contact, fixed, per_job = _fit(cols, rest, walls)
+    r0_0, r0_1, r_contact, fixed, per_job, per_contact = _fit(cols, rest, walls)
     return Costs(c0, c1, o_job, c_row, r0_0, r0_1, rtts_per_job=per_job, rtts_fixed=fixed,
-                 r_contact=r_contact, workers_parallel=1)  # fmt: skip
+                 r_contact=r_contact, rtts_contact=per_contact, workers_parallel=1)  # fmt: skip
 
 
 def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
@@ -188,7 +188,7 @@ def throughput_report(
         c["predicted"] = c.pop("report") >= len(used)
     errors = [abs(c["error"]) for c in checks]
     fields = ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "r_contact", "rtts_fixed",
-              "rtts_per_job")  # fmt: skip
+              "rtts_per_job", "rtts_contact")  # fmt: skip
     return {
         "calibrated_from": [{"workers": r["workers"], "preset": r.get("preset")} for r in used],
         "costs_ms": {f: round(getattr(costs, f), 4) for f in fields},

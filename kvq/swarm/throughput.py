@@ -3,8 +3,9 @@
 One engine step runs B sequences through L MoE layers. Each layer: the coordinator computes its
 part (attention, router; `C(b) = c0 + c1 * b` ms for b sequences), sends one job per slice the
 b x k routed rows touch, and waits `D` for the results: a fixed `r0(b)` (Redis, wake-ups),
-`r_contact` per worker reached beyond the first, `rtts_fixed + rtts_per_job x J_busiest` RTTs
-(J_busiest: the busiest worker's jobs; a lone worker reads all of a layer's jobs in one read),
+`r_contact` per worker reached beyond the first, `rtts_fixed + rtts_per_job x J_busiest +
+rtts_contact x (reached - 1)` RTTs (J_busiest: the busiest worker's jobs; a worker answers all
+of a layer's jobs it read together; a layer waits for the slowest of the workers it reached),
 and the busiest worker's compute (`o_job` per job + `c_row` per row).
 With m micro-batches (strict round robin, as `forward_microbatched` drives them) each of
 b = B/m sequences, a layer takes, in steady state,
@@ -75,6 +76,7 @@ class Costs:
     rtts_per_job: float = 1.0  # RTTs each job of the busiest worker adds to a layer's wait
     rtts_fixed: float = 0.0  # RTTs a layer waits whatever its jobs (sending, the first read)
     r_contact: float = 0.0  # ms per worker a layer reaches beyond the first (another wake-up)
+    rtts_contact: float = 0.0  # RTTs per worker reached beyond the first (the slowest path)
     workers_parallel: int = 0  # CPUs the workers compute on; 0: one per worker
     one_rtt_per_layer: bool = False  # what if: a layer waits one RTT, however many jobs
 
@@ -168,8 +170,10 @@ def layer_times(
         work = j * c.o_job + rows * c.c_row  # every worker's job on one CPU, one after another
     else:
         work = busiest(j, par) * c.o_job + busiest(rows, par) * c.c_row
-    rtts = 1.0 if c.one_rtt_per_layer else c.rtts_fixed + c.rtts_per_job * busiest(j, workers)
-    reach = c.r_contact * max(0.0, contacted(j, workers) - 1)
+    more = max(0.0, contacted(j, workers) - 1)  # workers reached beyond the first
+    rtts = c.rtts_fixed + c.rtts_per_job * busiest(j, workers) + c.rtts_contact * more
+    rtts = 1.0 if c.one_rtt_per_layer else rtts
+    reach = c.r_contact * more
     wait = c.r0_0 + c.r0_1 * b + reach + rtts * rtt_ms + work
     return LayerTimes(c.c0 + c.c1 * b, wait, work)
 

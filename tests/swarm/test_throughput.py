@@ -108,11 +108,11 @@ def _synthetic(c: Costs, workers: int, rtts: tuple[float, ...]) -> dict[str, Any
 
 def test_calibration_recovers_the_costs_and_predicts_other_rtts() -> None:
     truth = Costs(0.6, 0.15, 0.3, 0.05, 0.8, 0.02, rtts_per_job=0.9, rtts_fixed=1.1,
-                  r_contact=0.4, workers_parallel=1)  # fmt: skip
+                  r_contact=0.4, rtts_contact=0.3, workers_parallel=1)  # fmt: skip
     reps = [_synthetic(truth, w, (0.0, 5.0, 20.0)) for w in (1, 3)]
     got = calibrate(reps)
     for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "rtts_per_job", "rtts_fixed",
-              "r_contact"):  # fmt: skip
+              "r_contact", "rtts_contact"):  # fmt: skip
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6, abs=1e-9), f
     assert bench_shape(reps[0]).backbone_params == SMALL.backbone_params
     held_out = _synthetic(truth, 2, (0.0, 5.0, 20.0))  # predicted, not fitted
