@@ -143,7 +143,10 @@ def project(
         if name not in SHAPES:
             raise RoutingError(f"unknown shape {name!r}; choose from {sorted(SHAPES)}")
         to = SHAPES[name]
-        c = replace(costs.scaled(frm, to, *speedups), workers_parallel=0)  # a CPU per worker
+        # a CPU per worker, on a machine of its own: the costs of reaching several workers
+        # measured here (processes sharing one CPU and one proxy host) are left out
+        c = replace(costs.scaled(frm, to, *speedups), workers_parallel=0, r_contact=0.0,
+                    rtts_contact=0.0)  # fmt: skip
         one = replace(c, one_rtt_per_layer=True)
         for w in workers:
             for rtt in rtts_ms:
