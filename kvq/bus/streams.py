@@ -153,9 +153,8 @@ class Consumer:
         """Append each `(stream, fields, ttl_s)` (an answer: a result, reply events), then ack
         and delete `entry_ids`, in one round trip and in that order: an entry is never acked
         before its answer is written, so a crash in between re-delivers it instead of losing
-        it."""
-        acks = {self.stream: list(entry_ids)} if entry_ids else {}
-        answer_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
+        it. The first refused append raises, after every command has run."""
+        _raise_first(self.answer_each(appends, entry_ids, maxlen))
 
     def answer_each(
         self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
@@ -208,7 +207,10 @@ def answer_then_ack(
     pipeline runs per node in no order between nodes, so the answers (other hash tags) are
     written first and the acks take a second round trip. The first refused append raises,
     after every command has run (as a pipeline does)."""
-    errors = answers_then_ack(r, cluster, group, appends, acks, maxlen)
+    _raise_first(answers_then_ack(r, cluster, group, appends, acks, maxlen))
+
+
+def _raise_first(errors: Sequence[redis.RedisError | None]) -> None:
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
@@ -255,17 +257,18 @@ def _answer_errors(
 ) -> list[redis.RedisError | None]:  # fmt: skip
     """Per append, its refusal or None, from the replies of `_queue_answers`' commands; a
     refused ack, or any error that is no Redis reply, raises."""
-    got = list(got)
     for reply in got[len(got) - 2 * len(acks) :] if acks else ():
         if isinstance(reply, Exception):
             raise reply
     errors: list[redis.RedisError | None] = []
+    i = 0  # the first reply of the next append: its XADD, then its EXPIRE if it has a TTL
     for _, _, ttl_s in appends:
-        own, got = got[: 2 if ttl_s is not None else 1], got[2 if ttl_s is not None else 1 :]
-        bad = next((x for x in own if isinstance(x, Exception)), None)
+        n = 1 if ttl_s is None else 2
+        bad = next((x for x in got[i : i + n] if isinstance(x, Exception)), None)
         if bad is not None and not isinstance(bad, redis.RedisError):
             raise bad
         errors.append(bad)
+        i += n
     return errors
 
 

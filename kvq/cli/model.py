@@ -224,6 +224,11 @@ def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def _cells(*values: Any) -> str:
+    """Figures in 10-wide columns, `-` where one is missing."""
+    return " ".join(f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}" for v in values)
+
+
 def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     import os
     from dataclasses import asdict
@@ -253,13 +258,10 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
                 "prefill_tok_s", "ttft_s", "ttft_first_s", "prompt_tokens", "decode_tok_s",
                 "aggregate_tok_s", "aggregate_gain"):  # fmt: skip
-        cells = [f"{v:10.2f}" if isinstance(v, int | float) else f"{'-':>10}"
-                 for v in (kq.get(key), ll.get(key), ratio.get(key))]  # fmt: skip
-        print(f"  {key:<20} {' '.join(cells)}")
+        print(f"  {key:<20} {_cells(kq.get(key), ll.get(key), ratio.get(key))}")
     for n, v in (kq.get("aggregates") or {}).items():
-        cells = [f"{x:10.2f}" if isinstance(x, int | float) else f"{'-':>10}"
-                 for x in (v, (ll.get("aggregates") or {}).get(n), (ratio.get("aggregates") or {}).get(n))]  # fmt: skip
-        print(f"  {'aggregate @ ' + n:<20} {' '.join(cells)}")
+        other = [(d.get("aggregates") or {}).get(n) for d in (ll, ratio)]
+        print(f"  {'aggregate @ ' + n:<20} {_cells(v, *other)}")
     hr = kq["hit_rate"]
     if hr is not None:
         print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "

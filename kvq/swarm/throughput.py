@@ -171,8 +171,10 @@ def layer_times(
     else:
         work = busiest(j, par) * c.o_job + busiest(rows, par) * c.c_row
     more = max(0.0, contacted(j, workers) - 1)  # workers reached beyond the first
-    rtts = c.rtts_fixed + c.rtts_per_job * busiest(j, workers) + c.rtts_contact * more
-    rtts = 1.0 if c.one_rtt_per_layer else rtts
+    if c.one_rtt_per_layer:
+        rtts = 1.0
+    else:
+        rtts = c.rtts_fixed + c.rtts_per_job * busiest(j, workers) + c.rtts_contact * more
     reach = c.r_contact * more
     wait = c.r0_0 + c.r0_1 * b + reach + rtts * rtt_ms + work
     return LayerTimes(c.c0 + c.c1 * b, wait, work)

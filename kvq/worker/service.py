@@ -347,11 +347,10 @@ class Worker:
         """Write a batch's results, ack its entries and start the next read, in one round
         trip: a lone worker with a layer's four jobs waits one RTT for them, not four, and
         listens again as its answers land (`Consumer.answer_and_read`). No entry stops the
-        worker:
-        one whose result cannot be written (its `coord` names a key of another type, or one
-        outside this worker's ACL) is dead-lettered with the reason. Its entry is acked by
-        then, with the others: a crash in between loses that one job, which its coordinator
-        times out on as on any unanswered job."""
+        worker: one whose result cannot be written (its `coord` names a key of another type,
+        or one outside this worker's ACL) is dead-lettered with the reason. Its entry is acked
+        by then, with the others: a crash in between loses that one job, which its
+        coordinator times out on as on any unanswered job."""
         assert self.consumer is not None
         if not served:
             return
