@@ -58,9 +58,11 @@ def _throughput(args: argparse.Namespace) -> int:
                                    args.rtt_ms, args.batch,
                                    (args.coord_speedup, args.worker_speedup),
                                    args.calibrate)  # fmt: skip
-    except (RoutingError, KeyError, TypeError) as exc:  # a file that is no bench report
-        kind = type(exc).__name__ if isinstance(exc, RoutingError) else "RoutingError"
-        print(f"kvq swarm-sim: {kind}: not a usable kvq bench pool report: {exc}",
+    except RoutingError as exc:  # a bad flag, an unreadable file, reports with no window
+        print(f"kvq swarm-sim: RoutingError: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (KeyError, TypeError) as exc:  # a JSON file that is no bench report
+        print(f"kvq swarm-sim: RoutingError: not a usable kvq bench pool report: {exc!r}",
               file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     print(json.dumps(report, indent=2))

@@ -156,6 +156,8 @@ def test_the_cli_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = json.loads(capsys.readouterr().out)
     assert {r["workers"] for r in out["projection"]} == {8, 32}
     assert main(["swarm-sim"]) == 2 and "--topology is required" in capsys.readouterr().err
+    assert main(["swarm-sim", "--throughput", "--measured", str(f), "--calibrate", "2"]) == 2
+    assert "--calibrate 2: there are 1 reports" in capsys.readouterr().err
     f.write_text("{}")
     assert main(["swarm-sim", "--throughput", "--measured", str(f)]) == 2
     assert "not a usable kvq bench pool report" in capsys.readouterr().err
