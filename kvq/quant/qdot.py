@@ -75,8 +75,9 @@ class Built:
 
 
 def many_rows_kernel(isa: str) -> str:
-    """What computes a call of GEMM_MIN rows or more on path `isa` (`csrc/qdot_gemm.h` on
-    AVX-512, the multi-row dots elsewhere)."""
+    """What computes a call of several rows on path `isa`: from gemm_min(type) rows (2 for
+    the 32-value types, 4 to 12 for the K-quants) `csrc/qdot_gemm.h` on AVX-512, the
+    multi-row dots elsewhere."""
     if isa == "avx512":
         return "tile: 16 weight rows unpacked once per 128 rows (AVX512BW + VNNI)"
     return "multi-row dots: each weight row unpacked once per 8 rows"

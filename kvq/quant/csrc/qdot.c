@@ -549,7 +549,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
             quantize_0(x + r * k, k, (x0_t *)xq + r * nb);
     }
 #ifdef QDOT_X86
-    if (isa == ISA_AVX512 && n_x >= GEMM_MIN) { /* many rows: tiles of weight rows (qdot_gemm.h) */
+    if (isa == ISA_AVX512 && n_x >= gemm_min(qtype)) { /* many rows: tiles of weight rows (qdot_gemm.h) */
         int rc = gemm_matmul(qtype, k_paired(qtype, isa), w, n_rows, row_bytes, xq, per * (size_t)nb,
                              n_x, nb, out, threads < 1 ? 1 : threads);
         free(xq);

@@ -16,7 +16,6 @@
  * block. */
 
 #define GT 16        /* weight rows per tile: one per int32 lane */
-#define GEMM_MIN 16  /* rows of x from which a call (or an expert) takes this kernel */
 #define GEMM_CHUNK 128 /* rows of x per pass over a tile: their activations stay in L2 */
 #define GROUP_B 64   /* bytes of one 4-value group of a tile: GT rows x 4 */
 #ifndef GR
@@ -28,6 +27,18 @@
 #define KB_VALUES (QK / 4 * GROUP_B)
 #define KB_BYTES (KB_VALUES + 16 * GROUP_B + 8 * GROUP_B + 2 * GROUP_B)
 #define ZB_BYTES (Q0 / 4 * GROUP_B + GROUP_B)
+
+/* rows of x from which a call (or an expert) takes this kernel: where it beat the multi-row
+ * dots, one thread, 2048-2880 wide matrices, on a Xeon with AMX and AVX-512 VNNI (2026-12-06;
+ * docs/models.md). Below it the multi-row dots, which give the same bits. */
+static int64_t gemm_min(int qtype) {
+    switch (qtype) {
+    case T_Q6_K: return 12;
+    case T_Q4_K:
+    case T_Q5_K: return 4;
+    default: return 2; /* the 32-value types */
+    }
+}
 
 static int gemm_covers(int qtype) {
     return qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K || qtype == T_Q8_0 ||

@@ -1,7 +1,7 @@
 /* The batched MoE call's many-row experts on the tile kernel (qdot_gemm.h), included by
  * qdot_moe.h before kvq_qdot_moe_batch on x86.
  *
- * An expert with GEMM_MIN pairs or more (a prompt's tokens routed to it) computes a tile of GT
+ * An expert with gemm_min(type) pairs or more (a prompt's tokens routed to it) computes a tile of GT
  * weight rows for all of its pairs at once; one with fewer keeps the multi-row dots. Both give
  * every output the one-row bits, so which one an expert takes changes no result. */
 

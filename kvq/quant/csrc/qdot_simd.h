@@ -128,28 +128,6 @@ static TGT float SFX(dot_q6_k)(const uint8_t *w, const xk_t *x, int64_t nb) {
     return acc;
 }
 
-static TGT float SFX(dot_q8_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 34, x++) {
-        const __m256i q = LD(w + 2), xq = LD(x->q);
-        /* |w| as unsigned, and x with w's sign: the products are w * x */
-        __m256i p = MUL_SUM(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
-        acc = combine_0(acc, x->d, F16(w), SFX(hsum)(p));
-    }
-    return acc;
-}
-
-static TGT float SFX(dot_q4_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    const __m128i m4 = _mm_set1_epi8(15);
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 18, x++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(w + 2));
-        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-        acc = combine_0(acc, x->d, F16(w), SFX(hsum)(MUL_SUM(q, LD(x->q))) - 8 * x->sum);
-    }
-    return acc;
-}
-
 /* MXFP4's 32 values as signed bytes: each nibble looked up in the E2M1 table (pshufb) */
 static TGT inline __m256i SFX(mxfp4_values)(const uint8_t *w) {
     const __m128i m4 = _mm_set1_epi8(15);
@@ -175,27 +153,113 @@ static TGT inline __m256i SFX(q5_0_values)(const uint8_t *w) {
     return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
-static TGT float SFX(dot_q5_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 22, x++) {
-        const __m256i q = SFX(q5_0_values)(w);
-        acc = combine_0(acc, x->d, F16(w), SFX(hsum)(MUL_SUM(q, LD(x->q))) - 16 * x->sum);
+#include "qdot_simd_multi.h"
+
+/* The dots of the 32-value types (Q8_0, Q4_0, Q5_0, MXFP4) for 1 to MX rows of x. A block's
+ * integer sum is left in 8 int32 lanes (the offsets of Q4_0 / Q5_0 taken off lane by lane);
+ * per row, 8 blocks' lanes are reduced together (hsum8) and their products with the scales
+ * formed in 8 float lanes, then added to the row's acc block after block: the operations of
+ * combine_0 in its order, so every row gets the scalar path's bits, at a fraction of a
+ * reduction per block. The weights of 8 blocks are unpacked once for all the rows. */
+
+/* a block's values: signed (Q8_0, MXFP4) or unsigned with an offset (Q4_0, Q5_0) */
+static TGT inline __attribute__((always_inline)) __m256i SFX(values_0)(int qtype, const uint8_t *w) {
+    if (qtype == T_Q8_0) return LD(w + 2);
+    if (qtype == T_MXFP4) return SFX(mxfp4_values)(w);
+    if (qtype == T_Q4_0) {
+        const __m128i m4 = _mm_set1_epi8(15);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(w + 2));
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
     }
-    return acc;
+    return SFX(q5_0_values)(w);
+}
+
+/* the block's 8 lanes against x's block (u = |q| for the signed types) */
+static TGT inline __attribute__((always_inline)) __m256i SFX(lanes_0)(int qtype, __m256i q, __m256i u,
+                                                                       const x0_t *x) {
+    if (qtype == T_Q8_0 || qtype == T_MXFP4) /* |w| as unsigned, and x with w's sign */
+        return MUL_SUM(u, _mm256_sign_epi8(LD(x->q), q));
+    /* minus off * sum: the sum from each lane, off / 8 times */
+    return _mm256_sub_epi32(MUL_SUM(q, LD(x->q)), _mm256_set1_epi32(qtype == T_Q4_0 ? x->sum : 2 * x->sum));
+}
+
+static TGT inline __attribute__((always_inline)) float SFX(scale_0)(int qtype, const uint8_t *w) {
+    return qtype == T_MXFP4 ? e8m0_half(w[0]) : F16(w);
+}
+
+static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, int64_t size,
+                                                                  const uint8_t *w,
+                                                                  const x0_t *const *xs, int nx,
+                                                                  int64_t nb, float *out) {
+    const int sgn = qtype == T_Q8_0 || qtype == T_MXFP4;
+    float acc[MX] = {0};
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8, w += 8 * size) {
+        __m256i q[8], u[8];
+        float d[8];
+        for (int i = 0; i < 8; i++) {
+            q[i] = SFX(values_0)(qtype, w + i * size);
+            u[i] = sgn ? _mm256_sign_epi8(q[i], q[i]) : q[i];
+            d[i] = SFX(scale_0)(qtype, w + i * size);
+        }
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = xs[j] + b;
+            __m256i v[8];
+            float s[8], p[8];
+            for (int i = 0; i < 8; i++) {
+                v[i] = SFX(lanes_0)(qtype, q[i], u[i], x + i);
+                s[i] = x[i].d * d[i];
+            }
+            _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_cvtepi32_ps(SFX(hsum8)(v))));
+            float a = acc[j];
+            for (int i = 0; i < 8; i++) a += p[i];
+            acc[j] = a;
+        }
+    }
+    for (; b < nb; b++, w += size) {
+        const __m256i q = SFX(values_0)(qtype, w), u = sgn ? _mm256_sign_epi8(q, q) : q;
+        const float d = SFX(scale_0)(qtype, w);
+        for (int j = 0; j < nx; j++) {
+            const x0_t *x = xs[j] + b;
+            acc[j] = combine_0(acc[j], x->d, d, SFX(hsum)(SFX(lanes_0)(qtype, q, u, x)));
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)nx);
+}
+
+static TGT inline __attribute__((always_inline)) float SFX(dot_0)(int qtype, int64_t size,
+                                                                  const uint8_t *w, const x0_t *x,
+                                                                  int64_t nb) {
+    float y;
+    SFX(rows_0)(qtype, size, w, &x, 1, nb, &y);
+    return y;
+}
+
+#define MDOT_0(name, qtype, size)                                                              \
+    static TGT void SFX(name)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) { \
+        SFX(rows_0)(qtype, size, w, (const x0_t *const *)xs, nx, nb, out);                     \
+    }
+MDOT_0(mdot_q8_0, T_Q8_0, 34)
+MDOT_0(mdot_q4_0, T_Q4_0, 18)
+MDOT_0(mdot_q5_0, T_Q5_0, 22)
+MDOT_0(mdot_mxfp4, T_MXFP4, 17)
+#undef MDOT_0
+
+static TGT float SFX(dot_q8_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
+    return SFX(dot_0)(T_Q8_0, 34, w, x, nb);
+}
+
+static TGT float SFX(dot_q4_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
+    return SFX(dot_0)(T_Q4_0, 18, w, x, nb);
+}
+
+static TGT float SFX(dot_q5_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
+    return SFX(dot_0)(T_Q5_0, 22, w, x, nb);
 }
 
 static TGT float SFX(dot_mxfp4)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 17, x++) {
-        const __m256i q = SFX(mxfp4_values)(w);
-        /* |w| as unsigned, and x with w's sign, as Q8_0 (|w| <= 12) */
-        __m256i p = MUL_SUM(_mm256_sign_epi8(q, q), _mm256_sign_epi8(LD(x->q), q));
-        acc = combine_0(acc, x->d, e8m0_half(w[0]), SFX(hsum)(p));
-    }
-    return acc;
+    return SFX(dot_0)(T_MXFP4, 17, w, x, nb);
 }
-
-#include "qdot_simd_multi.h"
 
 #undef LD
 #undef Q6_SCALES
