@@ -96,10 +96,15 @@ static float quantize(const float *x, int n, int8_t *q) {
     return amax / 127.0f;
 }
 
-static void quantize_k(const float *x, int64_t k, xk_t *out) {
+/* quantize's form on path isa (the SIMD one where there is one: the same bits) */
+typedef float (*quantize_fn)(const float *, int, int8_t *);
+static quantize_fn pick_quantize(int isa);
+
+static void quantize_k(int isa, const float *x, int64_t k, xk_t *out) {
+    const quantize_fn qf = pick_quantize(isa);
     for (int64_t b = 0; b < k / QK; b++) {
         xk_t *o = &out[b];
-        o->d = quantize(x + b * QK, QK, o->q);
+        o->d = qf(x + b * QK, QK, o->q);
         for (int s = 0; s < 16; s++) {
             int t = 0;
             for (int i = 0; i < 16; i++) t += o->q[16 * s + i];
@@ -108,10 +113,11 @@ static void quantize_k(const float *x, int64_t k, xk_t *out) {
     }
 }
 
-static void quantize_0(const float *x, int64_t k, x0_t *out) {
+static void quantize_0(int isa, const float *x, int64_t k, x0_t *out) {
+    const quantize_fn qf = pick_quantize(isa);
     for (int64_t b = 0; b < k / Q0; b++) {
         x0_t *o = &out[b];
-        o->d = quantize(x + b * Q0, Q0, o->q);
+        o->d = qf(x + b * Q0, Q0, o->q);
         int t = 0;
         for (int i = 0; i < Q0; i++) t += o->q[i];
         o->sum = t;
@@ -292,6 +298,44 @@ static float dot_mxfp4_scalar(const uint8_t *w, const x0_t *x, int64_t nb) {
     } while (0)
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
+
+/* quantize with 8 lanes: the same products x * iscale, rounded to nearest even by vcvtps2dq as
+ * lrintf does, so the same d and q */
+static TGT float quantize_avx2(const float *x, int n, int8_t *q) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 big = _mm256_set1_ps(3.4028235e38f);
+    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ)); /* infinite or NaN */
+        amax = _mm256_max_ps(amax, a);
+    }
+    if (_mm256_movemask_ps(bad)) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0x4e));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0xb1));
+    const float mx = _mm_cvtss_f32(m);
+    if (mx == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return 0.0f;
+    }
+    const __m256 is = _mm256_set1_ps(127.0f / mx);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(
+                _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), is))));
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(void *)(q + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    return mx / 127.0f;
+}
+
 #define F16(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
 #define SFX(name) name##_avx2
 #define MUL_SUM(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
@@ -425,6 +469,16 @@ int kvq_qdot_best_isa(void) {
     return ISA_SCALAR;
 }
 
+/* isa is clamped to the CPU's by the callers */
+static quantize_fn pick_quantize(int isa) {
+#ifdef QDOT_X86
+    if (isa >= ISA_AVX2) return quantize_avx2;
+#else
+    (void)isa;
+#endif
+    return quantize;
+}
+
 int kvq_qdot_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -450,11 +504,11 @@ static int k_paired(int qtype, int isa) {
 static void quantize_for(int qtype, int isa, const float *x, int64_t k, xk_t *out) {
 #ifdef QDOT_X86
     if (k_paired(qtype, isa)) {
-        quantize_k_paired(x, k, out);
+        quantize_k_paired(isa, x, k, out);
         return;
     }
 #endif
-    quantize_k(x, k, out);
+    quantize_k(isa, x, k, out);
 }
 typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
@@ -546,7 +600,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
         if (kq)
             quantize_for(qtype, isa, x + r * k, k, (xk_t *)xq + r * nb);
         else
-            quantize_0(x + r * k, k, (x0_t *)xq + r * nb);
+            quantize_0(isa, x + r * k, k, (x0_t *)xq + r * nb);
     }
 #ifdef QDOT_X86
     if (isa == ISA_AVX512 && n_x >= gemm_min(qtype)) { /* many rows: tiles of weight rows (qdot_gemm.h) */

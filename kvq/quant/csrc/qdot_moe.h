@@ -48,7 +48,7 @@ static void kern_quantize(const kern_t *kn, const float *x, int64_t k, void *xq)
     if (kn->kq)
         quantize_for(kn->qtype, kn->isa, x, k, (xk_t *)xq);
     else
-        quantize_0(x, k, (x0_t *)xq);
+        quantize_0(kn->isa, x, k, (x0_t *)xq);
 }
 
 /* whether a and b read one quantization of x */

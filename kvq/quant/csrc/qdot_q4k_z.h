@@ -10,8 +10,8 @@
 /* chunk c of the paired order holds the natural chunk PAIRED[c] */
 static const int PAIRED[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
-static void quantize_k_paired(const float *x, int64_t k, xk_t *out) {
-    quantize_k(x, k, out);
+static void quantize_k_paired(int isa, const float *x, int64_t k, xk_t *out) {
+    quantize_k(isa, x, k, out);
     for (int64_t b = 0; b < k / QK; b++) {
         int8_t nat[QK];
         memcpy(nat, out[b].q, QK);
