@@ -50,7 +50,7 @@ SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in 
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512", 4: "amx"}
 _ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
            -4: "pairs out of order or a row out of range"}  # fmt: skip
 
@@ -77,9 +77,11 @@ class Built:
 def many_rows_kernel(isa: str) -> str:
     """What computes a call of several rows on path `isa`: from gemm_min(type) rows (2 for
     the 32-value types, 4 to 12 for the K-quants) `csrc/qdot_gemm.h` on AVX-512, the
-    multi-row dots elsewhere."""
+    multi-row dots elsewhere; with AMX, 16 rows of x at a time through its tiles (not Q6_K)."""
     if isa == "avx512":
         return "tile: 16 weight rows unpacked once per 128 rows (AVX512BW + VNNI)"
+    if isa == "amx":
+        return "tile: 16 weight rows unpacked once per 128 rows; AMX TDPBSUD for 16 rows of x at a time, VNNI for the rest and Q6_K"
     return "multi-row dots: each weight row unpacked once per 8 rows"
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
 
 TOL = 1.2e-2  # max relative error of one product against float64 (measured 0.55-0.8%)
-ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
+ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 
 
 def _bound(qtype: Q, raw: np.ndarray, x: np.ndarray) -> np.ndarray:

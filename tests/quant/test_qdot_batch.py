@@ -22,7 +22,7 @@ from kvq.quant import kernels, qdot
 if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
 
-ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
+ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 # (Q4_K, Q6_K, Q4_K): gate and up take x in two orders (the 512-bit Q4_K pairs its chunks)
 MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
              (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K)]  # fmt: skip

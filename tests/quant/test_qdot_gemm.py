@@ -1,4 +1,5 @@
-"""The many-row tile kernel (`csrc/qdot_gemm.h`, AVX512BW + VNNI, from 16 rows of x): a prompt's
+"""The many-row tile kernel (`csrc/qdot_gemm.h`, AVX512BW + VNNI, from `gemm_min(type)` rows of x,
+2 to 12; with AMX, 16 rows of x at a time through its tiles): a prompt's
 rows through `qdot.matmul`, `kernels.matmul` and the batched MoE call get, row for row, the bits
 each row gets alone (the coordinator's bitwise check of a worker's rows depends on it), on every
 instruction set, within the one-row tolerance of float64, and with no matrix dequantized
@@ -24,9 +25,22 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.timeout(120)
 
-ISAS = (0, 1, 2, 3)  # scalar, AVX2, AVX2 + VNNI, AVX-512 (lowered to what the CPU has)
+ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 ROWS = (16, 65, 100, 512)  # the kernel's first row count, and prompt-sized ones
 TOL = 1.2e-2  # the one-row kernel's bound against float64 (tests/quant/test_qdot.py)
+
+
+def test_amx_is_used_where_the_cpu_has_it(built: qdot.Built) -> None:
+    """A CPU that lists AMX int8 tiles (and AVX-512 VNNI) runs the AMX path by default: the
+    kernel asks Linux for the tiles' state (arch_prctl) and takes them when granted."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    has = {"amx_tile", "amx_int8", "avx512bw", "avx512_vnni", "avx512vl"} <= flags
+    assert (built.best_isa == "amx") == has, (built.best_isa, has)
 
 
 def _weights(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:

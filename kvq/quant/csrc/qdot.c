@@ -15,6 +15,7 @@
  * -fno-math-errno lets lrintf be one instruction.
  * -ffp-contract=off keeps a * b + c from becoming an FMA in one path and not in another.
  */
+#define _DEFAULT_SOURCE /* syscall() in unistd.h under -std=c11 (AMX's permission) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,7 +34,7 @@ enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
 static int is_q0(int qtype) {
     return qtype == T_Q8_0 || qtype == T_Q4_0 || qtype == T_Q5_0 || qtype == T_MXFP4;
 }
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4 /* AVX-512 + AMX tiles */ };
 
 typedef struct { /* 256 activations */
     float d;
@@ -361,6 +362,19 @@ static TGT float quantize_avx2(const float *x, int n, int8_t *q) {
  * 512-bit Q4_K (qdot_q4k_z.h): its activations are stored in the order its loads pair them
  * (gathering them from two places per load made it 1.4x slower than the 256-bit path). */
 #define TGTZ __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+/* AMX int8 tiles (GCC 11+: amxtileintrin.h); without them ISA_AMX is never the best */
+#if defined(__has_include) && !defined(__clang__)
+#if __has_include(<amxtileintrin.h>) && __has_include(<amxint8intrin.h>)
+#define QDOT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+#ifdef QDOT_AMX
+#define TGTA __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#else
+#define TGTA TGTZ
+#endif
 #define F16Z(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
 #define LDY(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
 #define LDZ(p) _mm512_loadu_si512((const void *)(p))
@@ -449,6 +463,7 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
 #include "qdot_q4k_z.h"
 #include "qdot_gemm.h"
 #undef TGTZ
+#undef TGTA
 #undef F16Z
 #undef LDY
 #undef LDZ
@@ -457,12 +472,28 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
 
 /* ---- dispatch -------------------------------------------------------------------------- */
 
+#ifdef QDOT_X86
+/* AMX tiles: the CPU has them and Linux lets this process use their state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; a VM or kernel without it refuses) */
+static int amx_usable(void) {
+#ifdef QDOT_AMX
+    static int usable = -1;
+    if (usable < 0)
+        usable = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return usable;
+#else
+    return 0;
+#endif
+}
+#endif
+
 int kvq_qdot_best_isa(void) {
 #ifdef QDOT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-        return __builtin_cpu_supports("avx512bw") ? ISA_AVX512 : ISA_VNNI;
+        return !__builtin_cpu_supports("avx512bw") ? ISA_VNNI : amx_usable() ? ISA_AMX : ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
 #endif
@@ -493,7 +524,7 @@ typedef float (*dot_k_fn)(const uint8_t *, const xk_t *, int64_t);
  * paired order (quantize_k_paired) */
 static int k_paired(int qtype, int isa) {
 #ifdef QDOT_X86
-    return qtype == T_Q4_K && isa == ISA_AVX512;
+    return qtype == T_Q4_K && isa >= ISA_AVX512;
 #else
     (void)qtype, (void)isa;
     return 0;
@@ -514,7 +545,7 @@ typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
 static dot_k_fn pick_k(int qtype, int isa) {
 #ifdef QDOT_X86
-    if (isa == ISA_AVX512) {
+    if (isa >= ISA_AVX512) {
         if (qtype == T_Q4_K) return dot_q4_k_z;
         if (qtype == T_Q6_K) return dot_q6_k_z;
         if (qtype == T_Q5_K) return dot_q5_k_vnni;
@@ -549,7 +580,7 @@ static dot_0_fn pick_0(int qtype, int isa) {
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
 static mdot_k_fn pick_mk(int qtype, int isa) {
 #ifdef QDOT_X86
-    if (isa == ISA_AVX512) {
+    if (isa >= ISA_AVX512) {
         if (qtype == T_Q4_K) return mdot_q4_k_z;
         if (qtype == T_Q6_K) return mdot_q6_k_z;
         if (qtype == T_Q5_K) return mdot_q5_k_vnni;
@@ -603,8 +634,8 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
             quantize_0(isa, x + r * k, k, (x0_t *)xq + r * nb);
     }
 #ifdef QDOT_X86
-    if (isa == ISA_AVX512 && n_x >= gemm_min(qtype)) { /* many rows: tiles of weight rows (qdot_gemm.h) */
-        int rc = gemm_matmul(qtype, k_paired(qtype, isa), w, n_rows, row_bytes, xq, per * (size_t)nb,
+    if (isa >= ISA_AVX512 && n_x >= gemm_min(qtype)) { /* many rows: tiles of weight rows (qdot_gemm.h) */
+        int rc = gemm_matmul(qtype, k_paired(qtype, isa), isa == ISA_AMX, w, n_rows, row_bytes, xq, per * (size_t)nb,
                              n_x, nb, out, threads < 1 ? 1 : threads);
         free(xq);
         return rc;

@@ -226,32 +226,19 @@ static TGTZ void gemm_unpack(int qtype, int paired, const uint8_t *const *rows, 
 
 #define BCAST(p) _mm512_set1_epi32(*(const int32_t *)(const void *)(p))
 
-/* acc[j][0 .. 15] += block b of the unpacked tile dotted with NR rows xs[j] of a K-quant's
- * activations (combine_k, lane by lane) */
-static TGTZ inline __attribute__((always_inline)) void gemm_k_block(
-    int q6, const uint8_t *buf, int64_t b, const xk_t *const *xs, const int NR, float *acc) {
-    const int nsub = q6 ? 16 : 8, per = q6 ? 4 : 8; /* sub-blocks, groups per sub-block */
-    const uint8_t *u = buf + (size_t)b * KB_BYTES;
-    const int32_t *sc = (const int32_t *)(const void *)(u + KB_VALUES), *cp = sc + 16 * GT;
-    const float *dd = (const float *)(const void *)(cp + 8 * GT);
-    const xk_t *x[GR];
-    __m512i is[GR], im[GR];
-    for (int r = 0; r < NR; r++) {
-        x[r] = xs[r] + b;
-        is[r] = _mm512_setzero_si512();
-        im[r] = _mm512_setzero_si512();
-    }
-    for (int s = 0; s < nsub; s++) {
-        __m512i a[GR];
-        for (int r = 0; r < NR; r++) a[r] = _mm512_setzero_si512();
-        for (int gi = 0; gi < per; gi++) {
-            const int g = s * per + gi;
-            const __m512i wv = _mm512_load_si512((const void *)(u + (size_t)g * GROUP_B));
-            for (int r = 0; r < NR; r++) a[r] = _mm512_dpbusd_epi32(a[r], wv, BCAST(x[r]->q + 4 * g));
-        }
-        const __m512i scv = _mm512_load_si512((const void *)(sc + s * GT));
-        for (int r = 0; r < NR; r++) is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(a[r], scv));
-    }
+/* a K-quant block's scalars in its unpacked tile: sub-block scales, pairs for x's bsums, d, dmin */
+#define K_SC(u) ((const int32_t *)(const void *)((u) + KB_VALUES))
+#define K_CP(u) (K_SC(u) + 16 * GT)
+#define K_D(u) ((const float *)(const void *)(K_CP(u) + 8 * GT))
+
+/* acc[j][0 .. 15] += the block of x rows x[j], j < NR, whose scaled sub-block sums are is[j]:
+ * the mins' (or Q6_K's offsets') term from x's bsums, then combine_k, lane by lane */
+static TGTZ inline __attribute__((always_inline)) void gemm_k_finish(
+    int q6, const uint8_t *u, const xk_t *const *x, const __m512i *is, const int NR, float *acc) {
+    const int32_t *cp = K_CP(u);
+    const float *dd = K_D(u);
+    __m512i im[16];
+    for (int r = 0; r < NR; r++) im[r] = _mm512_setzero_si512();
     for (int i = 0; i < 8; i++) {
         const __m512i c = _mm512_load_si512((const void *)(cp + i * GT));
         for (int r = 0; r < NR; r++) im[r] = _mm512_dpwssd_epi32(im[r], c, BCAST(x[r]->bsums + 2 * i));
@@ -270,17 +257,38 @@ static TGTZ inline __attribute__((always_inline)) void gemm_k_block(
     }
 }
 
-/* the same for the 32-value types (combine_0) */
-static TGTZ inline __attribute__((always_inline)) void gemm_0_block(
-    int32_t off, const uint8_t *buf, int64_t b, const x0_t *const *xs, const int NR, float *acc) {
-    const uint8_t *u = buf + (size_t)b * ZB_BYTES;
-    const __m512 d = _mm512_load_ps((const float *)(const void *)(u + Q0 / 4 * GROUP_B));
-    __m512i a[GR];
-    for (int r = 0; r < NR; r++) a[r] = _mm512_setzero_si512();
-    for (int g = 0; g < Q0 / 4; g++) {
-        const __m512i wv = _mm512_load_si512((const void *)(u + (size_t)g * GROUP_B));
-        for (int r = 0; r < NR; r++) a[r] = _mm512_dpbusd_epi32(a[r], wv, BCAST(xs[r][b].q + 4 * g));
+/* acc[j][0 .. 15] += block b of the unpacked tile dotted with NR rows xs[j] of a K-quant's
+ * activations (combine_k, lane by lane) */
+static TGTZ inline __attribute__((always_inline)) void gemm_k_block(
+    int q6, const uint8_t *buf, int64_t b, const xk_t *const *xs, const int NR, float *acc) {
+    const int nsub = q6 ? 16 : 8, per = q6 ? 4 : 8; /* sub-blocks, groups per sub-block */
+    const uint8_t *u = buf + (size_t)b * KB_BYTES;
+    const int32_t *sc = K_SC(u);
+    const xk_t *x[GR];
+    __m512i is[GR];
+    for (int r = 0; r < NR; r++) {
+        x[r] = xs[r] + b;
+        is[r] = _mm512_setzero_si512();
     }
+    for (int s = 0; s < nsub; s++) {
+        __m512i a[GR];
+        for (int r = 0; r < NR; r++) a[r] = _mm512_setzero_si512();
+        for (int gi = 0; gi < per; gi++) {
+            const int g = s * per + gi;
+            const __m512i wv = _mm512_load_si512((const void *)(u + (size_t)g * GROUP_B));
+            for (int r = 0; r < NR; r++) a[r] = _mm512_dpbusd_epi32(a[r], wv, BCAST(x[r]->q + 4 * g));
+        }
+        const __m512i scv = _mm512_load_si512((const void *)(sc + s * GT));
+        for (int r = 0; r < NR; r++) is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(a[r], scv));
+    }
+    gemm_k_finish(q6, u, x, is, NR, acc);
+}
+
+/* acc[j][0 .. 15] += the block b of x rows xs[j], j < NR, whose sums of u * x are a[j]: the
+ * offset's term off * sum(x) taken off, then combine_0, lane by lane */
+static TGTZ inline __attribute__((always_inline)) void gemm_0_finish(
+    int32_t off, const uint8_t *u, int64_t b, const x0_t *const *xs, const __m512i *a, const int NR, float *acc) {
+    const __m512 d = _mm512_load_ps((const float *)(const void *)(u + Q0 / 4 * GROUP_B));
     for (int r = 0; r < NR; r++) {
         const x0_t *x = xs[r] + b;
         const __m512i isum = _mm512_sub_epi32(a[r], _mm512_set1_epi32(off * x->sum));
@@ -290,17 +298,135 @@ static TGTZ inline __attribute__((always_inline)) void gemm_0_block(
     }
 }
 
+/* the same for the 32-value types (combine_0) */
+static TGTZ inline __attribute__((always_inline)) void gemm_0_block(
+    int32_t off, const uint8_t *buf, int64_t b, const x0_t *const *xs, const int NR, float *acc) {
+    const uint8_t *u = buf + (size_t)b * ZB_BYTES;
+    __m512i a[GR];
+    for (int r = 0; r < NR; r++) a[r] = _mm512_setzero_si512();
+    for (int g = 0; g < Q0 / 4; g++) {
+        const __m512i wv = _mm512_load_si512((const void *)(u + (size_t)g * GROUP_B));
+        for (int r = 0; r < NR; r++) a[r] = _mm512_dpbusd_epi32(a[r], wv, BCAST(xs[r][b].q + 4 * g));
+    }
+    gemm_0_finish(off, u, b, xs, a, NR, acc);
+}
+
+#ifdef QDOT_AMX
+/* AMX (TGTA): 16 rows of x at a time against the unpacked tile, whose groups of one sub-block
+ * are already a B tile (ks / 4 rows of 16 weight rows x 4 values); x's activations of the
+ * sub-block are the A tile (16 rows of ks signed bytes, lda apart); TDPBSUD (signed x,
+ * unsigned weights) leaves in C row j the 16 weight rows' exact sums that the vpdpbusd loop
+ * gives in a[j], so the rest is the same code and the bits are the same.
+ * Tiles: 0 = C (16 x 16 int32), 1 = A (16 x ks bytes), 2 = B (ks / 4 x 64 bytes); ks = 32
+ * (the 32-value types' blocks, Q4_K's and Q5_K's sub-blocks). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static TGTA void amx_config(int ks) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = 64;
+    c.rows[1] = 16, c.colsb[1] = (uint16_t)ks;
+    c.rows[2] = (uint8_t)(ks / 4), c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* c[j * 16 + l] = sum over ks of a's row j (signed) times weight row l's values at u */
+static TGTA inline __attribute__((always_inline)) void amx_dot(const int8_t *a, size_t lda, const uint8_t *u,
+                                                                int32_t *c) {
+    _tile_zero(0);
+    _tile_loadd(1, a, (long)lda);
+    _tile_loadd(2, u, GROUP_B);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, c, 64);
+}
+
+/* where the q of block b of rows xs[0 .. 15] are, as one base and stride: the rows themselves
+ * where they are evenly spaced (a matrix's rows, a prompt's pairs in order), else copies in
+ * stage (an expert's tokens) */
+static TGTA const int8_t *amx_rows(int kq, const void *const *xs, int64_t b, int8_t *stage, size_t *lda) {
+    const size_t bytes = kq ? QK : Q0;
+    const int8_t *q0 = kq ? ((const xk_t *)xs[0] + b)->q : ((const x0_t *)xs[0] + b)->q;
+    const ptrdiff_t step = (const char *)xs[1] - (const char *)xs[0];
+    int even = step > 0;
+    for (int j = 2; j < 16 && even; j++) even = (const char *)xs[j] - (const char *)xs[j - 1] == step;
+    if (even) {
+        *lda = (size_t)step;
+        return q0;
+    }
+    for (int j = 0; j < 16; j++)
+        memcpy(stage + bytes * (size_t)j, kq ? ((const xk_t *)xs[j] + b)->q : ((const x0_t *)xs[j] + b)->q, bytes);
+    *lda = bytes;
+    return stage;
+}
+
+static TGTA void gemm_k_block_amx(const uint8_t *buf, int64_t b, const xk_t *const *xs, int8_t *stage,
+                                  int32_t *c, float *acc) { /* Q4_K, Q5_K: 8 sub-blocks of 32 */
+    const int nsub = 8, per = 8, ks = 32;
+    const uint8_t *u = buf + (size_t)b * KB_BYTES;
+    const int32_t *sc = K_SC(u);
+    size_t lda;
+    const int8_t *a = amx_rows(1, (const void *const *)xs, b, stage, &lda);
+    const xk_t *x[16];
+    __m512i is[16];
+    for (int r = 0; r < 16; r++) {
+        x[r] = xs[r] + b;
+        is[r] = _mm512_setzero_si512();
+    }
+    for (int s = 0; s < nsub; s++) {
+        amx_dot(a + ks * s, lda, u + (size_t)(s * per) * GROUP_B, c);
+        const __m512i scv = _mm512_load_si512((const void *)(sc + s * GT));
+        for (int r = 0; r < 16; r++)
+            is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)(c + 16 * r)), scv));
+    }
+    gemm_k_finish(0, u, x, is, 16, acc);
+}
+
+static TGTA void gemm_0_block_amx(int32_t off, const uint8_t *buf, int64_t b, const x0_t *const *xs,
+                                  int8_t *stage, int32_t *c, float *acc) {
+    const uint8_t *u = buf + (size_t)b * ZB_BYTES;
+    size_t lda;
+    const int8_t *q = amx_rows(0, (const void *const *)xs, b, stage, &lda);
+    amx_dot(q, lda, u, c);
+    __m512i a[16];
+    for (int r = 0; r < 16; r++) a[r] = _mm512_load_si512((const void *)(c + 16 * r));
+    gemm_0_finish(off, u, b, xs, a, 16, acc);
+}
+#endif
+
 /* out + j * ldo [0 .. nr - 1] = the dots of the unpacked tile's rows with xs[j], j < nx <=
- * GEMM_CHUNK: block after block over all the rows, so that the block stays in L1 */
-static TGTZ void gemm_tile(int qtype, const uint8_t *buf, int64_t nb, const void *const *xs, int64_t nx,
-                           int nr, float *out, int64_t ldo) {
+ * GEMM_CHUNK: block after block over all the rows, so that the block stays in L1; with amx,
+ * 16 rows of x at a time through the AMX tiles (TDPBSUD), the rest through vpdpbusd */
+static TGTA void gemm_tile(int qtype, int amx, const uint8_t *buf, int64_t nb, const void *const *xs,
+                           int64_t nx, int nr, float *out, int64_t ldo) {
     const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
     const int kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K, q6 = qtype == T_Q6_K;
     const int32_t off = gemm_off(qtype);
     float acc[GEMM_CHUNK * GT] __attribute__((aligned(64))); /* [nx, GT] */
     memset(acc, 0, sizeof(float) * GT * (size_t)nx);
+#ifdef QDOT_AMX
+    int8_t stage[16 * QK] __attribute__((aligned(64)));
+    int32_t c[16 * GT] __attribute__((aligned(64)));
+    /* not Q6_K: its 16-value sub-blocks make tiles too small to beat vpdpbusd (measured) */
+    amx = amx && !q6 && nx >= 16;
+    if (amx) amx_config(32);
+#else
+    (void)amx;
+#endif
     for (int64_t b = 0; b < nb; b++) {
         int64_t j = 0;
+#ifdef QDOT_AMX
+        for (; amx && j + 16 <= nx; j += 16) {
+            if (kq)
+                gemm_k_block_amx(buf, b, (const xk_t *const *)(xs + j), stage, c, acc + j * GT);
+            else
+                gemm_0_block_amx(off, buf, b, (const x0_t *const *)(xs + j), stage, c, acc + j * GT);
+        }
+#endif
         for (; j + GR <= nx; j += GR) {
             if (kq)
                 gemm_k_block(q6, buf, b, (const xk_t *const *)(xs + j), GR, acc + j * GT);
@@ -314,6 +440,9 @@ static TGTZ void gemm_tile(int qtype, const uint8_t *buf, int64_t nb, const void
                 gemm_0_block(off, buf, b, (const x0_t *const *)(xs + j), 1, acc + j * GT);
         }
     }
+#ifdef QDOT_AMX
+    if (amx) _tile_release();
+#endif
     for (int64_t j = 0; j < nx; j++) _mm512_mask_storeu_ps(out + j * ldo, mask, _mm512_load_ps(acc + j * GT));
 }
 
@@ -326,7 +455,7 @@ static void tile_rows(const uint8_t *w, int64_t row_bytes, int nr, const uint8_t
 /* out [n_x, n_rows] = x @ W.T from x's activations xq (n_x rows of xbytes, in the order
  * quantize_for gives) for W [n_rows, row_bytes] of qtype: tiles of GT weight rows, each unpacked
  * once per GEMM_CHUNK rows of x, shared out dynamically. Returns 0 or -3 (out of memory). */
-static TGTZ int gemm_matmul(int qtype, int paired, const uint8_t *w, int64_t n_rows, int64_t row_bytes,
+static TGTZ int gemm_matmul(int qtype, int paired, int amx, const uint8_t *w, int64_t n_rows, int64_t row_bytes,
                             const char *xq, size_t xbytes, int64_t n_x, int64_t nb, float *out, int threads) {
     const int64_t tiles = (n_rows + GT - 1) / GT, chunks = (n_x + GEMM_CHUNK - 1) / GEMM_CHUNK;
     const size_t tile_n = gemm_tile_bytes(qtype, nb * (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K ? QK : Q0));
@@ -355,7 +484,7 @@ static TGTZ int gemm_matmul(int qtype, int paired, const uint8_t *w, int64_t n_r
                 have = t;
             }
             const int64_t nx = n_x - j0 < GEMM_CHUNK ? n_x - j0 : GEMM_CHUNK;
-            gemm_tile(qtype, buf, nb, xs + j0, nx, nr, out + j0 * n_rows + n0, n_rows);
+            gemm_tile(qtype, amx, buf, nb, xs + j0, nx, nr, out + j0 * n_rows + n0, n_rows);
         }
         free(buf);
     }
@@ -368,3 +497,6 @@ static TGTZ int gemm_matmul(int qtype, int paired, const uint8_t *w, int64_t n_r
 #undef BCAST
 #undef STOREI
 #undef BYTE
+#undef K_SC
+#undef K_CP
+#undef K_D

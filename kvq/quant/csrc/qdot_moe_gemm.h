@@ -10,7 +10,7 @@ typedef struct { /* one thread's buffers: the unpacked tiles and the gate and up
     float *go, *uo; /* [GEMM_CHUNK, GT] */
 } moe_bufs_t;
 
-static int kern_gemm(const kern_t *kn) { return kn->isa == ISA_AVX512 && gemm_covers(kn->qtype); }
+static int kern_gemm(const kern_t *kn) { return kn->isa >= ISA_AVX512 && gemm_covers(kn->qtype); }
 
 static int moe_bufs_alloc(moe_bufs_t *b, const kern_t *kg, const kern_t *ku, const kern_t *kd,
                           int64_t h, int64_t f) {
@@ -45,8 +45,8 @@ static void moe_tile_gate_up(moe_bufs_t *b, const kern_t *kg, const kern_t *ku, 
             xsg[j] = xg + xg_row * (size_t)row[p0 + j];
             xsu[j] = xu + xu_row * (size_t)row[p0 + j];
         }
-        gemm_tile(kg->qtype, b->g, h / kg->block, xsg, nx, nr, b->go, GT);
-        gemm_tile(ku->qtype, b->u, h / ku->block, xsu, nx, nr, b->uo, GT);
+        gemm_tile(kg->qtype, kg->isa == ISA_AMX, b->g, h / kg->block, xsg, nx, nr, b->go, GT);
+        gemm_tile(ku->qtype, ku->isa == ISA_AMX, b->u, h / ku->block, xsu, nx, nr, b->uo, GT);
         for (int64_t j = 0; j < nx; j++)
             for (int l = 0; l < nr; l++)
                 hb[(p0 + j) * f + r0 + l] = moe_hidden(b->go[j * GT + l], b->uo[j * GT + l], act, bias, e, r0 + l);
@@ -65,7 +65,7 @@ static void moe_tile_down(moe_bufs_t *b, const kern_t *kd, const uint8_t *down, 
         const int64_t nx = p_hi - p0 < GEMM_CHUNK ? p_hi - p0 : GEMM_CHUNK;
         const void *xs[GEMM_CHUNK];
         for (int64_t j = 0; j < nx; j++) xs[j] = hq + hq_row * (size_t)(p0 + j);
-        gemm_tile(kd->qtype, b->d, f / kd->block, xs, nx, nr, y + p0 * h + r0, h);
+        gemm_tile(kd->qtype, kd->isa == ISA_AMX, b->d, f / kd->block, xs, nx, nr, y + p0 * h + r0, h);
         if (bias)
             for (int64_t j = 0; j < nx; j++)
                 for (int l = 0; l < nr; l++) y[(p0 + j) * h + r0 + l] = moe_out(y[(p0 + j) * h + r0 + l], bias, e, r0 + l);
