@@ -19,8 +19,9 @@ process-wide lock; the kernel already uses every core.
 int8 activations (`KVQ_ACTIVATIONS=int8`, the default; `configure`): every call of the types
 it covers, of any number of rows, goes through the C kernel of `kvq.quant.qdot` instead, which
 quantizes x to 8 bits per block and multiplies integers, as llama.cpp does, unpacking each
-weight block once per 8 rows of x, or, on a CPU with AVX512BW + VNNI, from 2 rows (the 32-value
-types) or 4 to 12 rows (the K-quants; `gemm_min` in `csrc/qdot_gemm.h`), once per tile of 16 weight rows and 128 rows of x (`csrc/qdot_gemm.h`): no matrix is ever
+weight block once per 8 rows of x, or, on a CPU with AVX512BW + VNNI, from 2 to 12 rows by type
+(`gemm_min` in `csrc/qdot_gemm.h`), once per tile of 16 weight rows and 128 rows of x
+(`csrc/qdot_gemm.h`; 16 rows at a time through the AMX tiles where the CPU has them): no matrix is ever
 dequantized, and each row gets the bits it gets alone, on every SIMD path. Below the stored
 precision (errors in docs/models.md), so `KVQ_ACTIVATIONS=float32` keeps the exact path
 (which dequantizes a matrix per call above `_MAX_ROWS` rows). A MoE layer's routed experts

@@ -8,7 +8,7 @@
  * A block's dot product is then integers only: sum(qw * qx) per sub-block, times the
  * sub-block's integer scale, exact in int32. Only the per-block combination
  * `acc += dx * (dw * isum - dmin * imin)` is float32, in the same order in every path, so the
- * scalar, AVX2 and AVX512-VNNI paths give the same bits, and each output is computed by one
+ * scalar, AVX2, AVX512-VNNI and AMX paths give the same bits, and each output is computed by one
  * thread: results depend neither on the CPU's features nor on the thread count.
  *
  * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c (kvq/quant/qdot.py);
