@@ -34,6 +34,19 @@ enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
 static int is_q0(int qtype) {
     return qtype == T_Q8_0 || qtype == T_Q4_0 || qtype == T_Q5_0 || qtype == T_MXFP4;
 }
+/* bytes of one block of qtype */
+static int64_t block_bytes(int qtype) {
+    switch (qtype) {
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    case T_Q8_0: return 34;
+    case T_Q4_0: return 18;
+    case T_Q5_0: return 22;
+    default: return 17; /* MXFP4 */
+    }
+}
+
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4 /* AVX-512 + AMX tiles */ };
 
 typedef struct { /* 256 activations */

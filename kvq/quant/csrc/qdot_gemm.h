@@ -56,18 +56,6 @@ static int32_t gemm_off(int qtype) {
     return qtype == T_Q8_0 ? 128 : qtype == T_Q4_0 ? 8 : qtype == T_Q5_0 ? 16 : qtype == T_MXFP4 ? 12 : 0;
 }
 
-static int64_t block_bytes(int qtype) {
-    switch (qtype) {
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
-    case T_Q8_0: return 34;
-    case T_Q4_0: return 18;
-    case T_Q5_0: return 22;
-    default: return 17; /* MXFP4 */
-    }
-}
-
 #define GATHER(idx, p) _mm512_i32gather_epi32((idx), (const void *)(p), 1)
 #define STOREG(buf, g, v) _mm512_storeu_si512((void *)((buf) + (size_t)(g) * GROUP_B), (v))
 
@@ -345,18 +333,24 @@ static TGTA inline __attribute__((always_inline)) void amx_dot(const int8_t *a, 
     _tile_stored(0, c, 64);
 }
 
-/* where the q of block b of rows xs[0 .. 15] are, as one base and stride: the rows themselves
- * where they are evenly spaced (a matrix's rows, a prompt's pairs in order), else copies in
- * stage (an expert's tokens) */
-static TGTA const int8_t *amx_rows(int kq, const void *const *xs, int64_t b, int8_t *stage, size_t *lda) {
-    const size_t bytes = kq ? QK : Q0;
-    const int8_t *q0 = kq ? ((const xk_t *)xs[0] + b)->q : ((const x0_t *)xs[0] + b)->q;
+/* the distance between consecutive rows of xs[0 .. 15] where they are evenly spaced (a
+ * matrix's rows, a prompt's pairs in order), so that the A tile is read in place; 0 where they
+ * are not (an expert's tokens), so that each block's activations are copied (amx_rows) */
+static int64_t amx_stride(const void *const *xs) {
     const ptrdiff_t step = (const char *)xs[1] - (const char *)xs[0];
-    int even = step > 0;
-    for (int j = 2; j < 16 && even; j++) even = (const char *)xs[j] - (const char *)xs[j - 1] == step;
-    if (even) {
-        *lda = (size_t)step;
-        return q0;
+    for (int j = 2; j < 16; j++)
+        if ((const char *)xs[j] - (const char *)xs[j - 1] != step) return 0;
+    return step > 0 ? (int64_t)step : 0;
+}
+
+/* where the q of block b of rows xs[0 .. 15] are, as one base and *lda: in place with stride,
+ * else copied into stage */
+static TGTA const int8_t *amx_rows(int kq, const void *const *xs, int64_t b, int64_t stride, int8_t *stage,
+                                   size_t *lda) {
+    const size_t bytes = kq ? QK : Q0;
+    if (stride) {
+        *lda = (size_t)stride;
+        return kq ? ((const xk_t *)xs[0] + b)->q : ((const x0_t *)xs[0] + b)->q;
     }
     for (int j = 0; j < 16; j++)
         memcpy(stage + bytes * (size_t)j, kq ? ((const xk_t *)xs[j] + b)->q : ((const x0_t *)xs[j] + b)->q, bytes);
@@ -364,13 +358,13 @@ static TGTA const int8_t *amx_rows(int kq, const void *const *xs, int64_t b, int
     return stage;
 }
 
-static TGTA void gemm_k_block_amx(const uint8_t *buf, int64_t b, const xk_t *const *xs, int8_t *stage,
-                                  int32_t *c, float *acc) { /* Q4_K, Q5_K: 8 sub-blocks of 32 */
+static TGTA void gemm_k_block_amx(const uint8_t *buf, int64_t b, const xk_t *const *xs, int64_t stride,
+                                  int8_t *stage, int32_t *c, float *acc) { /* Q4_K, Q5_K: 8 sub-blocks of 32 */
     const int nsub = 8, per = 8, ks = 32;
     const uint8_t *u = buf + (size_t)b * KB_BYTES;
     const int32_t *sc = K_SC(u);
     size_t lda;
-    const int8_t *a = amx_rows(1, (const void *const *)xs, b, stage, &lda);
+    const int8_t *a = amx_rows(1, (const void *const *)xs, b, stride, stage, &lda);
     const xk_t *x[16];
     __m512i is[16];
     for (int r = 0; r < 16; r++) {
@@ -387,10 +381,10 @@ static TGTA void gemm_k_block_amx(const uint8_t *buf, int64_t b, const xk_t *con
 }
 
 static TGTA void gemm_0_block_amx(int32_t off, const uint8_t *buf, int64_t b, const x0_t *const *xs,
-                                  int8_t *stage, int32_t *c, float *acc) {
+                                  int64_t stride, int8_t *stage, int32_t *c, float *acc) {
     const uint8_t *u = buf + (size_t)b * ZB_BYTES;
     size_t lda;
-    const int8_t *q = amx_rows(0, (const void *const *)xs, b, stage, &lda);
+    const int8_t *q = amx_rows(0, (const void *const *)xs, b, stride, stage, &lda);
     amx_dot(q, lda, u, c);
     __m512i a[16];
     for (int r = 0; r < 16; r++) a[r] = _mm512_load_si512((const void *)(c + 16 * r));
@@ -413,6 +407,8 @@ static TGTA void gemm_tile(int qtype, int amx, const uint8_t *buf, int64_t nb, c
     int32_t c[16 * GT] __attribute__((aligned(64)));
     /* not Q6_K: its 16-value sub-blocks make tiles too small to beat vpdpbusd (measured) */
     amx = amx && !q6 && nx >= 16;
+    int64_t stride[GEMM_CHUNK / 16]; /* per group of 16 rows (amx_stride) */
+    for (int64_t g = 0; amx && g < nx / 16; g++) stride[g] = amx_stride(xs + 16 * g);
     if (amx) amx_config(32);
 #else
     (void)amx;
@@ -422,9 +418,9 @@ static TGTA void gemm_tile(int qtype, int amx, const uint8_t *buf, int64_t nb, c
 #ifdef QDOT_AMX
         for (; amx && j + 16 <= nx; j += 16) {
             if (kq)
-                gemm_k_block_amx(buf, b, (const xk_t *const *)(xs + j), stage, c, acc + j * GT);
+                gemm_k_block_amx(buf, b, (const xk_t *const *)(xs + j), stride[j / 16], stage, c, acc + j * GT);
             else
-                gemm_0_block_amx(off, buf, b, (const x0_t *const *)(xs + j), stage, c, acc + j * GT);
+                gemm_0_block_amx(off, buf, b, (const x0_t *const *)(xs + j), stride[j / 16], stage, c, acc + j * GT);
         }
 #endif
         for (; j + GR <= nx; j += GR) {

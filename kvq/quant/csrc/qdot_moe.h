@@ -242,8 +242,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
 #ifdef QDOT_X86
     int64_t most = 0; /* the most pairs of one expert: whether any takes the tile kernel */
     for (int e = 0; e < n; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
-    const int want_tiles = ((kern_gemm(&kg) && most >= gemm_min(kg.qtype)) ||
-                            (kern_gemm(&kd) && most >= gemm_min(kd.qtype)));
+    const int want_tiles = kern_tiles(&kg, most) || kern_tiles(&kd, most);
 #endif
 #pragma omp parallel num_threads(threads)
     {
@@ -262,8 +261,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
             const int64_t e = i / tf, r0 = (i % tf) * MOE_TILE;
             const int nr = (int)(f - r0 < MOE_TILE ? f - r0 : MOE_TILE);
 #ifdef QDOT_X86
-            if (tiles_ok && kern_gemm(&kg) && kern_gemm(&ku) && start[e + 1] - start[e] >= gemm_min(kg.qtype) &&
-                start[e + 1] - start[e] >= gemm_min(ku.qtype)) {
+            if (tiles_ok && kern_tiles(&kg, start[e + 1] - start[e]) && kern_tiles(&ku, start[e + 1] - start[e])) {
                 moe_tile_gate_up(&bufs, &kg, &ku, gate[e], up[e], rb, r0, nr, h, f, xg, xg_n, xu, xu_row,
                                  row, start[e], start[e + 1], hb, act, bias, e);
                 continue;
@@ -292,7 +290,7 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
             const int64_t e = i / th, r0 = (i % th) * MOE_TILE;
             const int nr = (int)(h - r0 < MOE_TILE ? h - r0 : MOE_TILE);
 #ifdef QDOT_X86
-            if (tiles_ok && kern_gemm(&kd) && start[e + 1] - start[e] >= gemm_min(kd.qtype)) {
+            if (tiles_ok && kern_tiles(&kd, start[e + 1] - start[e])) {
                 moe_tile_down(&bufs, &kd, down[e], rb[2], r0, nr, h, f, hq, hq_n, start[e], start[e + 1],
                               y, bias, e);
                 continue;

@@ -10,7 +10,10 @@ typedef struct { /* one thread's buffers: the unpacked tiles and the gate and up
     float *go, *uo; /* [GEMM_CHUNK, GT] */
 } moe_bufs_t;
 
-static int kern_gemm(const kern_t *kn) { return kn->isa >= ISA_AVX512 && gemm_covers(kn->qtype); }
+/* whether kn's matrix takes the tile kernel for an expert of `pairs` pairs */
+static int kern_tiles(const kern_t *kn, int64_t pairs) {
+    return kn->isa >= ISA_AVX512 && gemm_covers(kn->qtype) && pairs >= gemm_min(kn->qtype);
+}
 
 static int moe_bufs_alloc(moe_bufs_t *b, const kern_t *kg, const kern_t *ku, const kern_t *kd,
                           int64_t h, int64_t f) {

@@ -187,10 +187,10 @@ static TGT inline __attribute__((always_inline)) float SFX(scale_0)(int qtype, c
     return qtype == T_MXFP4 ? e8m0_half(w[0]) : F16(w);
 }
 
-static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, int64_t size,
-                                                                  const uint8_t *w,
+static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, const uint8_t *w,
                                                                   const x0_t *const *xs, int nx,
                                                                   int64_t nb, float *out) {
+    const int64_t size = block_bytes(qtype);
     const int sgn = qtype == T_Q8_0 || qtype == T_MXFP4;
     float acc[MX] = {0};
     int64_t b = 0;
@@ -227,39 +227,21 @@ static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, int
     memcpy(out, acc, sizeof(float) * (size_t)nx);
 }
 
-static TGT inline __attribute__((always_inline)) float SFX(dot_0)(int qtype, int64_t size,
-                                                                  const uint8_t *w, const x0_t *x,
-                                                                  int64_t nb) {
-    float y;
-    SFX(rows_0)(qtype, size, w, &x, 1, nb, &y);
-    return y;
-}
-
-#define MDOT_0(name, qtype, size)                                                              \
-    static TGT void SFX(name)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) { \
-        SFX(rows_0)(qtype, size, w, (const x0_t *const *)xs, nx, nb, out);                     \
+/* the one-row and multi-row entries of each type (pick_0, pick_m0) */
+#define DOTS_0(name, qtype)                                                                    \
+    static TGT float SFX(dot_##name)(const uint8_t *w, const x0_t *x, int64_t nb) {            \
+        float y;                                                                               \
+        SFX(rows_0)(qtype, w, &x, 1, nb, &y);                                                  \
+        return y;                                                                              \
+    }                                                                                          \
+    static TGT void SFX(mdot_##name)(const uint8_t *w, const void *const *xs, int nx, int64_t nb, float *out) { \
+        SFX(rows_0)(qtype, w, (const x0_t *const *)xs, nx, nb, out);                           \
     }
-MDOT_0(mdot_q8_0, T_Q8_0, 34)
-MDOT_0(mdot_q4_0, T_Q4_0, 18)
-MDOT_0(mdot_q5_0, T_Q5_0, 22)
-MDOT_0(mdot_mxfp4, T_MXFP4, 17)
-#undef MDOT_0
-
-static TGT float SFX(dot_q8_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    return SFX(dot_0)(T_Q8_0, 34, w, x, nb);
-}
-
-static TGT float SFX(dot_q4_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    return SFX(dot_0)(T_Q4_0, 18, w, x, nb);
-}
-
-static TGT float SFX(dot_q5_0)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    return SFX(dot_0)(T_Q5_0, 22, w, x, nb);
-}
-
-static TGT float SFX(dot_mxfp4)(const uint8_t *w, const x0_t *x, int64_t nb) {
-    return SFX(dot_0)(T_MXFP4, 17, w, x, nb);
-}
+DOTS_0(q8_0, T_Q8_0)
+DOTS_0(q4_0, T_Q4_0)
+DOTS_0(q5_0, T_Q5_0)
+DOTS_0(mxfp4, T_MXFP4)
+#undef DOTS_0
 
 #undef LD
 #undef Q6_SCALES
