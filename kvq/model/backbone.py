@@ -25,6 +25,7 @@ from kvq.errors import ModelError
 from kvq.model import deltanet
 from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
+from kvq.model.decode_attention import decode_attention
 from kvq.model.deltanet import DeltaState, DeltaWeights
 from kvq.model.experts import expert_forward
 from kvq.model.layers import (
@@ -293,6 +294,23 @@ class Backbone:
                     q, kk = rms_norm(q, None, eps), rms_norm(kk, None, eps)
             elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
+        o = None
+        if max(lens) == 1 and not window and not m.chunk(layer):  # decode: every sequence at once
+            o = decode_attention(q, kk, vv, [s.cache for s in steps], layer, m.attention_scale,
+                                 a.sinks)  # fmt: skip
+        if o is None:
+            o = self._gqa_each(layer, a, q, kk, vv, steps, lens, window)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return _linear(o, a.wo, a.bo)  # [N, H]
+
+    def _gqa_each(
+        self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+        steps: list[SeqStep], lens: list[int], window: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Each sequence's rows against its own cache (`causal_attention`): q [N, heads, d],
+        kk, vv [N, kv, d]. Returns [N, heads * d]."""
+        m = self.meta
         outs, start = [], 0
         with _small(max(lens))():
             for s, t in zip(steps, lens, strict=True):
@@ -306,10 +324,7 @@ class Backbone:
                     a.sinks, window, k0, m.chunk(layer),
                 ))  # fmt: skip
                 start += t
-        o = torch.cat(outs)  # [N, heads*d]
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return _linear(o, a.wo, a.bo)  # [N, H]
+        return torch.cat(outs)  # [N, heads*d]
 
     def _mla(
         self,

@@ -118,6 +118,16 @@ class KVCache:
         self.v[row, self.length : end] = v
         return self.k[row, :end], self.v[row, :end]
 
+    def decode_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full layer `layer`'s key and value storage [capacity, kv, d], with room for one more
+        position: a kernel writes the new key and value at `length` itself and reads every
+        position up to it (`kvq.model.decode_attention`)."""
+        if self.latent_values or self.windows[layer] > 0:
+            raise ModelError(f"layer {layer} is not a full layer of a key-value cache")
+        self._reserve(self.length + 1)
+        row = self._row[layer]
+        return self.k[row], self.v[row]
+
     def append_window(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -149,6 +149,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvq_qdot_moe_batch.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, p, p, p, p, p,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int, p]  # fmt: skip
     lib.kvq_qdot_moe_batch.restype = ctypes.c_int
+    lib.kvq_attn_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, ctypes.c_float, p, p,
+                                    ctypes.c_int]  # fmt: skip
+    lib.kvq_attn_decode.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
 
@@ -293,3 +296,28 @@ def _bias_ptrs(biases: list[tuple[int, int, int]] | None) -> ctypes.Array[ctypes
     if biases is None:
         return None
     return (ctypes.c_void_p * max(3 * len(biases), 1))(*(a for b in biases for a in b))
+
+
+def attn_decode(
+    built: Built, q: int, knew: int, vnew: int, caches: list[tuple[int, int]], lens: list[int],
+    heads: int, kv: int, d: int, scale: float, sinks: int, out: int, threads: int,
+) -> None:  # fmt: skip
+    """One decode step's attention of len(caches) sequences in one call (`csrc/attn_decode.h`):
+    writes each sequence's new key and value into its cache at position lens[s], then
+    out[s, h] = softmax(scale * q[s, h] . keys) @ values over positions 0 .. lens[s] of kv head
+    h // (heads / kv), a sink's logit in the softmax where `sinks` is not 0.
+
+    Addresses of float32 C-contiguous memory: q and out [S, heads, d], knew and vnew [S, kv,
+    d], caches per sequence its layer's keys and values [capacity > lens[s], kv, d], sinks
+    [heads] or 0. ValueError on sizes that do not fit."""
+    n = len(caches)
+    kc = (ctypes.c_void_p * max(n, 1))(*(c[0] for c in caches))
+    vc = (ctypes.c_void_p * max(n, 1))(*(c[1] for c in caches))
+    rc = built.lib.kvq_attn_decode(
+        n, heads, kv, d, q, knew, vnew, kc, vc, (ctypes.c_int64 * max(n, 1))(*lens), scale,
+        sinks or None, out, threads,
+    )  # fmt: skip
+    if rc != 0:
+        why = {-2: "heads not a multiple of kv heads, or a size below 1", -3: "out of memory"}
+        raise ValueError(f"attn_decode of {n} sequences, {heads}/{kv} heads of {d}: "
+                         f"{why.get(rc, rc)}")  # fmt: skip

@@ -682,3 +682,4 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
 }
 
 #include "qdot_moe.h"
+#include "attn_decode.h"

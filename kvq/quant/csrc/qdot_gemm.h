@@ -194,6 +194,16 @@ static TGTZ void unpack_0_block(int qtype, const uint8_t *const *rows, const uin
     for (int r = 0; r < GT; r++) d[r] = e8m0_half(rows[r][off]);
 }
 
+/* blocks ahead of the one being unpacked whose bytes are asked for (the gathers read 16 rows
+ * at once, a pattern the hardware prefetcher does not follow) */
+#define UNPACK_AHEAD 2
+
+/* ask for the lines of bytes [p, p + n) */
+static inline void prefetch_span(const uint8_t *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+    if (n > 0) _mm_prefetch((const char *)p + n - 1, _MM_HINT_T0);
+}
+
 /* Unpack rows[0 .. GT - 1] (each nb blocks of qtype; a short tile repeats its first row) */
 static TGTZ void gemm_unpack(int qtype, int paired, const uint8_t *const *rows, int64_t nb, uint8_t *buf) {
     const int kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
@@ -201,7 +211,11 @@ static TGTZ void gemm_unpack(int qtype, int paired, const uint8_t *const *rows, 
     int32_t rel[GT]; /* rows as offsets from row 0: the gathers' indices */
     for (int r = 0; r < GT; r++) rel[r] = (int32_t)(rows[r] - rows[0]);
     const __m512i idx = _mm512_loadu_si512((const void *)rel);
+    for (int64_t b = 0; b < nb && b < UNPACK_AHEAD; b++)
+        for (int r = 0; r < GT; r++) prefetch_span(rows[r] + b * bs, bs);
     for (int64_t b = 0; b < nb; b++) {
+        if (b + UNPACK_AHEAD < nb)
+            for (int r = 0; r < GT; r++) prefetch_span(rows[r] + (b + UNPACK_AHEAD) * bs, bs);
         if (kq) {
             uint8_t *p = buf + (size_t)b * KB_BYTES;
             unpack_k_values(qtype, rows[0] + b * bs, idx, paired, p);
@@ -297,6 +311,24 @@ static TGTZ inline __attribute__((always_inline)) void gemm_0_block(
         for (int r = 0; r < NR; r++) a[r] = _mm512_dpbusd_epi32(a[r], wv, BCAST(xs[r][b].q + 4 * g));
     }
     gemm_0_finish(off, u, b, xs, a, NR, acc);
+}
+
+/* gemm_k_block / gemm_0_block on n < GR rows, n a constant in each case */
+static TGTZ void gemm_block_rest(int kq, int q6, int32_t off, const uint8_t *buf, int64_t b,
+                                 const void *const *xs, int n, float *acc) {
+#define REST(N)                                                                         \
+    case N:                                                                             \
+        if (kq)                                                                         \
+            gemm_k_block(q6, buf, b, (const xk_t *const *)xs, N, acc);                  \
+        else                                                                            \
+            gemm_0_block(off, buf, b, (const x0_t *const *)xs, N, acc);                 \
+        return;
+    _Static_assert(GR == 8, "one case per count of rows below GR");
+    switch (n) {
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
+    default: return;
+    }
+#undef REST
 }
 
 #ifdef QDOT_AMX
@@ -429,12 +461,8 @@ static TGTA void gemm_tile(int qtype, int amx, const uint8_t *buf, int64_t nb, c
             else
                 gemm_0_block(off, buf, b, (const x0_t *const *)(xs + j), GR, acc + j * GT);
         }
-        for (; j < nx; j++) {
-            if (kq)
-                gemm_k_block(q6, buf, b, (const xk_t *const *)(xs + j), 1, acc + j * GT);
-            else
-                gemm_0_block(off, buf, b, (const x0_t *const *)(xs + j), 1, acc + j * GT);
-        }
+        if (j < nx) /* the last nx - j < GR rows in one pass: each weight load feeds them all */
+            gemm_block_rest(kq, q6, off, buf, b, xs + j, (int)(nx - j), acc + j * GT);
     }
 #ifdef QDOT_AMX
     if (amx) _tile_release();

@@ -1,0 +1,56 @@
+"""A decode step's attention for every sequence of a batch in one C call.
+
+Decoding, each sequence brings one new query per head; attending it against that sequence's
+cache in torch costs about ten small calls per sequence and layer, 86 us on two cores, which at
+32 sequences is 9 % of an olmoe step. `csrc/attn_decode.h` writes the new keys and values into
+every cache and computes every (sequence, head) in one call, reading the caches in place.
+
+It applies to full-attention layers of float32 caches on the CPU (sinks allowed): sliding and
+chunked layers, latent caches and prompts keep `layers.causal_attention`. The kernel sums in
+another order than torch, so results differ from that path by float32 rounding only
+(`tests/model/test_decode_attention.py`); each sequence's result is the same whatever else is in
+the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from kvq.model.cache import KVCache
+from kvq.quant import qdot
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache], layer: int,
+    scale: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # fmt: skip
+    """Attention of one new token per sequence: q [S, heads, d], k and v [S, kv, d] its new
+    key and value (stored into caches[s] at its `length`, not advanced). `scale` 0 means
+    1/sqrt(d); `sinks` [heads] as in `causal_attention`. Returns [S, heads * d] float32, or
+    None where the kernel does not apply (the caller runs `causal_attention` per sequence)."""
+    n, heads, d = q.shape
+    kv = k.shape[1]
+    tensors = (q, k, v) + (() if sinks is None else (sinks,))
+    if n != len(caches) or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" or c.latent_values
+           or c.windows[layer] > 0 for c in caches):  # fmt: skip
+        return None
+    o = qdot.options()
+    built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+    if built is None:
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    sink = None if sinks is None else sinks.contiguous()
+    slots = [c.decode_slot(layer) for c in caches]
+    out = torch.empty((n, heads, d), dtype=torch.float32)
+    qdot.attn_decode(
+        built, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        [(ks.data_ptr(), vs.data_ptr()) for ks, vs in slots], [c.length for c in caches],
+        heads, kv, d, scale or 1.0 / math.sqrt(d), 0 if sink is None else sink.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(n, heads * d)
