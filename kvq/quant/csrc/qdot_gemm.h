@@ -337,8 +337,9 @@ static TGTZ void gemm_block_rest(int kq, int q6, int32_t off, const uint8_t *buf
  * sub-block are the A tile (16 rows of ks signed bytes, lda apart); TDPBSUD (signed x,
  * unsigned weights) leaves in C row j the 16 weight rows' exact sums that the vpdpbusd loop
  * gives in a[j], so the rest is the same code and the bits are the same.
- * Tiles: 0 = C (16 x 16 int32), 1 = A (16 x ks bytes), 2 = B (ks / 4 x 64 bytes); ks = 32
- * (the 32-value types' blocks, Q4_K's and Q5_K's sub-blocks). */
+ * Tiles: 0-3 = C (16 x 16 int32), 4-5 = A (16 x ks bytes), 6-7 = B (ks / 4 x 64 bytes); ks = 32
+ * (the 32-value types' blocks, Q4_K's and Q5_K's sub-blocks). Four C tiles let four sub-blocks'
+ * products run one behind the other instead of each waiting for the last one's store. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -349,9 +350,9 @@ static TGTA void amx_config(int ks) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = 16, c.colsb[0] = 64;
-    c.rows[1] = 16, c.colsb[1] = (uint16_t)ks;
-    c.rows[2] = (uint8_t)(ks / 4), c.colsb[2] = 64;
+    for (int t = 0; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) c.rows[t] = 16, c.colsb[t] = (uint16_t)ks;
+    for (int t = 6; t < 8; t++) c.rows[t] = (uint8_t)(ks / 4), c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
 
@@ -359,10 +360,36 @@ static TGTA void amx_config(int ks) {
 static TGTA inline __attribute__((always_inline)) void amx_dot(const int8_t *a, size_t lda, const uint8_t *u,
                                                                 int32_t *c) {
     _tile_zero(0);
-    _tile_loadd(1, a, (long)lda);
-    _tile_loadd(2, u, GROUP_B);
-    _tile_dpbsud(0, 1, 2);
+    _tile_loadd(4, a, (long)lda);
+    _tile_loadd(6, u, GROUP_B);
+    _tile_dpbsud(0, 4, 6);
     _tile_stored(0, c, 64);
+}
+
+/* amx_dot of 4 consecutive sub-blocks of ks = 32 values (a 32 bytes apart, u 8 groups apart):
+ * c[i * 256 + j * 16 + l] for sub-block i */
+static TGTA inline __attribute__((always_inline)) void amx_dot4(const int8_t *a, size_t lda, const uint8_t *u,
+                                                                 int32_t *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, a, (long)lda);
+    _tile_loadd(6, u, GROUP_B);
+    _tile_dpbsud(0, 4, 6);
+    _tile_loadd(5, a + 32, (long)lda);
+    _tile_loadd(7, u + 8 * GROUP_B, GROUP_B);
+    _tile_dpbsud(1, 5, 7);
+    _tile_loadd(4, a + 64, (long)lda);
+    _tile_loadd(6, u + 16 * GROUP_B, GROUP_B);
+    _tile_dpbsud(2, 4, 6);
+    _tile_loadd(5, a + 96, (long)lda);
+    _tile_loadd(7, u + 24 * GROUP_B, GROUP_B);
+    _tile_dpbsud(3, 5, 7);
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
 }
 
 /* the distance between consecutive rows of xs[0 .. 15] where they are evenly spaced (a
@@ -403,11 +430,14 @@ static TGTA void gemm_k_block_amx(const uint8_t *buf, int64_t b, const xk_t *con
         x[r] = xs[r] + b;
         is[r] = _mm512_setzero_si512();
     }
-    for (int s = 0; s < nsub; s++) {
-        amx_dot(a + ks * s, lda, u + (size_t)(s * per) * GROUP_B, c);
-        const __m512i scv = _mm512_load_si512((const void *)(sc + s * GT));
-        for (int r = 0; r < 16; r++)
-            is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)(c + 16 * r)), scv));
+    for (int s0 = 0; s0 < nsub; s0 += 4) {
+        amx_dot4(a + ks * s0, lda, u + (size_t)(s0 * per) * GROUP_B, c);
+        for (int s = s0; s < s0 + 4; s++) { /* the sub-blocks in order, as the vpdpbusd loop adds them */
+            const __m512i scv = _mm512_load_si512((const void *)(sc + s * GT));
+            const int32_t *cs = c + 256 * (s - s0);
+            for (int r = 0; r < 16; r++)
+                is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)(cs + 16 * r)), scv));
+        }
     }
     gemm_k_finish(0, u, x, is, 16, acc);
 }
@@ -436,7 +466,7 @@ static TGTA void gemm_tile(int qtype, int amx, const uint8_t *buf, int64_t nb, c
     memset(acc, 0, sizeof(float) * GT * (size_t)nx);
 #ifdef QDOT_AMX
     int8_t stage[16 * QK] __attribute__((aligned(64)));
-    int32_t c[16 * GT] __attribute__((aligned(64)));
+    int32_t c[4 * 16 * GT] __attribute__((aligned(64))); /* amx_dot4's four C tiles */
     /* not Q6_K: its 16-value sub-blocks make tiles too small to beat vpdpbusd (measured) */
     amx = amx && !q6 && nx >= 16;
     int64_t stride[GEMM_CHUNK / 16]; /* per group of 16 rows (amx_stride) */
