@@ -124,6 +124,7 @@ class KVCache:
         position up to it (`kvq.model.decode_attention`)."""
         if self.latent_values or self.windows[layer] > 0:
             raise ModelError(f"layer {layer} is not a full layer of a key-value cache")
+        self.check_room(1)  # the kernel writes at `length`: never past the storage
         self._reserve(self.length + 1)
         row = self._row[layer]
         return self.k[row], self.v[row]

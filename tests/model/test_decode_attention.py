@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.errors import ModelError
 from kvq.model import Backbone
 from kvq.model import decode_attention as da
 from kvq.model.cache import KVCache, SeqStep
@@ -82,6 +83,17 @@ def test_declines_what_it_does_not_cover() -> None:
     assert (
         da.decode_attention(q, k, v, [_cache(4, 0), _cache(4, 1)], 0) is None
     )  # 1 query, 2 caches
+
+
+def test_a_full_cache_is_refused_before_anything_is_written() -> None:
+    c = KVCache(LAYERS, 8, KV, D, initial=8)
+    c.length = 8  # every position of the context used
+    c.k.zero_()
+    q, k, v = _new(1, 4, 5)
+    before = c.k.clone()
+    with pytest.raises(ModelError, match="exceeds the context length"):
+        da.decode_attention(q, k, v, [c], 0)
+    assert torch.equal(c.k, before)
 
 
 def test_heads_that_do_not_group_are_refused_with_a_reason() -> None:
