@@ -15,6 +15,10 @@ assumed from the build machine; every path gives the same bits (the integers are
 float part is shared), and each output is computed by one thread, so results depend neither on
 the CPU's features nor on the thread count.
 
+The same library carries the decode-attention kernel (`attn_decode`, `csrc/attn_decode.h`:
+one decode step's attention of every sequence in one call), which is float32 and runs whatever
+the activations setting says (`kvq.model.decode_attention`).
+
 Build: `cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno -fopenmp qdot.c -lm` into a
 cache directory, named by the hash of the sources, the compiler and the flags; written to a temporary name and
 renamed into place, so processes building at once each end up loading a whole library. The
