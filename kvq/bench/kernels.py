@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,8 +47,7 @@ def _per_call(fn: Any, mats: list[torch.Tensor], repeat: int) -> float:
 
 def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    opts = qdot.options()
-    built = qdot.load(opts.cc, Path(opts.cache_dir) if opts.cache_dir else None)
+    built = qdot.load_configured()
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     threads = torch.get_num_threads()

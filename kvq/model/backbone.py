@@ -295,7 +295,7 @@ class Backbone:
             elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
         o = None
-        if max(lens) == 1 and not window and not m.chunk(layer):  # decode: every sequence at once
+        if max(lens) == 1:  # decode: every sequence at once, where the kernel covers the layer
             o = decode_attention(q, kk, vv, [s.cache for s in steps], layer, m.attention_scale,
                                  a.sinks)  # fmt: skip
         if o is None:

@@ -118,11 +118,16 @@ class KVCache:
         self.v[row, self.length : end] = v
         return self.k[row, :end], self.v[row, :end]
 
+    def holds_keys(self, layer: int) -> bool:
+        """Whether `layer`'s keys and values are stored here whole: a full layer of a key-value
+        cache (not a sliding one's ring, a latent cache or a recurrent layer)."""
+        return not self.latent_values and self.windows[layer] <= 0 and layer in self._row
+
     def decode_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full layer `layer`'s key and value storage [capacity, kv, d], with room for one more
         position: a kernel writes the new key and value at `length` itself and reads every
         position up to it (`kvq.model.decode_attention`)."""
-        if self.latent_values or self.windows[layer] > 0:
+        if not self.holds_keys(layer):
             raise ModelError(f"layer {layer} is not a full layer of a key-value cache")
         self.check_room(1)  # the kernel writes at `length`: never past the storage
         self._reserve(self.length + 1)

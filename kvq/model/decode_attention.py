@@ -15,7 +15,6 @@ the batch.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -36,11 +35,10 @@ def decode_attention(
     tensors = (q, k, v) + (() if sinks is None else (sinks,))
     if n != len(caches) or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
-    if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" or c.latent_values
-           or c.windows[layer] > 0 for c in caches):  # fmt: skip
+    if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" or not c.holds_keys(layer)
+           for c in caches):  # fmt: skip
         return None
-    o = qdot.options()
-    built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+    built = qdot.load_configured()
     if built is None:
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -31,7 +31,6 @@ are one C call (`moe_int8`, `moe_int8_batch`).
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -101,7 +100,7 @@ def int8_kernel() -> qdot.Built | None:
         return last[1]
     built = None
     if o.activations == "int8":
-        built = qdot.load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+        built = qdot.load_configured(o)
     _int8_for = (o, built)
     return built
 

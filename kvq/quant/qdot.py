@@ -214,6 +214,13 @@ def load(cc: str = "cc", cache_dir: Path | None = None) -> Built | None:
         return _loaded[key]
 
 
+def load_configured(o: KernelOptions | None = None) -> Built | None:
+    """The library with the compiler and cache directory that `o` names (default: this
+    process's `options()`), as `load` gives it."""
+    o = o or _options
+    return load(o.cc, Path(o.cache_dir) if o.cache_dir else None)
+
+
 def matmul(
     built: Built, x: npt.NDArray[np.float32], w: npt.NDArray[np.uint8], qtype: int,
     threads: int, isa: int = -1,

@@ -99,7 +99,7 @@ def test_a_full_cache_is_refused_before_anything_is_written() -> None:
 def test_heads_that_do_not_group_are_refused_with_a_reason() -> None:
     from kvq.quant import qdot
 
-    built = qdot.load()
+    built = qdot.load_configured()
     if built is None:
         pytest.skip("no C compiler")
     q, k, v = _new(1, 3, 4)

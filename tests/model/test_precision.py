@@ -109,8 +109,7 @@ def _paths(quant: str) -> dict[str, int]:
     (no int8 kernel) the one default path."""
     if quant in FLOAT_QUANTS:
         return {"float32": -1}
-    opts = qdot.options()
-    built = qdot.load(opts.cc, Path(opts.cache_dir) if opts.cache_dir else None)
+    built = qdot.load_configured()
     if built is None:
         pytest.skip("no C compiler: the default falls back to float32")
     return {built.isa(isa): isa for isa in (0, 1, 2, 3, 4)}  # lowered to what the CPU has
