@@ -168,6 +168,17 @@ class ModelInfo:
     header_sha256: str = ""  # of the file's bytes before its tensor data ("": not recorded)
     request_shards: int = 1  # request streams clients spread requests over (KVQ_REQUEST_SHARDS)
 
+    @property
+    def grain(self) -> str:
+        """ "stage" when the model's slices are layer spans served whole (X12), else
+        "expert"; one grain per registered model (register a file twice, under two ids, to
+        serve it at both)."""
+        return "stage" if any(s.is_stage for s in self.slices.values()) else "expert"
+
+    def stages(self) -> list[SliceSpec]:
+        """A stage-grain model's spans in layer order (empty at expert grain)."""
+        return sorted((s for s in self.slices.values() if s.is_stage), key=lambda s: s.layer_start)
+
     def layer_slices(self, layer: int) -> list[SliceSpec]:
         return sorted(
             (s for s in self.slices.values() if s.layer_start <= layer < s.layer_end),

@@ -86,6 +86,12 @@ class Settings(SettingsChecks):
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"
     )
+    stage_deadline_ms: int = Field(
+        30000, ge=1, le=3_600_000,
+        description="how long a stage job (X12) may go unanswered while its holder is alive "
+        "before its sequences move to another holder of the span and are replayed there (a "
+        "holder whose heartbeat expires is left at once)",
+    )  # fmt: skip
     replica_wait_s: float = Field(
         30.0, gt=0, le=3600, allow_inf_nan=False,
         description="a coordinator without a slice's experts (a backbone file) waits this long "
@@ -224,6 +230,11 @@ class Settings(SettingsChecks):
         1.0, ge=0, allow_inf_nan=False,
         description="memory the auto worker budget leaves free (KVQ_WORKER_MEMORY_GIB=0)",
     )  # fmt: skip
+    stage_max_seqs: int = Field(
+        256, ge=1, le=65536,
+        description="sequence states (KV caches) a worker keeps per stage slice; the least "
+        "recently used goes first, and its coordinator replays it if it comes back",
+    )  # fmt: skip
     worker_max_slices: int = Field(
         0, ge=0, le=4096,
         description="slices a worker holds at most, of one model or several (0 = as many "
@@ -232,7 +243,17 @@ class Settings(SettingsChecks):
 
     # -- monitor ------------------------------------------------------------------------
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
-    slice_layers: int = Field(1, ge=1, description="layers per slice (layer grain)")
+    slice_layers: int = Field(1, ge=1, description="MoE layers per slice (expert grain)")
+    grain: Literal["expert", "stage"] = Field(
+        "expert",
+        description="how the models this monitor registers are cut (X12): expert (slices of "
+        "routed experts; attention stays with the coordinator: every MoE layer of a token is "
+        "a round trip, for rack latency) or stage (layer spans served whole: a token crosses "
+        "the network once per stage, for WAN latency); docs/routing.md",
+    )
+    stage_layers: int = Field(
+        4, ge=1, le=4096, description="blocks per stage slice (KVQ_GRAIN=stage)"
+    )
     base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
     backbone_replicas: int = Field(
         2, ge=0,

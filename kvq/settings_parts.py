@@ -76,6 +76,7 @@ class DispatchSettings:
     microbatches: int
     trust_step_floor: float  # KVQ_TRUST_STEP_FLOOR
     replica_wait_s: float  # KVQ_REPLICA_WAIT_S: a backbone-only coordinator's wait
+    stage_deadline_ms: int  # KVQ_STAGE_DEADLINE_MS: a stage job's answer, before replay
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,7 @@ class WorkerSettings:
     max_slices: Annotated[
         int, From("worker_max_slices")
     ]  # KVQ_WORKER_MAX_SLICES: 0 = as many as the budget fits
+    stage_max_seqs: int  # KVQ_STAGE_MAX_SEQS: sequence states a stage slice keeps (X12)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,8 @@ class MonitorSettings:
 
     slice_layers: int
     slice_experts: int
+    grain: str  # KVQ_GRAIN: expert | stage, for the models this monitor registers (X12)
+    stage_layers: int  # KVQ_STAGE_LAYERS: blocks per stage slice at stage grain
     base_replicas: int
     boost_replicas: int
     saturation_threshold: int

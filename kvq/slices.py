@@ -12,6 +12,10 @@ This module owns the concept for every role:
 
   with `"step": n` too where only every n-th layer of [ls, le) is MoE (llama4's interleaved
   layers: the slice holds layers ls, ls + n, ...);
+- stage slices (X12, `"grain": "stage"`): layers [ls, le) served whole, attention and all,
+  over every expert: their ranges are the file's header (kind `header`, so that the holder
+  reads the span's tensors by name from a sparse copy of the file) and every tensor of those
+  blocks (kind `tensor`), each with its sha256 (`stage_grid` cuts the layers);
 
 - `TensorRange`, one expert tensor's byte range in the file, and its dict form, which
   `kvq.catalog` uses for whole layers.
@@ -36,6 +40,9 @@ EXPERT_KINDS = ("gate", "up", "down")
 # the experts' biases (gpt-oss), stacked like the matrices: [E, F], [E, F], [E, H]
 BIAS_KINDS = ("gate_b", "up_b", "down_b")
 STACKED_KINDS = EXPERT_KINDS + BIAS_KINDS  # the order of a slice's ranges
+# a stage slice's ranges: the file's header, then each tensor of its blocks whole
+STAGE_KINDS = ("header", "tensor")
+GRAINS = ("expert", "stage")
 RANGE_KEYS = ("name", "kind", "offset", "nbytes", "ggml_type", "expert_shape")
 _REPUBLISH = "re-register the model (kvq monitor --model ID=PATH)"
 
@@ -106,6 +113,18 @@ def slice_grid(
     ]
 
 
+def stage_grid(layers: int, experts: int, stage_layers: int) -> list[SliceBounds]:
+    """The stage slices that cut layers `[0, layers)` into spans of `stage_layers` (the last
+    one shorter when it does not divide), each over every expert."""
+    for name, n in (("layers", layers), ("experts", experts), ("stage_layers", stage_layers)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {n!r}")
+    return [
+        SliceBounds(ls, min(ls + stage_layers, layers), 0, experts)
+        for ls in range(0, layers, stage_layers)
+    ]
+
+
 # -- TensorRange as plain values ---------------------------------------------------------------
 def range_to_dict(r: TensorRange) -> dict[str, object]:
     """`r` as JSON values, keys in `RANGE_KEYS` order."""
@@ -128,8 +147,10 @@ def range_from_dict(row: object, where: str) -> TensorRange:
         ggml_type=_as_int(where, "ggml_type", row["ggml_type"]),
         expert_shape=tuple(_as_int(where, "expert_shape", s) for s in shape),
     )
-    if r.kind not in STACKED_KINDS:
-        raise ModelError(f"{where}: range kind {r.kind!r} is not one of {STACKED_KINDS}")
+    if r.kind not in STACKED_KINDS + STAGE_KINDS:
+        raise ModelError(
+            f"{where}: range kind {r.kind!r} is not one of {STACKED_KINDS + STAGE_KINDS}"
+        )
     return r
 
 
@@ -160,6 +181,7 @@ class SliceSpec:
     ranges: tuple[TensorRange, ...]
     sha256: tuple[str, ...]  # one per range
     layer_step: int = 1
+    grain: str = "expert"  # "stage": the layers served whole (X12), ranges header + tensors
 
     def __post_init__(self) -> None:
         b = self.bounds
@@ -169,7 +191,15 @@ class SliceSpec:
             raise ModelError(f"slice id {self.sid!r} does not name {b} ({b.sid!r}); {_REPUBLISH}")
         if self.layer_step < 1:
             raise ModelError(f"slice {self.sid!r}: step {self.layer_step} < 1; {_REPUBLISH}")
-        if not self.ranges or len(self.ranges) % len(self.layers()):
+        if self.grain not in GRAINS:
+            raise ModelError(f"slice {self.sid!r}: grain {self.grain!r} is not one of {GRAINS}")
+        if self.is_stage:
+            if not self.ranges or self.ranges[0].kind != "header" or self.layer_step != 1:
+                raise ModelError(
+                    f"stage slice {self.sid!r} must start with the file's header range and "
+                    f"have step 1; {_REPUBLISH}"
+                )
+        elif not self.ranges or len(self.ranges) % len(self.layers()):
             raise ModelError(
                 f"slice {self.sid!r}: {len(self.ranges)} ranges do not split evenly over layers "
                 f"[{b.layer_start}, {b.layer_end}) step {self.layer_step}; {_REPUBLISH}"
@@ -179,6 +209,11 @@ class SliceSpec:
                 f"slice {self.sid!r}: {len(self.sha256)} checksums for {len(self.ranges)} "
                 f"ranges; {_REPUBLISH}"
             )
+
+    @property
+    def is_stage(self) -> bool:
+        """Whether the slice is a layer span served whole (X12), not routed experts."""
+        return self.grain == "stage"
 
     @property
     def bounds(self) -> SliceBounds:
@@ -194,8 +229,9 @@ class SliceSpec:
     def ranges_of(self, layer: int) -> list[TensorRange]:
         """The ranges of one of the slice's layers, in gate, up, down order."""
         layers = self.layers()
-        if layer not in layers:
-            raise ModelError(f"layer {layer} is not in slice {self.sid!r}")
+        if layer not in layers or self.is_stage:
+            what = "stage slice, whose ranges are whole tensors" if self.is_stage else "slice"
+            raise ModelError(f"layer {layer} is not in {what} {self.sid!r}")
         per_layer = len(self.ranges) // len(layers)
         i = layers.index(layer) * per_layer
         return list(self.ranges[i : i + per_layer])
@@ -213,6 +249,8 @@ class SliceSpec:
         }
         if self.layer_step != 1:
             out["step"] = self.layer_step
+        if self.is_stage:
+            out["grain"] = self.grain
         return out
 
     def to_json(self) -> str:
@@ -233,7 +271,8 @@ class SliceSpec:
         ranges = tuple(range_from_dict(row, f"{where} range {i}") for i, row in enumerate(rows))
         sums = tuple(_sha256(f"{where} range {i}", row) for i, row in enumerate(rows))
         step = _as_int(where, "step", doc.get("step", 1))
-        spec = cls(sid, ls, le, es, ee, ranges, sums, step)
+        grain = _as_str(where, "grain", doc.get("grain", "expert"))
+        spec = cls(sid, ls, le, es, ee, ranges, sums, step, grain)
         if _as_int(where, "bytes", doc.get("bytes")) != spec.nbytes:
             raise ModelError(
                 f"{where}: 'bytes' = {doc.get('bytes')!r}, its ranges sum to {spec.nbytes}; "

@@ -39,6 +39,7 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tensor on the wire
 MAX_ELEMENTS = 1 << 32  # its dimensions multiplied (zeros left out): numpy can make it
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+MAX_STAGE_SEQS = 4096  # sequences one stage job carries at most
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -125,6 +126,44 @@ class Result(_Msg, frozen=True, omit_defaults=True):
     y: Tensor | None = None  # [T, H], float32 on the wire whatever the compute dtype
     error: Failure | None = None
     dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
+    # a stage job's sequences whose state the holder does not have (`StageJob`): replay them
+    lost: Annotated[list[Name], msgspec.Meta(max_length=MAX_STAGE_SEQS)] = []
+
+
+class StageSeq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One sequence's rows of a stage job: `rows` rows from position `start` on."""
+
+    key: Name  # the sequence, as the coordinator names it to its stage holders
+    start: NonNeg  # 0: a new or replayed sequence (any state held for `key` is dropped)
+    rows: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class StageJob(_Msg, frozen=True):
+    """A stage job (X12): the rows of the sequences on one chain entering a layer span, which
+    the holder runs whole (attention against each sequence's own state, the span's experts)
+    and answers with the rows leaving it (`Result.y`, [N, H]).
+
+    A holder keeps each sequence's state between jobs (its KV cache, latent or recurrent
+    state); a sequence whose `start` is not where its state ends is answered `StateLost`
+    (retryable), and the coordinator replays its tokens from position 0."""
+
+    job_id: Name
+    model: Name
+    slice: Name  # the span's slice id
+    coord: Name
+    reply_to: Name
+    deadline_ms: NonNeg
+    seqs: Annotated[list[StageSeq], msgspec.Meta(min_length=1, max_length=MAX_STAGE_SEQS)]
+    x: Tensor  # [N, H] the rows entering the span, the sequences' in `seqs` order
+    drop: Annotated[list[Name], msgspec.Meta(max_length=MAX_STAGE_SEQS)] = []  # finished
+    want_dtype: ComputeDType | None = None
+
+    def __post_init__(self) -> None:
+        xs, n = self.x.shape, sum(s.rows for s in self.seqs)
+        if len(xs) != 2 or xs[0] != n:
+            raise ValueError(f"x{xs} does not hold the {n} rows its sequences name (want [N,H])")
+        if len({s.key for s in self.seqs}) != len(self.seqs):
+            raise ValueError("a sequence is named twice in one stage job")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -209,6 +248,7 @@ class Cancel(_Msg, frozen=True):
 M = TypeVar("M", bound=_Msg)
 _NAMES: dict[type[_Msg], str] = {
     Job: "job",
+    StageJob: "stage",
     Result: "result",
     Request: "request",
     ReplyEvent: "reply",
@@ -216,10 +256,20 @@ _NAMES: dict[type[_Msg], str] = {
 }
 _READABLE = {
     "request": ("request_id", "model", "max_tokens"), "reply": ("kind", "index", "text"),
-    "cancel": ("request_id",),
+    "cancel": ("request_id",), "stage": ("slice",),
 }  # fmt: skip
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in _NAMES}
+
+
+def is_stage_job(fields: Any) -> bool:
+    """Whether an inbox entry says it is a stage job (its readable `t` is "stage"); expert
+    jobs carry no `t`."""
+    try:
+        t = fields.get(b"t", fields.get("t"))
+    except Exception:  # noqa: BLE001 - not a field map: not a stage job
+        return False
+    return t in (b"stage", "stage")
 
 
 def pack(msg: _Msg) -> bytes:

@@ -241,6 +241,8 @@ def spread_jobs(
     turn: dict[tuple[str, str], int] = {}
     anyone = sorted({w for ws in peers.values() for w in ws})
     for f in entries:
+        if wire.is_stage_job(f):
+            continue  # a stage job needs its sequences' state: its coordinator replays them
         try:
             job = wire.decode(f, wire.Job)
             key, them = (job.model, job.slice), peers.get((job.model, job.slice), ())

@@ -78,7 +78,8 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             mon.register(model, path, args.source)
             continue
         job = jobs.enqueue(coarse.register_model, model, path, args.source, m.slice_layers,
-                           m.slice_experts, m.base_replicas, m.request_shards)  # fmt: skip
+                           m.slice_experts, m.base_replicas, m.request_shards, m.grain,
+                           m.stage_layers)  # fmt: skip
         log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
     stop_on_signals(mon.stop)
     server = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq import wire
+from kvq.coordinator.chain import Chain
 from kvq.coordinator.detok import StopText
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
@@ -65,10 +66,18 @@ class Engine:
     """Generation for up to `n_slots` sequences at a time, each with its own sampling."""
 
     def __init__(
-        self, backbone: Backbone, tokenizer: Tokenizer, n_slots: int, prefill_chunk: int = 0
+        self,
+        backbone: Backbone,
+        tokenizer: Tokenizer,
+        n_slots: int,
+        prefill_chunk: int = 0,
+        chain: Chain | None = None,
     ) -> None:
-        """`prefill_chunk`: prompt tokens one step takes at most (0: every prompt whole)."""
+        """`prefill_chunk`: prompt tokens one step takes at most (0: every prompt whole).
+        `chain`: the stage holders that run the blocks of a stage-grain model (X12); the
+        backbone then holds only the embedding and the output head."""
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
+        self.chain = chain
         self.prefill_chunk = prefill_chunk
         self.active: list[Sequence] = []
 
@@ -92,8 +101,9 @@ class Engine:
         sampling = Sampling(
             p.temperature, p.top_k, p.top_p, p.seed, p.presence_penalty, p.frequency_penalty
         )
+        cache = self.chain.new_cache() if self.chain is not None else self.backbone.new_cache()
         seq = Sequence(
-            request_id, list(prompt_ids), max_tokens, self.backbone.new_cache(), entry_id,
+            request_id, list(prompt_ids), max_tokens, cache, entry_id,
             next_input=list(prompt_ids), params=p,
             sampler=Sampler(sampling, self.backbone.meta.vocab_size),
             text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
@@ -168,6 +178,8 @@ class Engine:
 
     def _forward(self, steps: list[SeqStep], moe: MoeFn | None) -> torch.Tensor:
         """One forward of `steps`, cut into the micro-batches `moe` asks for (if it can)."""
+        if self.chain is not None:
+            return self.chain.forward(steps)
         parts = moe.microbatches if isinstance(moe, SplitMoe) else 1
         groups = split_rows([len(s.tokens) for s in steps], parts)
         if len(groups) < 2 or not isinstance(moe, SplitMoe):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -27,6 +28,7 @@ from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.bus.shards import ShardedConsumer
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
 from kvq.coordinator.cancels import CancelFeed
+from kvq.coordinator.chain import Chain
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
@@ -78,7 +80,12 @@ class Coordinator:
         dtype = compute_dtype(
             torch.device("cpu"), settings.compute_dtype, self.info.meta.expert_types()
         )
-        self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta)
+        stage = self.info.grain == "stage"
+        if stage:  # X12: the blocks run on stage holders; here the embedding and the head
+            routing = replace(routing, local_experts=False)
+            meta = replace(meta, expert_tensors={})  # no bank: nothing routed is computed here
+        span = range(0) if stage else None
+        self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta, span=span)
         if not meta.holds_experts and routing.local_experts:
             raise ConfigError(
                 f"{str(model_path)!r} is a backbone file without routed experts, so this "
@@ -87,9 +94,6 @@ class Coordinator:
             )
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.chat = load_chat_template(model_path)  # the file's own, or ChatML
-        self.engine = Engine(
-            self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk
-        )
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
         # a backbone file holds no expert: no bank, every slice on workers
         self.bank = Bank(self.backbone.experts.values(), bank, cpu) if meta.holds_experts else None
@@ -103,6 +107,15 @@ class Coordinator:
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,
         )  # fmt: skip
+        self.chain = None
+        if stage:
+            self.chain = Chain(
+                self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
+                self.dispatch.stats, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
+            )  # fmt: skip
+        self.engine = Engine(
+            self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
+        )
         # every shard of the model's requests, through its group (kvq.bus.shards)
         shards = request_streams(board.keys, model, self.info.request_shards)
         self.requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, coord_id)
@@ -124,8 +137,6 @@ class Coordinator:
     def from_settings(
         cls, settings: Settings, coord_id: str, model: str, model_path: str | Path
     ) -> Coordinator:
-        from dataclasses import replace
-
         routing = settings.routing
         if backbone_source(model_path) is not None and (
             "coordinator_experts" not in settings.model_fields_set
@@ -179,8 +190,9 @@ class Coordinator:
         self._take_requests()
         self.slots.note(self.engine.busy)
         if self.engine.busy:
+            moe = None if self.chain is not None else self.dispatch.for_step(*self.slots.current())
             try:
-                self.engine.step(self.dispatch.for_step(*self.slots.current()), self._emit)
+                self.engine.step(moe, self._emit)
             except NoReplica as exc:  # a backbone file, and no worker for a slice in time
                 self._fail_active(exc)
                 return

@@ -9,6 +9,11 @@ expert beside them. Token rows of every sequence in a batch are concatenated bef
 covers the whole batch (that call is what gets dispatched to remote expert workers);
 attention runs per sequence against that sequence's own KVCache. Shared experts and dense
 layers always run here, next to the routed MoeFn.
+
+A backbone may hold only a span of the blocks (stage grain, X12): a stage holder's
+(`from_gguf(span=...)`, no embedding or output head: `run_span` turns a stage's input rows into
+its output rows) or a stage-grain coordinator's (no block at all: `embed_tokens` and `head`
+around the chain of stage holders, `kvq.coordinator.chain`).
 """
 
 from __future__ import annotations
@@ -80,16 +85,20 @@ class Backbone:
     def __init__(
         self,
         meta: ModelMeta,
-        embed: torch.Tensor | QRows,
+        embed: torch.Tensor | QRows | None,
         layers: list[LayerWeights],
         output_norm: torch.Tensor,
-        output: Weight,
+        output: Weight | None,
         experts: dict[int, ExpertSlice],
         rope_factors: torch.Tensor | None = None,
+        first_layer: int = 0,
     ) -> None:
+        """`layers`: blocks `first_layer`, `first_layer + 1`, ... (all of them, or a stage's
+        span); `embed` and `output` None: a stage holder's backbone, which has no head."""
         self.meta = meta
         self.embed = embed  # [V, H]
         self.layers = layers
+        self.span = range(first_layer, first_layer + len(layers))  # the blocks held
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
         self.experts = experts  # experts[layer] covers all experts of that MoE layer
@@ -114,24 +123,33 @@ class Backbone:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         meta: ModelMeta | None = None,
+        span: range | None = None,
+        head: bool = True,
     ) -> Backbone:
         """Map a GGUF model: every expert, the token embedding and each weight matrix a kernel
         computes kept in their encoding (memory-mapped: read on use); the rest dequantized
-        once into `dtype`. `meta`: the file's `read_meta`, if the caller has it already."""
+        once into `dtype`. `meta`: the file's `read_meta`, if the caller has it already.
+        `span`: only these blocks (a stage, X12; `range(0)`: none); `head` False: no
+        embedding or output head (a stage holder's file need not hold them)."""
         m = meta or read_meta(path)  # validates arch, tensors, quant types before any weight
         load = Loader(path, device, dtype)
         spec, h, e = arch_spec(m.arch), m.embedding_length, m.expert_count
-        layers = [layer_weights(load, m, spec, i) for i in range(m.block_count)]
+        span = range(m.block_count) if span is None else span
+        if span.step != 1 or not 0 <= span.start <= span.stop <= m.block_count:
+            raise ModelError(f"span {span} is not a range of the model's {m.block_count} blocks")
+        layers = [layer_weights(load, m, spec, i) for i in span]
         experts = {
             i: map_slice(path, slice_layout(m, i, 0, e), i, 0, e, dtype, m.expert_act).to(device)
             for i in (m.moe_layers if m.holds_experts else ())
+            if i in span
         }  # a backbone file (`kvq model split --backbone`) holds none: workers compute them
-        embed = load.rows("token_embd.weight", (m.vocab_size, h))
-        output = output_weight(load, m)
+        embed = load.rows("token_embd.weight", (m.vocab_size, h)) if head else None
+        output = output_weight(load, m) if head else None
         factors = (
             load.optional("rope_freqs.weight", (m.rope_dims // 2,)) if spec.rope_freqs else None
         )
-        return cls(m, embed, layers, load("output_norm.weight", (h,)), output, experts, factors)
+        norm = load("output_norm.weight", (h,)) if head else torch.ones(h, dtype=dtype).to(device)
+        return cls(m, embed, layers, norm, output, experts, factors, span.start)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache that grows up to the model's context length, with a zero
@@ -141,11 +159,12 @@ class Backbone:
         rec = m.recurrent_layers
         # float32 whatever the compute dtype, as llama.cpp keeps it: the state sums every
         # token of the sequence, so bfloat16 rounding would build up along it
+        rec = [i for i in rec if i in self.span]
         state = DeltaState(rec, delta_dims(m), self.device, torch.float32) if rec else None
         return KVCache(
             m.block_count, m.context_length, kv, width, self.device, self.dtype,
             latent_values=m.kv_lora_rank, windows=[m.window(i) for i in range(m.block_count)],
-            state=state,
+            state=state, held=self.span,
         )  # fmt: skip
 
     def local_moe(
@@ -179,23 +198,63 @@ class Backbone:
         logits `[len(steps), V]`. Caches are filled but not advanced (`advance`): several
         such passes can be interleaved (`kvq.model.microbatch`) and each computes exactly
         what `forward` computes for its steps."""
-        lens = self._check_steps(steps)
-        for s in steps:
-            s.cache.begin()
-        tokens = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
+        lens = self.check_steps(steps)
+        h = self.embed_tokens([t for s in steps for t in s.tokens])  # [N, H]
+        caches = [s.cache for s in steps]
+        h = yield from self._blocks(h, caches, lens)
+        return self.head(h, lens)
+
+    def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
+        """The embedding rows of `tokens` [N], as the first block reads them. Returns [N, H]."""
+        if self.embed is None:
+            raise ModelError("this backbone is a stage holder's: it has no token embedding")
+        return self.embed[torch.tensor(tokens, device=self.device)]  # [N, H]
+
+    def head(self, h: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """The float32 logits [B, V] at each sequence's last row of `h` [N, H] (`lens`: rows
+        per sequence, in order)."""
+        if self.output is None:
+            raise ModelError("this backbone is a stage holder's: it has no output head")
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
+        with _small(len(h))():
+            hl = rms_norm(h[last], self.output_norm, self.meta.rms_eps)  # [B, H]
+        return linear(hl, self.output).float()  # [B, V]
+
+    @torch.no_grad()
+    def run_span(self, h: torch.Tensor, caches: list[KVCache], lens: list[int]) -> torch.Tensor:
+        """The held blocks over `h` [N, H], the rows entering the span (`lens[i]` of them
+        for sequence i, whose cache holds its earlier positions), with the experts held here;
+        returns the rows leaving it [N, H]. The caches are filled but not advanced (the
+        caller commits with `advance_caches` once the whole pass is done)."""
+        if len({id(c) for c in caches}) != len(caches):
+            raise ModelError("two sequences of one pass share a KVCache; give each its own")
+        for c, n in zip(caches, lens, strict=True):
+            c.check_room(n)
+        calls = self._blocks(h, caches, lens)
+        try:
+            call = next(calls)
+            while True:
+                call = calls.send(self.local_moe(*call))
+        except StopIteration as done:
+            out: torch.Tensor = done.value
+        return out
+
+    def _blocks(self, h: torch.Tensor, caches: list[KVCache], lens: list[int]) -> LayerCalls:
+        """The held blocks over `h` [N, H] as a generator of MoE calls (`layer_calls`)."""
+        for c in caches:
+            c.begin()
         pos = torch.cat(
             [
-                torch.arange(s.cache.length, s.cache.length + n, device=self.device)
-                for s, n in zip(steps, lens, strict=True)
+                torch.arange(c.length, c.length + n, device=self.device)
+                for c, n in zip(caches, lens, strict=True)
             ]
         )  # [N] absolute position of each row
-        h = self.embed[tokens]  # [N, H]
         eps = self.meta.rms_eps
-        small = _small(len(tokens))
-        for i, lw in enumerate(self.layers):
+        small = _small(len(h))
+        for i, lw in zip(self.span, self.layers, strict=True):
             with small():
                 xa = rms_norm(h, lw.attn_norm, eps)
-            h = h + self._attention(i, lw, xa, steps, lens, pos)
+            h = h + self._attention(i, lw, xa, caches, lens, pos)
             with small():
                 x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
             ffn = lw.ffn
@@ -203,10 +262,7 @@ class Backbone:
                 h = h + swiglu(x, ffn.gate, ffn.up, ffn.down)
                 continue
             h = h + (yield from moe_ffn(i, ffn, x, self.gating, self.spec.scale_input, small))
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
-        with small():
-            hl = rms_norm(h[last], self.output_norm, eps)  # [B, H]
-        return linear(hl, self.output).float()  # [B, V]
+        return h
 
     @staticmethod
     def advance(steps: list[SeqStep]) -> None:
@@ -214,24 +270,30 @@ class Backbone:
         for s in steps:
             s.cache.advance(len(s.tokens))
 
+    @staticmethod
+    def advance_caches(caches: list[KVCache], lens: list[int]) -> None:
+        """Commit a finished `run_span`: each cache now holds its rows' positions."""
+        for c, n in zip(caches, lens, strict=True):
+            c.advance(n)
+
     def _attention(
         self,
         layer: int,
         lw: LayerWeights,
         x: torch.Tensor,
-        steps: list[SeqStep],
+        caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
     ) -> torch.Tensor:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
         if isinstance(lw.attn, MlaWeights):
-            return self._mla(layer, lw.attn, x, steps, lens, pos)
+            return self._mla(layer, lw.attn, x, caches, lens, pos)
         if isinstance(lw.attn, DeltaWeights):
-            return self._delta(layer, lw.attn, x, steps, lens)
-        return self._gqa(layer, lw.attn, x, steps, lens, pos)
+            return self._delta(layer, lw.attn, x, caches, lens)
+        return self._gqa(layer, lw.attn, x, caches, lens, pos)
 
     def _delta(
-        self, layer: int, w: DeltaWeights, x: torch.Tensor, steps: list[SeqStep], lens: list[int]
+        self, layer: int, w: DeltaWeights, x: torch.Tensor, caches: list[KVCache], lens: list[int]
     ) -> torch.Tensor:
         """Gated DeltaNet linear attention (`kvq.model.deltanet`): each sequence's rows run
         from its committed recurrent state (float32), and the state after them is staged for
@@ -240,8 +302,8 @@ class Backbone:
         mixed, z, beta, g = deltanet.project(x, w)  # every row of the batch at once
         outs, start = [], 0
         with _small(max(lens))():
-            for s, t in zip(steps, lens, strict=True):
-                state = s.cache.state
+            for c, t in zip(caches, lens, strict=True):
+                state = c.state
                 if state is None:
                     raise ModelError(
                         f"layer {layer} is linear attention but the cache has no recurrent "
@@ -263,7 +325,7 @@ class Backbone:
         layer: int,
         a: GqaWeights,
         x: torch.Tensor,
-        steps: list[SeqStep],
+        caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
     ) -> torch.Tensor:
@@ -296,31 +358,30 @@ class Backbone:
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
         o = None
         if max(lens) == 1:  # decode: every sequence at once, where the kernel covers the layer
-            o = decode_attention(q, kk, vv, [s.cache for s in steps], layer, m.attention_scale,
-                                 a.sinks)  # fmt: skip
+            o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
         if o is None:
-            o = self._gqa_each(layer, a, q, kk, vv, steps, lens, window)
+            o = self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return _linear(o, a.wo, a.bo)  # [N, H]
 
     def _gqa_each(
         self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-        steps: list[SeqStep], lens: list[int], window: int,
+        caches: list[KVCache], lens: list[int], window: int,
     ) -> torch.Tensor:  # fmt: skip
         """Each sequence's rows against its own cache (`causal_attention`): q [N, heads, d],
         kk, vv [N, kv, d]. Returns [N, heads * d]."""
         m = self.meta
         outs, start = [], 0
         with _small(max(lens))():
-            for s, t in zip(steps, lens, strict=True):
+            for c, t in zip(caches, lens, strict=True):
                 kt, vt, k0 = kk[start : start + t], vv[start : start + t], 0
                 if window:
-                    keys, values, k0 = s.cache.append_window(layer, kt, vt)
+                    keys, values, k0 = c.append_window(layer, kt, vt)
                 else:
-                    keys, values = s.cache.append(layer, kt, vt)
+                    keys, values = c.append(layer, kt, vt)
                 outs.append(causal_attention(
-                    q[start : start + t], keys, values, s.cache.length, m.attention_scale,
+                    q[start : start + t], keys, values, c.length, m.attention_scale,
                     a.sinks, window, k0, m.chunk(layer),
                 ))  # fmt: skip
                 start += t
@@ -331,7 +392,7 @@ class Backbone:
         layer: int,
         a: MlaWeights,
         x: torch.Tensor,
-        steps: list[SeqStep],
+        caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
     ) -> torch.Tensor:
@@ -349,25 +410,25 @@ class Backbone:
         q = linear(q_in, a.wq).view(n, heads, m.head_dim)  # [N, heads, nope + rope]
         kv = linear(x, a.wkv_a)  # [N, r + rope]
         with _small(n)():
-            c = rms_norm(kv[:, :r], a.kv_a_norm, eps)  # [N, r]
+            ckv = rms_norm(kv[:, :r], a.kv_a_norm, eps)  # [N, r]
             k_pe = self.rope(kv[:, None, r:], pos)  # [N, 1, rope]: one rope key for all heads
             q_pe = self.rope(q[..., nope:], pos)  # [N, heads, rope]
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
             qc = torch.cat((q_lat.transpose(0, 1), q_pe), -1)  # [N, heads, r + rope]
-            latent = torch.cat((c[:, None, :], k_pe), -1)  # [N, 1, r + rope]
+            latent = torch.cat((ckv[:, None, :], k_pe), -1)  # [N, 1, r + rope]
         outs, start = [], 0
         scale = m.attention_scale or self.mla_kq_scale
         with _small(max(lens))():
-            for s, t in zip(steps, lens, strict=True):
-                keys, values = s.cache.append(layer, latent[start : start + t], None)
+            for c, t in zip(caches, lens, strict=True):
+                keys, values = c.append(layer, latent[start : start + t], None)
                 qs = qc[start : start + t]
-                outs.append(causal_attention(qs, keys, values, s.cache.length, scale))
+                outs.append(causal_attention(qs, keys, values, c.length, scale))
                 start += t
             o = torch.cat(outs).view(n, heads, r).transpose(0, 1)  # [heads, N, r]
             ov = torch.bmm(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         return linear(ov.reshape(n, heads * m.value_head_dim), a.wo)  # [N, H]
 
-    def _check_steps(self, steps: list[SeqStep]) -> list[int]:
+    def check_steps(self, steps: list[SeqStep]) -> list[int]:
         """Token counts per step; ModelError on empty steps, bad ids, shared or full caches."""
         if not steps:
             raise ModelError("forward needs at least one SeqStep")

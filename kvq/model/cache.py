@@ -49,15 +49,21 @@ class KVCache:
         latent_values: int = 0,
         windows: Sequence[int] = (),
         state: DeltaState | None = None,
+        held: Sequence[int] | None = None,
     ) -> None:
+        """`held`: the layers whose keys are stored here (a stage holder's span, X12; the
+        coordinator of a stage-grain model holds none); None: all of them."""
         self.windows = list(windows) or [0] * n_layers  # [L] 0: the layer sees everything
         if len(self.windows) != n_layers or (latent_values and any(self.windows)):
             raise ModelError(f"windows {self.windows} must give one per layer ({n_layers}), "
                              "and a latent cache has none")  # fmt: skip
         self.state = state  # the linear-attention layers' recurrent state, if any
         recurrent = set(state.layers) if state is not None else set()
-        full = [i for i, w in enumerate(self.windows) if w <= 0 and i not in recurrent]
-        sliding = [i for i, w in enumerate(self.windows) if w > 0]
+        keep = set(range(n_layers) if held is None else held)
+        full = [
+            i for i, w in enumerate(self.windows) if w <= 0 and i not in recurrent and i in keep
+        ]
+        sliding = [i for i, w in enumerate(self.windows) if w > 0 and i in keep]
         # each layer's row in k/v (full layers) or in wk/wv (sliding ones)
         self._row = {i: r for rows in (full, sliding) for r, i in enumerate(rows)}
         self.window = max(self.windows, default=0)

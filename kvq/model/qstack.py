@@ -180,6 +180,13 @@ class FileMap:
     _maps: dict[str, np.ndarray] = {}
 
     @classmethod
+    def forget(cls, path: str | Path) -> None:
+        """Drop `path`'s map from the table (tensors read from it keep it alive): a later
+        file at the same path is mapped anew."""
+        with cls._lock:
+            cls._maps.pop(str(Path(path).resolve()), None)
+
+    @classmethod
     def bytes_of(cls, path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 view of `nbytes` at `offset` of `path` (ModelError if the file is short)."""
         key = str(Path(path).resolve())

@@ -18,7 +18,7 @@ from kvq.model import gguf_io as gio
 from kvq.model.layout import slice_layout
 from kvq.model.meta import read_meta
 from kvq.model.split import BackboneSource
-from kvq.slices import SliceSpec, slice_grid
+from kvq.slices import SliceSpec, TensorRange, slice_grid, stage_grid
 
 log = logging.getLogger("kvq.model")
 
@@ -45,11 +45,55 @@ def plan_slices(
     return out
 
 
+# a stage-grain coordinator's own tensors; every other one outside the blocks (llama4's
+# `rope_freqs`) goes with every stage
+_HEAD_TENSORS = ("token_embd.weight", "output.weight", "output_norm.weight")
+
+
+def plan_stages(meta: ModelMeta, path: str | Path, stage_layers: int) -> list[SliceSpec]:
+    """Cut the model into stage slices (X12): spans of `stage_layers` blocks, each the
+    file's header plus every tensor of its blocks, with their checksums."""
+    reader = gio.open_reader(path)
+    header = TensorRange("", "header", 0, int(reader.data_offset), 0, ())
+    blocks: dict[int, list[TensorRange]] = {}  # -1: the tensors every block reads
+    for t in reader.tensors:
+        if t.name in _HEAD_TENSORS:
+            continue  # the embedding, the output head and its norm stay with the coordinator
+        parts = t.name.split(".")
+        block = int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else -1
+        blocks.setdefault(block, []).append(
+            TensorRange(
+                t.name,
+                "tensor",
+                int(t.data_offset),
+                int(t.n_bytes),
+                int(t.tensor_type),
+                gio.numpy_shape(t),
+            )  # fmt: skip
+        )
+    out = []
+    with open(path, "rb") as f:
+        for bounds in stage_grid(meta.block_count, meta.expert_count, stage_layers):
+            ranges = [header] + [
+                r for layer in (-1, *range(bounds.layer_start, bounds.layer_end))
+                for r in sorted(blocks.get(layer, []), key=lambda r: r.offset)
+            ]  # fmt: skip
+            sums = []
+            for r in ranges:
+                f.seek(r.offset)
+                sums.append(hashlib.sha256(f.read(r.nbytes)).hexdigest())
+            out.append(SliceSpec(bounds.sid, *bounds, tuple(ranges), tuple(sums), grain="stage"))
+    return out
+
+
 def plan_model(
     model: str, path: str | Path, slice_layers: int, slice_experts: int,
-    source: str | None = None, request_shards: int = 1,
+    source: str | None = None, request_shards: int = 1, grain: str = "expert",
+    stage_layers: int = 4,
 ) -> ModelInfo:  # fmt: skip
-    """Read `path`'s layout and cut it into slices; `source` defaults to the resolved path."""
+    """Read `path`'s layout and cut it into slices of `grain` (expert: `slice_layers` x
+    `slice_experts`; stage: spans of `stage_layers`); `source` defaults to the resolved
+    path."""
     if "#" in model or not model:
         raise ConfigError(
             f"model id {model!r} is not allowed: it must be non-empty and hold no '#' "
@@ -63,7 +107,10 @@ def plan_model(
             f"fetch model {model!r}'s experts from it; register the full file it was split "
             "from, and start the coordinator on the backbone file"
         )
-    slices = plan_slices(meta, path, slice_layers, slice_experts)
+    if grain == "stage":
+        slices = plan_stages(meta, path, stage_layers)
+    else:
+        slices = plan_slices(meta, path, slice_layers, slice_experts)
     by_id = {s.sid: s for s in slices}
     return ModelInfo(model, source or str(path), meta, by_id, header_sha256(path), request_shards)
 

@@ -55,12 +55,14 @@ def _board() -> Board:
 # -- the jobs (module-level: RQ finds them by import path; arguments and results are JSON) ---
 def register_model(
     model: str, path: str, source: str | None, slice_layers: int, slice_experts: int,
-    base_replicas: int, request_shards: int = 1,
+    base_replicas: int, request_shards: int = 1, grain: str = "expert", stage_layers: int = 4,
 ) -> dict[str, Any]:  # fmt: skip
     """Plan `model`'s slices (checksumming each) and publish it on the board."""
     from kvq.model.registry import plan_model
 
-    info = plan_model(model, path, slice_layers, slice_experts, source, request_shards)
+    info = plan_model(
+        model, path, slice_layers, slice_experts, source, request_shards, grain, stage_layers
+    )
     _board().register_model(info, base_replicas)
     log.info("registered %s: %d slices", model, len(info.slices))
     return {"model": model, "slices": len(info.slices)}

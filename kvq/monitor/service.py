@@ -83,11 +83,12 @@ class Monitor:
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
         info = plan_model(
-            model, path, self.s.slice_layers, self.s.slice_experts, source, self.s.request_shards
-        )
+            model, path, self.s.slice_layers, self.s.slice_experts, source, self.s.request_shards,
+            self.s.grain, self.s.stage_layers,
+        )  # fmt: skip
         self.board.register_model(info, self.s.base_replicas)
         self.known[model] = info
-        log.info("registered %s: %d slices", model, len(info.slices))
+        log.info("registered %s: %d slices (%s grain)", model, len(info.slices), info.grain)
         return info
 
     def run(self) -> None:

@@ -8,6 +8,8 @@ nothing, and on a thread of its own beside the serving loop while it serves othe
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +23,11 @@ from kvq.bus.market import Held
 from kvq.device import compute_dtype
 from kvq.errors import ModelError
 from kvq.model import decode_slice
+from kvq.model.qstack import FileMap
+from kvq.model.stage import load_stage, write_stage_file
+from kvq.slices import SliceSpec
 from kvq.worker.fetch import fetch_slice
+from kvq.worker.stage import StageServer, warm_up_stage
 
 log = logging.getLogger("kvq.worker")
 
@@ -31,7 +37,7 @@ class Loaded:
     """A slice ready to serve: its server and its published bytes (what the budget counts)."""
 
     held: Held
-    server: ExpertServer
+    server: ExpertServer | StageServer
     nbytes: int
     seconds: float  # fetch + decode + warm-up
     warm_s: float
@@ -47,6 +53,7 @@ class Loader:
     compute_dtype: str
     download_timeout_s: float
     bank_options: BankOptions
+    stage_max_seqs: int = 256  # KVQ_STAGE_MAX_SEQS: sequence states a stage slice keeps
 
     def load(self, held: Held, progress: Callable[[int, int], None], quiet: bool = False) -> Loaded:
         """The slice `held`, loaded (KvqError when it cannot be: unregistered, unreachable,
@@ -63,6 +70,10 @@ class Loader:
                 spec.nbytes / 1e6, info.source)  # fmt: skip
         progress(0, spec.nbytes)
         blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
+        if spec.is_stage:
+            stage = self._stage(held, spec, blobs, info.meta.file_size, dtype)
+            warm_s = warm_up_stage(stage)
+            return Loaded(held, stage, spec.nbytes, time.monotonic() - t0, warm_s)
         experts, at = [], 0
         for layer in spec.layers():  # blobs come in range order: layer by layer
             ranges = spec.ranges_of(layer)
@@ -76,6 +87,27 @@ class Loader:
         warm_s = warm_up(bank, hidden, dtype, self.device)
         server = ExpertServer(self.name, held.model, bank, hidden, dtype)
         return Loaded(held, server, spec.nbytes, time.monotonic() - t0, warm_s)
+
+    def _stage(
+        self, held: Held, spec: SliceSpec, blobs: list[bytes], file_size: int, dtype: torch.dtype
+    ) -> StageServer:
+        """A stage slice (X12): its verified bytes written into a sparse copy of the model
+        file, its blocks mapped from it, the file unlinked at once (the maps keep the bytes
+        until the server is dropped; a crash leaves nothing behind)."""
+        path = _stage_file()
+        try:
+            write_stage_file(spec, blobs, path, file_size)
+            backbone = load_stage(spec, path, self.device, dtype)
+        finally:
+            FileMap.forget(path)  # the tensors hold their maps; the path may be reused
+            os.unlink(path)
+        return StageServer(self.name, held.model, held.sid, backbone, self.stage_max_seqs)
+
+
+def _stage_file() -> str:
+    fd, path = tempfile.mkstemp(prefix="kvq-stage-", suffix=".gguf")
+    os.close(fd)
+    return path
 
 
 def warm_up(bank: Bank, hidden: int, dtype: torch.dtype, device: torch.device) -> float:

@@ -44,6 +44,7 @@ from kvq.worker.budget import Budget
 from kvq.worker.loader import Loaded, Loader
 from kvq.worker.membership import Held, Membership
 from kvq.worker.shelf import Shelf
+from kvq.worker.stage import StageServer
 
 log = logging.getLogger("kvq.worker")
 _BATCH = 32  # inbox entries read at once
@@ -71,7 +72,7 @@ class Worker:
         self._idle_since = time.monotonic()  # holding no slice since
         self._next_ask = 0.0  # monotonic time of the next volunteer ask
         self.loader = Loader(board, self.id, self.device, settings.compute_dtype,
-                             settings.download_timeout_s, bank)  # fmt: skip
+                             settings.download_timeout_s, bank, settings.stage_max_seqs)  # fmt: skip
         self._loader: threading.Thread | None = None  # loading a slice beside the serving
         self._loads: queue.SimpleQueue[Loaded | tuple[Held, Exception]] = queue.SimpleQueue()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
@@ -101,7 +102,7 @@ class Worker:
         return list(self.membership.holds.values())
 
     @property
-    def server(self) -> ExpertServer | None:
+    def server(self) -> ExpertServer | StageServer | None:
         """The server of the slice loaded last."""
         h = self.holding
         return self.shelf.servers.get((h.model, h.sid)) if h is not None else None
@@ -321,15 +322,20 @@ class Worker:
             self.consumer = None  # its inbox went with the last slice
             self._idle_since = now
 
-    def _decode(self, eid: bytes, fields: dict[bytes, bytes]) -> wire.Job | None:
-        """The entry's job, or None after dead-lettering an entry that does not decode."""
+    def _decode(self, eid: bytes, fields: dict[bytes, bytes]) -> wire.Job | wire.StageJob | None:
+        """The entry's job (an expert job, or a stage job: its `t` says so), or None after
+        dead-lettering an entry that does not decode."""
         try:
+            if wire.is_stage_job(fields):
+                return wire.decode(fields, wire.StageJob)
             return wire.decode(fields, wire.Job)
         except WireError as exc:
             self._dead_letter(eid, fields, str(exc))
             return None
 
-    def _serve_one(self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job) -> _Served:
+    def _serve_one(
+        self, eid: bytes, fields: dict[bytes, bytes], job: wire.Job | wire.StageJob
+    ) -> _Served:
         """Compute one job's result (answered with its batch, `_answer`). A job that cannot
         be served (a slice this worker does not hold, rows of the wrong shape) is dead-lettered
         with the reason and still answered, so that its coordinator hears at once."""
@@ -396,7 +402,7 @@ class _Served:
     encoded: dict[str, bytes | str]
 
 
-def _rows(job: wire.Job) -> int:
+def _rows(job: wire.Job | wire.StageJob) -> int:
     return int(job.x.shape[0]) if job.x.shape else 0
 
 

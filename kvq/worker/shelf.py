@@ -1,4 +1,5 @@
-"""`Shelf`: the slices a worker serves, one `ExpertServer` per slice, behind one inbox.
+"""`Shelf`: the slices a worker serves, one `ExpertServer` per slice (a `StageServer` per
+stage slice), behind one inbox.
 
 Every job names its model and slice (`wire.Job`); the shelf hands it to the server of that
 slice, which checks the layers and experts. A job for a slice the worker does not hold (one
@@ -14,8 +15,10 @@ from collections.abc import Iterator
 
 from kvq import wire
 from kvq.bank.server import BAD_JOB, ExpertServer
+from kvq.worker.stage import StageServer
 
 Key = tuple[str, str]  # (model, slice id)
+Server = ExpertServer | StageServer  # an expert slice's, or a stage slice's (X12)
 
 
 class Shelf:
@@ -24,7 +27,7 @@ class Shelf:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.servers: dict[Key, ExpertServer] = {}
+        self.servers: dict[Key, Server] = {}
         self.nbytes: dict[Key, int] = {}  # published bytes of each slice
         self.last_job: dict[Key, float] = {}  # monotonic time of each slice's last job
         self._busy_s, self._rows = 0.0, 0  # of servers dropped since: the totals only grow
@@ -38,12 +41,12 @@ class Shelf:
     def models(self) -> set[str]:
         return {m for m, _ in self.servers}
 
-    def add(self, model: str, sid: str, server: ExpertServer, nbytes: int) -> None:
+    def add(self, model: str, sid: str, server: Server, nbytes: int) -> None:
         key = (model, sid)
         self.servers[key], self.nbytes[key] = server, nbytes
         self.last_job[key] = time.monotonic()  # idleness counts from getting the slice
 
-    def drop(self, model: str, sid: str) -> ExpertServer | None:
+    def drop(self, model: str, sid: str) -> Server | None:
         """Forget the slice's server (it was given back); its memory goes with it."""
         key = (model, sid)
         sv = self.servers.pop(key, None)
@@ -58,7 +61,7 @@ class Shelf:
     def used_bytes(self) -> int:
         return sum(self.nbytes.values())
 
-    def handle(self, job: wire.Job) -> wire.Result:
+    def handle(self, job: wire.Job | wire.StageJob) -> wire.Result:
         """The result of `job` from the server of its slice; never raises."""
         key = (job.model, job.slice)
         sv = self.servers.get(key)
@@ -79,7 +82,10 @@ class Shelf:
             )
             return wire.Result(job_id=job.job_id, worker=self.name, error=error)
         self.last_job[key] = time.monotonic()
-        return sv.handle(job)
+        if isinstance(sv, ExpertServer) and isinstance(job, wire.StageJob):
+            error = wire.Failure(BAD_JOB, f"job {job.job_id}: {job.slice} is an expert slice")
+            return wire.Result(job_id=job.job_id, worker=self.name, error=error)
+        return sv.handle(job)  # type: ignore[arg-type]  # an expert slice's is a wire.Job
 
     def step(self, slices: set[Key]) -> None:
         """B5: a batch with jobs of these slices was one engine step of their banks."""

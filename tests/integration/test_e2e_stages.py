@@ -1,0 +1,161 @@
+"""Stage grain end to end (X12), real processes on a real Redis: a monitor registers the model
+at stage grain (KVQ_GRAIN=stage), `kvq worker` processes volunteer for layer spans, download
+exactly their bytes and serve them whole; the coordinator keeps only the embedding and the
+head. Concurrent greedy requests give `kvq generate`'s tokens, and a stage holder SIGKILLed
+mid-request costs no request: its sequences move to the span's other holder, which rebuilds
+their state by replaying their tokens."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from e2e_helpers import local_tokens
+
+from kvq import client
+from kvq.bus import connect
+from kvq.bus.redis_board import RedisBoard, open_board
+from kvq.config import Settings, child_env, load_settings
+from kvq.keys import Keys
+from kvq.local.procs import Children
+from kvq.model import make_tiny
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The quick brown fox", "hello", "a b c d e f g"]
+
+
+def _settings(url: str, prefix: str, **more: object) -> Settings:
+    return load_settings(
+        redis_url=url, prefix=prefix, grain="stage", stage_layers=2, worker_max_slices=1,
+        heartbeat_ttl_s=2.0, **more,
+    )  # fmt: skip
+
+
+def _held(board: RedisBoard, model_id: str) -> dict[str, set[str]]:
+    """Stage sid -> the live, ready workers holding it."""
+    out: dict[str, set[str]] = {}
+    for v in board.workers(model_id):
+        if v.alive and v.ready:
+            out.setdefault(v.slice_id, set()).add(v.worker_id)
+    return out
+
+
+def _generate_all(s: Settings, model_id: str, n: int) -> dict[str, list[int]]:
+    """Every prompt of PROMPTS at once (one engine batch), greedy, `n` tokens each."""
+    got: dict[str, list[int]] = {}
+
+    def one(prompt: str) -> None:
+        r = connect(s.bus)
+        try:
+            got[prompt] = client.generate(
+                r, Keys(s.prefix), model_id, prompt=prompt, max_tokens=n, timeout_s=240
+            )
+        finally:
+            r.close()
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return got
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("arch", "variant"), [("deepseek2", "v3"), ("qwen35moe", "")])
+def test_a_chain_of_stage_workers_gives_local_generations_tokens(
+    redis_server, tmp_path: Path, arch: str, variant: str
+) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / f"{arch}.gguf"
+    make_tiny(model, arch=arch, variant=variant, layers=4, experts=8, seed=5)
+    model_id = f"stage-{arch}"
+    s = _settings(redis_server.url, f"st-{arch}")
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
+    board = open_board(s.bus, s.lifetimes)
+    try:
+        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
+        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        info = board.model_info(model_id)
+        assert info is not None and info.grain == "stage"
+        assert [(sp.layer_start, sp.layer_end) for sp in info.stages()] == [(0, 2), (2, 4)]
+        for w in ("w0", "w1"):
+            kids.spawn(w, "worker", "--id", w)
+        kids.wait_for(lambda: set(_held(board, model_id)) == set(info.slices), 300, "a chain")
+        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
+                   "--id", "c1")  # fmt: skip
+        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        got = _generate_all(s, model_id, 8)
+        for p in PROMPTS:
+            assert got.get(p) == local_tokens(model, p, 8), p
+        # each worker holds one span: every token crossed both
+        holders = _held(board, model_id)
+        assert all(len(ws) == 1 for ws in holders.values())
+        assert {w for ws in holders.values() for w in ws} == {"w0", "w1"}
+    finally:
+        kids.stop_all()
+
+
+def _kill_serving(kids: Children, board: RedisBoard, model_id: str, sid: str) -> str:
+    """SIGKILL the holder of `sid` that has served (its heartbeat says so, within a beat or
+    two of its first job); returns its id."""
+    serving: list[str] = []
+
+    def found() -> bool:
+        serving[:] = [
+            v.worker_id for v in board.workers(model_id)
+            if v.slice_id == sid and v.alive and v.last_serve_ms > 0
+        ]  # fmt: skip
+        return bool(serving)
+
+    kids.wait_for(found, 30, f"the holder of {sid} in use")
+    assert len(serving) == 1, serving  # the sequence sticks to one holder of the span
+    kids.kill(serving[0])
+    return serving[0]
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_of_a_stage_holder_loses_no_request(redis_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "olmoe.gguf"
+    make_tiny(model, arch="olmoe", layers=4, experts=8, seed=2)
+    model_id = "stage-kill"
+    s = _settings(redis_server.url, "st-kill", base_replicas=2, backbone_replicas=2)
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
+    board = open_board(s.bus, s.lifetimes)
+    try:
+        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
+        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        info = board.model_info(model_id)
+        assert info is not None
+        for w in ("w0", "w1", "w2", "w3"):
+            kids.spawn(w, "worker", "--id", w)
+
+        def two_each() -> bool:
+            held = _held(board, model_id)
+            return set(held) == set(info.slices) and all(len(ws) == 2 for ws in held.values())
+
+        kids.wait_for(two_each, 300, "two holders of every stage")
+        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
+                   "--id", "c1")  # fmt: skip
+        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        r = connect(s.bus)
+        keys = Keys(s.prefix)
+        n = 200
+        stage1 = info.stages()[1].sid
+        killed = ""
+        try:
+            rid = client.submit(r, keys, model_id, prompt=PROMPTS[0], max_tokens=n).request_id
+            tokens: list[int] = []
+            for ev in client.events(r, keys, rid, timeout_s=240):
+                if ev.kind == "token" and ev.token_id is not None:
+                    tokens.append(ev.token_id)
+                if not killed and len(tokens) >= 4:  # mid-request: kill the holder it uses
+                    killed = _kill_serving(kids, board, model_id, stage1)
+                if ev.kind == "done":
+                    break
+        finally:
+            r.close()
+        assert killed and len(tokens) == n
+        assert tokens == local_tokens(model, PROMPTS[0], n)
+    finally:
+        kids.stop_all()
