@@ -145,7 +145,9 @@ class StageJob(_Msg, frozen=True):
 
     A holder keeps each sequence's state between jobs (its KV cache, latent or recurrent
     state); a sequence whose `start` is not where its state ends is answered `StateLost`
-    (retryable), and the coordinator replays its tokens from position 0."""
+    (retryable), and the coordinator replays its tokens from position 0. `then` names the
+    spans that follow `slice` on the same holder: it runs them all and answers the rows
+    leaving the last."""
 
     job_id: Name
     model: Name
@@ -157,6 +159,9 @@ class StageJob(_Msg, frozen=True):
     x: Tensor  # [N, H] the rows entering the span, the sequences' in `seqs` order
     drop: Annotated[list[Name], msgspec.Meta(max_length=MAX_STAGE_SEQS)] = []  # finished
     want_dtype: ComputeDType | None = None
+    # the spans after `slice` the same holder runs next, in order, before it answers: one
+    # round trip for consecutive spans held in one place
+    then: Annotated[list[Name], msgspec.Meta(max_length=256)] = []
 
     def __post_init__(self) -> None:
         xs, n = self.x.shape, sum(s.rows for s in self.seqs)

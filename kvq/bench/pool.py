@@ -65,6 +65,8 @@ class PoolBench:
     recover_timeout_s: float = 60.0
     microbatches: int = 1
     log_dir: str | None = None
+    grain: str = "expert"  # KVQ_GRAIN: "stage" cuts the model into layer spans (X12)
+    stage_layers: int = 4  # KVQ_STAGE_LAYERS
 
     def check(self) -> None:
         if not 1 <= self.workers <= 16:
@@ -81,6 +83,8 @@ class PoolBench:
             raise ConfigError("--max-tokens >= 1, --measure-s > 0, --warmup-s >= 0")
         if not 1 <= self.microbatches <= 8 or self.overhead_mib < 0 or self.copies < 1:
             raise ConfigError("--microbatches in 1..8, --overhead-mib >= 0, --copies >= 1")
+        if self.grain not in ("expert", "stage") or self.stage_layers < 1:
+            raise ConfigError("--grain expert|stage, --stage-layers >= 1")
 
 
 def _survivors_hold(cfg: PoolBench) -> bool:
@@ -135,7 +139,7 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
             max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
             heartbeat_ttl_s=cfg.hb_ttl_s, monitor_poll_s=0.5,
             microbatches=cfg.microbatches, backbone_replicas=cfg.copies, base_replicas=1,
-            boost_replicas=0,
+            boost_replicas=0, grain=cfg.grain, stage_layers=cfg.stage_layers,
         )  # fmt: skip
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=log_dir)

@@ -11,6 +11,7 @@ is calibrated from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ REPORT_KEYS = (
     "workers", "cap_fraction", "budget_bytes", "cgroup_cap_bytes", "overhead_mib",
     "no_worker_holds_model", "survivors_hold_model", "netns", "cpus", "omp_num_threads",
     "microbatches", "copies", "max_tokens", "warmup_s", "measure_s", "heartbeat_ttl_s", "runs",
-    "kill",
+    "kill", "grain", "stage_layers",
 )  # fmt: skip
 
 
@@ -55,7 +56,18 @@ def window(
         "coord_cpu_s": round(coord_cpu, 2), "workers_cpu_s": round(workers_cpu, 2),
         "coord_cpu_ms_per_token": round(1000 * coord_cpu / tokens, 3) if tokens else None,
         "workers_cpu_ms_per_token": round(1000 * workers_cpu / tokens, 3) if tokens else None,
+        "stage_wait_ms_per_token": _stage_waits(st0, st1, tokens),
+        "stage_replays": d("stage_replays"),
     }  # fmt: skip
+
+
+def _stage_waits(st0: CoordStats | None, st1: CoordStats | None, tokens: int) -> dict[str, float]:
+    """Stage grain: per span, the ms the coordinator waited for its jobs per token streamed."""
+    if not st1 or not tokens:
+        return {}
+    after = json.loads(st1.stage_wait_s or "{}")
+    before = json.loads(st0.stage_wait_s or "{}") if st0 else {}
+    return {sid: round(1000 * (s - before.get(sid, 0.0)) / tokens, 3) for sid, s in after.items()}
 
 
 def _hist_delta(before: str, after: str) -> float | None:
@@ -98,7 +110,8 @@ def build(  # cfg: a kvq.bench.pool.PoolBench (not imported: pool imports this m
         "omp_num_threads": 1, "microbatches": cfg.microbatches, "copies": cfg.copies,
         "max_tokens": cfg.max_tokens,
         "warmup_s": cfg.warmup_s, "measure_s": cfg.measure_s,
-        "heartbeat_ttl_s": cfg.hb_ttl_s, "runs": runs, "kill": kill,
+        "heartbeat_ttl_s": cfg.hb_ttl_s, "runs": runs, "kill": kill, "grain": cfg.grain,
+        "stage_layers": cfg.stage_layers if cfg.grain == "stage" else None,
     }  # fmt: skip
     assert tuple(out) == REPORT_KEYS
     return out

@@ -175,6 +175,8 @@ class DispatchCounters(Counters, kw_only=True):
     local_rows: int = 0  # token rows of those slices: local_expert_s / local_rows is a row's cost
     remote_wait_s: float = 0.0  # seconds a layer waited for remote results after its own part
     remote_send_s: float = 0.0  # seconds making, encoding and sending remote jobs
+    stage_replays: int = 0  # stage grain: sequences whose state was rebuilt by replaying them
+    stage_moves: int = 0  # stage grain: sequences moved to another holder of a span
 
 
 class CoordStats(DispatchCounters, kw_only=True):
@@ -192,6 +194,7 @@ class CoordStats(DispatchCounters, kw_only=True):
     job_rtt_s: str = ""  # a remote job: sent -> its result read
     ttft_s: str = ""  # a request: admitted -> its first token event written
     token_gap_s: str = ""  # between two token events of one request
+    stage_wait_s: str = "{}"  # stage grain: JSON {span slice id: seconds waited for its jobs}
 
 
 class Quarantine(msgspec.Struct, frozen=True, kw_only=True):

@@ -169,7 +169,8 @@ def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
         sequences=args.sequences, max_tokens=args.max_tokens, warmup_s=args.warmup_s,
         measure_s=args.measure_s, kill=not args.no_kill, netns=not args.no_netns,
         hb_ttl_s=args.hb_ttl_s, microbatches=args.microbatches,
-        copies=args.copies, log_dir=args.log_dir,
+        copies=args.copies, log_dir=args.log_dir, grain=args.grain,
+        stage_layers=args.stage_layers,
     )  # fmt: skip
     r = run_pool_bench(cfg)
     print(json.dumps(r) if args.json else "\n".join(lines(r)))
@@ -197,6 +198,10 @@ def _add_pool(bench: Subparsers) -> None:
     p.add_argument("--microbatches", type=_positive, default=1, help="KVQ_MICROBATCHES")
     p.add_argument("--copies", type=_positive, default=2,
                    help="KVQ_BACKBONE_REPLICAS: copies per slice wanted (no boost)")  # fmt: skip
+    p.add_argument("--grain", choices=("expert", "stage"), default="expert",
+                   help="KVQ_GRAIN: expert slices, or layer spans served whole (X12)")  # fmt: skip
+    p.add_argument("--stage-layers", type=_positive, default=4,
+                   help="KVQ_STAGE_LAYERS: blocks per stage slice (--grain stage)")  # fmt: skip
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL phase")
     p.add_argument("--no-netns", action="store_true", help="workers on loopback, no namespace")
     p.add_argument("--log-dir", help="the processes' logs (default: --cache-dir/logs)")

@@ -23,6 +23,7 @@ found when the engine lets go of their caches.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import weakref
@@ -33,14 +34,16 @@ import torch
 
 from kvq import wire
 from kvq.bus.board import Fields
-from kvq.bus.records import DispatchCounters
 from kvq.catalog import ModelInfo
+from kvq.coordinator.layer_call import Tally
 from kvq.coordinator.mailbox import Mailbox
 from kvq.coordinator.pending import Pending, latency_ms
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import NoReplica, RoutingError
 from kvq.model import Backbone, KVCache, SeqStep
+from kvq.model.microbatch import split_rows
 from kvq.slices import SliceSpec
+from kvq.swarm.telemetry import hops_cost
 
 log = logging.getLogger("kvq.coordinator")
 STATE_LOST = "StateLost"
@@ -56,34 +59,27 @@ class _Seq:
     holders: dict[str, str] = field(default_factory=dict)  # span sid -> worker
 
 
-@dataclass
+@dataclass(eq=False)
 class _Rows:
     """One step's rows of a sequence on their way through the chain."""
 
     seq: _Seq
     tokens: list[int]  # the step's new tokens
-    x: torch.Tensor  # [n, H] the rows entering the next span
+    x: torch.Tensor  # [n, H] the rows entering span `next`
     start: int  # the position of the first row, in every span (0 after a replay)
+    cohort: int  # rows of one cohort travel together; cohorts overlap (pipelining)
+    next: int = 0  # the next span to run
+    busy: bool = False  # in a job now
 
 
 @dataclass
-class _Outcome:
-    """What went wrong in one round of a span's jobs: rows to replay (each with the holder
-    to rebuild on, None: pick another) and rows to send again as they were."""
+class _Job:
+    """A stage job in flight: where it went, which rows, which spans."""
 
-    replay: list[tuple[_Rows, str | None]] = field(default_factory=list)
-    resend: list[_Rows] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ChainStats:
-    """What the chain counts (docs/routing.md, "Stage grain")."""
-
-    stage_jobs: int = 0
-    replays: int = 0  # sequences whose state was rebuilt by replaying their tokens
-    moved: int = 0  # sequences moved to another holder of a span
-    wait_ms: dict[str, float] = field(default_factory=dict)  # span -> summed job round trips
+    worker: str
+    rows: list[_Rows]
+    spans: list[int]
+    sent_at: float  # time.monotonic()
 
 
 class Chain:
@@ -91,19 +87,27 @@ class Chain:
 
     def __init__(
         self, head: Backbone, info: ModelInfo, coord: str, routing: SliceRouter,
-        mailbox: Mailbox, stats: DispatchCounters, deadline_ms: int, replica_wait_s: float,
+        mailbox: Mailbox, tally: Tally, deadline_ms: int, replica_wait_s: float,
+        cohorts: int = 1,
     ) -> None:  # fmt: skip
+        """Counts go into `tally` as the expert dispatch's do (remote jobs, rows, waits, the
+        round-trip histogram), with the replays and moves."""
         self.head, self.info, self.coord, self.routing, self.mailbox = (
             head, info, coord, routing, mailbox
         )  # fmt: skip
         self.stages: list[SliceSpec] = info.stages()
-        self.dispatch_stats = stats
+        self.stats, self.job_rtt = tally.stats, tally.job_rtt
+        self.wait_s: dict[str, float] = {}  # span -> seconds waited for its answers
         self.deadline_ms, self.replica_wait_s = deadline_ms, replica_wait_s
+        self.cohorts = cohorts  # KVQ_MICROBATCHES: cohorts of one step that overlap
         self._seqs: weakref.WeakKeyDictionary[KVCache, _Seq] = weakref.WeakKeyDictionary()
         self._keys = itertools.count()
         self._gone: list[_Seq] = []  # finished sequences whose holders still keep state
         self._drops: dict[str, list[str]] = {}  # worker -> keys to drop with its next job
-        self.stats = ChainStats()
+
+    def wait_text(self) -> str:
+        """The seconds waited per span, as JSON (`CoordStats.stage_wait_s`)."""
+        return json.dumps({sid: round(s, 3) for sid, s in self.wait_s.items()})
 
     # -- the engine's side ---------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -121,13 +125,14 @@ class Chain:
         stage holders; caches advance only when every span has answered."""
         lens = self.head.check_steps(steps)
         h = self.head.embed_tokens([t for s in steps for t in s.tokens])  # [N, H]
+        cohort = {i: c for c, idx in enumerate(split_rows(lens, self.cohorts)) for i in idx}
         rows, at = [], 0
-        for s, n in zip(steps, lens, strict=True):
-            rows.append(_Rows(self._seqs[s.cache], list(s.tokens), h[at : at + n], s.cache.length))
+        for i, (s, n) in enumerate(zip(steps, lens, strict=True)):
+            seq = self._seqs[s.cache]
+            rows.append(_Rows(seq, list(s.tokens), h[at : at + n], s.cache.length, cohort[i]))
             at += n
         self._release_finished()
-        for k in range(len(self.stages)):
-            self._span(k, rows)
+        self._run(rows)
         out = torch.cat([r.x for r in rows])  # replayed sequences carry all their rows
         logits = self.head.head(out, [int(r.x.shape[0]) for r in rows])
         Backbone.advance(steps)
@@ -135,134 +140,169 @@ class Chain:
             r.seq.fed.extend(r.tokens)
         return logits
 
-    # -- one span ------------------------------------------------------------------------
-    def _span(self, k: int, rows: list[_Rows]) -> None:
-        """Run span `k` over `rows`, moving and replaying whatever fails, until every row
-        has passed it (or NoReplica)."""
-        until = time.monotonic() + self.replica_wait_s
-        sid = self.stages[k].sid
-        todo = rows
-        while todo:
-            bad = self._send_and_wait(k, todo, until)
-            if not bad.reasons:
-                return
-            log.warning("stage %s: %s; replaying %d sequence(s)", sid, "; ".join(bad.reasons),
-                        len(bad.replay))  # fmt: skip
-            for r, holder in bad.replay:
-                if holder is None:
-                    r.seq.holders.pop(sid, None)
-                    self.stats.moved += 1
-                else:
-                    r.seq.holders[sid] = holder
-            again = [r for r, _ in bad.replay]
-            self._replay(again, k)
-            todo = again + bad.resend
-            if time.monotonic() >= until:
-                raise NoReplica(f"model {self.info.model!r}: stage {sid} failed for "
-                                f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S): "
-                                f"{'; '.join(bad.reasons)}")  # fmt: skip
+    # -- the chain's event loop ------------------------------------------------------------
+    def _run(self, rows: list[_Rows]) -> None:
+        """Until every row has left the last span: send the rows that wait, read answers,
+        and move, replay or resend what failed. A cohort goes on to the next span as soon
+        as its answer is in, while the others are still computing (pipelining)."""
+        last = len(self.stages)
+        flying: dict[str, _Job] = {}
+        until = time.monotonic() + self.replica_wait_s  # moved on with every answer used
+        while any(r.next < last for r in rows):
+            ready = [r for r in rows if not r.busy and r.next < last]
+            if ready:
+                self._send(ready, flying, until)
+            if self._receive(flying):
+                until = time.monotonic() + self.replica_wait_s
+            elif time.monotonic() > until:
+                raise NoReplica(f"model {self.info.model!r}: no stage answer for "
+                                f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S)")  # fmt: skip
 
-    def _replay(self, rows: list[_Rows], k: int) -> None:
-        """Rebuild the state of `rows`' sequences: all their tokens from position 0 through
-        spans 0..k-1 (span k runs them next)."""
-        for r in rows:
-            r.x, r.start = self.head.embed_tokens(r.seq.fed + r.tokens), 0
-            self.stats.replays += 1
-        for j in range(k):
-            self._span(j, rows)
-
-    def _send_and_wait(self, k: int, rows: list[_Rows], until: float) -> _Outcome:
-        """One job per holder of span `k` for `rows`, then their answers into `rows`; what
-        failed comes back in the outcome (the answered rows have passed the span)."""
-        spec = self.stages[k]
-        by_worker: dict[str, list[_Rows]] = {}
-        for r in rows:
-            w = r.seq.holders.get(spec.sid) or self._pick(spec.sid, until)
-            r.seq.holders[spec.sid] = w
-            by_worker.setdefault(w, []).append(r)
-        sent: dict[str, tuple[str, list[_Rows]]] = {}  # job id -> (worker, rows)
+    def _send(self, ready: list[_Rows], flying: dict[str, _Job], until: float) -> None:
+        """One job per (cohort, span, holder) of the ready rows, each over the spans that
+        follow on that holder for all of its rows."""
+        t0 = time.perf_counter()
+        groups: dict[tuple[int, int, str], list[_Rows]] = {}
+        for r in ready:
+            w = self._holder(r, r.next, until)
+            groups.setdefault((r.cohort, r.next, w), []).append(r)
         posts: list[tuple[str, Fields]] = []
-        for w, group in sorted(by_worker.items()):
+        for (_, k, w), group in sorted(groups.items()):
+            spans = [k]
+            while spans[-1] + 1 < len(self.stages) and all(
+                self._holder(r, spans[-1] + 1, until) == w for r in group
+            ):
+                spans.append(spans[-1] + 1)
             job_id = self.mailbox.next_job_id()
-            job = wire.StageJob(
-                job_id=job_id, model=self.info.model, slice=spec.sid, coord=self.coord,
-                reply_to=self.mailbox.results_key(w), deadline_ms=0,
-                seqs=[wire.StageSeq(r.seq.key, r.start, int(r.x.shape[0])) for r in group],
-                x=wire.Tensor.of(torch.cat([r.x for r in group]).float().contiguous().numpy()),
-                drop=self._drops.pop(w, [])[: wire.MAX_STAGE_SEQS],
-            )  # fmt: skip
-            n = sum(int(r.x.shape[0]) for r in group)
-            p = Pending(spec, torch.arange(n), w, time.monotonic(), time.time() * 1000)
-            self.mailbox.expect(job_id, p, self)
-            sent[job_id] = (w, group)
-            posts.append((w, wire.encode(job)))
-        self.mailbox.post(posts, watch=self.routing.live_holders(spec.sid))
-        self.stats.stage_jobs += len(posts)
-        return self._collect(spec, sent)
+            posts.append((w, self._encode(job_id, w, group, spans)))
+            for r in group:
+                r.busy = True
+            flying[job_id] = _Job(w, group, spans, time.monotonic())
+        self.mailbox.post(posts, watch=[w for _, w in sorted({(0, w) for w, _ in posts})])
+        self.stats.remote_sent += len(posts)
+        self.stats.remote_send_s += time.perf_counter() - t0
 
-    def _collect(self, spec: SliceSpec, sent: dict[str, tuple[str, list[_Rows]]]) -> _Outcome:
-        """Every answer to `sent`, or the reason it will not come (holder down, deadline)."""
-        t0 = time.monotonic()
-        deadline = t0 + self.deadline_ms / 1000
-        out = _Outcome()
-        while sent:
-            for dv in self.mailbox.collect(self, _POLL_MS):
-                worker, group = sent.pop(dv.job_id)
-                ms = latency_ms(dv.pending, dv.eid)
-                self.stats.wait_ms[spec.sid] = self.stats.wait_ms.get(spec.sid, 0.0) + ms
-                why = self._take(group, dv.result, dv.sender, out)
-                if why:
-                    out.reasons.append(why)
-                    self.routing.observe_failure(dv.sender, ms)
-                else:
-                    self.routing.observe_result(dv.sender, ms)
-            if not sent:
-                break
-            self.routing.refresh()
-            live = set(self.routing.live_holders(spec.sid))
-            late = time.monotonic() > deadline
-            for job_id, (worker, group) in list(sent.items()):
-                if worker in live and not late:
-                    continue
-                del sent[job_id]
-                self.mailbox.forget(job_id)
-                self.routing.observe_failure(worker, (time.monotonic() - t0) * 1000)
-                why = "its holder is down" if worker not in live else "no answer in time"
-                out.reasons.append(f"job {job_id} to {worker}: {why}")
-                out.replay.extend((r, None) for r in group)
-        return out
+    def _encode(self, job_id: str, worker: str, group: list[_Rows], spans: list[int]) -> Fields:
+        first = self.stages[spans[0]]
+        job = wire.StageJob(
+            job_id=job_id, model=self.info.model, slice=first.sid, coord=self.coord,
+            reply_to=self.mailbox.results_key(worker), deadline_ms=0,
+            seqs=[wire.StageSeq(r.seq.key, r.start, int(r.x.shape[0])) for r in group],
+            x=wire.Tensor.of(torch.cat([r.x for r in group]).float().contiguous().numpy()),
+            drop=self._drops.pop(worker, [])[: wire.MAX_STAGE_SEQS],
+            then=[self.stages[k].sid for k in spans[1:]],
+        )  # fmt: skip
+        n = sum(int(r.x.shape[0]) for r in group)
+        p = Pending(first, torch.arange(n), worker, time.monotonic(), time.time() * 1000)
+        self.mailbox.expect(job_id, p, self)
+        return wire.encode(job)
 
-    def _take(self, group: list[_Rows], res: wire.Result, sender: str, out: _Outcome) -> str:
-        """Rows of an answer into `group` (""), or why not, with the rows put in `out`."""
+    def _receive(self, flying: dict[str, _Job]) -> bool:
+        """One read of the answers (a short block), then the jobs whose holder is down or
+        whose deadline passed given up. True if some answer was used."""
+        t0 = time.perf_counter()
+        used = False
+        for dv in self.mailbox.collect(self, _POLL_MS):
+            job = flying.pop(dv.job_id)
+            ms = latency_ms(dv.pending, dv.eid)
+            self.job_rtt.observe(ms / 1000)
+            why = self._take(job, dv.result, dv.sender)
+            if why:
+                self.stats.remote_errors += 1
+                self.routing.observe_failure(dv.sender, ms)
+                log.warning("%s: %s", self._span_names(job), why)
+            else:
+                used = True
+                self.stats.remote_jobs += 1
+                self.stats.remote_rows += sum(int(r.x.shape[0]) for r in job.rows)
+                self.routing.observe_result(dv.sender, ms)
+            self._count_wait(job)
+        self.routing.refresh()
+        now = time.monotonic()
+        for job_id, job in list(flying.items()):
+            down = job.worker not in self.routing.live_holders(self.stages[job.spans[0]].sid)
+            if not down and now - job.sent_at <= self.deadline_ms / 1000:
+                continue
+            del flying[job_id]
+            self.mailbox.forget(job_id)
+            self.routing.observe_failure(job.worker, (now - job.sent_at) * 1000)
+            why = "its holder is down" if down else f"no answer in {self.deadline_ms} ms"
+            log.warning("%s: job %s to %s: %s", self._span_names(job), job_id, job.worker, why)
+            self._replay(job, job.rows, keep=None)
+            self._count_wait(job)
+        self.stats.remote_wait_s += time.perf_counter() - t0
+        return used
+
+    def _take(self, job: _Job, res: wire.Result, sender: str) -> str:
+        """The answer's rows into the job's rows (""), or why not, with the rows set to
+        replay or to be sent again."""
         if res.error is not None:
             if res.error.type == STATE_LOST:  # refused whole: nothing ran
                 lost = set(res.lost)
-                out.replay.extend((r, sender) for r in group if r.seq.key in lost)
-                out.resend.extend(r for r in group if r.seq.key not in lost)
+                self._replay(job, [r for r in job.rows if r.seq.key in lost], keep=sender)
+                for r in job.rows:
+                    r.busy = False  # the others go again as they were
             else:
-                out.replay.extend((r, None) for r in group)
+                self._replay(job, job.rows, keep=None)
             return f"{sender}: {res.error.type}: {res.error.message}"
-        n = sum(int(r.x.shape[0]) for r in group)
+        n = sum(int(r.x.shape[0]) for r in job.rows)
         y = res.y.array() if res.y is not None else None
         if y is None or y.shape != (n, self.head.meta.embedding_length) or not np.isfinite(y).all():
-            out.replay.extend((r, None) for r in group)
+            self._replay(job, job.rows, keep=None)
             return f"{sender} answered rows of shape {None if y is None else y.shape}"
-        rows = torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype)
+        out = torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype)
         at = 0
-        for r in group:
+        for r in job.rows:
             m = int(r.x.shape[0])
-            r.x = rows[at : at + m]  # the same positions enter the next span
+            r.x, r.next, r.busy = out[at : at + m], job.spans[-1] + 1, False
             at += m
         return ""
 
-    def _pick(self, sid: str, until: float) -> str:
-        """The cheapest live holder of `sid` (H3 cost, then this coordinator's sequences
-        there, then id); waits for one until `until`, then NoReplica."""
+    def _replay(self, job: _Job, rows: list[_Rows], keep: str | None) -> None:
+        """Rebuild the state of `rows`' sequences: all their tokens again from position 0,
+        through every span; the job's spans go to `keep` (it holds them: `StateLost`) or to
+        whichever live holder is cheapest when they get there (None: the job's holder
+        failed)."""
+        for r in rows:
+            for k in job.spans:
+                sid = self.stages[k].sid
+                if keep is None:
+                    r.seq.holders.pop(sid, None)
+                    self.stats.stage_moves += 1
+                else:
+                    r.seq.holders[sid] = keep
+            r.x, r.start, r.next, r.busy = self.head.embed_tokens(r.seq.fed + r.tokens), 0, 0, False
+            self.stats.stage_replays += 1
+
+    def _count_wait(self, job: _Job) -> None:
+        sid = self.stages[job.spans[0]].sid
+        self.wait_s[sid] = self.wait_s.get(sid, 0.0) + time.monotonic() - job.sent_at
+
+    def _span_names(self, job: _Job) -> str:
+        return "stage " + "+".join(self.stages[k].sid for k in job.spans)
+
+    def _holder(self, r: _Rows, k: int, until: float) -> str:
+        """The holder of span `k` for `r`'s sequence: its own while it has one, else the
+        cheapest live one, a hop saved where the previous span's holder has it too (H3)."""
+        sid = self.stages[k].sid
+        w = r.seq.holders.get(sid)
+        if w is None:
+            prev = r.seq.holders.get(self.stages[k - 1].sid) if k else None
+            w = r.seq.holders[sid] = self._pick(sid, prev, until)
+        return w
+
+    def _pick(self, sid: str, prev: str | None, until: float) -> str:
+        """The cheapest live holder of `sid`: H3's node cost, plus a hop unless it is
+        `prev` (the holder of the span before), then this coordinator's sequences there,
+        then id; waits for one until `until`, then NoReplica."""
+        hop = hops_cost(1, self.routing.router.policy.weights)
         while True:
             live = self.routing.live_holders(sid)
             if live:
                 here = self._load(sid)
-                return min(live, key=lambda w: (self._cost(w), here.get(w, 0), w))
+                return min(live, key=lambda w: (
+                    self._cost(w) + (hop if w != prev else 0.0), here.get(w, 0), w
+                ))  # fmt: skip
             if time.monotonic() >= until:
                 raise NoReplica(
                     f"model {self.info.model!r}: no live worker holds stage {sid}; waited "

@@ -111,7 +111,8 @@ class Coordinator:
         if stage:
             self.chain = Chain(
                 self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
-                self.dispatch.stats, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
+                self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
+                dispatch.microbatches,
             )  # fmt: skip
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
@@ -411,6 +412,7 @@ class Coordinator:
             completed=self.completed, tokens=self.tokens, claimed=self.claimed,
             finishes=self.times.finishes_text(), job_rtt_s=self.dispatch.job_rtt.to_text(),
             ttft_s=self.times.ttft.to_text(), token_gap_s=self.times.gap.to_text(),
+            stage_wait_s=self.chain.wait_text() if self.chain is not None else "{}",
         )  # fmt: skip
 
     def _publish_slots(self, busy: int, total: int) -> None:

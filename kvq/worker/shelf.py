@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from kvq import wire
 from kvq.bank.server import BAD_JOB, ExpertServer
-from kvq.worker.stage import StageServer
+from kvq.worker.stage import StageServer, serve_stage_job
 
 Key = tuple[str, str]  # (model, slice id)
 Server = ExpertServer | StageServer  # an expert slice's, or a stage slice's (X12)
@@ -82,10 +82,22 @@ class Shelf:
             )
             return wire.Result(job_id=job.job_id, worker=self.name, error=error)
         self.last_job[key] = time.monotonic()
-        if isinstance(sv, ExpertServer) and isinstance(job, wire.StageJob):
-            error = wire.Failure(BAD_JOB, f"job {job.job_id}: {job.slice} is an expert slice")
-            return wire.Result(job_id=job.job_id, worker=self.name, error=error)
-        return sv.handle(job)  # type: ignore[arg-type]  # an expert slice's is a wire.Job
+        if isinstance(job, wire.StageJob):
+            return self._stage(job)
+        return sv.handle(job)
+
+    def _stage(self, job: wire.StageJob) -> wire.Result:
+        """A stage job through the stage servers of every span it names, in order."""
+        servers = []
+        for sid in (job.slice, *job.then):
+            sv = self.servers.get((job.model, sid))
+            if not isinstance(sv, StageServer):
+                what = "an expert slice" if sv is not None else "not held here"
+                error = wire.Failure(BAD_JOB, f"stage job {job.job_id}: {sid} is {what}")
+                return wire.Result(job_id=job.job_id, worker=self.name, error=error)
+            self.last_job[(job.model, sid)] = time.monotonic()
+            servers.append(sv)
+        return serve_stage_job(servers, job)
 
     def step(self, slices: set[Key]) -> None:
         """B5: a batch with jobs of these slices was one engine step of their banks."""

@@ -1,18 +1,19 @@
 """`StageServer`: a worker's stage slice (X12), a layer span served whole, with the state of
-every sequence that passes through it.
+every sequence that passes through it; `serve_stage_job` runs a stage job over the spans it
+names (one, or several consecutive ones held by this worker: `StageJob.then`).
 
-A stage job (`wire.StageJob`) carries the rows of some sequences entering the span; the server
+A stage job (`wire.StageJob`) carries the rows of some sequences entering a span; the server
 runs the span's blocks over them (attention against each sequence's own cache, the span's
 routed experts from its own bytes) and answers the rows leaving it. Each sequence's state
 (KV cache, MLA latents, DeltaNet recurrent state, sliding rings) stays here between jobs, keyed
-by (coordinator, sequence key), up to `max_seqs` sequences (the least recently used one goes
-first; its coordinator replays it if it comes back).
+by (coordinator, sequence key), up to `max_seqs` sequences per span (the least recently used
+one goes first; its coordinator replays it if it comes back).
 
 A sequence's rows must start where its state ends. One that does not (its state was evicted,
-or this server never saw it: a holder that took over from a dead one) makes the whole job
+or this worker never saw it: a holder that took over from a dead one) makes the whole job
 answer `StateLost` with those keys in `Result.lost`, retryable, before anything is computed or
-changed; the coordinator replays them from position 0 (`start` 0 drops any state held).
-A whole job runs or none of it does: caches advance only after the span has run.
+changed; the coordinator replays them from position 0 (`start` 0 drops any state held). States
+advance only after every span of the job has run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -29,15 +30,10 @@ import torch
 from kvq import wire
 from kvq.bank.server import BAD_JOB, DEADLINE_EXPIRED, NON_FINITE, WRONG_DTYPE
 from kvq.device import dtype_name
-from kvq.errors import KvqError
 from kvq.model import Backbone, KVCache
 
 log = logging.getLogger("kvq.worker")
 STATE_LOST = "StateLost"
-
-
-class BadStageJob(KvqError):
-    """A stage job this server cannot run (another span, a wrong shape)."""
 
 
 class StageServer:
@@ -61,82 +57,115 @@ class StageServer:
         self.evicted = 0  # states dropped for room (their coordinators replay them)
 
     def handle(self, job: wire.Job | wire.StageJob) -> wire.Result:
-        """The job's result, or a result carrying the error; never raises."""
-        t0 = time.perf_counter()
+        """The answer to a job for this span alone (see `serve_stage_job`); never raises."""
         if not isinstance(job, wire.StageJob):
-            return self._failed(job.job_id, BAD_JOB, f"{self.sid} is a stage: no expert jobs", t0)
-        try:
-            self._check(job)
-            for key in job.drop:
-                self.states.pop((job.coord, key), None)
-            if job.want_dtype is not None and job.want_dtype != self.dtype_name:
-                return self._failed(job.job_id, WRONG_DTYPE, self.dtype_name, t0)
-            if job.deadline_ms and self.clock_ms() > job.deadline_ms:
-                return self._failed(job.job_id, DEADLINE_EXPIRED, "past its deadline", t0)
-            lost = [
-                s.key for s in job.seqs
-                if s.start and self._length(job.coord, s.key) != s.start
-            ]  # fmt: skip
-            if lost:
-                return wire.Result(
-                    job_id=job.job_id, worker=self.name, lost=lost,
-                    error=wire.Failure(STATE_LOST, f"{len(lost)} sequence(s) to replay", True),
-                )  # fmt: skip
-            out = self._run(job)
-        except BadStageJob as exc:
-            return self._failed(job.job_id, BAD_JOB, str(exc), t0)
-        except Exception as exc:  # one job must never stop a server
-            log.exception("stage job %s failed", job.job_id)
-            return wire.Result(job_id=job.job_id, worker=self.name, error=wire.failure(exc))
-        if not np.isfinite(out).all():
-            return self._failed(job.job_id, NON_FINITE, "the span's output overflowed", t0)
-        self.served += 1
-        self.last_serve_ms = int(self.clock_ms())
-        self.busy_s += time.perf_counter() - t0
-        self.rows += int(out.shape[0])
-        return wire.Result(
-            job_id=job.job_id, worker=self.name, y=wire.Tensor.of(out),
-            compute_ms=(time.perf_counter() - t0) * 1000, dtype=self.dtype_name,
-        )  # fmt: skip
+            error = wire.Failure(BAD_JOB, f"{self.sid} is a stage: no expert jobs")
+            return wire.Result(job_id=job.job_id, worker=self.name, error=error)
+        return serve_stage_job([self], job)
 
-    def _length(self, coord: str, key: str) -> int:
-        c = self.states.get((coord, key))
-        return -1 if c is None else c.length
+    def lost(self, coord: str, seqs: Sequence[wire.StageSeq]) -> list[str]:
+        """The keys of `seqs` whose rows do not start where their state here ends."""
+        out = []
+        for s in seqs:
+            c = self.states.get((coord, s.key))
+            if s.start and (c is None or c.length != s.start):
+                out.append(s.key)
+        return out
 
-    def _check(self, job: wire.StageJob) -> None:
-        if job.model != self.model or job.slice != self.sid:
-            raise BadStageJob(f"stage job {job.job_id} for {job.model} {job.slice}: this "
-                              f"server holds {self.model} {self.sid}")  # fmt: skip
-        if job.x.shape[1] != self.hidden or job.x.dtype not in ("float32", "float16"):
-            raise BadStageJob(f"stage job {job.job_id}: rows {job.x.dtype}{job.x.shape}, want "
-                              f"float32 [N, {self.hidden}]")  # fmt: skip
-        if not np.isfinite(job.x.array()).all():
-            raise BadStageJob(f"stage job {job.job_id}: x holds NaN or infinity")
-
-    def _run(self, job: wire.StageJob) -> np.ndarray:
+    def caches(self, coord: str, seqs: Sequence[wire.StageSeq]) -> list[KVCache]:
+        """Each sequence's state (a new one where `start` is 0), not yet stored."""
         bb = self.backbone
-        caches = [
-            bb.new_cache() if s.start == 0 else self.states[(job.coord, s.key)] for s in job.seqs
-        ]
-        lens = [s.rows for s in job.seqs]
-        x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(bb.device, bb.dtype)
+        return [bb.new_cache() if s.start == 0 else self.states[(coord, s.key)] for s in seqs]
+
+    def run(self, x: torch.Tensor, caches: list[KVCache], lens: list[int]) -> torch.Tensor:
+        """The span over `x` [N, H] (`lens` rows per sequence). Returns [N, H]."""
+        t0 = time.perf_counter()
+        bb = self.backbone
         with torch.inference_mode():
-            y = bb.run_span(x, caches, lens)  # [N, H]
-        Backbone.advance_caches(caches, lens)
-        for s, c in zip(job.seqs, caches, strict=True):
-            key = (job.coord, s.key)
+            y = bb.run_span(x.to(bb.device, bb.dtype), caches, lens)
+        self.busy_s += time.perf_counter() - t0
+        self.rows += int(x.shape[0])
+        return y
+
+    def commit(self, coord: str, seqs: Sequence[wire.StageSeq], caches: list[KVCache]) -> None:
+        """The job ran whole: keep each sequence's advanced state (evicting past `max_seqs`)."""
+        Backbone.advance_caches(caches, [s.rows for s in seqs])
+        for s, c in zip(seqs, caches, strict=True):
+            key = (coord, s.key)
             self.states[key] = c
             self.states.move_to_end(key)
         while len(self.states) > self.max_seqs:
             self.states.popitem(last=False)
             self.evicted += 1
-        return np.asarray(y.float().cpu().numpy())  # [N, H]
+        self.served += 1
+        self.last_serve_ms = int(self.clock_ms())
 
-    def _failed(self, job_id: str, kind: str, message: str, t0: float) -> wire.Result:
+
+def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Result:
+    """Run `job` through `servers` (its `slice`, then each of `then`, in order) and answer the
+    rows leaving the last; a result carrying the error otherwise. Never raises."""
+    t0 = time.perf_counter()
+    name = servers[0].name
+
+    def failed(kind: str, message: str, retryable: bool = False) -> wire.Result:
         return wire.Result(
-            job_id=job_id, worker=self.name, compute_ms=(time.perf_counter() - t0) * 1000,
-            error=wire.Failure(kind, message),
+            job_id=job.job_id, worker=name, compute_ms=(time.perf_counter() - t0) * 1000,
+            error=wire.Failure(kind, message, retryable),
         )  # fmt: skip
+
+    try:
+        problem = _check(servers, job)
+        if problem:
+            return failed(BAD_JOB, problem)
+        for sv in servers:
+            for key in job.drop:
+                sv.states.pop((job.coord, key), None)
+        dt = servers[0].dtype_name
+        if job.want_dtype is not None and job.want_dtype != dt:
+            return failed(WRONG_DTYPE, dt)
+        if job.deadline_ms and servers[0].clock_ms() > job.deadline_ms:
+            return failed(DEADLINE_EXPIRED, f"stage job {job.job_id} past its deadline")
+        lost = sorted({k for sv in servers for k in sv.lost(job.coord, job.seqs)})
+        if lost:
+            return wire.Result(
+                job_id=job.job_id, worker=name, lost=lost,
+                error=wire.Failure(STATE_LOST, f"{len(lost)} sequence(s) to replay", True),
+            )  # fmt: skip
+        lens = [s.rows for s in job.seqs]
+        x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32))
+        states = [sv.caches(job.coord, job.seqs) for sv in servers]
+        for sv, caches in zip(servers, states, strict=True):
+            x = sv.run(x, caches, lens)
+        out = np.asarray(x.float().cpu().numpy())  # [N, H]
+        if not np.isfinite(out).all():
+            return failed(NON_FINITE, f"stage job {job.job_id}: the output overflowed")
+        for sv, caches in zip(servers, states, strict=True):
+            sv.commit(job.coord, job.seqs, caches)
+    except Exception as exc:  # one job must never stop a server
+        log.exception("stage job %s failed", job.job_id)
+        return failed(type(exc).__name__, str(exc))
+    return wire.Result(
+        job_id=job.job_id, worker=name, y=wire.Tensor.of(out),
+        compute_ms=(time.perf_counter() - t0) * 1000, dtype=servers[0].dtype_name,
+    )  # fmt: skip
+
+
+def _check(servers: list[StageServer], job: wire.StageJob) -> str:
+    """Why these servers cannot run `job` ("" if they can)."""
+    sids = [job.slice, *job.then]
+    if [sv.sid for sv in servers] != sids or any(sv.model != job.model for sv in servers):
+        return f"stage job {job.job_id} for {job.model} {sids}: not the spans these servers hold"
+    ends = [(sv.backbone.span.start, sv.backbone.span.stop) for sv in servers]
+    if any(a[1] != b[0] for a, b in zip(ends, ends[1:], strict=False)):
+        return f"stage job {job.job_id}: spans {sids} do not follow one another"
+    hidden = servers[0].hidden
+    if job.x.shape[1] != hidden or job.x.dtype not in ("float32", "float16"):
+        return (
+            f"stage job {job.job_id}: rows {job.x.dtype}{job.x.shape}, want float32 [N, {hidden}]"
+        )
+    if not np.isfinite(job.x.array()).all():
+        return f"stage job {job.job_id}: x holds NaN or infinity"
+    return ""
 
 
 def warm_up_stage(server: StageServer) -> float:
