@@ -26,10 +26,8 @@ PROMPTS = ["The quick brown fox", "hello", "a b c d e f g"]
 
 
 def _settings(url: str, prefix: str, **more: object) -> Settings:
-    return load_settings(
-        redis_url=url, prefix=prefix, grain="stage", stage_layers=2, worker_max_slices=1,
-        heartbeat_ttl_s=2.0, **more,
-    )  # fmt: skip
+    values: dict[str, object] = {"worker_max_slices": 1, "heartbeat_ttl_s": 2.0, **more}
+    return load_settings(redis_url=url, prefix=prefix, grain="stage", stage_layers=2, **values)
 
 
 def _held(board: RedisBoard, model_id: str) -> dict[str, set[str]]:
@@ -157,5 +155,38 @@ def test_sigkill_of_a_stage_holder_loses_no_request(redis_server, tmp_path: Path
             r.close()
         assert killed and len(tokens) == n
         assert tokens == local_tokens(model, PROMPTS[0], n)
+    finally:
+        kids.stop_all()
+
+
+@pytest.mark.timeout(600)
+def test_consecutive_spans_on_one_holder_cost_one_job_a_step(redis_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "gpt-oss.gguf"
+    make_tiny(model, arch="gpt-oss", layers=6, experts=8, seed=4, quant="mxfp4")
+    model_id = "stage-one"
+    s = _settings(redis_server.url, "st-one", worker_max_slices=0)
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
+    board = open_board(s.bus, s.lifetimes)
+    try:
+        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
+        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        info = board.model_info(model_id)
+        assert info is not None and len(info.stages()) == 3
+        kids.spawn("w0", "worker", "--id", "w0")
+        kids.wait_for(lambda: _held(board, model_id) == {sid: {"w0"} for sid in info.slices},
+                      300, "one worker holding every span")  # fmt: skip
+        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
+                   "--id", "c1")  # fmt: skip
+        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        r = connect(s.bus)
+        try:
+            got = client.generate(r, Keys(s.prefix), model_id, prompt=PROMPTS[0], max_tokens=8,
+                                  timeout_s=240)  # fmt: skip
+        finally:
+            r.close()
+        assert got == local_tokens(model, PROMPTS[0], 8)
+        # 8 engine steps (the prompt, then 7 decode steps), each one job through all 3 spans
+        kids.wait_for(lambda: board.coord_stats("c1").remote_jobs >= 8, 60, "published stats")
+        assert board.coord_stats("c1").remote_sent == 8
     finally:
         kids.stop_all()
