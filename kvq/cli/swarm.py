@@ -209,13 +209,46 @@ def _add_pool(bench: Subparsers) -> None:
     p.set_defaults(fn=cmd_bench_pool)
 
 
+def cmd_bench_llama_rpc(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.llama_rpc import RpcBench, run_rpc_bench
+
+    cfg = RpcBench(
+        model=args.model, bin_dir=args.bin_dir, servers=args.servers, rtts_ms=args.rtt_ms,
+        sequences=args.sequences, prompt_tokens=args.npp, gen_tokens=args.ntg,
+    )  # fmt: skip
+    r = run_rpc_bench(cfg)
+    if args.json or "skipped" in r:
+        print(json.dumps(r))
+        return EXIT_OK
+    for run in r["runs"]:
+        print(f"rtt {run['rtt_ms']:g} ms, {run.get('sequences', '?')} sequences: "
+              f"{run.get('tok_s', run.get('error'))} tok/s")  # fmt: skip
+    return EXIT_OK
+
+
+def _add_llama_rpc(bench: Subparsers) -> None:
+    p = bench.add_parser("llama-rpc", help="llama.cpp RPC over the same delayed links (peer)")
+    p.add_argument("--model", required=True, help="the GGUF file kvq bench pool served")
+    p.add_argument(
+        "--bin-dir", default="", help="where ggml-rpc-server and llama-batched-bench are"
+    )
+    p.add_argument("--servers", type=_positive, default=3, help="ggml-rpc-server processes")
+    p.add_argument("--rtt-ms", type=_floats, default=(0.0, 5.0, 20.0), help="comma list")
+    p.add_argument("--sequences", type=_ints, default=(1, 8), help="comma list (-npl)")
+    p.add_argument("--npp", type=_positive, default=16, help="prompt tokens per sequence")
+    p.add_argument("--ntg", type=_positive, default=16, help="generated tokens per sequence")
+    p.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    p.set_defaults(fn=cmd_bench_llama_rpc)
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """swarm-sim, bench swarm, bench offload."""
+    """swarm-sim, bench swarm, bench offload, bench pool, bench llama-rpc."""
     _add_swarm_sim(sub)
     _add_bench_swarm(bench)
     _add_bench_offload(bench)
     _add_bench_microbatch(bench)
     _add_pool(bench)
+    _add_llama_rpc(bench)
 
 
 def _add_swarm_sim(sub: Subparsers) -> None:

@@ -41,7 +41,6 @@ from kvq.coordinator.pending import Pending, latency_ms
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import NoReplica, RoutingError
 from kvq.model import Backbone, KVCache, SeqStep
-from kvq.model.microbatch import split_rows
 from kvq.slices import SliceSpec
 from kvq.swarm.telemetry import hops_cost
 
@@ -67,9 +66,17 @@ class _Rows:
     tokens: list[int]  # the step's new tokens
     x: torch.Tensor  # [n, H] the rows entering span `next`
     start: int  # the position of the first row, in every span (0 after a replay)
-    cohort: int  # rows of one cohort travel together; cohorts overlap (pipelining)
+    cohort: int  # the pass: rows of one pass travel together, passes overlap (pipelining)
     next: int = 0  # the next span to run
     busy: bool = False  # in a job now
+
+
+@dataclass(eq=False)
+class Pass:
+    """One forward of some sequences through the chain (`Chain.start`)."""
+
+    steps: list[SeqStep]
+    rows: list[_Rows]
 
 
 @dataclass
@@ -99,7 +106,11 @@ class Chain:
         self.stats, self.job_rtt = tally.stats, tally.job_rtt
         self.wait_s: dict[str, float] = {}  # span -> seconds waited for its answers
         self.deadline_ms, self.replica_wait_s = deadline_ms, replica_wait_s
-        self.cohorts = cohorts  # KVQ_MICROBATCHES: cohorts of one step that overlap
+        self.cohorts = cohorts  # KVQ_MICROBATCHES: passes the engine keeps open at once
+        self._cohorts = itertools.count()  # each pass's rows travel as their own jobs
+        self._passes: list[Pass] = []
+        self._flying: dict[str, _Job] = {}
+        self._until = 0.0  # NoReplica after this long without an answer used
         self._seqs: weakref.WeakKeyDictionary[KVCache, _Seq] = weakref.WeakKeyDictionary()
         self._keys = itertools.count()
         self._gone: list[_Seq] = []  # finished sequences whose holders still keep state
@@ -119,44 +130,68 @@ class Chain:
         weakref.finalize(cache, self._gone.append, seq)
         return cache
 
+    def start(self, steps: list[SeqStep]) -> Pass:
+        """Begin a pass of `steps` (its rows wait to be sent); `pump` carries it on."""
+        lens = self.head.check_steps(steps)
+        h = self.head.embed_tokens([t for s in steps for t in s.tokens])  # [N, H]
+        cohort = next(self._cohorts)
+        rows, at = [], 0
+        for s, n in zip(steps, lens, strict=True):
+            seq = self._seqs[s.cache]
+            rows.append(_Rows(seq, list(s.tokens), h[at : at + n], s.cache.length, cohort))
+            at += n
+        p = Pass(steps, rows)
+        self._passes.append(p)
+        if len(self._passes) == 1:
+            self._until = time.monotonic() + self.replica_wait_s
+        return p
+
+    @torch.no_grad()
+    def pump(self) -> list[tuple[Pass, torch.Tensor]]:
+        """Send what waits, read answers, until some pass has left the last span; returns
+        each finished pass with its logits [len(steps), V] (its caches advanced). A pass
+        goes on to the next span as soon as its answer is in, while the others compute:
+        with several passes open (cohorts, `kvq.coordinator.engine`) every holder works."""
+        self._release_finished()
+        last = len(self.stages)
+        while True:
+            ready = [r for p in self._passes for r in p.rows if not r.busy and r.next < last]
+            if ready:
+                self._send(ready, self._flying, self._until)
+            if self._receive(self._flying):
+                self._until = time.monotonic() + self.replica_wait_s
+            elif time.monotonic() > self._until:
+                self._passes, self._flying = [], {}
+                raise NoReplica(f"model {self.info.model!r}: no stage answer for "
+                                f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S)")  # fmt: skip
+            done = [p for p in self._passes if all(r.next >= last for r in p.rows)]
+            if done:
+                self._passes = [p for p in self._passes if p not in done]
+                return [(p, self._finish(p)) for p in done]
+
     @torch.no_grad()
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """Logits [len(steps), V] at each sequence's last new token, the blocks run by the
         stage holders; caches advance only when every span has answered."""
-        lens = self.head.check_steps(steps)
-        h = self.head.embed_tokens([t for s in steps for t in s.tokens])  # [N, H]
-        cohort = {i: c for c, idx in enumerate(split_rows(lens, self.cohorts)) for i in idx}
-        rows, at = [], 0
-        for i, (s, n) in enumerate(zip(steps, lens, strict=True)):
-            seq = self._seqs[s.cache]
-            rows.append(_Rows(seq, list(s.tokens), h[at : at + n], s.cache.length, cohort[i]))
-            at += n
-        self._release_finished()
-        self._run(rows)
-        out = torch.cat([r.x for r in rows])  # replayed sequences carry all their rows
-        logits = self.head.head(out, [int(r.x.shape[0]) for r in rows])
-        Backbone.advance(steps)
-        for r in rows:
+        p = self.start(steps)
+        while True:
+            for q, logits in self.pump():
+                if q is p:
+                    return logits
+
+    def abandon(self) -> None:
+        """Drop every open pass (its sequences failed): their answers are not waited for."""
+        for job_id in self._flying:
+            self.mailbox.forget(job_id)
+        self._passes, self._flying = [], {}
+
+    def _finish(self, p: Pass) -> torch.Tensor:
+        out = torch.cat([r.x for r in p.rows])  # replayed sequences carry all their rows
+        logits = self.head.head(out, [int(r.x.shape[0]) for r in p.rows])
+        Backbone.advance(p.steps)
+        for r in p.rows:
             r.seq.fed.extend(r.tokens)
         return logits
-
-    # -- the chain's event loop ------------------------------------------------------------
-    def _run(self, rows: list[_Rows]) -> None:
-        """Until every row has left the last span: send the rows that wait, read answers,
-        and move, replay or resend what failed. A cohort goes on to the next span as soon
-        as its answer is in, while the others are still computing (pipelining)."""
-        last = len(self.stages)
-        flying: dict[str, _Job] = {}
-        until = time.monotonic() + self.replica_wait_s  # moved on with every answer used
-        while any(r.next < last for r in rows):
-            ready = [r for r in rows if not r.busy and r.next < last]
-            if ready:
-                self._send(ready, flying, until)
-            if self._receive(flying):
-                until = time.monotonic() + self.replica_wait_s
-            elif time.monotonic() > until:
-                raise NoReplica(f"model {self.info.model!r}: no stage answer for "
-                                f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S)")  # fmt: skip
 
     def _send(self, ready: list[_Rows], flying: dict[str, _Job], until: float) -> None:
         """One job per (cohort, span, holder) of the ready rows, each over the spans that

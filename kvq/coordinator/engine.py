@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq import wire
-from kvq.coordinator.chain import Chain
+from kvq.coordinator.chain import Chain, Pass
 from kvq.coordinator.detok import StopText
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
@@ -47,6 +47,7 @@ class Sequence:
     text: StopText | None = None
     attempt: int = 1  # which run of the request this is (a restart or takeover adds one)
     forced: list[int] = field(default_factory=list)  # tokens an earlier run already streamed
+    cohort: int = 0  # stage grain with KVQ_MICROBATCHES > 1: the cohort it steps with
 
     @property
     def fresh(self) -> bool:
@@ -78,6 +79,8 @@ class Engine:
         backbone then holds only the embedding and the output head."""
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
         self.chain = chain
+        self._admitted = 0
+        self._open: dict[int, tuple[Pass, list[tuple[Sequence, int]]]] = {}  # cohort -> pass
         self.prefill_chunk = prefill_chunk
         self.active: list[Sequence] = []
 
@@ -109,6 +112,9 @@ class Engine:
             text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
             forced=list(forced or []), source=source,
         )  # fmt: skip
+        if self.chain is not None:
+            seq.cohort = self._admitted % self.chain.cohorts
+        self._admitted += 1
         self.active.append(seq)
         return seq
 
@@ -124,6 +130,9 @@ class Engine:
     def drop_all(self) -> list[Sequence]:
         """Drop every active sequence (a step that cannot finish); returns them."""
         gone, self.active = self.active, []
+        if self.chain is not None:
+            self.chain.abandon()
+        self._open.clear()
         return gone
 
     def step(self, moe: MoeFn | None, on_tokens: TokenSink) -> list[Sequence]:
@@ -132,6 +141,8 @@ class Engine:
         returns the sequences that finished."""
         if not self.active:
             return []
+        if self.chain is not None and self.chain.cohorts > 1:
+            return self._step_cohorts(on_tokens)
         takes = self._tokens_to_read()
         stepping = [(s, n) for s, n in zip(self.active, takes, strict=True) if n]
         for seq in self.active:
@@ -139,11 +150,51 @@ class Engine:
         steps = [SeqStep(s.next_input[:n], s.cache) for s, n in stepping]
         with torch.inference_mode():
             logits = self._forward(steps, moe)  # [S, vocab]
+        return self._take(stepping, logits, on_tokens)
+
+    def _step_cohorts(self, on_tokens: TokenSink) -> list[Sequence]:
+        """Stage grain with cohorts (X12 item 5): each cohort of sequences has its own pass
+        through the chain, and a cohort whose pass is done samples and starts its next one
+        while the others are still on their way, so with as many cohorts as stages every
+        holder computes all the time. One call: start what can start, finish what is done."""
+        assert self.chain is not None
+        idle = [s for s in self.active if s.cohort not in self._open]  # not in flight
+        takes = dict(zip(map(id, idle), self._tokens_to_read(idle), strict=True))
+        for c in range(self.chain.cohorts):
+            if c in self._open:
+                continue
+            stepping = [(s, takes[id(s)]) for s in idle if s.cohort == c and takes[id(s)]]
+            if stepping:
+                steps = [SeqStep(s.next_input[:n], s.cache) for s, n in stepping]
+                self._open[c] = (self.chain.start(steps), stepping)
+        for seq in self.active:
+            seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
+        done: list[Sequence] = []
+        by_pass = {id(p): c for c, (p, _) in self._open.items()}
+        finished = self.chain.pump() if self._open else []
+        for p, logits in finished:
+            _, stepping = self._open.pop(by_pass[id(p)])
+            live = {id(s) for s in self.active}  # one cancelled meanwhile gets nothing
+            done += self._take([(s, n) for s, n in stepping if id(s) in live], logits,
+                               None, [i for i, (s, _) in enumerate(stepping) if id(s) in live])  # fmt: skip
+        emitted = self.active
+        self.active = [s for s in self.active if s.finish is None]
+        on_tokens(emitted)
+        return done
+
+    def _take(
+        self, stepping: list[tuple[Sequence, int]], logits: torch.Tensor,
+        on_tokens: TokenSink | None, rows: list[int] | None = None,
+    ) -> list[Sequence]:  # fmt: skip
+        """Sample each stepping sequence from its logits row (`rows[i]`, default i); then,
+        with `on_tokens`, retire the finished and tell. Returns the finished."""
+        with torch.inference_mode():
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
             done = []
-            for i, (seq, n) in enumerate(stepping):
+            for j, (seq, n) in enumerate(stepping):
+                i = rows[j] if rows is not None else j
                 if n < len(seq.next_input):  # a chunk of its prompt: the rest in later steps
                     seq.next_input = seq.next_input[n:]
                     continue
@@ -157,18 +208,20 @@ class Engine:
                 self._advance(seq, tok, logits[i])
                 if seq.finish:
                     done.append(seq)
+        if on_tokens is None:
+            return done
         emitted = self.active
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
 
-    def _tokens_to_read(self) -> list[int]:
+    def _tokens_to_read(self, seqs: list[Sequence] | None = None) -> list[int]:
         """Per active sequence, the tokens of its `next_input` this step reads: all of a
         decode step's one; of prompts, what the step's `prefill_chunk` budget has left, in
         admission order (0: it waits for the next step)."""
         left = self.prefill_chunk or None
         takes = []
-        for seq in self.active:
+        for seq in self.active if seqs is None else seqs:
             n = len(seq.next_input)
             if n > 1 and left is not None:
                 n = min(n, left)

@@ -61,14 +61,18 @@ def _generate_all(s: Settings, model_id: str, n: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("arch", "variant"), [("deepseek2", "v3"), ("qwen35moe", "")])
+@pytest.mark.parametrize(
+    ("arch", "variant", "cohorts"), [("deepseek2", "v3", 1), ("qwen35moe", "", 2)]
+)
 def test_a_chain_of_stage_workers_gives_local_generations_tokens(
-    redis_server, tmp_path: Path, arch: str, variant: str
+    redis_server, tmp_path: Path, arch: str, variant: str, cohorts: int
 ) -> None:  # type: ignore[no-untyped-def]
+    """`cohorts` 2 (KVQ_MICROBATCHES): two passes through the chain at once, each cohort
+    sampling and starting its next pass while the other is on its way."""
     model = tmp_path / f"{arch}.gguf"
     make_tiny(model, arch=arch, variant=variant, layers=4, experts=8, seed=5)
     model_id = f"stage-{arch}"
-    s = _settings(redis_server.url, f"st-{arch}")
+    s = _settings(redis_server.url, f"st-{arch}", microbatches=cohorts)
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
