@@ -89,6 +89,7 @@ def shape_of(meta: Any, slices: int) -> dict[str, int]:
         "hidden": meta.embedding_length, "expert_ffn": meta.expert_feed_forward_length,
         "heads": meta.head_count, "kv_heads": meta.head_count_kv, "head_dim": meta.head_dim,
         "slices_per_layer": max(1, slices // max(1, moe)),
+        "vocab": meta.vocab_size, "blocks": meta.block_count,
     }  # fmt: skip
 
 

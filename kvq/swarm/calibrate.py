@@ -184,6 +184,12 @@ def throughput_report(
         raise RoutingError(f"--coord-speedup and --worker-speedup must be > 0, got {speedups}")
     if not 0 <= calibrate_with <= len(reports):
         raise RoutingError(f"--calibrate {calibrate_with}: there are {len(reports)} reports")
+    if all(r.get("grain") == "stage" for r in reports):
+        from kvq.swarm.stage_model import stage_report
+
+        return stage_report(reports, shapes, workers, rtts_ms, batch, speedups[1])
+    if any(r.get("grain") == "stage" for r in reports):
+        raise RoutingError("--measured mixes stage and expert grain reports; give one grain")
     used = reports[: calibrate_with or len(reports)]
     costs = calibrate(used)
     checks = check(reports, costs)
