@@ -26,6 +26,7 @@ from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.bus.shards import ShardedConsumer
+from kvq.catalog import ModelInfo
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
 from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.chain import Chain
@@ -60,6 +61,36 @@ def streamed_tokens(history: list[wire.ReplyEvent]) -> list[int]:
     return out
 
 
+def _load(
+    info: ModelInfo, model_path: str | Path, routing: RoutingSettings,
+    settings: CoordinatorSettings,
+) -> tuple[Backbone, RoutingSettings, torch.dtype]:  # fmt: skip
+    """The backbone this coordinator runs from `model_path` (checked against the registered
+    model first: the wrong file fails fast), the routing it implies, and its compute dtype.
+    At stage grain (X12) only the embedding and the head: the blocks run on stage holders."""
+    source = backbone_source(model_path)  # None: the full file, experts and all
+    if source is None:
+        check_model_file(info, model_path)
+    else:
+        check_backbone_file(info, model_path, source)
+    meta = read_meta(model_path)
+    dtype = compute_dtype(torch.device("cpu"), settings.compute_dtype, info.meta.expert_types())
+    stage = info.grain == "stage"
+    if stage:
+        routing = replace(routing, local_experts=False)
+        meta = replace(meta, expert_tensors={})  # no bank: nothing routed is computed here
+    backbone = Backbone.from_gguf(
+        model_path, dtype=dtype, meta=meta, span=range(0) if stage else None
+    )
+    if not meta.holds_experts and routing.local_experts:
+        raise ConfigError(
+            f"{str(model_path)!r} is a backbone file without routed experts, so this "
+            "coordinator cannot compute them: unset KVQ_COORDINATOR_EXPERTS (or set it to "
+            "none), or start the coordinator on the full model file"
+        )
+    return backbone, routing, dtype
+
+
 class Coordinator:
     """Serves one model from `model_path`, registered on the board as `model`."""
 
@@ -70,28 +101,8 @@ class Coordinator:
     ) -> None:  # fmt: skip
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
         self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
-        source = backbone_source(model_path)  # None: the full file, experts and all
-        # before loading: the wrong file fails fast
-        if source is None:
-            check_model_file(self.info, model_path)
-        else:
-            check_backbone_file(self.info, model_path, source)
-        meta = read_meta(model_path)
-        dtype = compute_dtype(
-            torch.device("cpu"), settings.compute_dtype, self.info.meta.expert_types()
-        )
-        stage = self.info.grain == "stage"
-        if stage:  # X12: the blocks run on stage holders; here the embedding and the head
-            routing = replace(routing, local_experts=False)
-            meta = replace(meta, expert_tensors={})  # no bank: nothing routed is computed here
-        span = range(0) if stage else None
-        self.backbone = Backbone.from_gguf(model_path, dtype=dtype, meta=meta, span=span)
-        if not meta.holds_experts and routing.local_experts:
-            raise ConfigError(
-                f"{str(model_path)!r} is a backbone file without routed experts, so this "
-                "coordinator cannot compute them: unset KVQ_COORDINATOR_EXPERTS (or set it to "
-                "none), or start the coordinator on the full model file"
-            )
+        self.backbone, routing, dtype = _load(self.info, model_path, routing, settings)
+        meta, stage = self.backbone.meta, self.info.grain == "stage"
         self.tokenizer = load_tokenizer(model_path)  # the file's own vocabulary (or bytes)
         self.chat = load_chat_template(model_path)  # the file's own, or ChatML
         cpu = torch.device("cpu")  # the backbone runs on the CPU (docs/limits.md)
@@ -107,13 +118,11 @@ class Coordinator:
             board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
             self.routing, board.maxlen,
         )  # fmt: skip
-        self.chain = None
-        if stage:
-            self.chain = Chain(
-                self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
-                self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
-                dispatch.microbatches,
-            )  # fmt: skip
+        self.chain = None if not stage else Chain(
+            self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
+            self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
+            dispatch.microbatches,
+        )  # fmt: skip
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
         )

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from kvq.errors import RoutingError
+from kvq.swarm.fit import fit as _fit
+from kvq.swarm.stage_model import stage_report
 from kvq.swarm.throughput import (
     SHAPES,
     Costs,
@@ -71,23 +71,6 @@ def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
                 p = _per_layer_step(run, shape.layers)
                 out.append({**p, "w": rep["workers"], "k": shape.experts_used})
     return out
-
-
-def _fit(rows: list[list[float]], target: list[float], scale: list[float]) -> list[float]:
-    """Least squares of `target` over the columns of `rows`, each row weighted 1 / `scale`
-    (relative errors), every coefficient >= 0: a column whose coefficient comes out negative
-    is dropped (the most negative first) and the others refitted."""
-    a = np.asarray(rows, dtype=np.float64) / np.asarray(scale, dtype=np.float64)[:, None]
-    y = np.asarray(target, dtype=np.float64) / np.asarray(scale, dtype=np.float64)
-    keep = list(range(a.shape[1]))
-    while True:
-        coef = np.zeros(a.shape[1])
-        if keep:
-            coef[keep] = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
-        negative = [i for i in keep if coef[i] < -1e-12]
-        if not negative:
-            return [max(0.0, float(c)) for c in coef]
-        keep.remove(min(negative, key=lambda i: coef[i]))
 
 
 def calibrate(reports: list[dict[str, Any]]) -> Costs:
@@ -185,8 +168,6 @@ def throughput_report(
     if not 0 <= calibrate_with <= len(reports):
         raise RoutingError(f"--calibrate {calibrate_with}: there are {len(reports)} reports")
     if all(r.get("grain") == "stage" for r in reports):
-        from kvq.swarm.stage_model import stage_report
-
         return stage_report(reports, shapes, workers, rtts_ms, batch, speedups[1])
     if any(r.get("grain") == "stage" for r in reports):
         raise RoutingError("--measured mixes stage and expert grain reports; give one grain")

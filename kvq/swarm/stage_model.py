@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvq.errors import RoutingError
+from kvq.swarm.fit import fit as _fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +140,6 @@ def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
 
 def calibrate_stages(reports: list[dict[str, Any]]) -> StageCosts:
     """Costs from stage bench reports, jointly (see the module docstring)."""
-    from kvq.swarm.calibrate import _fit  # one fitting rule for both grains
-
     pts = _points(reports)
     if not pts:
         raise RoutingError("the stage bench reports have no window with tokens")
