@@ -16,6 +16,12 @@ the sequence runs again from position 0 through every span up to the failed one 
 drops whatever a holder kept) and then on. No request fails while a live holder of every span
 exists; with none, the step waits `KVQ_REPLICA_WAIT_S` for one and then raises NoReplica.
 
+A holder that also holds the next spans of all a job's sequences runs them in the same job
+(`StageJob.then`): one round trip for consecutive spans in one place. `start` opens a pass of
+some sequences and `pump` carries every open pass on until one is done: the engine keeps one
+pass per cohort open (`KVQ_MICROBATCHES`), so a cohort goes on to its next step while the
+others are still on their way and every holder can compute all the time.
+
 Finished sequences are forgotten by their holders through the next job sent to each (`drop`),
 found when the engine lets go of their caches.
 """
@@ -118,7 +124,8 @@ class Chain:
 
     def wait_text(self) -> str:
         """The seconds waited per span, as JSON (`CoordStats.stage_wait_s`)."""
-        return json.dumps({sid: round(s, 3) for sid, s in self.wait_s.items()})
+        waits = dict(self.wait_s)  # read on the slot-poll thread: one atomic copy first
+        return json.dumps({sid: round(s, 3) for sid, s in waits.items()})
 
     # -- the engine's side ---------------------------------------------------------------
     def new_cache(self) -> KVCache:

@@ -194,3 +194,35 @@ def test_consecutive_spans_on_one_holder_cost_one_job_a_step(redis_server, tmp_p
         assert board.coord_stats("c1").remote_sent == 8
     finally:
         kids.stop_all()
+
+
+@pytest.mark.timeout(300)
+def test_a_span_no_live_worker_holds_ends_the_request_with_a_clear_error(
+    redis_server, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "olmoe.gguf"
+    make_tiny(model, arch="olmoe", layers=4, experts=8, seed=2)
+    model_id = "stage-gap"
+    s = _settings(redis_server.url, "st-gap", replica_wait_s=3.0)
+    kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
+    board = open_board(s.bus, s.lifetimes)
+    try:
+        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
+        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        kids.spawn("w0", "worker", "--id", "w0")  # one span only (KVQ_WORKER_MAX_SLICES=1)
+        kids.wait_for(lambda: len(_held(board, model_id)) == 1, 300, "one span held")
+        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
+                   "--id", "c1")  # fmt: skip
+        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        r = connect(s.bus)
+        try:
+            with pytest.raises(client.RequestFailed) as err:
+                client.generate(r, Keys(s.prefix), model_id, prompt="hi", max_tokens=4,
+                                timeout_s=120)  # fmt: skip
+        finally:
+            r.close()
+        failure = err.value.failure
+        assert failure is not None and failure.type == "NoReplica"
+        assert "KVQ_REPLICA_WAIT_S" in failure.message and "stage" in failure.message
+    finally:
+        kids.stop_all()
