@@ -151,9 +151,10 @@ class Backbone:
         norm = load("output_norm.weight", (h,)) if head else torch.ones(h, dtype=dtype).to(device)
         return cls(m, embed, layers, norm, output, experts, factors, span.start)
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache that grows up to the model's context length, with a zero
-        recurrent state beside it for the linear-attention layers (if any)."""
+    def new_cache(self, initial: int = 256) -> KVCache:
+        """An empty KV cache that grows up to the model's context length (from `initial`
+        positions, doubling), with a zero recurrent state beside it for the linear-attention
+        layers (if any)."""
         m = self.meta
         kv, width = m.cache_width
         rec = m.recurrent_layers
@@ -164,7 +165,7 @@ class Backbone:
         return KVCache(
             m.block_count, m.context_length, kv, width, self.device, self.dtype,
             latent_values=m.kv_lora_rank, windows=[m.window(i) for i in range(m.block_count)],
-            state=state, held=self.span,
+            state=state, held=self.span, initial=initial,
         )  # fmt: skip
 
     def local_moe(

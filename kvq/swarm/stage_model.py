@@ -173,12 +173,14 @@ def stage_report(
             raise RoutingError(f"unknown shape {name!r}; choose from {sorted(STAGE_SHAPES)}")
         to = STAGE_SHAPES[name]
         c = costs.scaled(frm, to, speedup)
+        one = replace(c, rtts=1.0)  # what if a hop cost one RTT, as the link allows
         for h in holders:
             for rtt in rtts_ms:
                 best = max(range(1, h + 2), key=lambda m: tok_s(to, c, h, rtt, batch, m))
                 out.append({
                     "shape": name, "holders": h, "rtt_ms": rtt,
                     "tok_s_b1": round(tok_s(to, c, h, rtt, 1), 3),
+                    "tok_s_b1_one_rtt": round(tok_s(to, one, h, rtt, 1), 3),
                     f"tok_s_b{batch}": round(tok_s(to, c, h, rtt, batch), 3),
                     f"tok_s_b{batch}_cohorts": round(tok_s(to, c, h, rtt, batch, best), 3),
                     "cohorts": best,

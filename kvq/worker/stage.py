@@ -34,6 +34,10 @@ from kvq.model import Backbone, KVCache
 
 log = logging.getLogger("kvq.worker")
 STATE_LOST = "StateLost"
+# a new sequence's cache holds this many positions at first, doubling as it grows: an OLMoE
+# span of 6 blocks keeps 16 KB per position and block (K and V), so the engine's usual 256
+# would cost 24 MB a sequence before it had written anything
+_FIRST_POSITIONS = 32
 
 
 class StageServer:
@@ -75,7 +79,10 @@ class StageServer:
     def caches(self, coord: str, seqs: Sequence[wire.StageSeq]) -> list[KVCache]:
         """Each sequence's state (a new one where `start` is 0), not yet stored."""
         bb = self.backbone
-        return [bb.new_cache() if s.start == 0 else self.states[(coord, s.key)] for s in seqs]
+        return [
+            bb.new_cache(_FIRST_POSITIONS) if s.start == 0 else self.states[(coord, s.key)]
+            for s in seqs
+        ]
 
     def run(self, x: torch.Tensor, caches: list[KVCache], lens: list[int]) -> torch.Tensor:
         """The span over `x` [N, H] (`lens` rows per sequence). Returns [N, H]."""
