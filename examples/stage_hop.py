@@ -42,8 +42,14 @@ def main() -> None:
     with local_redis() as srv:
         host, port = srv.url.split("//")[1].split("/")[0].split(":")
         proxy = DelayProxy(host, int(port), rtt)
-        s = load_settings(redis_url=srv.url, prefix="hop", grain="stage", n_slots=4,
-                          stage_layers=stage_layers, worker_max_slices=1)  # fmt: skip
+        s = load_settings(
+            redis_url=srv.url,
+            prefix="hop",
+            grain="stage",
+            n_slots=4,
+            stage_layers=stage_layers,
+            worker_max_slices=1,
+        )
         kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(work))
         board = open_board(s.bus, s.lifetimes)
         try:
@@ -54,16 +60,20 @@ def main() -> None:
                 kids.spawn(f"w{i}", "worker", "--id", f"w{i}", env=far)
             info = board.model_info("m")
             assert info is not None
-            kids.wait_for(lambda: {v.slice_id for v in board.workers("m") if v.ready}
-                          == set(info.slices), 600, "every span held")  # fmt: skip
+            kids.wait_for(
+                lambda: {v.slice_id for v in board.workers("m") if v.ready} == set(info.slices),
+                600,
+                "every span held",
+            )
             kids.spawn("c", "coordinator", "--model", str(model), "--model-id", "m", "--id", "c1")
             kids.wait_for(lambda: board.coordinator_alive("c1"), 600, "the coordinator")
             r = connect(s.bus)
             client.generate(r, Keys(s.prefix), "m", prompt="hi", max_tokens=4, timeout_s=600)
             st0 = board.coord_stats("c1")
             t0 = time.monotonic()
-            got = client.generate(r, Keys(s.prefix), "m", prompt="hello", max_tokens=30,
-                                  timeout_s=600)  # fmt: skip
+            got = client.generate(
+                r, Keys(s.prefix), "m", prompt="hello", max_tokens=30, timeout_s=600
+            )
             dt = time.monotonic() - t0
             kids.wait_for(lambda: board.coord_stats("c1") != st0, 30, "published stats")
             st1 = board.coord_stats("c1")
@@ -71,8 +81,10 @@ def main() -> None:
             h0, h1 = Histogram.from_text(st0.job_rtt_s), Histogram.from_text(st1.job_rtt_s)
             assert h0 is not None and h1 is not None
             n = h1.count - h0.count
-            print(f"rtt {rtt:g} ms: {len(got) / dt:.2f} tok/s, {n} stage jobs, mean job round "
-                  f"trip {1000 * (h1.sum - h0.sum) / max(n, 1):.1f} ms")  # fmt: skip
+            print(
+                f"rtt {rtt:g} ms: {len(got) / dt:.2f} tok/s, {n} stage jobs, mean job round "
+                f"trip {1000 * (h1.sum - h0.sum) / max(n, 1):.1f} ms"
+            )
         finally:
             kids.stop_all()
             proxy.close()

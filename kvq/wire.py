@@ -40,6 +40,8 @@ Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tenso
 MAX_ELEMENTS = 1 << 32  # its dimensions multiplied (zeros left out): numpy can make it
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 MAX_STAGE_SEQS = 4096  # sequences one stage job carries at most
+# a stage holder refused a job whole: some sequences must be replayed (`Result.lost`)
+STATE_LOST = "StateLost"
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -65,57 +65,66 @@ def run_rpc_bench(cfg: RpcBench) -> dict[str, Any]:
         raise ConfigError(f"--model {cfg.model!r} is not a file")
     bins = find_binaries(cfg.bin_dir)
     if bins is None:
-        return {"skipped": f"no {SERVER} and {BATCHED} under {cfg.bin_dir!r} or on PATH: build "
-                           "llama.cpp with -DGGML_RPC=ON (docs/benchmarks.md)"}  # fmt: skip
+        return {
+            "skipped": f"no {SERVER} and {BATCHED} under {cfg.bin_dir!r} or on PATH: build "
+            "llama.cpp with -DGGML_RPC=ON (docs/benchmarks.md)"
+        }
     cpus = sorted(os.sched_getaffinity(0))
     host_cpu, side_cpu = cpus[0], cpus[-1]
     runs: list[dict[str, Any]] = []
     for rtt in cfg.rtts_ms:
         runs.extend(_one_rtt(cfg, bins, rtt, host_cpu, side_cpu))
     return {
-        "model": cfg.model, "servers": cfg.servers, "prompt_tokens": cfg.prompt_tokens,
-        "gen_tokens": cfg.gen_tokens, "cpus": {"host": host_cpu, "servers_proxies": side_cpu},
-        "threads": 1, "runs": runs,
-    }  # fmt: skip
+        "model": cfg.model,
+        "servers": cfg.servers,
+        "prompt_tokens": cfg.prompt_tokens,
+        "gen_tokens": cfg.gen_tokens,
+        "cpus": {"host": host_cpu, "servers_proxies": side_cpu},
+        "threads": 1,
+        "runs": runs,
+    }
 
 
 def _one_rtt(
     cfg: RpcBench, bins: tuple[Path, Path], rtt: float, host_cpu: int, side_cpu: int
 ) -> list[dict[str, Any]]:
     server_bin, batched_bin = bins
-    procs, proxies = [], []
+    procs: list[subprocess.Popen[bytes]] = []
+    proxies: list[DelayProxy] = []
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {side_cpu})  # the proxies' threads run beside the servers
     try:
         for _ in range(cfg.servers):
             port = _free_port()
-            procs.append(subprocess.Popen(
-                ["taskset", "-c", str(side_cpu), str(server_bin), "-H", "127.0.0.1", "-p",
-                 str(port), "-t", "1"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))  # fmt: skip
+            server = f"taskset -c {side_cpu} {server_bin} -H 127.0.0.1 -p {port} -t 1"
+            procs.append(
+                subprocess.Popen(
+                    server.split(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
             _wait_port(port)
             proxies.append(DelayProxy("127.0.0.1", port, rtt))
         rpc = ",".join(f"127.0.0.1:{p.port}" for p in proxies)
-        cmd = [
-            "taskset", "-c", str(host_cpu), str(batched_bin), "-m", cfg.model, "--rpc", rpc,
-            "-ngl", "99", "-ts", "/".join("1" * cfg.servers), "-t", "1",
-            "-npp", str(cfg.prompt_tokens), "-ntg", str(cfg.gen_tokens),
-            "-npl", ",".join(str(n) for n in cfg.sequences), "-c", str(
-                max(cfg.sequences) * (cfg.prompt_tokens + cfg.gen_tokens) + 64),
-            "--output-format", "jsonl",
-        ]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
+        out = subprocess.run(
+            _batched(cfg, batched_bin, rpc, host_cpu),
+            capture_output=True,
+            text=True,
+            timeout=cfg.timeout_s,
+        )
         text = out.stdout + "\n" + out.stderr  # its LOG lines go to either, by build
         rows = [json.loads(line) for line in text.splitlines() if line.startswith('{"n_kv_max"')]
         if out.returncode != 0 or not rows:
             tail = (out.stderr or out.stdout)[-400:]
             return [{"rtt_ms": rtt, "error": f"exit {out.returncode}: {tail}"}]
         return [
-            {"rtt_ms": rtt, "sequences": r["pl"], "tok_s": round(r["speed_tg"], 3),
-             "pp_tok_s": round(r["speed_pp"], 3)}
+            {
+                "rtt_ms": rtt,
+                "sequences": r["pl"],
+                "tok_s": round(r["speed_tg"], 3),
+                "pp_tok_s": round(r["speed_pp"], 3),
+            }
             for r in rows
-        ]  # fmt: skip
+        ]
     finally:
         os.sched_setaffinity(0, mine)
         for p in proxies:
@@ -123,6 +132,37 @@ def _one_rtt(
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def _batched(cfg: RpcBench, binary: Path, rpc: str, cpu: int) -> list[str]:
+    """llama-batched-bench over the RPC servers `rpc`, one thread on `cpu`, layers split evenly."""
+    context = max(cfg.sequences) * (cfg.prompt_tokens + cfg.gen_tokens) + 64
+    return [
+        "taskset",
+        "-c",
+        str(cpu),
+        str(binary),
+        "-m",
+        cfg.model,
+        "--rpc",
+        rpc,
+        "-ngl",
+        "99",
+        "-ts",
+        "/".join("1" * cfg.servers),
+        "-t",
+        "1",
+        "-npp",
+        str(cfg.prompt_tokens),
+        "-ntg",
+        str(cfg.gen_tokens),
+        "-npl",
+        ",".join(str(n) for n in cfg.sequences),
+        "-c",
+        str(context),
+        "--output-format",
+        "jsonl",
+    ]
 
 
 def _free_port() -> int:

@@ -51,7 +51,6 @@ from kvq.slices import SliceSpec
 from kvq.swarm.telemetry import hops_cost
 
 log = logging.getLogger("kvq.coordinator")
-STATE_LOST = "StateLost"
 _POLL_MS = 50  # a wait for stage answers rereads the holders' liveness this often
 
 
@@ -99,15 +98,26 @@ class Chain:
     """Runs a stage-grain model's blocks for the engine (`forward`), over stage holders."""
 
     def __init__(
-        self, head: Backbone, info: ModelInfo, coord: str, routing: SliceRouter,
-        mailbox: Mailbox, tally: Tally, deadline_ms: int, replica_wait_s: float,
+        self,
+        head: Backbone,
+        info: ModelInfo,
+        coord: str,
+        routing: SliceRouter,
+        mailbox: Mailbox,
+        tally: Tally,
+        deadline_ms: int,
+        replica_wait_s: float,
         cohorts: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Counts go into `tally` as the expert dispatch's do (remote jobs, rows, waits, the
         round-trip histogram), with the replays and moves."""
         self.head, self.info, self.coord, self.routing, self.mailbox = (
-            head, info, coord, routing, mailbox
-        )  # fmt: skip
+            head,
+            info,
+            coord,
+            routing,
+            mailbox,
+        )
         self.stages: list[SliceSpec] = info.stages()
         self.stats, self.job_rtt = tally.stats, tally.job_rtt
         self.wait_s: dict[str, float] = {}  # span -> seconds waited for its answers
@@ -169,8 +179,10 @@ class Chain:
                 self._until = time.monotonic() + self.replica_wait_s
             elif time.monotonic() > self._until:
                 self._passes, self._flying = [], {}
-                raise NoReplica(f"model {self.info.model!r}: no stage answer for "
-                                f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S)")  # fmt: skip
+                raise NoReplica(
+                    f"model {self.info.model!r}: no stage answer for "
+                    f"{self.replica_wait_s:g} s (KVQ_REPLICA_WAIT_S)"
+                )
             done = [p for p in self._passes if all(r.next >= last for r in p.rows)]
             if done:
                 self._passes = [p for p in self._passes if p not in done]
@@ -227,13 +239,17 @@ class Chain:
     def _encode(self, job_id: str, worker: str, group: list[_Rows], spans: list[int]) -> Fields:
         first = self.stages[spans[0]]
         job = wire.StageJob(
-            job_id=job_id, model=self.info.model, slice=first.sid, coord=self.coord,
-            reply_to=self.mailbox.results_key(worker), deadline_ms=0,
+            job_id=job_id,
+            model=self.info.model,
+            slice=first.sid,
+            coord=self.coord,
+            reply_to=self.mailbox.results_key(worker),
+            deadline_ms=0,
             seqs=[wire.StageSeq(r.seq.key, r.start, int(r.x.shape[0])) for r in group],
             x=wire.Tensor.of(torch.cat([r.x for r in group]).float().contiguous().numpy()),
             drop=self._drops.pop(worker, [])[: wire.MAX_STAGE_SEQS],
             then=[self.stages[k].sid for k in spans[1:]],
-        )  # fmt: skip
+        )
         n = sum(int(r.x.shape[0]) for r in group)
         p = Pending(first, torch.arange(n), worker, time.monotonic(), time.time() * 1000)
         self.mailbox.expect(job_id, p, self)
@@ -279,7 +295,7 @@ class Chain:
         """The answer's rows into the job's rows (""), or why not, with the rows set to
         replay or to be sent again."""
         if res.error is not None:
-            if res.error.type == STATE_LOST:  # refused whole: nothing ran
+            if res.error.type == wire.STATE_LOST:  # refused whole: nothing ran
                 lost = set(res.lost)
                 self._replay(job, [r for r in job.rows if r.seq.key in lost], keep=sender)
                 for r in job.rows:
@@ -342,9 +358,10 @@ class Chain:
             live = self.routing.live_holders(sid)
             if live:
                 here = self._load(sid)
-                return min(live, key=lambda w: (
-                    self._cost(w) + (hop if w != prev else 0.0), here.get(w, 0), w
-                ))  # fmt: skip
+                return min(
+                    live,
+                    key=lambda w: (self._cost(w) + (hop if w != prev else 0.0), here.get(w, 0), w),
+                )
             if time.monotonic() >= until:
                 raise NoReplica(
                     f"model {self.info.model!r}: no live worker holds stage {sid}; waited "

@@ -40,8 +40,10 @@ def write_stage_file(
         f.truncate(file_size)  # holes everywhere the span does not read
         for r, blob in zip(spec.ranges, blobs, strict=True):
             if len(blob) != r.nbytes:
-                raise ModelError(f"stage {spec.sid}: range {r.name or r.kind} has {len(blob)} "
-                                 f"bytes, its spec says {r.nbytes}")  # fmt: skip
+                raise ModelError(
+                    f"stage {spec.sid}: range {r.name or r.kind} has {len(blob)} "
+                    f"bytes, its spec says {r.nbytes}"
+                )
             f.seek(r.offset)
             f.write(blob)
     return path

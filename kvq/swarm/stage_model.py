@@ -55,13 +55,21 @@ def moe_block_params(
 
 STAGE_SHAPES = {
     # 94 blocks: GQA 64 heads / 4 KV heads of 128, 128 experts top-8 of 1536
-    "qwen3-235b-a22b": StageShape("qwen3-235b-a22b", 94, moe_block_params(
-        4096, 2 * 4096 * 64 * 128 + 2 * 4096 * 4 * 128, 128, 8, 1536), 151936 * 4096),
+    "qwen3-235b-a22b": StageShape(
+        "qwen3-235b-a22b",
+        94,
+        moe_block_params(4096, 2 * 4096 * 64 * 128 + 2 * 4096 * 4 * 128, 128, 8, 1536),
+        151936 * 4096,
+    ),
     # 61 blocks (3 dense, their FFN 18432 spread over the MoE ones), MLA (~187 M), 256 experts
     # top-8 of 2048 and one shared of 2048; Kimi-K2 has the same block (384 experts, 64 heads)
-    "deepseek-v3": StageShape("deepseek-v3", 61, moe_block_params(
-        7168, 187.1e6 + 3 * 3 * 7168 * 18432 / 58, 256, 8, 2048, 2048), 129280 * 7168),
-}  # fmt: skip
+    "deepseek-v3": StageShape(
+        "deepseek-v3",
+        61,
+        moe_block_params(7168, 187.1e6 + 3 * 3 * 7168 * 18432 / 58, 256, 8, 2048, 2048),
+        129280 * 7168,
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +87,25 @@ class StageCosts:
     def scaled(self, frm: StageShape, to: StageShape, speedup: float = 1.0) -> StageCosts:
         kb = to.block_params / frm.block_params / speedup
         kh = to.head_params / frm.head_params / speedup
-        return replace(self, h0=self.h0 * kh, h1=self.h1 * kh, l0=self.l0 * kb,
-                       l1=self.l1 * kb, shared_cpu=False)  # fmt: skip
+        return replace(
+            self,
+            h0=self.h0 * kh,
+            h1=self.h1 * kh,
+            l0=self.l0 * kb,
+            l1=self.l1 * kb,
+            shared_cpu=False,
+        )
 
 
 def step_ms(
-    shape: StageShape, c: StageCosts, holders: int, rtt_ms: float, batch: int, m: int = 1,
+    shape: StageShape,
+    c: StageCosts,
+    holders: int,
+    rtt_ms: float,
+    batch: int,
+    m: int = 1,
     hops: float | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """Steady-state ms per engine step (`hops`: jobs per pass, when measured; else H)."""
     b = batch / m
     coord = c.h0 + c.h1 * b
@@ -98,9 +117,14 @@ def step_ms(
 
 
 def tok_s(
-    shape: StageShape, c: StageCosts, holders: int, rtt_ms: float, batch: int, m: int = 1,
+    shape: StageShape,
+    c: StageCosts,
+    holders: int,
+    rtt_ms: float,
+    batch: int,
+    m: int = 1,
     hops: float | None = None,
-) -> float:  # fmt: skip
+) -> float:
     return 1000 * batch / step_ms(shape, c, holders, rtt_ms, batch, m, hops)
 
 
@@ -111,10 +135,11 @@ def bench_stage_shape(report: dict[str, Any]) -> StageShape:
         + 2 * s["hidden"] * s["kv_heads"] * s["head_dim"]
     )
     return StageShape(
-        report.get("preset") or "bench", s.get("blocks", s["layers"]),
+        report.get("preset") or "bench",
+        s.get("blocks", s["layers"]),
         moe_block_params(s["hidden"], attention, s["experts"], s["experts_used"], s["expert_ffn"]),
         float(s.get("vocab", 50304)) * s["hidden"],
-    )  # fmt: skip
+    )
 
 
 def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -129,12 +154,18 @@ def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
             wall = 1000 * run["window_s"] / steps
             spans = rep["slices"]  # the bench's per-"layer" figures are per span here
             wait = run["wait_ms_per_layer_token"] * b * spans
-            out.append({
-                "b": b / m, "m": m, "wall": wall, "coord": max(0.0, wall - wait),
-                "work": 1000 * run["workers_cpu_s"] / steps / m,
-                "hops": run["jobs_per_layer_token"] * b * spans / m,
-                "rtt": run["rtt_ms"], "layers": rep["shape"].get("blocks", rep["shape"]["layers"]),
-            })  # fmt: skip
+            out.append(
+                {
+                    "b": b / m,
+                    "m": m,
+                    "wall": wall,
+                    "coord": max(0.0, wall - wait),
+                    "work": 1000 * run["workers_cpu_s"] / steps / m,
+                    "hops": run["jobs_per_layer_token"] * b * spans / m,
+                    "rtt": run["rtt_ms"],
+                    "layers": rep["shape"].get("blocks", rep["shape"]["layers"]),
+                }
+            )
     return out
 
 
@@ -145,17 +176,22 @@ def calibrate_stages(reports: list[dict[str, Any]]) -> StageCosts:
         raise RoutingError("the stage bench reports have no window with tokens")
     walls = [p["wall"] for p in pts]
     h0, h1 = _fit([[1.0, p["b"]] for p in pts], [p["coord"] for p in pts], walls)
-    l0, l1 = _fit([[p["layers"], p["layers"] * p["b"]] for p in pts], [p["work"] for p in pts],
-                  walls)  # fmt: skip
+    l0, l1 = _fit(
+        [[p["layers"], p["layers"] * p["b"]] for p in pts], [p["work"] for p in pts], walls
+    )
     rest = [p["wall"] - p["coord"] - p["m"] * p["work"] for p in pts]
     hop0, rtts = _fit([[p["hops"], p["hops"] * p["rtt"]] for p in pts], rest, walls)
     return StageCosts(h0, h1, l0, l1, hop0, rtts, shared_cpu=True)
 
 
 def stage_report(
-    reports: list[dict[str, Any]], shapes: list[str], holders: tuple[int, ...],
-    rtts_ms: tuple[float, ...], batch: int, speedup: float = 1.0,
-) -> dict[str, Any]:  # fmt: skip
+    reports: list[dict[str, Any]],
+    shapes: list[str],
+    holders: tuple[int, ...],
+    rtts_ms: tuple[float, ...],
+    batch: int,
+    speedup: float = 1.0,
+) -> dict[str, Any]:
     """Calibrated from every stage report, checked against each window, projected."""
     costs = calibrate_stages(reports)
     frm = bench_stage_shape(reports[0])
@@ -164,9 +200,15 @@ def stage_report(
         for run, p in zip([r for r in rep["runs"] if r.get("tokens")], _points([rep]), strict=True):
             h = max(1, round(p["hops"]))  # the holders a pass went through (one CPU here)
             got = tok_s(frm, costs, h, run["rtt_ms"], run["sequences"], int(p["m"]), p["hops"])
-            checks.append({"rtt_ms": run["rtt_ms"], "sequences": run["sequences"],
-                           "tok_s": run["tok_s"], "model_tok_s": round(got, 3),
-                           "error": round(got / run["tok_s"] - 1, 3)})  # fmt: skip
+            checks.append(
+                {
+                    "rtt_ms": run["rtt_ms"],
+                    "sequences": run["sequences"],
+                    "tok_s": run["tok_s"],
+                    "model_tok_s": round(got, 3),
+                    "error": round(got / run["tok_s"] - 1, 3),
+                }
+            )
     out = []
     for name in shapes:
         if name not in STAGE_SHAPES:
@@ -177,14 +219,18 @@ def stage_report(
         for h in holders:
             for rtt in rtts_ms:
                 best = max(range(1, h + 2), key=lambda m: tok_s(to, c, h, rtt, batch, m))
-                out.append({
-                    "shape": name, "holders": h, "rtt_ms": rtt,
-                    "tok_s_b1": round(tok_s(to, c, h, rtt, 1), 3),
-                    "tok_s_b1_one_rtt": round(tok_s(to, one, h, rtt, 1), 3),
-                    f"tok_s_b{batch}": round(tok_s(to, c, h, rtt, batch), 3),
-                    f"tok_s_b{batch}_cohorts": round(tok_s(to, c, h, rtt, batch, best), 3),
-                    "cohorts": best,
-                })  # fmt: skip
+                out.append(
+                    {
+                        "shape": name,
+                        "holders": h,
+                        "rtt_ms": rtt,
+                        "tok_s_b1": round(tok_s(to, c, h, rtt, 1), 3),
+                        "tok_s_b1_one_rtt": round(tok_s(to, one, h, rtt, 1), 3),
+                        f"tok_s_b{batch}": round(tok_s(to, c, h, rtt, batch), 3),
+                        f"tok_s_b{batch}_cohorts": round(tok_s(to, c, h, rtt, batch, best), 3),
+                        "cohorts": best,
+                    }
+                )
     errors = [abs(c["error"]) for c in checks]
     fields = ("h0", "h1", "l0", "l1", "hop0", "rtts")
     return {

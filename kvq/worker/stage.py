@@ -33,7 +33,6 @@ from kvq.device import dtype_name
 from kvq.model import Backbone, KVCache
 
 log = logging.getLogger("kvq.worker")
-STATE_LOST = "StateLost"
 # a new sequence's cache holds this many positions at first, doubling as it grows: an OLMoE
 # span of 6 blocks keeps 16 KB per position and block (K and V), so the engine's usual 256
 # would cost 24 MB a sequence before it had written anything
@@ -46,9 +45,14 @@ class StageServer:
     bank = None  # no expert bank to step: the span's experts are in `backbone`
 
     def __init__(
-        self, name: str, model: str, sid: str, backbone: Backbone, max_seqs: int = 256,
+        self,
+        name: str,
+        model: str,
+        sid: str,
+        backbone: Backbone,
+        max_seqs: int = 256,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name, self.model, self.sid, self.backbone = name, model, sid, backbone
         self.hidden = backbone.meta.embedding_length
         self.dtype_name = cast(wire.ComputeDType, dtype_name(backbone.dtype))
@@ -116,9 +120,11 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
 
     def failed(kind: str, message: str, retryable: bool = False) -> wire.Result:
         return wire.Result(
-            job_id=job.job_id, worker=name, compute_ms=(time.perf_counter() - t0) * 1000,
+            job_id=job.job_id,
+            worker=name,
+            compute_ms=(time.perf_counter() - t0) * 1000,
             error=wire.Failure(kind, message, retryable),
-        )  # fmt: skip
+        )
 
     try:
         problem = _check(servers, job)
@@ -135,9 +141,11 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
         lost = sorted({k for sv in servers for k in sv.lost(job.coord, job.seqs)})
         if lost:
             return wire.Result(
-                job_id=job.job_id, worker=name, lost=lost,
-                error=wire.Failure(STATE_LOST, f"{len(lost)} sequence(s) to replay", True),
-            )  # fmt: skip
+                job_id=job.job_id,
+                worker=name,
+                lost=lost,
+                error=wire.Failure(wire.STATE_LOST, f"{len(lost)} sequence(s) to replay", True),
+            )
         lens = [s.rows for s in job.seqs]
         x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32))
         states = [sv.caches(job.coord, job.seqs) for sv in servers]
@@ -152,9 +160,12 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
         log.exception("stage job %s failed", job.job_id)
         return failed(type(exc).__name__, str(exc))
     return wire.Result(
-        job_id=job.job_id, worker=name, y=wire.Tensor.of(out),
-        compute_ms=(time.perf_counter() - t0) * 1000, dtype=servers[0].dtype_name,
-    )  # fmt: skip
+        job_id=job.job_id,
+        worker=name,
+        y=wire.Tensor.of(out),
+        compute_ms=(time.perf_counter() - t0) * 1000,
+        dtype=servers[0].dtype_name,
+    )
 
 
 def _check(servers: list[StageServer], job: wire.StageJob) -> str:

@@ -30,6 +30,17 @@ def _settings(url: str, prefix: str, **more: object) -> Settings:
     return load_settings(redis_url=url, prefix=prefix, grain="stage", stage_layers=2, **values)
 
 
+def _register(kids: Children, board: RedisBoard, model_id: str, model: Path) -> None:
+    kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
+    kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+
+
+def _coordinator(kids: Children, board: RedisBoard, model_id: str, model: Path) -> None:
+    """Coordinator c1 of `model_id`, started once its workers hold what they will."""
+    kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id, "--id", "c1")
+    kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+
+
 def _held(board: RedisBoard, model_id: str) -> dict[str, set[str]]:
     """Stage sid -> the live, ready workers holding it."""
     out: dict[str, set[str]] = {}
@@ -76,17 +87,14 @@ def test_a_chain_of_stage_workers_gives_local_generations_tokens(
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
-        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
-        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        _register(kids, board, model_id, model)
         info = board.model_info(model_id)
         assert info is not None and info.grain == "stage"
         assert [(sp.layer_start, sp.layer_end) for sp in info.stages()] == [(0, 2), (2, 4)]
         for w in ("w0", "w1"):
             kids.spawn(w, "worker", "--id", w)
         kids.wait_for(lambda: set(_held(board, model_id)) == set(info.slices), 300, "a chain")
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
-        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        _coordinator(kids, board, model_id, model)
         got = _generate_all(s, model_id, 8)
         for p in PROMPTS:
             assert got.get(p) == local_tokens(model, p, 8), p
@@ -105,9 +113,10 @@ def _kill_serving(kids: Children, board: RedisBoard, model_id: str, sid: str) ->
 
     def found() -> bool:
         serving[:] = [
-            v.worker_id for v in board.workers(model_id)
+            v.worker_id
+            for v in board.workers(model_id)
             if v.slice_id == sid and v.alive and v.last_serve_ms > 0
-        ]  # fmt: skip
+        ]
         return bool(serving)
 
     kids.wait_for(found, 30, f"the holder of {sid} in use")
@@ -125,8 +134,7 @@ def test_sigkill_of_a_stage_holder_loses_no_request(redis_server, tmp_path: Path
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
-        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
-        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        _register(kids, board, model_id, model)
         info = board.model_info(model_id)
         assert info is not None
         for w in ("w0", "w1", "w2", "w3"):
@@ -137,9 +145,7 @@ def test_sigkill_of_a_stage_holder_loses_no_request(redis_server, tmp_path: Path
             return set(held) == set(info.slices) and all(len(ws) == 2 for ws in held.values())
 
         kids.wait_for(two_each, 300, "two holders of every stage")
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
-        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        _coordinator(kids, board, model_id, model)
         r = connect(s.bus)
         keys = Keys(s.prefix)
         n = 200
@@ -172,20 +178,21 @@ def test_consecutive_spans_on_one_holder_cost_one_job_a_step(redis_server, tmp_p
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
-        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
-        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        _register(kids, board, model_id, model)
         info = board.model_info(model_id)
         assert info is not None and len(info.stages()) == 3
         kids.spawn("w0", "worker", "--id", "w0")
-        kids.wait_for(lambda: _held(board, model_id) == {sid: {"w0"} for sid in info.slices},
-                      300, "one worker holding every span")  # fmt: skip
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
-        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        kids.wait_for(
+            lambda: _held(board, model_id) == {sid: {"w0"} for sid in info.slices},
+            300,
+            "one worker holding every span",
+        )
+        _coordinator(kids, board, model_id, model)
         r = connect(s.bus)
         try:
-            got = client.generate(r, Keys(s.prefix), model_id, prompt=PROMPTS[0], max_tokens=8,
-                                  timeout_s=240)  # fmt: skip
+            got = client.generate(
+                r, Keys(s.prefix), model_id, prompt=PROMPTS[0], max_tokens=8, timeout_s=240
+            )
         finally:
             r.close()
         assert got == local_tokens(model, PROMPTS[0], 8)
@@ -207,18 +214,16 @@ def test_a_span_no_live_worker_holds_ends_the_request_with_a_clear_error(
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
-        kids.spawn("monitor", "monitor", "--model", f"{model_id}={model}")
-        kids.wait_for(lambda: model_id in board.models(), 120, "registration")
+        _register(kids, board, model_id, model)
         kids.spawn("w0", "worker", "--id", "w0")  # one span only (KVQ_WORKER_MAX_SLICES=1)
         kids.wait_for(lambda: len(_held(board, model_id)) == 1, 300, "one span held")
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
-        kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
+        _coordinator(kids, board, model_id, model)
         r = connect(s.bus)
         try:
             with pytest.raises(client.RequestFailed) as err:
-                client.generate(r, Keys(s.prefix), model_id, prompt="hi", max_tokens=4,
-                                timeout_s=120)  # fmt: skip
+                client.generate(
+                    r, Keys(s.prefix), model_id, prompt="hi", max_tokens=4, timeout_s=120
+                )
         finally:
             r.close()
         failure = err.value.failure

@@ -21,9 +21,19 @@ from kvq.swarm.stage_model import (
 
 TRUE = StageCosts(h0=9.0, h1=1.5, l0=4.0, l1=0.8, hop0=3.0, rtts=1.0)
 LAYERS, SPANS = 16, 3
-SHAPE = {"layers": LAYERS, "experts": 64, "experts_used": 8, "hidden": 2048, "expert_ffn": 1024,
-         "heads": 16, "kv_heads": 16, "head_dim": 128, "slices_per_layer": 1, "vocab": 50304,
-         "blocks": LAYERS}  # fmt: skip
+SHAPE = {
+    "layers": LAYERS,
+    "experts": 64,
+    "experts_used": 8,
+    "hidden": 2048,
+    "expert_ffn": 1024,
+    "heads": 16,
+    "kv_heads": 16,
+    "head_dim": 128,
+    "slices_per_layer": 1,
+    "vocab": 50304,
+    "blocks": LAYERS,
+}
 
 
 def _run(b: int, rtt: float, hops: float, steps: int = 100) -> dict[str, Any]:
@@ -33,20 +43,33 @@ def _run(b: int, rtt: float, hops: float, steps: int = 100) -> dict[str, Any]:
     wall = coord + work + hops * (TRUE.hop0 + TRUE.rtts * rtt)
     tokens = steps * b
     return {
-        "rtt_ms": rtt, "sequences": b, "tokens": tokens, "window_s": wall * steps / 1000,
-        "tok_s": 1000 * b / wall, "wait_ms_per_layer_token": (wall - coord) / (b * SPANS),
-        "workers_cpu_s": work * steps / 1000, "jobs_per_layer_token": hops / (b * SPANS),
-    }  # fmt: skip
+        "rtt_ms": rtt,
+        "sequences": b,
+        "tokens": tokens,
+        "window_s": wall * steps / 1000,
+        "tok_s": 1000 * b / wall,
+        "wait_ms_per_layer_token": (wall - coord) / (b * SPANS),
+        "workers_cpu_s": work * steps / 1000,
+        "jobs_per_layer_token": hops / (b * SPANS),
+    }
 
 
 def _report(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"grain": "stage", "preset": None, "slices": SPANS, "workers": 3, "microbatches": 1,
-            "shape": SHAPE, "runs": runs}  # fmt: skip
+    return {
+        "grain": "stage",
+        "preset": None,
+        "slices": SPANS,
+        "workers": 3,
+        "microbatches": 1,
+        "shape": SHAPE,
+        "runs": runs,
+    }
 
 
 def test_calibration_finds_the_costs_that_made_the_windows() -> None:
-    runs = [_run(b, rtt, hops) for b in (1, 8, 32) for rtt in (0.0, 20.0, 50.0)
-            for hops in (2.0, 3.0)]  # fmt: skip
+    runs = [
+        _run(b, rtt, hops) for b in (1, 8, 32) for rtt in (0.0, 20.0, 50.0) for hops in (2.0, 3.0)
+    ]
     got = calibrate_stages([_report(runs)])
     for f in ("h0", "h1", "l0", "l1", "hop0", "rtts"):
         assert getattr(got, f) == pytest.approx(getattr(TRUE, f), rel=1e-6), f

@@ -16,7 +16,7 @@ from kvq.model import Backbone, SeqStep, make_tiny, read_meta
 from kvq.model.registry import plan_stages
 from kvq.model.stage import load_stage, write_stage_file
 from kvq.worker.fetch import fetch_slice
-from kvq.worker.stage import STATE_LOST, StageServer, serve_stage_job
+from kvq.worker.stage import StageServer, serve_stage_job
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,24 @@ def _servers(model: Path, tmp: Path, max_seqs: int = 8) -> list[StageServer]:
     return out
 
 
-def _job(sv: list[StageServer], x: np.ndarray, seqs: list[tuple[str, int, int]],
-         drop: tuple[str, ...] = ()) -> wire.StageJob:  # fmt: skip
+def _job(
+    sv: list[StageServer],
+    x: np.ndarray,
+    seqs: list[tuple[str, int, int]],
+    drop: tuple[str, ...] = (),
+) -> wire.StageJob:
     return wire.StageJob(
-        job_id="j", model="m", slice=sv[0].sid, coord="c", reply_to="r", deadline_ms=0,
-        seqs=[wire.StageSeq(k, s, n) for k, s, n in seqs], x=wire.Tensor.of(x),
-        drop=list(drop), then=[s.sid for s in sv[1:]],
-    )  # fmt: skip
+        job_id="j",
+        model="m",
+        slice=sv[0].sid,
+        coord="c",
+        reply_to="r",
+        deadline_ms=0,
+        seqs=[wire.StageSeq(k, s, n) for k, s, n in seqs],
+        x=wire.Tensor.of(x),
+        drop=list(drop),
+        then=[s.sid for s in sv[1:]],
+    )
 
 
 def test_two_spans_in_one_job_give_the_full_models_rows(model: Path, tmp_path: Path) -> None:
@@ -72,7 +83,7 @@ def test_rows_that_do_not_start_where_a_state_ends_are_refused_whole(
     assert serve_stage_job([sv], _job([sv], x[:2], [("a", 0, 2)])).error is None
     before = sv.states[("c", "a")].length
     res = serve_stage_job([sv], _job([sv], x, [("a", 2, 1), ("b", 5, 1), ("c", 0, 1)]))
-    assert res.error is not None and res.error.type == STATE_LOST and res.error.retryable
+    assert res.error is not None and res.error.type == wire.STATE_LOST and res.error.retryable
     assert res.lost == ["b"]
     # nothing ran: a's state did not move, c was not made
     assert sv.states[("c", "a")].length == before and ("c", "c") not in sv.states
