@@ -11,6 +11,7 @@ import redis
 
 from kvq import wire
 from kvq.bus import is_connection_error, xadd
+from kvq.bus.outage import refusal
 from kvq.bus.redis_board import request_shards
 from kvq.errors import KvqError
 from kvq.keys import Keys, request_shard
@@ -174,8 +175,22 @@ def new_request(
 
 def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
     """Append `req` to its request stream (the caller checked the queue's room), never trimmed:
-    trimming would drop queued requests without an answer."""
-    got = xadd(r, stream, wire.encode(req), None)
+    trimming would drop queued requests without an answer. RequestFailed at once (failure
+    type `WritesRefused`, retryable) when Redis refuses writes (`MISCONF`, `OOM`, ...)."""
+    try:
+        got = xadd(r, stream, wire.encode(req), None)
+    except redis.ResponseError as exc:
+        code = refusal(exc)
+        if code is None:
+            raise
+        raise RequestFailed(
+            f"request {req.request_id} was not queued: redis refuses writes ({code}: "
+            f"{' '.join(str(exc).split())[:200]}); its operator must free memory or disk "
+            "(docs/faults.md); retry later",
+            wire.Failure(
+                type="WritesRefused", message=f"redis refuses writes ({code})", retryable=True
+            ),
+        ) from None
     entry = got.decode() if isinstance(got, bytes) else str(got)
     return Submitted(RequestId(req.request_id, entry, stream), entry)
 

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from kvq.api.gateway import Gateway
 from kvq.api.routes import CompletionRoutes, InfoRoutes, TokenRoutes
 from kvq.bus.connection import close_async
+from kvq.bus.outage import refusal
 from kvq.config import Settings
 from kvq.errors import ApiError
 
@@ -85,5 +86,13 @@ class Errors:
 
     async def bus_error(self, request: Request, exc: Exception) -> Response:
         self.gw.metrics.failed(503)
+        code = refusal(exc)
         err = ApiError(503, f"redis: {exc}", kind="server_error", code="bus_error")
+        if code is not None:  # the operator frees memory or disk (docs/faults.md)
+            err = ApiError(
+                503,
+                f"redis refuses writes ({code}: {exc}); retry later",
+                kind="server_error",
+                code="WritesRefused",
+            )
         return JSONResponse(err.body(), 503, headers={"Retry-After": str(self.gw.s.retry_after_s)})

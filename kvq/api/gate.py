@@ -101,7 +101,16 @@ class Gate:
             max_tokens=call.max_tokens, sampling=call.sampling,
         )  # fmt: skip
         stream = streams[request_shard(req.request_id, len(streams))]
-        return client.enqueue(self.board.r, stream, req)  # its room was checked above
+        try:
+            return client.enqueue(self.board.r, stream, req)  # its room was checked above
+        except client.RequestFailed as exc:  # Redis refuses writes: 503 at once
+            raise ApiError(
+                503,
+                str(exc),
+                kind="server_error",
+                code="WritesRefused",
+                retry_after_s=self.s.retry_after_s,
+            ) from None
 
     def _check_room(self, model: str, watch: QueueWatch, q: QueueSample) -> None:
         """429 when `q.waiting` requests are ahead and the queue is full, or drains too slowly

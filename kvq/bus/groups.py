@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvq.bus.streams import is_lost_key
+from kvq.bus.streams import is_lost_key, is_wrong_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +55,12 @@ def server_ms(r: redis.Redis) -> int:
 
 def group_stats(r: redis.Redis, stream: str, group: str, now_ms: int) -> GroupStats:
     """Stats of `group` on `stream`; see `_group_stats`. A stream or group that Redis loses
-    between the calls reads as not made yet (`exists` False), not as an error."""
+    between the calls reads as not made yet (`exists` False), not as an error, and so does a
+    key of another type (a worker made its inbox one: its fault, `kvq.bus.peers`)."""
     try:
         return _group_stats(r, stream, group, now_ms)
     except redis.ResponseError as exc:
-        if not is_lost_key(exc):
+        if not (is_lost_key(exc) or is_wrong_type(exc)):
             raise
         return GroupStats(False, 0, 0, 0, None, None)
 

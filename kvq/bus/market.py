@@ -31,6 +31,7 @@ from typing import Protocol
 import redis
 
 from kvq.bus.board import Board
+from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import holds_text, parse_holds
 from kvq.bus.streams import is_cluster, xadd
 from kvq.errors import IdentityInUse, KvqError
@@ -205,8 +206,19 @@ class MarketDesk:
             return 0
         self._cursor = entries[-1][0]
         self.r.xdel(self.keys.market(), *[eid for eid, _ in entries])
-        workers = dict.fromkeys(_s(f.get(b"worker")) for _, f in entries)
-        return sum(self.serve_worker(w) for w in workers)
+        workers = dict.fromkeys(_s(f.get(b"worker"))[:128] for _, f in entries)
+        return sum(self._serve_one(w) for w in workers)
+
+    def _serve_one(self, worker: str) -> int:
+        """`serve_worker`, where a worker that made its asks or answers stream another type
+        is skipped (its fault, logged by `blame`), not every worker after it in the batch."""
+        try:
+            return self.serve_worker(worker)
+        except redis.ResponseError as exc:
+            if not is_peer_fault(exc):
+                raise
+            blame(self.keys.worker_asks(worker), exc, worker)
+            return 0
 
     def serve_worker(self, worker: str) -> int:
         try:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
+from typing import cast
 
 import redis
 
 from kvq import wire
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.connection import connect
+from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
     CoordStats,
     Lifetimes,
@@ -37,6 +39,21 @@ from kvq.slices import SliceSpec
 
 def _s(b: bytes) -> str:
     return b.decode()
+
+
+_INFO_FIELDS = WorkerInfo.fields()
+_MAX_INSTANCE = 512  # bytes of a beat's instance token read (`WorkerInfo.instance`: Text512)
+
+
+def _read_info(pipe: redis.client.Pipeline, key: str) -> None:
+    """Queue the read of a worker's `info` hash: only the fields kvq knows (`HMGET`), so a
+    hash of 10^5 fields costs what one of 15 does."""
+    pipe.hmget(key, list(_INFO_FIELDS))
+
+
+def _known_fields(values: list[bytes | None]) -> dict[bytes, bytes]:
+    """An `HMGET` reply as the hash of the fields that are set."""
+    return {f.encode(): v for f, v in zip(_INFO_FIELDS, values, strict=True) if v is not None}
 
 
 class RedisBoard:
@@ -186,13 +203,25 @@ class RedisBoard:
         pipe = self.r.pipeline(transaction=False)
         for w, _ in assigned:
             pipe.exists(self.keys.worker_heartbeat(w))  # the liveness rule: the beat is up
-            pipe.hgetall(self.keys.worker_info(w))
-        got = pipe.execute()
+            _read_info(pipe, self.keys.worker_info(w))
+        got = pipe.execute(raise_on_error=False)
         out: list[WorkerView] = []
         for i, (w, sids) in enumerate(assigned):
-            info = WorkerInfo.from_hash(got[2 * i + 1])
-            out.extend(worker_view(w, sid, bool(got[2 * i]), info, model) for sid in sids)
+            alive, info = got[2 * i], self._info(w, got[2 * i + 1])
+            if isinstance(alive, Exception):  # EXISTS takes any type: the server's trouble
+                raise alive
+            out.extend(worker_view(w, sid, bool(alive), info, model) for sid in sids)
         return out
+
+    def _info(self, worker: str, reply: object) -> WorkerInfo | None:
+        """A worker's record from its `HMGET` reply; None (the worker skipped, as if it had
+        no record) when its `info` key is not a hash: the worker wrote it so."""
+        if isinstance(reply, Exception):
+            if not is_peer_fault(reply):
+                raise reply
+            blame(self.keys.worker_info(worker), reply, worker)
+            return None
+        return WorkerInfo.from_hash(_known_fields(cast(list[bytes | None], reply)))
 
     def beat(self, worker: str, info: WorkerInfo) -> int:
         k, life = self.keys, self.lifetimes
@@ -204,7 +233,9 @@ class RedisBoard:
         return int(pipe.execute()[-1])
 
     def worker_info(self, worker: str) -> WorkerInfo | None:
-        return WorkerInfo.from_hash(self.r.hgetall(self.keys.worker_info(worker)))
+        pipe = self.r.pipeline(transaction=False)
+        _read_info(pipe, self.keys.worker_info(worker))
+        return self._info(worker, pipe.execute(raise_on_error=False)[0])
 
     def worker_alive(self, worker: str) -> bool:
         return bool(self.r.exists(self.keys.worker_heartbeat(worker)))
@@ -230,8 +261,23 @@ class RedisBoard:
         return self.worker_instance(worker) == instance
 
     def worker_instance(self, worker: str) -> str | None:
-        got = self.r.get(self.keys.worker_heartbeat(worker))
-        return _s(got) if got is not None else None
+        """The instance token in `worker`'s beat; None without a beat. Read boundedly
+        (`GETRANGE`), and "" when the worker made its beat another type (`blame`)."""
+        key = self.keys.worker_heartbeat(worker)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(key)
+        pipe.getrange(key, 0, _MAX_INSTANCE - 1)
+        there, got = pipe.execute(raise_on_error=False)
+        if isinstance(there, Exception):
+            raise there
+        if not there:
+            return None
+        if isinstance(got, Exception):
+            if not is_peer_fault(got):
+                raise got
+            blame(key, got, worker)
+            return ""
+        return _s(got)
 
     def forget_worker(self, worker: str) -> None:
         k = self.keys
@@ -258,7 +304,16 @@ class RedisBoard:
         pipe = self.r.pipeline(transaction=not self.cluster)
         for worker, fields in jobs:
             xadd(pipe, self.keys.worker_inbox(worker), fields, self.maxlen)
-        pipe.execute()
+        self._blame_inboxes(jobs, pipe.execute(raise_on_error=False))
+
+    def _blame_inboxes(self, jobs: Sequence[tuple[str, Fields]], replies: list[object]) -> None:
+        """A job refused by its inbox (the worker made it another type) is lost to that worker
+        alone: its deadline passes and the job is recomputed or asked of another holder."""
+        for (worker, _), reply in zip(jobs, replies, strict=True):
+            if isinstance(reply, Exception):
+                if not is_peer_fault(reply):
+                    raise reply
+                blame(self.keys.worker_inbox(worker), reply, worker)
 
     def requeue_inbox(self, dead: str, peers: Sequence[str] | Peers) -> int:
         inbox = self.keys.worker_inbox(dead)

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from kvq.bus.peers import blame
 from kvq.keys import Keys
 
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -25,9 +26,21 @@ def is_lost_key(exc: BaseException) -> bool:
     )
 
 
+def is_wrong_type(exc: BaseException) -> bool:
+    """Whether `exc` is Redis saying a key holds another type than the command needs."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
 def regroup(r: redis.Redis, stream: str, group: str, exc: redis.ResponseError) -> None:
     """Make `stream` and `group` again after Redis lost them (`is_lost_key`), logging it in one
-    line; any other error is raised."""
+    line. A key of another type in the stream's place (its writer's doing: a worker's inbox is
+    its own key) holds nothing for this group: it is replaced by an empty stream. Any other
+    error is raised."""
+    if is_wrong_type(exc):
+        log.warning("%s is not a stream (%s); replaced it with an empty one", stream, exc)
+        r.delete(stream)
+        ensure_group(r, stream, group)
+        return
     if not is_lost_key(exc):
         raise exc
     log.warning("redis lost stream %s or its group %s; made them again", stream, group)
@@ -314,24 +327,26 @@ def _claim(
     return claimed
 
 
-def unanswered(r: redis.Redis, stream: str) -> list[Entry]:
-    """Entries of a one-group stream never delivered, plus those delivered but not acked
-    ([] for a stream Redis lost meanwhile)."""
+def unanswered(r: redis.Redis, stream: str, limit: int = 10_000) -> list[Entry]:
+    """Entries of a one-group stream never delivered, plus those delivered but not acked,
+    among its first `limit` ([] for a stream Redis lost meanwhile, or a key of another type:
+    a worker's inbox is its own key, and what it wrote there is no job of anyone's)."""
     try:
         groups = r.xinfo_groups(stream) if r.exists(stream) else []
         if not groups:
-            return list(r.xrange(stream))
+            return list(r.xrange(stream, count=limit))
         g = groups[0]
         last = g["last-delivered-id"]
         pending = {
             p["message_id"]
-            for p in r.xpending_range(stream, g["name"], min="-", max="+", count=10_000)
+            for p in r.xpending_range(stream, g["name"], min="-", max="+", count=limit)
         }
+        entries = r.xrange(stream, count=limit)
     except redis.ResponseError as exc:
-        if not is_lost_key(exc):
+        if not (is_lost_key(exc) or is_wrong_type(exc)):
             raise
         return []
-    return [(eid, f) for eid, f in r.xrange(stream) if eid in pending or _id_gt(eid, last)]
+    return [(eid, f) for eid, f in entries if eid in pending or _id_gt(eid, last)]
 
 
 def _id_gt(a: bytes, b: bytes) -> bool:
@@ -377,27 +392,64 @@ class Tail:
         if self._cluster:
             return self._poll(count, block_ms)
         pipe = self.r.pipeline(transaction=False)
+        self._queue_deletes(pipe)
+        pipe.xread(dict(self.cursors), count=count, block=block_ms)
+        resp = pipe.execute(raise_on_error=False)[-1]
+        if isinstance(resp, redis.ResponseError) and self._drop_bad():
+            return self.read_from(count, None)  # without the bad streams: at once
+        if isinstance(resp, Exception):
+            raise resp
+        return self._take(resp)
+
+    def _queue_deletes(self, pipe: Any) -> None:
+        """Delete what the last read returned (an XDEL on a stream its writer made another
+        type fails alone: the pipeline is read with `raise_on_error=False`)."""
         for stream, ids in self._read.items():
             pipe.xdel(stream, *ids)
-        pipe.xread(dict(self.cursors), count=count, block=block_ms)
-        return self._take(pipe.execute()[-1])
+
+    def _drop_bad(self) -> list[str]:
+        """Stop reading the streams that are not streams (one such key fails the whole XREAD:
+        each stream has one writer, whose fault it is); the streams dropped. `watch` may add
+        one again (after its owner deletes it)."""
+        pipe = self.r.pipeline(transaction=False)
+        streams = list(self.cursors)
+        for stream in streams:
+            pipe.type(stream)
+        bad = [
+            s for s, t in zip(streams, pipe.execute(), strict=True) if t not in (b"stream", b"none")
+        ]
+        for stream in bad:
+            self._drop(stream)
+        return bad
+
+    def _drop(self, stream: str) -> None:
+        del self.cursors[stream]
+        self._read.pop(stream, None)
+        blame(stream, "it is no stream: stopped reading it")
 
     def _poll(
         self, count: int, block_ms: int | None
     ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         """On a cluster: the streams have their own hash tags, so no one XREAD may name
         several, and one cannot block on several nodes: one XREAD per stream, pipelined,
-        polled every millisecond until `block_ms`."""
+        polled every millisecond until `block_ms`. A stream that is no stream is dropped."""
         deadline = time.monotonic() + (block_ms or 0) / 1000
         while True:
             pipe = self.r.pipeline(transaction=False)
-            for stream, ids in self._read.items():
-                pipe.xdel(stream, *ids)
+            self._queue_deletes(pipe)
             streams = list(self.cursors)
             for stream in streams:
                 pipe.xread({stream: self.cursors[stream]}, count=count)
-            resp = pipe.execute()[-len(streams) :]
-            out = self._take([pair for got in resp for pair in got or []])
+            resp = pipe.execute(raise_on_error=False)[-len(streams) :] if streams else []
+            good: list[Any] = []
+            for stream, got in zip(streams, resp, strict=True):
+                if is_wrong_type(got):
+                    self._drop(stream)
+                elif isinstance(got, Exception):
+                    raise got
+                else:
+                    good.extend(got or [])
+            out = self._take(good)
             if out or time.monotonic() >= deadline:
                 return out
             time.sleep(0.001)

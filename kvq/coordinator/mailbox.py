@@ -28,6 +28,7 @@ import redis
 from kvq import wire
 from kvq.bus import dead_letter
 from kvq.bus.board import Board, Fields
+from kvq.bus.peers import blame
 from kvq.bus.records import DispatchCounters
 from kvq.coordinator.pending import Pending
 from kvq.coordinator.results import WorkerResults
@@ -37,6 +38,7 @@ from kvq.keys import Keys
 log = logging.getLogger("kvq.coordinator")
 
 READ_COUNT = 256  # results read per XREAD
+JUNK_PER_MINUTE = 16  # undecodable results dead-lettered per worker and minute; others dropped
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Mailbox:
         self._trials: dict[str, Pending] = {}  # trial or probe jobs nobody waits for (K4)
         self._parked: dict[object, list[Delivery]] = {}  # call -> deliveries read for it
         self._answered: list[Delivery] = []  # trial answers, for the dispatcher
+        self._junk_minute = 0
+        self._junk_seen: dict[str, int] = {}  # undecodable results per sender, this minute
 
     def next_job_id(self) -> str:
         """`C:N:TOKEN`: the sequence number for people, and 64 random bits that make the id
@@ -118,7 +122,7 @@ class Mailbox:
         try:
             res = wire.decode(fields, wire.Result)
         except WireError as exc:
-            dead_letter(self.r, self.keys, stream, eid, fields, str(exc), self.maxlen)
+            self._junk(sender, stream, eid, fields, str(exc))
             return
         waiting = self._waiting.get(res.job_id)
         p = self._trials.get(res.job_id) or (waiting[1] if waiting is not None else None)
@@ -141,6 +145,20 @@ class Mailbox:
             return
         call, p = waiting
         self._parked.setdefault(call, []).append(Delivery(res.job_id, sender, eid, res, p))
+
+    def _junk(
+        self, sender: str, stream: str, eid: bytes, fields: dict[bytes, bytes], why: str
+    ) -> None:
+        """Dead-letter an entry that is no result, up to JUNK_PER_MINUTE per sender: a worker
+        that floods its results stream costs one round trip per read, not one per entry."""
+        minute = int(time.monotonic() // 60)
+        if self._junk_minute != minute:
+            self._junk_minute, self._junk_seen = minute, {}
+        n = self._junk_seen[sender] = self._junk_seen.get(sender, 0) + 1
+        if n <= JUNK_PER_MINUTE:
+            dead_letter(self.r, self.keys, stream, eid, fields, why, self.maxlen)
+        else:
+            blame(stream, f"over {JUNK_PER_MINUTE} entries a minute that are no result", sender)
 
     def answered_trials(self) -> list[Delivery]:
         """The trial answers read since the last call."""

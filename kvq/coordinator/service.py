@@ -21,8 +21,9 @@ import torch
 from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
-from kvq.bus import Backoff, claim_from_dead, dead_letter, is_connection_error
+from kvq.bus import claim_from_dead, dead_letter
 from kvq.bus.board import Fields, wait_for_model
+from kvq.bus.outage import Outage
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.bus.shards import ShardedConsumer
@@ -34,6 +35,7 @@ from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
+from kvq.coordinator.stage_check import Referee
 from kvq.coordinator.telemetry import RequestTimes
 from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
@@ -121,7 +123,8 @@ class Coordinator:
         self.chain = None if not stage else Chain(
             self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
             self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
-            dispatch.microbatches,
+            dispatch.microbatches, self.dispatch.verifier,
+            Referee(model_path, self.info.stages()),
         )  # fmt: skip
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
@@ -163,13 +166,13 @@ class Coordinator:
         )  # fmt: skip
 
     def run(self) -> None:
-        backoff = Backoff(self.s.reconnect_max_s)
+        outage = Outage(log, self.s.reconnect_max_s)
         self.slots.start()
         log.info("ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d "
                  "slices)", self.id, self.model, self.engine.n_slots,
                  len(self.requests.streams), len(self.info.slices))  # fmt: skip
         try:
-            self._serve(backoff)
+            self._serve(outage)
         finally:
             self.slots.close()
             self.slots.poll_once()
@@ -179,16 +182,16 @@ class Coordinator:
             except redis.RedisError as exc:
                 log.warning("could not leave %s's coordinators: %s", self.model, exc)
 
-    def _serve(self, backoff: Backoff) -> None:
+    def _serve(self, outage: Outage) -> None:
+        """Ticks until stopped. A Redis that is down, refuses writes (`MISCONF`, `OOM`, ...)
+        or refuses one command is waited out (`kvq.bus.outage`): no such error ends the
+        coordinator; the requests it holds are read again from its pending entries."""
         while not self.stop.is_set():
             try:
                 self.tick()
-                backoff.reset()
+                outage.ok()
             except redis.RedisError as exc:
-                if not is_connection_error(exc):
-                    raise
-                log.warning("redis unreachable (%s); retrying", exc)
-                backoff.wait()
+                outage.failed(exc)
                 self.requests.reset_pending()
 
     def tick(self) -> None:

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvq.bus.groups import GroupStats, group_stats, merged, server_ms
+from kvq.bus.peers import is_peer_fault
 from kvq.bus.records import ModelState, Quarantine, SliceDemand, WorkerView
 from kvq.bus.redis_board import RedisBoard
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
@@ -188,6 +189,7 @@ class RedisCollector(Collector):
         )  # fmt: skip
         yield from per_coord.families()
         yield from trust.families()
+        yield refusing_writes(r)
 
     def _collect_model(
         self, m: str, now_ms: int, q: _Queues, market: _Market, per_coord: CoordMetrics
@@ -206,13 +208,73 @@ class RedisCollector(Collector):
         up = {c.coord for c in cviews if c.alive}
         for c in cviews:
             # results wait in one stream per (worker, coordinator)
-            waiting = sum(int(r.xlen(k.worker_results(w, c.coord))) for w in ids)
+            waiting = _lengths(r, [k.worker_results(w, c.coord) for w in ids])
             q.length.add_metric(["results", m, "", c.coord], waiting)
             stats = board.coord_stats(c.coord)
             if stats is not None:
                 per_coord.add(m, c.coord, stats)
         market.add_coordinators(m, up, g)
         market.add_slices(m, board.model_state(m), views, board.slice_demand(m))
+
+
+REFUSAL_REASONS = ("misconf", "oom", "readonly", "loading")
+OOM_SHARE = 0.95  # used memory over this share of `maxmemory` under `noeviction` counts as full
+
+
+def refusal_reasons(info: Mapping[str, object]) -> set[str]:
+    """Why a Redis with this `INFO` (persistence, memory, replication sections) refuses writes
+    now: `misconf` (its last RDB save or AOF write failed: a full or broken disk), `oom` (at
+    `maxmemory` under `noeviction`, within OOM_SHARE), `readonly` (a replica), `loading`."""
+    out = set()
+    if "err" in (info.get("rdb_last_bgsave_status"), info.get("aof_last_write_status")):
+        out.add("misconf")
+    limit = _int(info.get("maxmemory"))
+    if limit and info.get("maxmemory_policy") == "noeviction":
+        if _int(info.get("used_memory")) >= OOM_SHARE * limit:
+            out.add("oom")
+    if info.get("role") == "slave":
+        out.add("readonly")
+    if _int(info.get("loading")):
+        out.add("loading")
+    return out
+
+
+def _int(v: object) -> int:
+    return int(v) if isinstance(v, int | str) and str(v).isdigit() else 0
+
+
+def refusing_writes(r: redis.Redis) -> GaugeMetricFamily:
+    """`kvq_redis_refusing_writes{reason}`: 1 while Redis refuses writes for that reason (the
+    roles wait it out, clients' requests fail at once: docs/faults.md), from its `INFO`."""
+    g = _gauge(
+        "kvq_redis_refusing_writes",
+        "1 while Redis refuses writes for this reason "
+        "(misconf: disk, oom: maxmemory under noeviction, readonly, loading)",
+        ["reason"],
+    )
+    nodes: dict[str, dict[str, object]] = {}
+    for section in ("persistence", "memory", "replication"):
+        got = r.info(section)
+        # a cluster client answers per node: {node: {field: value}}
+        per_node = got if got and all(isinstance(v, dict) for v in got.values()) else {"": got}
+        for node, fields in per_node.items():
+            nodes.setdefault(node, {}).update(fields)
+    why = set().union(*(refusal_reasons(i) for i in nodes.values()))
+    for reason in REFUSAL_REASONS:
+        g.add_metric([reason], int(reason in why))
+    return g
+
+
+def _lengths(r: redis.Redis, streams: list[str]) -> int:
+    """Entries in `streams`, in one round trip; a key a worker made another type counts 0."""
+    pipe = r.pipeline(transaction=False)
+    for s in streams:
+        pipe.xlen(s)
+    got = pipe.execute(raise_on_error=False)
+    for reply in got:
+        if isinstance(reply, Exception) and not is_peer_fault(reply):
+            raise reply
+    return sum(int(n) for n in got if not isinstance(n, Exception))
 
 
 def _entries_added(r: redis.Redis, stream: str) -> int:

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import redis
 
-from kvq.bus import Backoff, is_connection_error
 from kvq.bus.board import Board
 from kvq.bus.market import MarketDesk
+from kvq.bus.outage import Outage
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.catalog import ModelInfo
@@ -92,7 +92,7 @@ class Monitor:
         return info
 
     def run(self) -> None:
-        backoff = Backoff(self.s.reconnect_max_s)
+        outage = Outage(log, self.s.reconnect_max_s)
         models = self.board.models()
         log.info("ready: monitor %s watches %s (poll every %gs)", self.id,
                  ", ".join(models) if models else "no model yet", self.s.poll_s)  # fmt: skip
@@ -101,7 +101,7 @@ class Monitor:
             desk = threading.Thread(target=self._serve_market, name="market", daemon=True)
             desk.start()
         try:
-            self._run(backoff)
+            self._run(outage)
         finally:
             if desk is not None:
                 desk.join(timeout=5)
@@ -111,17 +111,16 @@ class Monitor:
                 except redis.RedisError:
                     pass  # it expires by itself
 
-    def _run(self, backoff: Backoff) -> None:
+    def _run(self, outage: Outage) -> None:
+        """Polls until stopped; a Redis that is down or refuses (writes, or one command) is
+        waited out, logged once per episode (`kvq.bus.outage`)."""
         while not self.stop.is_set():
             try:
                 if self._lead():
                     self.tick()
-                backoff.reset()
+                outage.ok()
             except redis.RedisError as exc:
-                if not is_connection_error(exc):
-                    raise
-                log.warning("redis unreachable (%s); retrying", exc)
-                backoff.wait()
+                outage.failed(exc)
                 continue
             self.stop.wait(self.s.poll_s)
 
@@ -129,15 +128,16 @@ class Monitor:
         """Answer workers' market asks while this monitor is the active one."""
         assert self.desk is not None
         block_ms = max(1, int(min(1.0, self.s.poll_s) * 1000))
+        outage = Outage(logging.getLogger("kvq.monitor.market"), self.s.reconnect_max_s)
         while not self.stop.is_set():
             if not self.active:
                 self.stop.wait(self.s.poll_s)
                 continue
             try:
                 self.desk.serve(block_ms)
+                outage.ok()
             except redis.RedisError as exc:
-                log.warning("market: %s; retrying", exc)
-                self.stop.wait(self.s.poll_s)
+                outage.failed(exc)
             except Exception:  # one bad ask must not stop recruitment
                 log.exception("market: answering asks failed; going on")
                 self.stop.wait(self.s.poll_s)

@@ -34,6 +34,7 @@ from kvq.bank import BankOptions
 from kvq.bank.server import BAD_JOB, ExpertServer
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
+from kvq.bus.outage import Outage, refusal
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import pick_device
@@ -114,7 +115,7 @@ class Worker:
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> None:
-        backoff = Backoff(self.s.reconnect_max_s)
+        outage = Outage(log, self.s.reconnect_max_s)
         self.membership.claim(self.board.lifetimes.claim_wait_s())
         self.membership.start()
         models = self.board.models()
@@ -130,12 +131,9 @@ class Worker:
                     elif not took:
                         self._maybe_idle_out()
                         self.stop.wait(self.s.volunteer_poll_s)
-                    backoff.reset()
-                except redis.RedisError as exc:
-                    if not is_connection_error(exc):
-                        raise
-                    log.warning("redis unreachable (%s); retrying", exc)
-                    backoff.wait()
+                    outage.ok()
+                except redis.RedisError as exc:  # down, refusing writes: waited out
+                    outage.failed(exc)
                     if self.consumer is not None:
                         self.consumer.reset_pending()
         finally:
@@ -367,7 +365,7 @@ class Worker:
         for s, exc in zip(served, errors, strict=True):
             if exc is None:
                 continue
-            if is_connection_error(exc):
+            if is_connection_error(exc) or refusal(exc):  # the loop waits it out: one log line
                 raise exc
             reason = f"cannot write the result to {s.results!r}: {_redis_reason(exc)}"
             self._dead_letter(s.eid, s.fields, reason, ack=False)
@@ -384,7 +382,7 @@ class Worker:
                 self.board.maxlen,
             )  # fmt: skip
         except redis.RedisError as exc:
-            if is_connection_error(exc):
+            if is_connection_error(exc) or refusal(exc):
                 raise
             log.error("cannot dead-letter %s (%s): %s", eid.decode(), reason, _redis_reason(exc))
         if ack:
