@@ -24,6 +24,11 @@ others are still on their way and every holder can compute all the time.
 
 Finished sequences are forgotten by their holders through the next job sent to each (`drop`),
 found when the engine lets go of their caches.
+
+Answers are checked per sequence and span (X3, `kvq.coordinator.stage_check`): a sequence drawn
+when it enters a span is witnessed there by a second holder, which gets the same jobs; the rows
+go on only when both answers agree, and on disagreement the coordinator's own run of the span
+decides who lied. A holder caught lying gets no more work; its sequences move and replay.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ from kvq.bus.board import Fields
 from kvq.catalog import ModelInfo
 from kvq.coordinator.layer_call import Tally
 from kvq.coordinator.mailbox import Mailbox
-from kvq.coordinator.pending import Pending, latency_ms
+from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.routing import SliceRouter
+from kvq.coordinator.stage_check import Referee, rule
+from kvq.coordinator.verify import Verifier
 from kvq.errors import NoReplica, RoutingError
 from kvq.model import Backbone, KVCache, SeqStep
 from kvq.slices import SliceSpec
@@ -61,6 +68,11 @@ class _Seq:
     key: str
     fed: list[int] = field(default_factory=list)  # tokens at positions 0..len-1, committed
     holders: dict[str, str] = field(default_factory=dict)  # span sid -> worker
+    witnesses: dict[str, str] = field(default_factory=dict)  # span sid -> its second holder
+    drawn: set[str] = field(default_factory=set)  # spans whose witness draw is made
+    # span sid -> the rows it was sent, per job, since position 0 (witnessed spans: the
+    # referee's replay)
+    chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -84,6 +96,18 @@ class Pass:
     rows: list[_Rows]
 
 
+@dataclass(eq=False)
+class _Pair:
+    """A witnessed group's two jobs: the same rows to the holder and to the witness."""
+
+    rows: list[_Rows]
+    span: int
+    inputs: list[torch.Tensor]  # each row group's rows as sent (the referee's last chunk)
+    holder: str
+    witness: str | None  # None once it failed: the holder's answer goes on unconfirmed
+    answers: dict[str, Answer] = field(default_factory=dict)
+
+
 @dataclass
 class _Job:
     """A stage job in flight: where it went, which rows, which spans."""
@@ -92,6 +116,7 @@ class _Job:
     rows: list[_Rows]
     spans: list[int]
     sent_at: float  # time.monotonic()
+    pair: _Pair | None = None  # a witnessed group's
 
 
 class Chain:
@@ -108,9 +133,12 @@ class Chain:
         deadline_ms: int,
         replica_wait_s: float,
         cohorts: int = 1,
+        verifier: Verifier | None = None,
+        referee: Referee | None = None,
     ) -> None:
         """Counts go into `tally` as the expert dispatch's do (remote jobs, rows, waits, the
-        round-trip histogram), with the replays and moves."""
+        round-trip histogram), with the replays and moves. `verifier` draws and records the
+        checks (None: none), `referee` decides disagreements."""
         self.head, self.info, self.coord, self.routing, self.mailbox = (
             head,
             info,
@@ -119,6 +147,8 @@ class Chain:
             mailbox,
         )
         self.stages: list[SliceSpec] = info.stages()
+        self.verifier = verifier
+        self.referee = referee if referee is not None else Referee(None, self.stages)
         self.stats, self.job_rtt = tally.stats, tally.job_rtt
         self.wait_s: dict[str, float] = {}  # span -> seconds waited for its answers
         self.deadline_ms, self.replica_wait_s = deadline_ms, replica_wait_s
@@ -159,6 +189,8 @@ class Chain:
             at += n
         p = Pass(steps, rows)
         self._passes.append(p)
+        if self.verifier is not None:
+            self.verifier.trust.new_step()  # the step floor of checks counts draws per step
         if len(self._passes) == 1:
             self._until = time.monotonic() + self.replica_wait_s
         return p
@@ -213,28 +245,42 @@ class Chain:
         return logits
 
     def _send(self, ready: list[_Rows], flying: dict[str, _Job], until: float) -> None:
-        """One job per (cohort, span, holder) of the ready rows, each over the spans that
-        follow on that holder for all of its rows."""
+        """One job per (cohort, span, holder, witness) of the ready rows: over the spans that
+        follow on that holder for all of its rows where none is witnessed, else the same
+        job to the witness too."""
         t0 = time.perf_counter()
-        groups: dict[tuple[int, int, str], list[_Rows]] = {}
+        groups: dict[tuple[int, int, str, str], list[_Rows]] = {}
         for r in ready:
+            self._check_holders(r)
             w = self._holder(r, r.next, until)
-            groups.setdefault((r.cohort, r.next, w), []).append(r)
+            v = self._witness(r, r.next, w) or ""
+            groups.setdefault((r.cohort, r.next, w, v), []).append(r)
         posts: list[tuple[str, Fields]] = []
-        for (_, k, w), group in sorted(groups.items()):
-            spans = [k]
-            while spans[-1] + 1 < len(self.stages) and all(
-                self._holder(r, spans[-1] + 1, until) == w for r in group
-            ):
-                spans.append(spans[-1] + 1)
-            job_id = self.mailbox.next_job_id()
-            posts.append((w, self._encode(job_id, w, group, spans)))
+        now = time.monotonic()
+        for (_, k, w, v), group in sorted(groups.items()):
+            spans = [k] if v else self._spans_on(w, group, k, until)
+            pair = _Pair(group, k, [r.x for r in group], w, v) if v else None
+            for worker in (w, v) if v else (w,):
+                job_id = self.mailbox.next_job_id()
+                posts.append((worker, self._encode(job_id, worker, group, spans)))
+                flying[job_id] = _Job(worker, group, spans, now, pair)
             for r in group:
                 r.busy = True
-            flying[job_id] = _Job(w, group, spans, time.monotonic())
+            self.stats.witness_jobs += bool(v)
         self.mailbox.post(posts, watch=[w for _, w in sorted({(0, w) for w, _ in posts})])
         self.stats.remote_sent += len(posts)
         self.stats.remote_send_s += time.perf_counter() - t0
+
+    def _spans_on(self, w: str, group: list[_Rows], k: int, until: float) -> list[int]:
+        """Span `k` and those after it that `w` holds for every row of `group`, none of
+        them witnessed."""
+        spans = [k]
+        while spans[-1] + 1 < len(self.stages) and all(
+            self._holder(r, spans[-1] + 1, until) == w and not self._witness(r, spans[-1] + 1, w)
+            for r in group
+        ):
+            spans.append(spans[-1] + 1)
+        return spans
 
     def _encode(self, job_id: str, worker: str, group: list[_Rows], spans: list[int]) -> Fields:
         first = self.stages[spans[0]]
@@ -264,7 +310,7 @@ class Chain:
             job = flying.pop(dv.job_id)
             ms = latency_ms(dv.pending, dv.eid)
             self.job_rtt.observe(ms / 1000)
-            why = self._take(job, dv.result, dv.sender)
+            why = self._take(job, dv.result, dv.sender, flying)
             if why:
                 self.stats.remote_errors += 1
                 self.routing.observe_failure(dv.sender, ms)
@@ -286,43 +332,116 @@ class Chain:
             self.routing.observe_failure(job.worker, (now - job.sent_at) * 1000)
             why = "its holder is down" if down else f"no answer in {self.deadline_ms} ms"
             log.warning("%s: job %s to %s: %s", self._span_names(job), job_id, job.worker, why)
-            self._replay(job, job.rows, keep=None)
+            self._failed(job, flying)
             self._count_wait(job)
         self.stats.remote_wait_s += time.perf_counter() - t0
         return used
 
-    def _take(self, job: _Job, res: wire.Result, sender: str) -> str:
+    def _take(self, job: _Job, res: wire.Result, sender: str, flying: dict[str, _Job]) -> str:
         """The answer's rows into the job's rows (""), or why not, with the rows set to
-        replay or to be sent again."""
-        if res.error is not None:
-            if res.error.type == wire.STATE_LOST:  # refused whole: nothing ran
-                lost = set(res.lost)
-                self._replay(job, [r for r in job.rows if r.seq.key in lost], keep=sender)
+        replay or to be sent again. A witnessed group's rows wait for both answers."""
+        y, why = self._answer(job, res, sender)
+        if y is None:
+            lost = res.error is not None and res.error.type == wire.STATE_LOST
+            if lost and job.pair is None:  # refused whole: nothing ran
+                keys = set(res.lost)
+                self._replay(job.spans, [r for r in job.rows if r.seq.key in keys], sender)
                 for r in job.rows:
                     r.busy = False  # the others go again as they were
             else:
-                self._replay(job, job.rows, keep=None)
-            return f"{sender}: {res.error.type}: {res.error.message}"
+                self._failed(job, flying)
+            return why
+        if job.pair is None:
+            self._apply(job.rows, job.spans[-1], y)
+            return ""
+        job.pair.answers[job.worker] = Answer(job.worker, y, res.dtype)
+        return self._resolve(job.pair)
+
+    def _answer(self, job: _Job, res: wire.Result, sender: str) -> tuple[torch.Tensor | None, str]:
+        """The rows of a well-formed, finite answer, or None and why."""
+        if res.error is not None:
+            return None, f"{sender}: {res.error.type}: {res.error.message}"
         n = sum(int(r.x.shape[0]) for r in job.rows)
         y = res.y.array() if res.y is not None else None
         if y is None or y.shape != (n, self.head.meta.embedding_length) or not np.isfinite(y).all():
-            self._replay(job, job.rows, keep=None)
-            return f"{sender} answered rows of shape {None if y is None else y.shape}"
-        out = torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype)
+            return None, f"{sender} answered rows of shape {None if y is None else y.shape}"
+        return torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype), ""
+
+    def _apply(self, rows: list[_Rows], last: int, y: torch.Tensor) -> None:
         at = 0
-        for r in job.rows:
+        for r in rows:
             m = int(r.x.shape[0])
-            r.x, r.next, r.busy = out[at : at + m], job.spans[-1] + 1, False
+            r.x, r.next, r.busy = y[at : at + m], last + 1, False
             at += m
+
+    def _failed(self, job: _Job, flying: dict[str, _Job]) -> None:
+        """`job` failed (an error, its holder down, no answer in time): a witness's leaves
+        the holder's answer unconfirmed; a holder's sends its rows back to position 0 (the
+        witness's twin, if any, is dropped with it)."""
+        pair = job.pair
+        if pair is not None and job.worker == pair.witness:
+            self._unwitness(pair)
+            self._resolve(pair)
+            return
+        if pair is not None:
+            for job_id, other in list(flying.items()):
+                if other.pair is pair:
+                    del flying[job_id]
+                    self.mailbox.forget(job_id)
+        self._replay(job.spans, job.rows, keep=None)
+
+    def _unwitness(self, pair: _Pair, lost: bool = True) -> None:
+        """The pair's sequences go on unwitnessed on its span (`lost`: the witness failed)."""
+        sid = self.stages[pair.span].sid
+        for r in pair.rows:
+            r.seq.witnesses.pop(sid, None)
+            r.seq.chunks.pop(sid, None)
+        pair.witness = None
+        self.stats.unwitnessed += lost
+
+    def _resolve(self, pair: _Pair) -> str:
+        """Both answers in: agreeing, the rows go on; disagreeing, the referee decides (and
+        a step it cannot decide fails: NoReplica). One answer in: wait for the other."""
+        a = pair.answers.get(pair.holder)
+        b = pair.answers.get(pair.witness) if pair.witness is not None else None
+        if a is None or (pair.witness is not None and b is None):
+            return ""
+        assert self.verifier is not None
+        sid = self.stages[pair.span].sid
+        if b is None:  # the witness failed: unconfirmed, as with no second holder
+            self._apply(pair.rows, pair.span, a.y)
+            return ""
+        if not self.verifier.agree(a, b):
+            chunks = [
+                self._history(r, sid) + [x] for r, x in zip(pair.rows, pair.inputs, strict=True)
+            ]
+            ruling = rule(self.verifier, self.referee, pair.span, a, b, chunks)
+            if ruling.use is None:
+                raise NoReplica(ruling.why)
+            log.warning("%s: caught", ruling.why)
+            for r in pair.rows:  # the one left keeps the sequences, unwitnessed
+                r.seq.holders[sid] = ruling.use.worker
+            self._unwitness(pair, lost=False)
+            self._apply(pair.rows, pair.span, ruling.use.y)
+            return ""
+        self.verifier.confirmed([a, b])
+        for r, x in zip(pair.rows, pair.inputs, strict=True):
+            r.seq.chunks[sid] = [*self._history(r, sid), x]
+        self._apply(pair.rows, pair.span, a.y)
         return ""
 
-    def _replay(self, job: _Job, rows: list[_Rows], keep: str | None) -> None:
+    @staticmethod
+    def _history(r: _Rows, sid: str) -> list[torch.Tensor]:
+        """The rows sent to span `sid` before this step's, since position 0."""
+        return r.seq.chunks.get(sid, []) if r.start else []
+
+    def _replay(self, spans: list[int], rows: list[_Rows], keep: str | None) -> None:
         """Rebuild the state of `rows`' sequences: all their tokens again from position 0,
-        through every span; the job's spans go to `keep` (it holds them: `StateLost`) or to
-        whichever live holder is cheapest when they get there (None: the job's holder
+        through every span; `spans` go to `keep` (it holds them: `StateLost`) or to
+        whichever live holder is cheapest when they get there (None: their holder
         failed)."""
         for r in rows:
-            for k in job.spans:
+            for k in spans:
                 sid = self.stages[k].sid
                 if keep is None:
                     r.seq.holders.pop(sid, None)
@@ -331,6 +450,44 @@ class Chain:
                     r.seq.holders[sid] = keep
             r.x, r.start, r.next, r.busy = self.head.embed_tokens(r.seq.fed + r.tokens), 0, 0, False
             self.stats.stage_replays += 1
+
+    def _check_holders(self, r: _Rows) -> None:
+        """A row whose holder of its next span is no longer live (dead, caught) replays
+        from position 0 now, its spans on that holder moved, instead of being sent there."""
+        if r.next >= len(self.stages):
+            return
+        w = r.seq.holders.get(self.stages[r.next].sid)
+        if w is None or w in self.routing.live_holders(self.stages[r.next].sid):
+            return
+        gone = [k for k, spec in enumerate(self.stages) if r.seq.holders.get(spec.sid) == w]
+        log.warning("stage %s: holder %s is gone; sequence %s moves and replays",
+                    self.stages[r.next].sid, w, r.seq.key)  # fmt: skip
+        self._replay(gone, [r], keep=None)
+
+    def _witness(self, r: _Rows, k: int, w: str) -> str | None:
+        """The second holder of span `k` that witnesses `r`'s sequence there: drawn when it
+        enters the span at position 0 (the trust schedule of `w`), kept while it lives."""
+        sid = self.stages[k].sid
+        v = r.seq.witnesses.get(sid)
+        live = self.routing.live_holders(sid)
+        if v is not None and v != w and v in live:
+            return v
+        if v is not None:  # gone (or now the holder): unconfirmed from here on
+            r.seq.witnesses.pop(sid)
+            r.seq.chunks.pop(sid, None)
+            self.stats.unwitnessed += 1
+            return None
+        if self.verifier is None or r.start or sid in r.seq.drawn:
+            return None
+        r.seq.drawn.add(sid)
+        if not self.verifier.wants_witness(w):
+            return None
+        free = [u for u in live if u != w]
+        if not free:
+            self.stats.unwitnessed += 1
+            return None
+        v = r.seq.witnesses[sid] = min(free, key=lambda u: (self._cost(u), u))
+        return v
 
     def _count_wait(self, job: _Job) -> None:
         sid = self.stages[job.spans[0]].sid

@@ -6,7 +6,8 @@ lie is patched in here, the way an adversary would run modified code.
         [--honest-first N] [--kind scale --factor 1.05] [--label bfloat16]
 
 `KVQ_*` settings come from the environment as for `kvq worker`. Each lie is logged ("LIE job"),
-so a test can count the jobs the coordinator received from it. `--honest-first N` answers its
+so a test can count the jobs the coordinator received from it. Expert jobs and stage jobs (X12:
+the rows leaving a layer span it holds) lie alike. `--honest-first N` answers its
 first N jobs honestly (it banks trust) and lies from then on. `--kind scale` multiplies its
 honest result by `--factor` (a lie that hides inside a tolerance, if any would); `--label`
 names its results' compute path whatever it computed (a worker choosing its own tolerance).
@@ -24,6 +25,7 @@ import numpy as np
 from kvq import wire
 from kvq.bank import server
 from kvq.cli import main
+from kvq.worker import shelf
 
 log = logging.getLogger("liar")
 
@@ -36,9 +38,8 @@ def patch(
     honest = server.ExpertServer.handle
     answered = 0
 
-    def handle(self: server.ExpertServer, job: wire.Job) -> wire.Result:
+    def lie(res: wire.Result, job_id: str) -> wire.Result:
         nonlocal answered
-        res = honest(self, job)
         answered += 1
         if res.y is None or answered <= honest_first or rng.random() >= garbage:
             return res
@@ -51,11 +52,19 @@ def patch(
         else:  # same shape and scale, wrong numbers
             noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(y.shape)
             bad = (noise * (np.abs(y).mean() + 1e-3)).astype(np.float32)
-        log.warning("LIE job %s", job.job_id)
+        log.warning("LIE job %s", job_id)
         lied = msgspec.structs.replace(res, y=wire.Tensor.of(bad))
         return msgspec.structs.replace(lied, dtype=label) if label else lied
 
+    def handle(self: server.ExpertServer, job: wire.Job) -> wire.Result:
+        return lie(honest(self, job), job.job_id)
+
+    def serve_stage(servers: list, job: wire.StageJob) -> wire.Result:  # type: ignore[type-arg]
+        return lie(honest_stage(servers, job), job.job_id)
+
+    honest_stage = shelf.serve_stage_job
     server.ExpertServer.handle = handle  # type: ignore[method-assign]
+    shelf.serve_stage_job = serve_stage  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def test_a_chain_of_stage_workers_gives_local_generations_tokens(
 
 
 def _kill_serving(kids: Children, board: RedisBoard, model_id: str, sid: str) -> str:
-    """SIGKILL the holder of `sid` that has served (its heartbeat says so, within a beat or
+    """SIGKILL a holder of `sid` that has served (its heartbeat says so, within a beat or
     two of its first job); returns its id."""
     serving: list[str] = []
 
@@ -120,7 +120,8 @@ def _kill_serving(kids: Children, board: RedisBoard, model_id: str, sid: str) ->
         return bool(serving)
 
     kids.wait_for(found, 30, f"the holder of {sid} in use")
-    assert len(serving) == 1, serving  # the sequence sticks to one holder of the span
+    # the sequence sticks to one holder of the span; a second serves it too while it is
+    # witnessed there (a new holder's sequences are, `kvq.coordinator.stage_check`)
     kids.kill(serving[0])
     return serving[0]
 

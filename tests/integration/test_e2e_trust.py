@@ -10,6 +10,7 @@ generated token must equal the all-local reference: no lie is ever used.
 
 from __future__ import annotations
 
+import random
 import re
 import subprocess
 import sys
@@ -354,3 +355,104 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
         assert lies == 1 and wrong == 0
     else:  # a GPU path's tolerance: a 1% lie may pass one job, not the running mean bias
         assert lies <= 8
+
+
+# stage grain (X12): the liar holds a layer span whole; path -> (model quant, the lie, factor)
+STAGE_LIARS = {
+    "stage f32, noise": ("f32", "noise", 1.0),
+    "stage f32, x1.01": ("f32", "scale", 1.01),
+    "stage Q4_K, x1.05": ("q4_k_m", "scale", 1.05),
+}
+
+
+def _start_stage(s: Settings, kids: Children, run_in_thread, model: Path, tmp_path: Path,
+                 *liar: str) -> tuple[Settings, Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
+    """`model` at stage grain, one block a span, two holders of each: the liar (`liar`:
+    liar_worker.py's arguments) holds the first span, three honest workers the rest."""
+    s = s.model_copy(update={"grain": "stage", "stage_layers": 1, "base_replicas": 2,
+                             "backbone_replicas": 2})  # fmt: skip
+    mon = Monitor.from_settings(s)
+    info = mon.register("tiny", model)
+    assert info.grain == "stage" and len(info.stages()) == 2
+    log = (tmp_path / "liar.log").open("wb")
+    kids.procs["liar"] = subprocess.Popen(
+        [sys.executable, str(LIAR), "--id", "liar", *liar], env=child_env(s), stdout=log,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    kids.wait_for(lambda: mon.board.assignments("tiny").get("liar") == (min(info.slices),), 60,
+                  "the liar holding the first span")  # fmt: skip
+    for w in ("h1", "h2", "h3"):
+        kids.spawn(w, "worker", "--id", w)
+    wait_ready(mon, "tiny", 4, 120)
+    coord = Coordinator.from_settings(s, "c1", "tiny", model)
+    return s, mon, coord
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("row", list(STAGE_LIARS))
+def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tiny_q4k: Path,
+    tmp_path: Path, row: str,
+) -> None:  # fmt: skip
+    """Issue 44 item 4. The model at stage grain, one block a span, two holders of each; the
+    liar holds the first span and lies on every stage answer. The coordinator witnesses the
+    sequences of a holder it does not trust yet on a second holder of the span and referees
+    a disagreement with its own run of the span: the liar is caught on its first lie, every
+    completion equals all-local generation, no honest holder is blamed."""
+    quant, kind, factor = STAGE_LIARS[row]
+    model = tiny_q4k if quant == "q4_k_m" else tiny_model
+    want = {p: local_tokens(model, p, MAX_TOKENS) for p in PROMPTS[:4]}
+    s, mon, coord = _start_stage(s, kids, run_in_thread, model, tmp_path, "--kind", kind,
+                                 "--factor", str(factor))  # fmt: skip
+    run_in_thread(coord)
+    keys, r = Keys(s.prefix), mon.board.r
+    wrong = requests = 0
+    for prompt in want:
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        requests += 1
+        wrong += got != want[prompt]
+    t, lies, st = coord.trust.workers["liar"], _lies(tmp_path, "liar"), coord.dispatch.stats
+    print(f"LIAR-TABLE | {row} | caught at check {t.checked} | {lies} lies | {wrong} wrong of "
+          f"{requests} requests | {st.witness_jobs} witness jobs |")  # fmt: skip
+    assert "liar" in mon.board.quarantined("tiny"), "caught"
+    assert wrong == 0 and lies == 1, "caught on its first lie, which was never used"
+    assert t.mismatches == 1 and st.mismatches == 1
+    assert set(mon.board.quarantined("tiny")) == {"liar"}, "no honest holder blamed"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("verify", ["sampled", "all"])
+def test_a_late_liar_at_stage_grain_spoils_few_completions_and_none_when_all_are_witnessed(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, verify: str
+) -> None:  # fmt: skip
+    """The liar answers its first 150 stage jobs honestly (its streak takes it past the full
+    checks), then lies on every one. Sampled (the default), each new sequence on its span is
+    witnessed with the step floor's probability (0.3): a few completions may be wrong before
+    one is witnessed and it is caught. `KVQ_VERIFY_REMOTE=all` witnesses every sequence: none
+    is wrong, at twice the span's compute."""
+    s = s.model_copy(update={"verify_remote": verify})
+    s, mon, coord = _start_stage(s, kids, run_in_thread, tiny_model, tmp_path,
+                                 "--honest-first", "150")  # fmt: skip
+    coord.trust.rng = random.Random(7)
+    run_in_thread(coord)
+    keys, r = Keys(s.prefix), mon.board.r
+    want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+    requests = wrong = 0
+    while "liar" not in mon.board.quarantined("tiny"):
+        assert requests < 80, "not caught within 80 requests"
+        prompt = PROMPTS[requests % len(PROMPTS)]
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        requests += 1
+        wrong += got != want[prompt]
+    st = coord.dispatch.stats
+    print(f"LATE-LIAR stage | verify {verify} | caught after {requests} requests | {wrong} "
+          f"wrong | {_lies(tmp_path, 'liar')} lies | {st.witness_jobs} witness jobs of "
+          f"{st.remote_sent} |")  # fmt: skip
+    assert set(mon.board.quarantined("tiny")) == {"liar"}
+    if verify == "all":
+        assert wrong == 0
+    else:
+        assert wrong <= 12  # P(12 unwitnessed in a row) = 0.7 ** 12 < 1.5%; seeded draws
