@@ -67,6 +67,7 @@ class PoolBench:
     log_dir: str | None = None
     grain: str = "expert"  # KVQ_GRAIN: "stage" cuts the model into layer spans (X12)
     stage_layers: int = 4  # KVQ_STAGE_LAYERS
+    verify: str = "sampled"  # KVQ_VERIFY_REMOTE: "off" compares like for like with llama.cpp
 
     def check(self) -> None:
         if not 1 <= self.workers <= 16:
@@ -85,6 +86,8 @@ class PoolBench:
             raise ConfigError("--microbatches in 1..8, --overhead-mib >= 0, --copies >= 1")
         if self.grain not in ("expert", "stage") or self.stage_layers < 1:
             raise ConfigError("--grain expert|stage, --stage-layers >= 1")
+        if self.verify not in ("sampled", "all", "off"):
+            raise ConfigError(f"--verify sampled|all|off, got {self.verify!r}")
 
 
 def _survivors_hold(cfg: PoolBench) -> bool:
@@ -140,6 +143,7 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
             heartbeat_ttl_s=cfg.hb_ttl_s, monitor_poll_s=0.5,
             microbatches=cfg.microbatches, backbone_replicas=cfg.copies, base_replicas=1,
             boost_replicas=0, grain=cfg.grain, stage_layers=cfg.stage_layers,
+            verify_remote=cfg.verify,
         )  # fmt: skip
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=log_dir)

@@ -23,7 +23,7 @@ REPORT_KEYS = (
     "workers", "cap_fraction", "budget_bytes", "cgroup_cap_bytes", "overhead_mib",
     "no_worker_holds_model", "survivors_hold_model", "netns", "cpus", "omp_num_threads",
     "microbatches", "copies", "max_tokens", "warmup_s", "measure_s", "heartbeat_ttl_s", "runs",
-    "kill", "grain", "stage_layers",
+    "kill", "grain", "stage_layers", "verify",
 )  # fmt: skip
 
 
@@ -113,6 +113,7 @@ def build(  # cfg: a kvq.bench.pool.PoolBench (not imported: pool imports this m
         "warmup_s": cfg.warmup_s, "measure_s": cfg.measure_s,
         "heartbeat_ttl_s": cfg.hb_ttl_s, "runs": runs, "kill": kill, "grain": cfg.grain,
         "stage_layers": cfg.stage_layers if cfg.grain == "stage" else None,
+        "verify": cfg.verify,
     }  # fmt: skip
     assert tuple(out) == REPORT_KEYS
     return out

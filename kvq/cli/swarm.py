@@ -170,7 +170,7 @@ def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
         measure_s=args.measure_s, kill=not args.no_kill, netns=not args.no_netns,
         hb_ttl_s=args.hb_ttl_s, microbatches=args.microbatches,
         copies=args.copies, log_dir=args.log_dir, grain=args.grain,
-        stage_layers=args.stage_layers,
+        stage_layers=args.stage_layers, verify=args.verify,
     )  # fmt: skip
     r = run_pool_bench(cfg)
     print(json.dumps(r) if args.json else "\n".join(lines(r)))
@@ -202,6 +202,8 @@ def _add_pool(bench: Subparsers) -> None:
                    help="KVQ_GRAIN: expert slices, or layer spans served whole (X12)")  # fmt: skip
     p.add_argument("--stage-layers", type=_positive, default=4,
                    help="KVQ_STAGE_LAYERS: blocks per stage slice (--grain stage)")  # fmt: skip
+    p.add_argument("--verify", choices=("sampled", "all", "off"), default="sampled",
+                   help="KVQ_VERIFY_REMOTE (off: like for like with llama.cpp, which checks nothing)")  # fmt: skip
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL phase")
     p.add_argument("--no-netns", action="store_true", help="workers on loopback, no namespace")
     p.add_argument("--log-dir", help="the processes' logs (default: --cache-dir/logs)")
