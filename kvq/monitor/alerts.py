@@ -142,6 +142,8 @@ RULES: dict[str, Callable[[list[Sample]], Fired]] = {
                               "time to first token"),
     "KvqSlowTokens": _p95("KvqSlowTokens", "kvq_token_gap_seconds", 1.0, "gap between tokens"),
     "KvqMetricsAbsent": _absent,
+    "KvqRedisRefusesWrites": _gauge_rule("KvqRedisRefusesWrites", "kvq_redis_refusing_writes",
+                                         ("reason",), lambda v: v > 0, "redis refuses writes"),
 }  # fmt: skip
 
 
