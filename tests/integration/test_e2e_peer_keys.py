@@ -121,7 +121,7 @@ def _settings(base: Settings) -> Settings:
     return base.model_copy(
         update={
             "coordinator_experts": "none",  # every expert job goes to a worker: inboxes, results
-        "job_deadline_ms": 400,
+            "job_deadline_ms": 400,
             "saturation_threshold": 1,  # every request offloads
             "worker_max_slices": 0,
             "n_slots": 2,
