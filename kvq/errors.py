@@ -9,6 +9,7 @@
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
     │   ├── SliceIntegrityError   downloaded slice bytes do not match what was published
     │   └── ModelMismatch         a coordinator's GGUF is not the file registered for its id
+    │       └── ModelCorrupt          ... a range of it fails its checksum (checked before blame)
     ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
     ├── RoutingError       no node can serve a slice; unknown model
     │   ├── UnknownModel       no model of that id in the swarm
@@ -69,6 +70,11 @@ class SliceIntegrityError(ModelError):
 class ModelMismatch(ModelError):
     """A coordinator's model file differs (size, metadata hash, expert bytes) from the file
     the monitor registered under the same model id."""
+
+
+class ModelCorrupt(ModelMismatch):
+    """A byte range of the coordinator's own model file does not match the registration's
+    checksum: found before a mismatch on that slice is charged to a worker."""
 
 
 class BankError(KvqError):

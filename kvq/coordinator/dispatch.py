@@ -120,7 +120,9 @@ class Dispatcher:
             and not (self.verifier.exact_for(sender) and res.dtype == self.verifier.asked(sender))
         ):
             self.stats.remote_rows += int(y.shape[0])
-            verdict = self.verifier.check(sender, torch.from_numpy(y.copy()), res.dtype, p.ref)
+            verdict = self.verifier.check(
+                sender, torch.from_numpy(y.copy()), res.dtype, p.ref, sid=p.spec.sid
+            )
         if verdict is not Verdict.REJECTED:
             self.routing.observe_result(
                 sender, ms, int(p.rows.numel()), res.compute_ms,

@@ -273,7 +273,7 @@ class LayerCall:
             self._quorum(p, Answer(sender, y, res.dtype), ms, res.compute_ms)
             return
         recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
-        y, verdict = parts.verifier.judge(sender, y, res.dtype, recompute)
+        y, verdict = parts.verifier.judge(sender, y, res.dtype, recompute, p.spec.sid)
         self.partials[p.spec.sid] = y
         if verdict is Verdict.REJECTED:
             stats.fallback_jobs += 1

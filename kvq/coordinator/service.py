@@ -33,13 +33,21 @@ from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.chain import Chain
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.engine import Engine, Sequence
+from kvq.coordinator.own_bytes import OwnBytes
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.stage_check import Referee
 from kvq.coordinator.telemetry import RequestTimes
 from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
-from kvq.errors import ConfigError, ModelError, NoReplica, UncoveredSlice, WireError
+from kvq.errors import (
+    ConfigError,
+    ModelCorrupt,
+    ModelError,
+    NoReplica,
+    UncoveredSlice,
+    WireError,
+)
 from kvq.keys import COORDINATOR_GROUP, request_streams
 from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
@@ -138,6 +146,12 @@ class Coordinator:
             self._publish_slots, settings.slot_poll_s, board.lifetimes.load_fresh_s(),
         )  # fmt: skip
         self.stop = threading.Event()
+        # the registered checksums of this coordinator's own expert ranges, before any blame
+        self.own = OwnBytes(model_path, self.info) if backbone_source(model_path) is None else None
+        if self.own is not None:
+            self.dispatch.verifier.own_bytes = self.own.refuse
+            if self.chain is not None:
+                self.chain.referee.own_bytes = self.own.refuse
         self.completed = 0
         self.cancelled = 0
         self.tokens = 0
@@ -171,6 +185,8 @@ class Coordinator:
         log.info("ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d "
                  "slices)", self.id, self.model, self.engine.n_slots,
                  len(self.requests.streams), len(self.info.slices))  # fmt: skip
+        if self.own is not None:
+            self.own.start_sweep(self.stop)
         try:
             self._serve(outage)
         finally:
@@ -196,6 +212,8 @@ class Coordinator:
 
     def tick(self) -> None:
         """Take over orphans, drop cancelled requests, admit what fits, run one step."""
+        if self.own is not None and self.own.corrupt:
+            raise ModelCorrupt(self.own.corrupt)  # refused: the operator replaces the file
         self._claim_orphans()
         gone = self.cancels.poll()
         if gone:
@@ -363,7 +381,8 @@ class Coordinator:
         if any(not 0 <= t < vocab for t in req.sampling.stop_token_ids):
             return f"stop_token_ids must be in [0, {vocab})"
         n = len(ids)  # tokens of this model's vocabulary
-        if n + req.max_tokens >= self.backbone.meta.context_length:
+        # vLLM's rule: prompt + completion fit the context (the engine ends at it, `context`)
+        if n + req.max_tokens > self.backbone.meta.context_length:
             return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
         return None
 

@@ -23,6 +23,7 @@ with neither, no answer is used and the step fails with a clear error: never a w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class Referee:
     def __init__(self, path: str | Path | None, stages: list[SliceSpec]) -> None:
         self.path, self.stages = path, stages
         self._spans: dict[int, Backbone | None] = {}
+        # raises ModelCorrupt if the file's bytes of a span are corrupted (`own_bytes`)
+        self.own_bytes: Callable[[str], None] = lambda sid: None
 
     def span(self, k: int) -> Backbone | None:
         """Span `k`'s blocks from the file, or None where the file lacks them."""
@@ -103,6 +106,8 @@ def rule(
                                 "coordinator's file lacks the span to decide; no answer is used")  # fmt: skip
     judge = Answer(REFEREE, ref, a.dtype)
     good = [x for x in (a, b) if verifier.agree(x, judge)]
+    if not good:
+        referee.own_bytes(sid)  # raises ModelCorrupt: the fault may be this coordinator's
     if len(good) != 1:
         verifier.stats.unresolved += 1
         return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and the "

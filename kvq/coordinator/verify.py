@@ -69,6 +69,9 @@ class Verifier:
         self.board, self.model, self.trust, self.mode = board, model, trust, mode
         self.local_dtype, self.stats, self.on_caught = local_dtype, stats, on_caught
         self.paths: dict[str, str] = {}  # worker -> the path asked of it, if not local_dtype
+        # raises ModelCorrupt if this coordinator's own bytes of a slice are corrupted: run
+        # before a mismatch on that slice is charged to a worker (`kvq.coordinator.own_bytes`)
+        self.own_bytes: Callable[[str], None] = lambda sid: None
         self.biases: dict[str, list[float]] = {}  # worker -> its last checked results' biases
 
     def asked(self, worker: str) -> wire.ComputeDType:
@@ -89,9 +92,11 @@ class Verifier:
         return self.trust.barred(worker)
 
     def judge(
-        self, worker: str, y: torch.Tensor, dtype: str, recompute: Callable[[], torch.Tensor]
-    ) -> tuple[torch.Tensor, Verdict]:
-        """The tensor to use in place of remote result `y` ([R, H]) of `worker`, and why."""
+        self, worker: str, y: torch.Tensor, dtype: str, recompute: Callable[[], torch.Tensor],
+        sid: str = "",
+    ) -> tuple[torch.Tensor, Verdict]:  # fmt: skip
+        """The tensor to use in place of remote result `y` ([R, H]) of `worker` for slice
+        `sid`, and why."""
         self.stats.remote_rows += int(y.shape[0])
         if not finite(y):
             self.stats.nonfinite_results += 1
@@ -102,9 +107,9 @@ class Verifier:
         if self.exact_for(worker):  # a tolerance path: checked against exact float32
             with kernels.float32_activations():
                 ref = recompute()
-            return ref, self.check(worker, y, dtype, ref, "float32")
+            return ref, self.check(worker, y, dtype, ref, "float32", sid)
         ref = recompute()
-        return ref, self.check(worker, y, dtype, ref)
+        return ref, self.check(worker, y, dtype, ref, sid=sid)
 
     def unchecked(self, worker: str, y: torch.Tensor, dtype: str) -> Verdict:
         """Remote result `y` of a slice this coordinator holds no experts of (a backbone file):
@@ -158,10 +163,11 @@ class Verifier:
 
     def check(
         self, worker: str, y: torch.Tensor, dtype: str, ref: torch.Tensor,
-        ref_dtype: str | None = None,
+        ref_dtype: str | None = None, sid: str = "",
     ) -> Verdict:  # fmt: skip
         """Compare `y` with `ref`, this coordinator's recomputation in `ref_dtype` (None: its
-        own path); record the outcome."""
+        own path) of slice `sid`; record the outcome. A mismatch is charged to `worker` only
+        once this coordinator's own bytes of the slice are known intact (else ModelCorrupt)."""
         st = self.stats
         local = self.local_dtype if ref_dtype is None else ref_dtype
         want = self.asked(worker)
@@ -190,6 +196,8 @@ class Verifier:
         if c.ok:
             self.trust.passed(worker)
             return Verdict.VERIFIED
+        if sid:
+            self.own_bytes(sid)  # raises ModelCorrupt: the fault is here, not the worker's
         st.mismatches += 1
         self.biases.pop(worker, None)
         if not c.finite:
