@@ -9,15 +9,18 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import uvicorn
 from starlette.requests import Request
 
 from kvq.errors import ServerError
 
 
-async def capped_body(request: Request, limit: int) -> bytes | None:
+async def capped_body(request: Request, limit: int, within_s: float | None = None) -> bytes | None:
     """The request's body, or None once it is over `limit` bytes: a declared Content-Length
-    over it is refused before reading, and a chunked body (no length) is read only up to it."""
+    over it is refused before reading, and a chunked body (no length) is read only up to it.
+    TimeoutError when it has not arrived whole within `within_s` (a chunk that declares more
+    bytes than ever come, such as 2^64 - 1, would hold the connection otherwise)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -26,11 +29,12 @@ async def capped_body(request: Request, limit: int) -> bytes | None:
         except ValueError:
             return None
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
+    with anyio.fail_after(within_s):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            parts.append(chunk)
     return b"".join(parts)
 
 

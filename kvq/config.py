@@ -434,12 +434,12 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
-SECRET_SETTINGS = ("redis_url", "api_keys")  # printed only redacted
+SECRET_SETTINGS = ("redis_url", "rq_url", "api_keys")  # printed only redacted
 
 
 def redact(name: str, value: Any) -> Any:
     """`value` of setting `name` as it may be printed: no password, no API key."""
-    if name == "redis_url" and isinstance(value, str):
+    if name in ("redis_url", "rq_url") and isinstance(value, str):
         from kvq.security.redact import redacted_url
 
         return redacted_url(value)

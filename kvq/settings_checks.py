@@ -113,6 +113,10 @@ class SettingsChecks(BaseSettings):
             )
         if parsed.scheme != "unix" and not parsed.hostname:
             raise ValueError("must name a host, e.g. redis://127.0.0.1:6379/0")
+        try:
+            parsed.port  # noqa: B018 - raises on a port out of range or not a number
+        except ValueError:
+            raise ValueError("the port must be a number in [0, 65535]") from None
         return v
 
     @field_validator("redis_mode", check_fields=False)

@@ -18,12 +18,17 @@ from kvq.asgi import capped_body
 from kvq.errors import ApiError
 
 MAX_BODY = 1 << 20
+BODY_WITHIN_S = 30.0  # a body not whole by then is answered 408 (its connection freed)
 T = TypeVar("T")
 
 
 async def read_body(request: Request) -> bytes:
-    """The body, at most MAX_BODY bytes (chunked bodies too), else 413."""
-    raw = await capped_body(request, MAX_BODY)
+    """The body, at most MAX_BODY bytes (chunked bodies too), else 413; 408 when it has not
+    arrived whole within BODY_WITHIN_S."""
+    try:
+        raw = await capped_body(request, MAX_BODY, BODY_WITHIN_S)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive whole within {BODY_WITHIN_S:g}s") from None
     if raw is None:
         raise ApiError(413, f"the body is over {MAX_BODY} bytes")
     return raw

@@ -45,8 +45,8 @@ class ModelText:
 
     def room(self, ids: list[int]) -> int:
         """Tokens a request with this prompt may still generate (the coordinator refuses
-        prompt + max_tokens >= the context length)."""
-        return self.context_length - len(ids) - 1
+        prompt + max_tokens > the context length)."""
+        return self.context_length - len(ids)
 
 
 class Texts:

@@ -57,15 +57,17 @@ def tls_options(settings: BusSettings) -> dict[str, Any]:
     return opts
 
 
-def connect(settings: BusSettings) -> redis.Redis:
+def connect(settings: BusSettings, retries: int = 3) -> redis.Redis:
     """A client for `KVQ_REDIS_URL` that retries each command across short outages: a plain
     client, a `RedisCluster` (mode cluster) or the master of a Sentinel set (mode sentinel).
 
     Raw bytes in and out (`decode_responses=False`): payloads are msgpack. Over TLS the first
     connection is made now: a certificate problem fails here with a one-line TlsError instead
-    of being retried forever (an unreachable server is still waited for, later).
+    of being retried forever (an unreachable server is still waited for, later). `retries`:
+    how often a command is tried again after a connection error or a timeout (0 for a check
+    that must answer within one socket timeout, `kvq health`).
     """
-    retry = Retry(ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=3)
+    retry = Retry(ExponentialBackoff(cap=settings.reconnect_max_s, base=0.05), retries=retries)
     if settings.mode == "cluster":
         return _cluster(settings, retry)
     if settings.mode == "sentinel":

@@ -4,6 +4,7 @@ healthchecks, systemd and scripts). One line on stdout says what was checked."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,13 @@ def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{'ok' if ok else 'unhealthy'}: {what}")
         return EXIT_OK if ok else EXIT_FAIL
 
+    # one try, no blocking reads: a port that accepts and never answers fails the check
+    # within KVQ_SOCKET_TIMEOUT_S instead of holding it through the client's retries
+    bus = dataclasses.replace(settings.bus, block_ms=0)
     if args.role == "redis":  # a ping needs no board (whose records import numpy and gguf)
         from kvq.bus import connect
 
-        r = connect(settings.bus)
+        r = connect(bus, retries=0)
         try:
             r.ping()
             ok, what = True, "redis answers"
@@ -38,9 +42,11 @@ def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{'ok' if ok else 'unhealthy'}: {what}")
         return EXIT_OK if ok else EXIT_FAIL
 
-    from kvq.bus.redis_board import open_board
+    from kvq.bus import connect
+    from kvq.bus.redis_board import RedisBoard
+    from kvq.keys import Keys
 
-    board = open_board(settings.bus, settings.lifetimes)
+    board = RedisBoard(connect(bus, retries=0), Keys(bus.prefix), settings.lifetimes)
     try:
         ok, what = check(board, args.role, args.id, settings)
     except redis.RedisError as exc:

@@ -11,7 +11,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from kvq.bank.server import ExpertServer
 from kvq.bus.board import Board
 from kvq.bus.market import Held
 from kvq.device import compute_dtype
-from kvq.errors import ModelError
+from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import decode_slice
 from kvq.model.qstack import FileMap
 from kvq.model.stage import load_stage, write_stage_file
@@ -30,6 +30,19 @@ from kvq.worker.fetch import fetch_slice
 from kvq.worker.stage import StageServer, warm_up_stage
 
 log = logging.getLogger("kvq.worker")
+
+
+Fingerprint = tuple[str, ...]  # model, slice, source, the slice's published sha256s
+
+
+class TamperedSource(SliceIntegrityError):
+    """The source's bytes of a slice differ from its published checksums (a tampered or
+    another file): the same bytes would come again. `again`: refused without downloading,
+    since this fingerprint failed before."""
+
+    def __init__(self, message: str, fingerprint: Fingerprint, again: bool = False) -> None:
+        super().__init__(message)
+        self.fingerprint, self.again = fingerprint, again
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,21 +68,36 @@ class Loader:
     bank_options: BankOptions
     stage_max_seqs: int = 256  # KVQ_STAGE_MAX_SEQS: sequence states a stage slice keeps
 
-    def load(self, held: Held, progress: Callable[[int, int], None], quiet: bool = False) -> Loaded:
+    def load(
+        self,
+        held: Held,
+        progress: Callable[[int, int], None],
+        quiet: bool = False,
+        refused: Collection[Fingerprint] = (),
+    ) -> Loaded:
         """The slice `held`, loaded (KvqError when it cannot be: unregistered, unreachable,
         corrupt, or a bank these settings cannot build). `quiet`: its "loading" and bank lines
-        at DEBUG (a worker's later slices: its "serving" line says what each one cost)."""
+        at DEBUG (a worker's later slices: its "serving" line says what each one cost).
+        `refused`: fingerprints whose bytes failed their checksums before (`TamperedSource`),
+        not downloaded again."""
         level = logging.DEBUG if quiet else logging.INFO
         info = self.board.model_info(held.model)
         if info is None:
             raise ModelError(f"model {held.model!r} is no longer registered")
         spec = info.slices[held.sid]
+        fp = (held.model, held.sid, info.source, *spec.sha256)
+        if fp in refused:
+            why = f"{info.source} gave bytes of {held.sid} that failed their checksums before"
+            raise TamperedSource(why, fp, again=True)
         dtype = compute_dtype(self.device, self.compute_dtype, (r.ggml_type for r in spec.ranges))
         t0 = time.monotonic()
         log.log(level, "loading %s %s (%.1f MB from %s)", held.model, held.sid,
                 spec.nbytes / 1e6, info.source)  # fmt: skip
         progress(0, spec.nbytes)
-        blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
+        try:
+            blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
+        except SliceIntegrityError as exc:
+            raise TamperedSource(str(exc), fp) from None
         if spec.is_stage:
             stage = self._stage(held, spec, blobs, info.meta.file_size, dtype)
             warm_s = warm_up_stage(stage)

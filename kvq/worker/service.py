@@ -42,7 +42,7 @@ from kvq.errors import BankError, ConfigError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, check_id
 from kvq.security.acl import user_name
 from kvq.worker.budget import Budget
-from kvq.worker.loader import Loaded, Loader
+from kvq.worker.loader import Fingerprint, Loaded, Loader, TamperedSource
 from kvq.worker.membership import Held, Membership
 from kvq.worker.shelf import Shelf
 from kvq.worker.stage import StageServer
@@ -78,6 +78,7 @@ class Worker:
         self._loads: queue.SimpleQueue[Loaded | tuple[Held, Exception]] = queue.SimpleQueue()
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
         self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
+        self._tampered: set[Fingerprint] = set()  # slices whose source failed their checksums
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
@@ -185,7 +186,7 @@ class Worker:
             self._loader.start()
             return True
         try:
-            got = self.loader.load(held, self.membership.loaded)
+            got = self.loader.load(held, self.membership.loaded, refused=self._tampered)
         except KvqError as exc:
             self._failed(held, exc)
             return False
@@ -225,7 +226,8 @@ class Worker:
 
     def _load_beside(self, held: Held) -> None:
         try:
-            self._loads.put(self.loader.load(held, self.membership.loaded, quiet=True))
+            got = self.loader.load(held, self.membership.loaded, True, self._tampered)
+            self._loads.put(got)
         except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
             self._loads.put((held, exc))
 
@@ -252,9 +254,22 @@ class Worker:
             log.error("cannot serve %s %s: %s", held.model, held.sid, exc)
             raise exc  # this node's bank settings cannot work: retrying would loop forever
         delay = self._load_backoff.next_delay()
+        self._next_ask = time.monotonic() + delay
+        if isinstance(exc, TamperedSource):
+            # said once per slice and source: the same bytes would come every time
+            if not exc.again:
+                self._tampered.add(exc.fingerprint)
+                log.error(
+                    "cannot serve %s %s: %s; not downloading it from there again while its "
+                    "checksums stay as published (fix the monitor's --source, or register "
+                    "the model again)",
+                    held.model,
+                    held.sid,
+                    exc,
+                )
+            return
         log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
                   held.model, held.sid, exc, delay)  # fmt: skip
-        self._next_ask = time.monotonic() + delay
 
     def _install(self, got: Loaded) -> None:
         """A loaded slice starts serving: on the shelf, counted, beating."""

@@ -106,6 +106,20 @@ def test_refused_by_the_coordinator_is_400(system: System) -> None:
     wait(lambda: system.queued() == 0, "refused requests acknowledged")
 
 
+def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_are_served(
+    system: System,
+) -> None:
+    """511 prompt tokens + 1 fit a 512 context; + 2 do not (vLLM's rule)."""
+    ids = [65 + i % 26 for i in range(511)]
+    ok = post(system.url, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    usage = ok.json()["usage"]
+    assert usage == {"prompt_tokens": 511, "completion_tokens": 1, "total_tokens": 512}
+    over = {"model": MODEL, "prompt": ids, "max_tokens": 2}
+    refused = assert_error(post(system.url, "/v1/completions", over), 400)
+    assert "context length 512" in refused["message"]
+
+
 def test_no_coordinator_is_503(system: System) -> None:
     system.mon.register("idle", system.model_path)
     resp = post(system.url, "/v1/completions", {"model": "idle", "prompt": "x"})
@@ -206,6 +220,29 @@ def test_a_chunked_body_over_the_cap_is_413_without_reading_it_whole(system: Sys
         assert resp.request.headers.get("transfer-encoding") == "chunked"
         assert_error(resp, 413)
         assert time.monotonic() - t0 < 5, path
+    assert system.queued() == queued
+
+
+@pytest.mark.parametrize("size", [b"FFFFFFFFFFFFFFFF", b"10000000000000000", b"100000"])
+def test_a_chunk_that_never_arrives_frees_its_connection(
+    system: System, monkeypatch: pytest.MonkeyPatch, size: bytes
+) -> None:
+    """A chunk declaring 2^64 - 1 (or 2^64, or 1 MiB) bytes, then silence: answered (400 or
+    408) within the body deadline, never held open; nothing is queued."""
+    import socket
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr("kvq.api.io.BODY_WITHIN_S", 1.0)  # an in-process gateway's
+    queued, url = system.queued(), urlsplit(system.gateway())
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + size + b"\r\n{"
+        )
+        t0 = time.monotonic()
+        head = s.recv(64)
+    assert head.split(b" ")[1] in (b"400", b"408"), head
+    assert time.monotonic() - t0 < 5
     assert system.queued() == queued
 
 

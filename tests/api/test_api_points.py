@@ -58,7 +58,7 @@ def test_chat_max_tokens_defaults_to_the_room_left(
     n_prompt = len(tok.encode(chat.render(messages).removeprefix(chat.bos_token)))
     r = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0)  # type: ignore[arg-type]
     assert r.usage is not None and r.usage.prompt_tokens == n_prompt
-    room = context - n_prompt - 1
+    room = context - n_prompt
     if r.choices[0].finish_reason == "length":
         assert r.usage.completion_tokens == room
     else:

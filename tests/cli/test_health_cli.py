@@ -99,3 +99,21 @@ def test_compose_has_healthchecks_and_publishes_metrics() -> None:
     coord = services["coordinator"]
     ident = coord["command"][coord["command"].index("--id") + 1]
     assert shlex.join(coord["healthcheck"]["test"]).endswith(f"--id {ident}")
+
+
+@pytest.mark.parametrize("role", ["redis", "coordinator"])
+def test_a_port_that_never_answers_fails_within_the_socket_timeout(
+    env: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], role: str
+) -> None:
+    """It accepts connections and never answers: one try, no retries, no blocking read."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.listen(16)
+        monkeypatch.setenv("KVQ_REDIS_URL", f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        monkeypatch.setenv("KVQ_SOCKET_TIMEOUT_S", "1")
+        t0 = time.monotonic()
+        assert health(role) == 1
+        took = time.monotonic() - t0
+    assert took < 4.0, f"kvq health {role} took {took:.1f}s against a silent port"
+    assert capsys.readouterr().out.startswith("unhealthy: redis")

@@ -129,6 +129,38 @@ def test_integrity_failure_backs_off(settings: Settings, model: Path, run_in_thr
     assert monitor.board.assignments("m") == {}, "the slice went back to the market"
 
 
+def test_a_tampered_source_is_downloaded_once_and_said_once(
+    settings: Settings,
+    model: Path,
+    run_in_thread,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same source gives the same bad bytes: offered the slice again, the worker gives it
+    back without downloading it, and the error line is written once."""
+    import kvq.worker.loader as loader
+
+    s = settings.model_copy(
+        update={"slice_experts": 8, "volunteer_poll_s": 0.02, "load_retry_max_s": 0.1}
+    )
+    monitor = Monitor.from_settings(s)
+    (spec,) = monitor.register("m", model).slices.values()
+    with open(model, "r+b") as f:
+        f.seek(spec.ranges[0].offset)
+        f.write(b"\x00" * 64)
+    fetches = []
+    real = loader.fetch_slice
+    monkeypatch.setattr(loader, "fetch_slice", lambda *a: fetches.append(1) or real(*a))
+    worker = Worker.from_settings(s, "w")
+    with caplog.at_level("DEBUG", logger="kvq.worker"):
+        run_in_thread(worker)
+        _wait(lambda: worker._load_backoff.failures >= 6)
+    assert len(fetches) == 1, f"{len(fetches)} downloads of a slice whose bytes are known bad"
+    said = [r for r in caplog.records if "not downloading it from there again" in r.message]
+    assert len(said) == 1 and said[0].levelname == "ERROR"
+    assert worker.holding is None and monitor.board.assignments("m") == {}
+
+
 class _None:
     state = None
 
