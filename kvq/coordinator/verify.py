@@ -33,6 +33,7 @@ from kvq.bus.records import DispatchCounters
 from kvq.coordinator.check import (
     BIAS_WINDOW,
     MEAN_BIAS_TOLERANCE,
+    MEAN_ROW_TOLERANCE,
     Comparison,
     bias_tolerance,
     compare,
@@ -73,6 +74,7 @@ class Verifier:
         # before a mismatch on that slice is charged to a worker (`kvq.coordinator.own_bytes`)
         self.own_bytes: Callable[[str], None] = lambda sid: None
         self.biases: dict[str, list[float]] = {}  # worker -> its last checked results' biases
+        self.errors: dict[str, list[float]] = {}  # worker -> their relative row errors
 
     def asked(self, worker: str) -> wire.ComputeDType:
         """The compute path this coordinator asks of `worker` (and checks against)."""
@@ -182,17 +184,10 @@ class Verifier:
         st.verified_rows += int(ref.shape[0])
         if c.finite and c.abs_err != float("inf"):
             st.max_abs_err = max(st.max_abs_err, c.abs_err)
-        if c.ok and tol != 0.0:
-            last = self.biases.setdefault(worker, [])
-            last.append(c.bias)
-            del last[:-BIAS_WINDOW]
-            mean = sum(last) / len(last)
-            if len(last) == BIAS_WINDOW and abs(mean) > MEAN_BIAS_TOLERANCE.get(dtype, 4e-3):
-                st.mismatches += 1
-                self.biases.pop(worker, None)
-                self.caught(worker, f"mean bias {mean:.3g} over its last {BIAS_WINDOW} checked "
-                                    f"results ({dtype} results)")  # fmt: skip
-                return Verdict.REJECTED
+        if c.ok and tol != 0.0 and (why := self._drift(worker, c, dtype)):
+            st.mismatches += 1
+            self.caught(worker, why)
+            return Verdict.REJECTED
         if c.ok:
             self.trust.passed(worker)
             return Verdict.VERIFIED
@@ -200,6 +195,7 @@ class Verifier:
             self.own_bytes(sid)  # raises ModelCorrupt: the fault is here, not the worker's
         st.mismatches += 1
         self.biases.pop(worker, None)
+        self.errors.pop(worker, None)
         if not c.finite:
             why = "non-finite values"
         elif tol == 0.0:
@@ -208,6 +204,29 @@ class Verifier:
             why = f"relative row error {c.rel_err:.3g}, bias {c.bias:.3g} (tolerance {tol:g})"
         self.caught(worker, f"{why} ({dtype} result)")
         return Verdict.REJECTED
+
+    def _drift(self, worker: str, c: Comparison, dtype: str) -> str:
+        """Why the means over `worker`'s last `BIAS_WINDOW` checked results (each within the
+        one-job tolerances) are not honest rounding: a steady scale (mean signed bias) or
+        steady noise (mean relative row error); "" if they are."""
+        biases = self.biases.setdefault(worker, [])
+        errors = self.errors.setdefault(worker, [])
+        biases.append(c.bias)
+        errors.append(c.rel_err)
+        del biases[:-BIAS_WINDOW], errors[:-BIAS_WINDOW]
+        if len(biases) < BIAS_WINDOW:
+            return ""
+        bias, err = sum(biases) / len(biases), sum(errors) / len(errors)
+        why = ""
+        if abs(bias) > MEAN_BIAS_TOLERANCE.get(dtype, 4e-3):
+            why = f"mean bias {bias:.3g}"
+        elif err > MEAN_ROW_TOLERANCE.get(dtype, 1e-2):
+            why = f"mean relative row error {err:.3g}"
+        if why:
+            self.biases.pop(worker, None)
+            self.errors.pop(worker, None)
+            why += f" over its last {BIAS_WINDOW} checked results ({dtype} results)"
+        return why
 
     def caught(self, worker: str, reason: str) -> None:
         """Quarantine `worker` here and on the board (every coordinator of the model)."""

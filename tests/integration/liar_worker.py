@@ -9,7 +9,8 @@ lie is patched in here, the way an adversary would run modified code.
 so a test can count the jobs the coordinator received from it. Expert jobs and stage jobs (X12:
 the rows leaving a layer span it holds) lie alike. `--honest-first N` answers its
 first N jobs honestly (it banks trust) and lies from then on. `--kind scale` multiplies its
-honest result by `--factor` (a lie that hides inside a tolerance, if any would); `--label`
+honest result by `--factor` (a lie that hides inside a tolerance, if any would), `--kind ortho`
+adds noise orthogonal to each row at `--factor` of its norm (no bias to see); `--label`
 names its results' compute path whatever it computed (a worker choosing its own tolerance).
 """
 
@@ -46,6 +47,16 @@ def patch(
         y = res.y.array()
         if kind == "scale":
             bad = (y * factor).astype(np.float32)
+        elif kind == "ortho":  # noise orthogonal to each row, `factor` of its norm: no bias
+            noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(y.shape)
+            dot = (noise * y).sum(1, keepdims=True) / np.maximum(
+                (y * y).sum(1, keepdims=True), 1e-30
+            )
+            noise -= dot * y
+            scale = np.linalg.norm(y, axis=1, keepdims=True) / np.maximum(
+                np.linalg.norm(noise, axis=1, keepdims=True), 1e-30
+            )
+            bad = (y + noise * scale * factor).astype(np.float32)
         elif kind == "nan":
             bad = y.copy()
             bad.flat[0] = np.nan
@@ -72,7 +83,7 @@ if __name__ == "__main__":
     ap.add_argument("--id", required=True)
     ap.add_argument("--garbage", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kind", choices=["noise", "nan", "scale"], default="noise")
+    ap.add_argument("--kind", choices=["noise", "nan", "scale", "ortho"], default="noise")
     ap.add_argument("--factor", type=float, default=1.05)
     ap.add_argument("--label", default=None)
     ap.add_argument("--honest-first", type=int, default=0)

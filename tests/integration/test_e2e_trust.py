@@ -357,6 +357,42 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
         assert lies <= 8
 
 
+@pytest.mark.parametrize("factor", [0.028, 0.015])
+def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, factor: float
+) -> None:  # fmt: skip
+    """Issue 45 item 5. A worker that says it computes in bfloat16 is held to bfloat16's 3% row
+    tolerance; it adds noise orthogonal to each row (no bias to see) at `factor` of the row's
+    norm, under that tolerance. The mean row error over its last 8 checked results is not
+    honest rounding's (0.0055-0.007): it is caught within its full-check phase, where every
+    result is recomputed before use, so no completion is wrong. The coordinator computes in
+    float32 here, so that every token can be compared with all-local generation."""
+    s = s.model_copy(update={"activations": "float32"})
+    liar_s = s.model_copy(update={"compute_dtype": "bfloat16"})
+    with _activations("float32"):
+        want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+        mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
+                            lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "ortho",
+                                                extra=("--factor", str(factor))))  # fmt: skip
+        keys, r = Keys(s.prefix), mon.board.r
+        requests = wrong = 0
+        while "liar" not in mon.board.quarantined("tiny"):
+            assert requests < 40, f"orthogonal noise {factor}: not caught within 40 requests"
+            prompt = PROMPTS[requests % len(PROMPTS)]
+            rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+            got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+            requests += 1
+            wrong += got != want[prompt]
+    t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
+    asked = coord.dispatch.verifier.asked("liar")
+    why = mon.board.quarantined("tiny")["liar"].reason
+    print(f"LIAR-TABLE | bfloat16 claim, orthogonal noise {factor:.1%} | asked {asked} | caught "
+          f"at check {t.checked} | {lies} lies | {wrong} wrong of {requests} requests | {why}")  # fmt: skip
+    assert asked == "bfloat16" and "row error" in why
+    assert t.checked <= s.trust_full_checks and wrong == 0
+    assert set(mon.board.quarantined("tiny")) == {"liar"}
+
+
 # stage grain (X12): the liar holds a layer span whole; path -> (model quant, the lie, factor)
 STAGE_LIARS = {
     "stage f32, noise": ("f32", "noise", 1.0),
