@@ -208,6 +208,11 @@ class Board(Protocol):
 
     def coordinator_alive(self, coord: str) -> bool: ...
 
+    def now_ms(self) -> float:
+        """Redis's clock in ms, as this host reads it (`kvq.bus.clock`): what every time that
+        another process compares (`ts_ms`, `until_ms`, `deadline_ms`) is written and read on."""
+        ...
+
     def coord_stats(self, coord: str) -> CoordStats | None: ...
 
 

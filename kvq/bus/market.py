@@ -244,7 +244,7 @@ class MarketDesk:
 
     def _barred_in(self, worker: str) -> set[str]:
         """The models in which `worker` is quarantined or banned now."""
-        now_ms = time.time() * 1000
+        now_ms = self.board.now_ms()
         return {m for m in self.board.models()
                 if (q := self.board.quarantined(m).get(worker)) and q.active(now_ms)}  # fmt: skip
 

@@ -316,7 +316,7 @@ class MemoryBoard:
         return got if isinstance(got, SlotState) else None
 
     def coordinators(self, model: str) -> list[CoordinatorView]:
-        now_ms = self.clock() * 1000
+        now_ms = self.now_ms()
         out = []
         for c in sorted(self._coords.get(model, set())):
             state = self._slots(c)
@@ -328,7 +328,10 @@ class MemoryBoard:
             self._coords.get(model, set()).discard(coord)
 
     def coordinator_alive(self, coord: str) -> bool:
-        return self.lifetimes.coordinator_alive(self._slots(coord), self.clock() * 1000)
+        return self.lifetimes.coordinator_alive(self._slots(coord), self.now_ms())
+
+    def now_ms(self) -> float:
+        return self.clock() * 1000
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return self._stats.get(coord)

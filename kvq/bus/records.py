@@ -201,7 +201,7 @@ class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
     """A coordinator's verdict on a worker whose result did not match its own recomputation
     (one JSON value per worker in the model's `quarantine` hash; the latest verdict wins)."""
 
-    until_ms: int  # no work and no result used before then (Redis-independent wall clock)
+    until_ms: int  # no work and no result used before then (Redis's clock, `Board.now_ms`)
     mismatches: int  # mismatches counted for this id so far, by any coordinator
     banned: bool = False  # never trusted again (the `ban_after`-th mismatch)
     coord: str = ""  # the coordinator that caught it

@@ -7,7 +7,6 @@ hash tag (`{m:..}`, `{w:..}`, `{c:..}`) except where noted, so a Redis Cluster c
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import cast
 
@@ -15,6 +14,7 @@ import redis
 
 from kvq import wire
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
+from kvq.bus.clock import ServerClock, read_server_ms
 from kvq.bus.connection import connect
 from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
@@ -65,6 +65,7 @@ class RedisBoard:
         self.r, self.keys, self.lifetimes = r, keys, lifetimes
         self.maxlen = stream_maxlen
         self.scripts = Scripts(r, keys)
+        self.clock = ServerClock(read_server_ms(r, keys.models()))
         self.cluster = is_cluster(r)  # pipelines over several slots lose their order there
 
     # -- models ---------------------------------------------------------------------------
@@ -346,7 +347,7 @@ class RedisBoard:
         pipe = self.r.pipeline(transaction=False)
         for c in coords:
             pipe.hgetall(self.keys.coord_slots(c))
-        now_ms = time.time() * 1000
+        now_ms = self.now_ms()
         out = []
         for c, h in zip(coords, pipe.execute(), strict=True):
             state = SlotState.from_hash(h)
@@ -358,7 +359,10 @@ class RedisBoard:
 
     def coordinator_alive(self, coord: str) -> bool:
         state = SlotState.from_hash(self.r.hgetall(self.keys.coord_slots(coord)))
-        return self.lifetimes.coordinator_alive(state, time.time() * 1000)
+        return self.lifetimes.coordinator_alive(state, self.now_ms())
+
+    def now_ms(self) -> float:
+        return self.clock.now_ms()
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 from kvq.cli.common import EXIT_FAIL, EXIT_OK, node_id
@@ -86,7 +85,7 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
         return False, "monitor: give the model id it registers (--id MODEL)"
     state = board.model_state(ident)
     within = max(5.0, 10 * s.monitor.poll_s)
-    fresh = state is not None and state.fresh(time.time() * 1000, within)
+    fresh = state is not None and state.fresh(board.now_ms(), within)
     ok = fresh and ident in board.models()
     return ok, f"model {ident} is registered and a monitor wrote its state within {within:g}s"
 

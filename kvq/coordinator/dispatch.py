@@ -67,7 +67,7 @@ class Dispatcher:
                                maxlen)  # fmt: skip
         self.parts = CallParts(
             info.model, settings, self.placement, routing, self.mailbox, self.verifier, server,
-            self.tally,
+            self.tally, board.now_ms,
         )  # fmt: skip
         self.sent_remote = False  # a layer call of the current step sent remote jobs
 

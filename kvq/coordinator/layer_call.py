@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,8 @@ class CallParts:
     verifier: Verifier
     server: ExpertServer
     tally: Tally
+    # Redis's clock (`Board.now_ms`): a job's deadline is read by a worker on another host
+    clock_ms: Callable[[], float] = lambda: time.time() * 1000
 
 
 class LayerCall:
@@ -82,7 +85,7 @@ class LayerCall:
         self.partials: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Pending] = {}
         self.order: list[tuple[SliceSpec, torch.Tensor]] = []
-        self.deadline_ms = int(time.time() * 1000) + parts.settings.job_deadline_ms
+        self.deadline_ms = int(parts.clock_ms()) + parts.settings.job_deadline_ms
         self.sent_remote = False  # it sent jobs it waits for (the dispatcher reads it)
 
     def start(self, busy: int, total: int) -> None:
@@ -110,7 +113,7 @@ class LayerCall:
                 continue
             job_id = parts.mailbox.next_job_id()
             jobs.append((worker, wire.encode(self._job(job_id, spec, rows, worker))))
-            p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
+            p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())
             if worker == trial and parts.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
                 # not waited for, so a slow worker costs no layer call its round trip
@@ -152,10 +155,10 @@ class LayerCall:
         parts = self.parts
         job_id = parts.mailbox.next_job_id()
         self.deadline_ms = max(self.deadline_ms,
-                               int(time.time() * 1000) + parts.settings.job_deadline_ms)  # fmt: skip
+                               int(parts.clock_ms()) + parts.settings.job_deadline_ms)  # fmt: skip
         parts.mailbox.post([(worker, wire.encode(self._job(job_id, spec, rows, worker)))],
                            parts.routing.holders)  # fmt: skip
-        p = Pending(spec, rows, worker, time.monotonic(), time.time() * 1000)
+        p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())
         self._expect(job_id, p)
         return p
 
@@ -218,7 +221,7 @@ class LayerCall:
         t0, computed = time.perf_counter(), stats.local_expert_s
         while self.pending:  # a resent job (backbone-only) is waited for in turn
             while self.pending:
-                left_ms = self.deadline_ms - int(time.time() * 1000)
+                left_ms = self.deadline_ms - int(self.parts.clock_ms())
                 # past the deadline: one last look, without blocking, at what has arrived
                 self.receive(mailbox.collect(self, left_ms if left_ms > 0 else None))
                 if left_ms <= 0:

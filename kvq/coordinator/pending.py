@@ -16,7 +16,7 @@ class Pending:
     rows: torch.Tensor  # [R] rows of the layer's x that this job carries
     worker: str
     sent_at: float  # time.monotonic()
-    sent_ms: float  # time.time() in ms, to compare with the result entry's id (Redis's clock)
+    sent_ms: float  # Redis's clock (`Board.now_ms`), to compare with the result entry's id
     ref: torch.Tensor | None = None  # a trial's or probe's local result: its answer's check
     # answers to the same rows from other workers, waiting for this job's to confirm one
     # (a backbone-only coordinator's quorum, `LayerCall.deliver`)
@@ -35,8 +35,8 @@ class Answer:
 def latency_ms(p: Pending, eid: bytes) -> float:
     """Send-to-arrival time of a result. The result is read only after the local slices are
     computed, so the read time overstates a fast worker's round trip by that compute; the
-    entry id holds the millisecond Redis stored it, which does not (same clock on one machine,
-    NTP-close across machines). The smaller of the two non-negative values is used."""
+    entry id holds the millisecond Redis stored it, which does not (`sent_ms` is on Redis's
+    clock too, `kvq.bus.clock`). The smaller of the two non-negative values is used."""
     read = (time.monotonic() - p.sent_at) * 1000
     try:
         stored = int(eid.split(b"-", 1)[0]) - p.sent_ms

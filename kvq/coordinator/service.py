@@ -119,8 +119,8 @@ class Coordinator:
         # a backbone file holds no expert: no bank, every slice on workers
         self.bank = Bank(self.backbone.experts.values(), bank, cpu) if meta.holds_experts else None
         hidden = self.backbone.meta.embedding_length
-        self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype)
-        self.trust = Trust(trust_policy(dispatch), coord_id)
+        self.server = ExpertServer(coord_id, model, self.bank, hidden, dtype, board.now_ms)
+        self.trust = Trust(trust_policy(dispatch), coord_id, clock_ms=board.now_ms)
         self.routing = SliceRouter(
             board, routing, coord_id, self.info, self.trust, torch.get_num_threads()
         )
@@ -449,7 +449,7 @@ class Coordinator:
     def _publish_slots(self, busy: int, total: int) -> None:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
         state = SlotState(model=self.model, busy=busy, total=total,
-                          ts_ms=int(time.time() * 1000), experts=self.dispatch.has_experts)  # fmt: skip
+                          ts_ms=int(self.board.now_ms()), experts=self.dispatch.has_experts)  # fmt: skip
         if self.board.publish_slots(self.id, state, self.snapshot()) and self._published:
             log.warning("redis had lost the slot record of %s (or its place among %s's "
                         "coordinators); published it again", self.id, self.model)  # fmt: skip

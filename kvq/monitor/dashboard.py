@@ -11,7 +11,6 @@ and the `increase(...)` of an alert see the last `WINDOW_S` however often the pa
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -57,7 +56,7 @@ class Dashboard:
         info = self.board.model_info(model)
         demand = self.board.slice_demand(model)
         views = self.board.workers(model)
-        now_ms = time.time() * 1000
+        now_ms = self.board.now_ms()
         barred = {w for w, q in self.board.quarantined(model).items() if q.active(now_ms)}
         cells = []
         for sid, spec in sorted((info.slices if info else {}).items(),
@@ -82,7 +81,7 @@ class Dashboard:
         }  # fmt: skip
 
     def _workers(self, models: list[str]) -> list[dict[str, Any]]:
-        now_ms = time.time() * 1000
+        now_ms = self.board.now_ms()
         rows: dict[str, dict[str, Any]] = {}
         for m in models:
             trust = self.board.quarantined(m)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -91,7 +90,7 @@ class Api:
     def trust(self) -> dict[str, Any]:
         """Coordinators' verdicts on workers caught with wrong results; `quarantined` while
         its quarantine runs (or banned)."""
-        now_ms = time.time() * 1000
+        now_ms = self.board.now_ms()
         out = []
         for m in self.board.models():
             workers = [

@@ -166,7 +166,7 @@ class Monitor:
         counting as coverage and the pool's spare budget re-covers them (a caught liar's slice
         is served by its other copies meanwhile, never refused while one lives). The market
         refuses such a worker's rejoin and volunteer asks while its verdict lasts."""
-        now_ms = time.time() * 1000
+        now_ms = self.board.now_ms()
         barred = {w for w, q in self.board.quarantined(model).items() if q.active(now_ms)}
         out = []
         for w, sids in self.board.assignments(model).items():
@@ -237,7 +237,7 @@ class Monitor:
         state = ModelState(
             saturated=saturated, busy=busy, total=total, coordinators=live,
             base_target=base, effective_target=effective,
-            ts_ms=int(time.time() * 1000),
+            ts_ms=int(self.board.now_ms()),
         )  # fmt: skip
         self.board.publish_model_state(model, state, targets)
         return state

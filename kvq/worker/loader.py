@@ -113,7 +113,8 @@ class Loader:
         bank = Bank(experts, self.bank_options, self.device, log_level=level)
         hidden = info.meta.embedding_length
         warm_s = warm_up(bank, hidden, dtype, self.device)
-        server = ExpertServer(self.name, held.model, bank, hidden, dtype)
+        # deadlines are on Redis's clock: this host's may be minutes off the coordinator's
+        server = ExpertServer(self.name, held.model, bank, hidden, dtype, self.board.now_ms)
         return Loaded(held, server, spec.nbytes, time.monotonic() - t0, warm_s)
 
     def _stage(
@@ -129,7 +130,9 @@ class Loader:
         finally:
             FileMap.forget(path)  # the tensors hold their maps; the path may be reused
             os.unlink(path)
-        return StageServer(self.name, held.model, held.sid, backbone, self.stage_max_seqs)
+        return StageServer(
+            self.name, held.model, held.sid, backbone, self.stage_max_seqs, self.board.now_ms
+        )
 
 
 def _stage_file() -> str:
