@@ -195,7 +195,12 @@ def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
     return Submitted(RequestId(req.request_id, entry, stream), entry)
 
 
-def cancel(r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = 1000) -> None:
+CANCEL_MAXLEN = 200_000  # a storm of junk cancels between two polls must not trim real ones
+
+
+def cancel(
+    r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = CANCEL_MAXLEN
+) -> None:
     """Give up on a request: its coordinator drops it at its next step (or when it would
     admit it, if it is still queued)."""
     cancel = wire.Cancel(request_id=str(request_id))  # a plain str: the codec takes no subclass

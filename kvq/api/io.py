@@ -60,8 +60,24 @@ class SseResponse(StreamingResponse):
         self.abort, self.finished = abort, False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Streams the body while watching for the client's disconnect: a client gone while
+        no event is due (a queued request, a long prefill) cancels its request at once, and
+        one gone before its last event never goes unnoticed (a server may drop the writes to
+        a closed connection without failing them)."""
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    await super(SseResponse, self).__call__(scope, receive, send)
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
         finally:
             if not self.finished:
                 await self.abort()
