@@ -280,6 +280,12 @@ class Settings(SettingsChecks):
         description="the active monitor's lease; a standby takes over this long after the "
         "active one stops renewing it (must exceed KVQ_MONITOR_POLL_S)",
     )
+    worker_quota_mib: int = Field(
+        256,
+        ge=1,
+        description="what one worker's ACL user may make Redis hold in its keys (beat, record, "
+        "asks, results streams); the monitor disables a user over it (kvq.monitor.quota)",
+    )
     slot_state_stale_s: float = Field(
         10.0, gt=0, description="slot state older than this is ignored"
     )

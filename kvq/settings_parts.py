@@ -147,6 +147,7 @@ class MonitorSettings:
     ]  # KVQ_MONITOR_LEASE_S: one active monitor, standbys take over
     request_shards: int  # KVQ_REQUEST_SHARDS: request streams per model it registers
     backbone_replicas: int  # KVQ_BACKBONE_REPLICAS: the base without a computing coordinator
+    worker_quota_mib: int  # KVQ_WORKER_QUOTA_MIB: a worker user's keys (kvq.monitor.quota)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ from kvq.bus.peers import blame
 from kvq.keys import Keys
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+DEAD_FIELDS_BYTES = 1 << 20  # of an entry's values copied into one dead letter
+_DEAD_FIELDS = 64  # of its fields copied
 log = logging.getLogger("kvq.bus")
 
 
@@ -82,12 +84,16 @@ def dead_letter(
     reason: str,
     maxlen: int,
 ) -> None:
-    """Park an entry that cannot be processed, with the reason, on the dead-letter stream."""
+    """Park an entry that cannot be processed, with the reason, on the dead-letter stream: its
+    first fields, up to `DEAD_FIELDS_BYTES` of values (a larger value is replaced by its size)."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     out: dict[str, Any] = {"source": source, "entry_id": eid, "reason": reason[:2000]}
-    for k, v in fields.items():
-        name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
-        out[f"f.{name}"] = v
+    room = DEAD_FIELDS_BYTES  # the monitor deletes larger entries (kvq.monitor.quota)
+    for k, v in list(fields.items())[:_DEAD_FIELDS]:
+        name = k.decode(errors="replace")[:200] if isinstance(k, bytes) else str(k)[:200]
+        size = len(v) if isinstance(v, bytes | str) else len(str(v))
+        out[f"f.{name}"] = v if size <= room else f"({size} bytes, not kept: over {room})"
+        room -= size if size <= room else 0
     out["ts_ms"] = int(time.time() * 1000)
     xadd(r, keys.deadletter(), out, maxlen)
 

@@ -41,6 +41,7 @@ from kvq.config import MonitorSettings, Settings
 from kvq.model.registry import plan_model
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
+from kvq.monitor.quota import Quota, QuotaWatch
 
 log = logging.getLogger("kvq.monitor")
 
@@ -54,6 +55,7 @@ class Monitor:
         desk: MarketDesk | None = None,
     ) -> None:  # fmt: skip
         self.board, self.s, self.clock, self.desk = board, settings, clock, desk
+        self.quota: QuotaWatch | None = None  # per-worker quotas (`on_redis`)
         # unique per process: two monitors on one host must not share the lease
         self.id = monitor_id or f"monitor-{socket.gethostname()}-{os.getpid()}"
         self.active = False
@@ -78,7 +80,10 @@ class Monitor:
     ) -> Monitor:
         """A monitor that also answers workers' market asks (`kvq.bus.market`)."""
         desk = MarketDesk(board, board.r, board.keys, board.maxlen)
-        return cls(board, settings, monitor_id=monitor_id, desk=desk)
+        mon = cls(board, settings, monitor_id=monitor_id, desk=desk)
+        quota = Quota(key_bytes=settings.worker_quota_mib << 20, entries=2 * board.maxlen)
+        mon.quota = QuotaWatch(board.r, board.keys, quota, mon.live_coordinators)
+        return mon
 
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
@@ -96,15 +101,18 @@ class Monitor:
         models = self.board.models()
         log.info("ready: monitor %s watches %s (poll every %gs)", self.id,
                  ", ".join(models) if models else "no model yet", self.s.poll_s)  # fmt: skip
-        desk = None
+        sides = []
         if self.desk is not None:
-            desk = threading.Thread(target=self._serve_market, name="market", daemon=True)
-            desk.start()
+            sides.append(threading.Thread(target=self._serve_market, name="market", daemon=True))
+        if self.quota is not None:
+            sides.append(threading.Thread(target=self._watch_quotas, name="quota", daemon=True))
+        for t in sides:
+            t.start()
         try:
             self._run(outage)
         finally:
-            if desk is not None:
-                desk.join(timeout=5)
+            for t in sides:
+                t.join(timeout=5)
             if self.active:
                 try:
                     self.board.drop_lease(self.id)
@@ -141,6 +149,29 @@ class Monitor:
             except Exception:  # one bad ask must not stop recruitment
                 log.exception("market: answering asks failed; going on")
                 self.stop.wait(self.s.poll_s)
+
+    def _watch_quotas(self) -> None:
+        """Measure every worker user about once a second while active (`kvq.monitor.quota`);
+        a monitor whose user may not (a `kvq acl` older than the watch) says so once."""
+        assert self.quota is not None
+        outage = Outage(logging.getLogger("kvq.monitor.quota"), self.s.reconnect_max_s)
+        while not self.stop.wait(min(1.0, self.s.poll_s)):
+            if not self.active:
+                continue
+            try:
+                self.quota.check()
+                outage.ok()
+            except redis.exceptions.NoPermissionError as exc:
+                hint = "the monitor's user needs ACL USERS|SETUSER, CLIENT LIST|KILL"
+                log.error("worker quotas not enforced: %s (%s: kvq acl --apply)", exc, hint)
+                return
+            except redis.RedisError as exc:
+                outage.failed(exc)
+
+    def live_coordinators(self) -> list[str]:
+        """Every coordinator listed for a model the monitor knows (whose results streams
+        workers write)."""
+        return [c.coord for m in self.board.models() for c in self.board.coordinators(m)]
 
     def _lead(self) -> bool:
         """Take or renew the lease; logs each change between active and standby."""

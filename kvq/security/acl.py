@@ -46,6 +46,9 @@ _NO_LISTING = ["-scan", "-keys", "-randomkey", "-client|tracking"]
 _SAFE = ["+@all", "-@dangerous", "-@admin", "-@pubsub", *_NO_LISTING]
 _READ = ["+smembers", "+sismember", "+hgetall", "+hget", "+hmget", "+hkeys", "+exists"]
 _CONNECT = ["+ping", "+hello", "+auth", "+client|setinfo", "+client|setname", "+acl|whoami"]
+# the monitor's quota watch (kvq.monitor.quota): list worker users and their connections, and
+# disable one over its quota (`ACL SETUSER` makes the monitor's user as trusted as an admin)
+_QUOTA_WATCH = ["+acl|users", "+acl|setuser", "+client|list", "+client|kill"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +85,7 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
         # worker's command channel, and INFO (it reads the server's version)
         rules = [f"~{p}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
-                 "-@admin", *_NO_LISTING, "+info"]  # fmt: skip
+                 "-@admin", *_NO_LISTING, "+info", *_QUOTA_WATCH]  # fmt: skip
     elif role == "coordinator":
         rules = [
             *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
@@ -96,12 +99,7 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
     elif role == "worker":
         if worker is None:
             raise ConfigError("the worker role needs a worker id (kvq acl --worker ID)")
-        w = check_id("worker id", worker)
-        rules = [
-            f"~{p}:{{w:{w}}}:*", *_SAFE, "-@scripting",
-            f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:workers', *_READ])})",
-            f"(%W~{p}:market %W~{p}:deadletter +xadd)",
-        ]  # fmt: skip
+        rules = _worker_rules(p, check_id("worker id", worker))
     elif role in ("client", "api"):
         rules = [
             "resetkeys", "-@all", *_CONNECT,
@@ -111,7 +109,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
             # the queue's length and its group's lag; no XINFO STREAM (its FULL form lists the
             # queued requests of everyone: prompts, ids)
-            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers)",
+            # XPENDING: whether its own queued request is still there (`kvq.client.events`)
+            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xpending)",
             # the gateway's queue watch: slot state, and the token counters of its stats
             f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
         ]  # fmt: skip
@@ -121,6 +120,39 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     return AclUser(role, user_name(keys.prefix, role, worker if role == "worker" else None),
                    tuple(rules))  # fmt: skip
+
+
+def _worker_rules(p: str, w: str) -> list[str]:
+    """Worker `w`'s rules: on each of its own keys only the commands of that key's type and use
+    (so no key can be made another type: `SET` only on its beat, no `SELECT`, no script), the
+    model tables read, and `XADD` to the doorbell and the dead letters. Redis cannot bound
+    what one `XADD` or `SET` holds, or an `XADD`'s `MAXLEN`: the monitor measures what its keys
+    hold (`kvq.monitor.quota`) and deletes oversized dead letters."""
+    own = f"{p}:{{w:{w}}}"
+    tables = " ".join([*_model_tables(p), f"%R~{p}:{{m:*}}:workers", *_READ])
+    return [
+        "resetkeys",
+        "-@all",
+        *_CONNECT,
+        f"(~{own}:hb +set +get +getrange +exists)",  # its beat: a string with an expiry
+        f"(~{own}:info +hset +hmget +expire +exists)",  # its record: a hash
+        # its inbox: coordinators post jobs; it reads, acks and deletes them, never adds one
+        f"(~{own}:inbox +xgroup|create +xreadgroup +xack +xdel +xlen +xrange +exists)",
+        f"(~{own}:results:* ~{own}:asks +xadd +expire)",  # its results and market asks
+        f"(~{own}:answers +xread +xdel)",  # the monitor's answers, deleted once read
+        f"(~{own}:* +del)",  # dropped as it leaves; each key comes back only as its own type
+        f"({tables})",
+        f"(%W~{p}:market %W~{p}:deadletter +xadd)",
+    ]
+
+
+def disable(r: redis.Redis, name: str) -> int:
+    """Turn user `name` off and close its connections (on every node); how many were closed."""
+    _everywhere(r, "ACL", "SETUSER", name, "off")
+    if is_cluster(r):
+        got = r.execute_command("CLIENT", "KILL", "USER", name, target_nodes="all")
+        return sum(int(v) for v in got.values()) if isinstance(got, dict) else int(got)
+    return int(r.execute_command("CLIENT", "KILL", "USER", name))
 
 
 def users(keys: Keys, roles: list[str], workers: list[str]) -> list[AclUser]:

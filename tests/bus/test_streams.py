@@ -11,8 +11,10 @@ import redis
 
 from kvq import wire
 from kvq.bus import Consumer, dead_letter, ensure_group, xadd
+from kvq.bus.streams import DEAD_FIELDS_BYTES
 from kvq.config import Settings
 from kvq.keys import WORKER_GROUP, Keys
+from kvq.monitor.quota import DEAD_ENTRY_BYTES
 
 
 @pytest.fixture
@@ -267,6 +269,17 @@ def test_dead_letter_str_fields_and_long_reason(r: redis.Redis, keys: Keys) -> N
     assert got[b"entry_id"] == b"1-0"
     assert got[b"f.k"] == b"v" and got[b"f.n"] == b"5"
     assert len(got[b"reason"]) == 2000
+
+
+def test_a_dead_letter_keeps_at_most_a_mib_of_values(r: redis.Redis, keys: Keys) -> None:
+    """What `dead_letter` writes stays under the monitor's bound (`kvq.monitor.quota`): a value
+    past `DEAD_FIELDS_BYTES` is replaced by its size; the fields before it are kept whole."""
+    fields = {b"a": b"x" * 1000, b"big": b"y" * (DEAD_FIELDS_BYTES + 1), b"z": b"tail"}
+    dead_letter(r, keys, "src", "1-0", fields, "too big", maxlen=1000)
+    ((_, got),) = r.xrange(keys.deadletter())
+    assert got[b"f.a"] == b"x" * 1000 and got[b"f.z"] == b"tail"
+    assert got[b"f.big"].startswith(b"(%d bytes, not kept" % (DEAD_FIELDS_BYTES + 1))
+    assert sum(len(k) + len(v) for k, v in got.items()) < DEAD_ENTRY_BYTES
 
 
 def test_undecodable_entry_goes_to_dead_letter(r: redis.Redis, keys: Keys, stream: str) -> None:

@@ -30,7 +30,7 @@ def test_kvq_acl_prints_every_role(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for user in ("pp-monitor", "pp-coordinator", "pp-worker-gpu1", "pp-client", "pp-api"):
         assert f"ACL SETUSER {user} reset on" in out
-    assert "'~pp:{w:gpu1}:*'" in out and "><PASSWORD>" in out
+    assert "'(~pp:{w:gpu1}:hb +set " in out and "><PASSWORD>" in out
 
 
 def test_kvq_acl_refuses_an_unsafe_worker_id(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,7 @@ LOADED = {"saturation_threshold": 1, "job_deadline_ms": 10_000, "dispatch_policy
 
 
 def test_whole_flow_under_acl_users(
-    settings: Settings, r: redis.Redis, tiny_model: Path, run_in_thread, as_role: RoleSettings
+    settings: Settings, r: redis.Redis, tiny_model: Path, as_role: RoleSettings, run_in_thread
 ) -> None:
     keys = Keys(settings.prefix)
     mon = Monitor.from_settings(as_role("monitor").model_copy(update=LOADED))

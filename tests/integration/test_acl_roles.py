@@ -47,6 +47,18 @@ WORKER_FORBIDDEN = {
     "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
     "wipe the server": ("FLUSHALL",),
     "change ACL users": ("ACL", "SETUSER", "a2", "on"),
+    # its own keys: only the commands of each key's type and use (no retyping, no new keys)
+    "switch to another database": ("SELECT", "1"),
+    "SET its record (a string for its hash)": ("SET", "{info_a}", "x"),
+    "make its beat a hash": ("HSET", "{hb_a}", "f", "v"),
+    "make its results a hash": ("HSET", "{results_a}", "f", "v"),
+    "add jobs to its own inbox": ("XADD", "{inbox_a}", "*", "t", "job"),
+    "make consumers in its inbox's group": (
+        "XGROUP", "CREATECONSUMER", "{inbox_a}", WORKER_GROUP, "x"),
+    "write its own answers": ("XADD", "{answers_a}", "*", "slice", "s0"),
+    "write a key of its own kvq does not use": ("SET", "{junk_a}", "x"),
+    "keep its results forever": ("PERSIST", "{results_a}"),
+    "rename its keys": ("RENAME", "{info_a}", "{junk_a}"),
 }  # fmt: skip
 WORKER_ALLOWED = {
     "its own inbox": ("XRANGE", "{inbox_a}", "-", "+"),
@@ -54,6 +66,9 @@ WORKER_ALLOWED = {
     "the model tables": ("HGETALL", "{slices}"),
     "the model list": ("SMEMBERS", "{models}"),
     "the doorbell": ("XADD", "{market}", "*", "worker", "a"),
+    "its beat": ("SET", "{hb_a}", "token", "PX", "3000"),
+    "its record": ("HSET", "{info_a}", "model", "tiny"),
+    "leave (its keys dropped)": ("DEL", "{hb_a}", "{info_a}", "{inbox_a}", "{answers_a}"),
 }
 CLIENT_FORBIDDEN = {
     "take requests": ("XREADGROUP", "GROUP", "coordinators", "x", "STREAMS", "{requests}", ">"),
@@ -151,6 +166,8 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
         "market": k.market(), "cancel": k.model_cancels("tiny"),
         "coordinators": k.model_coordinators("tiny"), "slots": k.coord_slots("c1"),
         "stats": k.coord_stats("c1"), "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
+        "info_a": k.worker_info("a"), "hb_a": k.worker_heartbeat("a"),
+        "answers_a": k.worker_answers("a"), "junk_a": f"{settings.prefix}:{{w:a}}:junk",
     }  # fmt: skip
 
 

@@ -1,0 +1,152 @@
+"""Per-worker quotas where Redis cannot enforce them (X3): what each worker's ACL user makes the
+server hold, measured by the active monitor every second, and the user disabled when over.
+
+A worker's user (`kvq acl --role worker`) may run on each of its own keys only the commands of
+that key's type, but Redis cannot bound what one `SET` or `XADD` holds, how many entries it
+appends, or how many connections one user opens. So the monitor measures, per worker user
+(`ACL USERS`):
+
+| what                                        | quota                                        |
+|---------------------------------------------|----------------------------------------------|
+| connections under its user (`CLIENT LIST`)  | `CONNECTIONS` (32)                           |
+| `P:{w:W}:hb` (`MEMORY USAGE`)               | `HB_BYTES` (4 KiB: a 512-byte instance token)|
+| `P:{w:W}:info`                              | `INFO_BYTES` (1 MiB: `WorkerInfo`'s bounds)  |
+| entries of `results:C` (each live C), `asks`| 2 x `KVQ_STREAM_MAXLEN` (it trims to 1 x)    |
+| consumers in its inbox's group              | `CONSUMERS` (4: it reads as itself)          |
+| `hb` + `info` + `asks` + every `results:C`  | `KVQ_WORKER_QUOTA_MIB`                       |
+
+A user over any of them is turned off (`ACL SETUSER U off`: no new login), its connections are
+closed (`CLIENT KILL USER U`) and the keys it wrote are deleted (its beat goes: the monitor's
+reap moves its inbox's jobs to a peer), in one log line. The operator turns it on again with
+`ACL SETUSER U on` or a new `kvq acl --apply`.
+
+Dead letters: every role may `XADD` to `P:deadletter` and Redis cannot bound the entry, nor
+tell who wrote it. `dead_letter` keeps each entry it writes under `DEAD_FIELDS_BYTES`; the
+watch deletes any entry over `DEAD_ENTRY_BYTES` as it reads the stream (`DeadLetterWatch`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+
+from kvq.bus.streams import DEAD_FIELDS_BYTES
+from kvq.bus.usage import Usage, connections_by_user, measure
+from kvq.keys import Keys
+from kvq.security import acl
+
+log = logging.getLogger("kvq.monitor.quota")
+
+CONNECTIONS = 32  # an honest worker holds a few (its threads' pool); volunteer proofs add one
+HB_BYTES = 4 << 10
+INFO_BYTES = 1 << 20
+CONSUMERS = 4
+DEAD_ENTRY_BYTES = 2 * DEAD_FIELDS_BYTES  # the copied fields, the reason and the names
+_DEAD_BATCH = 64  # dead letters read per pass
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one worker's user may make Redis hold (the table above)."""
+
+    key_bytes: int  # KVQ_WORKER_QUOTA_MIB
+    entries: int  # per stream it writes: twice the MAXLEN its honest writes trim to
+    connections: int = CONNECTIONS
+
+
+def over(u: Usage, q: Quota) -> str | None:
+    """Why usage `u` is over quota `q`; None when within it."""
+    checks = [
+        (u.connections, q.connections, "connections"),
+        (u.hb_bytes, HB_BYTES, "bytes in its beat"),
+        (u.info_bytes, INFO_BYTES, "bytes in its record (info)"),
+        (u.key_bytes, q.key_bytes, "bytes in its keys (KVQ_WORKER_QUOTA_MIB)"),
+        (u.consumers, CONSUMERS, "consumers in its inbox's group"),
+        *((n, q.entries, f"entries in {s}") for s, n in u.entries.items()),
+    ]
+    return next((f"{got} {what} > {cap}" for got, cap, what in checks if got > cap), None)
+
+
+class QuotaWatch:
+    """One pass (`check`) measures every worker user and disables those over quota."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, quota: Quota, coordinators: Callable[[], Iterable[str]]
+    ) -> None:
+        self.r, self.keys, self.quota, self.coordinators = r, keys, quota, coordinators
+        self.user_prefix = acl.user_name(keys.prefix, "worker", "x")[:-1]
+        self.disabled: list[str] = []  # users, in the order they were turned off
+        self.coords: set[str] = set()  # every coordinator seen: results streams may outlive it
+        self.dead = DeadLetterWatch(r, keys)
+
+    def check(self) -> list[str]:
+        """Measure every worker user; the users disabled by this pass."""
+        workers = [
+            _s(u)[len(self.user_prefix) :]
+            for u in self.r.execute_command("ACL", "USERS")
+            if _s(u).startswith(self.user_prefix)
+        ]
+        self.dead.check()
+        if not workers:
+            return []
+        conns = connections_by_user(self.r)
+        self.coords.update(self.coordinators())
+        coords = sorted(self.coords)
+        out = []
+        for w in workers:
+            usage = measure(self.r, self.keys, w, coords, conns.get(self.user_prefix + w, 0))
+            why = over(usage, self.quota)
+            if why is not None:
+                self._disable(usage, why)
+                out.append(self.user_prefix + w)
+        return out
+
+    def _disable(self, usage: Usage, why: str) -> None:
+        user = self.user_prefix + usage.worker
+        killed = acl.disable(self.r, user)
+        if usage.written:
+            self.r.delete(*usage.written)  # one hash tag: one slot
+        self.disabled.append(user)
+        log.warning(
+            "disabled ACL user %s (worker %s): %s; closed %d connections, deleted %d keys; "
+            "to let it in again: ACL SETUSER %s on (or kvq acl --apply)",
+            user, usage.worker, why, killed, len(usage.written), user,
+        )  # fmt: skip
+
+
+class DeadLetterWatch:
+    """Reads `P:deadletter` forward, `_DEAD_BATCH` entries a pass, and deletes each entry over
+    `DEAD_ENTRY_BYTES` (no `dead_letter` writes one: someone's raw `XADD`)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.r, self.key = r, keys.deadletter()
+        self.cursor = "0-0"
+        self.deleted = 0
+
+    def check(self) -> int:
+        """Delete the oversized entries among the next ones; how many."""
+        got = self.r.xrange(self.key, f"({self.cursor}", "+", count=_DEAD_BATCH)
+        if not got:
+            return 0
+        self.cursor = _s(got[-1][0])
+        big = [(eid, n) for eid, fields in got if (n := _entry_bytes(fields)) > DEAD_ENTRY_BYTES]
+        if big:
+            self.r.xdel(self.key, *[eid for eid, _ in big])
+            self.deleted += len(big)
+            log.warning(
+                "deleted %d dead letters over %d bytes (the largest %d; no kvq role writes one, "
+                "and Redis ACLs cannot bound an XADD: a worker's own XADD)",
+                len(big), DEAD_ENTRY_BYTES, max(n for _, n in big),
+            )  # fmt: skip
+        return len(big)
+
+
+def _entry_bytes(fields: dict[bytes, bytes]) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
+
+
+def _s(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
