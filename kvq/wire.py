@@ -164,6 +164,11 @@ class StageJob(_Msg, frozen=True):
     # the spans after `slice` the same holder runs next, in order, before it answers: one
     # round trip for consecutive spans held in one place
     then: Annotated[list[Name], msgspec.Meta(max_length=256)] = []
+    # a referee's replay (one sequence): its rows run in these consecutive chunks, each
+    # against the state the chunks before it left, as the holders it decides between ran them
+    chunks: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(max_length=1 << 16)
+    ] = []
 
     def __post_init__(self) -> None:
         xs, n = self.x.shape, sum(s.rows for s in self.seqs)
@@ -171,6 +176,8 @@ class StageJob(_Msg, frozen=True):
             raise ValueError(f"x{xs} does not hold the {n} rows its sequences name (want [N,H])")
         if len({s.key for s in self.seqs}) != len(self.seqs):
             raise ValueError("a sequence is named twice in one stage job")
+        if self.chunks and (len(self.seqs) != 1 or sum(self.chunks) != n):
+            raise ValueError(f"chunks {sum(self.chunks)} rows in all: want one sequence's {n}")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -50,7 +50,7 @@ from kvq.coordinator.layer_call import Tally
 from kvq.coordinator.mailbox import Mailbox
 from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.routing import SliceRouter
-from kvq.coordinator.stage_check import Referee, rule
+from kvq.coordinator.stage_check import Referee, Ruling, decide, rule
 from kvq.coordinator.verify import Verifier
 from kvq.errors import NoReplica, RoutingError
 from kvq.model import Backbone, KVCache, SeqStep
@@ -106,6 +106,8 @@ class _Pair:
     holder: str
     witness: str | None  # None once it failed: the holder's answer goes on unconfirmed
     answers: dict[str, Answer] = field(default_factory=dict)
+    referee: str = ""  # a third holder replaying the rows, when the two disagree
+    replays: dict[int, torch.Tensor] = field(default_factory=dict)  # its rows, per row group
 
 
 @dataclass
@@ -117,6 +119,7 @@ class _Job:
     spans: list[int]
     sent_at: float  # time.monotonic()
     pair: _Pair | None = None  # a witnessed group's
+    replay: int = -1  # a referee's replay of the pair's row group of this index
 
 
 class Chain:
@@ -340,6 +343,8 @@ class Chain:
     def _take(self, job: _Job, res: wire.Result, sender: str, flying: dict[str, _Job]) -> str:
         """The answer's rows into the job's rows (""), or why not, with the rows set to
         replay or to be sent again. A witnessed group's rows wait for both answers."""
+        if job.replay >= 0:
+            return self._take_replay(job, res, sender)
         y, why = self._answer(job, res, sender)
         if y is None:
             lost = res.error is not None and res.error.type == wire.STATE_LOST
@@ -379,6 +384,11 @@ class Chain:
         the holder's answer unconfirmed; a holder's sends its rows back to position 0 (the
         witness's twin, if any, is dropped with it)."""
         pair = job.pair
+        if job.replay >= 0:
+            self.stats.unresolved += 1
+            raise NoReplica(f"stage {self.stages[job.spans[0]].sid}: the third holder "
+                            f"{job.worker} asked to decide between two answers failed; no "
+                            "answer is used")  # fmt: skip
         if pair is not None and job.worker == pair.witness:
             self._unwitness(pair)
             self._resolve(pair)
@@ -415,19 +425,81 @@ class Chain:
             chunks = [
                 self._history(r, sid) + [x] for r, x in zip(pair.rows, pair.inputs, strict=True)
             ]
-            ruling = rule(self.verifier, self.referee, pair.span, a, b, chunks)
-            if ruling.use is None:
-                raise NoReplica(ruling.why)
-            log.warning("%s: caught", ruling.why)
-            for r in pair.rows:  # the one left keeps the sequences, unwitnessed
-                r.seq.holders[sid] = ruling.use.worker
-            self._unwitness(pair, lost=False)
-            self._apply(pair.rows, pair.span, ruling.use.y)
+            if self.referee.span(pair.span) is None:  # no copy here: a third holder replays
+                self._ask_referee(pair, chunks)
+            else:
+                self._settle(pair, rule(self.verifier, self.referee, pair.span, a, b, chunks))
             return ""
         self.verifier.confirmed([a, b])
         for r, x in zip(pair.rows, pair.inputs, strict=True):
             r.seq.chunks[sid] = [*self._history(r, sid), x]
         self._apply(pair.rows, pair.span, a.y)
+        return ""
+
+    def _settle(self, pair: _Pair, ruling: Ruling) -> None:
+        """A disagreement decided: the answer agreed with goes on, its holder keeps the
+        sequences (unwitnessed there from now on); undecided, the step fails."""
+        if ruling.use is None:
+            raise NoReplica(ruling.why)
+        log.warning("%s: caught", ruling.why)
+        for r in pair.rows:
+            r.seq.holders[self.stages[pair.span].sid] = ruling.use.worker
+        self._unwitness(pair, lost=False)
+        self._apply(pair.rows, pair.span, ruling.use.y)
+
+    def _ask_referee(self, pair: _Pair, chunks: list[list[torch.Tensor]]) -> None:
+        """Send each row group's inputs to the span since position 0 to a third live holder,
+        as one replay each (`StageJob.chunks`: run as the two holders ran them)."""
+        spec = self.stages[pair.span]
+        asked = {pair.holder, pair.witness}
+        free = [u for u in self.routing.live_holders(spec.sid) if u not in asked]
+        if not free:
+            self.stats.unresolved += 1
+            raise NoReplica(f"stage {spec.sid}: {pair.holder} and {pair.witness} disagree, and "
+                            "neither this coordinator's file nor a third live holder of the span "
+                            "can decide; no answer is used")  # fmt: skip
+        u = pair.referee = min(free, key=lambda w: (self._cost(w), w))
+        posts: list[tuple[str, Fields]] = []
+        for i, (r, ch) in enumerate(zip(pair.rows, chunks, strict=True)):
+            key = f"{r.seq.key}~referee"
+            x = torch.cat(ch).float().contiguous()
+            job_id = self.mailbox.next_job_id()
+            job = wire.StageJob(
+                job_id=job_id, model=self.info.model, slice=spec.sid, coord=self.coord,
+                reply_to=self.mailbox.results_key(u), deadline_ms=0,
+                seqs=[wire.StageSeq(key, 0, int(x.shape[0]))], x=wire.Tensor.of(x.numpy()),
+                chunks=[int(c.shape[0]) for c in ch],
+            )  # fmt: skip
+            rows = torch.arange(int(x.shape[0]))
+            self.mailbox.expect(
+                job_id, Pending(spec, rows, u, time.monotonic(), time.time() * 1000), self
+            )
+            posts.append((u, wire.encode(job)))
+            self._flying[job_id] = _Job(u, [r], [pair.span], time.monotonic(), pair, replay=i)
+            self._drops.setdefault(u, []).append(key)
+        self.mailbox.post(posts, watch=[u])
+        self.stats.witness_jobs += len(posts)
+        log.warning("stage %s: %s and %s disagree; %s replays the rows to decide", spec.sid,
+                    pair.holder, pair.witness, u)  # fmt: skip
+
+    def _take_replay(self, job: _Job, res: wire.Result, sender: str) -> str:
+        """A referee's replay: its rows for the step (the last chunk's); when every row group
+        is in, it decides between the two answers."""
+        pair = job.pair
+        assert pair is not None and self.verifier is not None
+        r = job.rows[0]
+        want = int(r.x.shape[0])
+        y = res.y.array() if res.error is None and res.y is not None else None
+        if y is None or y.shape[0] < want or not np.isfinite(y).all():
+            self._failed(job, self._flying)  # raises NoReplica
+        assert y is not None
+        pair.replays[job.replay] = torch.from_numpy(np.array(y[-want:], dtype=np.float32))
+        if len(pair.replays) < len(pair.rows):
+            return ""
+        a, b = pair.answers[pair.holder], pair.answers[str(pair.witness)]
+        ref = torch.cat([pair.replays[i] for i in range(len(pair.rows))]).to(a.y.dtype)
+        sid = self.stages[pair.span].sid
+        self._settle(pair, decide(self.verifier, sid, a, b, Answer(sender, ref, a.dtype)))
         return ""
 
     @staticmethod

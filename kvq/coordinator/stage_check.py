@@ -60,6 +60,10 @@ class Referee:
                     )
                 except (KvqError, OSError, KeyError, ValueError) as exc:
                     log.warning("stage %s: the coordinator cannot referee it (%s)", spec.sid, exc)
+                if bb is not None and not bb.meta.holds_experts:  # a backbone file
+                    log.info("stage %s: a backbone file holds no routed expert; a third "
+                             "holder referees the span", spec.sid)  # fmt: skip
+                    bb = None
             self._spans[k] = bb
         return self._spans[k]
 
@@ -96,8 +100,8 @@ def rule(
     verifier: Verifier, referee: Referee, k: int, a: Answer, b: Answer,
     chunks: list[list[torch.Tensor]],
 ) -> Ruling:  # fmt: skip
-    """Two holders' answers `a` and `b` to one stage job disagree: the referee's recomputation
-    decides. The one it agrees with is used (its streak grows); the other is caught."""
+    """Two holders' answers `a` and `b` to one stage job disagree: the coordinator's own
+    recomputation decides (`decide`)."""
     ref = referee.recompute(k, chunks)
     sid = referee.stages[k].sid
     if ref is None:
@@ -105,17 +109,24 @@ def rule(
         return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and this "
                                 "coordinator's file lacks the span to decide; no answer is used")  # fmt: skip
     judge = Answer(REFEREE, ref, a.dtype)
-    good = [x for x in (a, b) if verifier.agree(x, judge)]
-    if not good:
+    if not any(verifier.agree(x, judge) for x in (a, b)):
         referee.own_bytes(sid)  # raises ModelCorrupt: the fault may be this coordinator's
+    return decide(verifier, sid, a, b, judge)
+
+
+def decide(verifier: Verifier, sid: str, a: Answer, b: Answer, judge: Answer) -> Ruling:
+    """`judge` (the coordinator's recomputation, or a third holder's replay) agrees with one
+    of `a` and `b`: that one is used (its streak grows, and a third holder's), the other is
+    caught. Agreeing with both or neither: none is used."""
+    good = [x for x in (a, b) if verifier.agree(x, judge)]
     if len(good) != 1:
         verifier.stats.unresolved += 1
-        return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and the "
-                                f"coordinator's recomputation agrees with {len(good)} of them; "
-                                "no answer is used")  # fmt: skip
+        return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and "
+                                f"{judge.worker}'s recomputation agrees with {len(good)} of "
+                                "them; no answer is used")  # fmt: skip
     (use,) = good
     liar = b if use is a else a
-    verifier.confirmed([use])
-    verifier.outvoted(liar, [use])
+    verifier.confirmed([use] if judge.worker == REFEREE else [use, judge])
+    verifier.outvoted(liar, [use, judge] if judge.worker != REFEREE else [use])
     return Ruling(use, [liar.worker], f"{liar.worker}'s answer disagreed with {use.worker}'s "
-                                      "and the coordinator's")  # fmt: skip
+                                      f"and {judge.worker}'s")  # fmt: skip

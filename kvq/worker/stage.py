@@ -98,9 +98,14 @@ class StageServer:
         self.rows += int(x.shape[0])
         return y
 
-    def commit(self, coord: str, seqs: Sequence[wire.StageSeq], caches: list[KVCache]) -> None:
-        """The job ran whole: keep each sequence's advanced state (evicting past `max_seqs`)."""
-        Backbone.advance_caches(caches, [s.rows for s in seqs])
+    def commit(
+        self, coord: str, seqs: Sequence[wire.StageSeq], caches: list[KVCache],
+        advanced: bool = False,
+    ) -> None:  # fmt: skip
+        """The job ran whole: keep each sequence's advanced state (evicting past `max_seqs`;
+        `advanced`: the caches were advanced chunk by chunk already)."""
+        if not advanced:
+            Backbone.advance_caches(caches, [s.rows for s in seqs])
         for s, c in zip(seqs, caches, strict=True):
             key = (coord, s.key)
             self.states[key] = c
@@ -146,16 +151,13 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
                 lost=lost,
                 error=wire.Failure(wire.STATE_LOST, f"{len(lost)} sequence(s) to replay", True),
             )
-        lens = [s.rows for s in job.seqs]
         x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32))
         states = [sv.caches(job.coord, job.seqs) for sv in servers]
-        for sv, caches in zip(servers, states, strict=True):
-            x = sv.run(x, caches, lens)
-        out = np.asarray(x.float().cpu().numpy())  # [N, H]
+        out = np.asarray(_run(servers, states, x, job).float().cpu().numpy())  # [N, H]
         if not np.isfinite(out).all():
             return failed(NON_FINITE, f"stage job {job.job_id}: the output overflowed")
         for sv, caches in zip(servers, states, strict=True):
-            sv.commit(job.coord, job.seqs, caches)
+            sv.commit(job.coord, job.seqs, caches, advanced=bool(job.chunks))
     except Exception as exc:  # one job must never stop a server
         log.exception("stage job %s failed", job.job_id)
         return failed(type(exc).__name__, str(exc))
@@ -166,6 +168,27 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
         compute_ms=(time.perf_counter() - t0) * 1000,
         dtype=servers[0].dtype_name,
     )
+
+
+def _run(
+    servers: list[StageServer], states: list[list[KVCache]], x: torch.Tensor, job: wire.StageJob
+) -> torch.Tensor:
+    """The job's rows through every server; a referee's replay (`chunks`) chunk by chunk,
+    each chunk's state advanced before the next runs."""
+    if not job.chunks:
+        lens = [s.rows for s in job.seqs]
+        for sv, caches in zip(servers, states, strict=True):
+            x = sv.run(x, caches, lens)
+        return x
+    out, at = [], 0
+    for n in job.chunks:
+        y = x[at : at + n]
+        for sv, caches in zip(servers, states, strict=True):
+            y = sv.run(y, caches, [n])
+            Backbone.advance_caches(caches, [n])
+        out.append(y)
+        at += n
+    return torch.cat(out)
 
 
 def _check(servers: list[StageServer], job: wire.StageJob) -> str:

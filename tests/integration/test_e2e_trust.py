@@ -492,3 +492,45 @@ def test_a_late_liar_at_stage_grain_spoils_few_completions_and_none_when_all_are
         assert wrong == 0
     else:
         assert wrong <= 12  # P(12 unwitnessed in a row) = 0.7 ** 12 < 1.5%; seeded draws
+
+
+@pytest.mark.timeout(600)
+def test_at_stage_grain_a_third_holder_decides_for_a_backbone_only_coordinator(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path
+) -> None:  # fmt: skip
+    """The coordinator runs on a backbone file (no span of its own to referee with): when the
+    liar and the honest holder of a span disagree, a third holder of the span replays the
+    sequence's inputs chunk by chunk as they ran them (`StageJob.chunks`) and decides. The
+    liar is caught at its first lie; every completion equals all-local generation."""
+    from kvq.model.split import write_backbone
+
+    backbone = tmp_path / "tiny-backbone.gguf"
+    write_backbone(tiny_model, backbone)
+    s = s.model_copy(update={"grain": "stage", "stage_layers": 1, "base_replicas": 3,
+                             "backbone_replicas": 3, "coordinator_experts": "none"})  # fmt: skip
+    mon = Monitor.from_settings(s)
+    info = mon.register("tiny", tiny_model)
+    # "a-liar": first by id among holders no job has priced yet, so the first chain has it
+    _spawn_liar(kids, s, tmp_path, "a-liar", 1.0, 0, "noise")
+    kids.wait_for(lambda: mon.board.assignments("tiny").get("a-liar") == (min(info.slices),), 60,
+                  "the liar holding the first span")  # fmt: skip
+    for w in ("h1", "h2", "h3", "h4", "h5"):
+        kids.spawn(w, "worker", "--id", w, env=child_env(s))
+    wait_ready(mon, "tiny", 6, 180)
+    held = {sid: sum(v.slice_id == sid and v.ready for v in mon.board.workers("tiny"))
+            for sid in info.slices}  # fmt: skip
+    assert all(n >= 3 for n in held.values()), held
+    coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
+    run_in_thread(coord)
+    keys, r = Keys(s.prefix), mon.board.r
+    wrong = 0
+    for prompt in PROMPTS[:3]:
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        wrong += got != local_tokens(tiny_model, prompt, MAX_TOKENS)
+    st = coord.dispatch.stats
+    print(f"LIAR-TABLE | stage, backbone-only coordinator, third holder decides | "
+          f"{_lies(tmp_path, 'a-liar')} lies | {wrong} wrong of 3 | {st.witness_jobs} witness jobs "
+          f"| unresolved {st.unresolved} |")  # fmt: skip
+    assert set(mon.board.quarantined("tiny")) == {"a-liar"}
+    assert wrong == 0 and _lies(tmp_path, "a-liar") == 1 and st.unresolved == 0
