@@ -38,6 +38,7 @@ import json
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,10 +139,12 @@ class Chain:
         cohorts: int = 1,
         verifier: Verifier | None = None,
         referee: Referee | None = None,
+        clock_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
         """Counts go into `tally` as the expert dispatch's do (remote jobs, rows, waits, the
         round-trip histogram), with the replays and moves. `verifier` draws and records the
-        checks (None: none), `referee` decides disagreements."""
+        checks (None: none), `referee` decides disagreements. `clock_ms`: Redis's clock
+        (`Board.now_ms`), which a result's entry id is compared with."""
         self.head, self.info, self.coord, self.routing, self.mailbox = (
             head,
             info,
@@ -150,7 +153,7 @@ class Chain:
             mailbox,
         )
         self.stages: list[SliceSpec] = info.stages()
-        self.verifier = verifier
+        self.verifier, self.clock_ms = verifier, clock_ms
         self.referee = referee if referee is not None else Referee(None, self.stages)
         self.stats, self.job_rtt = tally.stats, tally.job_rtt
         self.wait_s: dict[str, float] = {}  # span -> seconds waited for its answers
@@ -300,7 +303,7 @@ class Chain:
             then=[self.stages[k].sid for k in spans[1:]],
         )
         n = sum(int(r.x.shape[0]) for r in group)
-        p = Pending(first, torch.arange(n), worker, time.monotonic(), time.time() * 1000)
+        p = Pending(first, torch.arange(n), worker, time.monotonic(), self.clock_ms())
         self.mailbox.expect(job_id, p, self)
         return wire.encode(job)
 
@@ -472,7 +475,7 @@ class Chain:
             )  # fmt: skip
             rows = torch.arange(int(x.shape[0]))
             self.mailbox.expect(
-                job_id, Pending(spec, rows, u, time.monotonic(), time.time() * 1000), self
+                job_id, Pending(spec, rows, u, time.monotonic(), self.clock_ms()), self
             )
             posts.append((u, wire.encode(job)))
             self._flying[job_id] = _Job(u, [r], [pair.span], time.monotonic(), pair, replay=i)

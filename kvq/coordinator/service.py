@@ -132,7 +132,7 @@ class Coordinator:
             self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
             self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
             dispatch.microbatches, self.dispatch.verifier,
-            Referee(model_path, self.info.stages()),
+            Referee(model_path, self.info.stages()), board.now_ms,
         )  # fmt: skip
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
