@@ -13,8 +13,9 @@ from kvq import wire
 from kvq.bus import is_connection_error, xadd
 from kvq.bus.outage import refusal
 from kvq.bus.redis_board import request_shards
+from kvq.bus.streams import is_lost_key
 from kvq.errors import KvqError
-from kvq.keys import Keys, request_shard
+from kvq.keys import COORDINATOR_GROUP, Keys, request_shard
 
 
 class RequestFailed(KvqError):
@@ -244,7 +245,7 @@ def events(
             quiet_since = time.monotonic()
             # its answer is written before its entry is deleted: with the entry gone, what
             # the reply stream holds now is all that can come
-            gone = not r.xrange(stream, entry, entry, count=1)
+            gone = entry_gone(r, stream, entry)
             resp = r.xread({key: last}, count=256) if gone else resp
         for _, entries in resp or []:
             quiet_since = time.monotonic()
@@ -263,6 +264,35 @@ def events(
                 "FLUSHALL or a DEL); send it again",
                 wire.Failure(type="Lost", message="request lost by Redis", retryable=True),
             )  # fmt: skip
+
+
+def entry_gone(r: redis.Redis, stream: str, entry: str) -> bool:
+    """Whether request `entry` has left `stream` (answered, or lost by Redis), told without
+    reading a request (the client's ACL user may not: `XRANGE` would read everyone's): once
+    delivered to the coordinators' group, it is there while pending; before, while the group
+    still has entries to deliver. The group first: an entry delivered after that read is
+    still undelivered to this check, never taken for gone."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError as exc:
+        if not is_lost_key(exc):
+            raise
+        return True  # the stream is gone
+    group = next((g for g in groups if _text(g.get("name")) == COORDINATOR_GROUP), None)
+    if group is None:  # no coordinator has read it yet
+        return not r.xlen(stream)
+    if _stream_id(entry) > _stream_id(_text(group.get("last-delivered-id"))):
+        return group.get("lag") == 0 or not r.xlen(stream)
+    return not r.xpending_range(stream, COORDINATOR_GROUP, min=entry, max=entry, count=1)
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _stream_id(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms or 0), int(seq or 0)
 
 
 def generate(

@@ -14,15 +14,21 @@ import hashlib
 import hmac
 import math
 
+import redis
+
 from kvq import client, wire
 from kvq.api.params import Call
 from kvq.api.queue import QueueSample, QueueWatch
 from kvq.bus.redis_board import RedisBoard, request_shards
-from kvq.errors import ApiError
+from kvq.errors import ApiError, ConfigError
 from kvq.keys import request_shard, request_streams
 from kvq.settings_parts import ApiSettings
 
 WINDOW_S = 60  # the per-key limit counts requests per minute
+_NO_COUNTING = (
+    "KVQ_API_KEY_RPM needs a Redis user that may count API calls ({exc}); run kvq api as the "
+    "api role's user (kvq acl --role api), not the client's"
+)
 
 
 class Gate:
@@ -51,9 +57,29 @@ class Gate:
             self._count(key)
         return key
 
+    def check_counting(self) -> None:
+        """ConfigError at start when API keys have a per-key limit and this gateway's Redis user
+        may not count calls (the client role's: `kvq api` runs as the api role's user). The
+        probe counts a call of no key (a hash no key has) in a window that expires."""
+        if not (self.keys and self.s.key_rpm):
+            return
+        try:
+            self.board.count_api_call("0" * 16, WINDOW_S)
+        except redis.exceptions.NoPermissionError as exc:
+            raise ConfigError(_NO_COUNTING.format(exc=exc)) from None
+
     def _count(self, key: str) -> None:
         sha = hashlib.sha256(key.encode()).hexdigest()[:16]
-        n, left_s = self.board.count_api_call(sha, WINDOW_S)
+        try:
+            n, left_s = self.board.count_api_call(sha, WINDOW_S)
+        except redis.exceptions.NoPermissionError as exc:  # its user changed since the start
+            raise ApiError(
+                503,
+                "this gateway cannot count API calls; its operator must fix its Redis user",
+                kind="server_error",
+                code="misconfigured",
+                retry_after_s=self.s.retry_after_s,
+            ) from exc
         if n > self.s.key_rpm:
             raise ApiError(
                 429, f"this API key is over its limit of {self.s.key_rpm} requests per minute "

@@ -37,6 +37,7 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         raise ServerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     port = sock.getsockname()[1]
     app = create_app(settings)
+    app.state.gateway.gate.check_counting()  # a per-key limit under a user that cannot count
     server = uvicorn.Server(config(app, host, port))
     stop = threading.Event()
     stop_on_signals(stop)

@@ -45,7 +45,16 @@ _NO_LISTING = ["-scan", "-keys", "-randomkey", "-client|tracking"]
 # every role: no admin, no server-wide or destructive command, no pub/sub, no key listing
 _SAFE = ["+@all", "-@dangerous", "-@admin", "-@pubsub", *_NO_LISTING]
 _READ = ["+smembers", "+sismember", "+hgetall", "+hget", "+hmget", "+hkeys", "+exists"]
-_CONNECT = ["+ping", "+hello", "+auth", "+client|setinfo", "+client|setname", "+acl|whoami"]
+# connecting, and the server's clock (`TIME`: ages and liveness measured on Redis's clock)
+_CONNECT = [
+    "+ping",
+    "+hello",
+    "+auth",
+    "+client|setinfo",
+    "+client|setname",
+    "+acl|whoami",
+    "+time",
+]
 # the monitor's quota watch (kvq.monitor.quota): list worker users and their connections, and
 # disable one over its quota (`ACL SETUSER` makes the monitor's user as trusted as an admin)
 _QUOTA_WATCH = ["+acl|users", "+acl|setuser", "+client|list", "+client|kill"]
