@@ -139,6 +139,7 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
     with local_redis() as server:
         s = load_settings(
             redis_url=server.url, prefix="kvqpool", n_slots=max(cfg.sequences),
+            saturation_threshold=min(2, max(cfg.sequences)),  # loaded at 1 sequence too
             max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
             heartbeat_ttl_s=cfg.hb_ttl_s, monitor_poll_s=0.5,
             microbatches=cfg.microbatches, backbone_replicas=cfg.copies, base_replicas=1,
