@@ -7,9 +7,10 @@
 |             |                         | inboxes, read and empty workers' results streams; read  |
 |             |                         | the model tables and workers' beats; record and read    |
 |             |                         | quarantine verdicts; no other model writes              |
-| worker W    | `P-worker-W`            | its own `P:{w:W}:*` keys (inbox, beat, asks, results);  |
-|             |                         | read the model tables; `XADD` to `P:market` and         |
-|             |                         | `P:deadletter`; no scripts                              |
+| worker W    | `P-worker-W`            | on each of its own `P:{w:W}:*` keys only the commands   |
+|             |                         | of its type and use (no retyping, no `SELECT`); read    |
+|             |                         | the model tables; `XADD` to `P:market` and              |
+|             |                         | `P:deadletter`; no scripts; quotas: kvq.monitor.quota   |
 | client      | `P-client`              | `XADD` requests and cancels, read (and delete) reply    |
 |             |                         | streams, read the model list and tables, slot state,    |
 |             |                         | the requests' length and groups                         |
