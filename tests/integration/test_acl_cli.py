@@ -89,6 +89,7 @@ def test_apply_then_a_whole_deployment_on_those_users(
         _keyed_api_under_its_user(s, url["api"], tmp_path, procs)
         assert denials(r, settings.prefix) == [], _logs(tmp_path)
         assert "NOPERM" not in _logs(tmp_path)
+        assert "disabled ACL user" not in _logs(tmp_path), "honest workers within quota"
     finally:
         for p in procs:
             p.terminate()
@@ -131,6 +132,13 @@ def _keyed_api_under_its_user(
     got = [call("key-aaaaaaaa-1").status_code for _ in range(3)]
     assert got == [200, 200, 429], _logs(tmp_path)
     assert call("key-bbbbbbbb-2").status_code == 200, _logs(tmp_path)
+    streamed = httpx.post(
+        base + "/v1/completions",
+        headers={"Authorization": "Bearer key-bbbbbbbb-2"},
+        json={"model": "tiny", "prompt": "acl", "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
+    assert streamed.status_code == 200 and "data: [DONE]" in streamed.text, _logs(tmp_path)
 
 
 def _logs(d: Path) -> str:

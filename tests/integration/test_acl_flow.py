@@ -48,3 +48,4 @@ def test_whole_flow_under_acl_users(
     assert all(w.served > 0 for w in workers)
     assert mon.desk is not None and mon.desk.answered >= len(workers)
     assert denials(r, settings.prefix) == []
+    assert mon.quota is not None and mon.quota.disabled == [], "honest workers within quota"
