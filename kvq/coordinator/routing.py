@@ -218,7 +218,8 @@ class SliceRouter:
             for node in candidates[sid]:
                 if node == self.coord or node in given:
                     continue
-                if now - self._split_at.setdefault(node, now) < self.reprobe_s:
+                wait = self.router.backoff.wait(node, self.reprobe_s)
+                if now - self._split_at.setdefault(node, now) < wait:
                     continue
                 split[sid] = node
                 self._split_at[node] = now
@@ -244,6 +245,7 @@ class SliceRouter:
         if worker in self._split_probing and rows > 0:
             self._split_probing.discard(worker)
             self.capacity.reset(worker)  # a probe refreshes a stale estimate, not nudges it
+            self.router.backoff.probed(worker, latency_ms)  # and its next jobs are held to it
         self.capacity.observe_remote(worker, rows, latency_ms, compute_ms)
 
     def observe_failure(self, worker: str, latency_ms: float | None) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from kvq.bus.records import WorkerView
 from kvq.errors import RoutingError, UncoveredSlice, Unrecoverable
 from kvq.swarm.plan import SwarmPlan
+from kvq.swarm.probes import ProbeBackoff
 from kvq.swarm.route import failover_in_swarm
 from kvq.swarm.state import SwarmState
 from kvq.swarm.swarm import Rescue
@@ -96,6 +97,7 @@ class LiveRouter:
         self._candidates: list[str] = []  # unproven, untried: K4 trials, oldest first
         self._last_job: dict[str, float] = {}  # worker -> when a route last sent it work
         self._probing: set[str] = set()  # re-probed workers whose sample has not come back
+        self.backoff = ProbeBackoff()  # a worker fast only when probed is probed less often
         self._sampled: dict[str, float] = {}  # worker -> when its estimate was last refreshed
         self._now = 0.0  # the latest now_ms given to update_workers or route
         self.probes = 0
@@ -164,8 +166,13 @@ class LiveRouter:
         recomputed here and agreed, which proves the worker (K3)."""
         if worker not in self._tele:
             return
-        # a re-probe's sample replaces the stale estimate it was sent to refresh
+        # a re-probe's sample replaces the stale estimate it was sent to refresh, and the
+        # worker's next jobs are held to it (`ProbeBackoff`)
         alpha = 1.0 if worker in self._probing else None
+        if worker in self._probing:
+            self.backoff.probed(worker, latency_ms)
+        else:
+            self.backoff.observed(worker, latency_ms)
         self._probing.discard(worker)
         self._sampled[worker] = self._now  # fresh: its fading restarts from here
         self._observe(worker, alpha, latency_ms=latency_ms, score=1.0)
@@ -177,6 +184,7 @@ class LiveRouter:
         """A job failed or missed its deadline (pass the deadline as `latency_ms`)."""
         if worker in self._tele:
             self._probing.discard(worker)
+            self.backoff.observed(worker, float("inf"))
             self._observe(worker, None, latency_ms=latency_ms, score=0.0)
 
     def mark_down(self, worker: str) -> Rescue | None:
@@ -248,7 +256,7 @@ class LiveRouter:
             if sid is None:
                 continue
             last = self._last_job.get(wid, self._first_seen.get(wid, now_ms))
-            if now_ms - last < self.policy.reprobe_ms:
+            if now_ms - last < self.backoff.wait(wid, self.policy.reprobe_ms):
                 continue
             self._last_job[wid] = now_ms
             self._probing.add(wid)

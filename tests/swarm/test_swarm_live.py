@@ -325,3 +325,36 @@ def test_uncovered_until_a_multi_slice_worker_covers_every_slice() -> None:
     r.update_workers([WorkerView("w", SLICES[0]), WorkerView("w", SLICES[1])], 1.0)
     r.check()
     assert r.route(2.0).remote == {SLICES[0]: "w", SLICES[1]: "w"}
+
+
+def _jobs_and_probes(fast_after_probe: bool) -> tuple[list[float], int]:
+    """40 s of load, a layer call every 100 ms: w0 answers its probes in 5 ms and its other
+    jobs in 5 ms (`fast_after_probe`: an honest worker that got faster) or in 900 ms (a
+    degrader). Returns the probe times and the other jobs it got."""
+    r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0, reprobe_ms=1000.0))
+    _feed(r, _proven("w0", S0), now=0.0, latency=400.0)
+    r.set_slots(4, 4)
+    probes, jobs = [], 0
+    for i in range(400):
+        now = 100.0 * i
+        route = r.route(now, [S0])
+        if route.trial == "w0":
+            probes.append(now)
+            r.observe_result("w0", 5.0, verified=True)
+        elif route.remote.get(S0) == "w0":
+            jobs += 1
+            r.observe_result("w0", 5.0 if fast_after_probe else 900.0)
+    return probes, jobs
+
+
+def test_a_worker_fast_only_when_probed_is_probed_ever_less_often() -> None:
+    """Issue 45 item 8: the degrader answers probes at once and other jobs near the deadline.
+    Each probe's promise broken doubles its wait for the next (2, 4, 8, 16 s apart: 5 probes
+    and 5 slow jobs in 40 s; 36 and 36 without the backoff), so the slow jobs it gets fall
+    geometrically; an honest worker that got faster keeps to its probe and keeps its share."""
+    probes, slow_jobs = _jobs_and_probes(fast_after_probe=False)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert len(probes) <= 7 and gaps == sorted(gaps) and gaps[-1] >= 8_000, gaps
+    honest_probes, jobs = _jobs_and_probes(fast_after_probe=True)
+    assert len(honest_probes) == 1 and jobs > 300, (honest_probes, jobs)
+    assert slow_jobs <= 2 * len(probes), "a broken promise prices it out again at once"
