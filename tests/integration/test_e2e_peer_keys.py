@@ -211,7 +211,12 @@ def test_every_key_a_worker_may_write_of_every_type_ends_no_role(
     try:
         for kind, t, write in _cases(keys, info):
             _evil_holds(admin, keys, info, held)
-            write(evil)
+            try:
+                write(evil)
+            except (redis.exceptions.NoPermissionError, redis.AuthenticationError):
+                # refused by its per-key commands, or its user turned off over its quota
+                # (kvq.monitor.quota): a worker under an older `kvq acl` could still write it
+                write(admin)
             took, n = _serve_through(kids, admin, keys, want, f"{t.name} as {kind}")
             slowest = max(slowest, took)
             rows.append(f"{t.name:>10} {kind:>6}: {n} requests, slowest {took:5.2f}s")
