@@ -197,13 +197,17 @@ def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
 
 
 CANCEL_MAXLEN = 200_000  # a storm of junk cancels between two polls must not trim real ones
+CANCEL_TTL_S = 3600  # a request's cancel key outlives any wait in its queue and any run
 
 
 def cancel(
     r: redis.Redis, keys: Keys, model: str, request_id: str, maxlen: int = CANCEL_MAXLEN
 ) -> None:
     """Give up on a request: its coordinator drops it at its next step (or when it would
-    admit it, if it is still queued)."""
+    admit it, if it is still queued). The request's own key says so for certain (no other
+    client's cancels can trim it away); the model's cancel stream tells its coordinators at
+    once."""
+    r.set(keys.request_cancel(request_id), b"1", ex=CANCEL_TTL_S)
     cancel = wire.Cancel(request_id=str(request_id))  # a plain str: the codec takes no subclass
     xadd(r, keys.model_cancels(model), wire.encode(cancel), maxlen)
 

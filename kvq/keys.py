@@ -208,6 +208,11 @@ class Keys:
     def request_reply(self, request: str) -> str:
         return f"{self.prefix}:{{r:{request}}}:reply"
 
+    def request_cancel(self, request: str) -> str:
+        """Set by the request's client to give up on it (`kvq.client.cancel`): one key per
+        request, so no storm of other cancels can hide it."""
+        return f"{self.prefix}:{{r:{request}}}:cancel"
+
     def request_run(self, request: str) -> str:
         """Which request entry owns the id, and how many runs it has had (`start_attempt`)."""
         return f"{self.prefix}:{{r:{request}}}:run"

@@ -6,27 +6,38 @@ tick: every entry added since, in batches, so that a storm of junk cancels delay
 by a batch or so but hides none (clients trim the stream at `kvq.client.CANCEL_MAXLEN`, far
 above what arrives in one tick). Recent ids are remembered so that a request cancelled while
 still queued is dropped when it is admitted.
+
+The stream is a hint: a client may trim it (`XADD ... MAXLEN 0`) faster than coordinators read
+it. Each cancel also sets the request's own key (`Keys.request_cancel`), which the coordinator
+reads for every request it admits and, every `CHECK_EVERY_S`, for those it is generating: one
+pipelined round trip, and no other client's cancels can hide it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import redis
 
 from kvq import wire
 from kvq.errors import WireError
+from kvq.keys import Keys
 
 REMEMBER = 1 << 18  # cancelled ids kept for requests not admitted yet (a storm's worth)
 BATCH = 4096  # entries per XREAD
 MAX_PER_POLL = 250_000  # a poll reads at most this many (the rest at the next tick)
+CHECK_EVERY_S = 0.2  # the running requests' own cancel keys are read this often
 
 
 class CancelFeed:
     """New cancels since the last `poll()`."""
 
-    def __init__(self, r: redis.Redis, stream: str) -> None:
-        self.r, self.stream = r, stream
+    def __init__(self, r: redis.Redis, stream: str, keys: Keys | None = None) -> None:
+        """`keys`: read the requests' own cancel keys too (`check`, `due`)."""
+        self.r, self.stream, self.keys = r, stream, keys
+        self._checked = 0.0
         last = r.xrevrange(stream, count=1)
         self.last_id: bytes = last[0][0] if last else b"0-0"
         self.recent: OrderedDict[str, None] = OrderedDict()
@@ -54,3 +65,21 @@ class CancelFeed:
 
     def cancelled(self, request_id: str) -> bool:
         return request_id in self.recent
+
+    def check(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of `request_ids` whose own cancel key is set (one pipelined round trip)."""
+        rids = list(request_ids)
+        if self.keys is None or not rids:
+            return set()
+        pipe = self.r.pipeline(transaction=False)
+        for rid in rids:
+            pipe.exists(self.keys.request_cancel(rid))
+        return {rid for rid, n in zip(rids, pipe.execute(), strict=True) if n}
+
+    def due(self, running: Iterable[str]) -> set[str]:
+        """`check` of the running requests, at most every CHECK_EVERY_S."""
+        now = time.monotonic()
+        if now - self._checked < CHECK_EVERY_S:
+            return set()
+        self._checked = now
+        return self.check(running)

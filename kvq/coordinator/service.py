@@ -140,7 +140,7 @@ class Coordinator:
         # every shard of the model's requests, through its group (kvq.bus.shards)
         shards = request_streams(board.keys, model, self.info.request_shards)
         self.requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, coord_id)
-        self.cancels = CancelFeed(board.r, board.keys.model_cancels(model))
+        self.cancels = CancelFeed(board.r, board.keys.model_cancels(model), board.keys)
         self.slots = SlotPoller(
             lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
             self._publish_slots, settings.slot_poll_s, board.lifetimes.load_fresh_s(),
@@ -215,7 +215,7 @@ class Coordinator:
         if self.own is not None and self.own.corrupt:
             raise ModelCorrupt(self.own.corrupt)  # refused: the operator replaces the file
         self._claim_orphans()
-        gone = self.cancels.poll()
+        gone = self.cancels.poll() | self.cancels.due(s.request_id for s in self.engine.active)
         if gone:
             self._retire(self.engine.cancel(gone))
         self._take_requests()
@@ -321,7 +321,7 @@ class Coordinator:
             forced = streamed_tokens(history)
         problem, ids = self._prompt(req)
         problem = problem or self._validate(req, ids)
-        if problem is None and self.cancels.cancelled(rid):
+        if problem is None and (self.cancels.cancelled(rid) or self.cancels.check([rid])):
             problem = "cancelled by its client before it started"
         if problem is not None:
             self._refuse(rid, stream, eid, attempt, "BadRequest", problem)

@@ -103,7 +103,8 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"~{p}:{{m:*}}:coordinators", f"~{p}:{{m:*}}:quarantine", f"~{p}:{{c:*}}:*",
             f"%W~{p}:{{w:*}}:inbox",
             f"%R~{p}:{{w:*}}:hb", f"%R~{p}:{{w:*}}:info", f"~{p}:{{w:*}}:results:*",
-            f"~{p}:{{r:*}}:reply", f"~{p}:{{r:*}}:run", f"%W~{p}:deadletter", *_SAFE,
+            f"~{p}:{{r:*}}:reply", f"~{p}:{{r:*}}:run", f"%R~{p}:{{r:*}}:cancel",
+            f"%W~{p}:deadletter", *_SAFE,
             "-@scripting",
         ]  # fmt: skip
     elif role == "worker":
@@ -114,6 +115,7 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         rules = [
             "resetkeys", "-@all", *_CONNECT,
             f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
+            f"(%W~{p}:{{r:*}}:cancel +set)",  # a request's own cancel (`kvq.client.cancel`)
             # `kvq api` deletes a reply stream it has read to its end (its only reader)
             f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
             f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",

@@ -37,3 +37,20 @@ def test_eight_cancels_among_50000_junk_are_all_read(r: redis.Redis, prefix: str
     assert set(real) <= got, sorted(set(real) - got)
     assert all(feed.cancelled(rid) for rid in real[-4:])
     assert feed.poll() == set()
+
+
+def test_a_cancel_survives_a_client_that_empties_the_stream(r: redis.Redis, prefix: str) -> None:
+    """A client may `XADD ... MAXLEN 0` to the model's cancel stream (its ACL user may add
+    entries, and Redis cannot forbid an argument): every hint is gone before a coordinator
+    reads it. The requests' own cancel keys are not: 8 of 8 still reach the coordinator, and
+    a request nobody cancelled is not taken for one."""
+    keys = Keys(prefix)
+    feed = CancelFeed(r, keys.model_cancels("m"), keys)
+    real = [f"real-{i}" for i in range(8)]
+    for rid in real:
+        client.cancel(r, keys, "m", rid)
+        r.xadd(keys.model_cancels("m"), {"junk": "1"}, maxlen=0, approximate=False)
+    assert feed.poll() == set(), "the hints are gone"
+    assert feed.check([*real, "never-cancelled"]) == set(real)
+    assert 0 < r.ttl(keys.request_cancel(real[0])) <= client.CANCEL_TTL_S
+    assert feed.due(real) == set(real) and feed.due(real) == set(), "at most every 0.2 s"

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import redis
 
-from kvq import wire
+from kvq import client
 from kvq.bus.records import Quarantine
 from kvq.bus.redis_board import open_board
 from kvq.bus.streams import dead_letter
@@ -116,7 +116,7 @@ def deployment(
             assert time.monotonic() < deadline + 60, "the coordinator never published routed rows"
             time.sleep(0.2)
         # what a deployment at rest has not got yet: a cancel, a dead letter, a verdict
-        r.xadd(keys.model_cancels("small"), wire.encode(wire.Cancel(request_id=rid)))
+        client.cancel(r, keys, "small", rid)  # its own key and the model's stream
         dead_letter(r, keys, keys.model_requests("small"), b"1-1", {b"x": b"1"}, "a test", 1000)
         until = int(time.time() * 1000) + 60_000
         board.quarantine("small", "laptop-1", Quarantine(until_ms=until, mismatches=1,
