@@ -100,6 +100,23 @@ def _generate_until_caught(r: redis.Redis, keys: Keys, board_quarantined, model:
     raise AssertionError(f"{suspect} not caught after {len(PROMPTS)} requests")
 
 
+def _until_caught(
+    mon: Monitor, keys: Keys, want: dict[str, list[int]], liar: str, limit: int
+) -> tuple[int, int]:
+    """Requests one at a time (the prompts of `want` in turn), each compared with its
+    all-local tokens, until `liar` is quarantined; (requests, wrong completions)."""
+    r, requests, wrong = mon.board.r, 0, 0
+    prompts = list(want)
+    while liar not in mon.board.quarantined("tiny"):
+        assert requests < limit, f"{liar} not caught within {limit} requests"
+        prompt = prompts[requests % len(prompts)]
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
+        requests += 1
+        wrong += got != want[prompt]
+    return requests, wrong
+
+
 def _lies(tmp_path: Path, wid: str) -> int:
     return len(re.findall(r"LIE job", (tmp_path / f"{wid}.log").read_text()))
 
@@ -152,16 +169,8 @@ def test_trust_cannot_be_banked_a_late_liar_spoils_at_most_one_completion(
     mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
                         lambda: _spawn_liar(kids, s, tmp_path, "liar", 1.0, seed,
                                             honest_first=honest_first))  # fmt: skip
-    keys, r = Keys(s.prefix), mon.board.r
     want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
-    requests = wrong = 0
-    while "liar" not in mon.board.quarantined("tiny"):
-        assert requests < 100, "not caught within 100 requests"
-        prompt = PROMPTS[requests % len(PROMPTS)]
-        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
-        got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
-        requests += 1
-        wrong += got != want[prompt]
+    requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 100)
     lies = _lies(tmp_path, "liar")
     t = coord.trust.workers["liar"]
     print(f"late liar (seed {seed}): honest for {honest_first} jobs, caught after {lies} lies "
@@ -337,15 +346,7 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
         mon, coord = _start(s, kids, run_in_thread, model, "liar",
                             lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "scale",
                                                 extra=extra))  # fmt: skip
-        keys, r = Keys(s.prefix), mon.board.r
-        requests = wrong = 0
-        while "liar" not in mon.board.quarantined("tiny"):
-            assert requests < 40, f"{path} x{factor}: not caught within 40 requests"
-            prompt = PROMPTS[requests % len(PROMPTS)]
-            rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
-            got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
-            requests += 1
-            wrong += got != want[prompt]
+        requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 40)
     t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
     asked = coord.dispatch.verifier.asked("liar")
     print(f"LIAR-TABLE | {path} | x{factor} | asked {asked} | caught at check {t.checked} | "
@@ -374,15 +375,7 @@ def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
         mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
                             lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "ortho",
                                                 extra=("--factor", str(factor))))  # fmt: skip
-        keys, r = Keys(s.prefix), mon.board.r
-        requests = wrong = 0
-        while "liar" not in mon.board.quarantined("tiny"):
-            assert requests < 40, f"orthogonal noise {factor}: not caught within 40 requests"
-            prompt = PROMPTS[requests % len(PROMPTS)]
-            rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
-            got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
-            requests += 1
-            wrong += got != want[prompt]
+        requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 40)
     t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
     asked = coord.dispatch.verifier.asked("liar")
     why = mon.board.quarantined("tiny")["liar"].reason
@@ -473,16 +466,8 @@ def test_a_late_liar_at_stage_grain_spoils_few_completions_and_none_when_all_are
                                  "--honest-first", "150")  # fmt: skip
     coord.trust.rng = random.Random(7)
     run_in_thread(coord)
-    keys, r = Keys(s.prefix), mon.board.r
     want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
-    requests = wrong = 0
-    while "liar" not in mon.board.quarantined("tiny"):
-        assert requests < 80, "not caught within 80 requests"
-        prompt = PROMPTS[requests % len(PROMPTS)]
-        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
-        got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
-        requests += 1
-        wrong += got != want[prompt]
+    requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 80)
     st = coord.dispatch.stats
     print(f"LATE-LIAR stage | verify {verify} | caught after {requests} requests | {wrong} "
           f"wrong | {_lies(tmp_path, 'liar')} lies | {st.witness_jobs} witness jobs of "
