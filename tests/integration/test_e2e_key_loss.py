@@ -82,6 +82,7 @@ KINDS: dict[str, KeysOf] = {
     "coord_stats": lambda c: [c.keys.coord_stats(COORD)],
     "request_reply": lambda c: [c.keys.request_reply(rid) for rid in c.open_ids],
     "request_run": lambda c: [c.keys.request_run(rid) for rid in c.open_ids],
+    "request_cancel": lambda c: [c.keys.request_cancel(rid) for rid in c.open_ids],
 }
 # key kinds no role writes: the scratch streams of `kvq bench`
 NOT_ROLES = {"bench", "bench_tagged"}
