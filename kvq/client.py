@@ -10,7 +10,7 @@ from typing import NamedTuple
 import redis
 
 from kvq import wire
-from kvq.bus import is_connection_error, xadd
+from kvq.bus import cancel_keys, is_connection_error, xadd
 from kvq.bus.outage import refusal
 from kvq.bus.redis_board import request_shards
 from kvq.bus.streams import is_lost_key
@@ -197,7 +197,6 @@ def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
 
 
 CANCEL_MAXLEN = 200_000  # a storm of junk cancels between two polls must not trim real ones
-CANCEL_TTL_S = 3600  # a request's cancel key outlives any wait in its queue and any run
 
 
 def cancel(
@@ -207,7 +206,7 @@ def cancel(
     admit it, if it is still queued). The request's own key says so for certain (no other
     client's cancels can trim it away); the model's cancel stream tells its coordinators at
     once."""
-    r.set(keys.request_cancel(request_id), b"1", ex=CANCEL_TTL_S)
+    cancel_keys.mark(r, keys, str(request_id))
     cancel = wire.Cancel(request_id=str(request_id))  # a plain str: the codec takes no subclass
     xadd(r, keys.model_cancels(model), wire.encode(cancel), maxlen)
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import redis
 
 from kvq import wire
+from kvq.bus import cancel_keys
 from kvq.errors import WireError
 from kvq.keys import Keys
 
@@ -68,13 +69,7 @@ class CancelFeed:
 
     def check(self, request_ids: Iterable[str]) -> set[str]:
         """Those of `request_ids` whose own cancel key is set (one pipelined round trip)."""
-        rids = list(request_ids)
-        if self.keys is None or not rids:
-            return set()
-        pipe = self.r.pipeline(transaction=False)
-        for rid in rids:
-            pipe.exists(self.keys.request_cancel(rid))
-        return {rid for rid, n in zip(rids, pipe.execute(), strict=True) if n}
+        return set() if self.keys is None else cancel_keys.marked(self.r, self.keys, request_ids)
 
     def due(self, running: Iterable[str]) -> set[str]:
         """`check` of the running requests, at most every CHECK_EVERY_S."""

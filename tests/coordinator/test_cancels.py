@@ -6,6 +6,7 @@ from __future__ import annotations
 import redis
 
 from kvq import client, wire
+from kvq.bus import cancel_keys
 from kvq.bus.streams import xadd
 from kvq.coordinator.cancels import CancelFeed
 from kvq.keys import Keys
@@ -52,5 +53,5 @@ def test_a_cancel_survives_a_client_that_empties_the_stream(r: redis.Redis, pref
         r.xadd(keys.model_cancels("m"), {"junk": "1"}, maxlen=0, approximate=False)
     assert feed.poll() == set(), "the hints are gone"
     assert feed.check([*real, "never-cancelled"]) == set(real)
-    assert 0 < r.ttl(keys.request_cancel(real[0])) <= client.CANCEL_TTL_S
+    assert 0 < r.ttl(keys.request_cancel(real[0])) <= cancel_keys.TTL_S
     assert feed.due(real) == set(real) and feed.due(real) == set(), "at most every 0.2 s"
