@@ -33,6 +33,7 @@ ORDER_FREE: dict[str, str] = {
     "kvq.bus.redis_board:coordinators": "HGETALL of each coordinator's slots: reads",
     "kvq.bus.redis_board:workers": "EXISTS and HGETALL of each worker's keys: reads",
     "kvq.bus.redis_board:send_jobs": "XADDs to several workers' inboxes: independent appends",
+    "kvq.bus.cancel_keys:marked": "EXISTS of each request's cancel key: reads",
     "kvq.coordinator.results:watch": "DEL of results streams about to be read (redis-py "
     "splits a multi-key DEL per slot): independent deletes",
 }
