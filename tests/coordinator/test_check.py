@@ -108,7 +108,7 @@ def _orthogonal(y: torch.Tensor, frac: float, rng: np.random.Generator) -> torch
 
 
 def test_honest_rounding_has_a_steady_size_and_orthogonal_noise_adds_to_it(honest) -> None:
-    """Issue 45 item 5: the mean relative row error over BIAS_WINDOW checked results. Honest
+    """X3, a GPU path's check: the mean relative row error over BIAS_WINDOW checked results. Honest
     lower-precision results stay under MEAN_ROW_TOLERANCE over every window of 10,000 jobs;
     noise orthogonal to each row (no bias) at 1.5% of its norm, under the 3% one-job row
     tolerance, is over it in every window: a worker claiming a GPU path cannot hide it."""

@@ -1,4 +1,4 @@
-"""Hosts whose clocks disagree by two minutes serve as one (issue 45 item 7).
+"""Hosts whose clocks disagree by two minutes serve as one (liveness on Redis's clock).
 
 Each role is a real process whose wall clock is 60 s off, one way or the other
 (`skewed_clock/sitecustomize.py`): the coordinator on one side, the monitor, the worker and the

@@ -1,4 +1,4 @@
-"""The coordinator checks its own bytes before it blames anyone (issue 45 item 6).
+"""The coordinator checks its own bytes before it blames anyone (X3).
 
 A coordinator recomputes sampled remote results from its own copy of the model file. With one
 byte of an expert range flipped in that copy, every honest holder of the slice would look like

@@ -362,7 +362,7 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
 def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, factor: float
 ) -> None:  # fmt: skip
-    """Issue 45 item 5. A worker that says it computes in bfloat16 is held to bfloat16's 3% row
+    """X3, a GPU path claim. A worker that says it computes in bfloat16 is held to bfloat16's 3% row
     tolerance; it adds noise orthogonal to each row (no bias to see) at `factor` of the row's
     norm, under that tolerance. The mean row error over its last 8 checked results is not
     honest rounding's (0.0055-0.007): it is caught within its full-check phase, where every
@@ -424,7 +424,7 @@ def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tiny_q4k: Path,
     tmp_path: Path, row: str,
 ) -> None:  # fmt: skip
-    """Issue 44 item 4. The model at stage grain, one block a span, two holders of each; the
+    """X3 at stage grain (X12). The model at stage grain, one block a span, two holders of each; the
     liar holds the first span and lies on every stage answer. The coordinator witnesses the
     sequences of a holder it does not trust yet on a second holder of the span and referees
     a disagreement with its own run of the span: the liar is caught on its first lie, every

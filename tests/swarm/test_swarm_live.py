@@ -348,7 +348,7 @@ def _jobs_and_probes(fast_after_probe: bool) -> tuple[list[float], int]:
 
 
 def test_a_worker_fast_only_when_probed_is_probed_ever_less_often() -> None:
-    """Issue 45 item 8: the degrader answers probes at once and other jobs near the deadline.
+    """K4 re-probes against a degrader: it answers probes at once and other jobs near the deadline.
     Each probe's promise broken doubles its wait for the next (2, 4, 8, 16 s apart: 5 probes
     and 5 slow jobs in 40 s; 36 and 36 without the backoff), so the slow jobs it gets fall
     geometrically; an honest worker that got faster keeps to its probe and keeps its share."""
