@@ -202,8 +202,12 @@ def _add_pool(bench: Subparsers) -> None:
                    help="KVQ_GRAIN: expert slices, or layer spans served whole (X12)")  # fmt: skip
     p.add_argument("--stage-layers", type=_positive, default=4,
                    help="KVQ_STAGE_LAYERS: blocks per stage slice (--grain stage)")  # fmt: skip
-    p.add_argument("--verify", choices=("sampled", "all", "off"), default="sampled",
-                   help="KVQ_VERIFY_REMOTE (off: like for like with llama.cpp, which checks nothing)")  # fmt: skip
+    p.add_argument(
+        "--verify",
+        choices=("sampled", "all", "off"),
+        default="sampled",
+        help="KVQ_VERIFY_REMOTE (off: like for like with llama.cpp, which checks nothing)",
+    )
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL phase")
     p.add_argument("--no-netns", action="store_true", help="workers on loopback, no namespace")
     p.add_argument("--log-dir", help="the processes' logs (default: --cache-dir/logs)")

@@ -389,9 +389,11 @@ class Chain:
         pair = job.pair
         if job.replay >= 0:
             self.stats.unresolved += 1
-            raise NoReplica(f"stage {self.stages[job.spans[0]].sid}: the third holder "
-                            f"{job.worker} asked to decide between two answers failed; no "
-                            "answer is used")  # fmt: skip
+            raise NoReplica(
+                f"stage {self.stages[job.spans[0]].sid}: the third holder "
+                f"{job.worker} asked to decide between two answers failed; no "
+                "answer is used"
+            )
         if pair is not None and job.worker == pair.witness:
             self._unwitness(pair)
             self._resolve(pair)
@@ -458,9 +460,11 @@ class Chain:
         free = [u for u in self.routing.live_holders(spec.sid) if u not in asked]
         if not free:
             self.stats.unresolved += 1
-            raise NoReplica(f"stage {spec.sid}: {pair.holder} and {pair.witness} disagree, and "
-                            "neither this coordinator's file nor a third live holder of the span "
-                            "can decide; no answer is used")  # fmt: skip
+            raise NoReplica(
+                f"stage {spec.sid}: {pair.holder} and {pair.witness} disagree, and "
+                "neither this coordinator's file nor a third live holder of the span "
+                "can decide; no answer is used"
+            )
         u = pair.referee = min(free, key=lambda w: (self._cost(w), w))
         posts: list[tuple[str, Fields]] = []
         for i, (r, ch) in enumerate(zip(pair.rows, chunks, strict=True)):
@@ -468,11 +472,16 @@ class Chain:
             x = torch.cat(ch).float().contiguous()
             job_id = self.mailbox.next_job_id()
             job = wire.StageJob(
-                job_id=job_id, model=self.info.model, slice=spec.sid, coord=self.coord,
-                reply_to=self.mailbox.results_key(u), deadline_ms=0,
-                seqs=[wire.StageSeq(key, 0, int(x.shape[0]))], x=wire.Tensor.of(x.numpy()),
+                job_id=job_id,
+                model=self.info.model,
+                slice=spec.sid,
+                coord=self.coord,
+                reply_to=self.mailbox.results_key(u),
+                deadline_ms=0,
+                seqs=[wire.StageSeq(key, 0, int(x.shape[0]))],
+                x=wire.Tensor.of(x.numpy()),
                 chunks=[int(c.shape[0]) for c in ch],
-            )  # fmt: skip
+            )
             rows = torch.arange(int(x.shape[0]))
             self.mailbox.expect(
                 job_id, Pending(spec, rows, u, time.monotonic(), self.clock_ms()), self
@@ -482,8 +491,13 @@ class Chain:
             self._drops.setdefault(u, []).append(key)
         self.mailbox.post(posts, watch=[u])
         self.stats.witness_jobs += len(posts)
-        log.warning("stage %s: %s and %s disagree; %s replays the rows to decide", spec.sid,
-                    pair.holder, pair.witness, u)  # fmt: skip
+        log.warning(
+            "stage %s: %s and %s disagree; %s replays the rows to decide",
+            spec.sid,
+            pair.holder,
+            pair.witness,
+            u,
+        )
 
     def _take_replay(self, job: _Job, res: wire.Result, sender: str) -> str:
         """A referee's replay: its rows for the step (the last chunk's); when every row group
@@ -535,8 +549,12 @@ class Chain:
         if w is None or w in self.routing.live_holders(self.stages[r.next].sid):
             return
         gone = [k for k, spec in enumerate(self.stages) if r.seq.holders.get(spec.sid) == w]
-        log.warning("stage %s: holder %s is gone; sequence %s moves and replays",
-                    self.stages[r.next].sid, w, r.seq.key)  # fmt: skip
+        log.warning(
+            "stage %s: holder %s is gone; sequence %s moves and replays",
+            self.stages[r.next].sid,
+            w,
+            r.seq.key,
+        )
         self._replay(gone, [r], keep=None)
 
     def _witness(self, r: _Rows, k: int, w: str) -> str | None:

@@ -154,8 +154,9 @@ class LayerCall:
         deadline is the job deadline from now."""
         parts = self.parts
         job_id = parts.mailbox.next_job_id()
-        self.deadline_ms = max(self.deadline_ms,
-                               int(parts.clock_ms()) + parts.settings.job_deadline_ms)  # fmt: skip
+        self.deadline_ms = max(
+            self.deadline_ms, int(parts.clock_ms()) + parts.settings.job_deadline_ms
+        )
         parts.mailbox.post([(worker, wire.encode(self._job(job_id, spec, rows, worker)))],
                            parts.routing.holders)  # fmt: skip
         p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())

@@ -78,8 +78,12 @@ class OwnBytes:
             self.check(sid)
             n += 1
         if not self.corrupt and not stop.is_set():
-            log.info("own bytes: the %d slices of %s in %s match the registration", n,
-                     self.info.model, self.path)  # fmt: skip
+            log.info(
+                "own bytes: the %d slices of %s in %s match the registration",
+                n,
+                self.info.model,
+                self.path,
+            )
         return n
 
     def start_sweep(self, stop: threading.Event) -> threading.Thread:

@@ -448,8 +448,13 @@ class Coordinator:
 
     def _publish_slots(self, busy: int, total: int) -> None:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
-        state = SlotState(model=self.model, busy=busy, total=total,
-                          ts_ms=int(self.board.now_ms()), experts=self.dispatch.has_experts)  # fmt: skip
+        state = SlotState(
+            model=self.model,
+            busy=busy,
+            total=total,
+            ts_ms=int(self.board.now_ms()),
+            experts=self.dispatch.has_experts,
+        )
         if self.board.publish_slots(self.id, state, self.snapshot()) and self._published:
             log.warning("redis had lost the slot record of %s (or its place among %s's "
                         "coordinators); published it again", self.id, self.model)  # fmt: skip

@@ -61,8 +61,11 @@ class Referee:
                 except (KvqError, OSError, KeyError, ValueError) as exc:
                     log.warning("stage %s: the coordinator cannot referee it (%s)", spec.sid, exc)
                 if bb is not None and not bb.meta.holds_experts:  # a backbone file
-                    log.info("stage %s: a backbone file holds no routed expert; a third "
-                             "holder referees the span", spec.sid)  # fmt: skip
+                    log.info(
+                        "stage %s: a backbone file holds no routed expert; a third "
+                        "holder referees the span",
+                        spec.sid,
+                    )
                     bb = None
             self._spans[k] = bb
         return self._spans[k]
@@ -97,17 +100,25 @@ class Ruling:
 
 
 def rule(
-    verifier: Verifier, referee: Referee, k: int, a: Answer, b: Answer,
+    verifier: Verifier,
+    referee: Referee,
+    k: int,
+    a: Answer,
+    b: Answer,
     chunks: list[list[torch.Tensor]],
-) -> Ruling:  # fmt: skip
+) -> Ruling:
     """Two holders' answers `a` and `b` to one stage job disagree: the coordinator's own
     recomputation decides (`decide`)."""
     ref = referee.recompute(k, chunks)
     sid = referee.stages[k].sid
     if ref is None:
         verifier.stats.unresolved += 1
-        return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and this "
-                                "coordinator's file lacks the span to decide; no answer is used")  # fmt: skip
+        return Ruling(
+            None,
+            [],
+            f"stage {sid}: {a.worker} and {b.worker} disagree and this "
+            "coordinator's file lacks the span to decide; no answer is used",
+        )
     judge = Answer(REFEREE, ref, a.dtype)
     if not any(verifier.agree(x, judge) for x in (a, b)):
         referee.own_bytes(sid)  # raises ModelCorrupt: the fault may be this coordinator's
@@ -121,12 +132,19 @@ def decide(verifier: Verifier, sid: str, a: Answer, b: Answer, judge: Answer) ->
     good = [x for x in (a, b) if verifier.agree(x, judge)]
     if len(good) != 1:
         verifier.stats.unresolved += 1
-        return Ruling(None, [], f"stage {sid}: {a.worker} and {b.worker} disagree and "
-                                f"{judge.worker}'s recomputation agrees with {len(good)} of "
-                                "them; no answer is used")  # fmt: skip
+        return Ruling(
+            None,
+            [],
+            f"stage {sid}: {a.worker} and {b.worker} disagree and "
+            f"{judge.worker}'s recomputation agrees with {len(good)} of "
+            "them; no answer is used",
+        )
     (use,) = good
     liar = b if use is a else a
     verifier.confirmed([use] if judge.worker == REFEREE else [use, judge])
     verifier.outvoted(liar, [use, judge] if judge.worker != REFEREE else [use])
-    return Ruling(use, [liar.worker], f"{liar.worker}'s answer disagreed with {use.worker}'s "
-                                      f"and {judge.worker}'s")  # fmt: skip
+    return Ruling(
+        use,
+        [liar.worker],
+        f"{liar.worker}'s answer disagreed with {use.worker}'s and {judge.worker}'s",
+    )

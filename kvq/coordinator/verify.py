@@ -94,9 +94,13 @@ class Verifier:
         return self.trust.barred(worker)
 
     def judge(
-        self, worker: str, y: torch.Tensor, dtype: str, recompute: Callable[[], torch.Tensor],
+        self,
+        worker: str,
+        y: torch.Tensor,
+        dtype: str,
+        recompute: Callable[[], torch.Tensor],
         sid: str = "",
-    ) -> tuple[torch.Tensor, Verdict]:  # fmt: skip
+    ) -> tuple[torch.Tensor, Verdict]:
         """The tensor to use in place of remote result `y` ([R, H]) of `worker` for slice
         `sid`, and why."""
         self.stats.remote_rows += int(y.shape[0])

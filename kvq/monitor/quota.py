@@ -113,8 +113,13 @@ class QuotaWatch:
         log.warning(
             "disabled ACL user %s (worker %s): %s; closed %d connections, deleted %d keys; "
             "to let it in again: ACL SETUSER %s on (or kvq acl --apply)",
-            user, usage.worker, why, killed, len(usage.written), user,
-        )  # fmt: skip
+            user,
+            usage.worker,
+            why,
+            killed,
+            len(usage.written),
+            user,
+        )
 
 
 class DeadLetterWatch:
@@ -139,8 +144,10 @@ class DeadLetterWatch:
             log.warning(
                 "deleted %d dead letters over %d bytes (the largest %d; no kvq role writes one, "
                 "and Redis ACLs cannot bound an XADD: a worker's own XADD)",
-                len(big), DEAD_ENTRY_BYTES, max(n for _, n in big),
-            )  # fmt: skip
+                len(big),
+                DEAD_ENTRY_BYTES,
+                max(n for _, n in big),
+            )
         return len(big)
 
 

@@ -94,8 +94,18 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
     if role == "monitor":
         # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
         # worker's command channel, and INFO (it reads the server's version)
-        rules = [f"~{p}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
-                 "-@admin", *_NO_LISTING, "+info", *_QUOTA_WATCH]  # fmt: skip
+        rules = [
+            f"~{p}:*",
+            "~rq:*",
+            "resetchannels",
+            "&rq:*",
+            "+@all",
+            "-@dangerous",
+            "-@admin",
+            *_NO_LISTING,
+            "+info",
+            *_QUOTA_WATCH,
+        ]
     elif role == "coordinator":
         rules = [
             *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",

@@ -99,9 +99,12 @@ class StageServer:
         return y
 
     def commit(
-        self, coord: str, seqs: Sequence[wire.StageSeq], caches: list[KVCache],
+        self,
+        coord: str,
+        seqs: Sequence[wire.StageSeq],
+        caches: list[KVCache],
         advanced: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The job ran whole: keep each sequence's advanced state (evicting past `max_seqs`;
         `advanced`: the caches were advanced chunk by chunk already)."""
         if not advanced:
