@@ -596,22 +596,21 @@ class Chain:
         w = r.seq.holders.get(sid)
         if w is None:
             prev = r.seq.holders.get(self.stages[k - 1].sid) if k else None
-            w = r.seq.holders[sid] = self._pick(sid, prev, until)
+            w = r.seq.holders[sid] = self._pick(k, prev, until)
         return w
 
-    def _pick(self, sid: str, prev: str | None, until: float) -> str:
-        """The cheapest live holder of `sid`: H3's node cost, plus a hop unless it is
-        `prev` (the holder of the span before), then this coordinator's sequences there,
-        then id; waits for one until `until`, then NoReplica."""
+    def _pick(self, k: int, prev: str | None, until: float) -> str:
+        """The cheapest live holder of span `k`: H3's node cost, plus a hop unless it is
+        `prev` (the holder of the span before), less a hop for each span after `k` it holds
+        too (a chain of fewer hops), then this coordinator's sequences there, then id; waits
+        for one until `until`, then NoReplica."""
         hop = hops_cost(1, self.routing.router.policy.weights)
+        sid = self.stages[k].sid
         while True:
             live = self.routing.live_holders(sid)
             if live:
-                here = self._load(sid)
-                return min(
-                    live,
-                    key=lambda w: (self._cost(w) + (hop if w != prev else 0.0), here.get(w, 0), w),
-                )
+                runs = {w: self._run_after(w, k) for w in live}
+                return cheapest_holder(live, self._cost, hop, prev, runs, self._load(sid))
             if time.monotonic() >= until:
                 raise NoReplica(
                     f"model {self.info.model!r}: no live worker holds stage {sid}; waited "
@@ -620,6 +619,15 @@ class Chain:
                 )
             time.sleep(max(0.02, min(0.5, self.routing.refresh_s)))
             self.routing.refresh(force=True)
+
+    def _run_after(self, worker: str, k: int) -> int:
+        """How many spans right after `k` `worker` holds too (its job could run them all)."""
+        n = 0
+        while k + n + 1 < len(self.stages) and worker in self.routing.live_holders(
+            self.stages[k + n + 1].sid
+        ):
+            n += 1
+        return n
 
     def _cost(self, worker: str) -> float:
         try:
@@ -641,3 +649,18 @@ class Chain:
         for seq in gone:
             for w in set(seq.holders.values()):
                 self._drops.setdefault(w, []).append(seq.key)
+
+
+def cheapest_holder(
+    live: list[str],
+    cost: Callable[[str], float],
+    hop: float,
+    prev: str | None,
+    runs: dict[str, int],
+    here: dict[str, int],
+) -> str:
+    """The holder a sequence takes for a span: least node `cost`, plus `hop` unless it is
+    `prev` (the previous span's holder), less `hop` for each of the `runs[w]` spans after
+    this one that `w` holds too (a chain of fewer hops); then fewest of this coordinator's
+    sequences (`here`), then id."""
+    return min(live, key=lambda w: (cost(w) + hop * ((w != prev) - runs[w]), here.get(w, 0), w))

@@ -74,8 +74,9 @@ class Worker:
         self._next_ask = 0.0  # monotonic time of the next volunteer ask
         self.loader = Loader(board, self.id, self.device, settings.compute_dtype,
                              settings.download_timeout_s, bank, settings.stage_max_seqs)  # fmt: skip
-        self._loader: threading.Thread | None = None  # loading a slice beside the serving
-        self._loads: queue.SimpleQueue[Loaded | tuple[Held, Exception]] = queue.SimpleQueue()
+        self._loader: threading.Thread | None = None  # asking and loading beside the serving
+        self._loads: queue.SimpleQueue[_Found] = queue.SimpleQueue()
+        self._loading = threading.Event()  # the volunteer thread is loading (not just asking)
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
         self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
         self._tampered: set[Fingerprint] = set()  # slices whose source failed their checksums
@@ -158,48 +159,71 @@ class Worker:
         return time.monotonic() >= self._next_ask and self._loader is None
 
     def _volunteer(self) -> bool:
-        """Ask for a slice and load it: here while serving nothing, else on a thread beside
-        the serving loop (`_install_loaded` puts it on the shelf). True if one was offered."""
+        """Ask for a slice and load it: here while serving nothing; while serving, the ask
+        (its round trips to the market and the reads it decides on) and the load run on a
+        thread beside the serving loop, so that no job waits for them (`_install_loaded`
+        applies what the thread found). True if one was offered, or is being asked for."""
         now = time.monotonic()
         # serving already: look for more at the heartbeat's pace, not the idle poll's
         pace = self.s.volunteer_poll_s if not self.shelf else max(
             self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s()
         )  # fmt: skip
         self._next_ask = max(self._next_ask, now + pace)
-        if not self.budget.can_take(self.shelf.used_bytes, len(self.shelf)):
+        room = _Room(self.shelf.used_bytes, len(self.shelf), frozenset(self.shelf))
+        if self.shelf:
+            self._loader = threading.Thread(
+                target=self._ask_beside, args=(room,), name="volunteer", daemon=True
+            )
+            self._loader.start()
+            return True
+        got = self._ask(room)
+        if not isinstance(got, Held):
+            return False
+        try:
+            loaded = self.loader.load(got, self.membership.loaded, refused=self._tampered)
+        except KvqError as exc:
+            self._failed(got, exc)
+            return False
+        self._install(loaded)
+        return True
+
+    def _ask(self, room: _Room) -> Held | _GaveBack | None:
+        """The market's offer for the room `room` leaves (taken: `loading` until installed),
+        or a slice given back to make room for an uncovered one, or None."""
+        if not self.budget.can_take(room.used, room.count):
             # full: ask only to give back a slice whose answer was lost on the way (listed
             # for this worker, unknown to it), which room 0 does and takes nothing new
             if self.membership.lost_answers():
                 self.membership.volunteer(0)
-            self._make_room_for_coverage()
-            return False
-        room = self.budget.room(self.shelf.used_bytes)
-        held = self.membership.volunteer(room)
-        if held is None:
-            if room is not None:  # nothing wanted fits the room left (without a limit: none)
-                self._make_room_for_coverage()
-            return False
-        if self.shelf:
-            self._loader = threading.Thread(
-                target=self._load_beside, args=(held,), name="loader", daemon=True
-            )
-            self._loader.start()
-            return True
-        try:
-            got = self.loader.load(held, self.membership.loaded, refused=self._tampered)
-        except KvqError as exc:
-            self._failed(held, exc)
-            return False
-        self._install(got)
-        return True
+            return self._make_room_for_coverage(room)
+        free = self.budget.room(room.used)
+        held = self.membership.volunteer(free)
+        if held is None and free is not None:  # nothing wanted fits the room left
+            return self._make_room_for_coverage(room)
+        return held
 
-    def _make_room_for_coverage(self) -> bool:
+    def _ask_beside(self, room: _Room) -> None:
+        """`_ask`, and the load of what it was offered, on the volunteer thread; whatever
+        comes of it (even an error) goes to the serving loop through `_loads`."""
+        held: Held | None = None
+        try:
+            got = self._ask(room)
+            if isinstance(got, Held):
+                held = got
+                self._loading.set()
+                self._loads.put(self.loader.load(got, self.membership.loaded, True, self._tampered))
+            else:
+                self._loads.put(got)
+        except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
+            self._loads.put((held, exc))
+
+    def _make_room_for_coverage(self, room: _Room) -> _GaveBack | None:
         """Full while a slice of a model it serves has no holder (its holder died and nobody
         has room): give back a slice that another worker also holds and whose bytes make room
         for the uncovered one, so that the next ask takes it (coverage before copies). The
-        market refuses a last copy, and any copy while every wanted slice has a holder. True
-        if one was given back."""
-        room = self.budget.room(self.shelf.used_bytes)  # None: any size fits
+        market refuses a last copy, and any copy while every wanted slice has a holder. The
+        slice given back, if any (its server is still on the shelf: the caller drops it)."""
+        free = self.budget.room(room.used)  # None: any size fits
         for model, mine in self.membership.by_model().items():
             info = self.board.model_info(model)
             if info is None:
@@ -211,37 +235,38 @@ class Worker:
             if not need:
                 continue
             spare = sorted(
-                (sid for sid in mine if holders[sid] >= 2 and (model, sid) in self.shelf
-                 and (room is None or room + info.slices[sid].nbytes >= min(need))),
+                (sid for sid in mine if holders[sid] >= 2 and (model, sid) in room.keys
+                 and (free is None or free + info.slices[sid].nbytes >= min(need))),
                 key=lambda sid: (-holders[sid], sid),
             )  # fmt: skip
             for sid in spare:
                 if self.membership.retire(model, sid) is not None:
                     log.info("%d slice(s) of %s have no holder: gave back %s (%d holders) to "
                              "take one", len(need), model, sid, holders[sid])  # fmt: skip
-                    self.shelf.drop(model, sid)
-                    self._next_ask = 0.0
-                    return True
-        return False
-
-    def _load_beside(self, held: Held) -> None:
-        try:
-            got = self.loader.load(held, self.membership.loaded, True, self._tampered)
-            self._loads.put(got)
-        except Exception as exc:  # noqa: BLE001 - handed to the main loop, which decides
-            self._loads.put((held, exc))
+                    return _GaveBack(model, sid)
+        return None
 
     def _install_loaded(self) -> None:
-        """Put a slice loaded beside the serving loop on the shelf (or handle its failure)."""
+        """Apply what the volunteer thread found: a loaded slice goes on the shelf, one given
+        back comes off it, a failure is handled here."""
         try:
             got = self._loads.get_nowait()
         except queue.Empty:
             return
         self._loader = None
+        self._loading.clear()
+        if got is None:
+            return
         if isinstance(got, Loaded):
             self._install(got)
             return
+        if isinstance(got, _GaveBack):
+            self.shelf.drop(got.model, got.sid)
+            self._next_ask = 0.0  # the room is free: ask for the uncovered slice at once
+            return
         held, exc = got
+        if held is None:  # the ask itself failed (Redis down, refusing): the loop decides
+            raise exc
         if not isinstance(exc, KvqError):
             self.membership.give_back(held)
             raise exc
@@ -294,7 +319,9 @@ class Worker:
         assert self.consumer is not None and self.shelf
         # a slice loading beside: short reads, so it is installed (and the next one asked
         # for) promptly rather than after a full block
-        block = self.s.block_ms if self._loader is None else min(self.s.block_ms, _LOADING_BLOCK_MS)
+        block = (
+            min(self.s.block_ms, _LOADING_BLOCK_MS) if self._loading.is_set() else self.s.block_ms
+        )
         entries = self.consumer.read(count=_BATCH, block_ms=block)
         jobs = [(eid, fields, self._decode(eid, fields)) for eid, fields in entries]
         plate = self.membership.backlog
@@ -403,6 +430,28 @@ class Worker:
         if ack:
             self.consumer.ack(eid)
         log.warning("dead-lettered %s: %s", eid.decode(), reason)
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """What the shelf held when an ask began: bytes, slices, and which."""
+
+    used: int
+    count: int
+    keys: frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class _GaveBack:
+    """A slice given back to the market to make room (`Worker._make_room_for_coverage`)."""
+
+    model: str
+    sid: str
+
+
+# what the volunteer thread hands the serving loop: a loaded slice, a slice given back,
+# nothing, or a failure (with the slice it was loading, None if the ask itself failed)
+_Found = Loaded | _GaveBack | None | tuple[Held | None, Exception]
 
 
 @dataclass(frozen=True, slots=True)
