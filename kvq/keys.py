@@ -29,12 +29,15 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{w:W}:results:C            | stream | worker W → coordinator C (W's results to C) |
 | P:{w:W}:asks                 | stream | worker W → monitor: market requests        |
 | P:{w:W}:answers              | stream | monitor → worker W: market answers         |
+| P:{w:W}:dead                 | stream | worker W (under its ACL user) → monitor:   |
+|                              |        | its dead letters, moved to P:deadletter    |
 | P:market                     | stream | workers → monitor: "look at my asks"       |
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
-| P:deadletter                 | stream | any consumer → operators                   |
+| P:deadletter                 | stream | coordinators, trusted workers, the monitor |
+|                              |        | (moving P:{w:W}:dead) → operators          |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
 | P:bench:{T}:inbox, :results  | stream | `kvq bench bus --cluster` scratch          |
@@ -195,6 +198,12 @@ class Keys:
 
     def worker_answers(self, worker: str) -> str:
         return f"{self.prefix}:{{w:{worker}}}:answers"
+
+    def worker_dead(self, worker: str) -> str:
+        """Worker `worker`'s own dead letters, which the monitor moves to `deadletter` with
+        the worker's id on each: its ACL user may not write the shared stream, where one
+        `XADD ... MAXLEN 0` would erase everyone's."""
+        return f"{self.prefix}:{{w:{worker}}}:dead"
 
     # per coordinator
 

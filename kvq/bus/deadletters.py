@@ -18,6 +18,7 @@ from kvq.bus.streams import xadd
 from kvq.keys import Keys
 
 FIELD_PREFIX = b"f."
+RELAY_BATCH = 64  # a worker's own dead letters moved to the shared stream per pass
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class DeadLetter:
     reason: str
     ts_ms: int
     fields: dict[bytes, bytes] = field(default_factory=dict)  # the original entry's fields
+    worker: str = ""  # a restricted worker's, moved here by the monitor (`relay`)
 
     def describe(self) -> dict[str, object]:
         """JSON-friendly: field values as text where they decode, else their size."""
@@ -38,7 +40,8 @@ class DeadLetter:
             except UnicodeDecodeError:
                 shown[k.decode(errors="replace")] = f"<{len(v)} bytes>"
         return {"id": self.id, "source": self.source, "entry_id": self.entry_id,
-                "reason": self.reason, "ts_ms": self.ts_ms, "fields": shown}  # fmt: skip
+                "reason": self.reason, "ts_ms": self.ts_ms, "worker": self.worker,
+                "fields": shown}  # fmt: skip
 
 
 def _parse(eid: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
@@ -50,7 +53,8 @@ def _parse(eid: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
     except ValueError:
         ts = 0
     fields = {k[len(FIELD_PREFIX) :]: v for k, v in raw.items() if k.startswith(FIELD_PREFIX)}
-    return DeadLetter(eid.decode(), text(b"source"), text(b"entry_id"), text(b"reason"), ts, fields)
+    return DeadLetter(eid.decode(), text(b"source"), text(b"entry_id"), text(b"reason"), ts, fields,
+                      text(b"worker"))  # fmt: skip
 
 
 def list_dead(
@@ -101,3 +105,25 @@ def purge(r: redis.Redis, keys: Keys, dead_ids: Sequence[str] | None = None) -> 
         r.delete(keys.deadletter())
         return n
     return int(r.xdel(keys.deadletter(), *dead_ids)) if dead_ids else 0
+
+
+def relay(r: redis.Redis, keys: Keys, worker: str, maxlen: int, max_bytes: int) -> tuple[int, int]:
+    """Move worker `worker`'s own dead letters (`Keys.worker_dead`, up to `RELAY_BATCH`) to
+    the shared stream. Each says `worker` (its id, whatever the entry claimed) and `source` its
+    inbox, the only stream its jobs come from: a requeue can put nothing anywhere else. An entry
+    over `max_bytes` is dropped, not moved. Returns (moved, dropped)."""
+    src = keys.worker_dead(worker)
+    got = r.xrange(src, count=RELAY_BATCH)
+    if not got:
+        return 0, 0
+    pipe = r.pipeline(transaction=False)
+    moved = 0
+    for _, raw in got:
+        if sum(len(k) + len(v) for k, v in raw.items()) > max_bytes:
+            continue
+        own = {b"worker": worker.encode(), b"source": keys.worker_inbox(worker).encode()}
+        xadd(pipe, keys.deadletter(), {**raw, **own}, maxlen)
+        moved += 1
+    pipe.execute()
+    r.xdel(src, *[eid for eid, _ in got])
+    return moved, len(got) - moved

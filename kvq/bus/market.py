@@ -24,7 +24,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -198,15 +198,16 @@ class MarketDesk:
         self.answered = 0
         self.refused = 0
 
-    def serve(self, block_ms: int | None) -> int:
-        """Answer every ask of the workers whose doorbell rang; the number answered."""
+    def serve(self, block_ms: int | None, also: Iterable[str] = ()) -> int:
+        """Answer every ask of the workers whose doorbell rang, and of those in `also` (found
+        with asks waiting by the quota watch: a worker may trim the doorbells away); the
+        number answered."""
         resp = self.r.xread({self.keys.market(): self._cursor}, count=256, block=block_ms)
         entries = [e for _, batch in resp or [] for e in batch]
-        if not entries:
-            return 0
-        self._cursor = entries[-1][0]
-        self.r.xdel(self.keys.market(), *[eid for eid, _ in entries])
-        workers = dict.fromkeys(_s(f.get(b"worker"))[:128] for _, f in entries)
+        if entries:
+            self._cursor = entries[-1][0]
+            self.r.xdel(self.keys.market(), *[eid for eid, _ in entries])
+        workers = dict.fromkeys([*(_s(f.get(b"worker"))[:128] for _, f in entries), *also])
         return sum(self._serve_one(w) for w in workers)
 
     def _serve_one(self, worker: str) -> int:

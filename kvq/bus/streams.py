@@ -83,9 +83,11 @@ def dead_letter(
     fields: Mapping[Any, Any],
     reason: str,
     maxlen: int,
+    stream: str | None = None,
 ) -> None:
-    """Park an entry that cannot be processed, with the reason, on the dead-letter stream: its
-    first fields, up to `DEAD_FIELDS_BYTES` of values (a larger value is replaced by its size)."""
+    """Park an entry that cannot be processed, with the reason, on the dead-letter stream (or
+    `stream`: a restricted worker's own, `Keys.worker_dead`): its first fields, up to
+    `DEAD_FIELDS_BYTES` of values (a larger value is replaced by its size)."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     out: dict[str, Any] = {"source": source, "entry_id": eid, "reason": reason[:2000]}
     room = DEAD_FIELDS_BYTES  # the monitor deletes larger entries (kvq.monitor.quota)
@@ -95,7 +97,7 @@ def dead_letter(
         out[f"f.{name}"] = v if size <= room else f"({size} bytes, not kept: over {room})"
         room -= size if size <= room else 0
     out["ts_ms"] = int(time.time() * 1000)
-    xadd(r, keys.deadletter(), out, maxlen)
+    xadd(r, stream or keys.deadletter(), out, maxlen)
 
 
 class Consumer:

@@ -32,7 +32,11 @@ def measure(r: redis.Redis, keys: Keys, worker: str, coords: list[str], connecti
     """What `worker`'s keys hold now (its results streams to `coords`): one round trip, one
     hash tag. A key of another type than kvq writes counts by its memory alone."""
     hb, info = keys.worker_heartbeat(worker), keys.worker_info(worker)
-    streams = [keys.worker_asks(worker), *(keys.worker_results(worker, c) for c in coords)]
+    streams = [
+        keys.worker_asks(worker),
+        keys.worker_dead(worker),
+        *(keys.worker_results(worker, c) for c in coords),
+    ]
     sized = [hb, info, *streams]
     pipe = r.pipeline(transaction=False)
     for k in sized:

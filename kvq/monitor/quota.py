@@ -11,18 +11,26 @@ appends, or how many connections one user opens. So the monitor measures, per wo
 | connections under its user (`CLIENT LIST`)  | `CONNECTIONS` (32)                           |
 | `P:{w:W}:hb` (`MEMORY USAGE`)               | `HB_BYTES` (4 KiB: a 512-byte instance token)|
 | `P:{w:W}:info`                              | `INFO_BYTES` (1 MiB: `WorkerInfo`'s bounds)  |
-| entries of `results:C` (each live C), `asks`| 2 x `KVQ_STREAM_MAXLEN` (it trims to 1 x)    |
+| entries of `results:C` (each C), `asks`,   | 2 x `KVQ_STREAM_MAXLEN` (it trims to 1 x)    |
+| `dead`                                      |                                              |
 | consumers in its inbox's group              | `CONSUMERS` (4: it reads as itself)          |
-| `hb` + `info` + `asks` + every `results:C`  | `KVQ_WORKER_QUOTA_MIB`                       |
+| `hb` + `info` + `asks` + `dead` + results   | `KVQ_WORKER_QUOTA_MIB`                       |
 
 A user over any of them is turned off (`ACL SETUSER U off`: no new login), its connections are
 closed (`CLIENT KILL USER U`) and the keys it wrote are deleted (its beat goes: the monitor's
 reap moves its inbox's jobs to a peer), in one log line. The operator turns it on again with
 `ACL SETUSER U on` or a new `kvq acl --apply`.
 
-Dead letters: every role may `XADD` to `P:deadletter` and Redis cannot bound the entry, nor
-tell who wrote it. `dead_letter` keeps each entry it writes under `DEAD_FIELDS_BYTES`; the
-watch deletes any entry over `DEAD_ENTRY_BYTES` as it reads the stream (`DeadLetterWatch`).
+Dead letters: a worker's user writes its own, `P:{w:W}:dead` (bounded like its other streams),
+and each pass moves them to `P:deadletter` with the worker's id (`kvq.bus.deadletters.relay`):
+no worker may write the shared stream, where one `XADD ... MAXLEN 0` would erase every role's.
+The coordinators and trusted workers write it directly; `dead_letter` keeps each entry under
+`DEAD_FIELDS_BYTES`, and the watch deletes any entry over `DEAD_ENTRY_BYTES` as it reads the
+stream (`DeadLetterWatch`).
+
+Asks: each pass lists the workers whose `asks` stream holds entries (`take_asking`), and the
+market answers them whether or not their doorbell (`P:market`, which any worker may trim) is
+still there.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kvq.bus.deadletters import relay
 from kvq.bus.streams import DEAD_FIELDS_BYTES
 from kvq.bus.usage import Usage, connections_by_user, measure
 from kvq.keys import Keys
@@ -81,6 +90,8 @@ class QuotaWatch:
         self.disabled: list[str] = []  # users, in the order they were turned off
         self.coords: set[str] = set()  # every coordinator seen: results streams may outlive it
         self.dead = DeadLetterWatch(r, keys)
+        self.relayed = 0  # dead letters moved from workers' own streams to the shared one
+        self.asking: list[str] = []  # workers with asks in their stream, as of the last pass
 
     def check(self) -> list[str]:
         """Measure every worker user; the users disabled by this pass."""
@@ -95,14 +106,33 @@ class QuotaWatch:
         conns = connections_by_user(self.r)
         self.coords.update(self.coordinators())
         coords = sorted(self.coords)
-        out = []
+        out, asking = [], []
         for w in workers:
             usage = measure(self.r, self.keys, w, coords, conns.get(self.user_prefix + w, 0))
             why = over(usage, self.quota)
             if why is not None:
                 self._disable(usage, why)
                 out.append(self.user_prefix + w)
+                continue
+            if usage.entries.get(self.keys.worker_dead(w)):
+                self._relay(w)
+            if usage.entries.get(self.keys.worker_asks(w)):
+                asking.append(w)
+        self.asking = asking
         return out
+
+    def take_asking(self) -> list[str]:
+        """The workers whose asks the last pass found waiting (once): the market answers them
+        even where the doorbell they rang was trimmed away (`XADD P:market MAXLEN 0`)."""
+        got, self.asking = self.asking, []
+        return got
+
+    def _relay(self, worker: str) -> None:
+        moved, dropped = relay(self.r, self.keys, worker, 2 * self.quota.entries, DEAD_ENTRY_BYTES)
+        self.relayed += moved
+        if dropped:
+            log.warning("dropped %d dead letters of worker %s over %d bytes (dead_letter writes "
+                        "none: its own XADD)", dropped, worker, DEAD_ENTRY_BYTES)  # fmt: skip
 
     def _disable(self, usage: Usage, why: str) -> None:
         user = self.user_prefix + usage.worker

@@ -142,7 +142,7 @@ class Monitor:
                 self.stop.wait(self.s.poll_s)
                 continue
             try:
-                self.desk.serve(block_ms)
+                self.desk.serve(block_ms, self.quota.take_asking() if self.quota else ())
                 outage.ok()
             except redis.RedisError as exc:
                 outage.failed(exc)

@@ -9,8 +9,8 @@
 |             |                         | quarantine verdicts; no other model writes              |
 | worker W    | `P-worker-W`            | on each of its own `P:{w:W}:*` keys only the commands   |
 |             |                         | of its type and use (no retyping, no `SELECT`); read    |
-|             |                         | the model tables; `XADD` to `P:market` and              |
-|             |                         | `P:deadletter`; no scripts; quotas: kvq.monitor.quota   |
+|             |                         | the model tables; `XADD` to `P:market`; no scripts;     |
+|             |                         | its dead letters in `P:{w:W}:dead`; kvq.monitor.quota   |
 | client      | `P-client`              | `XADD` requests and cancels, read (and delete) reply    |
 |             |                         | streams, read the model list and tables, slot state,    |
 |             |                         | the requests' length and groups                         |
@@ -147,9 +147,10 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
 def _worker_rules(p: str, w: str) -> list[str]:
     """Worker `w`'s rules: on each of its own keys only the commands of that key's type and use
     (so no key can be made another type: `SET` only on its beat, no `SELECT`, no script), the
-    model tables read, and `XADD` to the doorbell and the dead letters. Redis cannot bound
-    what one `XADD` or `SET` holds, or an `XADD`'s `MAXLEN`: the monitor measures what its keys
-    hold (`kvq.monitor.quota`) and deletes oversized dead letters."""
+    model tables read, and `XADD` to the doorbell. Redis cannot bound what one `XADD` or `SET`
+    holds, or an `XADD`'s `MAXLEN`: the monitor measures what its keys hold
+    (`kvq.monitor.quota`), moves its dead letters to the shared stream, and answers its asks
+    whether or not the doorbell it rang is still there."""
     own = f"{p}:{{w:{w}}}"
     tables = " ".join([*_model_tables(p), f"%R~{p}:{{m:*}}:workers", *_READ])
     return [
@@ -160,11 +161,13 @@ def _worker_rules(p: str, w: str) -> list[str]:
         f"(~{own}:info +hset +hmget +expire +exists)",  # its record: a hash
         # its inbox: coordinators post jobs; it reads, acks and deletes them, never adds one
         f"(~{own}:inbox +xgroup|create +xreadgroup +xack +xdel +xlen +xrange +exists)",
-        f"(~{own}:results:* ~{own}:asks +xadd +expire)",  # its results and market asks
+        # its results, market asks and dead letters (the monitor moves those to the shared
+        # stream: one XADD ... MAXLEN 0 there would erase every role's)
+        f"(~{own}:results:* ~{own}:asks ~{own}:dead +xadd +expire)",
         f"(~{own}:answers +xread +xdel)",  # the monitor's answers, deleted once read
         f"(~{own}:* +del)",  # dropped as it leaves; each key comes back only as its own type
         f"({tables})",
-        f"(%W~{p}:market %W~{p}:deadletter +xadd)",
+        f"(%W~{p}:market +xadd)",  # the doorbell (the monitor also sweeps every asks stream)
     ]
 
 

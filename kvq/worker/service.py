@@ -80,6 +80,10 @@ class Worker:
         # after a failed load: volunteer_poll_s doubled per failure, up to load_retry_max_s
         self._load_backoff = Backoff(settings.load_retry_max_s, settings.volunteer_poll_s)
         self._tampered: set[Fingerprint] = set()  # slices whose source failed their checksums
+        # under its own ACL user (the market through the monitor) its dead letters go to its
+        # own stream, which the monitor moves to the shared one (`kvq.bus.deadletters.relay`)
+        keys = board.keys
+        self._dead_key = keys.worker_dead(self.id) if market is not None else keys.deadletter()
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str) -> Worker:
@@ -415,13 +419,14 @@ class Worker:
     def _dead_letter(
         self, eid: bytes, fields: dict[bytes, bytes], reason: str, ack: bool = True
     ) -> None:
-        """Park the entry with its reason; if even that is refused (an ACL without the
-        dead-letter stream), log it: the entry is still acknowledged, never retried forever."""
+        """Park the entry with its reason (on its own dead-letter stream under its ACL user);
+        if even that is refused, log it: the entry is still acknowledged, never retried
+        forever."""
         assert self.consumer is not None
         try:
             dead_letter(
                 self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
-                self.board.maxlen,
+                self.board.maxlen, self._dead_key,
             )  # fmt: skip
         except redis.RedisError as exc:
             if is_connection_error(exc) or refusal(exc):

@@ -47,5 +47,12 @@ def test_whole_flow_under_acl_users(
     assert coord.dispatch.stats.remote_jobs > 0, "workers took part"
     assert all(w.served > 0 for w in workers)
     assert mon.desk is not None and mon.desk.answered >= len(workers)
-    assert denials(r, settings.prefix) == []
     assert mon.quota is not None and mon.quota.disabled == [], "honest workers within quota"
+    # a job it cannot decode: dead-lettered in its own stream, moved to the shared one by the
+    # monitor with its id (its user may not write P:deadletter)
+    r.xadd(keys.worker_inbox("w0"), {"t": "job", "m": "garbage"})
+    wait_for(lambda: r.xlen(keys.deadletter()) == 1, 20, "the dead letter moved")
+    ((_, dead),) = r.xrange(keys.deadletter())
+    assert dead[b"worker"] == b"w0" and dead[b"source"] == keys.worker_inbox("w0").encode()
+    assert b"invalid" in dead[b"reason"] and r.xlen(keys.worker_dead("w0")) == 0
+    assert denials(r, settings.prefix) == []

@@ -142,16 +142,58 @@ def test_64_mb_in_its_beat_is_stopped_and_nowhere_else_refused(
 def test_8_mb_in_the_dead_letters_is_deleted(
     world: tuple[Keys, Settings, Monitor], r: redis.Redis
 ) -> None:
-    keys, evil, mon = world
-    w = redis.Redis.from_url(evil.redis_url)
-    small = w.xadd(keys.deadletter(), {"source": "x", "reason": "fine"})
-    big = w.xadd(keys.deadletter(), {"source": "x", "f.x": b"d" * (8 << 20)})
+    """Written by a role that may write the shared stream (here the admin, as a coordinator
+    could): the watch deletes the entry no `dead_letter` writes."""
+    keys, _, mon = world
+    small = r.xadd(keys.deadletter(), {"source": "x", "reason": "fine"})
+    big = r.xadd(keys.deadletter(), {"source": "x", "f.x": b"d" * (8 << 20)})
     t0 = time.monotonic()
     wait_for(lambda: not r.xrange(keys.deadletter(), big, big), 10, "the 8 MB entry deleted")
     assert time.monotonic() - t0 < STOPPED_S
     assert r.xrange(keys.deadletter(), small, small), "an entry within the bound stays"
     assert mon.quota is not None and mon.quota.dead.deleted == 1
     assert 8 << 20 > DEAD_ENTRY_BYTES
+
+
+def test_a_workers_dead_letters_reach_the_shared_stream_under_its_own_name(
+    world: tuple[Keys, Settings, Monitor], r: redis.Redis
+) -> None:
+    """It may not write `P:deadletter` (where `MAXLEN 0` would erase every role's): it writes
+    its own stream, and the monitor moves each entry, saying which worker wrote it and with
+    its inbox as the source whatever the entry claims; an oversized one is dropped."""
+    keys, evil, mon = world
+    w = redis.Redis.from_url(evil.redis_url)
+    before = r.xadd(keys.deadletter(), {"source": "c1", "reason": "a coordinator's"})
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        w.xadd(keys.deadletter(), {"source": "x"}, maxlen=0, approximate=False)
+    fields = {"source": "P:{m:tiny}:requests", "worker": "c1", "reason": "bad job", "f.t": "x"}
+    w.xadd(keys.worker_dead("evil"), fields)
+    w.xadd(keys.worker_dead("evil"), {"reason": "big", "f.x": b"d" * (2 << 20)})
+    wait_for(lambda: r.xlen(keys.worker_dead("evil")) == 0, 10, "its dead letters moved")
+    got = {eid: f for eid, f in r.xrange(keys.deadletter()) if eid != before}
+    assert r.xrange(keys.deadletter(), before, before), "the others' letters stay"
+    assert [f[b"reason"] for f in got.values()] == [b"bad job"]
+    (moved,) = got.values()
+    assert moved[b"worker"] == b"evil"
+    assert moved[b"source"] == keys.worker_inbox("evil").encode()
+    assert moved[b"f.t"] == b"x"
+    assert mon.quota is not None and mon.quota.relayed == 1 and not _off(r, keys)
+
+
+def test_asks_whose_doorbell_was_trimmed_away_are_answered(
+    world: tuple[Keys, Settings, Monitor], r: redis.Redis
+) -> None:
+    """Any worker may `XADD P:market MAXLEN 0` (an ACL cannot bound an argument), erasing the
+    others' doorbells: the monitor answers every worker user's waiting asks all the same."""
+    keys, evil, _ = world
+    w = redis.Redis.from_url(evil.redis_url)
+    w.xadd(keys.worker_asks("evil"), {"v": "1", "op": "volunteer", "nonce": "n1", "held": ""})
+    w.xadd(keys.market(), {"worker": "evil"}, maxlen=0, approximate=False)  # no doorbell left
+    assert r.xlen(keys.market()) == 0
+    wait_for(lambda: r.xlen(keys.worker_answers("evil")) > 0, 10, "the ask answered")
+    ((_, answer),) = r.xrange(keys.worker_answers("evil"))
+    assert answer[b"nonce"] == b"n1"
+    assert r.xlen(keys.worker_asks("evil")) == 0
 
 
 def test_another_database_is_refused(world: tuple[Keys, Settings, Monitor]) -> None:

@@ -41,6 +41,8 @@ WORKER_FORBIDDEN = {
     "volunteer as another worker": ("XADD", "{asks_b}", "*", "op", "volunteer"),
     "read the answers of another worker": ("XRANGE", "{answers_b}", "-", "+"),
     "delete the dead-letter stream": ("DEL", "{deadletter}"),
+    "trim every role's dead letters away": ("XADD", "{deadletter}", "MAXLEN", "0", "*", "x", "y"),
+    "write a peer's dead letters": ("XADD", "{dead_b}", "*", "reason", "x"),
     "list every key": ("SCAN", "0"),
     "list keys by pattern": ("KEYS", "*"),
     "pick a random key name": ("RANDOMKEY",),
@@ -63,6 +65,7 @@ WORKER_FORBIDDEN = {
 WORKER_ALLOWED = {
     "its own inbox": ("XRANGE", "{inbox_a}", "-", "+"),
     "its own results": ("XADD", "{results_a}", "*", "t", "result"),
+    "its own dead letters": ("XADD", "{dead_a}", "MAXLEN", "~", "1000", "*", "reason", "x"),
     "the model tables": ("HGETALL", "{slices}"),
     "the model list": ("SMEMBERS", "{models}"),
     "the doorbell": ("XADD", "{market}", "*", "worker", "a"),
@@ -168,6 +171,7 @@ def world(settings: Settings, r: redis.Redis, tiny_model: Path) -> dict[str, str
         "stats": k.coord_stats("c1"), "calls": k.apikey_calls("0123456789abcdef"), "quarantine": k.model_quarantine("tiny"),
         "info_a": k.worker_info("a"), "hb_a": k.worker_heartbeat("a"),
         "answers_a": k.worker_answers("a"), "junk_a": f"{settings.prefix}:{{w:a}}:junk",
+        "dead_a": k.worker_dead("a"), "dead_b": k.worker_dead("b"),
     }  # fmt: skip
 
 

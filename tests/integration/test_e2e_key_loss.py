@@ -78,6 +78,7 @@ KINDS: dict[str, KeysOf] = {
     "worker_results": lambda c: [c.keys.worker_results(w, COORD) for w in WORKERS],
     "worker_asks": lambda c: [c.keys.worker_asks(w) for w in WORKERS],
     "worker_answers": lambda c: [c.keys.worker_answers(w) for w in WORKERS],
+    "worker_dead": lambda c: [c.keys.worker_dead(w) for w in WORKERS],
     "coord_slots": lambda c: [c.keys.coord_slots(COORD)],
     "coord_stats": lambda c: [c.keys.coord_stats(COORD)],
     "request_reply": lambda c: [c.keys.request_reply(rid) for rid in c.open_ids],
