@@ -220,7 +220,7 @@ def test_every_key_a_worker_may_write_of_every_type_ends_no_role(
                 # refused by its per-key commands, or its user turned off over its quota
                 # (kvq.monitor.quota): a worker under an older `kvq acl` could still write it
                 write(admin)
-            took, n, rate = _serve_through(kids, admin, keys, want, f"{t.name} as {kind}")
+            took, n, rate = _serve_through(kids, admin, keys, want, f"{t.name} as {kind}", 10)
             slowest = max(slowest, took)
             rates.append(rate / base)
             rows.append(

@@ -157,6 +157,33 @@ def test_a_liar_is_caught_and_its_garbage_never_used(
     assert coord.routing.trust.barred("liar")
 
 
+@pytest.mark.parametrize("honest_first", [0, 300], ids=["from-its-first-job", "after-300-honest"])
+def test_a_one_in_a_hundred_liar_is_caught_and_each_lie_escapes_at_most_as_stated(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, honest_first: int
+) -> None:
+    """X3, the default schedule (`sampled`) against a worker lying on 1 job in 100. Each lie
+    is checked with probability at least the step floor's per job (0.3 at one job a step, the
+    tiny model's): it escapes with probability at most 0.7 (`docs/security.md`). Requests one
+    at a time until it is caught; the lies it told, those used (all but the one caught), and
+    wrong completions are printed: the measured escape per lie beside the stated bound."""
+
+    def liar() -> None:
+        _spawn_liar(kids, s, tmp_path, "liar", 0.01, 7, honest_first=honest_first)
+
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar", liar)
+    want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+    requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 250)
+    lies, t = _lies(tmp_path, "liar"), coord.trust.workers["liar"]
+    per_step = coord.trust.per_step.get("liar", 0.0)
+    print(
+        f"1-in-100 liar (honest first {honest_first}): {lies} lies, {lies - 1} used before "
+        f"the catch at its check {t.checked}; {wrong} wrong of {requests} requests; "
+        f"jobs/step {per_step:.2f}"
+    )
+    assert lies >= 1 and t.mismatches == 1
+    assert wrong <= lies - 1, "only a lie that escaped can spoil a completion"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trust_cannot_be_banked_a_late_liar_spoils_at_most_one_completion(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, seed: int
