@@ -141,6 +141,12 @@ class Settings(SettingsChecks):
         description="remote results recomputed here before use: sampled by graded trust "
         "(KVQ_TRUST_*), all, or off (results used unchecked; NaN/inf are still refused)",
     )
+    gpu_workers: str = Field(
+        "",
+        description="worker ids (comma-separated; * for any) the operator admits to compute in "
+        "a GPU dtype (bfloat16, float16), checked by that dtype's looser tolerance; any other "
+        "worker is held to the coordinator's own path (X3: no worker loosens its own check)",
+    )
     trust_full_checks: int = Field(
         50, ge=0, le=100_000, description="a worker's first verified results, all checked"
     )

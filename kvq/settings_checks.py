@@ -15,6 +15,9 @@ from urllib.parse import parse_qsl, urlparse
 from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
+from kvq.errors import ConfigError
+from kvq.keys import check_id
+
 _BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
             "no": False}  # fmt: skip
 _REDIS_SCHEMES = (
@@ -58,6 +61,18 @@ class SettingsChecks(BaseSettings):
     def _empty_hot_gib(cls, v: object) -> object:
         # "" is the documented "unset"; "None" is what child_env writes for it
         return None if isinstance(v, str) and v.strip() in ("", "None") else v
+
+    @field_validator("gpu_workers", check_fields=False)
+    @classmethod
+    def _gpu_workers(cls, v: str) -> str:
+        ids = [w.strip() for w in v.split(",") if w.strip()]
+        if ids != ["*"]:
+            for w in ids:
+                try:
+                    check_id("worker id", w)
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
+        return ",".join(ids)
 
     @field_validator("verify_remote", mode="before", check_fields=False)
     @classmethod

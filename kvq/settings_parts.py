@@ -68,6 +68,7 @@ class DispatchSettings:
 
     job_deadline_ms: int
     verify_remote: str  # sampled | all | off (KVQ_VERIFY_REMOTE)
+    gpu_workers: str  # KVQ_GPU_WORKERS: ids admitted to a GPU dtype's tolerance, or *
     trust_full_checks: int
     trust_decay: float
     trust_p_min: float

@@ -31,7 +31,7 @@ from kvq.coordinator.mailbox import Delivery, Mailbox
 from kvq.coordinator.pending import latency_ms
 from kvq.coordinator.placement import Placement
 from kvq.coordinator.routing import SliceRouter
-from kvq.coordinator.verify import Verdict, Verifier
+from kvq.coordinator.verify import Verdict, Verifier, admitted
 from kvq.device import dtype_name
 from kvq.keys import Keys
 
@@ -60,7 +60,7 @@ class Dispatcher:
         )  # fmt: skip
         self.verifier = Verifier(
             board, info.model, routing.trust, settings.verify_remote, dtype_name(server.dtype),
-            self.stats, routing.bar,
+            self.stats, routing.bar, admitted(settings.gpu_workers),
         )  # fmt: skip
         self.placement = Placement(routing, info, settings, self.has_experts, self.stats)
         self.mailbox = Mailbox(board, r, keys, coord_id, lambda: routing.holders, self.stats,

@@ -12,7 +12,10 @@ The coordinator says how a result is checked: each job asks for a compute path (
 coordinator's own, so `q8` against `q8` is a bitwise check), and a result labelled with another
 is refused and counted as a lie. A worker that cannot run the path asked (a CUDA worker) fails
 the job with `WrongDType` naming its own; the coordinator then asks it for that one only if it
-is a GPU path it checks by tolerance (`NEGOTIABLE`), never for a looser CPU label.
+is a GPU path it checks by tolerance (`NEGOTIABLE`) and the operator admitted the worker to it
+(`KVQ_GPU_WORKERS`), never for a looser CPU label: a worker cannot loosen its own check by
+saying it runs a GPU. One not admitted keeps being asked for the coordinator's path (its jobs
+fail, and routing prices it out).
 
 Attribution is by the worker the job was sent to, and a result must name that worker (see
 `Dispatcher.accept`); a process that can write to the results stream and names the right worker
@@ -66,8 +69,11 @@ class Verifier:
     def __init__(
         self, board: Board, model: str, trust: Trust, mode: str, local_dtype: str,
         stats: DispatchCounters, on_caught: Callable[[str], None] = lambda worker: None,
+        gpu_admitted: Callable[[str], bool] = lambda worker: False,
     ) -> None:  # fmt: skip
         self.board, self.model, self.trust, self.mode = board, model, trust, mode
+        self.gpu_admitted = gpu_admitted  # KVQ_GPU_WORKERS (`admitted`)
+        self._refused_claims: set[str] = set()  # workers told once that their claim is not granted
         self.local_dtype, self.stats, self.on_caught = local_dtype, stats, on_caught
         self.paths: dict[str, str] = {}  # worker -> the path asked of it, if not local_dtype
         # raises ModelCorrupt if this coordinator's own bytes of a slice are corrupted: run
@@ -82,8 +88,16 @@ class Verifier:
 
     def refused(self, worker: str, error: wire.Failure) -> None:
         """`worker` failed a job: if because it runs another path that this coordinator can
-        check (a GPU dtype), ask it for that path from now on."""
+        check (a GPU dtype) and the operator admitted it to one, ask it for that path from now
+        on."""
         if error.type == WRONG_DTYPE and error.message in NEGOTIABLE:
+            if not self.gpu_admitted(worker):
+                if worker not in self._refused_claims:
+                    self._refused_claims.add(worker)
+                    log.warning("worker %s computes in %s but is not in KVQ_GPU_WORKERS: its "
+                                "jobs keep asking for %s (it serves none until admitted)",
+                                worker, error.message, self.local_dtype)  # fmt: skip
+                return
             if self.paths.get(worker) != error.message:
                 log.info("worker %s computes in %s: its jobs ask for %s from now on", worker,
                          error.message, error.message)  # fmt: skip
@@ -143,11 +157,17 @@ class Verifier:
     def agree(self, a: Answer, b: Answer) -> bool:
         """Whether two workers' answers to the same rows agree: bit for bit on a
         deterministic path (`q8` both: the int8 kernels give the same bits on every SIMD
-        path), else within the looser path's tolerances (`kvq.coordinator.check`)."""
-        if deterministic(a.dtype, b.dtype):
+        path), else within the looser path's tolerances (`kvq.coordinator.check`), a GPU
+        label counting only for an admitted worker (`held_to`)."""
+        da, db = self.held_to(a.worker, a.dtype), self.held_to(b.worker, b.dtype)
+        if deterministic(da, db):
             return torch.equal(a.y, b.y)
-        tol, btol = tolerance(a.dtype, b.dtype), bias_tolerance(a.dtype, b.dtype)
-        return compare(a.y, b.y, tol, btol).ok
+        return compare(a.y, b.y, tolerance(da, db), bias_tolerance(da, db)).ok
+
+    def held_to(self, worker: str, dtype: str) -> str:
+        """The path whose tolerance `worker`'s answer labelled `dtype` is held to: a GPU dtype
+        only where the operator admitted the worker (`KVQ_GPU_WORKERS`), else float32's."""
+        return dtype if dtype not in NEGOTIABLE or self.gpu_admitted(worker) else "float32"
 
     def confirmed(self, answers: list[Answer]) -> None:
         """Answers that agreed: each worker's streak grows as after a recomputation."""
@@ -243,3 +263,9 @@ class Verifier:
             self.trust.policy.quarantine_s, verdict.mismatches,
         )  # fmt: skip
         self.on_caught(worker)
+
+
+def admitted(spec: str) -> Callable[[str], bool]:
+    """Whether a worker id is in `KVQ_GPU_WORKERS` (`spec`: comma-separated ids, or `*`)."""
+    ids = {w.strip() for w in spec.split(",") if w.strip()}
+    return lambda worker: "*" in ids or worker in ids

@@ -19,7 +19,7 @@ from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import DispatchCounters
 from kvq.coordinator.check import BIAS_WINDOW
 from kvq.coordinator.trust import Trust, TrustPolicy
-from kvq.coordinator.verify import Verdict, Verifier
+from kvq.coordinator.verify import Verdict, Verifier, admitted
 from kvq.model import load_slice, make_tiny, read_meta
 from kvq.quant import kernels, qdot
 
@@ -61,7 +61,9 @@ def _forward(bank: Bank, job, dtype: torch.dtype = torch.float32) -> torch.Tenso
 def _verifier(local: str) -> tuple[Verifier, MemoryBoard]:
     board = MemoryBoard()
     trust = Trust(TrustPolicy(), "c1", rng=random.Random(0))
-    return Verifier(board, "tiny", trust, "all", local, DispatchCounters()), board
+    # every worker admitted to a GPU path (KVQ_GPU_WORKERS=*): its tolerance is what is tested
+    v = Verifier(board, "tiny", trust, "all", local, DispatchCounters(), gpu_admitted=admitted("*"))
+    return v, board
 
 
 def test_two_forced_simd_paths_agree_bitwise_and_liars_are_caught(model: Path) -> None:

@@ -16,16 +16,18 @@ from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import DispatchCounters
 from kvq.coordinator.check import BIAS_WINDOW
 from kvq.coordinator.trust import Trust, TrustPolicy
-from kvq.coordinator.verify import Verdict, Verifier
+from kvq.coordinator.verify import Verdict, Verifier, admitted
 
 REF = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7 + 0.5  # [R=3, H=4]
 
 
-def _verifier(mode: str = "sampled", policy: TrustPolicy | None = None):  # type: ignore[no-untyped-def]
+def _verifier(mode: str = "sampled", policy: TrustPolicy | None = None, gpu: str = "*"):  # type: ignore[no-untyped-def]
     board = MemoryBoard()
     caught: list[str] = []
     trust = Trust(policy or TrustPolicy(), "c1", rng=random.Random(0))
-    v = Verifier(board, "m", trust, mode, "float32", DispatchCounters(), caught.append)
+    v = Verifier(
+        board, "m", trust, mode, "float32", DispatchCounters(), caught.append, admitted(gpu)
+    )
     return v, board, caught
 
 
@@ -92,6 +94,31 @@ def test_the_coordinator_not_the_label_decides_the_check() -> None:
     verdicts = [v.check("g", REF * 1.01, "bfloat16", REF) for _ in range(BIAS_WINDOW)]
     assert verdicts[-1] is Verdict.REJECTED, "1%: by the mean bias of its last checked results"
     assert caught == ["w", "g", "g"]
+
+
+def test_a_gpu_path_is_granted_only_to_a_worker_the_operator_admitted() -> None:
+    """X3: a worker cannot loosen its own check by saying it runs a GPU. Not in
+    KVQ_GPU_WORKERS, its `WrongDType: bfloat16` is not negotiated (it is asked for the
+    coordinator's path still), and a bfloat16 label earns it float32's tolerance when two
+    holders' answers are compared; an admitted one gets bfloat16's."""
+    from kvq import wire
+    from kvq.coordinator.pending import Answer
+
+    v, _, _ = _verifier(gpu="gpu-1")
+    claim = wire.Failure(type="WrongDType", message="bfloat16")
+    v.refused("cpu-1", claim)
+    v.refused("gpu-1", claim)
+    assert v.asked("cpu-1") == "float32" and v.asked("gpu-1") == "bfloat16"
+    off = REF * 1.005  # 0.5%: inside bfloat16's rounding, far outside float32's
+    honest = Answer("w", REF, "float32")
+    assert not v.agree(Answer("cpu-1", off, "bfloat16"), honest)
+    assert v.agree(Answer("gpu-1", off, "bfloat16"), honest)
+    assert v.held_to("cpu-1", "bfloat16") == "float32" and v.held_to("cpu-1", "q8") == "q8"
+
+
+def test_the_gpu_workers_setting_admits_listed_ids_or_any() -> None:
+    assert admitted("*")("anyone") and admitted("a, b")("b")
+    assert not admitted("a,b")("c") and not admitted("")("a")
 
 
 def test_q8_against_q8_is_bitwise() -> None:

@@ -49,6 +49,7 @@ def s(settings: Settings) -> Settings:
         "slice_experts": 8,  # one slice per layer: the liar holds one, the honest one the other
         "worker_max_slices": 1,  # (a worker's budget would fit both)
         "job_deadline_ms": 10_000,
+        "gpu_workers": "*",  # GPU paths' tolerances are tested (not admission: its own test)
     })  # fmt: skip
 
 
@@ -411,6 +412,31 @@ def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
     assert asked == "bfloat16" and "row error" in why
     assert t.checked <= s.trust_full_checks and wrong == 0
     assert set(mon.board.quarantined("tiny")) == {"liar"}
+
+
+def test_a_worker_not_admitted_to_a_gpu_path_cannot_claim_one(
+    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path
+) -> None:
+    """X3, KVQ_GPU_WORKERS: a worker the operator did not admit says it computes in bfloat16
+    (as a CPU liar would, to earn bfloat16's tolerance for 0.5% of noise). The coordinator
+    keeps asking it for its own path: every job of its fails (`WrongDType`), none of its
+    results is used, every completion equals all-local generation."""
+    s = s.model_copy(update={"gpu_workers": "honest"})
+    liar_s = s.model_copy(update={"compute_dtype": "bfloat16"})
+
+    def liar() -> None:
+        _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "ortho", extra=("--factor", "0.005"))
+
+    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar", liar)
+    keys, r = Keys(s.prefix), mon.board.r
+    for prompt in PROMPTS[:6]:
+        rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+        got = [e.token_id for e in client.events(r, keys, rid, 60) if e.token_id is not None]
+        assert got == local_tokens(tiny_model, prompt, MAX_TOKENS), prompt
+    v = coord.dispatch.verifier
+    assert v.asked("liar") == v.local_dtype != "bfloat16"
+    assert coord.dispatch.per_worker.get("liar", 0) == 0 and _lies(tmp_path, "liar") == 0
+    assert coord.dispatch.per_worker.get("honest", 0) > 0
 
 
 # stage grain (X12): the liar holds a layer span whole; path -> (model quant, the lie, factor)
