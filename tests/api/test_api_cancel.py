@@ -95,3 +95,48 @@ def test_the_slot_is_free_after_one_step(system: System) -> None:
         assert [e.kind for e in events] == ["error"]
     finally:
         coord.board.r.close()  # never run(): no slot-poll thread to stop
+
+
+def _stream_then_leave(url: str, prompt: str, lines: int) -> None:
+    """A streamed completion whose client leaves after `lines` lines (0: at the headers)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        it = resp.iter_lines()
+        for _ in range(lines):
+            next(it)
+
+
+def _outcomes(system: System) -> dict[str, str]:
+    """Every reply stream of the module's requests: request id -> how it ended."""
+    out = {}
+    for key in system.r.scan_iter(f"{system.keys.prefix}:{{r:*}}:reply", count=1000):
+        evs = [wire.decode(f, wire.ReplyEvent) for _, f in system.r.xrange(key)]
+        last = next((e for e in reversed(evs) if e.kind in ("done", "error")), None)
+        rid = key.decode().split("{r:", 1)[1].split("}", 1)[0]
+        why = last.error.message if last is not None and last.error is not None else ""
+        out[rid] = "open" if last is None else f"{last.finish or last.kind}: {why}"
+    return out
+
+
+def test_every_client_that_leaves_has_its_request_cancelled(system: System) -> None:
+    """X8: 48 streams at once on 4 slots, each client leaving at its headers (still queued),
+    after its first line, or mid-stream: every request ends cancelled (refused before it
+    started, or dropped mid-generation), none is generated to its end, and the queue empties."""
+    import threading
+
+    before = set(_outcomes(system))
+    leave = [0, 1, 4] * 16
+    threads = [
+        threading.Thread(target=_stream_then_leave, args=(system.url, f"client {i}", n))
+        for i, n in enumerate(leave)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    wait(lambda: system.queued() == 0 and not system.coord.engine.active, "every request gone", 60)
+    ended = {rid: how for rid, how in _outcomes(system).items() if rid not in before}
+    assert len(ended) == len(leave)
+    missed = {rid: how for rid, how in ended.items() if "cancel" not in how}
+    assert missed == {}, missed
