@@ -3,6 +3,7 @@ decides what is too much). The keys are the board's, so they are named here."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
@@ -28,14 +29,24 @@ class Usage:
         return self.hb_bytes + self.info_bytes + self.stream_bytes
 
 
-def measure(r: redis.Redis, keys: Keys, worker: str, coords: list[str], connections: int) -> Usage:
-    """What `worker`'s keys hold now (its results streams to `coords`): one round trip, one
-    hash tag. A key of another type than kvq writes counts by its memory alone."""
+def measure(
+    r: redis.Redis,
+    keys: Keys,
+    worker: str,
+    coords: list[str],
+    connections: int,
+    found: Iterable[str] = (),
+) -> Usage:
+    """What `worker`'s keys hold now (its results streams to `coords`, and `found`: those of
+    its results streams a sweep found, `results_streams`): one round trip, one hash tag. A key
+    of another type than kvq writes counts by its memory alone."""
     hb, info = keys.worker_heartbeat(worker), keys.worker_info(worker)
+    named = [keys.worker_results(worker, c) for c in coords]
     streams = [
         keys.worker_asks(worker),
         keys.worker_dead(worker),
-        *(keys.worker_results(worker, c) for c in coords),
+        *named,
+        *sorted(set(found) - set(named)),
     ]
     sized = [hb, info, *streams]
     pipe = r.pipeline(transaction=False)
@@ -75,4 +86,17 @@ def connections_by_user(r: redis.Redis) -> dict[str, int]:
     for c in r.client_list():
         user = c.get("user", "")
         out[user] = out.get(user, 0) + 1
+    return out
+
+
+def results_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
+    """Worker id -> every `P:{w:W}:results:*` key there is (`SCAN`, on every node of a
+    cluster): a worker's user may `XADD` to a results stream for any coordinator id, even one
+    that never was, and those count in its quota too."""
+    out: dict[str, list[str]] = {}
+    head = f"{keys.prefix}:{{w:"
+    for raw in r.scan_iter(match=f"{head}*}}:results:*", count=1000):
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        worker = key[len(head) :].split("}", 1)[0]
+        out.setdefault(worker, []).append(key)
     return out

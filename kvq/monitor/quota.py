@@ -11,8 +11,8 @@ appends, or how many connections one user opens. So the monitor measures, per wo
 | connections under its user (`CLIENT LIST`)  | `CONNECTIONS` (32)                           |
 | `P:{w:W}:hb` (`MEMORY USAGE`)               | `HB_BYTES` (4 KiB: a 512-byte instance token)|
 | `P:{w:W}:info`                              | `INFO_BYTES` (1 MiB: `WorkerInfo`'s bounds)  |
-| entries of `results:C` (each C), `asks`,   | 2 x `KVQ_STREAM_MAXLEN` (it trims to 1 x)    |
-| `dead`                                      |                                              |
+| entries of `results:C` (each C seen, and    | 2 x `KVQ_STREAM_MAXLEN` (it trims to 1 x)    |
+| any other a sweep finds), `asks`, `dead`    |                                              |
 | consumers in its inbox's group              | `CONSUMERS` (4: it reads as itself)          |
 | `hb` + `info` + `asks` + `dead` + results   | `KVQ_WORKER_QUOTA_MIB`                       |
 
@@ -36,6 +36,7 @@ still there.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ import redis
 
 from kvq.bus.deadletters import relay
 from kvq.bus.streams import DEAD_FIELDS_BYTES
-from kvq.bus.usage import Usage, connections_by_user, measure
+from kvq.bus.usage import Usage, connections_by_user, measure, results_streams
 from kvq.keys import Keys
 from kvq.security import acl
 
@@ -55,6 +56,9 @@ INFO_BYTES = 1 << 20
 CONSUMERS = 4
 DEAD_ENTRY_BYTES = 2 * DEAD_FIELDS_BYTES  # the copied fields, the reason and the names
 _DEAD_BATCH = 64  # dead letters read per pass
+# how often every worker's results streams are listed (`SCAN`): a worker's user may create one
+# per coordinator id it likes, which the per-second pass (the coordinators seen) cannot name
+SWEEP_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,8 @@ class QuotaWatch:
         self.coords: set[str] = set()  # every coordinator seen: results streams may outlive it
         self.dead = DeadLetterWatch(r, keys)
         self.relayed = 0  # dead letters moved from workers' own streams to the shared one
+        self.found: dict[str, list[str]] = {}  # worker -> its results streams, as last swept
+        self._swept = float("-inf")
         self.asking: list[str] = []  # workers with asks in their stream, as of the last pass
 
     def check(self) -> list[str]:
@@ -106,9 +112,15 @@ class QuotaWatch:
         conns = connections_by_user(self.r)
         self.coords.update(self.coordinators())
         coords = sorted(self.coords)
+        if time.monotonic() - self._swept >= SWEEP_S:
+            self.found, self._swept = results_streams(self.r, self.keys), time.monotonic()
         out, asking = [], []
+        self._sweep_disabled()
         for w in workers:
-            usage = measure(self.r, self.keys, w, coords, conns.get(self.user_prefix + w, 0))
+            if self.user_prefix + w in self.disabled:
+                continue
+            n = conns.get(self.user_prefix + w, 0)
+            usage = measure(self.r, self.keys, w, coords, n, self.found.get(w, ()))
             why = over(usage, self.quota)
             if why is not None:
                 self._disable(usage, why)
@@ -120,6 +132,14 @@ class QuotaWatch:
                 asking.append(w)
         self.asking = asking
         return out
+
+    def _sweep_disabled(self) -> None:
+        """Delete what the sweep still finds of a disabled user's results streams (those it
+        made between the sweep and its turning off)."""
+        for user in self.disabled:
+            left = self.found.pop(user[len(self.user_prefix) :], [])
+            if left:
+                self.r.delete(*left)  # one hash tag: one slot
 
     def take_asking(self) -> list[str]:
         """The workers whose asks the last pass found waiting (once): the market answers them

@@ -17,8 +17,9 @@
 | api         | `P-api`                 | the client's rights, and the API keys' call counters    |
 |             |                         | (`kvq api`, the one process trusted to count calls)     |
 
-No role may list key names (`SCAN`, `KEYS`, `RANDOMKEY`, `CLIENT TRACKING`: its `BCAST` mode
-reports every key written) or read a stream's entries beyond its own (`XINFO STREAM ... FULL`).
+No role but the monitor may list key names (`SCAN`, `KEYS`, `RANDOMKEY`, `CLIENT TRACKING`: its
+`BCAST` mode reports every key written); the monitor may `SCAN`, for the quota watch's sweep of
+the results streams workers make (`kvq.bus.usage.results_streams`) or read a stream's entries beyond its own (`XINFO STREAM ... FULL`).
 
 `P` is the prefix. ACL key patterns are globs: the prefix is escaped and worker ids are limited to
 `[A-Za-z0-9_.-]` (`kvq.keys.check_id`), so `P:{w:W}:*` reaches no other worker's keys. `%R~`/`%W~`
@@ -58,7 +59,9 @@ _CONNECT = [
 ]
 # the monitor's quota watch (kvq.monitor.quota): list worker users and their connections, and
 # disable one over its quota (`ACL SETUSER` makes the monitor's user as trusted as an admin)
-_QUOTA_WATCH = ["+acl|users", "+acl|setuser", "+client|list", "+client|kill"]
+# the monitor's quota watch (`kvq.monitor.quota`); `SCAN` for its sweep of the results streams
+# a worker's user may make under any coordinator id (after _NO_LISTING, which refuses it)
+_QUOTA_WATCH = ["+acl|users", "+acl|setuser", "+client|list", "+client|kill", "+scan"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from kvq.bus.records import SlotState
 from kvq.config import Settings
 from kvq.keys import Keys
 from kvq.monitor import Monitor
-from kvq.monitor.quota import DEAD_ENTRY_BYTES, INFO_BYTES
+from kvq.monitor.quota import DEAD_ENTRY_BYTES, INFO_BYTES, SWEEP_S
 from kvq.security import acl
 
 QUOTA_MIB = 8  # KVQ_WORKER_QUOTA_MIB here: small, so that a flood crosses it fast
@@ -201,3 +201,30 @@ def test_another_database_is_refused(world: tuple[Keys, Settings, Monitor]) -> N
     w = redis.Redis.from_url(evil.redis_url)
     with pytest.raises(redis.exceptions.NoPermissionError):
         w.execute_command("SELECT", "1")
+
+
+def test_results_streams_for_coordinators_that_never_were_count_in_its_quota(
+    world: tuple[Keys, Settings, Monitor], r: redis.Redis
+) -> None:
+    """Its user may `XADD` to `P:{w:W}:results:*` for any coordinator id: thousands of
+    streams to made-up coordinators, none of which the per-second pass names, are found by the
+    monitor's sweep and counted, and the user is turned off and the streams deleted."""
+    keys, evil, mon = world
+    w = redis.Redis.from_url(evil.redis_url)
+    t0 = time.monotonic()
+    try:
+        for start in range(0, 20_000, 1000):
+            pipe = w.pipeline(transaction=False)
+            for i in range(start, start + 1000):
+                pipe.xadd(keys.worker_results("evil", f"nobody{i}"), {"y": "x" * 400})
+            pipe.execute()
+    except (redis.ConnectionError, redis.AuthenticationError):
+        pass  # cut off mid-flood
+    took = _stopped(r, keys, t0)
+    assert took < SWEEP_S + STOPPED_S
+    wait_for(
+        lambda: not list(r.scan_iter(match=keys.worker_results("evil", "*"), count=1000)),
+        SWEEP_S + 5,
+        "every stream it made deleted",
+    )
+    assert mon.quota is not None and mon.quota.disabled == [_user(keys)]

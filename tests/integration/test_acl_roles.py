@@ -119,7 +119,7 @@ COORD_FORBIDDEN = {
 MONITOR_FORBIDDEN = {
     "pick a random key name": ("RANDOMKEY",),
     "learn every key written": ("CLIENT", "TRACKING", "on", "BCAST"),
-    "list every key": ("SCAN", "0"),
+    "list keys by pattern (KEYS)": ("KEYS", "*"),
     "wipe the server": ("FLUSHALL",),
 }
 
