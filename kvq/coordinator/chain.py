@@ -39,7 +39,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,11 +46,14 @@ import torch
 from kvq import wire
 from kvq.bus.board import Fields
 from kvq.catalog import ModelInfo
+from kvq.coordinator.chain_rows import ChainSeq, InFlight, Pair, Rows
+from kvq.coordinator.chain_rows import Pass as Pass  # the engine's handle on a pass
+from kvq.coordinator.chain_witness import WitnessSteps
 from kvq.coordinator.layer_call import Tally
 from kvq.coordinator.mailbox import Mailbox
 from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.routing import SliceRouter
-from kvq.coordinator.stage_check import Referee, Ruling, decide, rule
+from kvq.coordinator.stage_check import Referee
 from kvq.coordinator.verify import Verifier
 from kvq.errors import NoReplica, RoutingError
 from kvq.model import Backbone, KVCache, SeqStep
@@ -62,68 +64,7 @@ log = logging.getLogger("kvq.coordinator")
 _POLL_MS = 50  # a wait for stage answers rereads the holders' liveness this often
 
 
-@dataclass
-class _Seq:
-    """A sequence as the chain knows it: its key, the tokens its holders hold, its holders."""
-
-    key: str
-    fed: list[int] = field(default_factory=list)  # tokens at positions 0..len-1, committed
-    holders: dict[str, str] = field(default_factory=dict)  # span sid -> worker
-    witnesses: dict[str, str] = field(default_factory=dict)  # span sid -> its second holder
-    drawn: set[str] = field(default_factory=set)  # spans whose witness draw is made
-    # span sid -> the rows it was sent, per job, since position 0 (witnessed spans: the
-    # referee's replay)
-    chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _Rows:
-    """One step's rows of a sequence on their way through the chain."""
-
-    seq: _Seq
-    tokens: list[int]  # the step's new tokens
-    x: torch.Tensor  # [n, H] the rows entering span `next`
-    start: int  # the position of the first row, in every span (0 after a replay)
-    cohort: int  # the pass: rows of one pass travel together, passes overlap (pipelining)
-    next: int = 0  # the next span to run
-    busy: bool = False  # in a job now
-
-
-@dataclass(eq=False)
-class Pass:
-    """One forward of some sequences through the chain (`Chain.start`)."""
-
-    steps: list[SeqStep]
-    rows: list[_Rows]
-
-
-@dataclass(eq=False)
-class _Pair:
-    """A witnessed group's two jobs: the same rows to the holder and to the witness."""
-
-    rows: list[_Rows]
-    span: int
-    inputs: list[torch.Tensor]  # each row group's rows as sent (the referee's last chunk)
-    holder: str
-    witness: str | None  # None once it failed: the holder's answer goes on unconfirmed
-    answers: dict[str, Answer] = field(default_factory=dict)
-    referee: str = ""  # a third holder replaying the rows, when the two disagree
-    replays: dict[int, torch.Tensor] = field(default_factory=dict)  # its rows, per row group
-
-
-@dataclass
-class _Job:
-    """A stage job in flight: where it went, which rows, which spans."""
-
-    worker: str
-    rows: list[_Rows]
-    spans: list[int]
-    sent_at: float  # time.monotonic()
-    pair: _Pair | None = None  # a witnessed group's
-    replay: int = -1  # a referee's replay of the pair's row group of this index
-
-
-class Chain:
+class Chain(WitnessSteps):
     """Runs a stage-grain model's blocks for the engine (`forward`), over stage holders."""
 
     def __init__(
@@ -161,11 +102,11 @@ class Chain:
         self.cohorts = cohorts  # KVQ_MICROBATCHES: passes the engine keeps open at once
         self._cohorts = itertools.count()  # each pass's rows travel as their own jobs
         self._passes: list[Pass] = []
-        self._flying: dict[str, _Job] = {}
+        self._flying: dict[str, InFlight] = {}
         self._until = 0.0  # NoReplica after this long without an answer used
-        self._seqs: weakref.WeakKeyDictionary[KVCache, _Seq] = weakref.WeakKeyDictionary()
+        self._seqs: weakref.WeakKeyDictionary[KVCache, ChainSeq] = weakref.WeakKeyDictionary()
         self._keys = itertools.count()
-        self._gone: list[_Seq] = []  # finished sequences whose holders still keep state
+        self._gone: list[ChainSeq] = []  # finished sequences whose holders still keep state
         self._drops: dict[str, list[str]] = {}  # worker -> keys to drop with its next job
 
     def wait_text(self) -> str:
@@ -178,7 +119,7 @@ class Chain:
         """A sequence's cache on the coordinator: no block is held here, so it only counts
         positions; the chain's record of the sequence lives as long as it does."""
         cache = self.head.new_cache()
-        seq = _Seq(f"s{next(self._keys)}")
+        seq = ChainSeq(f"s{next(self._keys)}")
         self._seqs[cache] = seq
         weakref.finalize(cache, self._gone.append, seq)
         return cache
@@ -191,7 +132,7 @@ class Chain:
         rows, at = [], 0
         for s, n in zip(steps, lens, strict=True):
             seq = self._seqs[s.cache]
-            rows.append(_Rows(seq, list(s.tokens), h[at : at + n], s.cache.length, cohort))
+            rows.append(Rows(seq, list(s.tokens), h[at : at + n], s.cache.length, cohort))
             at += n
         p = Pass(steps, rows)
         self._passes.append(p)
@@ -250,12 +191,12 @@ class Chain:
             r.seq.fed.extend(r.tokens)
         return logits
 
-    def _send(self, ready: list[_Rows], flying: dict[str, _Job], until: float) -> None:
+    def _send(self, ready: list[Rows], flying: dict[str, InFlight], until: float) -> None:
         """One job per (cohort, span, holder, witness) of the ready rows: over the spans that
         follow on that holder for all of its rows where none is witnessed, else the same
         job to the witness too."""
         t0 = time.perf_counter()
-        groups: dict[tuple[int, int, str, str], list[_Rows]] = {}
+        groups: dict[tuple[int, int, str, str], list[Rows]] = {}
         for r in ready:
             self._check_holders(r)
             w = self._holder(r, r.next, until)
@@ -265,11 +206,11 @@ class Chain:
         now = time.monotonic()
         for (_, k, w, v), group in sorted(groups.items()):
             spans = [k] if v else self._spans_on(w, group, k, until)
-            pair = _Pair(group, k, [r.x for r in group], w, v) if v else None
+            pair = Pair(group, k, [r.x for r in group], w, v) if v else None
             for worker in (w, v) if v else (w,):
                 job_id = self.mailbox.next_job_id()
                 posts.append((worker, self._encode(job_id, worker, group, spans)))
-                flying[job_id] = _Job(worker, group, spans, now, pair)
+                flying[job_id] = InFlight(worker, group, spans, now, pair)
             for r in group:
                 r.busy = True
             self.stats.witness_jobs += bool(v)
@@ -277,7 +218,7 @@ class Chain:
         self.stats.remote_sent += len(posts)
         self.stats.remote_send_s += time.perf_counter() - t0
 
-    def _spans_on(self, w: str, group: list[_Rows], k: int, until: float) -> list[int]:
+    def _spans_on(self, w: str, group: list[Rows], k: int, until: float) -> list[int]:
         """Span `k` and those after it that `w` holds for every row of `group`, none of
         them witnessed."""
         spans = [k]
@@ -288,7 +229,7 @@ class Chain:
             spans.append(spans[-1] + 1)
         return spans
 
-    def _encode(self, job_id: str, worker: str, group: list[_Rows], spans: list[int]) -> Fields:
+    def _encode(self, job_id: str, worker: str, group: list[Rows], spans: list[int]) -> Fields:
         first = self.stages[spans[0]]
         job = wire.StageJob(
             job_id=job_id,
@@ -307,7 +248,7 @@ class Chain:
         self.mailbox.expect(job_id, p, self)
         return wire.encode(job)
 
-    def _receive(self, flying: dict[str, _Job]) -> bool:
+    def _receive(self, flying: dict[str, InFlight]) -> bool:
         """One read of the answers (a short block), then the jobs whose holder is down or
         whose deadline passed given up. True if some answer was used."""
         t0 = time.perf_counter()
@@ -343,7 +284,9 @@ class Chain:
         self.stats.remote_wait_s += time.perf_counter() - t0
         return used
 
-    def _take(self, job: _Job, res: wire.Result, sender: str, flying: dict[str, _Job]) -> str:
+    def _take(
+        self, job: InFlight, res: wire.Result, sender: str, flying: dict[str, InFlight]
+    ) -> str:
         """The answer's rows into the job's rows (""), or why not, with the rows set to
         replay or to be sent again. A witnessed group's rows wait for both answers."""
         if job.replay >= 0:
@@ -365,7 +308,9 @@ class Chain:
         job.pair.answers[job.worker] = Answer(job.worker, y, res.dtype)
         return self._resolve(job.pair)
 
-    def _answer(self, job: _Job, res: wire.Result, sender: str) -> tuple[torch.Tensor | None, str]:
+    def _answer(
+        self, job: InFlight, res: wire.Result, sender: str
+    ) -> tuple[torch.Tensor | None, str]:
         """The rows of a well-formed, finite answer, or None and why."""
         if res.error is not None:
             return None, f"{sender}: {res.error.type}: {res.error.message}"
@@ -375,14 +320,14 @@ class Chain:
             return None, f"{sender} answered rows of shape {None if y is None else y.shape}"
         return torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype), ""
 
-    def _apply(self, rows: list[_Rows], last: int, y: torch.Tensor) -> None:
+    def _apply(self, rows: list[Rows], last: int, y: torch.Tensor) -> None:
         at = 0
         for r in rows:
             m = int(r.x.shape[0])
             r.x, r.next, r.busy = y[at : at + m], last + 1, False
             at += m
 
-    def _failed(self, job: _Job, flying: dict[str, _Job]) -> None:
+    def _failed(self, job: InFlight, flying: dict[str, InFlight]) -> None:
         """`job` failed (an error, its holder down, no answer in time): a witness's leaves
         the holder's answer unconfirmed; a holder's sends its rows back to position 0 (the
         witness's twin, if any, is dropped with it)."""
@@ -405,126 +350,7 @@ class Chain:
                     self.mailbox.forget(job_id)
         self._replay(job.spans, job.rows, keep=None)
 
-    def _unwitness(self, pair: _Pair, lost: bool = True) -> None:
-        """The pair's sequences go on unwitnessed on its span (`lost`: the witness failed)."""
-        sid = self.stages[pair.span].sid
-        for r in pair.rows:
-            r.seq.witnesses.pop(sid, None)
-            r.seq.chunks.pop(sid, None)
-        pair.witness = None
-        self.stats.unwitnessed += lost
-
-    def _resolve(self, pair: _Pair) -> str:
-        """Both answers in: agreeing, the rows go on; disagreeing, the referee decides (and
-        a step it cannot decide fails: NoReplica). One answer in: wait for the other."""
-        a = pair.answers.get(pair.holder)
-        b = pair.answers.get(pair.witness) if pair.witness is not None else None
-        if a is None or (pair.witness is not None and b is None):
-            return ""
-        assert self.verifier is not None
-        sid = self.stages[pair.span].sid
-        if b is None:  # the witness failed: unconfirmed, as with no second holder
-            self._apply(pair.rows, pair.span, a.y)
-            return ""
-        if not self.verifier.agree(a, b):
-            chunks = [
-                self._history(r, sid) + [x] for r, x in zip(pair.rows, pair.inputs, strict=True)
-            ]
-            if self.referee.span(pair.span) is None:  # no copy here: a third holder replays
-                self._ask_referee(pair, chunks)
-            else:
-                self._settle(pair, rule(self.verifier, self.referee, pair.span, a, b, chunks))
-            return ""
-        self.verifier.confirmed([a, b])
-        for r, x in zip(pair.rows, pair.inputs, strict=True):
-            r.seq.chunks[sid] = [*self._history(r, sid), x]
-        self._apply(pair.rows, pair.span, a.y)
-        return ""
-
-    def _settle(self, pair: _Pair, ruling: Ruling) -> None:
-        """A disagreement decided: the answer agreed with goes on, its holder keeps the
-        sequences (unwitnessed there from now on); undecided, the step fails."""
-        if ruling.use is None:
-            raise NoReplica(ruling.why)
-        log.warning("%s: caught", ruling.why)
-        for r in pair.rows:
-            r.seq.holders[self.stages[pair.span].sid] = ruling.use.worker
-        self._unwitness(pair, lost=False)
-        self._apply(pair.rows, pair.span, ruling.use.y)
-
-    def _ask_referee(self, pair: _Pair, chunks: list[list[torch.Tensor]]) -> None:
-        """Send each row group's inputs to the span since position 0 to a third live holder,
-        as one replay each (`StageJob.chunks`: run as the two holders ran them)."""
-        spec = self.stages[pair.span]
-        asked = {pair.holder, pair.witness}
-        free = [u for u in self.routing.live_holders(spec.sid) if u not in asked]
-        if not free:
-            self.stats.unresolved += 1
-            raise NoReplica(
-                f"stage {spec.sid}: {pair.holder} and {pair.witness} disagree, and "
-                "neither this coordinator's file nor a third live holder of the span "
-                "can decide; no answer is used"
-            )
-        u = pair.referee = min(free, key=lambda w: (self._cost(w), w))
-        posts: list[tuple[str, Fields]] = []
-        for i, (r, ch) in enumerate(zip(pair.rows, chunks, strict=True)):
-            key = f"{r.seq.key}~referee"
-            x = torch.cat(ch).float().contiguous()
-            job_id = self.mailbox.next_job_id()
-            job = wire.StageJob(
-                job_id=job_id,
-                model=self.info.model,
-                slice=spec.sid,
-                coord=self.coord,
-                reply_to=self.mailbox.results_key(u),
-                deadline_ms=0,
-                seqs=[wire.StageSeq(key, 0, int(x.shape[0]))],
-                x=wire.Tensor.of(x.numpy()),
-                chunks=[int(c.shape[0]) for c in ch],
-            )
-            rows = torch.arange(int(x.shape[0]))
-            self.mailbox.expect(
-                job_id, Pending(spec, rows, u, time.monotonic(), self.clock_ms()), self
-            )
-            posts.append((u, wire.encode(job)))
-            self._flying[job_id] = _Job(u, [r], [pair.span], time.monotonic(), pair, replay=i)
-            self._drops.setdefault(u, []).append(key)
-        self.mailbox.post(posts, watch=[u])
-        self.stats.witness_jobs += len(posts)
-        log.warning(
-            "stage %s: %s and %s disagree; %s replays the rows to decide",
-            spec.sid,
-            pair.holder,
-            pair.witness,
-            u,
-        )
-
-    def _take_replay(self, job: _Job, res: wire.Result, sender: str) -> str:
-        """A referee's replay: its rows for the step (the last chunk's); when every row group
-        is in, it decides between the two answers."""
-        pair = job.pair
-        assert pair is not None and self.verifier is not None
-        r = job.rows[0]
-        want = int(r.x.shape[0])
-        y = res.y.array() if res.error is None and res.y is not None else None
-        if y is None or y.shape[0] < want or not np.isfinite(y).all():
-            self._failed(job, self._flying)  # raises NoReplica
-        assert y is not None
-        pair.replays[job.replay] = torch.from_numpy(np.array(y[-want:], dtype=np.float32))
-        if len(pair.replays) < len(pair.rows):
-            return ""
-        a, b = pair.answers[pair.holder], pair.answers[str(pair.witness)]
-        ref = torch.cat([pair.replays[i] for i in range(len(pair.rows))]).to(a.y.dtype)
-        sid = self.stages[pair.span].sid
-        self._settle(pair, decide(self.verifier, sid, a, b, Answer(sender, ref, a.dtype)))
-        return ""
-
-    @staticmethod
-    def _history(r: _Rows, sid: str) -> list[torch.Tensor]:
-        """The rows sent to span `sid` before this step's, since position 0."""
-        return r.seq.chunks.get(sid, []) if r.start else []
-
-    def _replay(self, spans: list[int], rows: list[_Rows], keep: str | None) -> None:
+    def _replay(self, spans: list[int], rows: list[Rows], keep: str | None) -> None:
         """Rebuild the state of `rows`' sequences: all their tokens again from position 0,
         through every span; `spans` go to `keep` (it holds them: `StateLost`) or to
         whichever live holder is cheapest when they get there (None: their holder
@@ -540,7 +366,7 @@ class Chain:
             r.x, r.start, r.next, r.busy = self.head.embed_tokens(r.seq.fed + r.tokens), 0, 0, False
             self.stats.stage_replays += 1
 
-    def _check_holders(self, r: _Rows) -> None:
+    def _check_holders(self, r: Rows) -> None:
         """A row whose holder of its next span is no longer live (dead, caught) replays
         from position 0 now, its spans on that holder moved, instead of being sent there."""
         if r.next >= len(self.stages):
@@ -557,39 +383,14 @@ class Chain:
         )
         self._replay(gone, [r], keep=None)
 
-    def _witness(self, r: _Rows, k: int, w: str) -> str | None:
-        """The second holder of span `k` that witnesses `r`'s sequence there: drawn when it
-        enters the span at position 0 (the trust schedule of `w`), kept while it lives."""
-        sid = self.stages[k].sid
-        v = r.seq.witnesses.get(sid)
-        live = self.routing.live_holders(sid)
-        if v is not None and v != w and v in live:
-            return v
-        if v is not None:  # gone (or now the holder): unconfirmed from here on
-            r.seq.witnesses.pop(sid)
-            r.seq.chunks.pop(sid, None)
-            self.stats.unwitnessed += 1
-            return None
-        if self.verifier is None or r.start or sid in r.seq.drawn:
-            return None
-        r.seq.drawn.add(sid)
-        if not self.verifier.wants_witness(w):
-            return None
-        free = [u for u in live if u != w]
-        if not free:
-            self.stats.unwitnessed += 1
-            return None
-        v = r.seq.witnesses[sid] = min(free, key=lambda u: (self._cost(u), u))
-        return v
-
-    def _count_wait(self, job: _Job) -> None:
+    def _count_wait(self, job: InFlight) -> None:
         sid = self.stages[job.spans[0]].sid
         self.wait_s[sid] = self.wait_s.get(sid, 0.0) + time.monotonic() - job.sent_at
 
-    def _span_names(self, job: _Job) -> str:
+    def _span_names(self, job: InFlight) -> str:
         return "stage " + "+".join(self.stages[k].sid for k in job.spans)
 
-    def _holder(self, r: _Rows, k: int, until: float) -> str:
+    def _holder(self, r: Rows, k: int, until: float) -> str:
         """The holder of span `k` for `r`'s sequence: its own while it has one, else the
         cheapest live one, a hop saved where the previous span's holder has it too (H3)."""
         sid = self.stages[k].sid
