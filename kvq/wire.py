@@ -39,6 +39,7 @@ _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes
 ComputeDType = Literal["float32", "float16", "bfloat16", "q8"]  # q8: int8 activations
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tensor on the wire
+Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 MAX_ELEMENTS = 1 << 32  # its dimensions multiplied (zeros left out): numpy can make it
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 MAX_STAGE_SEQS = 4096  # sequences one stage job carries at most
@@ -196,8 +197,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top-n
     # v3: added to the logits before the grammar mask and sampling (OpenAI's `logit_bias`)
-    logit_bias: Annotated[dict[NonNeg, Annotated[float, msgspec.Meta(ge=-100, le=100)]],
-                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}  # fmt: skip
+    logit_bias: Annotated[dict[NonNeg, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
     # v3: an llguidance grammar (`kvq.model.grammar`): only tokens it allows are sampled
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR)] | None = None
     # v3: log-probabilities of the prompt's tokens (and this many alternatives each)

@@ -29,8 +29,13 @@ class ModelText:
     tokenizer: Any  # kvq.model.Tokenizer
     chat: Any  # kvq.model.chat.ChatTemplate
 
-    def encode(self, prompt: str | None, messages: list[wire.ChatMessage] | None,
-               add_special: bool = True, tools: str | None = None) -> list[int]:  # fmt: skip
+    def encode(
+        self,
+        prompt: str | None,
+        messages: list[wire.ChatMessage] | None,
+        add_special: bool = True,
+        tools: str | None = None,
+    ) -> list[int]:
         """The prompt's token ids as the coordinator computes them; 400 for a chat its
         template refuses."""
         if messages is None:

@@ -76,10 +76,10 @@ def test_every_answer_under_a_schema_parses_and_validates(
 def test_greedy_under_a_grammar_and_a_regex(model: tuple[Backbone, Tokenizer]) -> None:
     bb, tok = model
     engine = Engine(bb, tok, n_slots=2)
-    engine.admit("re", tok.encode("x"), 40, b"", wire.SamplingParams(
-        grammar=compile_grammar("regex", "[0-9]{3}-[a-c]{2}")))  # fmt: skip
-    engine.admit("choice", tok.encode("y"), 40, b"", wire.SamplingParams(
-        grammar=compile_grammar("choice", json.dumps(["yes", "no"]))))  # fmt: skip
+    regex = wire.SamplingParams(grammar=compile_grammar("regex", "[0-9]{3}-[a-c]{2}"))
+    choice = wire.SamplingParams(grammar=compile_grammar("choice", json.dumps(["yes", "no"])))
+    engine.admit("re", tok.encode("x"), 40, b"", regex)
+    engine.admit("choice", tok.encode("y"), 40, b"", choice)
     got = run(engine)
     import re
 
