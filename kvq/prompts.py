@@ -13,15 +13,22 @@ import json
 from typing import Any
 
 from kvq import wire
+from kvq.model.tool_calls import arguments_as_text, tool_format
 
 
-def template_messages(messages: list[wire.ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them."""
+def template_messages(
+    messages: list[wire.ChatMessage], args_as_text: bool = False
+) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them (`args_as_text`: a call's arguments as
+    JSON text, for templates that join them as a string)."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
             d["tool_calls"] = json.loads(m.tool_calls)
+            for c in d["tool_calls"] if args_as_text else []:
+                if not isinstance(c["function"].get("arguments"), str):
+                    c["function"]["arguments"] = json.dumps(c["function"].get("arguments"))
             if not m.content:
                 d["content"] = None  # some templates render calls only without content
         if m.tool_call_id is not None:
@@ -36,7 +43,8 @@ def render_chat(chat: Any, messages: list[wire.ChatMessage], tools: str | None) 
     """The chat's prompt text, BOS left out when the template wrote it (encoding adds it);
     ModelError when the template refuses it."""
     extra = {"tools": json.loads(tools)} if tools else {}
-    text: str = chat.render(template_messages(messages), **extra)
+    as_text = arguments_as_text(tool_format(getattr(chat, "source", "")))
+    text: str = chat.render(template_messages(messages, as_text), **extra)
     bos = chat.bos_token
     if bos and text.startswith(bos):
         text = text[len(bos) :]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -17,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvq import wire
+from kvq.api.choices import Choices, fan_out, stream_chunks
 from kvq.api.gateway import Gateway
 from kvq.api.io import SseResponse, json_body, model_of, or_disconnect, read_body, sse
 from kvq.api.params import Call, parse, parse_messages
@@ -69,12 +72,44 @@ class TokenRoutes:
         return [
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         ]
+
+    async def model(self, request: Request, body: dict[str, Any]) -> str:
+        """The call's model; without one, the only model registered (as vLLM serves one:
+        lm-eval's remote tokenizer names none)."""
+        if body.get("model") is not None or request.query_params.get("model"):
+            return model_of(body | {"model": body.get("model") or request.query_params["model"]})
+        names = await run_in_threadpool(self.gw.gate.models)
+        if len(names) != 1:
+            raise ApiError(
+                400, f"'model' is needed: {len(names)} models are registered", param="model"
+            )
+        return names[0]
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's `GET /tokenizer_info`: the tokenizer's special tokens, template and limits."""
+        await authorize(self.gw, request)
+        text = await run_in_threadpool(self.gw.text, await self.model(request, {}))
+        tok = text.tokenizer
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "bos_token": text.chat.bos_token or None,
+                "eos_token": text.chat.eos_token or None,
+                "pad_token": None,
+                "bos_token_id": tok.bos_id,
+                "eos_token_id": tok.eos_id,
+                "add_bos_token": bool(getattr(tok, "add_bos", True)),
+                "chat_template": text.chat.source,
+                "model_max_length": text.context_length,
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         await authorize(self.gw, request)
         body = json_body(await read_body(request))
-        text = await run_in_threadpool(self.gw.text, model_of(body))
+        text = await run_in_threadpool(self.gw.text, await self.model(request, body))
         special = body.get("add_special_tokens", True) is not False
         if body.get("messages") is not None:
             messages = parse_messages(body["messages"])
@@ -89,7 +124,7 @@ class TokenRoutes:
     async def detokenize(self, request: Request) -> Response:
         await authorize(self.gw, request)
         body = json_body(await read_body(request))
-        text = await run_in_threadpool(self.gw.text, model_of(body))
+        text = await run_in_threadpool(self.gw.text, await self.model(request, body))
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID for i in ids
@@ -131,7 +166,9 @@ class CompletionRoutes:
             await read_body(request), chat=chat, max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
         )  # fmt: skip
-        call = await run_in_threadpool(gw.fill_max_tokens, call)
+        call = await run_in_threadpool(gw.prepare, call)
+        if not call.simple:
+            return await self.several(request, call, t0)
         rid, entry = await run_in_threadpool(gw.gate.admit, call)
         answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
         events = gw.events(call.model, rid, entry)
@@ -144,6 +181,45 @@ class CompletionRoutes:
         if call.stream:
             return self.stream(call, answer, rid, first, events)
         return await self.whole(request, call, answer, rid, first, events)
+
+    async def several(self, request: Request, call: Call, t0: float) -> Response:
+        """A call of several sequences (or whose text is read back at the end): all queued
+        at once, answered when all are done; streamed, as chunks of the finished answer."""
+        gw, calls = self.gw, fan_out(call)
+        fmt = await run_in_threadpool(gw.tool_format, call.model) if call.tools else "hermes"
+        admitted: list[tuple[Call, str, str]] = []
+        answers: list[Answer] = []
+        try:
+            for c in calls:
+                rid, entry = await run_in_threadpool(gw.gate.admit, c)
+                admitted.append((c, rid, entry))
+                answers.append(Answer(rid, c.model, c.chat, c.sampling.logprobs is not None))
+
+            async def run_all() -> bool:
+                async with anyio.create_task_group() as tg:
+                    for (c, rid, entry), a in zip(admitted, answers, strict=True):
+                        tg.start_soon(self._collect, c, rid, entry, a)
+                return True
+
+            gone, _ = await or_disconnect(request, run_all)
+            if gone:
+                raise ApiError(499, "the client went away", code="client_closed")
+        except BaseException:
+            for c, rid, _ in admitted:
+                await gw.cancel(c, rid)
+            raise
+        gw.metrics.first_token(time.monotonic() - t0)
+        choices = Choices(call, answers, fmt)
+        gw.metrics.finished(call, choices.tokens)
+        whole = choices.whole()
+        if not call.stream:
+            return JSONResponse(whole)
+        events = [sse(c) for c in stream_chunks(whole, call.chat, call.include_usage)]
+        return Response(b"".join(events) + b"data: [DONE]\n\n", media_type="text/event-stream")
+
+    async def _collect(self, call: Call, rid: str, entry: str, answer: Answer) -> None:
+        async for ev in self.gw.events(call.model, rid, entry):
+            answer.add(ev)
 
     async def first(
         self, request: Request, events: AsyncIterator[wire.ReplyEvent]
