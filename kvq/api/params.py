@@ -1,9 +1,9 @@
 """OpenAI request bodies → a checked `Call`, or a 400 naming the parameter.
 
 Everything is checked here, before anything is queued. Parameters kvq does not use (`user`,
-`logit_bias` when empty, ...) are accepted and ignored, as OpenAI-compatible servers do;
-parameters that would change the answer and that kvq cannot honour (`n` > 1, `echo`,
-`suffix`, tools, a non-empty `logit_bias`) are refused rather than silently dropped.
+...) are accepted and ignored, as OpenAI-compatible servers do; parameters that would change
+the answer and that kvq cannot honour (`suffix`, the legacy `functions`) are refused rather
+than silently dropped. The grammar, tool and choice parameters: `kvq.api.structured`.
 """
 
 from __future__ import annotations
@@ -147,8 +147,6 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     for name in REFUSED:
         if b.get(name) not in (None, [], "", {"type": "text"}):  # plain text is what kvq gives
             raise _bad(name, f"'{name}' is not supported by kvq")
-    if b.get("logit_bias") not in (None, {}):  # empty: what some clients always send
-        raise _bad("logit_bias", "'logit_bias' is not supported by kvq")
     n = b.integer("n", 1, 1, MAX_CHOICES) or 1
     best_of = (b.integer("best_of", n, n, MAX_CHOICES) or n) if not chat else n
     echo = not chat and b.flag("echo", False)

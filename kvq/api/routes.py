@@ -196,9 +196,12 @@ class CompletionRoutes:
                 answers.append(Answer(rid, c.model, c.chat, c.sampling.logprobs is not None))
 
             async def run_all() -> bool:
-                async with anyio.create_task_group() as tg:
-                    for (c, rid, entry), a in zip(admitted, answers, strict=True):
-                        tg.start_soon(self._collect, c, rid, entry, a)
+                try:
+                    async with anyio.create_task_group() as tg:
+                        for (c, rid, entry), a in zip(admitted, answers, strict=True):
+                            tg.start_soon(self._collect, c, rid, entry, a)
+                except BaseExceptionGroup as group:  # the first failure is the answer
+                    raise group.exceptions[0] from None
                 return True
 
             gone, _ = await or_disconnect(request, run_all)
