@@ -29,8 +29,6 @@ def template_messages(
             for c in d["tool_calls"] if args_as_text else []:
                 if not isinstance(c["function"].get("arguments"), str):
                     c["function"]["arguments"] = json.dumps(c["function"].get("arguments"))
-            if not m.content:
-                d["content"] = None  # some templates render calls only without content
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.name is not None:

@@ -271,7 +271,7 @@ class Engine:
         decode step's one; of prompts, what the step's `prefill_chunk` budget has left, in
         admission order (0: it waits for the next step). A sequence that wants its prompt's
         logprobs reads it a token per step: the logits of each position are those of the
-        whole prompt read at once (X17), and the head gives the last row only."""
+        whole prompt read at once (batch invariance), and the head gives the last row only."""
         left = self.prefill_chunk or None
         takes = []
         for seq in self.active if seqs is None else seqs:

@@ -49,7 +49,7 @@ def tool_format(template: str) -> str:
         return "qwen-xml"
     if CALL_SEP in template:
         return "deepseek-v3" if "```json" in template else "deepseek-v3.1"
-    if "to=functions" in template:
+    if "to=functions" in template or "<|channel|>" in template:
         return "harmony"
     if "<|python_start|>" in template:
         return "llama4"
@@ -130,7 +130,9 @@ def _xml_call(fmt: str, name: str, params: dict[str, Any]) -> str:
     parts = []
     for key in (params or {}).get("required", list(props)):
         sub = props.get(key, {})
-        value = "/[^<\\n]{0,64}/" if sub.get("type") == "string" else f"%json {json.dumps(sub)}"
+        lo, hi = sub.get("minLength", 0), sub.get("maxLength", 64)
+        text = "/[^<\\n]{" + f"{lo},{hi}" + "}/"  # a string's value is its plain text
+        value = text if sub.get("type") == "string" else f"%json {_schema(sub)}"
         if fmt == "glm":
             parts.append(
                 f"{_lit(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} "
