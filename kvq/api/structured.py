@@ -169,6 +169,7 @@ def tools(d: dict[str, Any]) -> Tools | None:
                 f"tools[{i}]",
                 f'tools[{i}] must be {{"type": "function", "function": {{"name", "parameters"}}}}',
             )
+        f.setdefault("description", "")  # optional in OpenAI's API; templates print it
         if not isinstance(f.setdefault("parameters", {"type": "object"}), dict):
             raise _bad(f"tools[{i}].function.parameters", "parameters must be a JSON schema")
         names.append(f["name"])

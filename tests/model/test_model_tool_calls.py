@@ -30,7 +30,8 @@ PARAMS = {
     },
     "required": ["city", "days"],
 }
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
+FUNCTION = {"name": "get_weather", "description": "weather of a city", "parameters": PARAMS}
+TOOL = {"type": "function", "function": FUNCTION}
 FAMILIES = {  # template file → (format, a call as the family writes it)
     "Qwen3.5-4B.jinja": (
         "qwen-xml",
