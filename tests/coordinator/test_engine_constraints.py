@@ -120,3 +120,30 @@ def test_prompt_logprobs_equal_a_forward_of_the_whole_prompt(
     assert [p.logprob for p in got.prompt_lp[1:]] == pytest.approx(want, abs=1e-5)
     assert all(len(p.top) == 2 for p in got.prompt_lp[1:])
     assert got.generated == generate(bb, prompt, 2)
+
+
+@pytest.mark.slow
+def test_every_answer_on_the_small_preset_validates(tmp_path: Path) -> None:
+    """The `small` preset (random weights, a 32,000-token vocabulary): 100 of 100 answers
+    under the schema parse and validate, 25 sequences a batch."""
+    from kvq.model.presets import preset_named, write_preset
+
+    path = tmp_path / "small.gguf"
+    write_preset(path, preset_named("small"))
+    bb, tok = Backbone.from_gguf(path), load_tokenizer(path)
+    grammar = compile_grammar("json_schema", json.dumps(SCHEMA))
+    engine = Engine(bb, tok, n_slots=25)
+    answers: dict[str, Sequence] = {}
+    for batch in range(4):
+        for i in range(25):
+            n = batch * 25 + i
+            p = wire.SamplingParams(temperature=1.0, seed=n, grammar=grammar)
+            engine.admit(f"r{n}", tok.encode(f"answer {n}"), 400, b"", p)
+        answers |= run(engine)
+    assert len(answers) == 100
+    valid = 0
+    for seq in answers.values():
+        jsonschema.validate(json.loads(tok.decode(seq.generated)), SCHEMA)
+        assert seq.finish in ("eos", "stop")
+        valid += 1
+    assert valid == 100
