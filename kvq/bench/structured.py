@@ -113,23 +113,23 @@ def run_structured_bench(cfg: StructuredBench) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _engine(bb: Any, tok: Any, n: int) -> Any:
-    """A coordinator's `Engine` of `n` slots whose logit shaping is timed (`engine.shaping`)."""
+def _engine(bb: Any, tok: Any, n: int) -> tuple[Any, list[float]]:
+    """A coordinator's `Engine` of `n` slots, and the seconds of each of its logit shapings."""
     from kvq.coordinator.engine import Engine
 
     engine = Engine(bb, tok, n_slots=n)
-    engine.shaping = _timed(engine, "_shaped")
-    return engine
+    return engine, _timed(engine, "_shaped")
 
 
 def _decode(
-    engine: Any, tok: Any, cfg: StructuredBench, g: str | None,
+    timed: tuple[Any, list[float]], tok: Any, cfg: StructuredBench, g: str | None,
     forced: list[list[int]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """As many sequences as `engine` has slots, until all are done: under grammar `g`, or
     replaying `forced` (each sequence's tokens) without one."""
     from kvq import wire
 
+    engine, shaping = timed
     n, bb = engine.n_slots, engine.backbone
     params = wire.SamplingParams(temperature=0.0, grammar=g)
     admit_s = []
@@ -138,7 +138,7 @@ def _decode(
         t0 = time.perf_counter()
         engine.admit(f"bench-{i}", ids, cfg.tokens, b"", params, forced=(forced or [[]] * n)[i])
         admit_s.append(time.perf_counter() - t0)
-    engine.shaping.clear()
+    shaping.clear()
     seqs = list(engine.active)
     engine.step(bb.local_moe, lambda _s: None)  # prefill of all, first token of each
     t1, steps = time.perf_counter(), 0
@@ -151,8 +151,8 @@ def _decode(
         "tok_s": tokens / wall if wall > 0 else 0.0, "tokens": tokens, "steps": steps,
         "ms_per_step": 1000 * wall / max(steps, 1),
         "admit_ms": 1000 * statistics.median(admit_s) if g else 0.0,
-        "mask_ms_per_step": 1000 * sum(engine.shaping[1:]) / max(steps, 1),
-        "mask_share": sum(engine.shaping[1:]) / wall if wall > 0 else 0.0,
+        "mask_ms_per_step": 1000 * sum(shaping[1:]) / max(steps, 1),
+        "mask_share": sum(shaping[1:]) / wall if wall > 0 else 0.0,
         "generated": [list(s.generated) for s in seqs],
     }  # fmt: skip
 
