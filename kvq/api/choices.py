@@ -63,6 +63,11 @@ class Choices:
     def tokens(self) -> int:
         return sum(a.tokens for a in self.answers) if self.call.max_tokens else 0
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt once (its `best_of` sequences read it together)."""
+        return sum(a.prompt_tokens for a in self.answers[:: self.call.best_of])
+
     def chosen(self) -> list[Answer]:
         """`n` answers per prompt: the best `n` of its `best_of` by total logprob."""
         per, n = self.call.best_of, self.call.n
@@ -74,8 +79,7 @@ class Choices:
 
     def whole(self) -> dict[str, Any]:
         choices = [self._choice(a, i) for i, a in enumerate(self.chosen())]
-        prompt = sum(a.prompt_tokens for a in self.answers[:: self.call.best_of])
-        done = self.tokens
+        prompt, done = self.prompt_tokens, self.tokens
         head = self.answers[0].whole()
         usage = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return head | {"id": self.id, "choices": choices, "usage": usage}

@@ -22,6 +22,7 @@ from kvq import wire
 from kvq.api.choices import Choices, fan_out, stream_chunks
 from kvq.api.gateway import Gateway
 from kvq.api.io import SseResponse, json_body, model_of, or_disconnect, read_body, sse
+from kvq.api.metrics import Tracked
 from kvq.api.params import Call, parse, parse_messages
 from kvq.api.shape import Answer, models_list
 from kvq.errors import ApiError
@@ -166,23 +167,32 @@ class CompletionRoutes:
             await read_body(request), chat=chat, max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
         )  # fmt: skip
-        call = await run_in_threadpool(gw.prepare, call)
-        if not call.simple:
-            return await self.several(request, call, t0)
-        rid, entry = await run_in_threadpool(gw.gate.admit, call)
-        answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
-        events = gw.events(call.model, rid, entry)
+        await run_in_threadpool(gw.gate.watch, call.model)  # 404 for an unknown model
+        request.state.model = call.model  # known: errors are counted under it (`app.Errors`)
+        track, streaming = gw.metrics.track(call.model, t0), False
         try:
-            first = await self.first(request, events)  # errors before any byte: a real status
-        except BaseException:
-            await gw.cancel(call, rid)
-            raise
-        gw.metrics.first_token(time.monotonic() - t0)
-        if call.stream:
-            return self.stream(call, answer, rid, first, events)
-        return await self.whole(request, call, answer, rid, first, events)
+            call = await run_in_threadpool(gw.prepare, call)
+            if not call.simple:
+                return await self.several(request, call, t0, track)
+            rid, entry = await run_in_threadpool(gw.gate.admit, call)
+            answer = Answer(rid, call.model, chat, call.sampling.logprobs is not None)
+            events = gw.events(call.model, rid, entry)
+            try:
+                first = await self.first(request, events)  # errors before any byte: a status
+            except BaseException:
+                await gw.cancel(call, rid)
+                raise
+            track.running()
+            gw.metrics.first_token(time.monotonic() - t0)
+            if call.stream:
+                streaming = True  # the stream ends its tracking
+                return self.stream(call, answer, rid, first, events, track)
+            return await self.whole(request, call, answer, rid, first, events)
+        finally:
+            if not streaming:
+                track.end()
 
-    async def several(self, request: Request, call: Call, t0: float) -> Response:
+    async def several(self, request: Request, call: Call, t0: float, track: Tracked) -> Response:
         """A call of several sequences (or whose text is read back at the end): all queued
         at once, answered when all are done; streamed, as chunks of the finished answer."""
         gw, calls = self.gw, fan_out(call)
@@ -199,7 +209,7 @@ class CompletionRoutes:
                 try:
                     async with anyio.create_task_group() as tg:
                         for (c, rid, entry), a in zip(admitted, answers, strict=True):
-                            tg.start_soon(self._collect, c, rid, entry, a)
+                            tg.start_soon(self._collect, c, rid, entry, a, track)
                 except BaseExceptionGroup as group:  # the first failure is the answer
                     raise group.exceptions[0] from None
                 return True
@@ -213,15 +223,18 @@ class CompletionRoutes:
             raise
         gw.metrics.first_token(time.monotonic() - t0)
         choices = Choices(call, answers, fmt)
-        gw.metrics.finished(call, choices.tokens)
+        gw.metrics.finished(call, choices.tokens, choices.prompt_tokens)
         whole = choices.whole()
         if not call.stream:
             return JSONResponse(whole)
         events = [sse(c) for c in stream_chunks(whole, call.chat, call.include_usage)]
         return Response(b"".join(events) + b"data: [DONE]\n\n", media_type="text/event-stream")
 
-    async def _collect(self, call: Call, rid: str, entry: str, answer: Answer) -> None:
+    async def _collect(
+        self, call: Call, rid: str, entry: str, answer: Answer, track: Tracked
+    ) -> None:
         async for ev in self.gw.events(call.model, rid, entry):
+            track.running()
             answer.add(ev)
 
     async def first(
@@ -253,12 +266,12 @@ class CompletionRoutes:
                 await self.gw.cancel(call, rid)
         if not done:
             raise ApiError(499, "the client went away", code="client_closed")
-        self.gw.metrics.finished(call, answer.tokens)
+        self.gw.metrics.finished(call, answer.tokens, answer.prompt_tokens)
         return JSONResponse(answer.whole())
 
     def stream(
         self, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
-        events: AsyncIterator[wire.ReplyEvent],
+        events: AsyncIterator[wire.ReplyEvent], track: Tracked,
     ) -> Response:  # fmt: skip
         gw, lp = self.gw, call.sampling.logprobs is not None
 
@@ -280,13 +293,16 @@ class CompletionRoutes:
                         break
                     ev = await anext(events, None)
                 resp.finished = True
-                gw.metrics.finished(call, answer.tokens)
+                gw.metrics.finished(call, answer.tokens, answer.prompt_tokens)
             except ApiError as exc:  # headers are sent: the error travels as an event
-                gw.metrics.failed(exc.status)
+                gw.metrics.failed(exc.status, call.model)
                 yield sse(exc.body())
+            finally:
+                track.end()
             yield b"data: [DONE]\n\n"
 
         async def abort() -> None:
+            track.end()
             await gw.cancel(call, rid)
             gw.metrics.cancelled()
 
