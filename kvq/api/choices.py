@@ -28,8 +28,9 @@ def fan_out(call: Call) -> list[Call]:
     s = call.sampling
     if call.best_of > call.n and s.logprobs is None:  # ranking needs the tokens' logprobs
         s = msgspec.structs.replace(s, logprobs=0)
-    if call.echo:  # the prompt's tokens and, when asked, their logprobs
-        s = msgspec.structs.replace(s, prompt_logprobs=s.logprobs or 0)
+    if call.echo or call.prompt_logprobs is not None:  # the prompt's tokens, their logprobs
+        k = max(s.logprobs or 0, call.prompt_logprobs or 0)
+        s = msgspec.structs.replace(s, prompt_logprobs=k)
     max_tokens = max(1, call.max_tokens)  # echo with max_tokens 0: one token, dropped
     prompts = call.prompts or ((call.prompt, call.prompt_ids),)
     out = []
@@ -82,6 +83,8 @@ class Choices:
         prompt, done = self.prompt_tokens, self.tokens
         head = self.answers[0].whole()
         usage = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        if self.call.prompt_logprobs is not None and self.call.chat:  # vLLM's place for a chat
+            head["prompt_logprobs"] = self._prompt_logprobs(self.answers[0])
         return head | {"id": self.id, "choices": choices, "usage": usage}
 
     def _choice(self, a: Answer, index: int) -> dict[str, Any]:
@@ -92,7 +95,29 @@ class Choices:
             self._echo(a, choice)
         if self.call.tools is not None:
             self._tools(choice)
+        if self.call.prompt_logprobs is not None and not self.call.chat:
+            choice["prompt_logprobs"] = self._prompt_logprobs(a)
         return choice
+
+    def _prompt_logprobs(self, a: Answer) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first), the token and the
+        `prompt_logprobs` likeliest there, by id: logprob, rank (1 = likeliest; None for the
+        prompt token when it is not among those, as kvq ranks no further) and text."""
+        k = self.call.prompt_logprobs or 0
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for p in a.prompt or []:
+            if p.logprob is None:
+                out.append(None)
+                continue
+            top = p.top[:k]
+            entry = {
+                str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": t.text}
+                for r, t in enumerate(top, 1)
+            }
+            rank = next((r for r, t in enumerate(top, 1) if t.token_id == p.token_id), None)
+            entry[str(p.token_id)] = {"logprob": p.logprob, "rank": rank, "decoded_token": p.text}
+            out.append(entry)
+        return out
 
     def _echo(self, a: Answer, choice: dict[str, Any]) -> None:
         """The prompt before the text; its tokens' logprobs before the text's (OpenAI's

@@ -24,40 +24,55 @@ class ApiMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.calls = Counter(
-            "kvq_api_calls", "calls answered, by endpoint kind and outcome",
-            ["kind", "outcome"], registry=registry,
-        )  # fmt: skip
-        self.tokens = Counter(
-            "kvq_api_completion_tokens", "tokens generated for answered calls", ["model"],
+            "kvq_api_calls",
+            "calls answered, by endpoint kind and outcome",
+            ["kind", "outcome"],
             registry=registry,
-        )  # fmt: skip
+        )
+        self.tokens = Counter(
+            "kvq_api_completion_tokens",
+            "tokens generated for answered calls",
+            ["model"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
-            "kvq_api_prompt_tokens", "prompt tokens of answered calls (every prompt of a call)",
-            ["model"], registry=registry,
-        )  # fmt: skip
+            "kvq_api_prompt_tokens",
+            "prompt tokens of answered calls (every prompt of a call)",
+            ["model"],
+            registry=registry,
+        )
         self.errors = Counter(
-            "kvq_api_errors", "calls refused or failed, by model and HTTP status "
-            "(model \"\": before the call's model was read and found registered)",
-            ["model", "status"], registry=registry,
-        )  # fmt: skip
+            "kvq_api_errors",
+            "calls refused or failed, by model and HTTP status "
+            '(model "": before the call\'s model was read and found registered)',
+            ["model", "status"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             "kvq_api_time_to_first_event_seconds",
             "from the call to its first reply event (the first token, or the refusal)",
-            buckets=_TTFT_BUCKETS, registry=registry,
-        )  # fmt: skip
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
         self.latency = Histogram(
             "kvq_api_request_duration_seconds",
             "end to end: from the call to its last event (answered, failed or cancelled)",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.waiting = Gauge(
-            "kvq_api_requests_waiting", "calls admitted whose first reply event has not come",
-            ["model"], registry=registry,
-        )  # fmt: skip
+            "kvq_api_requests_waiting",
+            "calls admitted whose first reply event has not come",
+            ["model"],
+            registry=registry,
+        )
         self.running = Gauge(
-            "kvq_api_requests_running", "calls being answered: first event read, last not yet",
-            ["model"], registry=registry,
-        )  # fmt: skip
+            "kvq_api_requests_running",
+            "calls being answered: first event read, last not yet",
+            ["model"],
+            registry=registry,
+        )
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

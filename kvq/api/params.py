@@ -44,6 +44,7 @@ class Call:
     best_of: int = 1
     echo: bool = False  # completions: the prompt (and its logprobs) before the text
     tools: structured.Tools | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, top k each
     user_logprobs: bool = True  # False: logprobs asked only to rank `best_of`
 
     @property
@@ -53,7 +54,13 @@ class Call:
     @property
     def simple(self) -> bool:
         """One prompt, one choice, nothing to add to the text: the streamed path as is."""
-        return len(self.prompts) <= 1 and self.best_of == 1 and not self.echo and not self.tools
+        return (
+            len(self.prompts) <= 1
+            and self.best_of == 1
+            and not self.echo
+            and not self.tools
+            and self.prompt_logprobs is None
+        )
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -178,7 +185,8 @@ def _extra(b: _Body, chat: bool, n: int, best_of: int, echo: bool) -> dict[str, 
     tools = structured.tools(b.d) if chat else None
     if b.get("tools") is not None and not chat:
         raise _bad("tools", "'tools' is for /v1/chat/completions")
-    return {"n": n, "best_of": best_of, "echo": echo, "tools": tools}
+    prompt_lp = b.integer("prompt_logprobs", None, 0, wire.MAX_TOP_LOGPROBS)
+    return {"n": n, "best_of": best_of, "echo": echo, "tools": tools, "prompt_logprobs": prompt_lp}
 
 
 def _sampling(b: _Body, chat: bool) -> wire.SamplingParams:

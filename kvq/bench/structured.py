@@ -99,18 +99,31 @@ def run_structured_bench(cfg: StructuredBench) -> dict[str, Any]:
             sides["plain"].setdefault(str(n), []).append(plain | {"generated": []})
     plain, schema = _medians(sides["plain"]), _medians(sides["schema"])
     return {
-        "model": str(Path(cfg.model).resolve()), "tokens": cfg.tokens, "rounds": cfg.rounds,
-        "threads": torch.get_num_threads(), "sequences": list(cfg.sequences),
-        "schema": json.loads(cfg.schema_text()), "cpu": cpu_features(),
-        "plain": plain, "schema_side": schema,
+        "model": str(Path(cfg.model).resolve()),
+        "tokens": cfg.tokens,
+        "rounds": cfg.rounds,
+        "threads": torch.get_num_threads(),
+        "sequences": list(cfg.sequences),
+        "schema": json.loads(cfg.schema_text()),
+        "cpu": cpu_features(),
+        "plain": plain,
+        "schema_side": schema,
         "ratio": {n: round(schema[n]["tok_s"] / plain[n]["tok_s"], 3) for n in plain},
         # each schema round against the plain round right after it: robust to load drift
-        "ratio_paired_median": {n: round(statistics.median(
-            a["tok_s"] / b["tok_s"] for a, b in zip(sides["schema"][n], sides["plain"][n], strict=True)
-        ), 3) for n in plain},
-        "rounds_tok_s": {s: {n: [r["tok_s"] for r in rs] for n, rs in v.items()}
-                         for s, v in sides.items()},
-    }  # fmt: skip
+        "ratio_paired_median": {
+            n: round(
+                statistics.median(
+                    a["tok_s"] / b["tok_s"]
+                    for a, b in zip(sides["schema"][n], sides["plain"][n], strict=True)
+                ),
+                3,
+            )
+            for n in plain
+        },
+        "rounds_tok_s": {
+            s: {n: [r["tok_s"] for r in rs] for n, rs in v.items()} for s, v in sides.items()
+        },
+    }
 
 
 def _engine(bb: Any, tok: Any, n: int) -> tuple[Any, list[float]]:
@@ -122,9 +135,12 @@ def _engine(bb: Any, tok: Any, n: int) -> tuple[Any, list[float]]:
 
 
 def _decode(
-    timed: tuple[Any, list[float]], tok: Any, cfg: StructuredBench, g: str | None,
+    timed: tuple[Any, list[float]],
+    tok: Any,
+    cfg: StructuredBench,
+    g: str | None,
     forced: list[list[int]] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """As many sequences as `engine` has slots, until all are done: under grammar `g`, or
     replaying `forced` (each sequence's tokens) without one."""
     from kvq import wire
@@ -148,13 +164,15 @@ def _decode(
     wall = time.perf_counter() - t1
     tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
     return {
-        "tok_s": tokens / wall if wall > 0 else 0.0, "tokens": tokens, "steps": steps,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "tokens": tokens,
+        "steps": steps,
         "ms_per_step": 1000 * wall / max(steps, 1),
         "admit_ms": 1000 * statistics.median(admit_s) if g else 0.0,
         "mask_ms_per_step": 1000 * sum(shaping[1:]) / max(steps, 1),
         "mask_share": sum(shaping[1:]) / wall if wall > 0 else 0.0,
         "generated": [list(s.generated) for s in seqs],
-    }  # fmt: skip
+    }
 
 
 def _timed(engine: Any, method: str) -> list[float]:

@@ -80,17 +80,23 @@ def cmd_bench_structured(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.structured import StructuredBench, run_structured_bench
 
     cfg = StructuredBench(
-        model=args.model, schema=args.schema, sequences=args.sequences, tokens=args.tokens,
-        rounds=args.rounds, threads=args.threads,
-    )  # fmt: skip
+        model=args.model,
+        schema=args.schema,
+        sequences=args.sequences,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+    )
     result = run_structured_bench(cfg)
     if args.json:
         print(json.dumps(result))
         return EXIT_OK
     for n, ratio in result["ratio"].items():
         plain, schema = result["plain"][n]["tok_s"], result["schema_side"][n]["tok_s"]
-        print(f"{n:>3} sequences  plain {plain:8.1f} tok/s  schema {schema:8.1f} tok/s  "
-              f"ratio {ratio:.3f}")  # fmt: skip
+        print(
+            f"{n:>3} sequences  plain {plain:8.1f} tok/s  schema {schema:8.1f} tok/s  "
+            f"ratio {ratio:.3f}"
+        )
     return EXIT_OK
 
 

@@ -99,9 +99,15 @@ def test_langchain_with_structured_output(system: System, method: str) -> None:
 def test_langchain_completion_batch(system: System) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.OpenAI(
-        model=MODEL, base_url=system.url + "/v1", api_key="none", max_retries=0, timeout=120,
-        temperature=0, max_tokens=4, batch_size=3,
-    )  # fmt: skip
+        model=MODEL,
+        base_url=system.url + "/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=120,
+        temperature=0,
+        max_tokens=4,
+        batch_size=3,
+    )
     prompts = ["one", "two", "three"]
     got = llm.batch(prompts)
     alone = [llm.invoke(p) for p in prompts]
@@ -118,17 +124,25 @@ def test_litellm_tools_and_response_format(
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the network
     litellm = pytest.importorskip("litellm")
     common: dict[str, Any] = {
-        "model": f"{provider}/{MODEL}", "api_base": system.url + "/v1", "api_key": "none",
-        "max_tokens": 120, "temperature": 0, "timeout": 120, "num_retries": 0,
-    }  # fmt: skip
+        "model": f"{provider}/{MODEL}",
+        "api_base": system.url + "/v1",
+        "api_key": "none",
+        "max_tokens": 120,
+        "temperature": 0,
+        "timeout": 120,
+        "num_retries": 0,
+    }
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r = litellm.completion(messages=msgs, tools=[TOOL], tool_choice="required", **common)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
     assert calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
-    back = [*msgs, r.choices[0].message.model_dump(),
-            {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]  # fmt: skip
+    back = [
+        *msgs,
+        r.choices[0].message.model_dump(),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+    ]
     after = litellm.completion(messages=back, tools=[TOOL], **common)
     assert after.usage.prompt_tokens > r.usage.prompt_tokens
     rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}

@@ -68,12 +68,25 @@ def test_multiple_choice_log_likelihoods_equal_a_forward_pass(
     (tasks / "kvq_mc.yaml").write_text(TASK.format(data=data))
     out = tmp_path / "out"
     args = [
-        sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
-        "--model_args", f"base_url={system.url}/v1/completions,model={MODEL},"
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "local-completions",
+        "--model_args",
+        f"base_url={system.url}/v1/completions,model={MODEL},"
         "tokenizer_backend=remote,num_concurrent=1,max_retries=1",
-        "--tasks", "kvq_mc", "--include_path", str(tasks), "--output_path", str(out),
-        "--log_samples", "--batch_size", "1",
-    ]  # fmt: skip
+        "--tasks",
+        "kvq_mc",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--batch_size",
+        "1",
+    ]
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

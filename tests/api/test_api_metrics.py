@@ -30,18 +30,28 @@ def value(
 def test_calls_count_prompt_tokens_latency_and_errors_by_model(system: System) -> None:
     url = system.gateway()
     before = scrape(url)
-    r = httpx.post(url + "/v1/completions", timeout=60,
-                   json={"model": MODEL, "prompt": ["one two", "three"], "max_tokens": 3})  # fmt: skip
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": ["one two", "three"], "max_tokens": 3},
+    )
     assert r.status_code == 200, r.text
-    unread = httpx.post(url + "/v1/completions", timeout=60,
-                        json={"model": MODEL, "prompt": "x", "max_tokens": -1})  # fmt: skip
-    unknown = httpx.post(url + "/v1/completions", timeout=60,
-                         json={"model": "nope", "prompt": "x"})  # fmt: skip
+    unread = httpx.post(
+        url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "x", "max_tokens": -1}
+    )
+    unknown = httpx.post(url + "/v1/completions", timeout=60, json={"model": "nope", "prompt": "x"})
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    bad = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": tools,
-        "tool_choice": "required", "response_format": {"type": "json_object"},
-    })  # fmt: skip
+    bad = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+    )
     assert (unread.status_code, unknown.status_code, bad.status_code) == (400, 404, 400)
     after = scrape(url)
     assert not [name for name, _ in after if name.endswith("_created")]
@@ -63,8 +73,14 @@ def test_calls_count_prompt_tokens_latency_and_errors_by_model(system: System) -
 
 def test_a_stream_is_running_until_it_ends(system: System) -> None:
     url = system.gateway()
-    body = {"model": MODEL, "prompt": "run", "max_tokens": 200, "stream": True,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "run",
+        "max_tokens": 200,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
@@ -79,8 +95,10 @@ def test_a_call_waits_then_runs_then_ends_once() -> None:
     t = m.track("m", 0.0)
 
     def gauges() -> tuple[float, float]:
-        return (reg.get_sample_value("kvq_api_requests_waiting", {"model": "m"}) or 0.0,
-                reg.get_sample_value("kvq_api_requests_running", {"model": "m"}) or 0.0)  # fmt: skip
+        return (
+            reg.get_sample_value("kvq_api_requests_waiting", {"model": "m"}) or 0.0,
+            reg.get_sample_value("kvq_api_requests_running", {"model": "m"}) or 0.0,
+        )
 
     assert gauges() == (1, 0)
     t.running()

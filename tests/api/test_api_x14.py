@@ -226,3 +226,51 @@ def test_logit_bias_and_tokenizer_info(system: System) -> None:
         system.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}, timeout=30
     ).json()  # no model: the only one registered
     assert got["tokens"] == tok.encode("hi", add_bos=False)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(system: System) -> None:
+    ids = [256, 117, 104, 101, 32, 113]
+    r = httpx.post(
+        system.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "prompt": ids,
+            "prompt_logprobs": 2,
+            "max_tokens": 2,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    plain = httpx.post(
+        system.url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0},
+    ).json()["choices"][0]
+    assert choice["text"] == plain["text"]  # the prompt is not echoed
+    lp = choice["prompt_logprobs"]
+    assert lp[0] is None and len(lp) == len(ids)
+    bb = Backbone.from_gguf(system.model_path)
+    cache: KVCache = bb.new_cache()
+    for i, t in enumerate(ids[:-1]):
+        logits = torch.log_softmax(bb.forward([SeqStep([t], cache)])[0].float(), -1)
+        entry = lp[i + 1]
+        assert entry[str(ids[i + 1])]["logprob"] == pytest.approx(
+            float(logits[ids[i + 1]]), abs=1e-5
+        )
+        best = torch.topk(logits, 2).indices.tolist()
+        ranked = {int(k): v["rank"] for k, v in entry.items() if v["rank"] is not None}
+        assert ranked == {best[0]: 1, best[1]: 2}  # the prompt token's rank only among them
+    chat = httpx.post(
+        system.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "prompt_logprobs": 0,
+            "max_tokens": 2,
+        },
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # the prompt token alone
