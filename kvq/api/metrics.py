@@ -101,6 +101,7 @@ class Tracked:
     def __init__(self, m: ApiMetrics, model: str, t0: float) -> None:
         self.m, self.model, self.t0 = m, model, t0
         self.state = "waiting"
+        self.streaming = False  # a stream has taken it over: the stream ends it
         m.waiting.labels(model).inc()
 
     def running(self) -> None:

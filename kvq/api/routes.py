@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvq import wire
+from kvq.api import merged
 from kvq.api.choices import Choices, fan_out, stream_chunks
 from kvq.api.gateway import Gateway
 from kvq.api.io import SseResponse, json_body, model_of, or_disconnect, read_body, sse
@@ -169,7 +170,7 @@ class CompletionRoutes:
         )  # fmt: skip
         await run_in_threadpool(gw.gate.watch, call.model)  # 404 for an unknown model
         request.state.model = call.model  # known: errors are counted under it (`app.Errors`)
-        track, streaming = gw.metrics.track(call.model, t0), False
+        track = gw.metrics.track(call.model, t0)
         try:
             call = await run_in_threadpool(gw.prepare, call)
             if not call.simple:
@@ -185,11 +186,10 @@ class CompletionRoutes:
             track.running()
             gw.metrics.first_token(time.monotonic() - t0)
             if call.stream:
-                streaming = True  # the stream ends its tracking
                 return self.stream(call, answer, rid, first, events, track)
             return await self.whole(request, call, answer, rid, first, events)
         finally:
-            if not streaming:
+            if not track.streaming:
                 track.end()
 
     async def several(self, request: Request, call: Call, t0: float, track: Tracked) -> Response:
@@ -204,6 +204,8 @@ class CompletionRoutes:
                 rid, entry = await run_in_threadpool(gw.gate.admit, c)
                 admitted.append((c, rid, entry))
                 answers.append(Answer(rid, c.model, c.chat, c.sampling.logprobs is not None))
+            if merged.live(call):  # each choice's tokens as they come
+                return await self.stream_several(request, call, admitted, answers, t0, track)
 
             async def run_all() -> bool:
                 try:
@@ -229,6 +231,47 @@ class CompletionRoutes:
             return JSONResponse(whole)
         events = [sse(c) for c in stream_chunks(whole, call.chat, call.include_usage)]
         return Response(b"".join(events) + b"data: [DONE]\n\n", media_type="text/event-stream")
+
+    async def stream_several(
+        self,
+        request: Request,
+        call: Call,
+        admitted: list[tuple[Call, str, str]],
+        answers: list[Answer],
+        t0: float,
+        track: Tracked,
+    ) -> Response:
+        """Several choices streamed token by token (`merged`), once each has its first
+        event (a refusal is still a real status)."""
+        gw = self.gw
+        events = [gw.events(c.model, rid, entry) for c, rid, entry in admitted]
+        firsts = [await self.first(request, e) for e in events]
+        track.running()
+        gw.metrics.first_token(time.monotonic() - t0)
+        track.streaming = True
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in merged.chunks(call, answers, firsts, events):
+                    yield sse(chunk)
+                resp.finished = True
+                done = Choices(call, answers)
+                gw.metrics.finished(call, done.tokens, done.prompt_tokens)
+            except ApiError as exc:  # headers are sent: the error travels as an event
+                gw.metrics.failed(exc.status, call.model)
+                yield sse(exc.body())
+            finally:
+                track.end()
+            yield b"data: [DONE]\n\n"
+
+        async def abort() -> None:
+            track.end()
+            for c, rid, _ in admitted:
+                await gw.cancel(c, rid)
+            gw.metrics.cancelled()
+
+        resp = SseResponse(body(), abort)
+        return resp
 
     async def _collect(
         self, call: Call, rid: str, entry: str, answer: Answer, track: Tracked
@@ -274,6 +317,7 @@ class CompletionRoutes:
         events: AsyncIterator[wire.ReplyEvent], track: Tracked,
     ) -> Response:  # fmt: skip
         gw, lp = self.gw, call.sampling.logprobs is not None
+        track.streaming = True
 
         async def body() -> AsyncIterator[bytes]:
             if call.chat:

@@ -274,3 +274,39 @@ def test_prompt_logprobs_as_vllm_gives_them(system: System) -> None:
     ).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # the prompt token alone
+
+
+def test_several_choices_stream_token_by_token(system: System) -> None:
+    oai = _client(system)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 1.0, "seed": 4}
+    whole = oai.completions.create(prompt=["one", "two"], n=2, **kw)
+    chunks = list(
+        oai.completions.create(
+            prompt=["one", "two"], n=2, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    texts: dict[int, str] = {}
+    pieces: dict[int, int] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            pieces[ch.index] = pieces.get(ch.index, 0) + bool(ch.text)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert all(n > 1 for n in pieces.values()), pieces  # token by token, not the whole text
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    chat = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            n=3,
+            seed=2,
+            max_tokens=5,
+            temperature=1.0,
+            stream=True,
+        )
+    )
+    roles = [c.choices[0].index for c in chat if c.choices and c.choices[0].delta.role]
+    finishes = [c.choices[0].index for c in chat if c.choices and c.choices[0].finish_reason]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
