@@ -165,12 +165,14 @@ def new_request(
     model: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
     max_tokens: int = 16, sampling: wire.SamplingParams | None = None,
     messages: list[wire.ChatMessage] | None = None, request_id: str | None = None,
+    tools: str | None = None,
 ) -> wire.Request:  # fmt: skip
-    """A request (a fresh id unless `request_id` is given), not queued yet."""
+    """A request (a fresh id unless `request_id` is given), not queued yet; `tools`: a chat's
+    tools as JSON text, for its template."""
     return wire.Request(
         request_id=str(request_id or uuid.uuid4().hex),  # a plain str: the codec's rule
         model=model, prompt=prompt, prompt_ids=prompt_ids, messages=messages,
-        max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(),
+        max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(), tools=tools,
     )  # fmt: skip
 
 

@@ -24,8 +24,10 @@ import numpy as np
 from kvq.errors import WireError
 
 VERSION = 1
-REQUEST_VERSION = 2  # requests; v1 ones still decode
-REPLY_VERSION = 3  # reply events; v1 and v2 ones still decode
+REQUEST_VERSION = 3  # requests; v1 and v2 ones still decode
+REPLY_VERSION = 4  # reply events; v1 to v3 ones still decode
+MAX_LOGIT_BIAS = 300  # entries of a `logit_bias` (OpenAI's limit)
+MAX_GRAMMAR = 1 << 20  # bytes of a compiled grammar
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
@@ -37,6 +39,7 @@ _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes
 ComputeDType = Literal["float32", "float16", "bfloat16", "q8"]  # q8: int8 activations
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tensor on the wire
+Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 MAX_ELEMENTS = 1 << 32  # its dimensions multiplied (zeros left out): numpy can make it
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 MAX_STAGE_SEQS = 4096  # sequences one stage job carries at most
@@ -193,6 +196,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top-n
+    # v3: added to the logits before the grammar mask and sampling (OpenAI's `logit_bias`)
+    logit_bias: Annotated[dict[NonNeg, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    # v3: an llguidance grammar (`kvq.model.grammar`): only tokens it allows are sampled
+    grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR)] | None = None
+    # v3: log-probabilities of the prompt's tokens (and this many alternatives each)
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -205,12 +214,17 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     content: str
+    # v3: an assistant's tool calls as JSON text (OpenAI's list, arguments as objects), and
+    # the call a `tool` message answers
+    tool_calls: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Request(_Msg, frozen=True, kw_only=True):
     """A client's generation request. v1 (no sampling, no messages) still decodes: greedy."""
 
-    v: Literal[1, 2] = 2  # type: ignore[assignment]  # REQUEST_VERSION
+    v: Literal[1, 2, 3] = 3  # type: ignore[assignment]  # REQUEST_VERSION
     request_id: Name
     model: Name
     prompt: str | None = None
@@ -218,6 +232,7 @@ class Request(_Msg, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None  # v2: a chat, rendered by the coordinator
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     sampling: SamplingParams = SamplingParams()  # v2
+    tools: str | None = None  # v3: OpenAI's `tools` as JSON text, handed to the chat template
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -226,6 +241,16 @@ class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_id: int
     text: str
     logprob: float
+
+
+class PromptToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A prompt token with its log-probability given the tokens before it (None for the
+    first) and the best alternatives there."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top: list[TokenLogprob] = []
 
 
 class ReplyEvent(_Msg, frozen=True, kw_only=True):
@@ -239,7 +264,7 @@ class ReplyEvent(_Msg, frozen=True, kw_only=True):
     restarts or takes a request over writes with a higher attempt and never re-sends a token
     index already written; a second request reusing the id is answered with its own `entry`."""
 
-    v: Literal[1, 2, 3] = 3  # type: ignore[assignment]  # REPLY_VERSION
+    v: Literal[1, 2, 3, 4] = 4  # type: ignore[assignment]  # REPLY_VERSION
     kind: Literal["token", "done", "error"]
     index: NonNeg = 0
     token_id: int | None = None
@@ -251,6 +276,7 @@ class ReplyEvent(_Msg, frozen=True, kw_only=True):
     prompt_tokens: NonNeg = 0  # v2, on `done`: the prompt's length in tokens
     attempt: NonNeg = 0  # v3: which run of the request wrote it (1 = first; 0 = unknown)
     entry: str = ""  # v3: the request entry it answers ("" = unknown; see kvq.client)
+    prompt: list[PromptToken] | None = None  # v4, on `done`: the prompt's logprobs, if asked
 
 
 class Cancel(_Msg, frozen=True):

@@ -75,7 +75,7 @@ class Errors:
 
     async def api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        self.gw.metrics.failed(exc.status)
+        self.gw.metrics.failed(exc.status, getattr(request.state, "model", ""))
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
         return JSONResponse(exc.body(), exc.status, headers=headers)
 
@@ -85,7 +85,7 @@ class Errors:
         return JSONResponse(ApiError(status, msg, code="not_found").body(), status)
 
     async def bus_error(self, request: Request, exc: Exception) -> Response:
-        self.gw.metrics.failed(503)
+        self.gw.metrics.failed(503, getattr(request.state, "model", ""))
         code = refusal(exc)
         err = ApiError(503, f"redis: {exc}", kind="server_error", code="bus_error")
         if code is not None:  # the operator frees memory or disk (docs/faults.md)

@@ -124,7 +124,7 @@ class Gate:
     def _queue(self, call: Call, streams: list[str]) -> client.Submitted:
         req = client.new_request(
             call.model, prompt=call.prompt, prompt_ids=call.prompt_ids, messages=call.messages,
-            max_tokens=call.max_tokens, sampling=call.sampling,
+            max_tokens=call.max_tokens, sampling=call.sampling, tools=call.tools_json,
         )  # fmt: skip
         stream = streams[request_shard(req.request_id, len(streams))]
         try:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +20,7 @@ from kvq.api.metrics import ApiMetrics
 from kvq.api.params import Call
 from kvq.api.queue import SAMPLE_S, entry_key
 from kvq.api.shape import model_card
+from kvq.api.structured import compile_constraint
 from kvq.api.text import ModelText, Texts
 from kvq.bus import connect_async
 from kvq.bus.redis_board import open_board
@@ -26,6 +28,7 @@ from kvq.client import ReplyReader, RequestFailed
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
 from kvq.keys import request_shard
+from kvq.model import tool_calls
 
 
 class Gateway:
@@ -82,7 +85,7 @@ class Gateway:
             if exc.status == 501:
                 return call
             raise
-        room = text.room(text.encode(call.prompt, call.messages))
+        room = text.room(text.encode(call.prompt, call.messages, tools=call.tools_json))
         if room < 1:
             raise ApiError(400, f"the messages fill the context ({text.context_length} tokens)",
                            param="messages", code="refused")  # fmt: skip
@@ -135,6 +138,39 @@ class Gateway:
                     if ev.kind == "done":
                         await self.ar.delete(key)  # this gateway is its only reader
                         return
+
+    def tool_format(self, model: str) -> str:
+        """The tool-call format of the model's chat template (`hermes` when its file is not
+        on this machine)."""
+        try:
+            return tool_calls.tool_format(self.text(model).chat.source)
+        except ApiError as exc:
+            if exc.status == 501:
+                return "hermes"
+            raise
+
+    def prepare(self, call: Call) -> Call:
+        """The call as it is queued: a chat's default `max_tokens`; with tools that must be
+        called, the grammar of a call in the model's own format."""
+        call = self.fill_max_tokens(call)
+        t = call.tools
+        if t is None or t.choice == "auto":
+            return call
+        if call.sampling.grammar is not None:
+            raise ApiError(
+                400,
+                "'tool_choice' required or named constrains the answer, and "
+                "so does 'response_format': give one",
+                param="tool_choice",
+            )
+        functions = (
+            [t.function(t.choice)] if t.choice != "required" else [x["function"] for x in t.spec]
+        )
+        lark = tool_calls.call_grammar(self.tool_format(call.model), functions, t.parallel)
+        grammar = compile_constraint(("tool_choice", "lark", lark))
+        return dataclasses.replace(
+            call, sampling=msgspec.structs.replace(call.sampling, grammar=grammar)
+        )
 
     async def cancel(self, call: Call, request_id: str) -> None:
         with anyio.CancelScope(shield=True):  # also when the caller's task is being cancelled

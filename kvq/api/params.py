@@ -1,9 +1,9 @@
 """OpenAI request bodies → a checked `Call`, or a 400 naming the parameter.
 
 Everything is checked here, before anything is queued. Parameters kvq does not use (`user`,
-`logit_bias` when empty, ...) are accepted and ignored, as OpenAI-compatible servers do;
-parameters that would change the answer and that kvq cannot honour (`n` > 1, `echo`,
-`suffix`, tools, a non-empty `logit_bias`) are refused rather than silently dropped.
+...) are accepted and ignored, as OpenAI-compatible servers do; parameters that would change
+the answer and that kvq cannot honour (`suffix`, the legacy `functions`) are refused rather
+than silently dropped. The grammar, tool and choice parameters: `kvq.api.structured`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any
 import msgspec
 
 from kvq import wire
+from kvq.api import structured
 from kvq.api.limits import MAX_TEMPERATURE
 from kvq.errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
-REFUSED = ("suffix", "tools", "functions", "tool_choice", "function_call", "response_format")
+REFUSED = ("suffix", "functions", "function_call")
+MAX_CHOICES = 16  # `n`, `best_of`, and prompts x choices of one call
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,28 @@ class Call:
     prompt_ids: list[int] | None = None
     messages: list[wire.ChatMessage] | None = None
     max_tokens_given: bool = True  # False: a chat's default, the room left in the context
+    prompts: tuple[tuple[str | None, list[int] | None], ...] = ()  # completions: all of them
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False  # completions: the prompt (and its logprobs) before the text
+    tools: structured.Tools | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, top k each
+    user_logprobs: bool = True  # False: logprobs asked only to rank `best_of`
+
+    @property
+    def tools_json(self) -> str | None:
+        return self.tools.json if self.tools is not None else None
+
+    @property
+    def simple(self) -> bool:
+        """One prompt, one choice, nothing to add to the text: the streamed path as is."""
+        return (
+            len(self.prompts) <= 1
+            and self.best_of == 1
+            and not self.echo
+            and not self.tools
+            and self.prompt_logprobs is None
+        )
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -130,14 +154,11 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     for name in REFUSED:
         if b.get(name) not in (None, [], "", {"type": "text"}):  # plain text is what kvq gives
             raise _bad(name, f"'{name}' is not supported by kvq")
-    if b.get("logit_bias") not in (None, {}):  # empty: what some clients always send
-        raise _bad("logit_bias", "'logit_bias' is not supported by kvq")
-    b.integer("n", 1, 1, 1)  # one choice per call
-    b.integer("best_of", 1, 1, 1)
-    if b.flag("echo", False):
-        raise _bad("echo", "'echo' is not supported by kvq")
+    n = b.integer("n", 1, 1, MAX_CHOICES) or 1
+    best_of = (b.integer("best_of", n, n, MAX_CHOICES) or n) if not chat else n
+    echo = not chat and b.flag("echo", False)
     limit = "max_completion_tokens" if chat and b.get("max_completion_tokens") else "max_tokens"
-    max_tokens = b.integer(limit, max_tokens_default, 1, max_tokens_limit)
+    max_tokens = b.integer(limit, max_tokens_default, 0 if echo else 1, max_tokens_limit)
     assert max_tokens is not None
     given = b.get(limit) is not None
     stream = b.flag("stream", False)
@@ -149,10 +170,23 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
     common = {"chat": chat, "model": model, "max_tokens": max_tokens, "sampling": sampling,
               "stream": stream, "include_usage": include_usage,
               "max_tokens_given": given}  # fmt: skip
+    extra = _extra(b, chat, n, best_of, echo)
     if chat:
-        return Call(messages=_messages(b.get("messages")), **common)  # type: ignore[arg-type]
-    prompt, ids = _prompt(b.get("prompt"))
-    return Call(prompt=prompt, prompt_ids=ids, **common)  # type: ignore[arg-type]
+        return Call(messages=_messages(b.get("messages")), **common, **extra)  # type: ignore[arg-type]
+    prompts = _prompts(b.get("prompt"))
+    if len(prompts) * best_of > MAX_CHOICES:
+        raise _bad("prompt", f"prompts x best_of (or n) must be at most {MAX_CHOICES}")
+    prompt, ids = prompts[0]
+    return Call(prompt=prompt, prompt_ids=ids, prompts=prompts, **common, **extra)  # type: ignore[arg-type]
+
+
+def _extra(b: _Body, chat: bool, n: int, best_of: int, echo: bool) -> dict[str, Any]:
+    """What the sequence's sampling does not say: choices, echo, tools."""
+    tools = structured.tools(b.d) if chat else None
+    if b.get("tools") is not None and not chat:
+        raise _bad("tools", "'tools' is for /v1/chat/completions")
+    prompt_lp = b.integer("prompt_logprobs", None, 0, wire.MAX_TOP_LOGPROBS)
+    return {"n": n, "best_of": best_of, "echo": echo, "tools": tools, "prompt_logprobs": prompt_lp}
 
 
 def _sampling(b: _Body, chat: bool) -> wire.SamplingParams:
@@ -181,10 +215,16 @@ def _sampling(b: _Body, chat: bool) -> wire.SamplingParams:
             stop=list(stops or []), stop_token_ids=list(ids or []),
             presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
-            logprobs=logprobs,
+            logprobs=logprobs, logit_bias=structured.logit_bias(b.get("logit_bias")),
+            grammar=_grammar(b),
         )  # fmt: skip
     except msgspec.ValidationError as exc:  # a range the checks above missed
         raise _bad("body", str(exc)) from None
+
+
+def _grammar(b: _Body) -> str | None:
+    c = structured.constraint(b.d)
+    return structured.compile_constraint(c) if c is not None else None
 
 
 def _top_p(b: _Body) -> float:
@@ -206,16 +246,21 @@ def _logprobs(b: _Body, chat: bool) -> int | None:
     return b.integer("top_logprobs", 0, 0, top)
 
 
+def _prompts(p: Any) -> tuple[tuple[str | None, list[int] | None], ...]:
+    """Every prompt of a completion call: a string, token ids, or a list of either."""
+    if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        return tuple(_prompt(x) for x in p)
+    return (_prompt(p),)
+
+
 def _prompt(p: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-        p = p[0]  # a batch of one
     if isinstance(p, str):
         return p, None
     if isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
         if any(i < 0 for i in p):
             raise _bad("prompt", "token ids in 'prompt' must be >= 0")
         return None, p
-    raise _bad("prompt", "'prompt' must be a string or a list of token ids (one prompt)")
+    raise _bad("prompt", "'prompt' must be a string, a list of token ids, or a list of those")
 
 
 def parse_messages(ms: Any) -> list[wire.ChatMessage]:
@@ -242,5 +287,37 @@ def _messages(ms: Any) -> list[wire.ChatMessage]:
             content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-        out.append(wire.ChatMessage(role=m["role"][:64], content=content))
+        out.append(wire.ChatMessage(role=m["role"][:64], content=content, **_tool_fields(i, m)))
     return out
+
+
+def _tool_fields(i: int, m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's `tool_calls` (arguments as objects, as templates read them), a tool
+    message's `tool_call_id` and `name`."""
+    out: dict[str, Any] = {}
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+        ):
+            raise _bad(
+                f"messages[{i}].tool_calls",
+                "tool_calls must be a list of "
+                '{"id", "type": "function", "function": {"name", "arguments"}}',
+            )
+        out["tool_calls"] = json.dumps([_call_args(c) for c in calls])
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key][:256]
+    return out
+
+
+def _call_args(c: dict[str, Any]) -> dict[str, Any]:
+    f = dict(c["function"])
+    args = f.get("arguments")
+    if isinstance(args, str):
+        try:
+            f["arguments"] = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass  # the template gets the text as it came
+    return {"id": c.get("id"), "type": "function", "function": f}

@@ -35,6 +35,7 @@ class Answer:
     lp_offset: int = 0  # text offset of the next streamed token (completions' logprobs)
     channels: harmony.HarmonyStream | None = None  # set when a chat answer is harmony framed
     _framed: bool | None = None  # decided on the first text
+    prompt: list[wire.PromptToken] | None = None  # the prompt's logprobs, when asked
 
     @property
     def id(self) -> str:
@@ -59,6 +60,7 @@ class Answer:
         tail = ev.text[len(self.text) :] if ev.text.startswith(self.text) else ""
         self.text, self.tokens = self.text + tail, ev.index
         self.prompt_tokens, self.finish = ev.prompt_tokens, FINISH.get(ev.finish or "", "stop")
+        self.prompt = ev.prompt
         return tail
 
     def usage(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from typing import Any
 from kvq import wire
 from kvq.catalog import ModelInfo
 from kvq.errors import ApiError, ModelError
+from kvq.prompts import render_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,19 +29,21 @@ class ModelText:
     tokenizer: Any  # kvq.model.Tokenizer
     chat: Any  # kvq.model.chat.ChatTemplate
 
-    def encode(self, prompt: str | None, messages: list[wire.ChatMessage] | None,
-               add_special: bool = True) -> list[int]:  # fmt: skip
+    def encode(
+        self,
+        prompt: str | None,
+        messages: list[wire.ChatMessage] | None,
+        add_special: bool = True,
+        tools: str | None = None,
+    ) -> list[int]:
         """The prompt's token ids as the coordinator computes them; 400 for a chat its
         template refuses."""
         if messages is None:
             return list(self.tokenizer.encode(prompt or "", add_bos=None if add_special else False))
         try:
-            text = self.chat.render([{"role": m.role, "content": m.content} for m in messages])
+            text = render_chat(self.chat, messages, tools)
         except ModelError as exc:
             raise ApiError(400, str(exc), param="messages", code="refused") from None
-        bos = self.chat.bos_token
-        if bos and text.startswith(bos):  # the template wrote BOS itself: encode adds it
-            text = text[len(bos) :]
         return list(self.tokenizer.encode(text, add_bos=None if add_special else False))
 
     def room(self, ids: list[int]) -> int:

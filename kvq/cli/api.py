@@ -76,8 +76,39 @@ def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_structured(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.bench.structured import StructuredBench, run_structured_bench
+
+    cfg = StructuredBench(
+        model=args.model,
+        schema=args.schema,
+        sequences=args.sequences,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+    )
+    result = run_structured_bench(cfg)
+    if args.json:
+        print(json.dumps(result))
+        return EXIT_OK
+    for n, ratio in result["ratio"].items():
+        plain, schema = result["plain"][n]["tok_s"], result["schema_side"][n]["tok_s"]
+        print(
+            f"{n:>3} sequences  plain {plain:8.1f} tok/s  schema {schema:8.1f} tok/s  "
+            f"ratio {ratio:.3f}"
+        )
+    return EXIT_OK
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of counts like 1,8") from None
+
+
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """api, bench api."""
+    """api, bench api, bench structured."""
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway (KVQ_API_*)")
     a.add_argument("--host", help="address to bind (default KVQ_API_HOST, 127.0.0.1)")
     a.add_argument("--port", type=PORT, help="port (default KVQ_API_PORT, 8000; 0 = any free)")
@@ -92,3 +123,13 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     b.add_argument("--workers", type=int, default=0, help="workers to start (0: local experts)")
     b.add_argument("--json", action="store_true", help="print JSON (for machines)")
     b.set_defaults(fn=cmd_bench_api)
+
+    st = bench.add_parser("structured", help="tok/s with and without a JSON schema's mask")
+    st.add_argument("--model", required=True, help="GGUF file")
+    st.add_argument("--schema", help="JSON schema file (default: one no answer completes)")
+    st.add_argument("--sequences", type=_counts, default=(1, 8), help="counts, e.g. 1,8")
+    st.add_argument("--tokens", type=COUNT, default=32, help="tokens per sequence")
+    st.add_argument("--rounds", type=COUNT, default=3, help="rounds per side, alternating")
+    st.add_argument("--threads", type=COUNT, default=2, help="torch threads")
+    st.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    st.set_defaults(fn=cmd_bench_structured)

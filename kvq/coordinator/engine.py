@@ -21,6 +21,7 @@ from kvq import wire
 from kvq.coordinator.chain import Chain, Pass
 from kvq.coordinator.detok import StopText
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
+from kvq.model.grammar import Constraint, GrammarVocab, mask_rows
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
 from kvq.model.sampling import Sampler, Sampling, top_logprobs
 
@@ -48,6 +49,8 @@ class Sequence:
     attempt: int = 1  # which run of the request this is (a restart or takeover adds one)
     forced: list[int] = field(default_factory=list)  # tokens an earlier run already streamed
     cohort: int = 0  # stage grain with KVQ_MICROBATCHES > 1: the cohort it steps with
+    constraint: Constraint | None = None  # its grammar (`params.grammar`)
+    prompt_lp: list[wire.PromptToken] = field(default_factory=list)  # `params.prompt_logprobs`
 
     @property
     def fresh(self) -> bool:
@@ -83,6 +86,13 @@ class Engine:
         self._open: dict[int, tuple[Pass, list[tuple[Sequence, int]]]] = {}  # cohort -> pass
         self.prefill_chunk = prefill_chunk
         self.active: list[Sequence] = []
+        self._vocab: GrammarVocab | None = None  # built at the first grammar
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The model's vocabulary as the grammar library reads it (built once)."""
+        if self._vocab is None:
+            self._vocab = GrammarVocab(self.tokenizer, self.backbone.meta.vocab_size)
+        return self._vocab
 
     @property
     def busy(self) -> int:
@@ -104,14 +114,17 @@ class Engine:
         sampling = Sampling(
             p.temperature, p.top_k, p.top_p, p.seed, p.presence_penalty, p.frequency_penalty
         )
+        constraint = self.grammar_vocab().matcher(p.grammar) if p.grammar else None
         cache = self.chain.new_cache() if self.chain is not None else self.backbone.new_cache()
         seq = Sequence(
             request_id, list(prompt_ids), max_tokens, cache, entry_id,
             next_input=list(prompt_ids), params=p,
             sampler=Sampler(sampling, self.backbone.meta.vocab_size),
             text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
-            forced=list(forced or []), source=source,
+            forced=list(forced or []), source=source, constraint=constraint,
         )  # fmt: skip
+        if p.prompt_logprobs is not None and prompt_ids:
+            seq.prompt_lp.append(wire.PromptToken(prompt_ids[0], self._text(prompt_ids[0]), None))
         if self.chain is not None:
             seq.cohort = self._admitted % self.chain.cohorts
         self._admitted += 1
@@ -189,6 +202,7 @@ class Engine:
         """Sample each stepping sequence from its logits row (`rows[i]`, default i); then,
         with `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():
+            raw, logits = logits, self._shaped(stepping, logits, rows)
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
@@ -196,6 +210,7 @@ class Engine:
             for j, (seq, n) in enumerate(stepping):
                 i = rows[j] if rows is not None else j
                 if n < len(seq.next_input):  # a chunk of its prompt: the rest in later steps
+                    self._prompt_logprob(seq, seq.next_input[n], raw[i])
                     seq.next_input = seq.next_input[n:]
                     continue
                 assert seq.sampler is not None
@@ -205,7 +220,7 @@ class Engine:
                     tok = greedy_ids[i] if forced is None else forced
                 else:
                     tok = seq.sampler.pick(logits[i], forced)
-                self._advance(seq, tok, logits[i])
+                self._advance(seq, tok, raw[i])
                 if seq.finish:
                     done.append(seq)
         if on_tokens is None:
@@ -215,14 +230,54 @@ class Engine:
         on_tokens(emitted)
         return done
 
+    def _shaped(
+        self, stepping: list[tuple[Sequence, int]], logits: torch.Tensor, rows: list[int] | None
+    ) -> torch.Tensor:
+        """The logits [S, V] sampling reads: each sequence's `logit_bias` added, then its
+        grammar's mask (a copy when any sequence has either; `logits` stays the model's, for
+        logprobs)."""
+        shaped: torch.Tensor | None = None
+        masked: list[tuple[int, Constraint]] = []
+        for j, (seq, n) in enumerate(stepping):
+            if n < len(seq.next_input):
+                continue  # reading its prompt: nothing is sampled
+            i = rows[j] if rows is not None else j
+            if seq.params.logit_bias:
+                shaped = logits.clone() if shaped is None else shaped
+                ids = torch.tensor(list(seq.params.logit_bias))
+                ok = ids < logits.shape[1]
+                bias = torch.tensor(list(seq.params.logit_bias.values()), dtype=logits.dtype)
+                shaped[i, ids[ok]] += bias[ok]
+            if seq.constraint is not None:
+                masked.append((i, seq.constraint))
+        if masked:
+            shaped = logits.clone() if shaped is None else shaped
+            mask_rows(self.grammar_vocab(), shaped, masked)
+        return logits if shaped is None else shaped
+
+    def _prompt_logprob(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
+        """The log-probability of prompt token `tok` from the logits [V] before it."""
+        if seq.params.prompt_logprobs is None:
+            return
+        chosen, best = top_logprobs(logits, tok, seq.params.prompt_logprobs)
+        top = [wire.TokenLogprob(t, self._text(t), lp) for t, lp in best]
+        seq.prompt_lp.append(wire.PromptToken(tok, self._text(tok), chosen, top))
+
+    def _text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
     def _tokens_to_read(self, seqs: list[Sequence] | None = None) -> list[int]:
         """Per active sequence, the tokens of its `next_input` this step reads: all of a
         decode step's one; of prompts, what the step's `prefill_chunk` budget has left, in
-        admission order (0: it waits for the next step)."""
+        admission order (0: it waits for the next step). A sequence that wants its prompt's
+        logprobs reads it a token per step: the logits of each position are those of the
+        whole prompt read at once (batch invariance), and the head gives the last row only."""
         left = self.prefill_chunk or None
         takes = []
         for seq in self.active if seqs is None else seqs:
             n = len(seq.next_input)
+            if n > 1 and seq.params.prompt_logprobs is not None and not seq.generated:
+                n = 1
             if n > 1 and left is not None:
                 n = min(n, left)
                 left -= n
@@ -258,10 +313,12 @@ class Engine:
             return
         seq.generated.append(tok)
         seq.new_token = tok
+        if seq.constraint is not None:
+            seq.constraint.accept(tok)
         if seq.params.logprobs is not None:
             self._logprobs(seq, tok, logits)
         seq.new_text = seq.text.push(seq.generated)
-        if seq.text.stopped:
+        if seq.text.stopped or (seq.constraint is not None and seq.constraint.done):
             seq.finish = "stop"
         elif len(seq.generated) >= seq.max_tokens:
             seq.finish = "length"

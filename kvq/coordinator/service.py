@@ -53,6 +53,7 @@ from kvq.model import Backbone, load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
 from kvq.model.registry import check_backbone_file, check_model_file
 from kvq.model.split import backbone_source
+from kvq.prompts import render_chat
 
 log = logging.getLogger("kvq.coordinator")
 READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)
@@ -353,12 +354,9 @@ class Coordinator:
         if req.messages is None:
             return None, self.tokenizer.encode(req.prompt or "")
         try:
-            text = self.chat.render([{"role": m.role, "content": m.content} for m in req.messages])
+            text = render_chat(self.chat, req.messages, req.tools)
         except ModelError as exc:
             return str(exc), []
-        bos = self.chat.bos_token
-        if bos and text.startswith(bos):  # the template wrote BOS itself: encode adds it
-            text = text[len(bos) :]
         return None, self.tokenizer.encode(text)
 
     def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
@@ -427,6 +425,7 @@ class Coordinator:
         return wire.ReplyEvent(
             kind="done", index=n, text=seq.completion, finish=seq.finish,
             prompt_tokens=len(seq.prompt_ids), attempt=seq.attempt, entry=seq.entry_id.decode(),
+            prompt=seq.prompt_lp or None,
         )  # fmt: skip
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:

@@ -22,14 +22,15 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 100_000}, "max_tokens"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
     ({}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
 ]
@@ -40,7 +41,7 @@ BAD_CHATS: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 9},
      "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
 ]  # fmt: skip
 
 

@@ -88,7 +88,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(system: System, context: int) -
     assert r.status_code == 200 and r.json() == {"prompt": text}, r.text
     for path, bad, param in (("/tokenize", {"model": MODEL}, "prompt"),
                              ("/detokenize", {"model": MODEL, "tokens": ["a"]}, "tokens"),
-                             ("/tokenize", {"prompt": "x"}, "model")):  # fmt: skip
+                             ("/tokenize", {"model": 7, "prompt": "x"}, "model")):  # fmt: skip
         r = httpx.post(system.url + path, json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(system.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30)

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 import yaml
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from promtool import promtool
 
+from kvq.api.metrics import ApiMetrics
 from kvq.bus.records import CoordStats, SlotState, WorkerInfo
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP
@@ -61,7 +62,8 @@ def test_every_alert_has_its_own_unit_test() -> None:
 
 
 def test_every_metric_an_alert_names_is_exported(settings: Settings, tmp_path: Path) -> None:
-    """A scrape of a small live deployment has every `kvq_*` series the rules use."""
+    """A scrape of a small live deployment (the monitor's, and a gateway's) has every `kvq_*`
+    series the rules use."""
     gguf = tmp_path / "m.gguf"
     make_tiny(gguf, layers=2, experts=8)
     mon = Monitor.from_settings(settings.model_copy(update={"slice_experts": 4}))
@@ -77,6 +79,11 @@ def test_every_metric_an_alert_names_is_exported(settings: Settings, tmp_path: P
     ts = int(time.time() * 1000)
     board.publish_slots("c1", SlotState(model="m", busy=0, total=4, ts_ms=ts), CoordStats())
     text = generate_latest(make_registry(board)).decode()  # type: ignore[arg-type]
+    gateway = CollectorRegistry()  # a gateway's own: one call refused, one answered
+    api = ApiMetrics(gateway)
+    api.failed(429, "m")
+    api.track("m", time.monotonic()).end()
+    text += generate_latest(gateway).decode()
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     for rule in alerts():
         for metric in re.findall(r"\bkvq_[a-z_]+", rule["expr"]):
