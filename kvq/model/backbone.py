@@ -57,6 +57,7 @@ from kvq.model.meta import read_meta
 from kvq.model.mla import mla_scales
 from kvq.model.moe_ffn import MoeCall, moe_ffn
 from kvq.model.qstack import QRows, Weight
+from kvq.model.rowwise import heads_matmul
 from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
 
@@ -357,14 +358,39 @@ class Backbone:
                     q, kk = rms_norm(q, None, eps), rms_norm(kk, None, eps)
             elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
-        o = None
-        if max(lens) == 1:  # decode: every sequence at once, where the kernel covers the layer
-            o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
-        if o is None:
-            o = self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        o = self._gqa_rows(layer, a, q, kk, vv, caches, lens, window)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return _linear(o, a.wo, a.bo)  # [N, H]
+
+    def _gqa_rows(
+        self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+        caches: list[KVCache], lens: list[int], window: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of every row: the decoding sequences' (one row each) in one kernel call
+        where it covers the layer, the others' each against its cache. A decode row takes
+        the kernel whether or not a prompt shares its step (X17: the same bits either way).
+        q [N, heads, d], kk, vv [N, kv, d]. Returns [N, heads * d]."""
+        m = self.meta
+        if max(lens) == 1:  # decode: every sequence at once
+            o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
+            return o if o is not None else self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        one = [i for i, t in enumerate(lens) if t == 1]
+        dec = None
+        if one:
+            r = torch.tensor([starts[i] for i in one], device=q.device)  # [D] their rows
+            sub = [caches[i] for i in one]
+            dec = decode_attention(q[r], kk[r], vv[r], sub, layer, m.attention_scale, a.sinks)
+        if dec is None:
+            return self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        rest = [i for i, t in enumerate(lens) if t > 1]
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in rest])
+        o = q.new_empty((q.shape[0], dec.shape[1]))  # [N, heads * d]
+        o[r] = dec
+        cs, ts = [caches[i] for i in rest], [lens[i] for i in rest]
+        o[rows] = self._gqa_each(layer, a, q[rows], kk[rows], vv[rows], cs, ts, window)
+        return o
 
     def _gqa_each(
         self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
@@ -414,7 +440,7 @@ class Backbone:
             ckv = rms_norm(kv[:, :r], a.kv_a_norm, eps)  # [N, r]
             k_pe = self.rope(kv[:, None, r:], pos)  # [N, 1, rope]: one rope key for all heads
             q_pe = self.rope(q[..., nope:], pos)  # [N, heads, rope]
-            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
+            q_lat = heads_matmul(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
             qc = torch.cat((q_lat.transpose(0, 1), q_pe), -1)  # [N, heads, r + rope]
             latent = torch.cat((ckv[:, None, :], k_pe), -1)  # [N, 1, r + rope]
         outs, start = [], 0
@@ -426,7 +452,7 @@ class Backbone:
                 outs.append(causal_attention(qs, keys, values, c.length, scale))
                 start += t
             o = torch.cat(outs).view(n, heads, r).transpose(0, 1)  # [heads, N, r]
-            ov = torch.bmm(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
+            ov = heads_matmul(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         return linear(ov.reshape(n, heads * m.value_head_dim), a.wo)  # [N, H]
 
     def check_steps(self, steps: list[SeqStep]) -> list[int]:
