@@ -370,9 +370,16 @@ class Backbone:
         return _linear(o, a.wo, a.bo)  # [N, H]
 
     def _gqa_rows(
-        self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-        caches: list[KVCache], lens: list[int], window: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        layer: int,
+        a: GqaWeights,
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        caches: list[KVCache],
+        lens: list[int],
+        window: int,
+    ) -> torch.Tensor:
         """Attention of every row: the decoding sequences' (one row each) in one kernel call
         where it covers the layer, the others' each against its cache. A decode row takes
         the kernel whether or not a prompt shares its step (X17: the same bits either way).

@@ -81,15 +81,32 @@ def sliced_forward(
         rows = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)  # [R]
         if not rows.numel():
             continue
-        shift = lo - first
-        bias_of = sl.bias if sl.biases is not None else None
+        weights_of, bias_of = _shifted(sl, lo - first)
         part = grouped_expert_ffn(
-            x[rows], ids[rows], weights[rows], lo, hi, lambda e: sl.expert(e + shift),
-            sl.compute_dtype, act=sl.act,
-            bias_of=None if bias_of is None else (lambda e: bias_of(e + shift)),
+            x[rows],
+            ids[rows],
+            weights[rows],
+            lo,
+            hi,
+            weights_of,
+            sl.compute_dtype,
+            act=sl.act,
+            bias_of=bias_of,
         )
         out.index_add_(0, rows, part)
     return out
+
+
+def _shifted(sl: ExpertSlice, shift: int) -> tuple[WeightsOf, BiasOf | None]:
+    """`sl`'s weights and biases of the experts from local index `shift` on."""
+
+    def weights_of(e: int) -> ExpertWeights:
+        return sl.expert(e + shift)
+
+    def bias_of(e: int) -> ExpertBias | None:
+        return sl.bias(e + shift)
+
+    return weights_of, (bias_of if sl.biases is not None else None)
 
 
 def grouped_expert_ffn(

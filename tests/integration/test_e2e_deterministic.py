@@ -29,8 +29,9 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven tired cats watch 
 
 def _prompts(n: int) -> list[str]:
     """`n` different prompts of 3 to 40 words."""
-    return [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + (i * 7) % 38))
-            for i in range(n)]  # fmt: skip
+    return [
+        " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + (i * 7) % 38)) for i in range(n)
+    ]
 
 
 def _alone(model: Path, s: Settings, prompts: list[str], n: int) -> list[list[int]]:
@@ -47,8 +48,9 @@ def _served(s: Settings, model_id: str, prompts: list[str], n: int) -> list[list
     def one(prompt: str) -> list[int]:
         r = connect(s.bus)
         try:
-            return client.generate(r, Keys(s.prefix), model_id, prompt=prompt, max_tokens=n,
-                                   timeout_s=900)  # fmt: skip
+            return client.generate(
+                r, Keys(s.prefix), model_id, prompt=prompt, max_tokens=n, timeout_s=900
+            )
         finally:
             r.close()
 
@@ -56,12 +58,14 @@ def _served(s: Settings, model_id: str, prompts: list[str], n: int) -> list[list
         return list(pool.map(one, prompts))
 
 
-def _run(redis_url: str, tmp: Path, model: Path, workers: int, n_req: int, n_tok: int,
-         chunk: int) -> tuple[int, int]:  # fmt: skip
+def _run(
+    redis_url: str, tmp: Path, model: Path, workers: int, n_req: int, n_tok: int, chunk: int
+) -> tuple[int, int]:
     """(requests whose served tokens equal the alone ones, requests)."""
     model_id = f"det-{model.stem}-{workers}"
-    s = load_settings(redis_url=redis_url, prefix=model_id, prefill_chunk=chunk,
-                      job_deadline_ms=60000)  # fmt: skip
+    s = load_settings(
+        redis_url=redis_url, prefix=model_id, prefill_chunk=chunk, job_deadline_ms=60000
+    )
     kids = Children(child_env(s), log_dir=str(tmp))
     board = open_board(s.bus, s.lifetimes)
     prompts = _prompts(n_req)
@@ -71,10 +75,14 @@ def _run(redis_url: str, tmp: Path, model: Path, workers: int, n_req: int, n_tok
         for i in range(workers):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         if workers:
-            kids.wait_for(lambda: sum(v.alive and v.ready for v in board.workers(model_id))
-                          >= workers, 600, "workers serving")  # fmt: skip
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
+            kids.wait_for(
+                lambda: sum(v.alive and v.ready for v in board.workers(model_id)) >= workers,
+                600,
+                "workers serving",
+            )
+        kids.spawn(
+            "coord", "coordinator", "--model", str(model), "--model-id", model_id, "--id", "c1"
+        )
         kids.wait_for(lambda: board.coordinator_alive("c1"), 300, "the coordinator")
         served = _served(s, model_id, prompts, n_tok)
     finally:
@@ -90,18 +98,38 @@ def _run(redis_url: str, tmp: Path, model: Path, workers: int, n_req: int, n_tok
 @pytest.mark.parametrize(
     ("arch", "variant", "quant"),
     [
-        ("qwen3moe", "", "q4_k_m"), ("qwen2moe", "", "f32"), ("mixtral", "", "f32"),
-        ("olmoe", "", "f32"), ("glm4moe", "", "f32"), ("deepseek2", "v3", "f32"),
-        ("gpt-oss", "", "mxfp4"), ("qwen35moe", "", "f32"), ("llama4", "", "f32"),
+        ("qwen3moe", "", "q4_k_m"),
+        ("qwen2moe", "", "f32"),
+        ("mixtral", "", "f32"),
+        ("olmoe", "", "f32"),
+        ("glm4moe", "", "f32"),
+        ("deepseek2", "v3", "f32"),
+        ("gpt-oss", "", "mxfp4"),
+        ("qwen35moe", "", "f32"),
+        ("llama4", "", "f32"),
     ],
-)  # fmt: skip
+)
 def test_concurrent_requests_equal_each_prompt_alone(
-    redis_server, tmp_path: Path, arch: str, variant: str, quant: str, workers: int  # type: ignore[no-untyped-def]
+    redis_server,
+    tmp_path: Path,
+    arch: str,
+    variant: str,
+    quant: str,
+    workers: int,  # type: ignore[no-untyped-def]
 ) -> None:
     model = tmp_path / f"{arch}.gguf"
     hidden = 256 if quant != "f32" else 64
-    make_tiny(model, arch=arch, variant=variant, quant=quant, layers=3, experts=8, seed=5,
-              hidden=hidden, expert_ffn=hidden)  # fmt: skip
+    make_tiny(
+        model,
+        arch=arch,
+        variant=variant,
+        quant=quant,
+        layers=3,
+        experts=8,
+        seed=5,
+        hidden=hidden,
+        expert_ffn=hidden,
+    )
     # a 32-token budget: the longer prompts are read in pieces, beside the others' decode
     same, n = _run(redis_server.url, tmp_path, model, workers, 12, 16, 32)
     assert same == n
@@ -125,9 +153,23 @@ def test_kvq_generate_prints_what_the_test_compares_with(tmp_path: Path) -> None
     s = load_settings(prefill_chunk=8)
     prompt = _prompts(3)[2]
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "generate", "--model", str(model), "--prompt", prompt,
-         "--max-tokens", "6", "--json"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
         env=child_env(s),
-    )  # fmt: skip
+    )
     assert json.loads(out.stdout)["token_ids"] == _alone(model, s, [prompt], 6)[0]

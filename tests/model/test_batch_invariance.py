@@ -16,11 +16,19 @@ from kvq.model.cache import SeqStep
 from kvq.model.experts import expert_forward, grouped_expert_ffn, sliced_forward
 
 FAMILIES = [
-    ("qwen3moe", "", "f32"), ("qwen2moe", "", "f32"), ("mixtral", "", "f32"),
-    ("olmoe", "", "f32"), ("glm4moe", "", "f32"), ("deepseek2", "v3", "f32"),
-    ("gpt-oss", "", "f32"), ("qwen35moe", "", "f32"), ("llama4", "", "f32"),
-    ("qwen3moe", "", "q4_k_m"), ("gpt-oss", "", "mxfp4"), ("deepseek2", "v3", "q4_k_m"),
-]  # fmt: skip
+    ("qwen3moe", "", "f32"),
+    ("qwen2moe", "", "f32"),
+    ("mixtral", "", "f32"),
+    ("olmoe", "", "f32"),
+    ("glm4moe", "", "f32"),
+    ("deepseek2", "v3", "f32"),
+    ("gpt-oss", "", "f32"),
+    ("qwen35moe", "", "f32"),
+    ("llama4", "", "f32"),
+    ("qwen3moe", "", "q4_k_m"),
+    ("gpt-oss", "", "mxfp4"),
+    ("deepseek2", "v3", "q4_k_m"),
+]
 _models: dict[str, Backbone] = {}
 
 
@@ -31,8 +39,16 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if key not in _models:
         path = tmp_path_factory.mktemp("inv") / f"{key}.gguf"
         hidden = 64 if quant == "f32" else 256
-        make_tiny(path, arch=arch, variant=variant, quant=quant, layers=3, hidden=hidden,
-                  expert_ffn=hidden, seed=3)  # fmt: skip
+        make_tiny(
+            path,
+            arch=arch,
+            variant=variant,
+            quant=quant,
+            layers=3,
+            hidden=hidden,
+            expert_ffn=hidden,
+            seed=3,
+        )
         _models[key] = Backbone.from_gguf(path)
     return _models[key]
 
@@ -55,10 +71,16 @@ def _logits(bb: Backbone, target: tuple[list[int], list[int]], others: list, pla
     return bb.forward(steps)[place]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(prompt=TOKENS, decode=st.booleans(), others=OTHERS, place=st.integers(0, 4))
 def test_a_sequences_logits_do_not_depend_on_its_batch(
-    family: Backbone, prompt: list[int], decode: bool, others: list, place: int  # type: ignore[type-arg]
+    family: Backbone,
+    prompt: list[int],
+    decode: bool,
+    others: list,
+    place: int,  # type: ignore[type-arg]
 ) -> None:
     target = (prompt, [7]) if decode else ([], prompt)  # a decode token, or a whole prompt
     place = place % (len(others) + 1)
@@ -67,7 +89,9 @@ def test_a_sequences_logits_do_not_depend_on_its_batch(
     assert torch.equal(got, alone), (got - alone).abs().max()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(rows=st.integers(1, 12), grain=st.integers(1, 8), seed=st.integers(0, 10**6))
 def test_slice_sums_do_not_depend_on_where_slices_ran(
     family: Backbone, rows: int, grain: int, seed: int
@@ -89,10 +113,16 @@ def test_slice_sums_do_not_depend_on_where_slices_ran(
         hit = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)
         if hit.numel():
             part = grouped_expert_ffn(
-                x[hit], ids[hit], w[hit], lo, hi, lambda j, lo=lo: sl.expert(j + lo),
-                sl.compute_dtype, act=sl.act,
+                x[hit],
+                ids[hit],
+                w[hit],
+                lo,
+                hi,
+                lambda j, lo=lo: sl.expert(j + lo),
+                sl.compute_dtype,
+                act=sl.act,
                 bias_of=None if sl.biases is None else (lambda j, lo=lo: sl.bias(j + lo)),
-            )  # fmt: skip
+            )
             out.index_add_(0, hit, part)
     assert torch.equal(sliced_forward(sl, x, ids, w, grain), out)
     one = sliced_forward(sl, x[-1:], ids[-1:], w[-1:], grain)  # the last row alone

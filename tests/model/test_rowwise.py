@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvq.model.layers import Rope, attn_temperature, gated, route, Gating, swiglu_oai
+from kvq.model.layers import Gating, Rope, attn_temperature, gated, route, swiglu_oai
 from kvq.model.rowwise import heads_matmul, pointwise, row_matmul
 from kvq.model.threads import one_thread
 
@@ -32,8 +32,14 @@ def _batch(row: torch.Tensor, seeds: list[int], place: int, offset: bool) -> tor
 
 
 @settings(max_examples=60, deadline=None)
-@given(k=SIZES, m=SIZES, seeds=BATCH, place=st.integers(0, 64), offset=st.booleans(),
-       threads=st.sampled_from([1, 2]))  # fmt: skip
+@given(
+    k=SIZES,
+    m=SIZES,
+    seeds=BATCH,
+    place=st.integers(0, 64),
+    offset=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+)
 def test_row_matmul_gives_a_row_its_bits_alone(
     k: int, m: int, seeds: list[int], place: int, offset: bool, threads: int
 ) -> None:
@@ -54,8 +60,13 @@ def test_row_matmul_gives_a_row_its_bits_alone(
 
 
 @settings(max_examples=30, deadline=None)
-@given(heads=st.integers(1, 4), k=SIZES, m=st.sampled_from([1, 8, 33, 64]), seeds=BATCH,
-       place=st.integers(0, 64))  # fmt: skip
+@given(
+    heads=st.integers(1, 4),
+    k=SIZES,
+    m=st.sampled_from([1, 8, 33, 64]),
+    seeds=BATCH,
+    place=st.integers(0, 64),
+)
 def test_heads_matmul_gives_a_row_its_bits_alone(
     heads: int, k: int, m: int, seeds: list[int], place: int
 ) -> None:
@@ -70,14 +81,22 @@ def test_heads_matmul_gives_a_row_its_bits_alone(
 
 
 POINTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "cos": torch.cos,
-    "sin": torch.sin, "log": lambda t: torch.log(t.abs() + 1),
-}  # fmt: skip
+    "sigmoid": torch.sigmoid,
+    "silu": F.silu,
+    "softplus": F.softplus,
+    "cos": torch.cos,
+    "sin": torch.sin,
+    "log": lambda t: torch.log(t.abs() + 1),
+}
 
 
 @settings(max_examples=60, deadline=None)
-@given(op=st.sampled_from(sorted(POINTWISE)), w=st.sampled_from([1, 5, 8, 16, 33, 64, 300]),
-       seeds=st.lists(st.integers(0, 2**31 - 1), max_size=200), place=st.integers(0, 300))  # fmt: skip
+@given(
+    op=st.sampled_from(sorted(POINTWISE)),
+    w=st.sampled_from([1, 5, 8, 16, 33, 64, 300]),
+    seeds=st.lists(st.integers(0, 2**31 - 1), max_size=200),
+    place=st.integers(0, 300),
+)
 def test_pointwise_gives_a_row_its_bits_alone(
     op: str, w: int, seeds: list[int], place: int
 ) -> None:
