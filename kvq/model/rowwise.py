@@ -5,13 +5,14 @@ torch ships with, one row takes a matrix-vector kernel, two or three rows anothe
 more a third, and each sums a row's products in its own order. So the logits of a sequence
 changed with the number of other rows in its step (11 of 24 greedy completions of the `small`
 preset differed from the same prompt alone), and within a call a row's bits changed with its
-place among the rows and its memory alignment. `row_matmul` multiplies each row on its own,
-the same one-row call every time: its order depends on the row and the weight only
-(checked over shapes, places and thread counts: `tests/model/test_rowwise.py`).
+place among the rows and its memory alignment. `row_matmul` computes every row in a call of a
+multiple of 4 rows (zero padded, at most 256, each in a fresh buffer): MKL's product then sums
+each row in one order whatever the call's row count, its place in the call, the other rows'
+values or the thread count (checked over shapes, places, alignments and thread counts:
+`tests/model/test_rowwise.py`).
 
-It costs nothing at one row and little where the weight fits the caches (routers, gates);
-a large float weight read once per row is slower at many rows (a prompt through a float32
-or float16 file's projections: docs/models.md). `KVQ_BATCH_INVARIANT=false` turns it off
+It costs up to 3 padding rows a call, and one call per 256 rows (docs/benchmarks.md, "Batch
+invariance"). `KVQ_BATCH_INVARIANT=false` turns it off
 (`qdot.KernelOptions.batch_invariant`): plain products, faster prompts, batch-dependent bits.
 Quantized weights go through the int8 kernels (`kvq.quant.kernels`), row-invariant already.
 """
@@ -32,17 +33,34 @@ def invariant(x: torch.Tensor) -> bool:
     return qdot.options().batch_invariant and x.device.type == "cpu" and x.dtype == torch.float32
 
 
+# rows per product call: every row is computed in a call of a multiple of `_QUAD` rows (the
+# last block padded with zeros), at most `_BLOCK`, in a fresh buffer: MKL then takes one kernel
+# whose order for a row depends neither on the call's row count, the row's place in it, the
+# other rows' values nor the thread count (an odd remainder of 2-3 rows takes another).
+# Below `_SMALL` weight elements the product takes other code, in which a row's place in the
+# block matters (K 31 by M 3, for one): such weights multiply one row per call (cheap there)
+_QUAD = 4
+_BLOCK = 256
+_SMALL = 1 << 16
+
+
 def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] @ w [K, M] -> [N, M], each row computed as if it were alone (a view of a
-    transposed weight is fine: `w` is never copied)."""
+    """x [N, K] @ w [K, M] -> [N, M], each row the bits it gets alone: the rows go through
+    blocks of up to `_BLOCK`, padded to a multiple of `_QUAD` (one row per call for a small
+    weight); a view of a transposed weight is fine: `w` is never copied."""
     if not invariant(x):
         return x @ w
     w = w.to(x.dtype)
-    out = x.new_empty((x.shape[0], w.shape[1]))  # [N, M]
-    for i in range(x.shape[0]):
-        # the same call every time: one row, in its own fresh (aligned) buffer, by the same
-        # weight; a BLAS kernel's order may change with the rows' count, place or alignment
-        out[i] = (x[i : i + 1].clone() @ w)[0]
+    n = x.shape[0]
+    out = x.new_empty((n, w.shape[1]))  # [N, M]
+    small = w.numel() < _SMALL
+    step = 1 if small else _BLOCK
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        rows = 1 if small else -(-(e - s) // _QUAD) * _QUAD
+        block = x.new_zeros((rows, x.shape[1]))  # [B, K]: fresh, aligned, zero padded
+        block[: e - s] = x[s:e]
+        out[s:e] = (block @ w)[: e - s]
     return out
 
 
