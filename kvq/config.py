@@ -208,6 +208,12 @@ class Settings(SettingsChecks):
         "quantized per block, integer dot products, as llama.cpp; faster, the same bits on "
         "every SIMD path) or float32 (exact to float32 rounding)",
     )
+    batch_invariant: bool = Field(
+        True,
+        description="float32 matrix products on the CPU give each row the bits it gets alone, "
+        "so a request's tokens do not depend on its batch (X17); false: plain products, faster "
+        "prompts on float weights, batch-dependent bits",
+    )
     download_timeout_s: float = Field(60.0, gt=0, description="HTTP slice download timeout")
     load_retry_max_s: float = Field(
         60.0, gt=0, description="longest wait before volunteering again after a failed slice load"

@@ -36,13 +36,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """`KVQ_COMPUTE_DTYPE`'s name of a compute dtype (results carry it: `wire.Result.dtype`);
-    `q8` for float32 with int8 activations (`KVQ_ACTIVATIONS=int8` and its kernel built)."""
-    from kvq.quant import kernels
+def dtype_name(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The name of the path a node computes on (results carry it: `wire.Result.dtype`):
+    `KVQ_COMPUTE_DTYPE`'s name of the dtype, except on the CPU in float32: `q8` with int8
+    activations (`KVQ_ACTIVATIONS=int8` and its kernel built), `f32cpu` with float32
+    activations and batch-invariant products (`KVQ_BATCH_INVARIANT`, `kvq.model.rowwise`).
+    Both give a row the same bits whatever its batch: checked bit for bit
+    (`kvq.coordinator.check.deterministic`)."""
+    from kvq.quant import kernels, qdot
 
-    if dtype == torch.float32 and kernels.int8_active():
-        return "q8"
+    if dtype == torch.float32 and torch.device(device).type == "cpu":
+        if kernels.int8_active():
+            return "q8"
+        if qdot.options().batch_invariant:
+            return "f32cpu"
     return _NAMES.get(dtype, "float32")
 
 

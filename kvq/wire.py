@@ -36,7 +36,8 @@ _NP: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
 }  # fmt: skip
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
-ComputeDType = Literal["float32", "float16", "bfloat16", "q8"]  # q8: int8 activations
+# q8: int8 activations; f32cpu: float32 on the CPU, batch-invariant (`kvq.device.dtype_name`)
+ComputeDType = Literal["float32", "float16", "bfloat16", "q8", "f32cpu"]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]  # one dimension of a tensor on the wire
 Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]

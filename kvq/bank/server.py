@@ -45,7 +45,8 @@ class ExpertServer:
     ) -> None:  # fmt: skip
         self.name, self.model, self.bank, self.hidden = name, model, bank, hidden
         self.dtype = dtype  # what jobs' activations are cast to before compute
-        self.dtype_name = cast(wire.ComputeDType, dtype_name(dtype))  # told in each result
+        device = bank.device if bank is not None else "cpu"
+        self.dtype_name = cast(wire.ComputeDType, dtype_name(dtype, device))  # in each result
         self.clock_ms = clock_ms
         self.served = 0
         self.last_serve_ms = 0

@@ -58,7 +58,9 @@ def configure_kernels(settings: Settings) -> None:
     from kvq.quant import qdot
 
     cache = str(qdot.default_cache_dir(settings.state_dir))
-    qdot.configure(qdot.KernelOptions(settings.activations, os.environ.get("CC", "cc"), cache))
+    cc = os.environ.get("CC", "cc")
+    invariant = settings.batch_invariant
+    qdot.configure(qdot.KernelOptions(settings.activations, cc, cache, batch_invariant=invariant))
 
 
 # OpenMP threads that finish a parallel region wait passively (sleep) instead of spinning:

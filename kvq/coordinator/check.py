@@ -10,6 +10,11 @@ refused and counted as a lie (`verify.Verifier.check`); the label never loosens 
   SIMD path (scalar, AVX2, AVX2 + VNNI, AVX-512; `tests/quant/test_qdot.py`,
   `tests/coordinator/test_check_paths.py` forces two paths), every thread count and every batch
   a row is in, so an honest result equals the recomputation exactly: tolerance 0.
+- **`f32cpu` against an `f32cpu` coordinator: bitwise.** Float32 activations on the CPU with
+  batch-invariant products (`KVQ_BATCH_INVARIANT`, X17, `kvq.model.rowwise`): a row's bits do
+  not depend on its batch, so an honest worker's result equals the recomputation when both
+  run the same float32 code (torch's BLAS and vector functions pick their code by CPU: the
+  same torch build on the same instruction set; a mixed swarm keeps `q8`, the default).
 - **Paths that are not deterministic** (GPU bfloat16 and float16, float32 torch matmuls) are
   held to a tolerance derived from the measured spread of honest results for that path against
   the coordinator's float32 (10,000 random jobs, `tests/coordinator/test_check.py`), on two
@@ -46,28 +51,45 @@ import torch
 # worst measured: bfloat16 0.0096 at hidden 256, 0.0124 at 64; float16 0.0059); epsilons:
 # float32 1.2e-7, float16 4.9e-4, bfloat16 3.9e-3. `q8` against float32 (0.15, 5.4x the worst measured) is what int8 costs, not
 # a check: a q8 result is only accepted by a q8 coordinator, bit for bit (`tolerance`).
-ROW_TOLERANCE = {"float32": 1e-3, "float16": 1.2e-2, "bfloat16": 3e-2, "q8": 0.15}
+ROW_TOLERANCE = {"float32": 1e-3, "f32cpu": 1e-3, "float16": 1.2e-2, "bfloat16": 3e-2, "q8": 0.15}
 # |<y - ref, ref>| / <ref, ref> an honest result may show in one job (2x the worst measured)
-BIAS_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2, "q8": 0.02}
+BIAS_TOLERANCE = {"float32": 1e-4, "f32cpu": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2, "q8": 0.02}
 # the mean signed bias of a worker's last `BIAS_WINDOW` checked results: honest rounding
 # averages out, a steady 1% lie stays at 1% (bfloat16's 1% lie can hide under one job's spread)
 BIAS_WINDOW = 8
-MEAN_BIAS_TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 5e-3, "q8": 0.01}
+MEAN_BIAS_TOLERANCE = {
+    "float32": 2e-5,
+    "f32cpu": 2e-5,
+    "float16": 1e-3,
+    "bfloat16": 5e-3,
+    "q8": 0.01,
+}
 # the mean relative row error of a worker's last `BIAS_WINDOW` checked results: honest rounding
 # has a steady size (3,000 jobs per model, hidden 64 and 256, BF16 and Q4_K weights: bfloat16
 # per job 0.0055-0.0063 on average, worst mean of 8 consecutive 0.0069; float16 0.0007, worst
 # mean 0.0008), while noise added to a result, even orthogonal to each row (no bias to see),
 # adds its size: a worker claiming a GPU path cannot hide 1.5% of noise under its 3% row
 # tolerance for more than a window (`tests/coordinator/test_check.py`)
-MEAN_ROW_TOLERANCE = {"float32": 2e-4, "float16": 2.5e-3, "bfloat16": 1e-2, "q8": 0.15}
+MEAN_ROW_TOLERANCE = {
+    "float32": 2e-4,
+    "f32cpu": 2e-4,
+    "float16": 2.5e-3,
+    "bfloat16": 1e-2,
+    "q8": 0.15,
+}
 BITWISE = 0.0  # the tolerance of a deterministic path
 _FALLBACK = "bfloat16"  # an unknown name (the wire refuses them) is not held to float32
 
 
+# paths whose honest results are the same bits whatever the batch: the int8 C kernels (every
+# SIMD path alike) and float32 with batch-invariant products on the CPU
+BITWISE_PATHS = ("q8", "f32cpu")
+
+
 def deterministic(remote: str, local: str) -> bool:
     """Whether an honest `remote` result equals `local`'s recomputation bit for bit: both
-    through the int8 C kernels, whose every SIMD path gives the same bits."""
-    return remote == local == "q8"
+    on the same path of `BITWISE_PATHS`."""
+    return remote == local and remote in BITWISE_PATHS
 
 
 def tolerance(remote: str, local: str = "float32") -> float:

@@ -32,7 +32,6 @@ from kvq.coordinator.pending import latency_ms
 from kvq.coordinator.placement import Placement
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.verify import Verdict, Verifier, admitted
-from kvq.device import dtype_name
 from kvq.keys import Keys
 
 log = logging.getLogger("kvq.coordinator")
@@ -59,7 +58,7 @@ class Dispatcher:
             self.tally.stats, self.tally.per_worker, self.tally.job_rtt
         )  # fmt: skip
         self.verifier = Verifier(
-            board, info.model, routing.trust, settings.verify_remote, dtype_name(server.dtype),
+            board, info.model, routing.trust, settings.verify_remote, server.dtype_name,
             self.stats, routing.bar, admitted(settings.gpu_workers),
         )  # fmt: skip
         self.placement = Placement(routing, info, settings, self.has_experts, self.stats)

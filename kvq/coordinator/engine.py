@@ -4,8 +4,9 @@ One `step()` runs one backbone forward over every active sequence (prompt tokens
 one decode token of the others), so each MoE layer sees all their token rows at once.
 
 Chunked prefill (as vLLM schedules it): one step takes at most `prefill_chunk` prompt tokens
-over all the sequences still reading their prompt, first admitted first. A long prompt is
-read over several steps, and the decode steps of the other sequences go on between its
+over all the sequences still reading their prompt, first admitted first, each prompt in
+pieces cut at multiples of `prefill_chunk` from its start (a piece that does not fit what is
+left of the step waits for the next). A long prompt is read over several steps, and the decode steps of the other sequences go on between its
 chunks instead of waiting for the whole prompt; it gives its first token once it has read
 its last chunk. A decode token never counts against the budget.
 """
@@ -268,10 +269,12 @@ class Engine:
 
     def _tokens_to_read(self, seqs: list[Sequence] | None = None) -> list[int]:
         """Per active sequence, the tokens of its `next_input` this step reads: all of a
-        decode step's one; of prompts, what the step's `prefill_chunk` budget has left, in
-        admission order (0: it waits for the next step). A sequence that wants its prompt's
-        logprobs reads it a token per step: the logits of each position are those of the
-        whole prompt read at once (batch invariance), and the head gives the last row only."""
+        decode step's one; of prompts, in admission order, the next piece of at most
+        `prefill_chunk` tokens if the step's budget has room for it whole (0: it waits for the
+        next step). A prompt is cut at multiples of `prefill_chunk` from its start whatever
+        the other prompts of the step (X17), as `kvq generate` cuts it. A sequence that wants
+        its prompt's logprobs reads it a token per step (the head gives a step's last row
+        only): its logits are those of a token-by-token forward pass."""
         left = self.prefill_chunk or None
         takes = []
         for seq in self.active if seqs is None else seqs:
@@ -279,7 +282,8 @@ class Engine:
             if n > 1 and seq.params.prompt_logprobs is not None and not seq.generated:
                 n = 1
             if n > 1 and left is not None:
-                n = min(n, left)
+                n = min(n, self.prefill_chunk)  # the first prompt's always fits
+                n = n if n <= left else 0
                 left -= n
             takes.append(n)
         return takes

@@ -9,8 +9,8 @@ result is used, the worker is quarantined (recorded on the board, so every coord
 model stops using it at its next coverage refresh) and, after repeated mismatches, banned.
 
 The coordinator says how a result is checked: each job asks for a compute path (`asked`: this
-coordinator's own, so `q8` against `q8` is a bitwise check), and a result labelled with another
-is refused and counted as a lie. A worker that cannot run the path asked (a CUDA worker) fails
+coordinator's own, so `q8` against `q8`, or `f32cpu` against `f32cpu`, is a bitwise check), and
+a result labelled with another is refused and counted as a lie. A worker that cannot run the path asked (a CUDA worker) fails
 the job with `WrongDType` naming its own; the coordinator then asks it for that one only if it
 is a GPU path it checks by tolerance (`NEGOTIABLE`) and the operator admitted the worker to it
 (`KVQ_GPU_WORKERS`), never for a looser CPU label: a worker cannot loosen its own check by
@@ -156,9 +156,9 @@ class Verifier:
 
     def agree(self, a: Answer, b: Answer) -> bool:
         """Whether two workers' answers to the same rows agree: bit for bit on a
-        deterministic path (`q8` both: the int8 kernels give the same bits on every SIMD
-        path), else within the looser path's tolerances (`kvq.coordinator.check`), a GPU
-        label counting only for an admitted worker (`held_to`)."""
+        deterministic path (both `q8` or both `f32cpu`: `check.BITWISE_PATHS`), else within
+        the looser path's tolerances (`kvq.coordinator.check`), a GPU label counting only for
+        an admitted worker (`held_to`)."""
         da, db = self.held_to(a.worker, a.dtype), self.held_to(b.worker, b.dtype)
         if deterministic(da, db):
             return torch.equal(a.y, b.y)

@@ -32,7 +32,7 @@ from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.decode_attention import decode_attention
 from kvq.model.deltanet import DeltaState, DeltaWeights
-from kvq.model.experts import expert_forward
+from kvq.model.experts import expert_forward, sliced_forward
 from kvq.model.layers import (
     Gating,
     Rope,
@@ -57,6 +57,7 @@ from kvq.model.meta import read_meta
 from kvq.model.mla import mla_scales
 from kvq.model.moe_ffn import MoeCall, moe_ffn
 from kvq.model.qstack import QRows, Weight
+from kvq.model.rowwise import heads_matmul
 from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
 
@@ -102,6 +103,9 @@ class Backbone:
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
         self.experts = experts  # experts[layer] covers all experts of that MoE layer
+        # local_moe's sum order: 0 = one call over the layer, else by ranges of this many
+        # experts, as a coordinator whose slices hold that many sums them (X17)
+        self.expert_grain = 0
         self.device = output_norm.device
         self.dtype = output_norm.dtype
         self.spec = arch_spec(meta.arch)
@@ -171,10 +175,13 @@ class Backbone:
     def local_moe(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
-        """MoeFn computing all of `layer`'s experts locally."""
+        """MoeFn computing all of `layer`'s experts locally: in one call, or summed by ranges
+        of `expert_grain` experts as a coordinator sums its slices (`sliced_forward`)."""
         sl = self.experts.get(layer)
         if sl is None:
             raise ModelError(no_experts_message(layer))
+        if 0 < self.expert_grain < sl.expert_end - sl.expert_start:
+            return sliced_forward(sl, x, ids, w, self.expert_grain)
         return expert_forward(sl, x, ids, w)
 
     @torch.no_grad()
@@ -357,14 +364,46 @@ class Backbone:
                     q, kk = rms_norm(q, None, eps), rms_norm(kk, None, eps)
             elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
-        o = None
-        if max(lens) == 1:  # decode: every sequence at once, where the kernel covers the layer
-            o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
-        if o is None:
-            o = self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        o = self._gqa_rows(layer, a, q, kk, vv, caches, lens, window)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return _linear(o, a.wo, a.bo)  # [N, H]
+
+    def _gqa_rows(
+        self,
+        layer: int,
+        a: GqaWeights,
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        caches: list[KVCache],
+        lens: list[int],
+        window: int,
+    ) -> torch.Tensor:
+        """Attention of every row: the decoding sequences' (one row each) in one kernel call
+        where it covers the layer, the others' each against its cache. A decode row takes
+        the kernel whether or not a prompt shares its step (X17: the same bits either way).
+        q [N, heads, d], kk, vv [N, kv, d]. Returns [N, heads * d]."""
+        m = self.meta
+        if max(lens) == 1:  # decode: every sequence at once
+            o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
+            return o if o is not None else self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        one = [i for i, t in enumerate(lens) if t == 1]
+        dec = None
+        if one:
+            r = torch.tensor([starts[i] for i in one], device=q.device)  # [D] their rows
+            sub = [caches[i] for i in one]
+            dec = decode_attention(q[r], kk[r], vv[r], sub, layer, m.attention_scale, a.sinks)
+        if dec is None:
+            return self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
+        rest = [i for i, t in enumerate(lens) if t > 1]
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in rest])
+        o = q.new_empty((q.shape[0], dec.shape[1]))  # [N, heads * d]
+        o[r] = dec
+        cs, ts = [caches[i] for i in rest], [lens[i] for i in rest]
+        o[rows] = self._gqa_each(layer, a, q[rows], kk[rows], vv[rows], cs, ts, window)
+        return o
 
     def _gqa_each(
         self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
@@ -414,7 +453,7 @@ class Backbone:
             ckv = rms_norm(kv[:, :r], a.kv_a_norm, eps)  # [N, r]
             k_pe = self.rope(kv[:, None, r:], pos)  # [N, 1, rope]: one rope key for all heads
             q_pe = self.rope(q[..., nope:], pos)  # [N, heads, rope]
-            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
+            q_lat = heads_matmul(q[..., :nope].transpose(0, 1), a.wk_b.transpose(1, 2))  # [h, N, r]
             qc = torch.cat((q_lat.transpose(0, 1), q_pe), -1)  # [N, heads, r + rope]
             latent = torch.cat((ckv[:, None, :], k_pe), -1)  # [N, 1, r + rope]
         outs, start = [], 0
@@ -426,7 +465,7 @@ class Backbone:
                 outs.append(causal_attention(qs, keys, values, c.length, scale))
                 start += t
             o = torch.cat(outs).view(n, heads, r).transpose(0, 1)  # [heads, N, r]
-            ov = torch.bmm(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
+            ov = heads_matmul(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         return linear(ov.reshape(n, heads * m.value_head_dim), a.wo)  # [N, H]
 
     def check_steps(self, steps: list[SeqStep]) -> list[int]:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvq.errors import ModelError
 from kvq.model.layers import gated, linear, rms_norm
 from kvq.model.qstack import Weight
+from kvq.model.rowwise import pointwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +138,8 @@ def project(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The row-wise projections of x [N, H] (any rows, of any sequences): the conv's input
     [N, C], the output gate z [N, Hv*D], beta and the log decay g [N, Hv]."""
-    beta = torch.sigmoid(linear(x, w.wbeta))  # [N, Hv]
-    g = F.softplus(linear(x, w.walpha) + w.dt_bias) * w.a  # [N, Hv], <= 0
+    beta = pointwise(torch.sigmoid, linear(x, w.wbeta))  # [N, Hv]
+    g = pointwise(F.softplus, linear(x, w.walpha) + w.dt_bias) * w.a  # [N, Hv], <= 0
     return linear(x, w.wqkv), linear(x, w.wgate), beta, g
 
 

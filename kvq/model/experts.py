@@ -66,6 +66,49 @@ def expert_forward(
     )  # fmt: skip
 
 
+def sliced_forward(
+    sl: ExpertSlice, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grain: int
+) -> torch.Tensor:
+    """`expert_forward` summed as a coordinator sums its slices (X17): the experts cut into
+    ranges of `grain` (`KVQ_SLICE_EXPERTS`), each range's rows computed alone and its partial
+    added from 0 in range order. A token's bits then do not depend on which ranges were
+    computed here or by which worker. x: [T, H]; ids, weights: [T, k]. Returns [T, H]."""
+    check_inputs(sl.hidden, x, ids, weights)
+    out = torch.zeros_like(x)  # [T, H]
+    first = sl.expert_start
+    for lo in range(first, sl.expert_end, grain):
+        hi = min(lo + grain, sl.expert_end)
+        rows = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)  # [R]
+        if not rows.numel():
+            continue
+        weights_of, bias_of = _shifted(sl, lo - first)
+        part = grouped_expert_ffn(
+            x[rows],
+            ids[rows],
+            weights[rows],
+            lo,
+            hi,
+            weights_of,
+            sl.compute_dtype,
+            act=sl.act,
+            bias_of=bias_of,
+        )
+        out.index_add_(0, rows, part)
+    return out
+
+
+def _shifted(sl: ExpertSlice, shift: int) -> tuple[WeightsOf, BiasOf | None]:
+    """`sl`'s weights and biases of the experts from local index `shift` on."""
+
+    def weights_of(e: int) -> ExpertWeights:
+        return sl.expert(e + shift)
+
+    def bias_of(e: int) -> ExpertBias | None:
+        return sl.bias(e + shift)
+
+    return weights_of, (bias_of if sl.biases is not None else None)
+
+
 def grouped_expert_ffn(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
     weights_of: WeightsOf, cdtype: torch.dtype, before_compute: Callable[[], None] | None = None,

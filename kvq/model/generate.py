@@ -26,16 +26,21 @@ def generate(
     sampling: Sampling | None = None,
     stop_at_eos: bool = True,
     on_token: Callable[[int], None] | None = None,
+    chunk: int = 0,
 ) -> list[int]:
     """Generated ids only (EOS not included); stops at EOS (if `stop_at_eos`), after
-    `max_tokens`, or when the context is full. `on_token` sees each id as it is chosen."""
+    `max_tokens`, or when the context is full. `on_token` sees each id as it is chosen.
+    `chunk` > 0: the prompt is read `chunk` tokens at a time, cut where a coordinator with
+    that `KVQ_PREFILL_CHUNK` cuts it (X17: the same bits as served)."""
     if max_tokens <= 0:
         return []
     if not prompt_ids:
         raise ModelError("the prompt is empty; pass at least one token id")
     pick = _picker(sampling or Sampling(), bb.meta.vocab_size)
     cache = bb.new_cache()
-    logits = bb.forward([SeqStep(list(prompt_ids), cache)], moe)  # [1, V]
+    step = chunk if chunk > 0 else len(prompt_ids)
+    for i in range(0, len(prompt_ids), step):
+        logits = bb.forward([SeqStep(list(prompt_ids[i : i + step]), cache)], moe)  # [1, V]
     out: list[int] = []
     while True:
         nxt = pick(logits[0])

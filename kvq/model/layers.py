@@ -12,6 +12,7 @@ from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
 from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.qstack import QMatrix, Weight
+from kvq.model.rowwise import pointwise, row_matmul
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -25,7 +26,7 @@ def attn_temperature(pos: torch.Tensor, floor: int, scale: float) -> torch.Tenso
     """llama4's attention temperature of the NoPE layers' queries at positions pos [T]:
     `1 + scale ln(floor((p + 1) / floor) + 1)` (llama.cpp's offset of 1). Returns [T] f32."""
     steps = torch.floor((pos.to(torch.float32) + 1.0) / floor)  # [T]
-    return torch.log(steps + 1.0) * scale + 1.0
+    return pointwise(torch.log, (steps + 1.0)[:, None])[:, 0] * scale + 1.0
 
 
 class Rope:
@@ -106,8 +107,8 @@ class Rope:
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         inv = self.inv_freq.to(x.device)
         ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
-        cos = (ang.cos() * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
-        sin = (ang.sin() * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        cos = (pointwise(torch.cos, ang) * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        sin = (pointwise(torch.sin, ang) * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
         if self.style == "neox":
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half], x[..., half:]  # [T, heads, d/2] each
@@ -241,7 +242,7 @@ def route(
     router: [E, H]; x: [T, H]; bias: [E] or None (the choice's); router_bias: [E] or None
     (the logits'). Returns ids [T, k] int64 and weights [T, k] float32, largest choice first.
     """
-    logits = x.float() @ router.float().T  # [T, E] in f32, as llama.cpp does
+    logits = row_matmul(x.float(), router.float().T)  # [T, E] in f32, as llama.cpp does
     if router_bias is not None:
         logits = logits + router_bias.float()
     if gating.scores == "softmax_weight":
@@ -249,7 +250,7 @@ def route(
     elif gating.scores == "softmax":
         probs = torch.softmax(logits, -1)
     else:
-        probs = torch.sigmoid(logits)
+        probs = pointwise(torch.sigmoid, logits)
     choice = probs if bias is None else probs + bias.float()  # [T, E]
     if gating.on_logits:
         choice = logits
@@ -270,8 +271,9 @@ def route(
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x @ w.T for a dense or encoded (`QMatrix`) weight. x: [N, in]; w: [out, in]."""
-    return w.matmul(x) if isinstance(w, QMatrix) else x @ w.T
+    """x @ w.T for a dense or encoded (`QMatrix`) weight, each row's bits those it gets
+    alone (`kvq.model.rowwise`). x: [N, in]; w: [out, in]."""
+    return w.matmul(x) if isinstance(w, QMatrix) else row_matmul(x, w.T)
 
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
@@ -284,7 +286,7 @@ def gated(g: torch.Tensor, u: torch.Tensor, act: str = ACT_SILU) -> torch.Tensor
     gpt-oss's `swiglu_oai`. Returns [T, F]."""
     if act == ACT_SWIGLU_OAI:
         return swiglu_oai(g, u)
-    return F.silu(g) * u
+    return pointwise(F.silu, g) * u
 
 
 # gpt-oss's clamped SwiGLU (llama.cpp's `ggml_swiglu_oai`, constants of `build_moe_ffn`)
@@ -296,4 +298,4 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1).
     g, u: [T, F] (the gate's and up's outputs, biases included). Returns [T, F]."""
     g = g.clamp(max=OAI_LIMIT)
-    return g * torch.sigmoid(OAI_ALPHA * g) * (u.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
+    return g * pointwise(torch.sigmoid, OAI_ALPHA * g) * (u.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)

@@ -19,6 +19,7 @@ import torch
 from kvq.errors import ModelError
 from kvq.model.layers import Gating, route, swiglu
 from kvq.model.loader import MoeFfn, SharedExpert
+from kvq.model.rowwise import pointwise, row_matmul
 
 # (layer, x [T, H] after ffn_norm, topk_ids [T, k] int64, topk_w [T, k] float32)
 MoeCall = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -66,4 +67,6 @@ def shared_ffn(sh: SharedExpert, x: torch.Tensor) -> torch.Tensor:
     """The shared expert(s), gated per row by a sigmoid where the arch has that gate
     (qwen2moe). x: [N, H]. Returns [N, H]."""
     y = swiglu(x, sh.gate, sh.up, sh.down)  # [N, H]
-    return y if sh.gate_inp is None else torch.sigmoid(x @ sh.gate_inp)[:, None] * y
+    if sh.gate_inp is None:
+        return y
+    return pointwise(torch.sigmoid, row_matmul(x, sh.gate_inp[:, None])) * y  # [N, 1] gate

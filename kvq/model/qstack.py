@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvq.errors import ModelError, SliceIntegrityError
+from kvq.model.rowwise import invariant, row_matmul
 from kvq.quant import dequantize, kernels, row_bytes
 
 
@@ -135,12 +136,15 @@ class QMatrix(_Encoded):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, cols] @ W.T -> [B, rows] in x.dtype: the fused kernel for a few rows, else
-        the matrix dequantized for this call (float32 bytes are used in place)."""
-        if kernels.covers(self.qtype, int(x.shape[0]), x):
+        the matrix dequantized for this call (float32 bytes are used in place). Batch-invariant
+        (`kvq.model.rowwise`) with float32 activations, the float32 kernels are not (their
+        one-row and many-row forms sum differently): the dequantized matrix, row by row."""
+        fused = kernels.covers(self.qtype, int(x.shape[0]), x)
+        if fused and (kernels.int8_active() or not invariant(x)):
             return kernels.matmul(x, self.raw, self.qtype)
         if self.qtype == GGMLQuantizationType.F32 and x.dtype == torch.float32:
-            return x @ self.raw.view(torch.float32).view(self.shape).T
-        return x @ self.dense(x.dtype).T
+            return row_matmul(x, self.raw.view(torch.float32).view(self.shape).T)
+        return row_matmul(x, self.dense(x.dtype).T)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.raw, self.qtype, self.shape, dtype)

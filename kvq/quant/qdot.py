@@ -169,12 +169,14 @@ class KernelOptions:
     SIMD path of the C kernel, -1 the best this CPU has (tests force one; every path gives the
     same bits). `cc`: the C compiler that builds it
     (the CC environment variable). `cache_dir`: where the built library is kept ("" =
-    `qdot.default_cache_dir()`)."""
+    `qdot.default_cache_dir()`). `batch_invariant` (KVQ_BATCH_INVARIANT): float32 products on
+    the CPU give each row its bits alone (`kvq.model.rowwise`, X17)."""
 
     activations: str = "int8"
     cc: str = "cc"
     cache_dir: str = ""
     isa: int = -1
+    batch_invariant: bool = True
 
 
 _options = KernelOptions()

@@ -55,7 +55,7 @@ class StageServer:
     ) -> None:
         self.name, self.model, self.sid, self.backbone = name, model, sid, backbone
         self.hidden = backbone.meta.embedding_length
-        self.dtype_name = cast(wire.ComputeDType, dtype_name(backbone.dtype))
+        self.dtype_name = cast(wire.ComputeDType, dtype_name(backbone.dtype, backbone.device))
         self.max_seqs, self.clock_ms = max_seqs, clock_ms
         self.states: OrderedDict[tuple[str, str], KVCache] = OrderedDict()
         self.served = 0

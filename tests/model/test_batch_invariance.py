@@ -1,0 +1,151 @@
+"""X17 on every family's tiny model: a sequence's logits are the same bits alone or beside any
+other sequences of a step (prompts and decode tokens, any count and lengths), and a MoE
+layer's output the same bits whichever ranges of its experts were summed where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvq.model import Backbone, make_tiny
+from kvq.model.cache import SeqStep
+from kvq.model.experts import expert_forward, grouped_expert_ffn, sliced_forward
+
+FAMILIES = [
+    ("qwen3moe", "", "f32"),
+    ("qwen2moe", "", "f32"),
+    ("mixtral", "", "f32"),
+    ("olmoe", "", "f32"),
+    ("glm4moe", "", "f32"),
+    ("deepseek2", "v3", "f32"),
+    ("gpt-oss", "", "f32"),
+    ("qwen35moe", "", "f32"),
+    ("llama4", "", "f32"),
+    ("qwen3moe", "", "q4_k_m"),
+    ("gpt-oss", "", "mxfp4"),
+    ("deepseek2", "v3", "q4_k_m"),
+]
+_models: dict[str, Backbone] = {}
+
+
+@pytest.fixture(params=FAMILIES, ids=lambda f: f"{f[0]}-{f[2]}")
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backbone:
+    arch, variant, quant = request.param
+    key = f"{arch}-{quant}"
+    if key not in _models:
+        path = tmp_path_factory.mktemp("inv") / f"{key}.gguf"
+        hidden = 64 if quant == "f32" else 256
+        make_tiny(
+            path,
+            arch=arch,
+            variant=variant,
+            quant=quant,
+            layers=3,
+            hidden=hidden,
+            expert_ffn=hidden,
+            seed=3,
+        )
+        _models[key] = Backbone.from_gguf(path)
+    return _models[key]
+
+
+TOKENS = st.lists(st.integers(0, 255), min_size=1, max_size=40)
+# each other sequence: its prompt so far (already in its cache, maybe none) and its new tokens
+OTHERS = st.lists(st.tuples(st.lists(st.integers(0, 255), max_size=12), TOKENS), max_size=4)
+
+
+def _logits(bb: Backbone, target: tuple[list[int], list[int]], others: list, place: int):  # type: ignore[no-untyped-def]
+    """The target's logits row when its new tokens run at `place` among the others' (each
+    sequence's earlier tokens run alone first, as a cache that was filled before)."""
+    seqs = [*others[:place], target, *others[place:]]
+    steps = []
+    for before, new in seqs:
+        cache = bb.new_cache()
+        if before:
+            bb.forward([SeqStep(list(before), cache)])
+        steps.append(SeqStep(list(new), cache))
+    return bb.forward(steps)[place]
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(prompt=TOKENS, decode=st.booleans(), others=OTHERS, place=st.integers(0, 4))
+def test_a_sequences_logits_do_not_depend_on_its_batch(
+    family: Backbone,
+    prompt: list[int],
+    decode: bool,
+    others: list,
+    place: int,  # type: ignore[type-arg]
+) -> None:
+    target = (prompt, [7]) if decode else ([], prompt)  # a decode token, or a whole prompt
+    place = place % (len(others) + 1)
+    alone = _logits(family, target, [], 0)
+    got = _logits(family, target, others, place)
+    assert torch.equal(got, alone), (got - alone).abs().max()
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=st.integers(1, 12), grain=st.integers(1, 8), seed=st.integers(0, 10**6))
+def test_slice_sums_do_not_depend_on_where_slices_ran(
+    family: Backbone, rows: int, grain: int, seed: int
+) -> None:
+    """`sliced_forward` is the coordinator's sum (each range's partial over its own rows,
+    added from 0 in range order: `LayerCall.finish`), whichever rows of the layer a range
+    computed with; with the grain of the whole layer it is `expert_forward`."""
+    layer = min(family.experts)
+    sl = family.experts[layer]
+    g = torch.Generator().manual_seed(seed)
+    h, e = sl.hidden, sl.expert_end
+    x = torch.randn(rows, h, generator=g)
+    k = family.meta.expert_used_count
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])  # [T, k]
+    w = torch.rand(rows, k, generator=g)
+    out = torch.zeros_like(x)
+    for lo in range(0, e, grain):  # as a coordinator: each slice's partial on its own rows
+        hi = min(lo + grain, e)
+        hit = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)
+        if hit.numel():
+            part = grouped_expert_ffn(
+                x[hit],
+                ids[hit],
+                w[hit],
+                lo,
+                hi,
+                lambda j, lo=lo: sl.expert(j + lo),
+                sl.compute_dtype,
+                act=sl.act,
+                bias_of=None if sl.biases is None else (lambda j, lo=lo: sl.bias(j + lo)),
+            )
+            out.index_add_(0, hit, part)
+    assert torch.equal(sliced_forward(sl, x, ids, w, grain), out)
+    one = sliced_forward(sl, x[-1:], ids[-1:], w[-1:], grain)  # the last row alone
+    assert torch.equal(one[0], out[-1])
+    if grain >= e:
+        assert torch.equal(expert_forward(sl, x, ids, w), out)
+
+
+def test_a_prompt_read_in_pieces_is_read_alike_in_every_batch(tmp_path: Path) -> None:
+    """The engine cuts a prompt where `generate(chunk=)` does, whatever the other prompts."""
+    from kvq.coordinator.engine import Engine
+    from kvq.model import ByteTokenizer
+    from kvq.model.generate import generate
+
+    make_tiny(tmp_path / "m.gguf", seed=3)
+    bb = Backbone.from_gguf(tmp_path / "m.gguf")
+    prompts = [list(range(1, 20)), list(range(30, 43)), list(range(50, 55)), list(range(60, 81))]
+    engine = Engine(bb, ByteTokenizer(), n_slots=4, prefill_chunk=8)
+    for i, p in enumerate(prompts):
+        engine.admit(str(i), p, 6, b"")
+    done = []
+    while engine.active:
+        done += engine.step(None, lambda seqs: None)
+    got = {s.request_id: s.generated for s in done}
+    for i, p in enumerate(prompts):
+        assert got[str(i)] == generate(bb, p, 6, chunk=8, stop_at_eos=False)
