@@ -5,6 +5,7 @@ alone, token for token, on each family's tiny model and on the `small` preset.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -94,7 +95,7 @@ def _run(
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [2, 0] if os.environ.get("LONG_TESTS") else [2])
 @pytest.mark.parametrize(
     ("arch", "variant", "quant"),
     [
@@ -136,6 +137,7 @@ def test_concurrent_requests_equal_each_prompt_alone(
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.skipif(not os.environ.get("LONG_TESTS"), reason="about 14 min each: LONG_TESTS=1")
 @pytest.mark.parametrize("workers", [0, 3])
 def test_the_small_preset_gives_24_of_24(redis_server, tmp_path: Path, workers: int) -> None:  # type: ignore[no-untyped-def]
     """The deployment of the README: a monitor, one 4-slot coordinator, default settings;
