@@ -19,12 +19,16 @@ Quantized weights go through the int8 kernels (`kvq.quant.kernels`), row-invaria
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
 
 from kvq.model.threads import one_thread
 from kvq.quant import qdot
+
+log = logging.getLogger("kvq.model")
 
 
 def invariant(x: torch.Tensor) -> bool:
@@ -53,7 +57,7 @@ def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w = w.to(x.dtype)
     n = x.shape[0]
     out = x.new_empty((n, w.shape[1]))  # [N, M]
-    small = w.numel() < _SMALL
+    small = w.numel() < _SMALL or not blocks_hold()
     step = 1 if small else _BLOCK
     for s in range(0, n, step):
         e = min(s + step, n)
@@ -62,6 +66,34 @@ def row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         block[: e - s] = x[s:e]
         out[s:e] = (block @ w)[: e - s]
     return out
+
+
+@functools.cache
+def blocks_hold() -> bool:
+    """Whether this machine's product gives a row the same bits in padded blocks of any size
+    and at any place (what `row_matmul`'s blocks rely on: measured on one CPU, so probed once
+    per process, on a few weight shapes). Where it does not, every row goes in a call of its
+    own: slower (docs/benchmarks.md, "Batch invariance"), as invariant."""
+    g = torch.Generator().manual_seed(0)
+    for k, m in ((256, 512), (512, 1024), (2048, 96)):
+        w = torch.randn(k, m, generator=g)
+        x = torch.randn(37, k, generator=g)
+        together = _padded(x, w)
+        for i in (0, 5, 18, 36):
+            if not torch.equal(_padded(x[i : i + 1], w)[0], together[i]):
+                log.warning(
+                    "this CPU's float32 products change a row's bits with its block: "
+                    "batch-invariant products go one row per call (slower)"
+                )
+                return False
+    return True
+
+
+def _padded(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] @ w in one call of N rounded up to `_QUAD` rows, in a fresh buffer."""
+    block = x.new_zeros((-(-x.shape[0] // _QUAD) * _QUAD, x.shape[1]))
+    block[: x.shape[0]] = x
+    return (block @ w)[: x.shape[0]]
 
 
 def heads_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
