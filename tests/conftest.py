@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import gc
-import warnings
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
