@@ -51,11 +51,11 @@ from kvq.coordinator.chain_rows import Pass as Pass  # the engine's handle on a 
 from kvq.coordinator.chain_witness import WitnessSteps
 from kvq.coordinator.layer_call import Tally
 from kvq.coordinator.mailbox import Mailbox
-from kvq.coordinator.pending import Answer, Pending, latency_ms
+from kvq.coordinator.pending import Answer, latency_ms
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.stage_check import Referee
 from kvq.coordinator.verify import Verifier
-from kvq.errors import NoReplica, RoutingError
+from kvq.errors import NoReplica
 from kvq.model import Backbone, KVCache, SeqStep
 from kvq.slices import SliceSpec
 from kvq.swarm.telemetry import hops_cost
@@ -230,23 +230,16 @@ class Chain(WitnessSteps):
         return spans
 
     def _encode(self, job_id: str, worker: str, group: list[Rows], spans: list[int]) -> Fields:
-        first = self.stages[spans[0]]
-        job = wire.StageJob(
-            job_id=job_id,
-            model=self.info.model,
-            slice=first.sid,
-            coord=self.coord,
-            reply_to=self.mailbox.results_key(worker),
-            deadline_ms=0,
-            seqs=[wire.StageSeq(r.seq.key, r.start, int(r.x.shape[0])) for r in group],
-            x=wire.Tensor.of(torch.cat([r.x for r in group]).float().contiguous().numpy()),
+        seqs = [wire.StageSeq(r.seq.key, r.start, int(r.x.shape[0])) for r in group]
+        return self._stage_job(
+            job_id,
+            worker,
+            self.stages[spans[0]],
+            seqs,
+            torch.cat([r.x for r in group]),
             drop=self._drops.pop(worker, [])[: wire.MAX_STAGE_SEQS],
             then=[self.stages[k].sid for k in spans[1:]],
         )
-        n = sum(int(r.x.shape[0]) for r in group)
-        p = Pending(first, torch.arange(n), worker, time.monotonic(), self.clock_ms())
-        self.mailbox.expect(job_id, p, self)
-        return wire.encode(job)
 
     def _receive(self, flying: dict[str, InFlight]) -> bool:
         """One read of the answers (a short block), then the jobs whose holder is down or
@@ -319,13 +312,6 @@ class Chain(WitnessSteps):
         if y is None or y.shape != (n, self.head.meta.embedding_length) or not np.isfinite(y).all():
             return None, f"{sender} answered rows of shape {None if y is None else y.shape}"
         return torch.from_numpy(np.array(y, dtype=np.float32)).to(self.head.dtype), ""
-
-    def _apply(self, rows: list[Rows], last: int, y: torch.Tensor) -> None:
-        at = 0
-        for r in rows:
-            m = int(r.x.shape[0])
-            r.x, r.next, r.busy = y[at : at + m], last + 1, False
-            at += m
 
     def _failed(self, job: InFlight, flying: dict[str, InFlight]) -> None:
         """`job` failed (an error, its holder down, no answer in time): a witness's leaves
@@ -429,12 +415,6 @@ class Chain(WitnessSteps):
         ):
             n += 1
         return n
-
-    def _cost(self, worker: str) -> float:
-        try:
-            return self.routing.router.state.node_cost(worker)
-        except (RoutingError, KeyError):
-            return float("inf")
 
     def _load(self, sid: str) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -26,7 +26,7 @@ from kvq.coordinator.pending import Answer, Pending
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.stage_check import Referee, Ruling, decide, rule
 from kvq.coordinator.verify import Verifier
-from kvq.errors import NoReplica
+from kvq.errors import NoReplica, RoutingError
 from kvq.slices import SliceSpec
 
 log = logging.getLogger("kvq.coordinator")
@@ -47,14 +47,54 @@ class WitnessSteps:
     _flying: dict[str, InFlight]
     _drops: dict[str, list[str]]
 
-    def _apply(self, rows: list[Rows], last: int, y: torch.Tensor) -> None:
-        raise NotImplementedError
+    # the chain's own step for a failed job (`Chain._failed`)
+    _failed: Callable[[InFlight, dict[str, InFlight]], None]
 
-    def _failed(self, job: InFlight, flying: dict[str, InFlight]) -> None:
-        raise NotImplementedError
+    def _apply(self, rows: list[Rows], last: int, y: torch.Tensor) -> None:
+        """An answer's rows `y` into `rows`, which go on after span `last`."""
+        at = 0
+        for r in rows:
+            m = int(r.x.shape[0])
+            r.x, r.next, r.busy = y[at : at + m], last + 1, False
+            at += m
 
     def _cost(self, worker: str) -> float:
-        raise NotImplementedError
+        """H3's node cost of `worker` (infinite for one the router does not know)."""
+        try:
+            return self.routing.router.state.node_cost(worker)
+        except (RoutingError, KeyError):
+            return float("inf")
+
+    def _stage_job(
+        self,
+        job_id: str,
+        worker: str,
+        spec: SliceSpec,
+        seqs: list[wire.StageSeq],
+        x: torch.Tensor,
+        drop: list[str] | None = None,
+        then: list[str] | None = None,
+        chunks: list[int] | None = None,
+    ) -> Fields:
+        """Stage job `job_id` to `worker` for span `spec` over rows `x` (`wire.StageJob` says
+        what `drop`, `then` and `chunks` are), awaited by this chain; encoded."""
+        job = wire.StageJob(
+            job_id=job_id,
+            model=self.info.model,
+            slice=spec.sid,
+            coord=self.coord,
+            reply_to=self.mailbox.results_key(worker),
+            deadline_ms=0,
+            seqs=seqs,
+            x=wire.Tensor.of(x.float().contiguous().numpy()),
+            drop=drop or [],
+            then=then or [],
+            chunks=chunks or [],
+        )
+        rows = torch.arange(int(x.shape[0]))
+        p = Pending(spec, rows, worker, time.monotonic(), self.clock_ms())
+        self.mailbox.expect(job_id, p, self)
+        return wire.encode(job)
 
     def _unwitness(self, pair: Pair, lost: bool = True) -> None:
         """The pair's sequences go on unwitnessed on its span (`lost`: the witness failed)."""
@@ -120,24 +160,11 @@ class WitnessSteps:
         posts: list[tuple[str, Fields]] = []
         for i, (r, ch) in enumerate(zip(pair.rows, chunks, strict=True)):
             key = f"{r.seq.key}~referee"
-            x = torch.cat(ch).float().contiguous()
+            x = torch.cat(ch)
             job_id = self.mailbox.next_job_id()
-            job = wire.StageJob(
-                job_id=job_id,
-                model=self.info.model,
-                slice=spec.sid,
-                coord=self.coord,
-                reply_to=self.mailbox.results_key(u),
-                deadline_ms=0,
-                seqs=[wire.StageSeq(key, 0, int(x.shape[0]))],
-                x=wire.Tensor.of(x.numpy()),
-                chunks=[int(c.shape[0]) for c in ch],
-            )
-            rows = torch.arange(int(x.shape[0]))
-            self.mailbox.expect(
-                job_id, Pending(spec, rows, u, time.monotonic(), self.clock_ms()), self
-            )
-            posts.append((u, wire.encode(job)))
+            seqs = [wire.StageSeq(key, 0, int(x.shape[0]))]
+            chunked = [int(c.shape[0]) for c in ch]
+            posts.append((u, self._stage_job(job_id, u, spec, seqs, x, chunks=chunked)))
             self._flying[job_id] = InFlight(u, [r], [pair.span], time.monotonic(), pair, replay=i)
             self._drops.setdefault(u, []).append(key)
         self.mailbox.post(posts, watch=[u])
