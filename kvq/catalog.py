@@ -225,9 +225,13 @@ def _as_ints(key: str, value: object) -> tuple[int, ...]:
 
 
 _CHECKERS = {
-    "int": _as_int, "float": _as_float, "str": _as_str, "bool": _as_bool,
-    "tuple[bool, ...]": _as_flags, "tuple[int, ...]": _as_ints,
-}  # fmt: skip
+    "int": _as_int,
+    "float": _as_float,
+    "str": _as_str,
+    "bool": _as_bool,
+    "tuple[bool, ...]": _as_flags,
+    "tuple[int, ...]": _as_ints,
+}
 
 
 def meta_to_dict(meta: ModelMeta) -> dict[str, object]:
@@ -269,8 +273,10 @@ def meta_from_dict(d: Mapping[str, object]) -> ModelMeta:
     meta = ModelMeta(**values)  # type: ignore[arg-type]
     moe = meta.moe_layers
     if layers and len(layers) != len(moe):
-        raise ModelError(f"model layout lists {len(layers)} MoE layers, its metadata "
-                         f"{len(moe)} ({list(moe)}); republish the model")  # fmt: skip
+        raise ModelError(
+            f"model layout lists {len(layers)} MoE layers, its metadata "
+            f"{len(moe)} ({list(moe)}); republish the model"
+        )
     experts = {
         layer: _layer_from_list(layer, rows) for layer, rows in zip(moe, layers, strict=False)
     }

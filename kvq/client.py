@@ -116,27 +116,49 @@ class ReplyReader:
 
 
 def send(
-    r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
-    prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
-    sampling: wire.SamplingParams | None = None, messages: list[wire.ChatMessage] | None = None,
+    r: redis.Redis,
+    keys: Keys,
+    model: str,
+    *,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    maxlen: int = 10_000,
+    sampling: wire.SamplingParams | None = None,
+    messages: list[wire.ChatMessage] | None = None,
     request_id: str | None = None,
-) -> RequestId:  # fmt: skip
+) -> RequestId:
     """Queue a request; returns its id, a `RequestId` that `events` reads its entry and
     stream from (see `submit`)."""
     rid = submit(
-        r, keys, model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        maxlen=maxlen, sampling=sampling, messages=messages, request_id=request_id,
-    ).request_id  # fmt: skip
+        r,
+        keys,
+        model,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        maxlen=maxlen,
+        sampling=sampling,
+        messages=messages,
+        request_id=request_id,
+    ).request_id
     assert isinstance(rid, RequestId)
     return rid
 
 
 def submit(
-    r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
-    prompt_ids: list[int] | None = None, max_tokens: int = 16, maxlen: int = 10_000,
-    sampling: wire.SamplingParams | None = None, messages: list[wire.ChatMessage] | None = None,
+    r: redis.Redis,
+    keys: Keys,
+    model: str,
+    *,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    maxlen: int = 10_000,
+    sampling: wire.SamplingParams | None = None,
+    messages: list[wire.ChatMessage] | None = None,
     request_id: str | None = None,
-) -> Submitted:  # fmt: skip
+) -> Submitted:
     """Queue a request (a fresh id unless `request_id` is given; ids must be unique: a reused
     one is refused with an error event). RequestFailed at once, before anything is queued, for
     `max_tokens < 1`, a model nobody registered, or `maxlen` requests already queued. `messages`: a chat, rendered by the model's
@@ -149,8 +171,15 @@ def submit(
             f"model {model!r} is not registered here (prefix {keys.prefix!r}); "
             "start a monitor with --model, or check KVQ_PREFIX"
         )
-    req = new_request(model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
-                      sampling=sampling, messages=messages, request_id=request_id)  # fmt: skip
+    req = new_request(
+        model,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        messages=messages,
+        request_id=request_id,
+    )
     stream = keys.model_requests(model, request_shard(req.request_id, shards))
     queued = r.xlen(stream)
     if queued >= maxlen:
@@ -162,18 +191,28 @@ def submit(
 
 
 def new_request(
-    model: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
-    max_tokens: int = 16, sampling: wire.SamplingParams | None = None,
-    messages: list[wire.ChatMessage] | None = None, request_id: str | None = None,
+    model: str,
+    *,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    sampling: wire.SamplingParams | None = None,
+    messages: list[wire.ChatMessage] | None = None,
+    request_id: str | None = None,
     tools: str | None = None,
-) -> wire.Request:  # fmt: skip
+) -> wire.Request:
     """A request (a fresh id unless `request_id` is given), not queued yet; `tools`: a chat's
     tools as JSON text, for its template."""
     return wire.Request(
         request_id=str(request_id or uuid.uuid4().hex),  # a plain str: the codec's rule
-        model=model, prompt=prompt, prompt_ids=prompt_ids, messages=messages,
-        max_tokens=max_tokens, sampling=sampling or wire.SamplingParams(), tools=tools,
-    )  # fmt: skip
+        model=model,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        messages=messages,
+        max_tokens=max_tokens,
+        sampling=sampling or wire.SamplingParams(),
+        tools=tools,
+    )
 
 
 def enqueue(r: redis.Redis, stream: str, req: wire.Request) -> Submitted:
@@ -214,9 +253,15 @@ def cancel(
 
 
 def events(
-    r: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 60.0,
-    entry: str | None = None, *, stream: str | None = None, lost_after_s: float = LOST_AFTER_S,
-) -> Iterator[wire.ReplyEvent]:  # fmt: skip
+    r: redis.Redis,
+    keys: Keys,
+    request_id: str,
+    timeout_s: float = 60.0,
+    entry: str | None = None,
+    *,
+    stream: str | None = None,
+    lost_after_s: float = LOST_AFTER_S,
+) -> Iterator[wire.ReplyEvent]:
     """Reply events of one request, in order, until `done` (or RequestFailed / TimeoutError):
     each token once, also across a coordinator restart or takeover (`ReplyFilter`).
 
@@ -268,7 +313,7 @@ def events(
                 "before it was answered (Redis lost it: a restart without persistence, "
                 "FLUSHALL or a DEL); send it again",
                 wire.Failure(type="Lost", message="request lost by Redis", retryable=True),
-            )  # fmt: skip
+            )
 
 
 def entry_gone(r: redis.Redis, stream: str, entry: str) -> bool:
@@ -301,9 +346,15 @@ def _stream_id(eid: str) -> tuple[int, int]:
 
 
 def generate(
-    r: redis.Redis, keys: Keys, model: str, *, prompt: str | None = None,
-    prompt_ids: list[int] | None = None, max_tokens: int = 16, timeout_s: float = 60.0,
-) -> list[int]:  # fmt: skip
+    r: redis.Redis,
+    keys: Keys,
+    model: str,
+    *,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    timeout_s: float = 60.0,
+) -> list[int]:
     """Submit and wait; the generated token ids."""
     rid, entry = submit(r, keys, model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens)
     got = events(r, keys, rid, timeout_s, entry)

@@ -32,10 +32,21 @@ from kvq.settings_parts import (
 P = TypeVar("P")  # a part of the settings (kvq.settings_parts)
 
 __all__ = [
-    "NUMA_POLICIES", "ApiSettings", "BusSettings", "CoordinatorSettings", "DispatchSettings", "MonitorSettings",
-    "NumaPolicy", "RoutingSettings", "Settings", "WorkerSettings", "child_env", "describe",
-    "env_name", "load_settings",
-]  # fmt: skip
+    "NUMA_POLICIES",
+    "ApiSettings",
+    "BusSettings",
+    "CoordinatorSettings",
+    "DispatchSettings",
+    "MonitorSettings",
+    "NumaPolicy",
+    "RoutingSettings",
+    "Settings",
+    "WorkerSettings",
+    "child_env",
+    "describe",
+    "env_name",
+    "load_settings",
+]
 NumaPolicy = Literal["preferred", "bind", "off"]
 NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
 
@@ -50,13 +61,15 @@ class Settings(SettingsChecks):
     # -- Redis / bus --------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server to use")
     redis_mode: RedisMode = Field(
-        "auto", description="standalone, cluster (Redis/Valkey Cluster) or sentinel; auto: as "
-        "KVQ_REDIS_URL's scheme says (redis+cluster://, redis+sentinel://host:port/master)"
-    )  # fmt: skip
+        "auto",
+        description="standalone, cluster (Redis/Valkey Cluster) or sentinel; auto: as "
+        "KVQ_REDIS_URL's scheme says (redis+cluster://, redis+sentinel://host:port/master)",
+    )
     rq_url: str = Field(
-        "", description="standalone Redis for RQ's coarse jobs ('' = KVQ_REDIS_URL); RQ is not "
-        "cluster-safe"
-    )  # fmt: skip
+        "",
+        description="standalone Redis for RQ's coarse jobs ('' = KVQ_REDIS_URL); RQ is not "
+        "cluster-safe",
+    )
     prefix: str = Field("kvq", description="first part of every key")
     stream_maxlen: int = Field(10_000, ge=100, description="approximate cap of every stream")
     block_ms: int = Field(1000, ge=1, le=60_000, description="blocking read timeout")
@@ -77,27 +90,34 @@ class Settings(SettingsChecks):
     # -- coordinator --------------------------------------------------------------------
     n_slots: int = Field(4, ge=1, le=1024, description="sequences generated together")
     prefill_chunk: int = Field(
-        512, ge=0, le=1_048_576,
+        512,
+        ge=0,
+        le=1_048_576,
         description="prompt tokens one engine step reads at most, over every sequence still "
         "reading its prompt (chunked prefill: the other sequences decode between the chunks "
         "of a long prompt); 0 = each prompt whole in one step",
-    )  # fmt: skip
+    )
     saturation_threshold: int = Field(2, ge=1, description="busy slots at which it is loaded")
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"
     )
     stage_deadline_ms: int = Field(
-        30000, ge=1, le=3_600_000,
+        30000,
+        ge=1,
+        le=3_600_000,
         description="how long a stage job (X12) may go unanswered while its holder is alive "
         "before its sequences move to another holder of the span and are replayed there (a "
         "holder whose heartbeat expires is left at once)",
-    )  # fmt: skip
+    )
     replica_wait_s: float = Field(
-        30.0, gt=0, le=3600, allow_inf_nan=False,
+        30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
         description="a coordinator without a slice's experts (a backbone file) waits this long "
         "for a live worker serving it (none yet, or every one failed the job), then the "
         "requests of that step end with a NoReplica error",
-    )  # fmt: skip
+    )
     slot_poll_s: float = Field(
         0.5, gt=0, le=60, description="how often the coordinator samples its own busy slots"
     )
@@ -151,13 +171,19 @@ class Settings(SettingsChecks):
         50, ge=0, le=100_000, description="a worker's first verified results, all checked"
     )
     trust_decay: float = Field(
-        0.95, gt=0, le=1, allow_inf_nan=False,
+        0.95,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
         description="check probability factor per further verified result",
-    )  # fmt: skip
+    )
     trust_p_min: float = Field(
-        0.02, gt=0, le=1, allow_inf_nan=False,
+        0.02,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
         description="floor of the check probability: a trusted worker's share recomputed",
-    )  # fmt: skip
+    )
     trust_quarantine_s: float = Field(
         600.0, ge=0, allow_inf_nan=False, description="a worker caught lying gets no work this long"
     )
@@ -165,10 +191,13 @@ class Settings(SettingsChecks):
         3, ge=1, description="mismatches after which a worker id is banned for good"
     )
     trust_step_floor: float = Field(
-        0.3, ge=0, lt=1, allow_inf_nan=False,
+        0.3,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
         description="chance that at least one of a worker's jobs in each engine step is "
         "checked, however long its clean streak (trust that cannot be banked)",
-    )  # fmt: skip
+    )
     microbatches: int = Field(
         1,
         ge=1,
@@ -179,10 +208,12 @@ class Settings(SettingsChecks):
     request_ttl_s: int = Field(600, ge=1, description="lifetime of a request's reply stream")
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask")
     max_attempts: int = Field(
-        3, ge=1, le=100,
+        3,
+        ge=1,
+        le=100,
         description="a request started this many times without finishing (its coordinators "
         "died or stopped mid-request) is dead-lettered with an error event, not started again",
-    )  # fmt: skip
+    )
 
     # -- worker -------------------------------------------------------------------------
     heartbeat_ttl_s: float = Field(6.0, gt=0, description="a worker silent this long is dead")
@@ -233,25 +264,33 @@ class Settings(SettingsChecks):
         "text", description="log lines on stderr: text, or one JSON object a line"
     )
     worker_memory_gib: float = Field(
-        0.0, ge=0, allow_inf_nan=False,
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
         description="memory a worker fills with slices, in GiB of published slice bytes; it "
         "volunteers while the next slice fits (0 = auto: free memory of its device at start, "
         "host RAM or CUDA, less KVQ_WORKER_MEMORY_RESERVE_GIB)",
-    )  # fmt: skip
+    )
     worker_memory_reserve_gib: float = Field(
-        1.0, ge=0, allow_inf_nan=False,
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
         description="memory the auto worker budget leaves free (KVQ_WORKER_MEMORY_GIB=0)",
-    )  # fmt: skip
+    )
     stage_max_seqs: int = Field(
-        256, ge=1, le=65536,
+        256,
+        ge=1,
+        le=65536,
         description="sequence states (KV caches) a worker keeps per stage slice; the least "
         "recently used goes first, and its coordinator replays it if it comes back",
-    )  # fmt: skip
+    )
     worker_max_slices: int = Field(
-        0, ge=0, le=4096,
+        0,
+        ge=0,
+        le=4096,
         description="slices a worker holds at most, of one model or several (0 = as many "
         "as the memory budget fits; 1 = one slice, the behaviour before issue 10 item 4)",
-    )  # fmt: skip
+    )
 
     # -- monitor ------------------------------------------------------------------------
     slice_experts: int = Field(4, ge=1, description="experts per slice (expert grain)")
@@ -268,16 +307,19 @@ class Settings(SettingsChecks):
     )
     base_replicas: int = Field(1, ge=0, description="worker replicas wanted per slice at rest")
     backbone_replicas: int = Field(
-        2, ge=0,
+        2,
+        ge=0,
         description="replicas per slice at rest while a live coordinator of the model holds "
         "no experts (a backbone file): the larger of this and KVQ_BASE_REPLICAS, so that a "
         "lost worker leaves a copy and replicas can check each other (quorum)",
-    )  # fmt: skip
+    )
     request_shards: int = Field(
-        1, ge=1, le=256,
+        1,
+        ge=1,
+        le=256,
         description="request streams per model the monitor registers, each with its own hash "
         "tag: a Redis Cluster spreads them over its masters (clients pick one by request id)",
-    )  # fmt: skip
+    )
     boost_replicas: int = Field(1, ge=0, description="extra replicas while saturated")
     saturation_enter_s: float = Field(
         2.0, ge=0, description="busy must stay >= threshold this long before the boost starts"
@@ -306,9 +348,10 @@ class Settings(SettingsChecks):
         0, ge=0, le=65535, description="port of the monitor's HTTP API and /metrics (0 = off)"
     )
     http_volunteer: Literal["acl", "open", "off"] = Field(
-        "acl", description="POST /api/expert-volunteer: acl = only with the worker's ACL "
-        "password as bearer token (checked by AUTH); open = anyone (development); off = 403"
-    )  # fmt: skip
+        "acl",
+        description="POST /api/expert-volunteer: acl = only with the worker's ACL "
+        "password as bearer token (checked by AUTH); open = anyone (development); off = 403",
+    )
 
     # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
     api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")
@@ -330,28 +373,36 @@ class Settings(SettingsChecks):
     )
     api_retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429 or 503")
     api_max_tokens_default: int = Field(
-        16, ge=1, description="max_tokens of a completion that does not say (a chat: the room "
+        16,
+        ge=1,
+        description="max_tokens of a completion that does not say (a chat: the room "
         "left in the context)",
-    )  # fmt: skip
+    )
     api_cors_origins: str = Field(
-        "", description="comma-separated origins browsers may call `kvq api` from (`*` = any; "
+        "",
+        description="comma-separated origins browsers may call `kvq api` from (`*` = any; "
         "empty = no CORS headers)",
-    )  # fmt: skip
+    )
 
     # -- bank (hot/cold experts, docs/bank.md) ------------------------------------------
     hot_gib: float | None = Field(
-        None, ge=0, allow_inf_nan=False,
+        None,
+        ge=0,
+        allow_inf_nan=False,
         description="hot bank budget per node in GiB (empty = the stock placement's device bytes)",
-    )  # fmt: skip
+    )
     dynamic: bool = Field(True, description="swap hot experts at run time (0 = static hot set)")
     dyn_steps: int = Field(2000, ge=1, description="engine steps between dynamic updates")
     dyn_max_swaps: int = Field(
         2, ge=1, le=4096, description="hot/cold swaps per layer per dynamic update, at most"
     )
     dyn_margin: float = Field(
-        1.25, ge=1.0, le=1000.0, allow_inf_nan=False,
+        1.25,
+        ge=1.0,
+        le=1000.0,
+        allow_inf_nan=False,
         description="swap only if incoming count > margin x outgoing count",
-    )  # fmt: skip
+    )
     vram_reserve_gib: float = Field(
         2.0, ge=0, allow_inf_nan=False, description="device memory the hot bank leaves free"
     )
@@ -370,7 +421,9 @@ class Settings(SettingsChecks):
         hints = get_type_hints(part, include_extras=True)
         values = {}
         for f in dataclasses.fields(part):  # type: ignore[arg-type]
-            mark = next((m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, From)), None)  # fmt: skip
+            mark = next(
+                (m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, From)), None
+            )
             if mark == COMPUTED:
                 values[f.name] = computed.pop(f.name)
             else:
@@ -416,8 +469,9 @@ class Settings(SettingsChecks):
         def listed(text: str) -> tuple[str, ...]:
             return tuple(k.strip() for k in text.split(",") if k.strip())
 
-        return self.carve(ApiSettings, keys=listed(self.api_keys),
-                          cors_origins=listed(self.api_cors_origins))  # fmt: skip
+        return self.carve(
+            ApiSettings, keys=listed(self.api_keys), cors_origins=listed(self.api_cors_origins)
+        )
 
     @property
     def monitor(self) -> MonitorSettings:

@@ -127,15 +127,24 @@ class ApiError(KvqError):
     `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None, retry_after_s: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, object]:
         return {
-            "error": {"message": str(self), "type": self.kind, "param": self.param,
-                      "code": self.code}
-        }  # fmt: skip
+            "error": {
+                "message": str(self),
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }

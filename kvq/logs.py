@@ -22,8 +22,10 @@ class JsonFormatter(logging.Formatter):
         ms = int(record.created * 1000) % 1000
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{ms:03d}Z",
-            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
-        }  # fmt: skip
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:

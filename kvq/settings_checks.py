@@ -18,12 +18,24 @@ from pydantic_settings import BaseSettings
 from kvq.errors import ConfigError
 from kvq.keys import check_id
 
-_BOOLISH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
-            "no": False}  # fmt: skip
+_BOOLISH = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+}
 _REDIS_SCHEMES = (
-    "redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+    "redis",
+    "rediss",
+    "unix",
+    "redis+cluster",
+    "rediss+cluster",
+    "redis+sentinel",
     "rediss+sentinel",
-)  # fmt: skip
+)
 RedisMode = Literal["auto", "standalone", "cluster", "sentinel"]
 _WHY_WITHIN_SLOTS = {
     "saturation_threshold": ", or the coordinator can never be saturated",
@@ -90,9 +102,15 @@ class SettingsChecks(BaseSettings):
         """int8 activations apply to the CPU kernels on quantized weights; a GPU dtype does not
         use them. Asking for both is a contradiction; the default with a GPU dtype is not."""
         dtype, act = getattr(self, "compute_dtype", "auto"), getattr(self, "activations", "int8")
-        if "activations" in self.model_fields_set and act == "int8" and dtype not in (
-            "auto", "float32",
-        ):  # fmt: skip
+        if (
+            "activations" in self.model_fields_set
+            and act == "int8"
+            and dtype
+            not in (
+                "auto",
+                "float32",
+            )
+        ):
             raise ValueError(
                 f"KVQ_ACTIVATIONS=int8 applies to the float32 kernels; KVQ_COMPUTE_DTYPE={dtype} "
                 "does not use them: set KVQ_COMPUTE_DTYPE=auto or float32, or leave "

@@ -91,18 +91,25 @@ class SliceBounds(NamedTuple):
 
 
 def slice_grid(
-    layers: int, experts: int, slice_layers: int, slice_experts: int, first: int = 0,
+    layers: int,
+    experts: int,
+    slice_layers: int,
+    slice_experts: int,
+    first: int = 0,
     step: int = 1,
-) -> list[SliceBounds]:  # fmt: skip
+) -> list[SliceBounds]:
     """The slices that cut layers `[first, layers)` x `experts` exactly once each, in slice
     order (layer range, then expert range); the last range of an axis is shorter when the size
     does not divide it. `first`: the first MoE layer (the leading dense layers have no
     experts to cut); `step`: only every `step`-th layer from `first` on is MoE (llama4), and
     a slice holds `slice_layers` of those."""
     for name, n, least in (
-        ("layers", layers, 0), ("experts", experts, 0),
-        ("slice_layers", slice_layers, 1), ("slice_experts", slice_experts, 1), ("step", step, 1),
-    ):  # fmt: skip
+        ("layers", layers, 0),
+        ("experts", experts, 0),
+        ("slice_layers", slice_layers, 1),
+        ("slice_experts", slice_experts, 1),
+        ("step", step, 1),
+    ):
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ConfigError(f"{name} must be an int >= {least}, got {n!r}")
     span = (slice_layers - 1) * step + 1  # from a slice's first MoE layer past its last

@@ -32,9 +32,12 @@ MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
 _NP: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
-}  # fmt: skip
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),
+}
 _NAME_OF = {dt: name for name, dt in _NP.items()}  # native little-endian dtypes only
 # q8: int8 activations; f32cpu: float32 on the CPU, batch-invariant (`kvq.device.dtype_name`)
 ComputeDType = Literal["float32", "float16", "bfloat16", "q8", "f32cpu"]
@@ -191,8 +194,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     top_k: NonNeg = 0  # 0 = no limit
     seed: int | None = None  # None: a fresh seed per request
-    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
-                    msgspec.Meta(max_length=MAX_STOPS)] = []  # fmt: skip
+    stop: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
+        msgspec.Meta(max_length=MAX_STOPS),
+    ] = []
     stop_token_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
@@ -296,9 +301,11 @@ _NAMES: dict[type[_Msg], str] = {
     Cancel: "cancel",
 }
 _READABLE = {
-    "request": ("request_id", "model", "max_tokens"), "reply": ("kind", "index", "text"),
-    "cancel": ("request_id",), "stage": ("slice",),
-}  # fmt: skip
+    "request": ("request_id", "model", "max_tokens"),
+    "reply": ("kind", "index", "text"),
+    "cancel": ("request_id",),
+    "stage": ("slice",),
+}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in _NAMES}
 

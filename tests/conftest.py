@@ -72,10 +72,17 @@ def prefix() -> str:
 def settings(redis_server: EmbeddedRedis | EmbeddedCluster, prefix: str) -> Iterator[Settings]:
     """Settings pointing at the test server, with a prefix no other test uses."""
     yield load_settings(
-        redis_url=redis_server.url, prefix=prefix, block_ms=100, heartbeat_ttl_s=1.0,
-        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50, slot_poll_s=0.02,
-        saturation_enter_s=0.0, saturation_leave_s=0.0,  # tests of hysteresis set their own
-    )  # fmt: skip
+        redis_url=redis_server.url,
+        prefix=prefix,
+        block_ms=100,
+        heartbeat_ttl_s=1.0,
+        volunteer_poll_s=0.05,
+        monitor_poll_s=0.1,
+        dispatch_refresh_ms=50,
+        slot_poll_s=0.02,
+        saturation_enter_s=0.0,
+        saturation_leave_s=0.0,  # tests of hysteresis set their own
+    )
     # the Redis clients a test's components opened are closed by their finalizers now, while
     # the test runs, not at session end as unclosed sockets (warnings are errors); an event
     # loop a client library (litellm) left open is closed here without failing this test

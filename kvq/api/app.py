@@ -48,21 +48,35 @@ def create_app(settings: Settings) -> Starlette:
         gw.board.r.close()
 
     cors = gw.s.cors_origins
-    middleware = [Middleware(
-        CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
-        allow_headers=["authorization", "content-type"], max_age=600,
-    )] if cors else []  # fmt: skip
+    middleware = (
+        [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+                max_age=600,
+            )
+        ]
+        if cors
+        else []
+    )
     errors = Errors(gw)
     app = Starlette(
         lifespan=lifespan,
         middleware=middleware,
-        routes=[*InfoRoutes(gw).routes(), *TokenRoutes(gw).routes(),
-                *CompletionRoutes(gw).routes()],  # fmt: skip
+        routes=[
+            *InfoRoutes(gw).routes(),
+            *TokenRoutes(gw).routes(),
+            *CompletionRoutes(gw).routes(),
+        ],
         exception_handlers={
-            ApiError: errors.api_error, 404: errors.not_found, 405: errors.not_found,
+            ApiError: errors.api_error,
+            404: errors.not_found,
+            405: errors.not_found,
             redis.RedisError: errors.bus_error,
         },
-    )  # fmt: skip
+    )
     app.state.gateway = gw
     return app
 

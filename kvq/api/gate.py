@@ -49,9 +49,11 @@ class Gate:
         given = token.strip().encode()
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.keys):
             raise ApiError(
-                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                kind="invalid_request_error", code="invalid_api_key",
-            )  # fmt: skip
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                kind="invalid_request_error",
+                code="invalid_api_key",
+            )
         key = given.decode()
         if self.s.key_rpm:
             self._count(key)
@@ -82,10 +84,13 @@ class Gate:
             ) from exc
         if n > self.s.key_rpm:
             raise ApiError(
-                429, f"this API key is over its limit of {self.s.key_rpm} requests per minute "
-                "(KVQ_API_KEY_RPM)", kind="rate_limit_error", code="rate_limit_exceeded",
+                429,
+                f"this API key is over its limit of {self.s.key_rpm} requests per minute "
+                "(KVQ_API_KEY_RPM)",
+                kind="rate_limit_error",
+                code="rate_limit_exceeded",
                 retry_after_s=max(1, math.ceil(left_s)),
-            )  # fmt: skip
+            )
 
     def check_model(self, model: str) -> int:
         """The model's request shard count; 404 for a model nobody registered (creates no
@@ -96,9 +101,11 @@ class Gate:
         shards = request_shards(self.board.r, self.board.keys, model)
         if shards is None:
             raise ApiError(
-                404, f"model {model!r} does not exist; GET /v1/models lists the served ones",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                404,
+                f"model {model!r} does not exist; GET /v1/models lists the served ones",
+                param="model",
+                code="model_not_found",
+            )
         self._registered[model] = shards
         return shards
 
@@ -123,9 +130,14 @@ class Gate:
 
     def _queue(self, call: Call, streams: list[str]) -> client.Submitted:
         req = client.new_request(
-            call.model, prompt=call.prompt, prompt_ids=call.prompt_ids, messages=call.messages,
-            max_tokens=call.max_tokens, sampling=call.sampling, tools=call.tools_json,
-        )  # fmt: skip
+            call.model,
+            prompt=call.prompt,
+            prompt_ids=call.prompt_ids,
+            messages=call.messages,
+            max_tokens=call.max_tokens,
+            sampling=call.sampling,
+            tools=call.tools_json,
+        )
         stream = streams[request_shard(req.request_id, len(streams))]
         try:
             return client.enqueue(self.board.r, stream, req)  # its room was checked above
@@ -146,16 +158,20 @@ class Gate:
         if q.waiting >= self.s.max_queue:
             why = f"(KVQ_API_MAX_QUEUE {self.s.max_queue})"
         elif start_s is not None and start_s > within:
-            why = (f"and drains at {rate:.2f}/s: a new one would start in "
-                   f"{start_s:.0f}s, over KVQ_API_TIMEOUT_S {within:g}")  # fmt: skip
+            why = (
+                f"and drains at {rate:.2f}/s: a new one would start in "
+                f"{start_s:.0f}s, over KVQ_API_TIMEOUT_S {within:g}"
+            )
         else:
             return
         retry = watch.retry_after_s(q.waiting, within, self.s.max_queue)
         raise ApiError(
-            429, f"model {model!r} has {q.waiting} requests waiting {why}; retry later",
-            kind="rate_limit_error", code="queue_full",
+            429,
+            f"model {model!r} has {q.waiting} requests waiting {why}; retry later",
+            kind="rate_limit_error",
+            code="queue_full",
             retry_after_s=retry or self.s.retry_after_s,
-        )  # fmt: skip
+        )
 
     def cancel(self, model: str, request_id: str) -> None:
         client.cancel(self.board.r, self.board.keys, model, request_id)
@@ -172,9 +188,12 @@ class Gate:
 
 def not_served(model: str, retry_after_s: int) -> ApiError:
     return ApiError(
-        503, f"no coordinator serves model {model!r} right now",
-        kind="server_error", code="model_not_served", retry_after_s=retry_after_s,
-    )  # fmt: skip
+        503,
+        f"no coordinator serves model {model!r} right now",
+        kind="server_error",
+        code="model_not_served",
+        retry_after_s=retry_after_s,
+    )
 
 
 def failure_status(f: wire.Failure | None) -> ApiError:

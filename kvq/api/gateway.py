@@ -54,8 +54,12 @@ class Gateway:
             if info is not None:
                 out.append(model_card(m, self.started, info.meta.context_length))
             elif only is not None:
-                raise ApiError(404, f"model {m!r} does not exist; GET /v1/models lists them",
-                               param="model", code="model_not_found")  # fmt: skip
+                raise ApiError(
+                    404,
+                    f"model {m!r} does not exist; GET /v1/models lists them",
+                    param="model",
+                    code="model_not_found",
+                )
         return out
 
     def text(self, model: str) -> ModelText:
@@ -63,14 +67,21 @@ class Gateway:
         this machine."""
         info = self.board.model_info(model)
         if info is None:
-            raise ApiError(404, f"model {model!r} does not exist; GET /v1/models lists them",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; GET /v1/models lists them",
+                param="model",
+                code="model_not_found",
+            )
         text = self.texts.get(info)
         if text is None:
             raise ApiError(
-                501, f"model {model!r} comes from {info.source}, not a file on this gateway's "
-                "machine: it has no tokenizer here", kind="server_error", code="no_tokenizer",
-            )  # fmt: skip
+                501,
+                f"model {model!r} comes from {info.source}, not a file on this gateway's "
+                "machine: it has no tokenizer here",
+                kind="server_error",
+                code="no_tokenizer",
+            )
         return text
 
     def fill_max_tokens(self, call: Call) -> Call:
@@ -87,8 +98,12 @@ class Gateway:
             raise
         room = text.room(text.encode(call.prompt, call.messages, tools=call.tools_json))
         if room < 1:
-            raise ApiError(400, f"the messages fill the context ({text.context_length} tokens)",
-                           param="messages", code="refused")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the messages fill the context ({text.context_length} tokens)",
+                param="messages",
+                code="refused",
+            )
         return dataclasses.replace(call, max_tokens=min(room, self.max_tokens_limit))
 
     async def events(
@@ -116,10 +131,12 @@ class Gateway:
             if left_ms <= 0:
                 where = "its coordinator" if taken else f"the queue of {model!r}"
                 raise ApiError(
-                    504, f"no progress on request {request_id} in {self.s.timeout_s}s "
+                    504,
+                    f"no progress on request {request_id} in {self.s.timeout_s}s "
                     f"(KVQ_API_TIMEOUT_S): {where} did not move",
-                    kind="timeout", code="timeout",
-                )  # fmt: skip
+                    kind="timeout",
+                    code="timeout",
+                )
             block = min(left_ms, self.block_ms, int(SAMPLE_S * 1000))
             resp = await self.ar.xread({key: last}, count=256, block=block)
             for _, entries in resp or []:

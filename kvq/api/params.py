@@ -100,8 +100,11 @@ def _check_values(root: Any) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise _bad("body", "the body holds a string that is not valid Unicode (a lone "
-                           "surrogate escape such as \\ud800)") from None  # fmt: skip
+                raise _bad(
+                    "body",
+                    "the body holds a string that is not valid Unicode (a lone "
+                    "surrogate escape such as \\ud800)",
+                ) from None
         elif isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT <= v <= MAX_INT:
             raise _bad("body", f"the body holds an integer beyond 64 bits: {str(v)[:40]}")
 
@@ -167,9 +170,15 @@ def parse(raw: bytes, *, chat: bool, max_tokens_default: int, max_tokens_limit: 
         raise _bad("stream_options", "'stream_options' must be an object, with 'stream': true")
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(b, chat)
-    common = {"chat": chat, "model": model, "max_tokens": max_tokens, "sampling": sampling,
-              "stream": stream, "include_usage": include_usage,
-              "max_tokens_given": given}  # fmt: skip
+    common = {
+        "chat": chat,
+        "model": model,
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "stream": stream,
+        "include_usage": include_usage,
+        "max_tokens_given": given,
+    }
     extra = _extra(b, chat, n, best_of, echo)
     if chat:
         return Call(messages=_messages(b.get("messages")), **common, **extra)  # type: ignore[arg-type]
@@ -210,14 +219,17 @@ def _sampling(b: _Body, chat: bool) -> wire.SamplingParams:
     try:
         return wire.SamplingParams(
             temperature=b.number("temperature", 1.0, 0.0, MAX_TEMPERATURE),
-            top_p=_top_p(b), top_k=max(0, top_k or 0),
+            top_p=_top_p(b),
+            top_k=max(0, top_k or 0),
             seed=b.integer("seed", None, -(1 << 63), (1 << 64) - 1),
-            stop=list(stops or []), stop_token_ids=list(ids or []),
+            stop=list(stops or []),
+            stop_token_ids=list(ids or []),
             presence_penalty=b.number("presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=b.number("frequency_penalty", 0.0, -2.0, 2.0),
-            logprobs=logprobs, logit_bias=structured.logit_bias(b.get("logit_bias")),
+            logprobs=logprobs,
+            logit_bias=structured.logit_bias(b.get("logit_bias")),
             grammar=_grammar(b),
-        )  # fmt: skip
+        )
     except msgspec.ValidationError as exc:  # a range the checks above missed
         raise _bad("body", str(exc)) from None
 
@@ -276,8 +288,10 @@ def _messages(ms: Any) -> list[wire.ChatMessage]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a 'role'")
         if m["role"] not in ROLES:
-            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of "
-                       f"{', '.join(ROLES)}, got {m['role'][:64]!r}")  # fmt: skip
+            raise _bad(
+                f"messages[{i}].role",
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role'][:64]!r}",
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):

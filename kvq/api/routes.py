@@ -120,8 +120,14 @@ class TokenRoutes:
             ids = await run_in_threadpool(text.encode, body["prompt"], None, special)
         else:
             raise ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
-        return JSONResponse({"count": len(ids), "max_model_len": text.context_length,
-                             "tokens": ids, "token_strs": None})  # fmt: skip
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": text.context_length,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
 
     async def detokenize(self, request: Request) -> Response:
         await authorize(self.gw, request)
@@ -131,13 +137,17 @@ class TokenRoutes:
         if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID for i in ids
         ):
-            raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
-                           f"{MAX_TOKEN_ID}))", param="tokens")  # fmt: skip
+            raise ApiError(
+                400,
+                f"'tokens' must be a list of token ids (integers in [0, {MAX_TOKEN_ID}))",
+                param="tokens",
+            )
         try:
             prompt = await run_in_threadpool(text.tokenizer.decode, ids)
         except (IndexError, KeyError, ValueError, OverflowError) as exc:
-            raise ApiError(400, f"'tokens' holds an id outside the vocabulary: {exc}",
-                           param="tokens") from None  # fmt: skip
+            raise ApiError(
+                400, f"'tokens' holds an id outside the vocabulary: {exc}", param="tokens"
+            ) from None
         return JSONResponse({"prompt": prompt})
 
 
@@ -165,9 +175,11 @@ class CompletionRoutes:
         gw, t0 = self.gw, time.monotonic()
         await authorize(gw, request)
         call = parse(
-            await read_body(request), chat=chat, max_tokens_default=gw.s.max_tokens_default,
+            await read_body(request),
+            chat=chat,
+            max_tokens_default=gw.s.max_tokens_default,
             max_tokens_limit=gw.max_tokens_limit,
-        )  # fmt: skip
+        )
         await run_in_threadpool(gw.gate.watch, call.model)  # 404 for an unknown model
         request.state.model = call.model  # known: errors are counted under it (`app.Errors`)
         track = gw.metrics.track(call.model, t0)
@@ -289,9 +301,14 @@ class CompletionRoutes:
         return ev
 
     async def whole(
-        self, request: Request, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
+        self,
+        request: Request,
+        call: Call,
+        answer: Answer,
+        rid: str,
+        first: wire.ReplyEvent,
         events: AsyncIterator[wire.ReplyEvent],
-    ) -> Response:  # fmt: skip
+    ) -> Response:
         answer.add(first)
 
         async def rest() -> bool:
@@ -313,9 +330,14 @@ class CompletionRoutes:
         return JSONResponse(answer.whole())
 
     def stream(
-        self, call: Call, answer: Answer, rid: str, first: wire.ReplyEvent,
-        events: AsyncIterator[wire.ReplyEvent], track: Tracked,
-    ) -> Response:  # fmt: skip
+        self,
+        call: Call,
+        answer: Answer,
+        rid: str,
+        first: wire.ReplyEvent,
+        events: AsyncIterator[wire.ReplyEvent],
+        track: Tracked,
+    ) -> Response:
         gw, lp = self.gw, call.sampling.logprobs is not None
         track.streaming = True
 

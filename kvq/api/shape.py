@@ -65,9 +65,10 @@ class Answer:
 
     def usage(self) -> dict[str, int]:
         return {
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
             "total_tokens": self.prompt_tokens + self.tokens,
-        }  # fmt: skip
+        }
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -91,9 +92,12 @@ class Answer:
         return self._head(False) | {"choices": [choice], "usage": self.usage()}
 
     def chunk(
-        self, text: str, events: list[wire.ReplyEvent], finish: str | None = None,
+        self,
+        text: str,
+        events: list[wire.ReplyEvent],
+        finish: str | None = None,
         first: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """One streamed chunk: new text (and its tokens' logprobs), or the finish."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -149,19 +153,27 @@ def _tok(ev: wire.ReplyEvent) -> str:
 def _chat_lp(ev: wire.ReplyEvent) -> dict[str, Any]:
     tok = _tok(ev)
     return {
-        "token": tok, "logprob": ev.logprob.logprob if ev.logprob else None, "bytes": list(tok.encode()),
+        "token": tok,
+        "logprob": ev.logprob.logprob if ev.logprob else None,
+        "bytes": list(tok.encode()),
         "top_logprobs": [
             {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
             for t in ev.top_logprobs or []
         ],
-    }  # fmt: skip
+    }
 
 
 def model_card(model: str, created: int, context_length: int) -> dict[str, Any]:
     """One model object: OpenAI's fields, and its context length as vLLM (`max_model_len`)
     and llama.cpp's server (`context_length`) name it."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "kvq",
-            "max_model_len": context_length, "context_length": context_length}  # fmt: skip
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvq",
+        "max_model_len": context_length,
+        "context_length": context_length,
+    }
 
 
 def models_list(cards: list[dict[str, Any]]) -> dict[str, Any]:

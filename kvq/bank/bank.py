@@ -75,8 +75,14 @@ class Bank:
         self._total, self._step, self._updates, self._errors = Tally(), 0, 0, 0
         self._pingpong = PingPong()
         self.swaps = 0
-        log.log(log_level, "bank: %s; %s; %s; %s", self.describe(), self.plan.chosen,
-                self.cold_path_note, self.numa)  # fmt: skip
+        log.log(
+            log_level,
+            "bank: %s; %s; %s; %s",
+            self.describe(),
+            self.plan.chosen,
+            self.cold_path_note,
+            self.numa,
+        )
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -106,15 +112,22 @@ class Bank:
 
     def describe(self) -> str:
         mode = "dynamic" if self.opts.dynamic else "static"
-        return (f"{mode}, {len(self._stores)} layers, {self.hot_bytes} hot bytes "
-                f"({self.plan.covered_share:.3f} of the plan's routings) on {self.device}, "
-                f"{self.cold_bytes} cold bytes on the host")  # fmt: skip
+        return (
+            f"{mode}, {len(self._stores)} layers, {self.hot_bytes} hot bytes "
+            f"({self.plan.covered_share:.3f} of the plan's routings) on {self.device}, "
+            f"{self.cold_bytes} cold bytes on the host"
+        )
 
     # -- compute --------------------------------------------------------------------------
     def forward(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-        expert_start: int | None = None, expert_end: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        expert_start: int | None = None,
+        expert_end: int | None = None,
+    ) -> torch.Tensor:
         """Sum over each row's selected experts in `[expert_start, expert_end)` (default: all
         this bank holds of `layer`) of `w * down(silu(gate x) * up x)`; bit-identical to
         `expert_forward` over the same experts. x: [T, H]; ids: [T, k] int64; weights: [T, k].
@@ -168,8 +181,10 @@ class Bank:
                     outs = [o - st.start for o, _ in pairs]
                     back = [(slot, o) for (slot, _), o in zip(jobs, outs, strict=True)]
                     st.map_incoming(back, None)  # slots untouched: the outgoing stay hot
-                    raise BankError(f"layer {layer}: forwards did not finish within "
-                                    f"{DRAIN_TIMEOUT_S}s; swap abandoned")  # fmt: skip
+                    raise BankError(
+                        f"layer {layer}: forwards did not finish within "
+                        f"{DRAIN_TIMEOUT_S}s; swap abandoned"
+                    )
                 waits = list(st.done.values())
                 st.done.clear()
             ready = st.copy_in(jobs, waits, self._copy_stream)
@@ -198,8 +213,9 @@ class Bank:
         self._total = self._total.merged(tally)
         swaps = self._swap_all(maps) if self.opts.dynamic else 0
         mode = "dynamic" if self.opts.dynamic else "static"
-        report = UpdateReport(self._step, self._updates, mode, swaps, tally.rates(),
-                              self._pingpong.total)  # fmt: skip
+        report = UpdateReport(
+            self._step, self._updates, mode, swaps, tally.rates(), self._pingpong.total
+        )
         log.info("%s", report.line())
         return report
 
@@ -214,13 +230,18 @@ class Bank:
                     maps[layer].hot_mask(),
                     self.opts.dyn_max_swaps,
                     self.opts.dyn_margin,
-                )  # fmt: skip
+                )
                 for layer in self._stores
             }
         except BankError as exc:
             self._errors += 1
-            log.error("bank update %d: planner error %d of %d allowed in a row: %s",
-                      self._updates, self._errors, self.opts.max_planner_errors, exc)  # fmt: skip
+            log.error(
+                "bank update %d: planner error %d of %d allowed in a row: %s",
+                self._updates,
+                self._errors,
+                self.opts.max_planner_errors,
+                exc,
+            )
             if self._errors >= self.opts.max_planner_errors:
                 raise BankError(f"{self._errors} planner errors in a row, aborting: {exc}") from exc
             return 0
@@ -261,11 +282,16 @@ class Bank:
             st = self._stores[lay]
             tally.add(counts.cpu().numpy(), maps[lay].hot_mask(), st.expert_bytes)
         return {
-            "rates": self._total.merged(tally).rates(), "swaps": self.swaps,
-            "pingpong": self._pingpong.total, "updates": self._updates, "steps": self._step,
-            "hot_bytes": self.hot_bytes, "cold_bytes": self.cold_bytes,
-            "cold_path": self.cold_path, "mode": "dynamic" if self.opts.dynamic else "static",
-        }  # fmt: skip
+            "rates": self._total.merged(tally).rates(),
+            "swaps": self.swaps,
+            "pingpong": self._pingpong.total,
+            "updates": self._updates,
+            "steps": self._step,
+            "hot_bytes": self.hot_bytes,
+            "cold_bytes": self.cold_bytes,
+            "cold_path": self.cold_path,
+            "mode": "dynamic" if self.opts.dynamic else "static",
+        }
 
     # -- helpers ------------------------------------------------------------------------
     def _store(self, layer: int) -> LayerStore:
@@ -279,6 +305,8 @@ class Bank:
         lo = st.start if start is None else start
         hi = st.end if end is None else end
         if not st.start <= lo < hi <= st.end:
-            raise BankError(f"layer {st.layer}: experts [{lo}, {hi}) are not inside this "
-                            f"bank's [{st.start}, {st.end})")  # fmt: skip
+            raise BankError(
+                f"layer {st.layer}: experts [{lo}, {hi}) are not inside this "
+                f"bank's [{st.start}, {st.end})"
+            )
         return lo, hi

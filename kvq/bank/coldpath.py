@@ -54,9 +54,12 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def measure(
-    mapped: Callable[[], ExpertWeights], staged: Callable[[], ExpertWeights],
-    hidden: int, dtype: torch.dtype, device: torch.device,
-) -> dict[str, float]:  # fmt: skip
+    mapped: Callable[[], ExpertWeights],
+    staged: Callable[[], ExpertWeights],
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, float]:
     """Seconds per expert call (MEASURE_ROWS tokens) with a cold expert's weights read by each
     path (`mapped()` / `staged()` give gate, up, down on the device)."""
     x = torch.randn(MEASURE_ROWS, hidden, dtype=dtype, device=device)  # [m, H]

@@ -28,9 +28,15 @@ def count(st: LayerStore, ids: torch.Tensor, inside: torch.Tensor) -> None:
 
 
 def compute(
-    st: LayerStore, m: SlotMap, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-    inside: torch.Tensor, lo: int, hi: int,
-) -> torch.Tensor:  # fmt: skip
+    st: LayerStore,
+    m: SlotMap,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    inside: torch.Tensor,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
     """`kvq.model.expert_forward`'s kernel with each expert's weights looked up through map
     `m`, so the same bits. inside: [T, k] ids within [lo, hi)."""
 
@@ -46,6 +52,15 @@ def compute(
 
     before = None if m.ready is None else wait_for_copies
     return grouped_expert_ffn(
-        x, ids, weights, lo, hi, weights_of, st.dtype, before, inside, st.act,
+        x,
+        ids,
+        weights,
+        lo,
+        hi,
+        weights_of,
+        st.dtype,
+        before,
+        inside,
+        st.act,
         bias_of if st.biases is not None else None,
-    )  # fmt: skip
+    )

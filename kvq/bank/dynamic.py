@@ -42,8 +42,12 @@ class Tally:
         self.cold_b += c * expert_bytes
 
     def merged(self, other: Tally) -> Tally:
-        return Tally(self.hot_n + other.hot_n, self.cold_n + other.cold_n,
-                     self.hot_b + other.hot_b, self.cold_b + other.cold_b)  # fmt: skip
+        return Tally(
+            self.hot_n + other.hot_n,
+            self.cold_n + other.cold_n,
+            self.hot_b + other.hot_b,
+            self.cold_b + other.cold_b,
+        )
 
     def rates(self) -> HitRates:
         n, b = self.hot_n + self.cold_n, self.hot_b + self.cold_b

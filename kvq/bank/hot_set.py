@@ -24,5 +24,13 @@ def plan_hot_set(
     if best is None:
         base.notes.append("mixed sizes; exact solver skipped (too costly), greedy may be short")
         return base
-    return Plan(best.hot, best.bytes_used, best.budget_bytes, best.covered, best.total,
-                best.method, base.covered, True)  # fmt: skip
+    return Plan(
+        best.hot,
+        best.bytes_used,
+        best.budget_bytes,
+        best.covered,
+        best.total,
+        best.method,
+        base.covered,
+        True,
+    )

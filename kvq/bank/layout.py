@@ -29,9 +29,12 @@ def resident_bytes(sl: ExpertSlice, device: torch.device) -> int:
 
 
 def initial_plan(
-    sls: dict[int, ExpertSlice], hist: Histogram | None, opts: BankOptions,
-    device: torch.device, stock_hot_bytes: int | None,
-) -> Plan:  # fmt: skip
+    sls: dict[int, ExpertSlice],
+    hist: Histogram | None,
+    opts: BankOptions,
+    device: torch.device,
+    stock_hot_bytes: int | None,
+) -> Plan:
     """The static hot set across the given layers (global expert ids)."""
     tables: list[LayerTable] = []
     for layer, sl in sorted(sls.items()):
@@ -46,8 +49,18 @@ def initial_plan(
         why += "; no histogram: the first hot set is arbitrary until counters fill"
     starts = {layer: sl.expert_start for layer, sl in sls.items()}
     hot = {layer: [starts[layer] + e for e in ids] for layer, ids in plan.hot.items()}
-    return Plan(hot, plan.bytes_used, plan.budget_bytes, plan.covered, plan.total,
-                plan.method, plan.greedy_covered, plan.optimal, plan.notes, why)  # fmt: skip
+    return Plan(
+        hot,
+        plan.bytes_used,
+        plan.budget_bytes,
+        plan.covered,
+        plan.total,
+        plan.method,
+        plan.greedy_covered,
+        plan.optimal,
+        plan.notes,
+        why,
+    )
 
 
 def hist_counts(hist: Histogram, sl: ExpertSlice) -> npt.NDArray[np.float64]:

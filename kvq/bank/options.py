@@ -80,9 +80,12 @@ def host_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
 
 
 def resolve_budget(
-    opts: BankOptions, total_bytes: int, free_bytes: int, stock_hot_bytes: int | None,
+    opts: BankOptions,
+    total_bytes: int,
+    free_bytes: int,
+    stock_hot_bytes: int | None,
     accelerator: bool = True,
-) -> tuple[int, str]:  # fmt: skip
+) -> tuple[int, str]:
     """The hot budget in bytes and a sentence saying where it came from.
 
     Explicit `hot_bytes` wins but must fit the device (free minus reserve): overflow is an

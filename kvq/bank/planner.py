@@ -166,9 +166,14 @@ class Items:
         )
 
     def plan(
-        self, chosen: npt.NDArray[np.bool_], budget: int, method: str, greedy_covered: float,
-        optimal: bool, layers: Iterable[int],
-    ) -> Plan:  # fmt: skip
+        self,
+        chosen: npt.NDArray[np.bool_],
+        budget: int,
+        method: str,
+        greedy_covered: float,
+        optimal: bool,
+        layers: Iterable[int],
+    ) -> Plan:
         """A Plan of the chosen items; BankError if it overflows the budget."""
         used = int(self.nbytes[chosen].sum())
         if used > budget:
@@ -179,8 +184,9 @@ class Items:
         for ids in hot.values():
             ids.sort()
         covered = float(self.counts[chosen].sum())
-        return Plan(hot, used, budget, covered, float(self.counts.sum()), method,
-                    greedy_covered, optimal)  # fmt: skip
+        return Plan(
+            hot, used, budget, covered, float(self.counts.sum()), method, greedy_covered, optimal
+        )
 
 
 # -- static planning ----------------------------------------------------------------------------

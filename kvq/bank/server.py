@@ -40,9 +40,14 @@ class ExpertServer:
     """Serves the experts of `bank` (some layers, each an expert range) of `model`."""
 
     def __init__(
-        self, name: str, model: str, bank: Bank | None, hidden: int, dtype: torch.dtype,
+        self,
+        name: str,
+        model: str,
+        bank: Bank | None,
+        hidden: int,
+        dtype: torch.dtype,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name, self.model, self.bank, self.hidden = name, model, bank, hidden
         self.dtype = dtype  # what jobs' activations are cast to before compute
         device = bank.device if bank is not None else "cpu"
@@ -89,9 +94,12 @@ class ExpertServer:
                 return self._failed(job, error, t0)
             y = wire.Tensor.of(out)
             result = wire.Result(
-                job_id=job.job_id, worker=self.name, y=y,
-                compute_ms=(time.perf_counter() - t0) * 1000, dtype=self.dtype_name,
-            )  # fmt: skip
+                job_id=job.job_id,
+                worker=self.name,
+                y=y,
+                compute_ms=(time.perf_counter() - t0) * 1000,
+                dtype=self.dtype_name,
+            )
         except BadJob as exc:
             return self._failed(job, wire.Failure(type=BAD_JOB, message=str(exc)), t0)
         except Exception as exc:  # one job must never stop a server

@@ -68,13 +68,16 @@ class LayerStore:
         self.encoded = hot_encoded(self.cold, device, self.dtype)
         self.cold_expert_bytes = sum(_stored_nbytes(t) for t in self.cold)
         self.expert_bytes = (
-            self.cold_expert_bytes if self.encoded
+            self.cold_expert_bytes
+            if self.encoded
             else sum(_dense_nbytes(t, self.dtype) for t in self.cold)
-        )  # fmt: skip
+        )
         locals_ = [e - self.start for e in hot]
         if any(not 0 <= e < self.n for e in locals_) or len(set(locals_)) != len(locals_):
-            raise BankError(f"layer {self.layer}: hot set {hot} is not inside [{self.start}, "
-                            f"{self.end}) without repeats")  # fmt: skip
+            raise BankError(
+                f"layer {self.layer}: hot set {hot} is not inside [{self.start}, "
+                f"{self.end}) without repeats"
+            )
         # [S, F, H], [S, F, H], [S, H, F] (or [S, bytes] each, encoded): slot s holds
         # expert locals_[s]
         self.hot = tuple(
@@ -141,8 +144,9 @@ class LayerStore:
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         bufs: tuple[torch.Tensor, ...] | None = getattr(self._scratch, "bufs", None)
         if bufs is None:
-            bufs = tuple(torch.empty(h.shape[1:], dtype=self.dtype, device=self.device)
-                         for h in self.hot)  # fmt: skip
+            bufs = tuple(
+                torch.empty(h.shape[1:], dtype=self.dtype, device=self.device) for h in self.hot
+            )
             self._scratch.bufs = bufs
         return bufs
 

@@ -71,10 +71,16 @@ def _direct(settings: Settings, max_tokens: int) -> Call:
 
 def _api(port: int, max_tokens: int) -> Call:
     def call(i: int) -> tuple[float, int]:
-        body = json.dumps({
-            "model": MODEL_ID, "prompt": f"request {i} says", "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-        })  # fmt: skip
+        body = json.dumps(
+            {
+                "model": MODEL_ID,
+                "prompt": f"request {i} says",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         t0 = time.perf_counter()
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -131,8 +137,10 @@ def _round(call: Call, streams: int, requests: int) -> dict[str, float]:
     return {
         "ttft_p50_ms": round(statistics.median(ttft) * 1000, 2),
         "ttft_p90_ms": round(ttft[int(0.9 * (len(ttft) - 1))] * 1000, 2),
-        "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-    }  # fmt: skip
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
 
 
 def _best(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -150,18 +158,23 @@ def run_api_bench(settings: Settings, opts: ApiBenchOptions) -> dict[str, Any]:
             make_tiny(model, layers=2, experts=8, experts_used=2, tokenizer="bpe")
         port = _free_port()
         s = settings.model_copy(
-            update={"redis_url": server.url, "n_slots": opts.streams, "api_port": port,
-                    "api_max_queue": max(settings.api_max_queue, opts.requests + 1),
-                    "saturation_threshold": min(settings.saturation_threshold, opts.streams)}
-        )  # fmt: skip
+            update={
+                "redis_url": server.url,
+                "n_slots": opts.streams,
+                "api_port": port,
+                "api_max_queue": max(settings.api_max_queue, opts.requests + 1),
+                "saturation_threshold": min(settings.saturation_threshold, opts.streams),
+            }
+        )
         env = child_env(s)
         env.setdefault("OMP_NUM_THREADS", "1")
         children = Children(env)
         board = open_board(s.bus, s.lifetimes)
         children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}")
         _wait(lambda: MODEL_ID in board.models(), children, "model registration")
-        children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model,
-                       "--id", COORD_ID)  # fmt: skip
+        children.spawn(
+            "coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model, "--id", COORD_ID
+        )
         for i in range(opts.workers):
             children.spawn(f"worker-{i}", "worker", "--id", f"bench-worker-{i}")
         children.spawn("api", "api")
@@ -176,16 +189,26 @@ def run_api_bench(settings: Settings, opts: ApiBenchOptions) -> dict[str, Any]:
             a_rounds.append(_round(api, opts.streams, opts.requests))
         d, a = _best(d_rounds), _best(a_rounds)
         return {
-            "streams": opts.streams, "requests": opts.requests, "max_tokens": opts.max_tokens,
-            "rounds": opts.rounds, "workers": opts.workers, "direct": d, "api": a,
+            "streams": opts.streams,
+            "requests": opts.requests,
+            "max_tokens": opts.max_tokens,
+            "rounds": opts.rounds,
+            "workers": opts.workers,
+            "direct": d,
+            "api": a,
             "ratio": round(a["tokens_per_s"] / d["tokens_per_s"], 3),
             # each api round against the direct round just before it: robust to load drift
-            "ratio_paired_median": round(statistics.median(
-                x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a_rounds, d_rounds, strict=True)
-            ), 3),
+            "ratio_paired_median": round(
+                statistics.median(
+                    x["tokens_per_s"] / y["tokens_per_s"]
+                    for x, y in zip(a_rounds, d_rounds, strict=True)
+                ),
+                3,
+            ),
             "ttft_ratio": round(a["ttft_p50_ms"] / max(d["ttft_p50_ms"], 1e-3), 3),
-            "direct_rounds": d_rounds, "api_rounds": a_rounds,
-        }  # fmt: skip
+            "direct_rounds": d_rounds,
+            "api_rounds": a_rounds,
+        }
     finally:
         if children is not None:
             children.stop_all()

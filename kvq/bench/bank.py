@@ -68,8 +68,13 @@ def _banks(spec: TraceSpec, hist: Histogram) -> tuple[Bank, Bank]:
     budget = int(round(spec.hot_share * spec.experts)) * per * spec.layers
     out = []
     for dynamic in (False, True):
-        opts = BankOptions(hot_bytes=budget, dynamic=dynamic, dyn_steps=spec.dyn_steps,
-                           numa_policy="off", cold_path="mapped")  # fmt: skip
+        opts = BankOptions(
+            hot_bytes=budget,
+            dynamic=dynamic,
+            dyn_steps=spec.dyn_steps,
+            numa_policy="off",
+            cold_path="mapped",
+        )
         out.append(Bank(slices, opts, "cpu", hist=hist))
     return out[0], out[1]
 
@@ -89,16 +94,20 @@ def run_trace(spec: TraceSpec) -> dict[str, Any]:
     before = zipf_probs(rng, spec.layers, spec.experts, spec.zipf_s)
     after = zipf_probs(rng, spec.layers, spec.experts, spec.zipf_s)
     warm = sample_routes(rng, before, spec.warmup_tokens, spec.top_k)  # [L, W, k]
-    hist = Histogram("bench", [
-        table(i, np.bincount(warm[i].ravel(), minlength=spec.experts), [48] * spec.experts)
-        for i in range(spec.layers)
-    ])  # fmt: skip
+    hist = Histogram(
+        "bench",
+        [
+            table(i, np.bincount(warm[i].ravel(), minlength=spec.experts), [48] * spec.experts)
+            for i in range(spec.layers)
+        ],
+    )
     static, dynamic = _banks(spec, hist)
     reports: dict[str, list[UpdateReport]] = {"static": [], "dynamic": []}
     drift = spec.updates_before * spec.dyn_steps
     for step in range((spec.updates_before + spec.updates_after) * spec.dyn_steps):
-        routes = sample_routes(rng, before if step < drift else after, spec.tokens_per_step,
-                               spec.top_k)  # fmt: skip
+        routes = sample_routes(
+            rng, before if step < drift else after, spec.tokens_per_step, spec.top_k
+        )
         for name, bank in (("static", static), ("dynamic", dynamic)):
             for layer in range(spec.layers):
                 bank.observe(layer, torch.from_numpy(routes[layer]))

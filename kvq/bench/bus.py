@@ -35,13 +35,19 @@ MAXLEN = 100_000
 def _job(i: int, keys: Keys) -> wire.Job:
     rng = np.random.default_rng(i)
     return wire.Job(
-        job_id=f"bench-{i}", model="bench", layer=0, slice=slice_id(0, 1, 0, 4),
-        expert_start=0, expert_end=4, coord="bench", reply_to=keys.bench("kvq-results"),
+        job_id=f"bench-{i}",
+        model="bench",
+        layer=0,
+        slice=slice_id(0, 1, 0, 4),
+        expert_start=0,
+        expert_end=4,
+        coord="bench",
+        reply_to=keys.bench("kvq-results"),
         deadline_ms=0,
         x=wire.Tensor.of(rng.standard_normal((ROWS, HIDDEN), dtype=np.float32)),
         ids=wire.Tensor.of(np.zeros((ROWS, TOPK), dtype=np.int32)),
         weights=wire.Tensor.of(np.full((ROWS, TOPK), 0.5, dtype=np.float32)),
-    )  # fmt: skip
+    )
 
 
 # -- worker sides (each in its own process) ------------------------------------------------
@@ -96,9 +102,14 @@ def _rq_worker(url: str, queue: str, n: int) -> None:
 
 # -- producer sides -----------------------------------------------------------------------
 def _measure_stream(
-    r: redis.Redis, inbox: str, results: str, n_single: int, n_batched: int,
-    send: Callable[[Any, int], None], recv: Callable[[dict[bytes, bytes]], None],
-) -> dict[str, float]:  # fmt: skip
+    r: redis.Redis,
+    inbox: str,
+    results: str,
+    n_single: int,
+    n_batched: int,
+    send: Callable[[Any, int], None],
+    recv: Callable[[dict[bytes, bytes]], None],
+) -> dict[str, float]:
     last = b"0-0"
 
     def read(count: int) -> int:
@@ -161,8 +172,11 @@ def _bench_kvq(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str,
         wire.decode(fields, wire.Result).y.array()  # type: ignore[union-attr]
 
     Consumer(r, inbox, "bench", "w")
-    return _run_with_worker(_kvq_worker, (url, inbox, results, n_single + n_batched),
-                            lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv))  # fmt: skip
+    return _run_with_worker(
+        _kvq_worker,
+        (url, inbox, results, n_single + n_batched),
+        lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv),
+    )
 
 
 def _bench_raw(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, float]:
@@ -181,8 +195,11 @@ def _bench_raw(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str,
         r.xgroup_create(inbox, "bench", id="0", mkstream=True)
     except redis.ResponseError:
         pass
-    return _run_with_worker(_raw_worker, (url, inbox, results, n_single + n_batched),
-                            lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv))  # fmt: skip
+    return _run_with_worker(
+        _raw_worker,
+        (url, inbox, results, n_single + n_batched),
+        lambda: _measure_stream(r, inbox, results, n_single, n_batched, send, recv),
+    )
 
 
 def _bench_rq(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, float]:
@@ -208,8 +225,9 @@ def _bench_rq(url: str, keys: Keys, n_single: int, n_batched: int) -> dict[str, 
     return _run_with_worker(_rq_worker, (url, keys.bench("rq"), n_single + n_batched), measure)
 
 
-def _run_with_worker(target: Callable[..., None], args: tuple[Any, ...],
-                     measure: Callable[[], dict[str, float]]) -> dict[str, float]:  # fmt: skip
+def _run_with_worker(
+    target: Callable[..., None], args: tuple[Any, ...], measure: Callable[[], dict[str, float]]
+) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=target, args=args, daemon=True)
     proc.start()

@@ -114,8 +114,11 @@ def run_cluster_bench(masters: int = 3, seconds: float = 5.0) -> dict[str, Any]:
         ports = sorted({client.get_node_from_key(_streams(t)[0]).port for t in tags})
         client.close()
     return {
-        "masters": masters, "pairs": len(tags), "seconds": seconds,
-        "single_jobs_per_s": round(single, 1), "cluster_jobs_per_s": round(spread, 1),
+        "masters": masters,
+        "pairs": len(tags),
+        "seconds": seconds,
+        "single_jobs_per_s": round(single, 1),
+        "cluster_jobs_per_s": round(spread, 1),
         "ratio": round(spread / single, 3) if single else 0.0,
         "masters_used": len(ports),
-    }  # fmt: skip
+    }

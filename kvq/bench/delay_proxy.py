@@ -19,9 +19,12 @@ class DelayProxy:
     (`listen_host`: loopback unless a bench gives the address of a device it made)."""
 
     def __init__(
-        self, upstream_host: str, upstream_port: int, rtt_ms: float,
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        rtt_ms: float,
         listen_host: str = "127.0.0.1",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.listen_host = listen_host
         self.delay_s = max(0.0, rtt_ms) / 2000.0

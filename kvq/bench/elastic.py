@@ -46,8 +46,17 @@ WORKER_ID = "elastic-worker"
 TARGET_FIRST_REMOTE_S = 15.0
 TARGET_FLIPS_PER_10MIN = 1.0
 # 4 layers, 16 experts top-4, hidden 512, Q4_K (about 40 MB): quick to make and load
-DEFAULT_MODEL = {"layers": 4, "experts": 16, "experts_used": 4, "hidden": 512,
-                 "expert_ffn": 512, "heads": 8, "kv_heads": 4, "head_dim": 64, "quant": "q4_k"}  # fmt: skip
+DEFAULT_MODEL = {
+    "layers": 4,
+    "experts": 16,
+    "experts_used": 4,
+    "hidden": 512,
+    "expert_ffn": 512,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "quant": "q4_k",
+}
 
 
 @dataclass(frozen=True)
@@ -90,13 +99,21 @@ def _settings(cfg: ElasticBench, url: str, model: str) -> Settings:
     if "monitor_poll_s" in extra:
         extra["monitor_lease_s"] = max(3.0, 3 * extra["monitor_poll_s"])
     return load_settings(
-        redis_url=url, prefix="kvqelastic", n_slots=cfg.sequences, saturation_threshold=2,
-        slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
-        base_replicas=0, boost_replicas=1, idle_release_s=cfg.idle_release_s,
+        redis_url=url,
+        prefix="kvqelastic",
+        n_slots=cfg.sequences,
+        saturation_threshold=2,
+        slice_layers=meta.block_count,
+        slice_experts=max(1, meta.expert_count // 2),
+        base_replicas=0,
+        boost_replicas=1,
+        idle_release_s=cfg.idle_release_s,
         worker_max_slices=1,  # the worker takes one of the two slices, as the figures assume
-        idle_shutdown_s=0, dispatch_policy=cfg.dispatch_policy,
-        max_tokens_limit=max(512, cfg.max_tokens), **extra,
-    )  # fmt: skip
+        idle_shutdown_s=0,
+        dispatch_policy=cfg.dispatch_policy,
+        max_tokens_limit=max(512, cfg.max_tokens),
+        **extra,
+    )
 
 
 def run_elastic_bench(cfg: ElasticBench) -> dict[str, Any]:
@@ -121,21 +138,28 @@ def run_elastic_bench(cfg: ElasticBench) -> dict[str, Any]:
             load.stop(timeout_s=10)
             kids.stop_all()
     return {
-        "model": cfg.model or f"generated {DEFAULT_MODEL}", "policy": cfg.dispatch_policy,
-        "sequences": cfg.sequences, "max_tokens": cfg.max_tokens,
-        "saturation_threshold": s.saturation_threshold, "monitor_poll_s": s.monitor_poll_s,
-        "saturation_enter_s": s.saturation_enter_s, "saturation_leave_s": s.saturation_leave_s,
+        "model": cfg.model or f"generated {DEFAULT_MODEL}",
+        "policy": cfg.dispatch_policy,
+        "sequences": cfg.sequences,
+        "max_tokens": cfg.max_tokens,
+        "saturation_threshold": s.saturation_threshold,
+        "monitor_poll_s": s.monitor_poll_s,
+        "saturation_enter_s": s.saturation_enter_s,
+        "saturation_leave_s": s.saturation_leave_s,
         "idle_release_s": s.idle_release_s,
-        "targets": {"saturation_to_first_remote_s": TARGET_FIRST_REMOTE_S,
-                    "boost_flips_per_10min": TARGET_FLIPS_PER_10MIN},
-    } | out  # fmt: skip
+        "targets": {
+            "saturation_to_first_remote_s": TARGET_FIRST_REMOTE_S,
+            "boost_flips_per_10min": TARGET_FLIPS_PER_10MIN,
+        },
+    } | out
 
 
 def _start(kids: Children, board: RedisBoard, model: str) -> None:
     kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}")
     kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
-    kids.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model,
-               "--id", COORD_ID)  # fmt: skip
+    kids.spawn(
+        "coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model, "--id", COORD_ID
+    )
     kids.spawn("worker", "worker", "--id", WORKER_ID)
     kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
     kids.wait_for(lambda: board.worker_alive(WORKER_ID), 60, "the worker's idle heartbeat")
@@ -148,14 +172,20 @@ def _phases(
     t0 = time.monotonic()
     load.set_active(cfg.sequences)
     t_sat = _until(kids, load, lambda: _busy(board) >= s.saturation_threshold, 60, "saturation")
-    t_remote = _until(kids, load, lambda: _remote_results(board) > 0,
-                      max(cfg.saturated_s, 120.0), "the first remote result")  # fmt: skip
+    t_remote = _until(
+        kids,
+        load,
+        lambda: _remote_results(board) > 0,
+        max(cfg.saturated_s, 120.0),
+        "the first remote result",
+    )
     out["saturation_to_first_remote_s"] = round(t_remote - t_sat, 2)
     st0, tok0, w0 = _stats(board), load.tokens, time.monotonic()
     _sleep(kids, load, max(t0 + cfg.saturated_s, w0 + 2.0) - w0)
     st1, w1 = _stats(board), time.monotonic()
-    jobs = sum(getattr(st1, f) - getattr(st0, f) for f in ("local_jobs", "remote_jobs",
-               "fallback_jobs"))  # fmt: skip
+    jobs = sum(
+        getattr(st1, f) - getattr(st0, f) for f in ("local_jobs", "remote_jobs", "fallback_jobs")
+    )
     remote = st1.remote_jobs - st0.remote_jobs
     out |= {
         "remote_share_saturated": round(remote / jobs, 3) if jobs else 0.0,
@@ -165,8 +195,13 @@ def _phases(
     out |= _noisy(cfg, board, kids, load)
     load.set_active(0)
     t_idle = _until(kids, load, load.idle, 600, "the last requests to finish")
-    t_rel = _until(kids, load, lambda: WORKER_ID not in board.assignments(MODEL_ID),
-                   cfg.release_timeout_s, "the worker to release its slice")  # fmt: skip
+    t_rel = _until(
+        kids,
+        load,
+        lambda: WORKER_ID not in board.assignments(MODEL_ID),
+        cfg.release_timeout_s,
+        "the worker to release its slice",
+    )
     out["drain_to_release_s"] = round(t_rel - t_idle, 2)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
@@ -192,10 +227,12 @@ def _noisy(
         time.sleep(0.2)
     window = time.monotonic() - start
     return {
-        "boost_flips": flips, "noisy_window_s": round(window, 1),
+        "boost_flips": flips,
+        "noisy_window_s": round(window, 1),
         "boost_flips_per_10min": round(flips * 600 / window, 2),
-        "noisy_scaled_from_s": round(window, 1), "noisy_started_saturated": saturated_at_start,
-    }  # fmt: skip
+        "noisy_scaled_from_s": round(window, 1),
+        "noisy_started_saturated": saturated_at_start,
+    }
 
 
 def _check(kids: Children, load: ClosedLoop) -> None:

@@ -75,7 +75,7 @@ def run_experts_bench(cfg: ExpertsBench) -> dict[str, Any]:
             "expert_ffn": cfg.expert_ffn,
             "experts": cfg.experts,
             "experts_used": cfg.experts_used,
-        },  # fmt: skip
+        },
         "expert_ffn": rows,
         "ratio_vs_matmul": {str(r["batch"]): r["ratio_vs_matmul"] for r in rows},
         "slice_load": [_load_row(cfg, q) for q in cfg.quants],
@@ -85,11 +85,13 @@ def run_experts_bench(cfg: ExpertsBench) -> dict[str, Any]:
 def _random_slice(cfg: ExpertsBench, gen: torch.Generator) -> ExpertSlice:
     e, f, h = cfg.experts, cfg.expert_ffn, cfg.hidden
     return ExpertSlice(
-        0, 0, e,
+        0,
+        0,
+        e,
         torch.randn(e, f, h, generator=gen) / h**0.5,  # [E, F, H]
         torch.randn(e, f, h, generator=gen) / h**0.5,  # [E, F, H]
         torch.randn(e, h, f, generator=gen) / f**0.5,  # [E, H, F]
-    )  # fmt: skip
+    )
 
 
 def _best_s(fns: Sequence[Callable[[], object]], repeat: int, device: torch.device) -> list[float]:
@@ -112,13 +114,17 @@ def _ffn_row(
     assert isinstance(d, torch.Tensor)
     dev, dtype = g.device, g.dtype
     x = torch.randn(batch, cfg.hidden, generator=gen).to(dev, dtype)  # [T, H]
-    ids = torch.stack([torch.randperm(cfg.experts, generator=gen)[: cfg.experts_used]
-                       for _ in range(batch)]).to(dev)  # fmt: skip  # [T, k]
+    ids = torch.stack(
+        [torch.randperm(cfg.experts, generator=gen)[: cfg.experts_used] for _ in range(batch)]
+    ).to(dev)  # [T, k]
     w = torch.softmax(torch.randn(batch, cfg.experts_used, generator=gen), -1).to(dev)  # [T, k]
     # baseline inputs: each expert's rows already contiguous, same counts as the routed run
     counts = torch.bincount(ids.flatten(), minlength=cfg.experts).tolist()
-    blocks = [(e, torch.randn(c, cfg.hidden, generator=gen).to(dev, dtype))
-              for e, c in enumerate(counts) if c]  # fmt: skip
+    blocks = [
+        (e, torch.randn(c, cfg.hidden, generator=gen).to(dev, dtype))
+        for e, c in enumerate(counts)
+        if c
+    ]
 
     def matmuls() -> None:
         for e, xe in blocks:
@@ -128,8 +134,14 @@ def _ffn_row(
         t_ffn, t_mm = _best_s([lambda: expert_forward(sl, x, ids, w), matmuls], cfg.repeat, dev)
     flops = 6.0 * cfg.hidden * cfg.expert_ffn * batch * cfg.experts_used
     ffn, mm = flops / t_ffn / 1e9, flops / t_mm / 1e9
-    return {"batch": batch, "ffn_ms": t_ffn * 1e3, "matmul_ms": t_mm * 1e3,
-            "ffn_gflops": ffn, "matmul_gflops": mm, "ratio_vs_matmul": ffn / mm}  # fmt: skip
+    return {
+        "batch": batch,
+        "ffn_ms": t_ffn * 1e3,
+        "matmul_ms": t_mm * 1e3,
+        "ffn_gflops": ffn,
+        "matmul_gflops": mm,
+        "ratio_vs_matmul": ffn / mm,
+    }
 
 
 def _load_row(cfg: ExpertsBench, quant: str) -> dict[str, Any]:
@@ -140,10 +152,14 @@ def _load_row(cfg: ExpertsBench, quant: str) -> dict[str, Any]:
         return {"quant": quant, "skipped": f"hidden {h} / expert_ffn {f} not multiples of {block}"}
     rng = np.random.default_rng(cfg.seed)
     shapes = {"gate": (f, h), "up": (f, h), "down": (h, f)}
-    blobs = [encode(rng.standard_normal((n, *shapes[k]), dtype=np.float32), qtype).tobytes()
-             for k in EXPERT_KINDS]  # fmt: skip
-    layout = [TensorRange(f"bench.{k}", k, 0, len(b), int(qtype), shapes[k])
-              for k, b in zip(EXPERT_KINDS, blobs, strict=True)]  # fmt: skip
+    blobs = [
+        encode(rng.standard_normal((n, *shapes[k]), dtype=np.float32), qtype).tobytes()
+        for k in EXPERT_KINDS
+    ]
+    layout = [
+        TensorRange(f"bench.{k}", k, 0, len(b), int(qtype), shapes[k])
+        for k, b in zip(EXPERT_KINDS, blobs, strict=True)
+    ]
     (secs,) = _best_s(
         [lambda: decode_slice(layout, blobs, 0, 0, n).dense_copy(torch.float32)],
         cfg.repeat,

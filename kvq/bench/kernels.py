@@ -82,12 +82,24 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
                     by_isa[qdot.ISA_NAMES[isa]] = _per_call(
                         lambda m, isa=isa: int8(m, isa=isa), mats, cfg.repeat
                     )
-            out.append({"type": qtype.name, "rows": b, "fused_ms": f_ms, "dequant_matmul_ms": d_ms,
-                        "speedup": d_ms / f_ms, "int8_ms": i_ms,
-                        "int8_speedup": f_ms / i_ms if i_ms else None,
-                        "int8_isa_ms": by_isa})  # fmt: skip
-    return {"shape": [cfg.rows, cfg.cols], "threads": threads, "results": out,
-            "int8_isa": built.best_isa if built is not None else None}  # fmt: skip
+            out.append(
+                {
+                    "type": qtype.name,
+                    "rows": b,
+                    "fused_ms": f_ms,
+                    "dequant_matmul_ms": d_ms,
+                    "speedup": d_ms / f_ms,
+                    "int8_ms": i_ms,
+                    "int8_speedup": f_ms / i_ms if i_ms else None,
+                    "int8_isa_ms": by_isa,
+                }
+            )
+    return {
+        "shape": [cfg.rows, cfg.cols],
+        "threads": threads,
+        "results": out,
+        "int8_isa": built.best_isa if built is not None else None,
+    }
 
 
 def _simd_isas(built: qdot.Built) -> list[int]:

@@ -41,8 +41,9 @@ def decode_together(
     batch = lc.llama_batch_init(params.n_batch, 0, n)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
     try:
-        entries = [(p[j], j, s, j == len(p) - 1) for s, p in enumerate(prompts)
-                   for j in range(len(p))]  # fmt: skip
+        entries = [
+            (p[j], j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j in range(len(p))
+        ]
         out = [[t] for t in _decode(lc, ctx, batch, entries, n_vocab)]
         pos = [len(p) for p in prompts]
         t0 = time.perf_counter()
@@ -59,8 +60,9 @@ def decode_together(
     return out, (done / elapsed if elapsed > 0 and done else 0.0)
 
 
-def _decode(lc: Any, ctx: Any, batch: Any, entries: list[tuple[int, int, int, bool]],
-            n_vocab: int) -> list[int]:  # fmt: skip
+def _decode(
+    lc: Any, ctx: Any, batch: Any, entries: list[tuple[int, int, int, bool]], n_vocab: int
+) -> list[int]:
     """One `llama_decode` of (token, position, sequence, wants logits) entries; the greedy
     next token of each sequence that wanted logits, in sequence order."""
     batch.n_tokens = len(entries)
@@ -74,7 +76,8 @@ def _decode(lc: Any, ctx: Any, batch: Any, entries: list[tuple[int, int, int, bo
     for i, (_tok, _pos, seq, want) in enumerate(entries):
         if want:
             ptr = lc.llama_get_logits_ith(ctx, i)
-            logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                                           shape=(n_vocab,))  # fmt: skip
+            logits = np.ctypeslib.as_array(
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)
+            )
             out[seq] = int(logits.argmax())
     return [out[s] for s in sorted(out)]

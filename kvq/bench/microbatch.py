@@ -87,12 +87,18 @@ def _run(
         make_tiny(model, **DEFAULT_MODEL)  # type: ignore[arg-type]
     meta = read_meta(model)
     s = load_settings(
-        redis_url=url, prefix="kvqmb", n_slots=cfg.sequences, base_replicas=1,
-        slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
-        idle_shutdown_s=0, idle_release_s=0, microbatches=cfg.microbatches,
+        redis_url=url,
+        prefix="kvqmb",
+        n_slots=cfg.sequences,
+        base_replicas=1,
+        slice_layers=meta.block_count,
+        slice_experts=max(1, meta.expert_count // 2),
+        idle_shutdown_s=0,
+        idle_release_s=0,
+        microbatches=cfg.microbatches,
         worker_max_slices=1,  # the worker holds half of every layer's experts: one slice
         dispatch_policy=cfg.dispatch_policy,
-    )  # fmt: skip
+    )
     Monitor.from_settings(s).register(MODEL_ID, model)
     host, port = _host_port(url)
     proxy = DelayProxy(host, port, cfg.rtt_ms) if cfg.rtt_ms > 0 else None
@@ -102,8 +108,11 @@ def _run(
     try:
         kids.spawn("worker", "worker", "--id", "mb-worker", cpus={worker_cpu})
         coord = Coordinator.from_settings(s, "mb-coord", MODEL_ID, model)
-        kids.wait_for(lambda: any(v.ready for v in coord.board.workers(MODEL_ID)), 900,
-                      "the worker to load its slice")  # fmt: skip
+        kids.wait_for(
+            lambda: any(v.ready for v in coord.board.workers(MODEL_ID)),
+            900,
+            "the worker to load its slice",
+        )
         os.sched_setaffinity(0, {coord_cpu})
         torch.set_num_threads(1)
         times = _steps(cfg, coord)
@@ -147,20 +156,25 @@ def _report(
     for arm, rows in times.items():
         dec = [ms for ms, only, _ in rows if only]
         arms[str(arm)] = {
-            "steps": len(rows), "mean_ms": round(statistics.fmean(ms for ms, _, _ in rows), 2),
+            "steps": len(rows),
+            "mean_ms": round(statistics.fmean(ms for ms, _, _ in rows), 2),
             "decode_steps": len(dec),
             "decode_median_ms": round(statistics.median(dec), 2) if dec else None,
             "remote_jobs_per_step": round(statistics.fmean(r for _, _, r in rows), 2),
-        }  # fmt: skip
+        }
     one, many = arms["1"], arms[str(cfg.microbatches)]
     dec_ratio = (
         round(many["decode_median_ms"] / one["decode_median_ms"], 3)
-        if one["decode_median_ms"] and many["decode_median_ms"] else None
-    )  # fmt: skip
+        if one["decode_median_ms"] and many["decode_median_ms"]
+        else None
+    )
     return {
-        "model": cfg.model or f"generated {DEFAULT_MODEL}", "rtt_ms": cfg.rtt_ms,
+        "model": cfg.model or f"generated {DEFAULT_MODEL}",
+        "rtt_ms": cfg.rtt_ms,
         "policy": cfg.dispatch_policy,
-        "sequences": cfg.sequences, "microbatches": cfg.microbatches, "arms": arms,
+        "sequences": cfg.sequences,
+        "microbatches": cfg.microbatches,
+        "arms": arms,
         "mean_ratio": round(many["mean_ms"] / one["mean_ms"], 3),
         "decode_median_ratio": dec_ratio,
-    }  # fmt: skip
+    }

@@ -62,8 +62,17 @@ NOTE_NO_LLAMA = (
     "llama_cpp is not importable: pip install 'kvq[bench]' (docs/models.md, 'Benchmarks: "
     "model', gives the build flags)"
 )
-RATIO_KEYS = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode", "decode_tok_s",
-              "aggregate_tok_s", "prefill_tok_s", "ttft_s", "ttft_first_s")  # fmt: skip
+RATIO_KEYS = (
+    "load_s",
+    "peak_rss_mb",
+    "anon_rss_mb_load",
+    "anon_rss_mb_decode",
+    "decode_tok_s",
+    "aggregate_tok_s",
+    "prefill_tok_s",
+    "ttft_s",
+    "ttft_first_s",
+)
 
 
 @dataclass(frozen=True)
@@ -129,12 +138,20 @@ def run_model_bench(cfg: ModelBench) -> dict[str, Any]:
         if use_llama:
             runs["llama"].append(_spawn("llama", cfg))
     out: dict[str, Any] = {
-        "model": cfg.model, "file_mb": os.path.getsize(cfg.model) / MB, "threads": cfg.threads,
-        "tokens": cfg.tokens, "rounds": cfg.rounds, "batch": cfg.batch,
-        "sequences": list(cfg.sequences), "prompt": cfg.prompt,
-        "page_cache_warm_s": warm_s, "page_cache_rewarm_s": rewarm_s, "cpu": cpu_features(),
-        "prefill_tokens": cfg.prefill_tokens, "kvq": _summary(runs["kvq"]),
-    }  # fmt: skip
+        "model": cfg.model,
+        "file_mb": os.path.getsize(cfg.model) / MB,
+        "threads": cfg.threads,
+        "tokens": cfg.tokens,
+        "rounds": cfg.rounds,
+        "batch": cfg.batch,
+        "sequences": list(cfg.sequences),
+        "prompt": cfg.prompt,
+        "page_cache_warm_s": warm_s,
+        "page_cache_rewarm_s": rewarm_s,
+        "cpu": cpu_features(),
+        "prefill_tokens": cfg.prefill_tokens,
+        "kvq": _summary(runs["kvq"]),
+    }
     if not use_llama:
         out["llama_note"] = "skipped (--no-llama)" if not cfg.llama else NOTE_NO_LLAMA
         return out
@@ -204,8 +221,11 @@ def _spawn(engine: str, cfg: ModelBench) -> dict[str, Any]:
     root = Path(__file__).resolve().parents[2]  # -m finds this kvq, installed or not
     proc = subprocess.run(
         [sys.executable, "-m", "kvq.bench.model", "--child", spec],
-        capture_output=True, text=True, cwd=root, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=False,
+    )
     lines = proc.stdout.strip().splitlines()
     result: dict[str, Any] = {}
     if lines:
@@ -270,13 +290,23 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     tok = load_tokenizer(cfg.model)
     prefill: dict[str, Any] = {}
     if cfg.prefill_tokens:
-        prefill = kvq_prefill(bb, lambda s: tok.encode(s, add_bos=True), cfg.prompt,
-                              min(cfg.prefill_tokens, bb.meta.context_length - 1))  # fmt: skip
+        prefill = kvq_prefill(
+            bb,
+            lambda s: tok.encode(s, add_bos=True),
+            cfg.prompt,
+            min(cfg.prefill_tokens, bb.meta.context_length - 1),
+        )
     prompt = tok.encode(cfg.prompt, add_bos=True)
     stamps: list[float] = []
     one = ExpertTally(bb.local_moe, rows=1)
-    generate(bb, prompt, cfg.tokens, moe=one, stop_at_eos=False,
-             on_token=lambda _t: stamps.append(time.perf_counter()))  # fmt: skip
+    generate(
+        bb,
+        prompt,
+        cfg.tokens,
+        moe=one,
+        stop_at_eos=False,
+        on_token=lambda _t: stamps.append(time.perf_counter()),
+    )
     bank, bank_note = _coordinator_bank(bb, cfg)
     moe = bank.forward if bank is not None else bb.local_moe
     many = ExpertTally(moe, rows=cfg.batch)
@@ -286,19 +316,32 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         aggregates[str(n)] = _kvq_aggregate(bb, tok, cfg, n, moe, bank)[0]
     decode = _decode_rate(stamps)
     return {
-        "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
-        "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
-        "decode_tokens": len(stamps), "decode_tok_s": decode,
-        "aggregate_tok_s": agg, "aggregate_gain": _ratio(agg, decode),
-        "aggregate_sequences": cfg.batch, "aggregate_tokens": agg_tokens,
-        "aggregates": aggregates, "hit_rate": hit_rate, "bank_note": bank_note,
-        "experts_per_layer_1": one.mean_distinct(), "experts_per_layer_batch": many.mean_distinct(),
-        "expert_ms_per_layer_1": one.mean_ms(), "expert_ms_per_layer_batch": many.mean_ms(),
-        "expert_share_1": one.share(span(stamps)), "expert_share_batch": many.share(agg_s),
-        "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "load_s": load_s,
+        "peak_rss_mb": _status_mb("VmHWM"),
+        "anon_rss_mb_load": anon_load,
+        "anon_rss_mb_decode": _status_mb("RssAnon"),
+        "prompt_tokens": len(prompt),
+        "decode_tokens": len(stamps),
+        "decode_tok_s": decode,
+        "aggregate_tok_s": agg,
+        "aggregate_gain": _ratio(agg, decode),
+        "aggregate_sequences": cfg.batch,
+        "aggregate_tokens": agg_tokens,
+        "aggregates": aggregates,
+        "hit_rate": hit_rate,
+        "bank_note": bank_note,
+        "experts_per_layer_1": one.mean_distinct(),
+        "experts_per_layer_batch": many.mean_distinct(),
+        "expert_ms_per_layer_1": one.mean_ms(),
+        "expert_ms_per_layer_batch": many.mean_ms(),
+        "expert_share_1": one.share(span(stamps)),
+        "expert_share_batch": many.share(agg_s),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "activations": qdot.options().activations,
-        "int8_kernel": kernels.int8_active(), "paths": kernels.paths(),
-    } | prefill  # fmt: skip
+        "int8_kernel": kernels.int8_active(),
+        "paths": kernels.paths(),
+    } | prefill
 
 
 def _kvq_aggregate(
@@ -344,8 +387,13 @@ def _hit_rate(bank: Any) -> dict[str, Any] | None:
         return None
     st = bank.stats()
     r = st["rates"]
-    return {"hot": r.hot, "cold": r.cold, "routed": r.routed, "hot_bytes": st["hot_bytes"],
-            "mode": st["mode"]}  # fmt: skip
+    return {
+        "hot": r.hot,
+        "cold": r.cold,
+        "routed": r.routed,
+        "hot_bytes": st["hot_bytes"],
+        "mode": st["mode"],
+    }
 
 
 def child_llama(cfg: ModelBench) -> dict[str, Any]:
@@ -360,8 +408,15 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
     n_batch = max(512, cfg.prefill_tokens)
     t0 = time.perf_counter()
     try:  # verbose: llama.cpp logs why a load failed, and only when verbose
-        llm = Llama(model_path=cfg.model, n_threads=cfg.threads, n_threads_batch=cfg.threads,
-                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, verbose=True)  # fmt: skip
+        llm = Llama(
+            model_path=cfg.model,
+            n_threads=cfg.threads,
+            n_threads_batch=cfg.threads,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            verbose=True,
+        )
     except (ValueError, RuntimeError, OSError) as exc:
         return {"error": f"llama.cpp could not load the file: {exc}"}
     load_s = time.perf_counter() - t0
@@ -384,13 +439,21 @@ def child_llama(cfg: ModelBench) -> dict[str, Any]:
     agg, agg_note = aggregates[str(cfg.batch)], notes.get(str(cfg.batch), "")
     decode = _decode_rate(stamps)
     return {
-        "load_s": load_s, "peak_rss_mb": _status_mb("VmHWM"), "anon_rss_mb_load": anon_load,
-        "anon_rss_mb_decode": _status_mb("RssAnon"), "prompt_tokens": len(prompt),
-        "decode_tokens": len(stamps), "decode_tok_s": decode, "aggregate_tok_s": agg,
-        "aggregate_gain": _ratio(agg, decode), "aggregate_sequences": cfg.batch,
-        "aggregate_note": agg_note, "aggregates": aggregates, "aggregate_notes": notes,
+        "load_s": load_s,
+        "peak_rss_mb": _status_mb("VmHWM"),
+        "anon_rss_mb_load": anon_load,
+        "anon_rss_mb_decode": _status_mb("RssAnon"),
+        "prompt_tokens": len(prompt),
+        "decode_tokens": len(stamps),
+        "decode_tok_s": decode,
+        "aggregate_tok_s": agg,
+        "aggregate_gain": _ratio(agg, decode),
+        "aggregate_sequences": cfg.batch,
+        "aggregate_note": agg_note,
+        "aggregates": aggregates,
+        "aggregate_notes": notes,
         "paths": {"system_info": llama_system_info()},
-    } | prefill  # fmt: skip
+    } | prefill
 
 
 def _child_main(argv: list[str]) -> int:

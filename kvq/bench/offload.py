@@ -59,8 +59,17 @@ from .delay_proxy import DelayProxy
 MODEL_ID = "bench"
 COORD_ID = "bench-coord"
 # when no --model is given: 8 layers, 32 experts top-4, hidden 1024, Q4_K (about 240 MB)
-DEFAULT_MODEL = {"layers": 8, "experts": 32, "experts_used": 4, "hidden": 1024,
-                 "expert_ffn": 512, "heads": 8, "kv_heads": 4, "head_dim": 128, "quant": "q4_k"}  # fmt: skip
+DEFAULT_MODEL = {
+    "layers": 8,
+    "experts": 32,
+    "experts_used": 4,
+    "hidden": 1024,
+    "expert_ffn": 512,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 128,
+    "quant": "q4_k",
+}
 
 
 @dataclass(frozen=True)
@@ -87,9 +96,12 @@ class OffloadBench:
                 "kvq bench offload needs 2 CPUs (coordinator and worker pinned apart)"
             )
         if (
-            self.sequences < 2 or self.max_tokens < 1 or self.measure_s <= 0
-            or self.warmup_s < 0 or self.repeat < 1
-        ):  # fmt: skip
+            self.sequences < 2
+            or self.max_tokens < 1
+            or self.measure_s <= 0
+            or self.warmup_s < 0
+            or self.repeat < 1
+        ):
             raise ConfigError(
                 "--sequences >= 2, --max-tokens >= 1, --measure-s > 0, --warmup-s >= 0, "
                 "--repeat >= 1"
@@ -131,11 +143,16 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
             make_tiny(model, **DEFAULT_MODEL)  # type: ignore[arg-type]
         meta, file_mb = read_meta(model), Path(model).stat().st_size / 1e6
         s = load_settings(
-            redis_url=server.url, prefix="kvqbench", n_slots=cfg.sequences,
-            slice_layers=meta.block_count, slice_experts=max(1, meta.expert_count // 2),
-            max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
+            redis_url=server.url,
+            prefix="kvqbench",
+            n_slots=cfg.sequences,
+            slice_layers=meta.block_count,
+            slice_experts=max(1, meta.expert_count // 2),
+            max_tokens_limit=max(512, cfg.max_tokens),
+            idle_shutdown_s=0,
+            idle_release_s=0,
             worker_max_slices=1,  # the worker volunteers for one of the two slices
-        )  # fmt: skip
+        )
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=cfg.log_dir or str(Path(tmp) / "logs"))
         board = open_board(s.bus, s.lifetimes)
@@ -156,21 +173,36 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
                 baselines.append(_phase(board, s, cfg, kids, coord))
                 beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
                 speedup = round(run["tok_s"] / beside, 3) if beside else None
-                runs.append({"rtt_ms": rtt, "microbatches": mb, "repeat": k} | run
-                            | {"baseline_tok_s": round(beside, 3), "speedup": speedup})  # fmt: skip
+                runs.append(
+                    {"rtt_ms": rtt, "microbatches": mb, "repeat": k}
+                    | run
+                    | {"baseline_tok_s": round(beside, 3), "speedup": speedup}
+                )
         finally:
             kids.stop_all()
     base = statistics.mean(b["tok_s"] for b in baselines)
     e = statistics.mean(b["expert_share"] for b in baselines)
     return {
-        "model": cfg.model or f"generated {DEFAULT_MODEL}", "file_mb": round(file_mb, 1),
-        "sequences": cfg.sequences, "microbatches": list(cfg.microbatches), "max_tokens": cfg.max_tokens, "warmup_s": cfg.warmup_s,
-        "measure_s": cfg.measure_s, "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
-        "baseline": {"tok_s": round(base, 3), "expert_share": round(e, 3),
-                     "before": baselines[0], "after": baselines[-1], "phases": baselines},
-        "split_bound": round(1 / (1 - e / 2), 3), "runs": runs,  # e is a share: <= 1
-        "summary": _summary(runs), "repeat": cfg.repeat,
-    }  # fmt: skip
+        "model": cfg.model or f"generated {DEFAULT_MODEL}",
+        "file_mb": round(file_mb, 1),
+        "sequences": cfg.sequences,
+        "microbatches": list(cfg.microbatches),
+        "max_tokens": cfg.max_tokens,
+        "warmup_s": cfg.warmup_s,
+        "measure_s": cfg.measure_s,
+        "cpus": {"coordinator": coord_cpu, "worker": worker_cpu},
+        "baseline": {
+            "tok_s": round(base, 3),
+            "expert_share": round(e, 3),
+            "before": baselines[0],
+            "after": baselines[-1],
+            "phases": baselines,
+        },
+        "split_bound": round(1 / (1 - e / 2), 3),
+        "runs": runs,  # e is a share: <= 1
+        "summary": _summary(runs),
+        "repeat": cfg.repeat,
+    }
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,12 +213,15 @@ def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         pairs.setdefault((run["rtt_ms"], run["microbatches"]), []).append(run)
     return [
-        {"rtt_ms": rtt, "microbatches": mb,
-         "speedup_median": _median([r["speedup"] for r in rs if r["speedup"] is not None]),
-         "speedups": [r["speedup"] for r in rs],
-         "remote_share_median": _median([r["remote_share"] for r in rs])}
+        {
+            "rtt_ms": rtt,
+            "microbatches": mb,
+            "speedup_median": _median([r["speedup"] for r in rs if r["speedup"] is not None]),
+            "speedups": [r["speedup"] for r in rs],
+            "remote_share_median": _median([r["remote_share"] for r in rs]),
+        }
         for (rtt, mb), rs in pairs.items()
-    ]  # fmt: skip
+    ]
 
 
 def _median(xs: list[float]) -> float | None:
@@ -201,16 +236,32 @@ def _coordinator(kids: Children, board: RedisBoard, model: str, mb: int, cpu: in
         proc.wait(60)
     coord = f"{COORD_ID}-mb{mb}"
     env = dict(kids.env) | {"KVQ_MICROBATCHES": str(mb)}
-    kids.spawn(f"coordinator-mb{mb}", "coordinator", "--model-id", MODEL_ID, "--model", model,
-               "--id", coord, cpus={cpu}, env=env)  # fmt: skip
+    kids.spawn(
+        f"coordinator-mb{mb}",
+        "coordinator",
+        "--model-id",
+        MODEL_ID,
+        "--model",
+        model,
+        "--id",
+        coord,
+        cpus={cpu},
+        env=env,
+    )
     kids.wait_for(lambda: board.coordinator_alive(coord), 600, f"coordinator {coord}")
     return coord
 
 
 def _with_worker(
-    board: RedisBoard, s: Settings, cfg: OffloadBench, kids: Children, coord: str, i: str,
-    rtt: float, cpu: int,
-) -> dict[str, Any]:  # fmt: skip
+    board: RedisBoard,
+    s: Settings,
+    cfg: OffloadBench,
+    kids: Children,
+    coord: str,
+    i: str,
+    rtt: float,
+    cpu: int,
+) -> dict[str, Any]:
     """One offload run: a fresh worker behind a proxy adding `rtt` ms, then the load."""
     host, port = _host_port(s.redis_url)
     proxy = DelayProxy(host, port, rtt) if rtt > 0 else None
@@ -226,8 +277,11 @@ def _with_worker(
         proc = kids.procs.pop(name)
         proc.terminate()  # it leaves; the next run's worker takes the slice
         proc.wait(60)
-        kids.wait_for(lambda: not any(v.worker_id == name for v in board.workers(MODEL_ID)), 60,
-              f"{name} to leave")  # fmt: skip
+        kids.wait_for(
+            lambda: not any(v.worker_id == name for v in board.workers(MODEL_ID)),
+            60,
+            f"{name} to leave",
+        )
         return phase | {"worker_load_s": round(load_s, 1)}
     finally:
         if proxy is not None:
@@ -286,8 +340,13 @@ class _ClientLoops:
         k = 0
         try:
             while not self.stop.is_set():
-                rid = client.send(r, keys, MODEL_ID, prompt=f"Request {n}.{k}: the quick brown fox",
-                                  max_tokens=self.cfg.max_tokens)  # fmt: skip
+                rid = client.send(
+                    r,
+                    keys,
+                    MODEL_ID,
+                    prompt=f"Request {n}.{k}: the quick brown fox",
+                    max_tokens=self.cfg.max_tokens,
+                )
                 k += 1
                 for ev in client.events(r, keys, rid, timeout_s=600):
                     if ev.kind == "token":
@@ -312,16 +371,20 @@ def _phase_result(
     rows = delta("local_rows")
     jobs = local + remote + fallback
     return {
-        "tok_s": round(tokens / window, 3), "tokens": tokens, "local_jobs": local,
-        "remote_jobs": remote, "fallback_jobs": fallback,
+        "tok_s": round(tokens / window, 3),
+        "tokens": tokens,
+        "local_jobs": local,
+        "remote_jobs": remote,
+        "fallback_jobs": fallback,
         "remote_share": round(remote / jobs, 3) if jobs else 0.0,
-        "microbatched_steps": delta("microbatched_steps"), "verified": delta("verified"),
+        "microbatched_steps": delta("microbatched_steps"),
+        "verified": delta("verified"),
         "trials_sent": delta("trials_sent"),
         "expert_share": round(delta("local_expert_s") / window, 3),
         "local_ms_per_row": round(1000 * delta("local_expert_s") / rows, 3) if rows else None,
         "wait_share": round(delta("remote_wait_s") / window, 3),
         "send_share": round(delta("remote_send_s") / window, 3),
-    }  # fmt: skip
+    }
 
 
 def _ready(board: RedisBoard, worker: str) -> bool:

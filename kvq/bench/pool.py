@@ -138,14 +138,23 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
     log_dir = cfg.log_dir or str(Path(cfg.cache_dir).expanduser() / "logs")
     with local_redis() as server:
         s = load_settings(
-            redis_url=server.url, prefix="kvqpool", n_slots=max(cfg.sequences),
+            redis_url=server.url,
+            prefix="kvqpool",
+            n_slots=max(cfg.sequences),
             saturation_threshold=min(2, max(cfg.sequences)),  # loaded at 1 sequence too
-            max_tokens_limit=max(512, cfg.max_tokens), idle_shutdown_s=0, idle_release_s=0,
-            heartbeat_ttl_s=cfg.hb_ttl_s, monitor_poll_s=0.5,
-            microbatches=cfg.microbatches, backbone_replicas=cfg.copies, base_replicas=1,
-            boost_replicas=0, grain=cfg.grain, stage_layers=cfg.stage_layers,
+            max_tokens_limit=max(512, cfg.max_tokens),
+            idle_shutdown_s=0,
+            idle_release_s=0,
+            heartbeat_ttl_s=cfg.hb_ttl_s,
+            monitor_poll_s=0.5,
+            microbatches=cfg.microbatches,
+            backbone_replicas=cfg.copies,
+            base_replicas=1,
+            boost_replicas=0,
+            grain=cfg.grain,
+            stage_layers=cfg.stage_layers,
             verify_remote=cfg.verify,
-        )  # fmt: skip
+        )
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=log_dir)
         board = open_board(s.bus, s.lifetimes)
@@ -157,20 +166,40 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
             sizes = {sid: sl.nbytes for sid, sl in info.slices.items()}
             expert_bytes = sum(sizes.values())
             shape = report.shape_of(info.meta, len(sizes))
-            kids.spawn("coordinator", "coordinator", "--model-id", MODEL_ID, "--model",
-                       str(backbone), "--id", COORD_ID, cpus={coord_cpu})  # fmt: skip
+            kids.spawn(
+                "coordinator",
+                "coordinator",
+                "--model-id",
+                MODEL_ID,
+                "--model",
+                str(backbone),
+                "--id",
+                COORD_ID,
+                cpus={coord_cpu},
+            )
             kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
             budget = cfg.cap_fraction * expert_bytes
-            pool = PoolWorkers(kids, board, s, MODEL_ID, sizes, side_cpu, netns,
-                               budget, int(budget) + cfg.overhead_mib * 2**20)  # fmt: skip
+            pool = PoolWorkers(
+                kids,
+                board,
+                s,
+                MODEL_ID,
+                sizes,
+                side_cpu,
+                netns,
+                budget,
+                int(budget) + cfg.overhead_mib * 2**20,
+            )
             runs: list[dict[str, Any]] = []
             kill = None
             for i, rtt in enumerate(cfg.rtts_ms):
                 try:
                     joined = pool.start(cfg.workers, rtt)
                     for n in cfg.sequences:
-                        runs.append({"rtt_ms": rtt, "sequences": n, "join": joined}
-                                    | _window(board, s, cfg, kids, pool, n))  # fmt: skip
+                        runs.append(
+                            {"rtt_ms": rtt, "sequences": n, "join": joined}
+                            | _window(board, s, cfg, kids, pool, n)
+                        )
                     last = i == len(cfg.rtts_ms) - 1
                     if cfg.kill and last:
                         kill = (
@@ -182,8 +211,18 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
                     pool.stop()
         finally:
             kids.stop_all()
-    return report.build(cfg, full, backbone, expert_bytes, len(sizes), shape, netns, runs,
-                        kill, (coord_cpu, side_cpu))  # fmt: skip
+    return report.build(
+        cfg,
+        full,
+        backbone,
+        expert_bytes,
+        len(sizes),
+        shape,
+        netns,
+        runs,
+        kill,
+        (coord_cpu, side_cpu),
+    )
 
 
 def _window(
@@ -194,16 +233,24 @@ def _window(
     try:
         time.sleep(cfg.warmup_s)
         t0, st0, cpu0 = time.monotonic(), board.coord_stats(COORD_ID), pool.cpu_s()
-        kids.wait_for(lambda: time.monotonic() >= t0 + cfg.measure_s, cfg.measure_s + 5,
-                      "the measured window", poll_s=0.2)  # fmt: skip
+        kids.wait_for(
+            lambda: time.monotonic() >= t0 + cfg.measure_s,
+            cfg.measure_s + 5,
+            "the measured window",
+            poll_s=0.2,
+        )
         t1, st1, cpu1 = time.monotonic(), board.coord_stats(COORD_ID), pool.cpu_s()
         tokens = load.tokens_between(t0, t1)
         held = pool.holdings()
     finally:
         load.stop()
     out = report.window(st0, st1, t1 - t0, tokens, cpu0, cpu1, pool.layers)
-    return out | {"failed_requests": load.failed, "completed_requests": load.ok,
-                  "errors": load.errors[:3], "workers": held}  # fmt: skip
+    return out | {
+        "failed_requests": load.failed,
+        "completed_requests": load.ok,
+        "errors": load.errors[:3],
+        "workers": held,
+    }
 
 
 def _kill_phase(
@@ -231,13 +278,22 @@ def _kill_phase(
         load.stop(timeout_s=cfg.recover_timeout_s)
     hist = Histogram.from_text(st.job_rtt_s) if (st := board.coord_stats(COORD_ID)) else None
     return {
-        "rtt_ms": pool.rtt_ms, "sequences": n, "victim": victim, "victim_slices": lost,
-        "victim_only_copies": alone, "uncovered_after": uncovered, "copies_before": before, "copies_after": pool.copies(), "recover_s": None if recover_s is None else round(recover_s, 2),
+        "rtt_ms": pool.rtt_ms,
+        "sequences": n,
+        "victim": victim,
+        "victim_slices": lost,
+        "victim_only_copies": alone,
+        "uncovered_after": uncovered,
+        "copies_before": before,
+        "copies_after": pool.copies(),
+        "recover_s": None if recover_s is None else round(recover_s, 2),
         "recover_timeout_s": cfg.recover_timeout_s,
-        "heartbeat_ttl_s": cfg.hb_ttl_s, "failed_requests": load.failed + load.stuck,
+        "heartbeat_ttl_s": cfg.hb_ttl_s,
+        "failed_requests": load.failed + load.stuck,
         "stuck_requests": load.stuck,
-        "completed_requests": load.ok, "errors": load.errors[:3],
+        "completed_requests": load.ok,
+        "errors": load.errors[:3],
         "longest_token_gap_s": round(load.longest_gap_s(killed, end), 2),
         "tok_s_after_kill": round(load.tokens_between(killed, end) / (end - killed), 3),
         "job_rtt_mean_ms": round(1000 * hist.sum / hist.count, 2) if hist and hist.count else None,
-    }  # fmt: skip
+    }

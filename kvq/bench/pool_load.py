@@ -62,8 +62,9 @@ class CountingLoad:
                 prompt = f"Request {n}.{k}: the quick brown fox"
                 k += 1
                 try:
-                    rid = client.send(r, keys, self.model, prompt=prompt,
-                                      max_tokens=self.max_tokens)  # fmt: skip
+                    rid = client.send(
+                        r, keys, self.model, prompt=prompt, max_tokens=self.max_tokens
+                    )
                     for ev in client.events(r, keys, rid, timeout_s=300):
                         if ev.kind == "token":
                             with self._lock:

@@ -19,18 +19,46 @@ from kvq.bus.histogram import Histogram
 from kvq.bus.records import CoordStats
 
 REPORT_KEYS = (
-    "preset", "model", "file_bytes", "backbone_bytes", "expert_bytes", "slices", "shape",
-    "workers", "cap_fraction", "budget_bytes", "cgroup_cap_bytes", "overhead_mib",
-    "no_worker_holds_model", "survivors_hold_model", "netns", "cpus", "omp_num_threads",
-    "microbatches", "copies", "max_tokens", "warmup_s", "measure_s", "heartbeat_ttl_s", "runs",
-    "kill", "grain", "stage_layers", "verify",
-)  # fmt: skip
+    "preset",
+    "model",
+    "file_bytes",
+    "backbone_bytes",
+    "expert_bytes",
+    "slices",
+    "shape",
+    "workers",
+    "cap_fraction",
+    "budget_bytes",
+    "cgroup_cap_bytes",
+    "overhead_mib",
+    "no_worker_holds_model",
+    "survivors_hold_model",
+    "netns",
+    "cpus",
+    "omp_num_threads",
+    "microbatches",
+    "copies",
+    "max_tokens",
+    "warmup_s",
+    "measure_s",
+    "heartbeat_ttl_s",
+    "runs",
+    "kill",
+    "grain",
+    "stage_layers",
+    "verify",
+)
 
 
 def window(
-    st0: CoordStats | None, st1: CoordStats | None, seconds: float, tokens: int,
-    cpu0: dict[str, float], cpu1: dict[str, float], layers: int,
-) -> dict[str, Any]:  # fmt: skip
+    st0: CoordStats | None,
+    st1: CoordStats | None,
+    seconds: float,
+    tokens: int,
+    cpu0: dict[str, float],
+    cpu1: dict[str, float],
+    layers: int,
+) -> dict[str, Any]:
     """The figures of one measured window of `seconds` in which `tokens` were streamed."""
 
     def d(field: str) -> Any:
@@ -43,22 +71,28 @@ def window(
     coord_cpu = cpu1["coordinator"] - cpu0["coordinator"]
     workers_cpu = cpu1["workers"] - cpu0["workers"]
     return {
-        "tok_s": round(tokens / seconds, 3), "tokens": tokens, "window_s": round(seconds, 2),
-        "remote_jobs": remote, "local_jobs": local, "fallback_jobs": fallback,
+        "tok_s": round(tokens / seconds, 3),
+        "tokens": tokens,
+        "window_s": round(seconds, 2),
+        "remote_jobs": remote,
+        "local_jobs": local,
+        "fallback_jobs": fallback,
         "remote_share": round(remote / jobs, 3) if jobs else 0.0,
-        "witness_jobs": d("witness_jobs"), "verified": d("verified"),
+        "witness_jobs": d("witness_jobs"),
+        "verified": d("verified"),
         "remote_rows": d("remote_rows"),
         "jobs_per_layer_token": round(d("remote_sent") * per / 1000, 3),
         "wait_share": round(d("remote_wait_s") / seconds, 3),
         "wait_ms_per_layer_token": round(d("remote_wait_s") * per, 3),
         "send_ms_per_layer_token": round(d("remote_send_s") * per, 3),
         "job_rtt_mean_ms": rtt,
-        "coord_cpu_s": round(coord_cpu, 2), "workers_cpu_s": round(workers_cpu, 2),
+        "coord_cpu_s": round(coord_cpu, 2),
+        "workers_cpu_s": round(workers_cpu, 2),
         "coord_cpu_ms_per_token": round(1000 * coord_cpu / tokens, 3) if tokens else None,
         "workers_cpu_ms_per_token": round(1000 * workers_cpu / tokens, 3) if tokens else None,
         "stage_wait_ms_per_token": _stage_waits(st0, st1, tokens),
         "stage_replays": d("stage_replays"),
-    }  # fmt: skip
+    }
 
 
 def _stage_waits(st0: CoordStats | None, st1: CoordStats | None, tokens: int) -> dict[str, float]:
@@ -85,36 +119,63 @@ def shape_of(meta: Any, slices: int) -> dict[str, int]:
     """The model figures the throughput model needs."""
     moe = meta.block_count - meta.leading_dense_block_count
     return {
-        "layers": moe, "experts": meta.expert_count, "experts_used": meta.expert_used_count,
-        "hidden": meta.embedding_length, "expert_ffn": meta.expert_feed_forward_length,
-        "heads": meta.head_count, "kv_heads": meta.head_count_kv, "head_dim": meta.head_dim,
+        "layers": moe,
+        "experts": meta.expert_count,
+        "experts_used": meta.expert_used_count,
+        "hidden": meta.embedding_length,
+        "expert_ffn": meta.expert_feed_forward_length,
+        "heads": meta.head_count,
+        "kv_heads": meta.head_count_kv,
+        "head_dim": meta.head_dim,
         "slices_per_layer": max(1, slices // max(1, moe)),
-        "vocab": meta.vocab_size, "blocks": meta.block_count,
-    }  # fmt: skip
+        "vocab": meta.vocab_size,
+        "blocks": meta.block_count,
+    }
 
 
 def build(  # cfg: a kvq.bench.pool.PoolBench (not imported: pool imports this module)
-    cfg: Any, full: Path, backbone: Path, expert_bytes: int, slices: int,
-    shape: dict[str, int], netns: bool, runs: list[dict[str, Any]],
-    kill: dict[str, Any] | None, cpus: tuple[int, int],
-) -> dict[str, Any]:  # fmt: skip
+    cfg: Any,
+    full: Path,
+    backbone: Path,
+    expert_bytes: int,
+    slices: int,
+    shape: dict[str, int],
+    netns: bool,
+    runs: list[dict[str, Any]],
+    kill: dict[str, Any] | None,
+    cpus: tuple[int, int],
+) -> dict[str, Any]:
     budget = cfg.cap_fraction * expert_bytes
     out = {
-        "preset": None if cfg.model else cfg.preset, "model": str(full),
-        "file_bytes": full.stat().st_size, "backbone_bytes": backbone.stat().st_size,
-        "expert_bytes": expert_bytes, "slices": slices, "shape": shape,
-        "workers": cfg.workers, "cap_fraction": cfg.cap_fraction, "budget_bytes": int(budget),
+        "preset": None if cfg.model else cfg.preset,
+        "model": str(full),
+        "file_bytes": full.stat().st_size,
+        "backbone_bytes": backbone.stat().st_size,
+        "expert_bytes": expert_bytes,
+        "slices": slices,
+        "shape": shape,
+        "workers": cfg.workers,
+        "cap_fraction": cfg.cap_fraction,
+        "budget_bytes": int(budget),
         "cgroup_cap_bytes": int(budget) + cfg.overhead_mib * 2**20,
-        "overhead_mib": cfg.overhead_mib, "no_worker_holds_model": cfg.cap_fraction < 1,
-        "survivors_hold_model": (cfg.workers - 1) * cfg.cap_fraction >= 1, "netns": netns,
+        "overhead_mib": cfg.overhead_mib,
+        "no_worker_holds_model": cfg.cap_fraction < 1,
+        "survivors_hold_model": (cfg.workers - 1) * cfg.cap_fraction >= 1,
+        "netns": netns,
         "cpus": {"coordinator": cpus[0], "workers_redis_monitor_clients": cpus[1]},
-        "omp_num_threads": 1, "microbatches": cfg.microbatches, "copies": cfg.copies,
+        "omp_num_threads": 1,
+        "microbatches": cfg.microbatches,
+        "copies": cfg.copies,
         "max_tokens": cfg.max_tokens,
-        "warmup_s": cfg.warmup_s, "measure_s": cfg.measure_s,
-        "heartbeat_ttl_s": cfg.hb_ttl_s, "runs": runs, "kill": kill, "grain": cfg.grain,
+        "warmup_s": cfg.warmup_s,
+        "measure_s": cfg.measure_s,
+        "heartbeat_ttl_s": cfg.hb_ttl_s,
+        "runs": runs,
+        "kill": kill,
+        "grain": cfg.grain,
         "stage_layers": cfg.stage_layers if cfg.grain == "stage" else None,
         "verify": cfg.verify,
-    }  # fmt: skip
+    }
     assert tuple(out) == REPORT_KEYS
     return out
 

@@ -84,8 +84,11 @@ class Sandbox:
         _ip("link", "add", host, "type", "veth", "peer", "name", peer, "netns", ns)
         _ip("addr", "add", f"{host_ip}/30", "dev", host)
         _ip("link", "set", host, "up")
-        for args in (("addr", "add", f"{ns_ip}/30", "dev", peer), ("link", "set", peer, "up"),
-                     ("link", "set", "lo", "up")):  # fmt: skip
+        for args in (
+            ("addr", "add", f"{ns_ip}/30", "dev", peer),
+            ("link", "set", peer, "up"),
+            ("link", "set", "lo", "up"),
+        ):
             _ip("-n", ns, *args)
         return ns, host_ip
 

@@ -31,9 +31,17 @@ class PoolWorkers:
     """Worker processes `w0..` of one bench run (see the module docstring)."""
 
     def __init__(
-        self, kids: Children, board: RedisBoard, s: Settings, model: str,
-        sizes: dict[str, int], cpu: int, netns: bool, budget_bytes: float, cap_bytes: int,
-    ) -> None:  # fmt: skip
+        self,
+        kids: Children,
+        board: RedisBoard,
+        s: Settings,
+        model: str,
+        sizes: dict[str, int],
+        cpu: int,
+        netns: bool,
+        budget_bytes: float,
+        cap_bytes: int,
+    ) -> None:
         self.kids, self.board, self.s, self.model = kids, board, s, model
         self.sizes, self.cpu, self.netns = sizes, cpu, netns
         self.budget_bytes, self.cap_bytes = budget_bytes, cap_bytes
@@ -84,8 +92,14 @@ class PoolWorkers:
         log = Path(self.kids.log_dir or "/tmp") / f"{name}-{int(self.rtt_ms)}ms.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=preexec)  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=preexec,
+            )
         self.kids.procs[name] = proc
         self.names.append(name)
 
@@ -154,11 +168,14 @@ class PoolWorkers:
             now, peak = usage_bytes(self._cgroups[w]) if w in self._cgroups else (0, 0)
             info = self.board.worker_info(w)
             out[w] = {
-                "slices": len(per.get(w, [])), "held_bytes": sum(self.sizes[s] for s in per.get(w, [])),
-                "cgroup_bytes": now, "cgroup_peak_bytes": peak, "cgroup_cap_bytes": self.cap_bytes,
+                "slices": len(per.get(w, [])),
+                "held_bytes": sum(self.sizes[s] for s in per.get(w, [])),
+                "cgroup_bytes": now,
+                "cgroup_peak_bytes": peak,
+                "cgroup_cap_bytes": self.cap_bytes,
                 "ms_per_row": round(info.ms_per_row, 3) if info else None,
                 "load": round(info.load, 3) if info else None,
-            }  # fmt: skip
+            }
         return out
 
     def cpu_s(self) -> dict[str, float]:

@@ -100,12 +100,13 @@ def _arm(bb: Backbone, cfg: PrefillGapBench, arm: str, steps: int | None) -> dic
         for a, b in zip(t[k - 1 : -1], t[k:], strict=True)
     ]
     return {
-        "steps": n, "gaps": len(gaps),
+        "steps": n,
+        "gaps": len(gaps),
         "p50_gap_ms": round(statistics.median(gaps), 1),
         "p99_gap_ms": round(_percentile(gaps, 0.99), 1),
         "max_gap_ms": round(max(gaps), 1),
         "long_ttft_s": None if ttft is None else round(ttft, 2),
-    }  # fmt: skip
+    }
 
 
 def run_prefill_gap_bench(cfg: PrefillGapBench) -> dict[str, Any]:

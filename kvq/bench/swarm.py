@@ -27,10 +27,14 @@ def bench_swarm_topology(
     layer), with copies per model sized to fill about 80% of the memory."""
     rng = random.Random(seed)
     profiles = [
-        NodeProfile(f"n{i:04d}", float(rng.choice((8, 16, 24, 32, 48, 64))),
-                    round(rng.uniform(2, 60), 2), round(rng.uniform(0.5, 2.0), 2))
+        NodeProfile(
+            f"n{i:04d}",
+            float(rng.choice((8, 16, 24, 32, 48, 64))),
+            round(rng.uniform(2, 60), 2),
+            round(rng.uniform(0.5, 2.0), 2),
+        )
         for i in range(nodes)
-    ]  # fmt: skip
+    ]
     specs = [
         ModelSpec.layered(f"model-{m}", 32, 0.5 + m / max(1, models - 1), experts=8)
         for m in range(models)
@@ -66,8 +70,12 @@ def run_sim(
     traffic.run(steps)
     secs = time.perf_counter() - t0
     final = [swarm.route(m).pipeline_id for m in swarm.plan.models]
-    counts = {"routed": traffic.routed, "unroutable": traffic.unroutable,
-              "failovers": traffic.failovers, "unrecoverable": traffic.unrecoverable}  # fmt: skip
+    counts = {
+        "routed": traffic.routed,
+        "unroutable": traffic.unroutable,
+        "failovers": traffic.failovers,
+        "unrecoverable": traffic.unrecoverable,
+    }
     digest = hashlib.sha256(repr((counts, final, swarm.status())).encode()).hexdigest()[:16]
     return secs, digest, counts
 
@@ -84,10 +92,17 @@ def run_swarm_bench(
     steady = _routes_per_s(swarm, routes, seed, fresh=False)
     sim_s, digest, counts = run_sim(nodes, steps, seed, models)
     return {
-        "nodes": nodes, "models": models, "copies": len(swarm.plan.pipelines),
-        "nodes_in_plan": used, "plan_seconds": round(plan_s, 3),
-        "routes_per_s": round(fresh), "routes_per_s_steady": round(steady),
-        "sim_workers": nodes, "sim_steps": steps, "sim_seconds": round(sim_s, 3),
-        "sim_digest": digest, "sim": counts,
+        "nodes": nodes,
+        "models": models,
+        "copies": len(swarm.plan.pipelines),
+        "nodes_in_plan": used,
+        "plan_seconds": round(plan_s, 3),
+        "routes_per_s": round(fresh),
+        "routes_per_s_steady": round(steady),
+        "sim_workers": nodes,
+        "sim_steps": steps,
+        "sim_seconds": round(sim_s, 3),
+        "sim_digest": digest,
+        "sim": counts,
         "targets": {"routes_per_s": 50_000, "sim_seconds": 5.0},
-    }  # fmt: skip
+    }

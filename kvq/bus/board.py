@@ -225,11 +225,19 @@ def worker_view(
         return WorkerView(worker, sid, alive)
     ready = info.ready_for(model, sid)
     return WorkerView(
-        worker, sid, alive, info.last_serve_ms, info.load if ready else None, ready=ready,
-        ms_per_row=info.ms_per_row, queued_rows=info.busy_rows + info.queued_rows,
-        queued_by=tuple(sorted(info.queued_by_coord().items())), device=info.device,
-        machine=info.machine, cpus=parse_cpus(info.cpus),
-    )  # fmt: skip
+        worker,
+        sid,
+        alive,
+        info.last_serve_ms,
+        info.load if ready else None,
+        ready=ready,
+        ms_per_row=info.ms_per_row,
+        queued_rows=info.busy_rows + info.queued_rows,
+        queued_by=tuple(sorted(info.queued_by_coord().items())),
+        device=info.device,
+        machine=info.machine,
+        cpus=parse_cpus(info.cpus),
+    )
 
 
 def spread_jobs(

@@ -23,8 +23,13 @@ from kvq.settings_checks import tls_weakening
 from kvq.settings_parts import BusSettings
 
 __all__ = [
-    "Backoff", "connect", "connect_async", "is_connection_error", "is_tls_error", "redacted_url",
-]  # fmt: skip
+    "Backoff",
+    "connect",
+    "connect_async",
+    "is_connection_error",
+    "is_tls_error",
+    "redacted_url",
+]
 log = logging.getLogger("kvq.bus")
 
 
@@ -48,11 +53,16 @@ def tls_options(settings: BusSettings) -> dict[str, Any]:
         opts["ssl_certfile"], opts["ssl_keyfile"] = settings.tls_cert_file, settings.tls_key_file
     weak = tls_weakening(settings.redis_url)
     if weak:  # the settings refuse this without KVQ_TLS_INSECURE
-        log.warning("KVQ_REDIS_URL has %s: the Redis server's certificate is NOT fully "
-                    "verified (KVQ_TLS_INSECURE=1 allows it)", weak)  # fmt: skip
+        log.warning(
+            "KVQ_REDIS_URL has %s: the Redis server's certificate is NOT fully "
+            "verified (KVQ_TLS_INSECURE=1 allows it)",
+            weak,
+        )
     if settings.tls_insecure:
-        log.warning("KVQ_TLS_INSECURE=1: the Redis server's certificate is NOT verified; "
-                    "anyone on the path can read and change kvq's traffic")  # fmt: skip
+        log.warning(
+            "KVQ_TLS_INSECURE=1: the Redis server's certificate is NOT verified; "
+            "anyone on the path can read and change kvq's traffic"
+        )
         opts["ssl_cert_reqs"], opts["ssl_check_hostname"] = "none", False
     return opts
 
@@ -97,9 +107,12 @@ def _first_tls_ping(settings: BusSettings, tls: dict[str, Any]) -> None:
     raises a one-line TlsError within a few seconds. Anything else (the server is down) is
     left to the client's retries."""
     probe = redis.Redis.from_url(
-        settings.redis_url, socket_timeout=_HANDSHAKE_S, socket_connect_timeout=_HANDSHAKE_S,
-        retry=Retry(NoBackoff(), 0), **tls,
-    )  # fmt: skip
+        settings.redis_url,
+        socket_timeout=_HANDSHAKE_S,
+        socket_connect_timeout=_HANDSHAKE_S,
+        retry=Retry(NoBackoff(), 0),
+        **tls,
+    )
     try:
         probe.ping()
     except redis.RedisError as exc:
@@ -169,16 +182,19 @@ def _cluster(settings: BusSettings, retry: Retry) -> redis.Redis:
     from redis.cluster import RedisCluster
 
     # the board's calls are plain Redis calls that stay inside one hash tag (docs/streams.md)
-    client = RedisCluster.from_url(plain_url(settings.redis_url), retry=retry,
-                                   **_timeouts(settings), **tls_options(settings))  # fmt: skip
+    client = RedisCluster.from_url(
+        plain_url(settings.redis_url), retry=retry, **_timeouts(settings), **tls_options(settings)
+    )
     return cast(redis.Redis, client)
 
 
 def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, str | None]]:
     """(sentinel addresses, master name, credentials) of `redis+sentinel://h1:p1,h2:p2/name`."""
     parts = urlsplit(plain_url(url))
-    hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1]) if ":" in h else 26379)
-             for h in parts.netloc.rsplit("@", 1)[-1].split(",")]  # fmt: skip
+    hosts = [
+        (h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1]) if ":" in h else 26379)
+        for h in parts.netloc.rsplit("@", 1)[-1].split(",")
+    ]
     master = parts.path.strip("/").split("/")[0]
     return hosts, master, {"username": parts.username, "password": parts.password}
 
@@ -188,8 +204,13 @@ def _sentinel(settings: BusSettings, retry: Retry) -> redis.Redis:
 
     hosts, master, auth = _sentinel_parts(settings.redis_url)
     sentinel = Sentinel(hosts, sentinel_kwargs=auth, **_timeouts(settings))
-    conn = sentinel.master_for(master, retry=retry, retry_on_error=[redis.ConnectionError,
-                               redis.TimeoutError], **auth, **_timeouts(settings))  # fmt: skip
+    conn = sentinel.master_for(
+        master,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **auth,
+        **_timeouts(settings),
+    )
     return cast(redis.Redis, conn)
 
 
@@ -208,16 +229,22 @@ def connect_async(settings: BusSettings) -> redis.asyncio.Redis:
     if settings.mode == "cluster":
         from redis.asyncio.cluster import RedisCluster
 
-        client = RedisCluster.from_url(plain_url(settings.redis_url), retry=retry,
-                                       **_timeouts(settings))  # fmt: skip
+        client = RedisCluster.from_url(
+            plain_url(settings.redis_url), retry=retry, **_timeouts(settings)
+        )
         return cast(redis.asyncio.Redis, client)
     if settings.mode == "sentinel":
         from redis.asyncio.sentinel import Sentinel
 
         hosts, master, auth = _sentinel_parts(settings.redis_url)
         sentinel = Sentinel(hosts, sentinel_kwargs=auth, **_timeouts(settings))
-        conn = sentinel.master_for(master, retry=retry, retry_on_error=[redis.ConnectionError,
-                                   redis.TimeoutError], **auth, **_timeouts(settings))  # fmt: skip
+        conn = sentinel.master_for(
+            master,
+            retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **auth,
+            **_timeouts(settings),
+        )
         _SENTINELS[conn] = list(sentinel.sentinels)  # closed by `close_async`
         return cast(redis.asyncio.Redis, conn)
     return redis.asyncio.Redis.from_url(
@@ -240,7 +267,7 @@ def is_connection_error(exc: BaseException) -> bool:
         RedisClusterException,
         SlotNotCoveredError,
         TryAgainError,
-    )  # fmt: skip
+    )
 
     if isinstance(exc, ClusterDownError | SlotNotCoveredError | TryAgainError):
         return True  # a cluster failover in progress

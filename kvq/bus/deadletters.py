@@ -39,9 +39,15 @@ class DeadLetter:
                 shown[k.decode()] = v.decode()
             except UnicodeDecodeError:
                 shown[k.decode(errors="replace")] = f"<{len(v)} bytes>"
-        return {"id": self.id, "source": self.source, "entry_id": self.entry_id,
-                "reason": self.reason, "ts_ms": self.ts_ms, "worker": self.worker,
-                "fields": shown}  # fmt: skip
+        return {
+            "id": self.id,
+            "source": self.source,
+            "entry_id": self.entry_id,
+            "reason": self.reason,
+            "ts_ms": self.ts_ms,
+            "worker": self.worker,
+            "fields": shown,
+        }
 
 
 def _parse(eid: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
@@ -53,8 +59,15 @@ def _parse(eid: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
     except ValueError:
         ts = 0
     fields = {k[len(FIELD_PREFIX) :]: v for k, v in raw.items() if k.startswith(FIELD_PREFIX)}
-    return DeadLetter(eid.decode(), text(b"source"), text(b"entry_id"), text(b"reason"), ts, fields,
-                      text(b"worker"))  # fmt: skip
+    return DeadLetter(
+        eid.decode(),
+        text(b"source"),
+        text(b"entry_id"),
+        text(b"reason"),
+        ts,
+        fields,
+        text(b"worker"),
+    )
 
 
 def list_dead(

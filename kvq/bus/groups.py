@@ -115,11 +115,17 @@ def merged(parts: list[GroupStats]) -> GroupStats:
     by_name: dict[str, ConsumerStats] = {}
     for c in (c for p in parts for c in p.consumers):
         seen = by_name.get(c.name)
-        by_name[c.name] = c if seen is None else ConsumerStats(
-            c.name, seen.pending + c.pending, min(seen.idle_s, c.idle_s)
-        )  # fmt: skip
+        by_name[c.name] = (
+            c
+            if seen is None
+            else ConsumerStats(c.name, seen.pending + c.pending, min(seen.idle_s, c.idle_s))
+        )
     return GroupStats(
-        any(p.exists for p in parts), sum(p.length for p in parts), sum(p.lag for p in parts),
-        sum(p.pending for p in parts), oldest([p.oldest_pending_age_s for p in parts]),
-        oldest([p.oldest_unread_age_s for p in parts]), tuple(by_name.values()),
-    )  # fmt: skip
+        any(p.exists for p in parts),
+        sum(p.length for p in parts),
+        sum(p.lag for p in parts),
+        sum(p.pending for p in parts),
+        oldest([p.oldest_pending_age_s for p in parts]),
+        oldest([p.oldest_unread_age_s for p in parts]),
+        tuple(by_name.values()),
+    )

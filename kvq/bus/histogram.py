@@ -16,8 +16,22 @@ from dataclasses import dataclass, field
 
 # seconds: 1 ms (a local job round trip) to a minute (a long queue before the first token)
 LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclass
@@ -62,7 +76,8 @@ class Histogram:
             return None
         try:
             d = json.loads(text)
-            return cls(tuple(float(b) for b in d["le"]), [int(n) for n in d["counts"]],
-                       float(d["sum"]))  # fmt: skip
+            return cls(
+                tuple(float(b) for b in d["le"]), [int(n) for n in d["counts"]], float(d["sum"])
+            )
         except (ValueError, KeyError, TypeError):
             return None

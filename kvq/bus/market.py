@@ -57,9 +57,11 @@ class Market(Protocol):
     any) are left out."""
 
     def volunteer(
-        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        self,
+        worker: str,
+        held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
-    ) -> Held | None: ...  # fmt: skip
+    ) -> Held | None: ...
 
     def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]: ...
 
@@ -75,9 +77,12 @@ class BoardMarket:
         self.board = board
 
     def volunteer(
-        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
-        room: int | None = None, skip: Collection[str] = (),
-    ) -> Held | None:  # fmt: skip
+        self,
+        worker: str,
+        held: Mapping[str, Collection[str]] | None = None,
+        room: int | None = None,
+        skip: Collection[str] = (),
+    ) -> Held | None:
         held = held or {}
         for model in self.board.models():
             if model in skip:
@@ -133,8 +138,15 @@ class MarketDoor:
         self, worker: str, op: str, model: str, sid: str, more: dict[str, str]
     ) -> dict[str, str] | None:
         nonce = f"{self.instance}:{next(self._seq)}"
-        fields = {"v": "1", "op": op, "model": model, "slice": sid, "instance": self.instance,
-                  "nonce": nonce, **more}  # fmt: skip
+        fields = {
+            "v": "1",
+            "op": op,
+            "model": model,
+            "slice": sid,
+            "instance": self.instance,
+            "nonce": nonce,
+            **more,
+        }
         pipe = self.r.pipeline(transaction=False)
         xadd(pipe, self.keys.worker_asks(worker), fields, _ASKS_MAXLEN)
         if self._cluster:  # the ask before its doorbell: a cluster runs the parts in no order
@@ -164,9 +176,11 @@ class MarketDoor:
         return None
 
     def volunteer(
-        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        self,
+        worker: str,
+        held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
-    ) -> Held | None:  # fmt: skip
+    ) -> Held | None:
         more = {"held": holds_text(held or {}), "room": "" if room is None else str(room)}
         got = self._ask(worker, VOLUNTEER, **more)
         return Held(got["model"], got["slice"]) if got and got.get("slice") else None
@@ -246,8 +260,11 @@ class MarketDesk:
     def _barred_in(self, worker: str) -> set[str]:
         """The models in which `worker` is quarantined or banned now."""
         now_ms = self.board.now_ms()
-        return {m for m in self.board.models()
-                if (q := self.board.quarantined(m).get(worker)) and q.active(now_ms)}  # fmt: skip
+        return {
+            m
+            for m in self.board.models()
+            if (q := self.board.quarantined(m).get(worker)) and q.active(now_ms)
+        }
 
     def granted(self, model: str, worker: str) -> set[str]:
         """The slices of `model` this monitor (or one before it) granted `worker`."""
@@ -269,8 +286,9 @@ class MarketDesk:
         info = self.board.model_info(model)
         bad = [s for s in sids if info is None or s not in info.slices]
         if bad or not sids:
-            return {"error": f"no slice {join_slices(bad) or join_slices(sids)!r} of model "
-                             f"{model!r}"}  # fmt: skip
+            return {
+                "error": f"no slice {join_slices(bad) or join_slices(sids)!r} of model {model!r}"
+            }
         mine = self.granted(model, worker)
         demand = self.board.slice_demand(model)
         wanted = {sid for sid, d in demand.items() if d.target > d.coverage}
@@ -281,11 +299,17 @@ class MarketDesk:
             self._grant(model, worker, taken)
         if refused:
             self.refused += 1
-            log.warning("refused rejoin of %s to %s of %s: never granted here and not wanted",
-                        worker, join_slices(refused), model)  # fmt: skip
+            log.warning(
+                "refused rejoin of %s to %s of %s: never granted here and not wanted",
+                worker,
+                join_slices(refused),
+                model,
+            )
             if not taken:
-                return {"error": f"rejoin of {join_slices(refused)} of {model!r} refused: not "
-                                 "granted by this monitor and not wanted; volunteer instead"}  # fmt: skip
+                return {
+                    "error": f"rejoin of {join_slices(refused)} of {model!r} refused: not "
+                    "granted by this monitor and not wanted; volunteer instead"
+                }
         return {"model": model, "slice": join_slices(taken)}
 
     def _answer(self, worker: str, ask: dict[str, str]) -> dict[str, str]:
@@ -294,8 +318,10 @@ class MarketDesk:
         if live and live != ask.get("instance"):  # "" or None: no process claims it now
             self.refused += 1
             log.warning("refused %s of %s: another live process uses this id", op, worker)
-            return {"error": f"worker id {worker!r} is in use by another live process",
-                    "in_use": "1"}  # fmt: skip
+            return {
+                "error": f"worker id {worker!r} is in use by another live process",
+                "in_use": "1",
+            }
         if op not in _OPS:
             return {"error": f"unknown op {op!r}"}
         if op in (VOLUNTEER, REJOIN):  # a caught worker takes nothing while its verdict lasts

@@ -53,8 +53,13 @@ class HashCodec:
         try:
             return msgspec.convert(plain, cls, strict=False)
         except msgspec.ValidationError as exc:
-            _warn_once(f"{cls.__name__}: {exc}", "ignoring a %s hash that does not decode (%s): "
-                       "%.200r", cls.__name__, exc, plain)  # fmt: skip
+            _warn_once(
+                f"{cls.__name__}: {exc}",
+                "ignoring a %s hash that does not decode (%s): %.200r",
+                cls.__name__,
+                exc,
+                plain,
+            )
             return None
 
     @classmethod

@@ -76,11 +76,16 @@ class RedisBoard:
         k, m = self.keys, info.model
         meta = info.meta
         entry = ModelEntry(
-            source=info.source, arch=meta.arch, block_count=meta.block_count,
-            expert_count=meta.expert_count, expert_used_count=meta.expert_used_count,
-            slice_count=len(info.slices), meta=json.dumps(meta_to_dict(meta)),
-            header_sha256=info.header_sha256, request_shards=info.request_shards,
-        )  # fmt: skip
+            source=info.source,
+            arch=meta.arch,
+            block_count=meta.block_count,
+            expert_count=meta.expert_count,
+            expert_used_count=meta.expert_used_count,
+            slice_count=len(info.slices),
+            meta=json.dumps(meta_to_dict(meta)),
+            header_sha256=info.header_sha256,
+            request_shards=info.request_shards,
+        )
         self._check_shards(m, info.request_shards)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(k.model_meta(m), mapping=entry.to_hash())
@@ -283,9 +288,12 @@ class RedisBoard:
     def forget_worker(self, worker: str) -> None:
         k = self.keys
         self.r.delete(
-            k.worker_heartbeat(worker), k.worker_info(worker), k.worker_inbox(worker),
-            k.worker_asks(worker), k.worker_answers(worker),
-        )  # fmt: skip
+            k.worker_heartbeat(worker),
+            k.worker_info(worker),
+            k.worker_inbox(worker),
+            k.worker_asks(worker),
+            k.worker_answers(worker),
+        )
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())

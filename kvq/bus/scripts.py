@@ -31,9 +31,13 @@ class Scripts:
         self._lease = r.register_script(_source("lease"))
 
     def volunteer(
-        self, r: redis.Redis, model: str, worker: str, room: int | None = None,
+        self,
+        r: redis.Redis,
+        model: str,
+        worker: str,
+        room: int | None = None,
         held: Collection[str] = (),
-    ) -> str | None:  # fmt: skip
+    ) -> str | None:
         """Atomically take a slice of `model` with positive demand and at most `room` bytes
         (None: any size) that `worker` does not hold, or None: an uncovered one first, then
         the hottest (`volunteer.lua`). `held`: the slice ids it knows it holds; one listed for
@@ -54,9 +58,10 @@ class Scripts:
         slice ids released, () when it held none of them."""
         k = self.keys
         got = self._release(
-            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, sid or ""],
+            keys=[k.model_coverage(model), k.model_workers(model)],
+            args=[worker, sid or ""],
             client=r,
-        )  # fmt: skip
+        )
         return split_slices(got) if got else ()
 
     def rejoin(self, r: redis.Redis, model: str, worker: str, *sids: str) -> int:
@@ -65,9 +70,10 @@ class Scripts:
             return 0
         k = self.keys
         got = self._rejoin(
-            keys=[k.model_coverage(model), k.model_workers(model)], args=[worker, *sids],
+            keys=[k.model_coverage(model), k.model_workers(model)],
+            args=[worker, *sids],
             client=r,
-        )  # fmt: skip
+        )
         return int(got or 0)
 
     def retire(self, r: redis.Redis, model: str, worker: str, sid: str) -> str | None:

@@ -41,9 +41,13 @@ class ShardedConsumer:
     """Consumer `name` of `group` on every stream of `streams` (a model's request shards)."""
 
     def __init__(
-        self, r: redis.Redis, streams: Sequence[str], group: str, name: str,
+        self,
+        r: redis.Redis,
+        streams: Sequence[str],
+        group: str,
+        name: str,
         poll_s: float = POLL_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.r, self.group, self.name, self.poll_s = r, group, name, poll_s
         self.parts = {s: Consumer(r, s, group, name) for s in streams}
         self.streams = list(self.parts)
@@ -94,8 +98,11 @@ class ShardedConsumer:
         them again and re-read pending entries from the start."""
         if not is_lost_key(exc):
             raise exc
-        log.warning("redis lost a request stream of %s or its group %s; made them again",
-                    ", ".join(self.streams), self.group)  # fmt: skip
+        log.warning(
+            "redis lost a request stream of %s or its group %s; made them again",
+            ", ".join(self.streams),
+            self.group,
+        )
         for stream in self.streams:
             ensure_group(self.r, stream, self.group)
         self.reset_pending()
@@ -112,9 +119,11 @@ class ShardedConsumer:
         self.parts[stream].ack(*entry_ids)
 
     def answer(
-        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
-        entries: Sequence[tuple[str, bytes]], maxlen: int,
-    ) -> None:  # fmt: skip
+        self,
+        appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+        entries: Sequence[tuple[str, bytes]],
+        maxlen: int,
+    ) -> None:
         """Append each `(stream, fields, ttl_s)`, then ack and delete each `(shard stream,
         entry id)`, in that order (see `Consumer.answer`): one round trip on one server, two
         on a cluster, whose pipelines run per node in no order between nodes."""

@@ -57,9 +57,11 @@ def is_cluster(r: Any) -> bool:
 
 
 def xadd(
-    r: redis.Redis | redis.client.Pipeline, stream: str, fields: Mapping[Any, Any],
+    r: redis.Redis | redis.client.Pipeline,
+    stream: str,
+    fields: Mapping[Any, Any],
     maxlen: int | None,
-) -> Any:  # fmt: skip
+) -> Any:
     """XADD with approximate MAXLEN trimming, so no stream grows without bound; `maxlen` None
     for a stream whose unread entries must never be trimmed (requests: the writer checks the
     length first and refuses instead)."""
@@ -168,9 +170,11 @@ class Consumer:
             pipe.execute()
 
     def answer(
-        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
+        self,
+        appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+        entry_ids: Sequence[bytes],
         maxlen: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Append each `(stream, fields, ttl_s)` (an answer: a result, reply events), then ack
         and delete `entry_ids`, in one round trip and in that order: an entry is never acked
         before its answer is written, so a crash in between re-delivers it instead of losing
@@ -178,18 +182,24 @@ class Consumer:
         _raise_first(self.answer_each(appends, entry_ids, maxlen))
 
     def answer_each(
-        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
+        self,
+        appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+        entry_ids: Sequence[bytes],
         maxlen: int,
-    ) -> list[redis.RedisError | None]:  # fmt: skip
+    ) -> list[redis.RedisError | None]:
         """`answer` for a batch, in the same one round trip, with each append's refusal in
         its place (`answers_then_ack`)."""
         acks = {self.stream: list(entry_ids)} if entry_ids else {}
         return answers_then_ack(self.r, self._cluster, self.group, appends, acks, maxlen)
 
     def answer_and_read(
-        self, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]], entry_ids: Sequence[bytes],
-        maxlen: int, count: int, block_ms: int | None,
-    ) -> list[redis.RedisError | None]:  # fmt: skip
+        self,
+        appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+        entry_ids: Sequence[bytes],
+        maxlen: int,
+        count: int,
+        block_ms: int | None,
+    ) -> list[redis.RedisError | None]:
         """`answer_each`, and the next `read(count, block_ms)` in the same round trip: the
         answers, the acks, then a blocking XREADGROUP, pipelined, so that a consumer far from
         Redis is listening again as soon as its answers land, not one more round trip later.
@@ -219,10 +229,13 @@ class Consumer:
 
 
 def answer_then_ack(
-    r: redis.Redis, cluster: bool, group: str,
+    r: redis.Redis,
+    cluster: bool,
+    group: str,
     appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
-    acks: Mapping[str, Sequence[bytes]], maxlen: int,
-) -> None:  # fmt: skip
+    acks: Mapping[str, Sequence[bytes]],
+    maxlen: int,
+) -> None:
     """Append each `(stream, fields, ttl_s)`, then ack and delete the entries `acks` names per
     stream, in that order (`Consumer.answer`): one round trip on one server; on a cluster a
     pipeline runs per node in no order between nodes, so the answers (other hash tags) are
@@ -238,10 +251,13 @@ def _raise_first(errors: Sequence[redis.RedisError | None]) -> None:
 
 
 def answers_then_ack(
-    r: redis.Redis, cluster: bool, group: str,
+    r: redis.Redis,
+    cluster: bool,
+    group: str,
     appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
-    acks: Mapping[str, Sequence[bytes]], maxlen: int,
-) -> list[redis.RedisError | None]:  # fmt: skip
+    acks: Mapping[str, Sequence[bytes]],
+    maxlen: int,
+) -> list[redis.RedisError | None]:
     """`answer_then_ack`, with each append's own refusal (WRONGTYPE, NOPERM) returned in its
     place instead of raised: one bad answer does not hide whether the others were written.
     A lost connection still raises, and so does a refused ack."""
@@ -258,9 +274,12 @@ def answers_then_ack(
 
 
 def _queue_answers(
-    pipe: Any, group: str, appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
-    acks: Mapping[str, Sequence[bytes]], maxlen: int,
-) -> None:  # fmt: skip
+    pipe: Any,
+    group: str,
+    appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    acks: Mapping[str, Sequence[bytes]],
+    maxlen: int,
+) -> None:
     """Queue each append (XADD, and EXPIRE where it has a TTL), then each stream's XACK and
     XDEL."""
     for stream, fields, ttl_s in appends:
@@ -273,9 +292,10 @@ def _queue_answers(
 
 
 def _answer_errors(
-    got: Sequence[Any], appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
+    got: Sequence[Any],
+    appends: Sequence[tuple[str, Mapping[Any, Any], int | None]],
     acks: Mapping[str, Sequence[bytes]],
-) -> list[redis.RedisError | None]:  # fmt: skip
+) -> list[redis.RedisError | None]:
     """Per append, its refusal or None, from the replies of `_queue_answers`' commands; a
     refused ack, or any error that is no Redis reply, raises."""
     for reply in got[len(got) - 2 * len(acks) :] if acks else ():
@@ -294,9 +314,13 @@ def _answer_errors(
 
 
 def claim_from_dead(
-    r: redis.Redis, stream: str, group: str, me: str,
-    alive: Callable[[str], bool], min_idle_ms: int,
-) -> int:  # fmt: skip
+    r: redis.Redis,
+    stream: str,
+    group: str,
+    me: str,
+    alive: Callable[[str], bool],
+    min_idle_ms: int,
+) -> int:
     """Move pending entries of dead consumers (per `alive`) idle >= min_idle_ms to `me`.
 
     Only dead consumers are robbed: a live coordinator may legitimately hold a request for a
@@ -311,9 +335,13 @@ def claim_from_dead(
 
 
 def _claim(
-    r: redis.Redis, stream: str, group: str, me: str,
-    alive: Callable[[str], bool], min_idle_ms: int,
-) -> int:  # fmt: skip
+    r: redis.Redis,
+    stream: str,
+    group: str,
+    me: str,
+    alive: Callable[[str], bool],
+    min_idle_ms: int,
+) -> int:
     claimed = 0
     for info in r.xinfo_consumers(stream, group):
         name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])

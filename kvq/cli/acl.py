@@ -30,10 +30,14 @@ def cmd_acl(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     made = _apply(args.apply, wanted, settings)
     secrets = {
-        name: {"role": u.role, "password": made[name],
-               "url": acl.user_url(args.apply, name, made[name])}
-        for u in wanted for name in [u.name]
-    }  # fmt: skip
+        name: {
+            "role": u.role,
+            "password": made[name],
+            "url": acl.user_url(args.apply, name, made[name]),
+        }
+        for u in wanted
+        for name in [u.name]
+    }
     path = Path(args.secrets)
     path.write_text(json.dumps(secrets, indent=2) + "\n")
     os.chmod(path, 0o600)
@@ -60,13 +64,24 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     a = sub.add_parser(
         "acl", help="least-privilege ACL users per role: print the rules, or --apply them"
     )
-    a.add_argument("--role", action="append",
-                   choices=["monitor", "coordinator", "worker", "client", "api"], help="only this role (repeatable; default: every role)")  # fmt: skip
-    a.add_argument("--worker", action="append", metavar="ID",
-                   help="a worker id to make a user for (repeatable)")  # fmt: skip
+    a.add_argument(
+        "--role",
+        action="append",
+        choices=["monitor", "coordinator", "worker", "client", "api"],
+        help="only this role (repeatable; default: every role)",
+    )
+    a.add_argument(
+        "--worker",
+        action="append",
+        metavar="ID",
+        help="a worker id to make a user for (repeatable)",
+    )
     a.add_argument("--prefix", help="key prefix (default KVQ_PREFIX)")
     a.add_argument("--apply", metavar="URL", help="create the users on this server (an admin URL)")
-    a.add_argument("--secrets", default="kvq-acl.json",
-                   help="where --apply writes passwords and URLs (default kvq-acl.json)")  # fmt: skip
+    a.add_argument(
+        "--secrets",
+        default="kvq-acl.json",
+        help="where --apply writes passwords and URLs (default kvq-acl.json)",
+    )
     a.add_argument("--json", action="store_true", help="print the rules as JSON")
     a.set_defaults(fn=cmd_acl, kernels=False)

@@ -45,10 +45,12 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
     threading.Thread(target=_stop_when, args=(stop, server), daemon=True).start()
     models = app.state.gateway.gate.models()
     log.info(
-        "ready: OpenAI-compatible API on http://%s:%s/v1 for %s (auth %s)", host, port,
+        "ready: OpenAI-compatible API on http://%s:%s/v1 for %s (auth %s)",
+        host,
+        port,
         ", ".join(models) if models else "the models a monitor registers",
         "on" if s.keys else "off",
-    )  # fmt: skip
+    )
     server.run(sockets=[sock])  # SIGINT/TERM: finish the open calls, then exit 0
     return EXIT_OK
 
@@ -62,9 +64,13 @@ def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.api import ApiBenchOptions, run_api_bench
 
     opts = ApiBenchOptions(
-        streams=args.streams, requests=args.requests, max_tokens=args.max_tokens,
-        rounds=args.rounds, model_path=args.model, workers=args.workers,
-    )  # fmt: skip
+        streams=args.streams,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        model_path=args.model,
+        workers=args.workers,
+    )
     result = run_api_bench(settings, opts)
     if args.json:
         print(json.dumps(result))

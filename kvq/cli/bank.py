@@ -39,8 +39,15 @@ def cmd_collect(args: argparse.Namespace, settings: Settings) -> int:
 
     prompts, device = read_prompts(args.prompts), str(pick_device(settings.device))
     if args.rq:
-        out = _on_rq(settings, coarse.collect_histogram, str(Path(args.model).resolve()),
-                     prompts, args.tokens, str(Path(args.out).resolve()), device)  # fmt: skip
+        out = _on_rq(
+            settings,
+            coarse.collect_histogram,
+            str(Path(args.model).resolve()),
+            prompts,
+            args.tokens,
+            str(Path(args.out).resolve()),
+            device,
+        )
     else:
         out = coarse.collect_histogram(args.model, prompts, args.tokens, args.out, device)
     print(f"wrote {out['out']}: {out['layers']} layers, {out['routed']} routed pairs")
@@ -67,8 +74,12 @@ def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
     if args.rq:
         from kvq.monitor import coarse
 
-        doc = _on_rq(settings, coarse.plan_hot_set, str(Path(args.hist).resolve()),
-                     int(args.budget_gib * GIB))  # fmt: skip
+        doc = _on_rq(
+            settings,
+            coarse.plan_hot_set,
+            str(Path(args.hist).resolve()),
+            int(args.budget_gib * GIB),
+        )
         print(json.dumps(doc))
         return EXIT_OK
     hist = load_hist(args.hist)
@@ -78,8 +89,9 @@ def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     for layer, ids in sorted(plan.hot.items()):
         print(f"layer {layer:>3}: {len(ids):>4} hot  {' '.join(map(str, ids))}")
-    print(f"bytes used    {plan.bytes_used} of {plan.budget_bytes} "
-          f"({plan.bytes_used / GIB:.3f} GiB)")  # fmt: skip
+    print(
+        f"bytes used    {plan.bytes_used} of {plan.budget_bytes} ({plan.bytes_used / GIB:.3f} GiB)"
+    )
     print(f"covered share {plan.covered_share:.4f} of routed pairs")
     print(f"method        {plan.method}; greedy gap {plan.greedy_gap:.4f}")
     for note in plan.notes:
@@ -119,8 +131,12 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     r = bsub.add_parser("rerank", help="re-rank a reference histogram for your own traffic")
     r.add_argument("ref", help="reference HIST.json")
     r.add_argument("--traffic", required=True, help="HIST.json of your traffic")
-    r.add_argument("--prior-per-expert", type=float, default=16.0,
-                   help="weight of the reference, in routings per expert (default 16)")  # fmt: skip
+    r.add_argument(
+        "--prior-per-expert",
+        type=float,
+        default=16.0,
+        help="weight of the reference, in routings per expert (default 16)",
+    )
     r.add_argument("-o", "--out", required=True, help="HIST.json to write")
     r.set_defaults(fn=cmd_rerank)
 
@@ -128,8 +144,11 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     p.add_argument("--hist", required=True, help="HIST.json")
     p.add_argument("--budget-gib", type=float, required=True, help="hot budget in GiB")
     p.add_argument("--json", action="store_true", help="print JSON (for machines)")
-    p.add_argument("--rq", action="store_true",
-                   help="run it as an RQ coarse job (a monitor runs it); prints JSON")  # fmt: skip
+    p.add_argument(
+        "--rq",
+        action="store_true",
+        help="run it as an RQ coarse job (a monitor runs it); prints JSON",
+    )
     p.set_defaults(fn=cmd_plan)
 
     bb = bench.add_parser("bank", help="static vs dynamic hot sets on a drifting trace")

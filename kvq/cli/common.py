@@ -46,8 +46,9 @@ def number(lo: float, hi: float, kind: type = float, lo_open: bool = False) -> A
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"want a{'n integer' if kind is int else ' number'}, "
-                                             f"got {text!r}") from None  # fmt: skip
+            raise argparse.ArgumentTypeError(
+                f"want a{'n integer' if kind is int else ' number'}, got {text!r}"
+            ) from None
         if not (lo < v if lo_open else lo <= v) or not v <= hi or v != v:
             left = "(" if lo_open else "["
             raise argparse.ArgumentTypeError(f"want a value in {left}{lo:g}, {hi:g}], got {text}")

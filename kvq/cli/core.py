@@ -70,16 +70,27 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
         jobs.serve(board)
     elif models:
-        log.info("KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
-                 "inline (RQ needs a standalone Redis)")  # fmt: skip
+        log.info(
+            "KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
+            "inline (RQ needs a standalone Redis)"
+        )
     m = settings.monitor
     for model, path in models:
         if jobs is None:
             mon.register(model, path, args.source)
             continue
-        job = jobs.enqueue(coarse.register_model, model, path, args.source, m.slice_layers,
-                           m.slice_experts, m.base_replicas, m.request_shards, m.grain,
-                           m.stage_layers)  # fmt: skip
+        job = jobs.enqueue(
+            coarse.register_model,
+            model,
+            path,
+            args.source,
+            m.slice_layers,
+            m.slice_experts,
+            m.base_replicas,
+            m.request_shards,
+            m.grain,
+            m.stage_layers,
+        )
         log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
     stop_on_signals(mon.stop)
     server = None
@@ -141,9 +152,12 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             + ("" if registered else f" (it is not registered under prefix {keys.prefix!r})")
         )
     sampling = wire.SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
         stop=args.stop or [],
-    )  # fmt: skip
+    )
     ids: list[int] = []
     text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
@@ -153,9 +167,14 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     rid = uuid.uuid4().hex
     try:
         queued, entry = client.submit(
-            r, keys, args.model, prompt=args.prompt, max_tokens=args.max_tokens,
-            sampling=sampling, request_id=rid,
-        )  # fmt: skip
+            r,
+            keys,
+            args.model,
+            prompt=args.prompt,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            request_id=rid,
+        )
         threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
         for ev in client.events(r, keys, queued, timeout_s=args.timeout, entry=entry):
             if ev.kind == "token" and ev.token_id is not None:
@@ -172,8 +191,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         done.set()
         client.cancel(r, keys, args.model, rid)  # free the slot now, not at max_tokens
         if lost.is_set():
-            raise RequestFailed(f"no coordinator serves model {args.model!r} any more: "
-                                f"request {rid} cancelled") from None  # fmt: skip
+            raise RequestFailed(
+                f"no coordinator serves model {args.model!r} any more: request {rid} cancelled"
+            ) from None
         raise
     out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
     print(json.dumps(out) if args.json else "")
@@ -206,10 +226,15 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.local.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
-        redis_url=args.redis, model_path=args.model, workers=args.workers,
-        requests=args.requests, max_tokens=args.max_tokens, log_dir=args.log_dir,
-        cluster=args.cluster, acl=args.acl,
-    )  # fmt: skip
+        redis_url=args.redis,
+        model_path=args.model,
+        workers=args.workers,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        log_dir=args.log_dir,
+        cluster=args.cluster,
+        acl=args.acl,
+    )
 
     def say(msg: str) -> None:
         if not args.json:
@@ -240,10 +265,14 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     else:
         for name in ("kvq", "raw", "rq"):
             r = result[name]
-            print(f"{name:<4} {r['jobs_per_s']:>10.0f} jobs/s  p50 {r['p50_ms']:.3f} ms  "
-                  f"p99 {r['p99_ms']:.3f} ms")  # fmt: skip
-        print(f"ratio_vs_raw_batched {result['ratio_vs_raw_batched']:.2f}  "
-              f"ratio_vs_rq {result['ratio_vs_rq']:.1f}")  # fmt: skip
+            print(
+                f"{name:<4} {r['jobs_per_s']:>10.0f} jobs/s  p50 {r['p50_ms']:.3f} ms  "
+                f"p99 {r['p99_ms']:.3f} ms"
+            )
+        print(
+            f"ratio_vs_raw_batched {result['ratio_vs_raw_batched']:.2f}  "
+            f"ratio_vs_rq {result['ratio_vs_rq']:.1f}"
+        )
     return EXIT_OK
 
 
@@ -316,15 +345,24 @@ def _add_submit(sub: Subparsers) -> None:
     s.add_argument("--model", required=True, help="registered model id")
     s.add_argument("--prompt", required=True, help="text, encoded by the coordinator")
     s.add_argument("--max-tokens", type=COUNT, default=16, help="tokens to generate (>= 1)")
-    s.add_argument("--temperature", type=number(0, MAX_TEMPERATURE), default=0.0,
-                   help=f"0..{MAX_TEMPERATURE:g}, as the API; 0 = greedy (default)")  # fmt: skip
-    s.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0,
-                   help="nucleus sampling, in (0, 1]")  # fmt: skip
+    s.add_argument(
+        "--temperature",
+        type=number(0, MAX_TEMPERATURE),
+        default=0.0,
+        help=f"0..{MAX_TEMPERATURE:g}, as the API; 0 = greedy (default)",
+    )
+    s.add_argument(
+        "--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling, in (0, 1]"
+    )
     s.add_argument("--top-k", type=number(0, 1 << 20, int), default=0, help="0 = no limit")
     s.add_argument("--seed", type=int, help="reproducible sampling")
     s.add_argument("--stop", action="append", help="stop string (repeatable, up to 4)")
-    s.add_argument("--timeout", type=number(0, 86400, lo_open=True), default=120.0,
-                   help="seconds to wait for the whole completion")  # fmt: skip
+    s.add_argument(
+        "--timeout",
+        type=number(0, 86400, lo_open=True),
+        default=120.0,
+        help="seconds to wait for the whole completion",
+    )
     s.add_argument("--json", action="store_true", help="print JSON (for machines)")
     s.set_defaults(fn=cmd_submit, kernels=False)
 
@@ -337,11 +375,19 @@ def _add_demo(sub: Subparsers) -> None:
     d.add_argument("--requests", type=COUNT, default=16, help="requests to send")
     d.add_argument("--max-tokens", type=COUNT, default=32, help="tokens per request")
     d.add_argument("--log-dir", help="write each process's log here")
-    d.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
-                   help="run on a local Redis Cluster of N masters (not with --redis)")  # fmt: skip
+    d.add_argument(
+        "--cluster",
+        type=number(0, 16, int),
+        default=0,
+        metavar="N",
+        help="run on a local Redis Cluster of N masters (not with --redis)",
+    )
     d.add_argument("--json", action="store_true", help="print JSON (for machines)")
-    d.add_argument("--acl", action="store_true",
-                   help="run each process as its role's least-privilege ACL user (kvq acl)")  # fmt: skip
+    d.add_argument(
+        "--acl",
+        action="store_true",
+        help="run each process as its role's least-privilege ACL user (kvq acl)",
+    )
     d.set_defaults(fn=cmd_demo)
 
 
@@ -349,10 +395,20 @@ def _add_server(sub: Subparsers) -> None:
     sv = sub.add_parser("server", help="run an embedded Redis server in the foreground")
     sv.add_argument("--port", type=PORT, default=6379, help="port on 127.0.0.1 (0 = any free)")
     sv.add_argument("--dir", help="data directory (persists across restarts)")
-    sv.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
-                    help="a local Redis Cluster of N masters on free ports instead")  # fmt: skip
-    sv.add_argument("--cluster-replicas", type=number(0, 4, int), default=0, metavar="R",
-                    help="with --cluster: R replicas per master")  # fmt: skip
+    sv.add_argument(
+        "--cluster",
+        type=number(0, 16, int),
+        default=0,
+        metavar="N",
+        help="a local Redis Cluster of N masters on free ports instead",
+    )
+    sv.add_argument(
+        "--cluster-replicas",
+        type=number(0, 4, int),
+        default=0,
+        metavar="R",
+        help="with --cluster: R replicas per master",
+    )
     sv.set_defaults(fn=cmd_server, kernels=False)
 
 
@@ -360,9 +416,18 @@ def _add_bench_bus(bench: Subparsers) -> None:
     bb = bench.add_parser("bus", help="expert job round trips: kvq vs raw redis-py vs RQ")
     bb.add_argument("--jobs", type=COUNT, default=2000, help="jobs per side")
     bb.add_argument("--redis", type=redis_url, help="Redis URL (default: start an embedded server)")
-    bb.add_argument("--cluster", type=number(0, 16, int), default=0, metavar="N",
-                    help="instead: N pairs over a local N-master cluster vs one server")  # fmt: skip
-    bb.add_argument("--seconds", type=number(0, 3600, lo_open=True), default=5.0,
-                    help="with --cluster: each run's length")  # fmt: skip
+    bb.add_argument(
+        "--cluster",
+        type=number(0, 16, int),
+        default=0,
+        metavar="N",
+        help="instead: N pairs over a local N-master cluster vs one server",
+    )
+    bb.add_argument(
+        "--seconds",
+        type=number(0, 3600, lo_open=True),
+        default=5.0,
+        help="with --cluster: each run's length",
+    )
     bb.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bb.set_defaults(fn=cmd_bench)

@@ -17,12 +17,20 @@ def cmd_bench_elastic(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.elastic import ElasticBench, run_elastic_bench
 
     cfg = ElasticBench(
-        model=args.model, sequences=args.sequences, max_tokens=args.max_tokens,
-        saturated_s=args.saturated_s, noisy_s=args.noisy_s, idle_release_s=args.idle_release_s,
-        saturation_enter_s=args.saturation_enter_s, saturation_leave_s=args.saturation_leave_s,
-        monitor_poll_s=args.monitor_poll_s, dispatch_policy=args.policy, seed=args.seed,
-        log_dir=args.log_dir, cluster=args.cluster,
-    )  # fmt: skip
+        model=args.model,
+        sequences=args.sequences,
+        max_tokens=args.max_tokens,
+        saturated_s=args.saturated_s,
+        noisy_s=args.noisy_s,
+        idle_release_s=args.idle_release_s,
+        saturation_enter_s=args.saturation_enter_s,
+        saturation_leave_s=args.saturation_leave_s,
+        monitor_poll_s=args.monitor_poll_s,
+        dispatch_policy=args.policy,
+        seed=args.seed,
+        log_dir=args.log_dir,
+        cluster=args.cluster,
+    )
     r = run_elastic_bench(cfg)
     if args.json:
         print(json.dumps(r))
@@ -38,8 +46,10 @@ def cmd_bench_elastic(args: argparse.Namespace, settings: Settings) -> int:
         f"  boost flips under a noisy load: {r['boost_flips']} in {r['noisy_window_s']} s = "
         f"{r['boost_flips_per_10min']} per 10 min (target <= {t['boost_flips_per_10min']})"
     )
-    print(f"  drain -> slice released: {r['drain_to_release_s']} s (idle release "
-          f"{r['idle_release_s']} s, saturation leave {r['saturation_leave_s']} s)")  # fmt: skip
+    print(
+        f"  drain -> slice released: {r['drain_to_release_s']} s (idle release "
+        f"{r['idle_release_s']} s, saturation leave {r['saturation_leave_s']} s)"
+    )
     return EXIT_OK
 
 
@@ -67,8 +77,9 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
         help="KVQ_DISPATCH_POLICY of the coordinator",
     )
     e.add_argument("--seed", type=int, default=0, help="seed of the noisy load")
-    e.add_argument("--cluster", type=int, default=0, metavar="N",
-                   help="on a local N-master Redis Cluster")  # fmt: skip
+    e.add_argument(
+        "--cluster", type=int, default=0, metavar="N", help="on a local N-master Redis Cluster"
+    )
     e.add_argument("--log-dir", help="keep the processes' logs here")
     e.add_argument("--json", action="store_true", help="print JSON (for machines)")
     e.set_defaults(fn=cmd_bench_elastic)

@@ -92,10 +92,12 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
     h = sub.add_parser("health", help="exit 0 if a role is alive (for healthchecks)")
-    h.add_argument("role", choices=["redis", "monitor", "coordinator", "worker", "api"],
-                   help="what to check")  # fmt: skip
     h.add_argument(
-        "--id", help="coordinator or worker id (default coord-HOSTNAME, or the kept worker id); for monitor, "
+        "role", choices=["redis", "monitor", "coordinator", "worker", "api"], help="what to check"
+    )
+    h.add_argument(
+        "--id",
+        help="coordinator or worker id (default coord-HOSTNAME, or the kept worker id); for monitor, "
         "the id of a model it registers; for api, its base URL (default http://127.0.0.1:KVQ_API_PORT)",
-    )  # fmt: skip
+    )
     h.set_defaults(fn=cmd_health, kernels=False)

@@ -15,28 +15,47 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 # kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
 # kvq.model here would load torch for every `kvq` command, even `--help`
 ARCHS = (
-    "deepseek2", "glm4moe", "gpt-oss", "llama4", "mixtral", "olmoe", "qwen2moe", "qwen3moe",
+    "deepseek2",
+    "glm4moe",
+    "gpt-oss",
+    "llama4",
+    "mixtral",
+    "olmoe",
+    "qwen2moe",
+    "qwen3moe",
     "qwen35moe",
-)  # fmt: skip
+)
 VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXES = ("q4_k_m", "mxfp4")
 PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b")
 TOKENIZERS = ("bytes", "bpe")
-_TINY_INTS = (("layers", 2), ("experts", 8), ("experts-used", 2), ("hidden", 64),
-              ("expert-ffn", 64), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
-              ("shared-expert-ffn", 0))  # fmt: skip
+_TINY_INTS = (
+    ("layers", 2),
+    ("experts", 8),
+    ("experts-used", 2),
+    ("hidden", 64),
+    ("expert-ffn", 64),
+    ("heads", 4),
+    ("kv-heads", 2),
+    ("head-dim", 16),
+    ("shared-expert-ffn", 0),
+)
 _GIB = 1 << 30
 
 
 def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
-    given = {n.replace("-", "_") for n, _ in _TINY_INTS if getattr(args, n.replace("-", "_"))
-             is not None}  # fmt: skip
+    given = {
+        n.replace("-", "_") for n, _ in _TINY_INTS if getattr(args, n.replace("-", "_")) is not None
+    }
     if args.preset is not None:
         if given or args.arch is not None or args.tokenizer not in (None, "bpe"):
             flags = ", ".join(sorted(f"--{n.replace('_', '-')}" for n in given))
-            print(f"kvq: --preset {args.preset} sets the arch, every dimension and the bpe "
-                  f"tokenizer; drop {flags or '--arch/--tokenizer'}", file=sys.stderr)  # fmt: skip
+            print(
+                f"kvq: --preset {args.preset} sets the arch, every dimension and the bpe "
+                f"tokenizer; drop {flags or '--arch/--tokenizer'}",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         return _write_preset(args)
     if args.dry_run:
@@ -51,8 +70,9 @@ def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
         print(f"kvq: --variant is deepseek2's; --arch {arch} has none", file=sys.stderr)
         return EXIT_USAGE
     variant = args.variant or ""
-    make_tiny(args.out, arch=arch, quant=quant, tokenizer=tok, seed=args.seed, variant=variant,
-              **dims)  # fmt: skip
+    make_tiny(
+        args.out, arch=arch, quant=quant, tokenizer=tok, seed=args.seed, variant=variant, **dims
+    )
     print(f"wrote {args.out} ({arch}{' ' + variant if variant else ''}, {quant}, {tok} tokenizer)")
     return EXIT_OK
 
@@ -70,8 +90,10 @@ def _write_preset(args: argparse.Namespace) -> int:
         return EXIT_OK
     start = time.monotonic()
     write_preset(args.out, preset, quant, args.seed)
-    print(f"wrote {args.out} ({args.preset}, {quant}, {total / _GIB:.2f} GiB of tensors, "
-          f"{time.monotonic() - start:.1f} s)")  # fmt: skip
+    print(
+        f"wrote {args.out} ({args.preset}, {quant}, {total / _GIB:.2f} GiB of tensors, "
+        f"{time.monotonic() - start:.1f} s)"
+    )
     return EXIT_OK
 
 
@@ -105,14 +127,16 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
 
 def _print_memory(m: dict[str, Any]) -> None:
     print(f"memory ({m['dtype']}, {m['n_slots']} sequences x {m['kv_positions']} positions)")
-    for key, label in (("backbone_bytes", "backbone"),
-                       ("backbone_dense_bytes", "  dense (anonymous memory)"),
-                       ("backbone_mapped_bytes", "  encoded, mapped (page cache)"),
-                       ("kv_cache_bytes", "KV cache"),
-                       ("coordinator_all_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=all"),
-                       ("coordinator_none_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=none"),
-                       ("worker_slice_bytes_max", "worker, largest slice"),
-                       ("worker_slice_bytes_min", "worker, smallest slice")):  # fmt: skip
+    for key, label in (
+        ("backbone_bytes", "backbone"),
+        ("backbone_dense_bytes", "  dense (anonymous memory)"),
+        ("backbone_mapped_bytes", "  encoded, mapped (page cache)"),
+        ("kv_cache_bytes", "KV cache"),
+        ("coordinator_all_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=all"),
+        ("coordinator_none_bytes", "coordinator, KVQ_COORDINATOR_EXPERTS=none"),
+        ("worker_slice_bytes_max", "worker, largest slice"),
+        ("worker_slice_bytes_min", "worker, smallest slice"),
+    ):
         print(f"  {label:<44} {m[key]:>16,} B {m[key] / _GIB:>9.3f} GiB")
     print("  assumptions:")
     for line in m["assumptions"]:
@@ -124,18 +148,30 @@ def cmd_split(args: argparse.Namespace, settings: Settings) -> int:
 
     r = write_backbone(args.file, args.backbone)
     if args.json:
-        print(json.dumps({
-            "out": r.out, "kept": list(r.kept), "dropped": list(r.dropped),
-            "source_bytes": r.source_bytes, "backbone_bytes": r.backbone_bytes,
-            "dropped_bytes": r.dropped_bytes, "source_sha256": r.source.sha256,
-            "source_header_sha256": r.source.header_sha256,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "out": r.out,
+                    "kept": list(r.kept),
+                    "dropped": list(r.dropped),
+                    "source_bytes": r.source_bytes,
+                    "backbone_bytes": r.backbone_bytes,
+                    "dropped_bytes": r.dropped_bytes,
+                    "source_sha256": r.source.sha256,
+                    "source_header_sha256": r.source.header_sha256,
+                }
+            )
+        )
         return EXIT_OK
-    print(f"wrote {r.out}: {len(r.kept)} tensors, {r.backbone_bytes:,} bytes "
-          f"({r.backbone_bytes / r.source_bytes:.1%} of {r.source_bytes:,}); left out "
-          f"{len(r.dropped)} routed expert tensors, {r.dropped_bytes:,} bytes")  # fmt: skip
-    print(f"  source sha256 {r.source.sha256} (workers fetch the experts from the registered "
-          "source: register the full file with the monitor)")  # fmt: skip
+    print(
+        f"wrote {r.out}: {len(r.kept)} tensors, {r.backbone_bytes:,} bytes "
+        f"({r.backbone_bytes / r.source_bytes:.1%} of {r.source_bytes:,}); left out "
+        f"{len(r.dropped)} routed expert tensors, {r.dropped_bytes:,} bytes"
+    )
+    print(
+        f"  source sha256 {r.source.sha256} (workers fetch the experts from the registered "
+        "source: register the full file with the monitor)"
+    )
     return EXIT_OK
 
 
@@ -152,9 +188,13 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
     stream = _TextStream(tok) if not args.json else None
     ids = generate(
-        bb, prompt, args.max_tokens, sampling=sampling,
-        on_token=stream.push if stream is not None else None, chunk=settings.prefill_chunk,
-    )  # fmt: skip
+        bb,
+        prompt,
+        args.max_tokens,
+        sampling=sampling,
+        on_token=stream.push if stream is not None else None,
+        chunk=settings.prefill_chunk,
+    )
     text = tok.decode(ids)
     if args.json:
         print(json.dumps({"prompt_ids": prompt, "token_ids": ids, "text": text}))
@@ -184,18 +224,25 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.device import pick_device
 
     cfg = ExpertsBench(
-        hidden=args.hidden, expert_ffn=args.expert_ffn, experts=args.experts,
-        experts_used=args.experts_used, batches=tuple(args.batches), repeat=args.repeat,
-        quants=args.quants, device=str(pick_device(args.device or settings.device)),
-    )  # fmt: skip
+        hidden=args.hidden,
+        expert_ffn=args.expert_ffn,
+        experts=args.experts,
+        experts_used=args.experts_used,
+        batches=tuple(args.batches),
+        repeat=args.repeat,
+        quants=args.quants,
+        device=str(pick_device(args.device or settings.device)),
+    )
     r = run_experts_bench(cfg)
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
     print(f"expert FFN on {r['device']} {r['dtype']}, {r['threads']} threads, {r['shape']}")
     for row in r["expert_ffn"]:
-        print(f"  batch {row['batch']:>4}  ffn {row['ffn_gflops']:8.1f} GFLOP/s  matmul "
-              f"{row['matmul_gflops']:8.1f} GFLOP/s  ratio {row['ratio_vs_matmul']:.2f}")  # fmt: skip
+        print(
+            f"  batch {row['batch']:>4}  ffn {row['ffn_gflops']:8.1f} GFLOP/s  matmul "
+            f"{row['matmul_gflops']:8.1f} GFLOP/s  ratio {row['ratio_vs_matmul']:.2f}"
+        )
     print("slice load (dequantize to float32)")
     for row in r["slice_load"]:
         if "skipped" in row:
@@ -208,20 +255,32 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.kernels import KernelsBench, run_kernels_bench
 
-    r = run_kernels_bench(KernelsBench(
-        rows=args.rows, cols=args.cols, batches=tuple(args.batches), threads=args.threads or 0,
-    ))  # fmt: skip
+    r = run_kernels_bench(
+        KernelsBench(
+            rows=args.rows,
+            cols=args.cols,
+            batches=tuple(args.batches),
+            threads=args.threads or 0,
+        )
+    )
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
-    print(f"{r['shape'][0]}x{r['shape'][1]} matrices, {r['threads']} threads, ms per call; "
-          f"int8 kernel: {r['int8_isa'] or 'not built'}")  # fmt: skip
+    print(
+        f"{r['shape'][0]}x{r['shape'][1]} matrices, {r['threads']} threads, ms per call; "
+        f"int8 kernel: {r['int8_isa'] or 'not built'}"
+    )
     for row in r["results"]:
-        i8 = (f"  int8 {row['int8_ms']:7.3f}  x{row['int8_speedup']:.2f} vs fused"
-              if row["int8_ms"] is not None else "")  # fmt: skip
+        i8 = (
+            f"  int8 {row['int8_ms']:7.3f}  x{row['int8_speedup']:.2f} vs fused"
+            if row["int8_ms"] is not None
+            else ""
+        )
         i8 += "".join(f"  {isa} {ms:.3f}" for isa, ms in row["int8_isa_ms"].items())
-        print(f"  {row['type']:<5} rows {row['rows']:>3}  fused {row['fused_ms']:7.3f}  "
-              f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}{i8}")  # fmt: skip
+        print(
+            f"  {row['type']:<5} rows {row['rows']:>3}  fused {row['fused_ms']:7.3f}  "
+            f"dequantize+matmul {row['dequant_matmul_ms']:7.3f}  x{row['speedup']:.1f}{i8}"
+        )
     return EXIT_OK
 
 
@@ -239,45 +298,71 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.quant import qdot
 
     cfg = ModelBench(
-        args.model, threads=args.threads or os.cpu_count() or 1, tokens=args.tokens,
-        rounds=args.rounds, sequences=tuple(args.sequences), prompt=args.prompt or PROMPT, llama=not args.no_llama,
-        bank=asdict(BankOptions.from_settings(settings)), kernels=asdict(qdot.options()),
+        args.model,
+        threads=args.threads or os.cpu_count() or 1,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        sequences=tuple(args.sequences),
+        prompt=args.prompt or PROMPT,
+        llama=not args.no_llama,
+        bank=asdict(BankOptions.from_settings(settings)),
+        kernels=asdict(qdot.options()),
         prefill_tokens=args.prefill_tokens,
-    )  # fmt: skip
+    )
     r = run_model_bench(cfg)
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
-    print(f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
-          f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
-          "activations")  # fmt: skip
+    print(
+        f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
+        f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
+        "activations"
+    )
     cpu = r.get("cpu") or {}
-    print(f"  CPU: {cpu.get('model', '?')} ({', '.join(cpu.get('flags', [])) or 'no listed flags'}); "
-          f"prefill prompt {r['prefill_tokens']} tokens")  # fmt: skip
+    print(
+        f"  CPU: {cpu.get('model', '?')} ({', '.join(cpu.get('flags', [])) or 'no listed flags'}); "
+        f"prefill prompt {r['prefill_tokens']} tokens"
+    )
     kq, ll, ratio = r["kvq"], r.get("llama", {}), r.get("ratio", {})
     print(f"  {'figure':<20} {'kvq':>10} {'llama.cpp':>10} {'kvq/llama':>10}")
-    for key in ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
-                "prefill_tok_s", "ttft_s", "ttft_first_s", "prompt_tokens", "decode_tok_s",
-                "aggregate_tok_s", "aggregate_gain"):  # fmt: skip
+    for key in (
+        "load_s",
+        "peak_rss_mb",
+        "anon_rss_mb_load",
+        "anon_rss_mb_decode",
+        "prefill_tok_s",
+        "ttft_s",
+        "ttft_first_s",
+        "prompt_tokens",
+        "decode_tok_s",
+        "aggregate_tok_s",
+        "aggregate_gain",
+    ):
         print(f"  {key:<20} {_cells(kq.get(key), ll.get(key), ratio.get(key))}")
     for n, v in (kq.get("aggregates") or {}).items():
         other = [(d.get("aggregates") or {}).get(n) for d in (ll, ratio)]
         print(f"  {'aggregate @ ' + n:<20} {_cells(v, *other)}")
     hr = kq["hit_rate"]
     if hr is not None:
-        print(f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
-              f"routed pairs")  # fmt: skip
+        print(
+            f"  bank hit rate hot {hr['hot']:.3f} cold {hr['cold']:.3f} over {hr['routed']} "
+            f"routed pairs"
+        )
     print(f"  bank: {kq['bank_note']}")
     paths = kq.get("paths", {})
-    print(f"  kvq kernels: {paths.get('activations')} activations, {paths.get('int8_isa') or '-'}"
-          f"; many rows: {paths.get('many_rows')}")  # fmt: skip
+    print(
+        f"  kvq kernels: {paths.get('activations')} activations, {paths.get('int8_isa') or '-'}"
+        f"; many rows: {paths.get('many_rows')}"
+    )
     if ll.get("paths"):
         print(f"  llama.cpp: {ll['paths']['system_info']}")
     if "experts_per_layer_1" in kq:
-        print(f"  distinct experts a layer: {kq['experts_per_layer_1']:.1f} at batch 1, "
-              f"{kq['experts_per_layer_batch']:.1f} at {kq['aggregate_sequences']} sequences "
-              f"({kq['expert_ms_per_layer_1']:.2f} / {kq['expert_ms_per_layer_batch']:.2f} ms; "
-              f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)")  # fmt: skip
+        print(
+            f"  distinct experts a layer: {kq['experts_per_layer_1']:.1f} at batch 1, "
+            f"{kq['experts_per_layer_batch']:.1f} at {kq['aggregate_sequences']} sequences "
+            f"({kq['expert_ms_per_layer_1']:.2f} / {kq['expert_ms_per_layer_batch']:.2f} ms; "
+            f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)"
+        )
     notes = [f"{n} sequences: {v}" for n, v in (ll.get("aggregate_notes") or {}).items()]
     for note in (r.get("llama_note"), ll.get("error"), *notes):
         if note:
@@ -334,9 +419,12 @@ def _add_make_tiny(msub: Subparsers) -> None:
     mt = msub.add_parser("make-tiny", help="write a synthetic MoE model (random weights) as GGUF")
     mt.add_argument("out", help="GGUF file to write")
     mt.add_argument("--arch", choices=ARCHS, help="default qwen3moe")
-    mt.add_argument("--variant", choices=VARIANTS,
-                    help="deepseek2's form: v3 (default), v2-lite (no q LoRA, softmax), "
-                    "kv-b (one attn_kv_b, older converters)")  # fmt: skip
+    mt.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        help="deepseek2's form: v3 (default), v2-lite (no q LoRA, softmax), "
+        "kv-b (one attn_kv_b, older converters)",
+    )
     mt.add_argument(
         "--quant", choices=QUANTS + MIXES, help="default f32 (preset: its own, q4_k_m or mxfp4)"
     )
@@ -353,11 +441,19 @@ def _add_inspect(msub: Subparsers) -> None:
     mi = msub.add_parser("inspect", help="hyper-parameters, quant types, slices, sizes, memory")
     mi.add_argument("file", help="GGUF file to read")
     mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
-    mi.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="coordinator compute dtype for the memory estimate")  # fmt: skip
+    mi.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="coordinator compute dtype for the memory estimate",
+    )
     mi.add_argument("--n-slots", type=int, help="sequences with a KV cache (default: setting)")
-    mi.add_argument("--kv-positions", type=int, default=0,
-                    help="KV positions per sequence (default: the model's context)")  # fmt: skip
+    mi.add_argument(
+        "--kv-positions",
+        type=int,
+        default=0,
+        help="KV positions per sequence (default: the model's context)",
+    )
     mi.add_argument("--json", action="store_true", help="print JSON (for machines)")
     mi.set_defaults(fn=cmd_inspect)
 
@@ -365,9 +461,13 @@ def _add_inspect(msub: Subparsers) -> None:
 def _add_split(msub: Subparsers) -> None:
     ms = msub.add_parser("split", help="write a backbone-only GGUF (no routed experts)")
     ms.add_argument("file", help="the full GGUF model")
-    ms.add_argument("--backbone", required=True, metavar="OUT",
-                    help="GGUF to write: every tensor but the routed experts, for a "
-                    "coordinator whose workers hold the experts")  # fmt: skip
+    ms.add_argument(
+        "--backbone",
+        required=True,
+        metavar="OUT",
+        help="GGUF to write: every tensor but the routed experts, for a "
+        "coordinator whose workers hold the experts",
+    )
     ms.add_argument("--json", action="store_true", help="print JSON (for machines)")
     ms.set_defaults(fn=cmd_split)
 
@@ -390,11 +490,20 @@ def _add_generate(sub: Subparsers) -> None:
 
 def _add_bench_experts(bench: Subparsers) -> None:
     be = bench.add_parser("experts", help="expert FFN GFLOP/s vs matmul; slice load MB/s")
-    for name, default in (("hidden", 2048), ("expert-ffn", 768), ("experts", 16),
-                          ("experts-used", 8), ("repeat", 5)):  # fmt: skip
+    for name, default in (
+        ("hidden", 2048),
+        ("expert-ffn", 768),
+        ("experts", 16),
+        ("experts-used", 8),
+        ("repeat", 5),
+    ):
         be.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
-    be.add_argument("--batches", type=_int_list("--batches"), default=[1, 8, 64],
-                    help="tokens per call, comma list")  # fmt: skip
+    be.add_argument(
+        "--batches",
+        type=_int_list("--batches"),
+        default=[1, 8, 64],
+        help="tokens per call, comma list",
+    )
     be.add_argument("--quants", type=_quants, default=QUANTS, help="comma list or all")
     be.add_argument("--device", help="torch device (default: KVQ_DEVICE)")
     be.add_argument("--json", action="store_true", help="print JSON (for machines)")
@@ -405,8 +514,12 @@ def _add_bench_kernels(bench: Subparsers) -> None:
     bk = bench.add_parser("kernels", help="fused quantized matmul vs dequantize + matmul")
     bk.add_argument("--rows", type=int, default=2048, help="output rows of the matrix")
     bk.add_argument("--cols", type=int, default=1024, help="a multiple of 256")
-    bk.add_argument("--batches", type=_int_list("--batches"), default=[1, 8],
-                    help="rows of the input, comma list")  # fmt: skip
+    bk.add_argument(
+        "--batches",
+        type=_int_list("--batches"),
+        default=[1, 8],
+        help="rows of the input, comma list",
+    )
     bk.add_argument("--threads", type=int, help="CPU threads (default: torch's count)")
     bk.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bk.set_defaults(fn=cmd_bench_kernels)
@@ -418,12 +531,20 @@ def _add_bench_model(bench: Subparsers) -> None:
     bm.add_argument("--threads", type=int, help="CPU threads for both engines (default: all)")
     bm.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
     bm.add_argument("--rounds", type=int, default=3, help="rounds per engine, alternating")
-    bm.add_argument("--sequences", type=_int_list("--sequences"), default=[8],
-                    help="counts of sequences decoded together, comma list (aggregates; the "
-                         "first is aggregate_tok_s)")  # fmt: skip
+    bm.add_argument(
+        "--sequences",
+        type=_int_list("--sequences"),
+        default=[8],
+        help="counts of sequences decoded together, comma list (aggregates; the "
+        "first is aggregate_tok_s)",
+    )
     bm.add_argument("--prompt", help="prompt text, tokenized by each engine (default: a line)")
-    bm.add_argument("--prefill-tokens", type=int, default=512,
-                    help="prompt length for prefill_tok_s and TTFT (0: skip)")  # fmt: skip
+    bm.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=512,
+        help="prompt length for prefill_tok_s and TTFT (0: skip)",
+    )
     bm.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
     bm.add_argument("--json", action="store_true", help="print JSON (for machines)")
     bm.set_defaults(fn=cmd_bench_model)

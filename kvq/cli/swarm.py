@@ -30,17 +30,25 @@ def cmd_swarm_sim(args: argparse.Namespace, settings: Settings) -> int:
     if args.throughput:
         return _throughput(args)
     if not args.topology:
-        print("kvq swarm-sim: error: --topology is required (or --throughput; see kvq "
-              "swarm-sim --help)", file=sys.stderr)  # fmt: skip
+        print(
+            "kvq swarm-sim: error: --topology is required (or --throughput; see kvq "
+            "swarm-sim --help)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         topo = parse_topology(_load_json(args.topology, "topology"))
         grow = parse_nodes(_load_json(args.grow, "growth")) if args.grow else ()
         opts = SimOptions(
-            kills=tuple(args.kill or ()), grow=grow, removes=tuple(args.remove or ()),
-            pipelines=args.pipelines, seed=args.seed, requests=args.requests, model=args.model,
+            kills=tuple(args.kill or ()),
+            grow=grow,
+            removes=tuple(args.remove or ()),
+            pipelines=args.pipelines,
+            seed=args.seed,
+            requests=args.requests,
+            model=args.model,
             allow_degraded=not args.no_degrade,
-        )  # fmt: skip
+        )
         report = simulate(topo, opts)
     except RoutingError as exc:  # bad input: unknown node or model, malformed or too small
         print(f"kvq swarm-sim: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -54,16 +62,23 @@ def _throughput(args: argparse.Namespace) -> int:
 
     try:
         reports = [_load_json(path, "bench report") for path in args.measured or ()]
-        report = throughput_report(reports, args.shapes.split(","), args.workers,
-                                   args.rtt_ms, args.batch,
-                                   (args.coord_speedup, args.worker_speedup),
-                                   args.calibrate)  # fmt: skip
+        report = throughput_report(
+            reports,
+            args.shapes.split(","),
+            args.workers,
+            args.rtt_ms,
+            args.batch,
+            (args.coord_speedup, args.worker_speedup),
+            args.calibrate,
+        )
     except RoutingError as exc:  # a bad flag, an unreadable file, reports with no window
         print(f"kvq swarm-sim: RoutingError: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (KeyError, TypeError) as exc:  # a JSON file that is no bench report
-        print(f"kvq swarm-sim: RoutingError: not a usable kvq bench pool report: {exc!r}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvq swarm-sim: RoutingError: not a usable kvq bench pool report: {exc!r}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     print(json.dumps(report, indent=2))
     return EXIT_OK
@@ -76,10 +91,14 @@ def cmd_bench_swarm(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(r))
     else:
-        print(f"routes_per_s  {r['routes_per_s']:>10}  ({r['nodes']} nodes, {r['models']} models, "
-              f"{r['copies']} copies; steady {r['routes_per_s_steady']})")  # fmt: skip
-        print(f"sim_seconds   {r['sim_seconds']:>10}  ({r['sim_workers']} workers x "
-              f"{r['sim_steps']} steps, digest {r['sim_digest']})")  # fmt: skip
+        print(
+            f"routes_per_s  {r['routes_per_s']:>10}  ({r['nodes']} nodes, {r['models']} models, "
+            f"{r['copies']} copies; steady {r['routes_per_s_steady']})"
+        )
+        print(
+            f"sim_seconds   {r['sim_seconds']:>10}  ({r['sim_workers']} workers x "
+            f"{r['sim_steps']} steps, digest {r['sim_digest']})"
+        )
     return EXIT_OK
 
 
@@ -112,28 +131,40 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.offload import OffloadBench, run_offload_bench
 
     cfg = OffloadBench(
-        model=args.model, rtts_ms=args.rtt_ms, microbatches=args.microbatches,
+        model=args.model,
+        rtts_ms=args.rtt_ms,
+        microbatches=args.microbatches,
         sequences=args.sequences,
-        max_tokens=args.max_tokens, warmup_s=args.warmup_s, measure_s=args.measure_s,
-        log_dir=args.log_dir, cluster=args.cluster, repeat=args.repeat,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        warmup_s=args.warmup_s,
+        measure_s=args.measure_s,
+        log_dir=args.log_dir,
+        cluster=args.cluster,
+        repeat=args.repeat,
+    )
     r = run_offload_bench(cfg)
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
-    print(f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s, experts "
-          f"{r['baseline']['expert_share']:.0%} of the coordinator's time (a worker taking one "
-          f"of two slices can give at most {r['split_bound']}x)")  # fmt: skip
+    print(
+        f"{r['model']}: baseline (no worker) {r['baseline']['tok_s']} tok/s, experts "
+        f"{r['baseline']['expert_share']:.0%} of the coordinator's time (a worker taking one "
+        f"of two slices can give at most {r['split_bound']}x)"
+    )
     for run in r["runs"]:
-        print(f"  rtt {run['rtt_ms']:>5} ms, {run['microbatches']} micro-batch(es): "
-              f"{run['tok_s']} tok/s against {run['baseline_tok_s']} all-local beside it, "
-              f"speedup {run['speedup']}, remote share {run['remote_share']}, experts "
-              f"{run['expert_share']:.0%} and waiting {run['wait_share']:.0%} of the "
-              f"coordinator's time")  # fmt: skip
+        print(
+            f"  rtt {run['rtt_ms']:>5} ms, {run['microbatches']} micro-batch(es): "
+            f"{run['tok_s']} tok/s against {run['baseline_tok_s']} all-local beside it, "
+            f"speedup {run['speedup']}, remote share {run['remote_share']}, experts "
+            f"{run['expert_share']:.0%} and waiting {run['wait_share']:.0%} of the "
+            f"coordinator's time"
+        )
     if r["repeat"] > 1:
         for row in r["summary"]:
-            print(f"  rtt {row['rtt_ms']:>5} ms, {row['microbatches']} micro-batch(es): median "
-                  f"speedup {row['speedup_median']} of {row['speedups']}")  # fmt: skip
+            print(
+                f"  rtt {row['rtt_ms']:>5} ms, {row['microbatches']} micro-batch(es): median "
+                f"speedup {row['speedup_median']} of {row['speedups']}"
+            )
     return EXIT_OK
 
 
@@ -141,10 +172,16 @@ def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.microbatch import MicrobatchBench, run_microbatch_bench
 
     cfg = MicrobatchBench(
-        model=args.model, rtt_ms=args.rtt_ms, microbatches=args.microbatches,
-        sequences=args.sequences, max_tokens=args.max_tokens, warmup_steps=args.warmup_steps,
-        pairs=args.pairs, dispatch_policy=args.policy, log_dir=args.log_dir,
-    )  # fmt: skip
+        model=args.model,
+        rtt_ms=args.rtt_ms,
+        microbatches=args.microbatches,
+        sequences=args.sequences,
+        max_tokens=args.max_tokens,
+        warmup_steps=args.warmup_steps,
+        pairs=args.pairs,
+        dispatch_policy=args.policy,
+        log_dir=args.log_dir,
+    )
     r = run_microbatch_bench(cfg)
     if args.json:
         print(json.dumps(r))
@@ -154,8 +191,10 @@ def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
             f"{arm} micro-batch(es): {a['mean_ms']} ms per step (decode median "
             f"{a['decode_median_ms']} ms), {a['remote_jobs_per_step']} remote jobs per step"
         )
-    print(f"ratio {r['microbatches']}/1: mean {r['mean_ratio']}, decode median "
-          f"{r['decode_median_ratio']} (< 1: micro-batches win)")  # fmt: skip
+    print(
+        f"ratio {r['microbatches']}/1: mean {r['mean_ratio']}, decode median "
+        f"{r['decode_median_ratio']} (< 1: micro-batches win)"
+    )
     return EXIT_OK
 
 
@@ -164,14 +203,27 @@ def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.pool_report import lines
 
     cfg = PoolBench(
-        preset=args.preset, model=args.model, cache_dir=args.cache_dir, workers=args.workers,
-        cap_fraction=args.cap_fraction, overhead_mib=args.overhead_mib, rtts_ms=args.rtt_ms,
-        sequences=args.sequences, max_tokens=args.max_tokens, warmup_s=args.warmup_s,
-        measure_s=args.measure_s, kill=not args.no_kill, netns=not args.no_netns,
-        hb_ttl_s=args.hb_ttl_s, microbatches=args.microbatches,
-        copies=args.copies, log_dir=args.log_dir, grain=args.grain,
-        stage_layers=args.stage_layers, verify=args.verify,
-    )  # fmt: skip
+        preset=args.preset,
+        model=args.model,
+        cache_dir=args.cache_dir,
+        workers=args.workers,
+        cap_fraction=args.cap_fraction,
+        overhead_mib=args.overhead_mib,
+        rtts_ms=args.rtt_ms,
+        sequences=args.sequences,
+        max_tokens=args.max_tokens,
+        warmup_s=args.warmup_s,
+        measure_s=args.measure_s,
+        kill=not args.no_kill,
+        netns=not args.no_netns,
+        hb_ttl_s=args.hb_ttl_s,
+        microbatches=args.microbatches,
+        copies=args.copies,
+        log_dir=args.log_dir,
+        grain=args.grain,
+        stage_layers=args.stage_layers,
+        verify=args.verify,
+    )
     r = run_pool_bench(cfg)
     print(json.dumps(r) if args.json else "\n".join(lines(r)))
     return EXIT_OK
@@ -183,10 +235,18 @@ def _add_pool(bench: Subparsers) -> None:
     p.add_argument("--model", help="a GGUF file instead of the preset")
     p.add_argument("--cache-dir", default="~/.cache/kvq/pool", help="preset and backbone files")
     p.add_argument("--workers", type=_positive, default=3, help="worker processes")
-    p.add_argument("--cap-fraction", type=float, default=0.7,
-                   help="each worker's budget and cgroup cap, x the routed-expert bytes")  # fmt: skip
-    p.add_argument("--overhead-mib", type=int, default=1024,
-                   help="added to the cgroup cap for the worker process itself")  # fmt: skip
+    p.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.7,
+        help="each worker's budget and cgroup cap, x the routed-expert bytes",
+    )
+    p.add_argument(
+        "--overhead-mib",
+        type=int,
+        default=1024,
+        help="added to the cgroup cap for the worker process itself",
+    )
     p.add_argument("--rtt-ms", type=_floats, default=(0.0, 5.0, 20.0), help="comma list")
     p.add_argument("--sequences", type=_ints, default=(1, 8), help="comma list of loads")
     p.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
@@ -196,12 +256,24 @@ def _add_pool(bench: Subparsers) -> None:
         "--heartbeat-ttl-s", dest="hb_ttl_s", type=float, default=3.0, help="KVQ_HEARTBEAT_TTL_S"
     )
     p.add_argument("--microbatches", type=_positive, default=1, help="KVQ_MICROBATCHES")
-    p.add_argument("--copies", type=_positive, default=2,
-                   help="KVQ_BACKBONE_REPLICAS: copies per slice wanted (no boost)")  # fmt: skip
-    p.add_argument("--grain", choices=("expert", "stage"), default="expert",
-                   help="KVQ_GRAIN: expert slices, or layer spans served whole (X12)")  # fmt: skip
-    p.add_argument("--stage-layers", type=_positive, default=4,
-                   help="KVQ_STAGE_LAYERS: blocks per stage slice (--grain stage)")  # fmt: skip
+    p.add_argument(
+        "--copies",
+        type=_positive,
+        default=2,
+        help="KVQ_BACKBONE_REPLICAS: copies per slice wanted (no boost)",
+    )
+    p.add_argument(
+        "--grain",
+        choices=("expert", "stage"),
+        default="expert",
+        help="KVQ_GRAIN: expert slices, or layer spans served whole (X12)",
+    )
+    p.add_argument(
+        "--stage-layers",
+        type=_positive,
+        default=4,
+        help="KVQ_STAGE_LAYERS: blocks per stage slice (--grain stage)",
+    )
     p.add_argument(
         "--verify",
         choices=("sampled", "all", "off"),
@@ -219,16 +291,23 @@ def cmd_bench_llama_rpc(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bench.llama_rpc import RpcBench, run_rpc_bench
 
     cfg = RpcBench(
-        model=args.model, bin_dir=args.bin_dir, servers=args.servers, rtts_ms=args.rtt_ms,
-        sequences=args.sequences, prompt_tokens=args.npp, gen_tokens=args.ntg,
-    )  # fmt: skip
+        model=args.model,
+        bin_dir=args.bin_dir,
+        servers=args.servers,
+        rtts_ms=args.rtt_ms,
+        sequences=args.sequences,
+        prompt_tokens=args.npp,
+        gen_tokens=args.ntg,
+    )
     r = run_rpc_bench(cfg)
     if args.json or "skipped" in r:
         print(json.dumps(r))
         return EXIT_OK
     for run in r["runs"]:
-        print(f"rtt {run['rtt_ms']:g} ms, {run.get('sequences', '?')} sequences: "
-              f"{run.get('tok_s', run.get('error'))} tok/s")  # fmt: skip
+        print(
+            f"rtt {run['rtt_ms']:g} ms, {run.get('sequences', '?')} sequences: "
+            f"{run.get('tok_s', run.get('error'))} tok/s"
+        )
     return EXIT_OK
 
 
@@ -269,21 +348,41 @@ def _add_swarm_sim(sub: Subparsers) -> None:
     s.add_argument("--model", help="model whose route each step shows (default: the first)")
     s.add_argument("--no-degrade", action="store_true", help="forbid fallback models")
     t = s.add_argument_group("throughput model (issue 33 item 6)")
-    t.add_argument("--throughput", action="store_true",
-                   help="calibrate tok/s from bench reports and project (no --topology)")  # fmt: skip
-    t.add_argument("--measured", action="append", metavar="BENCH.json",
-                   help="a kvq bench pool --json report (repeatable)")  # fmt: skip
-    t.add_argument("--calibrate", type=int, default=0, metavar="N",
-                   help="calibrate from the first N reports (default 0: all); the others' "
-                        "windows are predicted")  # fmt: skip
+    t.add_argument(
+        "--throughput",
+        action="store_true",
+        help="calibrate tok/s from bench reports and project (no --topology)",
+    )
+    t.add_argument(
+        "--measured",
+        action="append",
+        metavar="BENCH.json",
+        help="a kvq bench pool --json report (repeatable)",
+    )
+    t.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calibrate from the first N reports (default 0: all); the others' "
+        "windows are predicted",
+    )
     t.add_argument("--shapes", default="qwen3-235b-a22b,deepseek-v3", help="comma list")
     t.add_argument("--workers", type=_ints, default=(8, 32, 128), help="comma list")
     t.add_argument("--rtt-ms", type=_floats, default=(20.0, 40.0, 80.0), help="comma list")
     t.add_argument("--batch", type=_positive, default=32, help="sequences of the batched column")
-    t.add_argument("--coord-speedup", type=float, default=1.0,
-                   help="the projected coordinator's speed over the bench's CPU")  # fmt: skip
-    t.add_argument("--worker-speedup", type=float, default=1.0,
-                   help="each projected worker's speed over the bench's CPU")  # fmt: skip
+    t.add_argument(
+        "--coord-speedup",
+        type=float,
+        default=1.0,
+        help="the projected coordinator's speed over the bench's CPU",
+    )
+    t.add_argument(
+        "--worker-speedup",
+        type=float,
+        default=1.0,
+        help="each projected worker's speed over the bench's CPU",
+    )
     s.set_defaults(fn=cmd_swarm_sim)
 
 
@@ -302,8 +401,13 @@ def _add_bench_offload(bench: Subparsers) -> None:
     o = bench.add_parser("offload", help="aggregate tok/s with 0 vs 1 pinned worker, per RTT")
     o.add_argument("--model", help="GGUF file (default: a generated 240 MB Q4_K model)")
     o.add_argument("--rtt-ms", type=_floats, default=(0.0,), help="comma list, e.g. 0,5,20,50")
-    o.add_argument("--cluster", type=int, default=0, metavar="N",
-                   help="on a local N-master Redis Cluster (at --rtt-ms 0)")  # fmt: skip
+    o.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="on a local N-master Redis Cluster (at --rtt-ms 0)",
+    )
     o.add_argument(
         "--microbatches",
         type=_ints,
@@ -314,8 +418,12 @@ def _add_bench_offload(bench: Subparsers) -> None:
     o.add_argument("--max-tokens", type=_positive, default=16, help="tokens per request")
     o.add_argument("--warmup-s", type=float, default=10.0, help="load before measuring")
     o.add_argument("--measure-s", type=float, default=30.0, help="measured window per run")
-    o.add_argument("--repeat", type=_positive, default=1,
-                   help="rounds over the RTTs (and micro-batches), for medians")  # fmt: skip
+    o.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        help="rounds over the RTTs (and micro-batches), for medians",
+    )
     o.add_argument("--log-dir", help="keep the processes' logs here")
     o.add_argument("--json", action="store_true", help="print JSON (for machines)")
     o.set_defaults(fn=cmd_bench_offload)

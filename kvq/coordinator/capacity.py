@@ -89,9 +89,12 @@ class Capacity:
     """Per-node compute-cost and overhead estimates, and the layer assignment they imply."""
 
     def __init__(
-        self, coordinator: str, alpha: float = 0.3, prior_overhead_ms: float = 50.0,
+        self,
+        coordinator: str,
+        alpha: float = 0.3,
+        prior_overhead_ms: float = 50.0,
         prior_ms_per_row: float = 0.1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.coordinator, self.alpha = coordinator, alpha
         self.prior_overhead_ms, self.prior_ms_per_row = prior_overhead_ms, prior_ms_per_row
         self._est: dict[str, _Estimate] = {coordinator: _Estimate(CostFit(alpha), 0.0)}
@@ -146,9 +149,12 @@ class Capacity:
         out = {}
         for n in sorted(self._est):
             fixed, per_row = (0.0, 0.0) if self._est[n].fit.empty else self._est[n].fit.terms()
-            out[n] = {"fixed_ms": round(fixed, 3), "ms_per_row": round(per_row, 4),
-                      "overhead_ms": round(self.overhead_ms(n), 3),
-                      "backlog_ms": round(self._backlog.get(n, 0.0), 3)}  # fmt: skip
+            out[n] = {
+                "fixed_ms": round(fixed, 3),
+                "ms_per_row": round(per_row, 4),
+                "overhead_ms": round(self.overhead_ms(n), 3),
+                "backlog_ms": round(self._backlog.get(n, 0.0), 3),
+            }
         return out
 
     def _add(self, node: str, rows: int, compute_ms: float, overhead_ms: float | None) -> None:
@@ -162,9 +168,11 @@ class Capacity:
 
 
 def finish_times(
-    assignment: Mapping[str, str], work: Mapping[str, int], compute_ms: Compute,
+    assignment: Mapping[str, str],
+    work: Mapping[str, int],
+    compute_ms: Compute,
     overhead_ms: Overhead,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Each used node's finish time for this layer under `assignment` (slice -> node)."""
     out: dict[str, float] = {}
     for sid, node in assignment.items():
@@ -174,17 +182,21 @@ def finish_times(
 
 
 def makespan(
-    assignment: Mapping[str, str], work: Mapping[str, int], compute_ms: Compute,
+    assignment: Mapping[str, str],
+    work: Mapping[str, int],
+    compute_ms: Compute,
     overhead_ms: Overhead,
-) -> float:  # fmt: skip
+) -> float:
     """The layer's finish time: its slowest node's."""
     return max(finish_times(assignment, work, compute_ms, overhead_ms).values(), default=0.0)
 
 
 def assign(
-    work: Mapping[str, int], candidates: Mapping[str, Sequence[str]], compute_ms: Compute,
+    work: Mapping[str, int],
+    candidates: Mapping[str, Sequence[str]],
+    compute_ms: Compute,
     overhead_ms: Overhead,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """slice -> node for every slice in `work` (rows per slice), each on one of its
     `candidates` (in preference order: the first wins ties). Greedy longest-first, then moves
     and swaps off the slowest node while they shorten the layer."""
@@ -206,9 +218,13 @@ def assign(
 
 
 def _improve(
-    out: dict[str, str], work: Mapping[str, int], candidates: Mapping[str, Sequence[str]],
-    compute_ms: Compute, overhead_ms: Overhead, chains: bool,
-) -> bool:  # fmt: skip
+    out: dict[str, str],
+    work: Mapping[str, int],
+    candidates: Mapping[str, Sequence[str]],
+    compute_ms: Compute,
+    overhead_ms: Overhead,
+    chains: bool,
+) -> bool:
     """Applies the change that shortens the layer most among: one slice off the slowest node
     to another, plus at most one slice of that node moved on (a swap, or a chain of two);
     False if none does."""
@@ -222,13 +238,17 @@ def _improve(
             if node == slowest:
                 continue
             trials.append({sid: node})  # a move, or a move that makes room elsewhere:
-            trials += [] if not chains else [
-                {sid: node, other: dest}
-                for other in sorted(out)
-                if out[other] == node
-                for dest in candidates[other]
-                if dest != node
-            ]  # fmt: skip
+            trials += (
+                []
+                if not chains
+                else [
+                    {sid: node, other: dest}
+                    for other in sorted(out)
+                    if out[other] == node
+                    for dest in candidates[other]
+                    if dest != node
+                ]
+            )
         for change in trials:
             t = makespan({**out, **change}, work, compute_ms, overhead_ms)
             if t < now - 1e-9 and (best is None or t < best[0]):

@@ -43,31 +43,58 @@ class Dispatcher:
     has_experts = True  # set per instance in __init__
 
     def __init__(
-        self, board: Board, r: redis.Redis, keys: Keys, settings: DispatchSettings,
-        coord_id: str, info: ModelInfo, server: ExpertServer, routing: SliceRouter,
+        self,
+        board: Board,
+        r: redis.Redis,
+        keys: Keys,
+        settings: DispatchSettings,
+        coord_id: str,
+        info: ModelInfo,
+        server: ExpertServer,
+        routing: SliceRouter,
         maxlen: int = 10_000,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.s, self.coord, self.info, self.server, self.routing = (
-            settings, coord_id, info, server, routing
-        )  # fmt: skip
+            settings,
+            coord_id,
+            info,
+            server,
+            routing,
+        )
         # False on a backbone file: no slice can be computed or recomputed here, so a job
         # without a live worker waits for one, then fails (NoReplica)
         self.has_experts = server.bank is not None
         self.tally = Tally()
         self.stats, self.per_worker, self.job_rtt = (
-            self.tally.stats, self.tally.per_worker, self.tally.job_rtt
-        )  # fmt: skip
+            self.tally.stats,
+            self.tally.per_worker,
+            self.tally.job_rtt,
+        )
         self.verifier = Verifier(
-            board, info.model, routing.trust, settings.verify_remote, server.dtype_name,
-            self.stats, routing.bar, admitted(settings.gpu_workers),
-        )  # fmt: skip
+            board,
+            info.model,
+            routing.trust,
+            settings.verify_remote,
+            server.dtype_name,
+            self.stats,
+            routing.bar,
+            admitted(settings.gpu_workers),
+        )
         self.placement = Placement(routing, info, settings, self.has_experts, self.stats)
-        self.mailbox = Mailbox(board, r, keys, coord_id, lambda: routing.holders, self.stats,
-                               maxlen)  # fmt: skip
+        self.mailbox = Mailbox(
+            board, r, keys, coord_id, lambda: routing.holders, self.stats, maxlen
+        )
         self.parts = CallParts(
-            info.model, settings, self.placement, routing, self.mailbox, self.verifier, server,
-            self.tally, board.now_ms,
-        )  # fmt: skip
+            info.model,
+            settings,
+            self.placement,
+            routing,
+            self.mailbox,
+            self.verifier,
+            server,
+            self.tally,
+            board.now_ms,
+        )
         self.sent_remote = False  # a layer call of the current step sent remote jobs
 
     def for_step(self, busy: int, total: int, microbatches: int | None = None) -> _StepMoe:
@@ -124,9 +151,12 @@ class Dispatcher:
             )
         if verdict is not Verdict.REJECTED:
             self.routing.observe_result(
-                sender, ms, int(p.rows.numel()), res.compute_ms,
+                sender,
+                ms,
+                int(p.rows.numel()),
+                res.compute_ms,
                 verified=verdict is Verdict.VERIFIED,
-            )  # fmt: skip
+            )
 
 
 class _StepMoe:

@@ -104,10 +104,16 @@ class Engine:
         return self.n_slots - len(self.active)
 
     def admit(
-        self, request_id: str, prompt_ids: list[int], max_tokens: int, entry_id: bytes,
-        params: wire.SamplingParams | None = None, attempt: int = 1,
-        forced: list[int] | None = None, source: str = "",
-    ) -> Sequence:  # fmt: skip
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        entry_id: bytes,
+        params: wire.SamplingParams | None = None,
+        attempt: int = 1,
+        forced: list[int] | None = None,
+        source: str = "",
+    ) -> Sequence:
         """Start a sequence. `forced`: the tokens an earlier run of the request streamed
         before it stopped; they are generated again as they were (whatever the sampling)."""
         assert self.free > 0, "admit() called with no free slot"
@@ -118,12 +124,20 @@ class Engine:
         constraint = self.grammar_vocab().matcher(p.grammar) if p.grammar else None
         cache = self.chain.new_cache() if self.chain is not None else self.backbone.new_cache()
         seq = Sequence(
-            request_id, list(prompt_ids), max_tokens, cache, entry_id,
-            next_input=list(prompt_ids), params=p,
+            request_id,
+            list(prompt_ids),
+            max_tokens,
+            cache,
+            entry_id,
+            next_input=list(prompt_ids),
+            params=p,
             sampler=Sampler(sampling, self.backbone.meta.vocab_size),
-            text=StopText(self.tokenizer.decode, p.stop), attempt=attempt,
-            forced=list(forced or []), source=source, constraint=constraint,
-        )  # fmt: skip
+            text=StopText(self.tokenizer.decode, p.stop),
+            attempt=attempt,
+            forced=list(forced or []),
+            source=source,
+            constraint=constraint,
+        )
         if p.prompt_logprobs is not None and prompt_ids:
             seq.prompt_lp.append(wire.PromptToken(prompt_ids[0], self._text(prompt_ids[0]), None))
         if self.chain is not None:
@@ -189,17 +203,24 @@ class Engine:
         for p, logits in finished:
             _, stepping = self._open.pop(by_pass[id(p)])
             live = {id(s) for s in self.active}  # one cancelled meanwhile gets nothing
-            done += self._take([(s, n) for s, n in stepping if id(s) in live], logits,
-                               None, [i for i, (s, _) in enumerate(stepping) if id(s) in live])  # fmt: skip
+            done += self._take(
+                [(s, n) for s, n in stepping if id(s) in live],
+                logits,
+                None,
+                [i for i, (s, _) in enumerate(stepping) if id(s) in live],
+            )
         emitted = self.active
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
 
     def _take(
-        self, stepping: list[tuple[Sequence, int]], logits: torch.Tensor,
-        on_tokens: TokenSink | None, rows: list[int] | None = None,
-    ) -> list[Sequence]:  # fmt: skip
+        self,
+        stepping: list[tuple[Sequence, int]],
+        logits: torch.Tensor,
+        on_tokens: TokenSink | None,
+        rows: list[int] | None = None,
+    ) -> list[Sequence]:
         """Sample each stepping sequence from its logits row (`rows[i]`, default i); then,
         with `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():

@@ -157,8 +157,9 @@ class LayerCall:
         self.deadline_ms = max(
             self.deadline_ms, int(parts.clock_ms()) + parts.settings.job_deadline_ms
         )
-        parts.mailbox.post([(worker, wire.encode(self._job(job_id, spec, rows, worker)))],
-                           parts.routing.holders)  # fmt: skip
+        parts.mailbox.post(
+            [(worker, wire.encode(self._job(job_id, spec, rows, worker)))], parts.routing.holders
+        )
         p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())
         self._expect(job_id, p)
         return p
@@ -166,22 +167,31 @@ class LayerCall:
     def _job(self, job_id: str, spec: SliceSpec, rows: torch.Tensor, worker: str) -> wire.Job:
         parts = self.parts
         return wire.Job(
-            job_id=job_id, model=parts.model, layer=self.layer, slice=spec.sid,
-            expert_start=spec.expert_start, expert_end=spec.expert_end,
-            coord=parts.mailbox.coord, reply_to=parts.mailbox.results_key(worker),
+            job_id=job_id,
+            model=parts.model,
+            layer=self.layer,
+            slice=spec.sid,
+            expert_start=spec.expert_start,
+            expert_end=spec.expert_end,
+            coord=parts.mailbox.coord,
+            reply_to=parts.mailbox.results_key(worker),
             deadline_ms=self.deadline_ms,
             x=wire.Tensor.of(self.x[rows].float().cpu().numpy()),
             ids=wire.Tensor.of(self.ids[rows].cpu().numpy().astype(np.int32)),
             weights=wire.Tensor.of(self.w[rows].float().cpu().numpy()),
             want_dtype=parts.verifier.asked(worker),
-        )  # fmt: skip
+        )
 
     def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         y = self.parts.server.compute(
-            self.layer, self.x[rows], self.ids[rows], self.w[rows],
-            spec.expert_start, spec.expert_end,
-        )  # fmt: skip
+            self.layer,
+            self.x[rows],
+            self.ids[rows],
+            self.w[rows],
+            spec.expert_start,
+            spec.expert_end,
+        )
         took = time.perf_counter() - t0
         self.parts.routing.observe_local(int(rows.numel()), took * 1000)
         self.stats.local_expert_s += took
@@ -210,8 +220,7 @@ class LayerCall:
         slice (another worker if there is one), waited for up to `KVQ_REPLICA_WAIT_S` from
         this call's first failure; then NoReplica ends the step's requests with an error."""
         worker = self.parts.placement.replica_for(p.spec.sid, p.worker, self._give_up_at())
-        log.info("job for slice %s failed on %s; sent again to %s", p.spec.sid, p.worker,
-                 worker)  # fmt: skip
+        log.info("job for slice %s failed on %s; sent again to %s", p.spec.sid, p.worker, worker)
         self._send(worker, p.spec, p.rows)
         self.stats.remote_sent += 1
 
@@ -229,9 +238,12 @@ class LayerCall:
                     break
             missed, self.pending = self.pending, {}
             for job_id, p in missed.items():
-                log.info("job %s on %s missed its deadline; %s", job_id, p.worker,
-                         "computing locally" if self.parts.placement.has_experts
-                         else "sending it again")  # fmt: skip
+                log.info(
+                    "job %s on %s missed its deadline; %s",
+                    job_id,
+                    p.worker,
+                    "computing locally" if self.parts.placement.has_experts else "sending it again",
+                )
                 mailbox.forget(job_id)
                 self.fallback(p, float(self.parts.settings.job_deadline_ms))
         stats.remote_wait_s += time.perf_counter() - t0 - (stats.local_expert_s - computed)
@@ -326,13 +338,19 @@ class LayerCall:
         again."""
         parts = self.parts
         asked = {a.worker for a in answers} | {p.worker}
-        free = [w for w in parts.routing.live_holders(p.spec.sid)
-                if w not in asked and not parts.verifier.barred(w)]  # fmt: skip
+        free = [
+            w
+            for w in parts.routing.live_holders(p.spec.sid)
+            if w not in asked and not parts.verifier.barred(w)
+        ]
         if not free:
             if len(answers) > 1:
-                log.warning("slice %s: %d answers to one job disagree and no other live worker "
-                            "holds it; none is used, the job is sent again", p.spec.sid,
-                            len(answers))  # fmt: skip
+                log.warning(
+                    "slice %s: %d answers to one job disagree and no other live worker "
+                    "holds it; none is used, the job is sent again",
+                    p.spec.sid,
+                    len(answers),
+                )
                 self.stats.unresolved += 1
                 self.resend(p)
             else:  # no second holder: used unconfirmed, as without quorum
@@ -343,5 +361,9 @@ class LayerCall:
         witness = self._send(free[0], p.spec, p.rows)
         witness.answers = answers
         self.stats.witness_jobs += 1
-        log.debug("slice %s: a job asks %s to confirm %s", p.spec.sid, free[0],
-                  ", ".join(a.worker for a in answers) or "-")  # fmt: skip
+        log.debug(
+            "slice %s: a job asks %s to confirm %s",
+            p.spec.sid,
+            free[0],
+            ", ".join(a.worker for a in answers) or "-",
+        )

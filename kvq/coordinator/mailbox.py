@@ -57,10 +57,16 @@ class Mailbox:
     serves (the routing view), to accept a moved job's answer from a peer of its slice."""
 
     def __init__(
-        self, board: Board, r: redis.Redis, keys: Keys, coord: str,
-        holders: Callable[[], Mapping[str, Collection[str]]], stats: DispatchCounters,
-        maxlen: int = 10_000, results: WorkerResults | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        board: Board,
+        r: redis.Redis,
+        keys: Keys,
+        coord: str,
+        holders: Callable[[], Mapping[str, Collection[str]]],
+        stats: DispatchCounters,
+        maxlen: int = 10_000,
+        results: WorkerResults | None = None,
+    ) -> None:
         self.board, self.r, self.keys, self.coord = board, r, keys, coord
         self.holders, self.stats, self.maxlen = holders, stats, maxlen
         self.results = results or WorkerResults(r, keys, coord)
@@ -132,8 +138,12 @@ class Mailbox:
             and p.spec.sid not in self.holders().get(sender, ())
         ):
             self.stats.foreign_results += 1
-            log.warning("result for job %s sent to %s arrived from %s; ignored",
-                        res.job_id, p.worker, sender)  # fmt: skip
+            log.warning(
+                "result for job %s sent to %s arrived from %s; ignored",
+                res.job_id,
+                p.worker,
+                sender,
+            )
             return
         trial = self._trials.pop(res.job_id, None)
         if trial is not None:

@@ -24,9 +24,13 @@ class Placement:
     to each slice (the monitor weights replica targets by them, K7)."""
 
     def __init__(
-        self, routing: SliceRouter, info: ModelInfo, settings: DispatchSettings,
-        has_experts: bool, stats: DispatchCounters,
-    ) -> None:  # fmt: skip
+        self,
+        routing: SliceRouter,
+        info: ModelInfo,
+        settings: DispatchSettings,
+        has_experts: bool,
+        stats: DispatchCounters,
+    ) -> None:
         self.routing, self.info, self.s, self.stats = routing, info, settings, stats
         # False on a backbone file: no slice can be computed or recomputed here, so a job
         # without a live worker waits for one (`replica_for`), then fails (NoReplica)

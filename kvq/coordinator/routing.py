@@ -33,18 +33,27 @@ def policy_from(s: RoutingSettings) -> LivePolicy:
         w_l=s.w_latency, w_c=s.w_load, w_k=s.w_score, w_h=s.w_hops, w_p=s.w_tokens
     )
     return LivePolicy(
-        s.saturation_threshold, s.worker_grace_ms, s.ewma_alpha, weights, s.reprobe_ms,
+        s.saturation_threshold,
+        s.worker_grace_ms,
+        s.ewma_alpha,
+        weights,
+        s.reprobe_ms,
         s.half_life_ms,
-    )  # fmt: skip
+    )
 
 
 class SliceRouter:
     """The coordinator's routing state for one model, fed from the board's worker views."""
 
     def __init__(
-        self, board: Board, settings: RoutingSettings, coord_id: str, info: ModelInfo,
-        trust: Trust | None = None, compute_threads: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        board: Board,
+        settings: RoutingSettings,
+        coord_id: str,
+        info: ModelInfo,
+        trust: Trust | None = None,
+        compute_threads: int = 0,
+    ) -> None:
         sids = [
             s.sid
             for s in sorted(info.slices.values(), key=lambda s: (s.layer_start, s.expert_start))
@@ -116,9 +125,14 @@ class SliceRouter:
         self.holders = {w: frozenset(sids) for w, sids in holders.items()}
         sharing = {v.worker_id for v in views if self.shares_cores(v)}
         for worker in sorted(sharing - self.sharing):
-            log.info("worker %s computes on this machine's CPUs, all of which this coordinator "
-                     "uses (%d compute threads, CPUs %s): it gets no share of a capacity split "
-                     "(docs/routing.md)", worker, self.compute_threads, cpus_text(self.cpus))  # fmt: skip
+            log.info(
+                "worker %s computes on this machine's CPUs, all of which this coordinator "
+                "uses (%d compute threads, CPUs %s): it gets no share of a capacity split "
+                "(docs/routing.md)",
+                worker,
+                self.compute_threads,
+                cpus_text(self.cpus),
+            )
         self.sharing = sharing
 
     def shares_cores(self, v: WorkerView) -> bool:
@@ -144,9 +158,10 @@ class SliceRouter:
     def live_holders(self, sid: str) -> list[str]:
         """The live, unbarred workers that serve slice `sid` (as of the last refresh)."""
         return sorted(
-            w for w, sids in self.holders.items()
+            w
+            for w, sids in self.holders.items()
             if sid in sids and w in self._alive and not self.trust.barred(w)
-        )  # fmt: skip
+        )
 
     def bar(self, worker: str) -> None:
         """`worker` was just caught: reread coverage before the next route (it is left out)."""
@@ -190,9 +205,13 @@ class SliceRouter:
         changed = nodes != self._logged_nodes
         if now - self._logged_at >= _LOG_EVERY_S and (changed or log.isEnabledFor(logging.DEBUG)):
             self._logged_at, self._logged_nodes = now, nodes
-            log.log(logging.INFO if changed else logging.DEBUG,
-                    "capacity split %s of rows %s; estimates %s", split, dict(rows),
-                    self.capacity.describe())  # fmt: skip
+            log.log(
+                logging.INFO if changed else logging.DEBUG,
+                "capacity split %s of rows %s; estimates %s",
+                split,
+                dict(rows),
+                self.capacity.describe(),
+            )
         return LiveRoute(
             CAPACITY_ROUTE,
             {sid: node for sid, node in split.items() if node != self.coord},
@@ -200,9 +219,12 @@ class SliceRouter:
         )
 
     def _probe_idle(
-        self, split: dict[str, str], rows: Mapping[str, int],
-        candidates: Mapping[str, tuple[str, ...]], now: float,
-    ) -> str | None:  # fmt: skip
+        self,
+        split: dict[str, str],
+        rows: Mapping[str, int],
+        candidates: Mapping[str, tuple[str, ...]],
+        now: float,
+    ) -> str | None:
         """K4 under the split: an eligible worker that no split has given a slice for
         `reprobe_ms` gets one (its least-loaded active slice); at most one such worker per
         layer call, which it returns. Its estimates only move when it gets work, so without
@@ -236,9 +258,13 @@ class SliceRouter:
         return self.router.replans
 
     def observe_result(
-        self, worker: str, latency_ms: float, rows: int = 0, compute_ms: float = 0.0,
+        self,
+        worker: str,
+        latency_ms: float,
+        rows: int = 0,
+        compute_ms: float = 0.0,
         verified: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A result arrived; `verified`: recomputed here and equal (it proves the worker)."""
         self._failing.discard(worker)
         self.router.observe_result(worker, latency_ms, verified)

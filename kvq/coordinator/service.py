@@ -73,9 +73,11 @@ def streamed_tokens(history: list[wire.ReplyEvent]) -> list[int]:
 
 
 def _load(
-    info: ModelInfo, model_path: str | Path, routing: RoutingSettings,
+    info: ModelInfo,
+    model_path: str | Path,
+    routing: RoutingSettings,
     settings: CoordinatorSettings,
-) -> tuple[Backbone, RoutingSettings, torch.dtype]:  # fmt: skip
+) -> tuple[Backbone, RoutingSettings, torch.dtype]:
     """The backbone this coordinator runs from `model_path` (checked against the registered
     model first: the wrong file fails fast), the routing it implies, and its compute dtype.
     At stage grain (X12) only the embedding and the head: the blocks run on stage holders."""
@@ -106,10 +108,16 @@ class Coordinator:
     """Serves one model from `model_path`, registered on the board as `model`."""
 
     def __init__(
-        self, board: RedisBoard, settings: CoordinatorSettings, routing: RoutingSettings,
-        dispatch: DispatchSettings, bank: BankOptions,
-        coord_id: str, model: str, model_path: str | Path,
-    ) -> None:  # fmt: skip
+        self,
+        board: RedisBoard,
+        settings: CoordinatorSettings,
+        routing: RoutingSettings,
+        dispatch: DispatchSettings,
+        bank: BankOptions,
+        coord_id: str,
+        model: str,
+        model_path: str | Path,
+    ) -> None:
         self.board, self.s, self.id, self.model = board, settings, coord_id, model
         self.info = wait_for_model(board, model, settings.model_wait_s, settings.reconnect_max_s)
         self.backbone, routing, dtype = _load(self.info, model_path, routing, settings)
@@ -126,15 +134,34 @@ class Coordinator:
             board, routing, coord_id, self.info, self.trust, torch.get_num_threads()
         )
         self.dispatch = Dispatcher(
-            board, board.r, board.keys, dispatch, coord_id, self.info, self.server,
-            self.routing, board.maxlen,
-        )  # fmt: skip
-        self.chain = None if not stage else Chain(
-            self.backbone, self.info, coord_id, self.routing, self.dispatch.mailbox,
-            self.dispatch.tally, dispatch.stage_deadline_ms, dispatch.replica_wait_s,
-            dispatch.microbatches, self.dispatch.verifier,
-            Referee(model_path, self.info.stages()), board.now_ms,
-        )  # fmt: skip
+            board,
+            board.r,
+            board.keys,
+            dispatch,
+            coord_id,
+            self.info,
+            self.server,
+            self.routing,
+            board.maxlen,
+        )
+        self.chain = (
+            None
+            if not stage
+            else Chain(
+                self.backbone,
+                self.info,
+                coord_id,
+                self.routing,
+                self.dispatch.mailbox,
+                self.dispatch.tally,
+                dispatch.stage_deadline_ms,
+                dispatch.replica_wait_s,
+                dispatch.microbatches,
+                self.dispatch.verifier,
+                Referee(model_path, self.info.stages()),
+                board.now_ms,
+            )
+        )
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
         )
@@ -143,9 +170,13 @@ class Coordinator:
         self.requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, coord_id)
         self.cancels = CancelFeed(board.r, board.keys.model_cancels(model), board.keys)
         self.slots = SlotPoller(
-            lambda: self.engine.busy, settings.n_slots, settings.saturation_threshold,
-            self._publish_slots, settings.slot_poll_s, board.lifetimes.load_fresh_s(),
-        )  # fmt: skip
+            lambda: self.engine.busy,
+            settings.n_slots,
+            settings.saturation_threshold,
+            self._publish_slots,
+            settings.slot_poll_s,
+            board.lifetimes.load_fresh_s(),
+        )
         self.stop = threading.Event()
         # the registered checksums of this coordinator's own expert ranges, before any blame
         self.own = OwnBytes(model_path, self.info) if backbone_source(model_path) is None else None
@@ -176,16 +207,27 @@ class Coordinator:
         only_backbone = {} if routing.local_experts else {"hot_bytes": 0, "dynamic": False}
         bank = BankOptions.from_settings(settings, **only_backbone)
         return cls(
-            board, settings.coordinator, routing, settings.dispatch, bank,
-            coord_id, model, model_path,
-        )  # fmt: skip
+            board,
+            settings.coordinator,
+            routing,
+            settings.dispatch,
+            bank,
+            coord_id,
+            model,
+            model_path,
+        )
 
     def run(self) -> None:
         outage = Outage(log, self.s.reconnect_max_s)
         self.slots.start()
-        log.info("ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d "
-                 "slices)", self.id, self.model, self.engine.n_slots,
-                 len(self.requests.streams), len(self.info.slices))  # fmt: skip
+        log.info(
+            "ready: coordinator %s serves model %s (%d slots, %d request stream(s), %d slices)",
+            self.id,
+            self.model,
+            self.engine.n_slots,
+            len(self.requests.streams),
+            len(self.info.slices),
+        )
         if self.own is not None:
             self.own.start_sweep(self.stop)
         try:
@@ -236,8 +278,9 @@ class Coordinator:
         without a slice's result has no token to give, and none is made up."""
         log.warning("%s; %d request(s) end with an error", exc, self.engine.busy)
         for seq in self.engine.drop_all():
-            self._refuse(seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica",
-                         str(exc))  # fmt: skip
+            self._refuse(
+                seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica", str(exc)
+            )
 
     def _take_requests(self) -> None:
         """Admit new requests while slots are free. Refused ones take no slot, so reading
@@ -262,11 +305,15 @@ class Coordinator:
         self._claim_at = now
         n = sum(
             claim_from_dead(
-                self.board.r, stream, COORDINATOR_GROUP, self.id, self.board.coordinator_alive,
+                self.board.r,
+                stream,
+                COORDINATOR_GROUP,
+                self.id,
+                self.board.coordinator_alive,
                 self.s.claim_idle_ms,
             )
             for stream in self.requests.streams
-        )  # fmt: skip
+        )
         if n:
             log.info("claimed %d requests of dead coordinators", n)
             self.claimed += n
@@ -304,12 +351,21 @@ class Coordinator:
         rid = req.request_id
         attempt = self.board.start_attempt(rid, eid)
         if attempt == 0:
-            self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: duplicate request id {rid!r}: "
-                         "another request already uses it; give each request its own id")  # fmt: skip
+            self._refuse(
+                rid,
+                stream,
+                eid,
+                0,
+                "BadRequest",
+                f"refused: duplicate request id {rid!r}: "
+                "another request already uses it; give each request its own id",
+            )
             return
         if attempt > self.s.max_attempts:
-            why = (f"started {attempt - 1} times without finishing (KVQ_MAX_ATTEMPTS "
-                   f"{self.s.max_attempts}): its coordinators died or stopped while serving it")  # fmt: skip
+            why = (
+                f"started {attempt - 1} times without finishing (KVQ_MAX_ATTEMPTS "
+                f"{self.s.max_attempts}): its coordinators died or stopped while serving it"
+            )
             self._dead_letter(stream, eid, fields, why)
             self._refuse(rid, stream, eid, attempt, "Poison", why)
             return
@@ -341,9 +397,11 @@ class Coordinator:
     ) -> None:
         """Answer request entry `eid` of `stream` with an error event, and ack it."""
         event = wire.ReplyEvent(
-            kind="error", error=wire.Failure(type=kind, message=message), attempt=attempt,
+            kind="error",
+            error=wire.Failure(type=kind, message=message),
+            attempt=attempt,
             entry=eid.decode(),
-        )  # fmt: skip
+        )
         self.times.finished(rid, "error")
         self.requests.answer([self._reply(rid, event)], [(stream, eid)], self.board.maxlen)
 
@@ -396,10 +454,15 @@ class Coordinator:
             if tok is not None and seq.fresh:
                 self.tokens += 1
                 token = wire.ReplyEvent(
-                    kind="token", index=len(seq.generated) - 1, token_id=tok, text=seq.new_text,
-                    logprob=seq.new_logprob, top_logprobs=seq.new_top, attempt=seq.attempt,
+                    kind="token",
+                    index=len(seq.generated) - 1,
+                    token_id=tok,
+                    text=seq.new_text,
+                    logprob=seq.new_logprob,
+                    top_logprobs=seq.new_top,
+                    attempt=seq.attempt,
                     entry=seq.entry_id.decode(),
-                )  # fmt: skip
+                )
                 replies.append(self._reply(seq.request_id, token))
                 self.times.token(seq.request_id)
             if seq.finish:
@@ -423,10 +486,15 @@ class Coordinator:
     def _done(seq: Sequence) -> wire.ReplyEvent:
         n = len(seq.generated)  # tokens streamed: EOS and stop tokens are not among them
         return wire.ReplyEvent(
-            kind="done", index=n, text=seq.completion, finish=seq.finish,
-            prompt_tokens=len(seq.prompt_ids), attempt=seq.attempt, entry=seq.entry_id.decode(),
+            kind="done",
+            index=n,
+            text=seq.completion,
+            finish=seq.finish,
+            prompt_tokens=len(seq.prompt_ids),
+            attempt=seq.attempt,
+            entry=seq.entry_id.decode(),
             prompt=seq.prompt_lp or None,
-        )  # fmt: skip
+        )
 
     def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
         key = self.board.keys.request_reply(request_id)
@@ -437,13 +505,20 @@ class Coordinator:
         hot, cold = self.bank.hit_rates() if self.bank is not None else (0.0, 0.0)
         counters = msgspec.structs.asdict(self.dispatch.stats)
         return CoordStats(
-            **counters, hot_hit_rate=round(hot, 4), cold_hit_rate=round(cold, 4),
-            replans=self.routing.replans, rescues=self.routing.rescues,
-            completed=self.completed, tokens=self.tokens, claimed=self.claimed,
-            finishes=self.times.finishes_text(), job_rtt_s=self.dispatch.job_rtt.to_text(),
-            ttft_s=self.times.ttft.to_text(), token_gap_s=self.times.gap.to_text(),
+            **counters,
+            hot_hit_rate=round(hot, 4),
+            cold_hit_rate=round(cold, 4),
+            replans=self.routing.replans,
+            rescues=self.routing.rescues,
+            completed=self.completed,
+            tokens=self.tokens,
+            claimed=self.claimed,
+            finishes=self.times.finishes_text(),
+            job_rtt_s=self.dispatch.job_rtt.to_text(),
+            ttft_s=self.times.ttft.to_text(),
+            token_gap_s=self.times.gap.to_text(),
             stage_wait_s=self.chain.wait_text() if self.chain is not None else "{}",
-        )  # fmt: skip
+        )
 
     def _publish_slots(self, busy: int, total: int) -> None:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
@@ -455,8 +530,12 @@ class Coordinator:
             experts=self.dispatch.has_experts,
         )
         if self.board.publish_slots(self.id, state, self.snapshot()) and self._published:
-            log.warning("redis had lost the slot record of %s (or its place among %s's "
-                        "coordinators); published it again", self.id, self.model)  # fmt: skip
+            log.warning(
+                "redis had lost the slot record of %s (or its place among %s's "
+                "coordinators); published it again",
+                self.id,
+                self.model,
+            )
         self._published = True
         routed = self.dispatch.take_routed()
         if routed:

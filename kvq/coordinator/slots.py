@@ -29,9 +29,14 @@ class SlotPoller:
     """Samples `read_busy()` on a thread; `publish(busy, total)` sends it out (may be slow)."""
 
     def __init__(
-        self, read_busy: Callable[[], int], total: int, threshold: int,
-        publish: Callable[[int, int], None], poll_s: float, stale_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        read_busy: Callable[[], int],
+        total: int,
+        threshold: int,
+        publish: Callable[[int, int], None],
+        poll_s: float,
+        stale_s: float,
+    ) -> None:
         self._read_busy, self._publish = read_busy, publish
         self.total, self.threshold = total, threshold
         self.poll_s, self.stale_s = poll_s, stale_s

@@ -67,9 +67,13 @@ class TrustPolicy:
 
 def trust_policy(s: DispatchSettings) -> TrustPolicy:
     return TrustPolicy(
-        s.trust_full_checks, s.trust_decay, s.trust_p_min, s.trust_quarantine_s,
-        s.trust_ban_after, s.trust_step_floor,
-    )  # fmt: skip
+        s.trust_full_checks,
+        s.trust_decay,
+        s.trust_p_min,
+        s.trust_quarantine_s,
+        s.trust_ban_after,
+        s.trust_step_floor,
+    )
 
 
 def catch_probability(policy: TrustPolicy, garbage: float, jobs: int) -> float:
@@ -99,9 +103,12 @@ class Trust:
     predict the draws would lie only when unchecked); tests pass a seeded one."""
 
     def __init__(
-        self, policy: TrustPolicy, coord: str, rng: random.Random | None = None,
+        self,
+        policy: TrustPolicy,
+        coord: str,
+        rng: random.Random | None = None,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.policy, self.coord = policy, coord
         self.rng = rng if rng is not None else random.SystemRandom()
         self.clock_ms = clock_ms
@@ -160,9 +167,13 @@ class Trust:
         t.until_ms = now + self.policy.quarantine_s * 1000
         t.banned = t.banned or t.mismatches >= self.policy.ban_after
         verdict = Quarantine(
-            until_ms=int(t.until_ms), mismatches=t.mismatches, banned=t.banned,
-            coord=self.coord, reason=reason[:300], ts_ms=int(now),
-        )  # fmt: skip
+            until_ms=int(t.until_ms),
+            mismatches=t.mismatches,
+            banned=t.banned,
+            coord=self.coord,
+            reason=reason[:300],
+            ts_ms=int(now),
+        )
         self.verdicts[worker] = verdict
         return verdict
 
@@ -171,9 +182,10 @@ class Trust:
         Redis lost them, and they are published again."""
         now = self.clock_ms()
         return {
-            w: q for w, q in self.verdicts.items()
+            w: q
+            for w, q in self.verdicts.items()
             if w not in records and (q.banned or q.until_ms > now)
-        }  # fmt: skip
+        }
 
     def merge(self, records: Mapping[str, Quarantine]) -> None:
         """Verdicts any coordinator of the model recorded: the strictest of both views wins."""
@@ -187,7 +199,12 @@ class Trust:
 
     def describe(self) -> dict[str, dict[str, float | int | bool]]:
         return {
-            w: {"p": round(self.policy.p(t.ok), 4), "ok": t.ok, "mismatches": t.mismatches,
-                "barred": self.barred(w), "banned": t.banned}
+            w: {
+                "p": round(self.policy.p(t.ok), 4),
+                "ok": t.ok,
+                "mismatches": t.mismatches,
+                "barred": self.barred(w),
+                "banned": t.banned,
+            }
             for w, t in sorted(self.workers.items())
-        }  # fmt: skip
+        }

@@ -67,10 +67,16 @@ class Verifier:
     """Checks remote results of one model for one coordinator and records verdicts."""
 
     def __init__(
-        self, board: Board, model: str, trust: Trust, mode: str, local_dtype: str,
-        stats: DispatchCounters, on_caught: Callable[[str], None] = lambda worker: None,
+        self,
+        board: Board,
+        model: str,
+        trust: Trust,
+        mode: str,
+        local_dtype: str,
+        stats: DispatchCounters,
+        on_caught: Callable[[str], None] = lambda worker: None,
         gpu_admitted: Callable[[str], bool] = lambda worker: False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.board, self.model, self.trust, self.mode = board, model, trust, mode
         self.gpu_admitted = gpu_admitted  # KVQ_GPU_WORKERS (`admitted`)
         self._refused_claims: set[str] = set()  # workers told once that their claim is not granted
@@ -94,13 +100,21 @@ class Verifier:
             if not self.gpu_admitted(worker):
                 if worker not in self._refused_claims:
                     self._refused_claims.add(worker)
-                    log.warning("worker %s computes in %s but is not in KVQ_GPU_WORKERS: its "
-                                "jobs keep asking for %s (it serves none until admitted)",
-                                worker, error.message, self.local_dtype)  # fmt: skip
+                    log.warning(
+                        "worker %s computes in %s but is not in KVQ_GPU_WORKERS: its "
+                        "jobs keep asking for %s (it serves none until admitted)",
+                        worker,
+                        error.message,
+                        self.local_dtype,
+                    )
                 return
             if self.paths.get(worker) != error.message:
-                log.info("worker %s computes in %s: its jobs ask for %s from now on", worker,
-                         error.message, error.message)  # fmt: skip
+                log.info(
+                    "worker %s computes in %s: its jobs ask for %s from now on",
+                    worker,
+                    error.message,
+                    error.message,
+                )
             self.paths[worker] = error.message
 
     def barred(self, worker: str) -> bool:
@@ -179,8 +193,11 @@ class Verifier:
     def outvoted(self, liar: Answer, by: list[Answer]) -> None:
         """`liar` disagreed with `by`, who agree with each other: caught."""
         self.stats.mismatches += 1
-        self.caught(liar.worker, f"its {liar.dtype} result disagreed with those of "
-                                 f"{', '.join(a.worker for a in by)} for the same job")  # fmt: skip
+        self.caught(
+            liar.worker,
+            f"its {liar.dtype} result disagreed with those of "
+            f"{', '.join(a.worker for a in by)} for the same job",
+        )
 
     def exact_for(self, worker: str) -> bool:
         """Whether `worker`'s results are checked against float32 activations: its path is
@@ -188,9 +205,14 @@ class Verifier:
         return self.local_dtype == "q8" and not deterministic(self.asked(worker), "q8")
 
     def check(
-        self, worker: str, y: torch.Tensor, dtype: str, ref: torch.Tensor,
-        ref_dtype: str | None = None, sid: str = "",
-    ) -> Verdict:  # fmt: skip
+        self,
+        worker: str,
+        y: torch.Tensor,
+        dtype: str,
+        ref: torch.Tensor,
+        ref_dtype: str | None = None,
+        sid: str = "",
+    ) -> Verdict:
         """Compare `y` with `ref`, this coordinator's recomputation in `ref_dtype` (None: its
         own path) of slice `sid`; record the outcome. A mismatch is charged to `worker` only
         once this coordinator's own bytes of the slice are known intact (else ModelCorrupt)."""
@@ -258,10 +280,13 @@ class Verifier:
         self.stats.quarantines += 1
         self.board.quarantine(self.model, worker, verdict)
         log.warning(
-            "worker %s returned a wrong result (%s): %s for %.0f s (mismatch %d)", worker,
-            reason, "banned" if verdict.banned else "quarantined",
-            self.trust.policy.quarantine_s, verdict.mismatches,
-        )  # fmt: skip
+            "worker %s returned a wrong result (%s): %s for %.0f s (mismatch %d)",
+            worker,
+            reason,
+            "banned" if verdict.banned else "quarantined",
+            self.trust.policy.quarantine_s,
+            verdict.mismatches,
+        )
         self.on_caught(worker)
 
 

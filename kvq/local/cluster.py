@@ -68,8 +68,16 @@ class EmbeddedCluster:
         for i in range(self.masters_n * (1 + self.replicas_n)):
             node_dir = self.data_dir / f"node-{i}"
             bus = free_port()  # explicit: the default, port + 10000, may not exist
-            args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-port", str(bus))  # fmt: skip
+            args = (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--cluster-port",
+                str(bus),
+            )
             self.nodes.append(EmbeddedRedis(data_dir=node_dir, extra_args=args).start())
             self.bus_ports.append(bus)
 

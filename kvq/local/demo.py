@@ -113,8 +113,14 @@ def _model_path(opts: DemoOptions, tmp_dir: str, say: Any) -> str:
 def _demo_env(s: Settings, model_path: str) -> dict[str, str]:
     """The children's environment: settings tuned so a short demo shows every mechanism."""
     env = child_env(
-        s, hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib, verify_remote="all", heartbeat_ttl_s=3.0, monitor_poll_s=0.1,
-        idle_shutdown_s=0, job_deadline_ms=max(s.job_deadline_ms, 3000), slot_poll_s=0.05,
+        s,
+        hot_gib=_quarter_of_experts_gib(model_path) if s.hot_gib is None else s.hot_gib,
+        verify_remote="all",
+        heartbeat_ttl_s=3.0,
+        monitor_poll_s=0.1,
+        idle_shutdown_s=0,
+        job_deadline_ms=max(s.job_deadline_ms, 3000),
+        slot_poll_s=0.05,
         dyn_steps=min(s.dyn_steps, 4),  # a short demo: let dynamic swaps show
         saturation_enter_s=min(s.saturation_enter_s, 0.2),  # and boosts come and go (a
         # burst of 16 short requests can be over in 2 s on a fast machine)
@@ -125,7 +131,7 @@ def _demo_env(s: Settings, model_path: str) -> dict[str, str]:
         # one slice a worker (unless set): the demo shows several workers recruited, where
         # one worker's budget would fit every slice of the tiny model
         worker_max_slices=s.worker_max_slices or 1,
-    )  # fmt: skip
+    )
     # several torch processes share this machine's cores: one thread each avoids OpenMP
     # threads spinning against each other
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -145,11 +151,21 @@ def _spawn_roles(
     def as_role(role: str) -> dict[str, str] | None:
         return None if users is None else env | {"KVQ_REDIS_URL": users.urls[role]}
 
-    children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model_path}",
-                   env=as_role("monitor"))  # fmt: skip
+    children.spawn(
+        "monitor", "monitor", "--model", f"{MODEL_ID}={model_path}", env=as_role("monitor")
+    )
     children.wait_for(lambda: MODEL_ID in board.models(), 30, "model registration")
-    children.spawn("coordinator", "coordinator", "--model-id", MODEL_ID,
-                   "--model", model_path, "--id", COORD_ID, env=as_role("coordinator"))  # fmt: skip
+    children.spawn(
+        "coordinator",
+        "coordinator",
+        "--model-id",
+        MODEL_ID,
+        "--model",
+        model_path,
+        "--id",
+        COORD_ID,
+        env=as_role("coordinator"),
+    )
     for w in wids:
         children.spawn(w, "worker", "--id", w, env=as_role(w))
 
@@ -158,8 +174,9 @@ def _wait_ready(children: Children, board: RedisBoard, workers: int, base_replic
     """Every worker that the base demand has room for takes its slice before the burst."""
     info = board.model_info(MODEL_ID)
     wanted = min(workers, (len(info.slices) if info else 0) * base_replicas)
-    children.wait_for(lambda: _ready_workers(board) >= wanted, 60,
-          "workers to volunteer and load their slices")  # fmt: skip
+    children.wait_for(
+        lambda: _ready_workers(board) >= wanted, 60, "workers to volunteer and load their slices"
+    )
     children.wait_for(lambda: board.coordinator_alive(COORD_ID), 60, "the coordinator")
 
 

@@ -37,9 +37,12 @@ class Children:
     log_dir: str | None = None
 
     def spawn(
-        self, name: str, *args: str, cpus: set[int] | None = None,
+        self,
+        name: str,
+        *args: str,
+        cpus: set[int] | None = None,
         env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:  # fmt: skip
+    ) -> subprocess.Popen[bytes]:
         """`python -m kvq *args` as `name`; `cpus`: pinned to those CPUs from its start (every
         thread it makes inherits them); `env`: instead of the shared environment."""
         out: int | object = subprocess.DEVNULL

@@ -83,9 +83,12 @@ class EmbeddedRedis:
     """A private server on 127.0.0.1 and a free port; use as a context manager."""
 
     def __init__(
-        self, port: int | None = None, data_dir: str | Path | None = None, persist: bool = False,
+        self,
+        port: int | None = None,
+        data_dir: str | Path | None = None,
+        persist: bool = False,
         extra_args: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.port = port or free_port()
         self.extra_args = extra_args  # e.g. cluster mode (kvq.local.cluster)
         self._own_dir = data_dir is None
@@ -111,12 +114,31 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _check_free(self.port)
         args = [
-            find_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir), "--pidfile", str(self.pidfile),
-            "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
-            "--appendonly", "no", "--save", "60 1" if self.persist else "",
-            "--dbfilename", "dump.rdb", "--logfile", str(self.logfile), *self.extra_args,
-        ]  # fmt: skip
+            find_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--pidfile",
+            str(self.pidfile),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+            "--appendonly",
+            "no",
+            "--save",
+            "60 1" if self.persist else "",
+            "--dbfilename",
+            "dump.rdb",
+            "--logfile",
+            str(self.logfile),
+            *self.extra_args,
+        ]
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,

@@ -187,10 +187,16 @@ ARCHS: dict[str, ArchSpec] = {
 
 # names accepted by `make_tiny(arch=...)` and `kvq model make-tiny --arch`
 TINY_ARCHS: dict[str, str] = {
-    "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-    "glm4moe": "glm4moe", "deepseek2": "deepseek2", "gpt-oss": "gpt-oss",
-    "qwen35moe": "qwen35moe", "llama4": "llama4",
-}  # fmt: skip
+    "qwen3moe": "qwen3moe",
+    "qwen2moe": "qwen2moe",
+    "mixtral": "llama",
+    "olmoe": "olmoe",
+    "glm4moe": "glm4moe",
+    "deepseek2": "deepseek2",
+    "gpt-oss": "gpt-oss",
+    "qwen35moe": "qwen35moe",
+    "llama4": "llama4",
+}
 
 SUPPORTED_TEXT = (
     "qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama with llama.expert_count > 0 "

@@ -117,8 +117,9 @@ class Backbone:
         swa_base = meta.rope_freq_base_swa
         self.rope_swa = (
             Rope.from_meta(replace(meta, rope_freq_base=swa_base), style, None, rope_factors)
-            if swa_base and swa_base != meta.rope_freq_base else self.rope
-        )  # fmt: skip
+            if swa_base and swa_base != meta.rope_freq_base
+            else self.rope
+        )
 
     @classmethod
     def from_gguf(
@@ -167,10 +168,18 @@ class Backbone:
         rec = [i for i in rec if i in self.span]
         state = DeltaState(rec, delta_dims(m), self.device, torch.float32) if rec else None
         return KVCache(
-            m.block_count, m.context_length, kv, width, self.device, self.dtype,
-            latent_values=m.kv_lora_rank, windows=[m.window(i) for i in range(m.block_count)],
-            state=state, held=self.span, initial=initial,
-        )  # fmt: skip
+            m.block_count,
+            m.context_length,
+            kv,
+            width,
+            self.device,
+            self.dtype,
+            latent_values=m.kv_lora_rank,
+            windows=[m.window(i) for i in range(m.block_count)],
+            state=state,
+            held=self.span,
+            initial=initial,
+        )
 
     def local_moe(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
@@ -320,9 +329,15 @@ class Backbone:
                 rows = slice(start, start + t)
                 conv, ssm = state.get(layer)
                 o, conv, ssm = deltanet.recur(
-                    mixed[rows].float(), beta[rows].float(), g[rows].float(), w, dims,
-                    conv, ssm, eps,
-                )  # fmt: skip
+                    mixed[rows].float(),
+                    beta[rows].float(),
+                    g[rows].float(),
+                    w,
+                    dims,
+                    conv,
+                    ssm,
+                    eps,
+                )
                 state.stage(layer, conv, ssm)
                 outs.append(o)
                 start += t
@@ -406,9 +421,16 @@ class Backbone:
         return o
 
     def _gqa_each(
-        self, layer: int, a: GqaWeights, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-        caches: list[KVCache], lens: list[int], window: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        layer: int,
+        a: GqaWeights,
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        caches: list[KVCache],
+        lens: list[int],
+        window: int,
+    ) -> torch.Tensor:
         """Each sequence's rows against its own cache (`causal_attention`): q [N, heads, d],
         kk, vv [N, kv, d]. Returns [N, heads * d]."""
         m = self.meta
@@ -420,10 +442,19 @@ class Backbone:
                     keys, values, k0 = c.append_window(layer, kt, vt)
                 else:
                     keys, values = c.append(layer, kt, vt)
-                outs.append(causal_attention(
-                    q[start : start + t], keys, values, c.length, m.attention_scale,
-                    a.sinks, window, k0, m.chunk(layer),
-                ))  # fmt: skip
+                outs.append(
+                    causal_attention(
+                        q[start : start + t],
+                        keys,
+                        values,
+                        c.length,
+                        m.attention_scale,
+                        a.sinks,
+                        window,
+                        k0,
+                        m.chunk(layer),
+                    )
+                )
                 start += t
         return torch.cat(outs)  # [N, heads*d]
 

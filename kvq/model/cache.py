@@ -55,8 +55,10 @@ class KVCache:
         coordinator of a stage-grain model holds none); None: all of them."""
         self.windows = list(windows) or [0] * n_layers  # [L] 0: the layer sees everything
         if len(self.windows) != n_layers or (latent_values and any(self.windows)):
-            raise ModelError(f"windows {self.windows} must give one per layer ({n_layers}), "
-                             "and a latent cache has none")  # fmt: skip
+            raise ModelError(
+                f"windows {self.windows} must give one per layer ({n_layers}), "
+                "and a latent cache has none"
+            )
         self.state = state  # the linear-attention layers' recurrent state, if any
         recurrent = set(state.layers) if state is not None else set()
         keep = set(range(n_layers) if held is None else held)

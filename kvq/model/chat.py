@@ -41,11 +41,15 @@ def _raise(message: str) -> NoReturn:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
-) -> str:  # fmt: skip
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class _Namespace(Namespace):
@@ -121,9 +125,12 @@ class ChatTemplate:
     """A compiled template with the special tokens it may refer to."""
 
     def __init__(
-        self, source: str, bos_token: str = "", eos_token: str = "",
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
         now: Callable[[], datetime] = datetime.now,
-    ) -> None:  # fmt: skip
+    ) -> None:
         try:
             self.template = _environment(now).from_string(source)
         except jinja2.TemplateError as exc:
@@ -131,17 +138,22 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
         **variables: Any,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """The prompt text of a chat; `variables` are the template's own options (`tools`,
         `reasoning_effort`, `enable_thinking`...). ModelError for anything it refuses."""
         values = {"tools": None, "documents": None, **variables}
         try:
             return self.template.render(
-                messages=template_messages(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, **values,
-            )  # fmt: skip
+                messages=template_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **values,
+            )
         except jinja2.TemplateError as exc:  # SecurityError and raise_exception included
             raise ModelError(f"chat template refused the messages: {exc}") from None
 

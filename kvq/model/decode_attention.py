@@ -23,9 +23,14 @@ from kvq.quant import qdot
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache], layer: int,
-    scale: float = 0.0, sinks: torch.Tensor | None = None,
-) -> torch.Tensor | None:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: list[KVCache],
+    layer: int,
+    scale: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Attention of one new token per sequence: q [S, heads, d], k and v [S, kv, d] its new
     key and value (stored into caches[s] at its `length`, not advanced). `scale` 0 means
     1/sqrt(d); `sinks` [heads] as in `causal_attention`. Returns [S, heads * d] float32, or
@@ -35,8 +40,10 @@ def decode_attention(
     tensors = (q, k, v) + (() if sinks is None else (sinks,))
     if n != len(caches) or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
-    if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" or not c.holds_keys(layer)
-           for c in caches):  # fmt: skip
+    if any(
+        c.k.dtype != torch.float32 or c.k.device.type != "cpu" or not c.holds_keys(layer)
+        for c in caches
+    ):
         return None
     built = qdot.load_configured()
     if built is None:
@@ -46,9 +53,18 @@ def decode_attention(
     slots = [c.decode_slot(layer) for c in caches]
     out = torch.empty((n, heads, d), dtype=torch.float32)
     qdot.attn_decode(
-        built, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-        [(ks.data_ptr(), vs.data_ptr()) for ks, vs in slots], [c.length for c in caches],
-        heads, kv, d, scale or 1.0 / math.sqrt(d), 0 if sink is None else sink.data_ptr(),
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        built,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        [(ks.data_ptr(), vs.data_ptr()) for ks, vs in slots],
+        [c.length for c in caches],
+        heads,
+        kv,
+        d,
+        scale or 1.0 / math.sqrt(d),
+        0 if sink is None else sink.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out.view(n, heads * d)

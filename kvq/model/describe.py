@@ -44,10 +44,12 @@ def describe_model(
     out: dict[str, Any] = {"path": str(path)}
     out.update({f.name: getattr(meta, f.name) for f in fields(meta) if f.name != "expert_tensors"})
     out.update(
-        attention=spec.attention, rope_style=spec.rope_style, qk_norm=spec.qk_norm,
+        attention=spec.attention,
+        rope_style=spec.rope_style,
+        qk_norm=spec.qk_norm,
         shared_expert=spec.shared_expert,
         routed_experts="present" if meta.holds_experts else "absent (a backbone file)",
-    )  # fmt: skip
+    )
     reader = gio.open_reader(path)
     out["quant_types"] = quant_types(reader)
     out["slice_experts"] = slice_experts
@@ -72,13 +74,21 @@ def slice_table(meta: ModelMeta, slice_experts: int) -> list[dict[str, int]]:
     if not meta.holds_experts:
         return []
     return [
-        {"layer": b.layer_start, "expert_start": b.expert_start, "expert_end": b.expert_end,
-         "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end)}
+        {
+            "layer": b.layer_start,
+            "expert_start": b.expert_start,
+            "expert_end": b.expert_end,
+            "bytes": slice_nbytes(meta, b.layer_start, b.expert_start, b.expert_end),
+        }
         for b in slice_grid(
-            meta.block_count, meta.expert_count, 1, slice_experts, meta.moe_layers.start,
+            meta.block_count,
+            meta.expert_count,
+            1,
+            slice_experts,
+            meta.moe_layers.start,
             meta.moe_layers.step,
         )
-    ]  # fmt: skip
+    ]
 
 
 def tensor_sizes(reader: GGUFReader, meta: ModelMeta) -> dict[str, int]:
@@ -190,9 +200,11 @@ def _kept_encoded(t: ReaderTensor, a: MemoryAssumptions) -> bool:
     (not a router) of a type a fused kernel computes, in float32 (`Loader.matrix`)."""
     matrix = len(t.shape) == 2 and min(int(d) for d in t.shape) > 1
     return (
-        matrix and "ffn_gate_inp" not in t.name and a.dtype == "float32"
+        matrix
+        and "ffn_gate_inp" not in t.name
+        and a.dtype == "float32"
         and int(t.tensor_type) in kernels.KERNEL_TYPES
-    )  # fmt: skip
+    )
 
 
 def _expert_names(meta: ModelMeta) -> set[str]:

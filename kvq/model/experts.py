@@ -38,9 +38,13 @@ BiasOf = Callable[[int], ExpertBias | None]  # expert index within [lo, hi) -> i
 
 
 def expert_ffn(
-    x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str = ACT_SILU,
+    x: torch.Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    act: str = ACT_SILU,
     bias: ExpertBias | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """One expert on rows x: `down(act(gate x + bg, up x + bu)) + bd`. x: [m, H] -> [m, H]."""
     if act == ACT_SILU and bias is None:
         return swiglu(x, gate, up, down)
@@ -61,9 +65,16 @@ def expert_forward(
     """
     check_inputs(sl.hidden, x, ids, weights)
     return grouped_expert_ffn(
-        x, ids, weights, sl.expert_start, sl.expert_end, sl.expert, sl.compute_dtype,
-        act=sl.act, bias_of=sl.bias if sl.biases is not None else None,
-    )  # fmt: skip
+        x,
+        ids,
+        weights,
+        sl.expert_start,
+        sl.expert_end,
+        sl.expert,
+        sl.compute_dtype,
+        act=sl.act,
+        bias_of=sl.bias if sl.biases is not None else None,
+    )
 
 
 def sliced_forward(
@@ -110,10 +121,18 @@ def _shifted(sl: ExpertSlice, shift: int) -> tuple[WeightsOf, BiasOf | None]:
 
 
 def grouped_expert_ffn(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
-    weights_of: WeightsOf, cdtype: torch.dtype, before_compute: Callable[[], None] | None = None,
-    inside: torch.Tensor | None = None, act: str = ACT_SILU, bias_of: BiasOf | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    lo: int,
+    hi: int,
+    weights_of: WeightsOf,
+    cdtype: torch.dtype,
+    before_compute: Callable[[], None] | None = None,
+    inside: torch.Tensor | None = None,
+    act: str = ACT_SILU,
+    bias_of: BiasOf | None = None,
+) -> torch.Tensor:
     """Sum over each row's selected experts in `[lo, hi)` of
     `w * expert_ffn(x, *weights_of(e), act, bias_of(e))`, computed in `cdtype` and returned
     in x.dtype.
@@ -171,10 +190,16 @@ def _looked_up_once(weights_of: WeightsOf) -> WeightsOf:
 
 
 def _int8_call(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int,
-    weights_of: WeightsOf, before_compute: Callable[[], None] | None, act: str = ACT_SILU,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    lo: int,
+    hi: int,
+    weights_of: WeightsOf,
+    before_compute: Callable[[], None] | None,
+    act: str = ACT_SILU,
     bias_of: BiasOf | None = None,
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """The CPU case with int8 activations: every row's experts in `[lo, hi)` in one C call,
     one token (decode at batch 1, `kernels.moe_int8`) or several (`kernels.moe_int8_batch`,
     each expert's weights unpacked once for all of its rows). Each row gets the same bits
@@ -247,9 +272,12 @@ def _packed_weights(
 
 
 def check_inputs(
-    hidden: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    hidden: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
     error: type[KvqError] = ModelError,
-) -> None:  # fmt: skip
+) -> None:
     """`error` on shape or dtype mismatches of an expert call (cheap checks, no host sync)."""
     if x.ndim != 2 or x.shape[1] != hidden:
         raise error(f"x has shape {tuple(x.shape)}; expected [tokens, {hidden}] (hidden size)")
@@ -278,9 +306,10 @@ def expert_forward_reference(
     g, u, d = (np.asarray(a, dtype=np.float64) for a in (gate, up, down))
     n, f, h = g.shape
     bg, bu, bd = (
-        (np.zeros((n, f)), np.zeros((n, f)), np.zeros((n, h))) if biases is None
+        (np.zeros((n, f)), np.zeros((n, f)), np.zeros((n, h)))
+        if biases is None
         else (np.asarray(b, dtype=np.float64) for b in biases)
-    )  # fmt: skip
+    )
     xs = np.asarray(x, dtype=np.float64)  # [T, H]
     idx = np.asarray(ids, dtype=np.int64)  # [T, k]
     ws = np.asarray(weights, dtype=np.float64)  # [T, k]

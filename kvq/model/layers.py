@@ -87,16 +87,25 @@ class Rope:
 
     @classmethod
     def from_meta(
-        cls, meta: ModelMeta, style: str, mscale: float | None = None,
+        cls,
+        meta: ModelMeta,
+        style: str,
+        mscale: float | None = None,
         factors: torch.Tensor | None = None,
-    ) -> Rope:  # fmt: skip
+    ) -> Rope:
         """The rope of a model, from its metadata (and its `rope_freqs`, if any)."""
         return cls(
-            meta.rope_dims, meta.rope_freq_base, style, meta.rope_scaling_type,
-            meta.rope_scaling_factor, meta.rope_original_context_length or meta.context_length,
-            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow), mscale, meta.rope_sections,
+            meta.rope_dims,
+            meta.rope_freq_base,
+            style,
+            meta.rope_scaling_type,
+            meta.rope_scaling_factor,
+            meta.rope_original_context_length or meta.context_length,
+            (meta.rope_yarn_beta_fast, meta.rope_yarn_beta_slow),
+            mscale,
+            meta.rope_sections,
             factors,
-        )  # fmt: skip
+        )
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, d]; pos: [T] int64 absolute positions. Returns [T, heads, d]."""
@@ -148,9 +157,16 @@ def _yarn_bounds(
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float = 0.0,
-    sinks: torch.Tensor | None = None, window: int = 0, k_start: int = 0, chunk: int = 0,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    scale: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
+    k_start: int = 0,
+    chunk: int = 0,
+) -> torch.Tensor:
     """Grouped-query causal attention of new queries against a sequence's cached keys.
 
     q: [T, heads, d] at positions q_start..q_start+T-1; k: [S, kv, d], v: [S, kv, dv] at
@@ -170,10 +186,18 @@ def causal_attention(
     if t > 1 and sinks is None and not window and not chunk and k.shape[0] == t and dv == d:
         # a prompt into an empty cache: torch's fused causal attention (flash attention on the
         # CPU), which skips the masked half and never makes the [T, S] scores; 1.6x at 512
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale or 1.0 / math.sqrt(d), enable_gqa=kv != heads,
-        )[0].transpose(0, 1).reshape(t, heads * dv)  # fmt: skip
+        return (
+            F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale or 1.0 / math.sqrt(d),
+                enable_gqa=kv != heads,
+            )[0]
+            .transpose(0, 1)
+            .reshape(t, heads * dv)
+        )
     group = heads // kv
     qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
     scores = (qg @ k.permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))  # [kv, group*T, S]
@@ -221,9 +245,14 @@ class Gating:
     @classmethod
     def from_meta(cls, m: ModelMeta) -> Gating:
         return cls(
-            m.expert_used_count, m.expert_gating, m.expert_weights_norm, m.expert_weights_scale,
-            m.expert_group_count, m.expert_group_used_count, arch_spec(m.arch).choose_logits,
-        )  # fmt: skip
+            m.expert_used_count,
+            m.expert_gating,
+            m.expert_weights_norm,
+            m.expert_weights_scale,
+            m.expert_group_count,
+            m.expert_group_used_count,
+            arch_spec(m.arch).choose_logits,
+        )
 
 
 # llama.cpp clamps the sum of the chosen weights to the smallest normal f16 before dividing

@@ -169,8 +169,10 @@ def _rope_sections(reader: GGUFReader, a: str, spec: ArchSpec) -> dict[str, Any]
     raw = gio.field(reader, f"{a}.rope.dimension_sections")
     sections = tuple(int(v) for v in raw) if isinstance(raw, list) else ()
     if len(sections) < 4 or min(sections[:4]) < 0 or sum(sections[:3]) <= 0:
-        raise ModelError(f"{a}.rope.dimension_sections = {raw!r} is not four section sizes "
-                         "with a positive t, h or w")  # fmt: skip
+        raise ModelError(
+            f"{a}.rope.dimension_sections = {raw!r} is not four section sizes "
+            "with a positive t, h or w"
+        )
     return {"rope_sections": sections[:4]}
 
 
@@ -356,8 +358,14 @@ def _layer_experts(
     """Full-tensor ranges of one layer's gate/up/down expert stacks (and their biases where
     the arch has them), shape-checked."""
     e, f, h = meta.expert_count, meta.expert_feed_forward_length, meta.embedding_length
-    want = {"gate": (e, f, h), "up": (e, f, h), "down": (e, h, f),
-            "gate_b": (e, f), "up_b": (e, f), "down_b": (e, h)}  # fmt: skip
+    want = {
+        "gate": (e, f, h),
+        "up": (e, f, h),
+        "down": (e, h, f),
+        "gate_b": (e, f),
+        "up_b": (e, f),
+        "down_b": (e, h),
+    }
     out: dict[str, TensorRange] = {}
     for kind in STACKED_KINDS if spec.expert_bias else EXPERT_KINDS:
         base, part = kind.removesuffix("_b"), "bias" if kind.endswith("_b") else "weight"

@@ -39,8 +39,10 @@ def layer_pattern(
     given = gio.field(reader, key, None, required=False)
     if isinstance(given, list):  # one flag per layer, as llama.cpp also reads it
         if len(given) != blocks or not all(isinstance(b, bool | int) for b in given):
-            raise ModelError(f"{key} is an array of {len(given)} items; a per-layer pattern "
-                             f"needs one flag for each of the {blocks} layers")  # fmt: skip
+            raise ModelError(
+                f"{key} is an array of {len(given)} items; a per-layer pattern "
+                f"needs one flag for each of the {blocks} layers"
+            )
         return 0, tuple(bool(b) for b in given)
     pattern = gio.int_field(reader, key, default)
     if pattern < 0:

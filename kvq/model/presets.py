@@ -85,34 +85,65 @@ class PlannedTensor:
 
 PRESETS: dict[str, Preset] = {
     "small": Preset(
-        "small", TinyConfig(8, 32, 4, 1024, 512, 8, 4, 128, vocab=32000),
-        context=4096, rope_base=10000.0, rms_eps=1e-6,
+        "small",
+        TinyConfig(8, 32, 4, 1024, 512, 8, 4, 128, vocab=32000),
+        context=4096,
+        rope_base=10000.0,
+        rms_eps=1e-6,
     ),
     "olmoe-1b-7b": Preset(
-        "olmoe-1b-7b", TinyConfig(16, 64, 8, 2048, 1024, 16, 16, 128, vocab=50304),
-        context=4096, rope_base=10000.0, rms_eps=1e-5,
+        "olmoe-1b-7b",
+        TinyConfig(16, 64, 8, 2048, 1024, 16, 16, 128, vocab=50304),
+        context=4096,
+        rope_base=10000.0,
+        rms_eps=1e-5,
     ),
     "deepseek-v2-lite": Preset(
         "deepseek-v2-lite",
         TinyConfig(
-            27, 64, 6, 2048, 1408, 16, 16, 192, vocab=102400, dense_layers=1, dense_ffn=10944,
-            shared_count=2, rope_dim=64, kv_lora_rank=512, v_head_dim=128, gating="softmax",
-            weights_norm=False, weights_scale=1.0,
+            27,
+            64,
+            6,
+            2048,
+            1408,
+            16,
+            16,
+            192,
+            vocab=102400,
+            dense_layers=1,
+            dense_ffn=10944,
+            shared_count=2,
+            rope_dim=64,
+            kv_lora_rank=512,
+            v_head_dim=128,
+            gating="softmax",
+            weights_norm=False,
+            weights_scale=1.0,
         ),
-        context=32768, rope_base=10000.0, rms_eps=1e-6, arch="deepseek2",
+        context=32768,
+        rope_base=10000.0,
+        rms_eps=1e-6,
+        arch="deepseek2",
         yarn=(40.0, 4096, 0.0707),
     ),
     "qwen3-30b-a3b": Preset(
-        "qwen3-30b-a3b", TinyConfig(48, 128, 8, 2048, 768, 32, 4, 128, vocab=151936),
-        context=40960, rope_base=1e6, rms_eps=1e-6,
+        "qwen3-30b-a3b",
+        TinyConfig(48, 128, 8, 2048, 768, 32, 4, 128, vocab=151936),
+        context=40960,
+        rope_base=1e6,
+        rms_eps=1e-6,
     ),
     "gpt-oss-20b": Preset(
         "gpt-oss-20b",
         TinyConfig(24, 32, 4, 2880, 2880, 64, 8, 64, vocab=201088, sliding_window=128),
-        context=131072, rope_base=150000.0, rms_eps=1e-5, arch="gpt-oss",
-        yarn=(32.0, 4096, 0.0), quant="mxfp4",
+        context=131072,
+        rope_base=150000.0,
+        rms_eps=1e-5,
+        arch="gpt-oss",
+        yarn=(32.0, 4096, 0.0),
+        quant="mxfp4",
     ),
-}  # fmt: skip
+}
 
 
 def preset_named(name: str) -> Preset:
@@ -149,8 +180,16 @@ def write_preset(path: str | Path, p: Preset, quant: str = "q4_k_m", seed: int =
     gen = _Weights(p.cfg, tensors, np.random.Generator(np.random.Philox(seed)))  # fast raw bits
     w = GGUFWriter(str(path), spec.name)
     try:
-        add_metadata(w, p.cfg, spec, f"kvq-{p.name}-random-s{seed}", quant=quant,
-                     context=p.context, rope_base=p.rope_base, rms_eps=p.rms_eps)  # fmt: skip
+        add_metadata(
+            w,
+            p.cfg,
+            spec,
+            f"kvq-{p.name}-random-s{seed}",
+            quant=quant,
+            context=p.context,
+            rope_base=p.rope_base,
+            rms_eps=p.rms_eps,
+        )
         if p.yarn is not None:
             factor, original, log_mul = p.yarn
             w.add_rope_scaling_type(RopeScalingType.YARN)

@@ -170,7 +170,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         LLAMA3,
         ignore_merges=True,
         add_bos=True,
-    ),  # fmt: skip
+    ),
     **_all("dbrx smaug-bpe chatglm-bpe", LLAMA3),
     **_all("glm4 glm5", LLAMA3, ignore_merges=True),
     **_all("minicpm5", MINICPM5, ignore_merges=True),

@@ -39,9 +39,19 @@ F32 = npt.NDArray[np.float32]
 
 # every type kvq reads and writes; dequantization of each is tested against its encoder
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
     Q.MXFP4,
-)  # fmt: skip
+)
 # the types a whole file may be quantized to (MXFP4 only comes as the mix `mxfp4`)
 QUANT_NAMES: dict[str, GGMLQuantizationType] = {
     t.name.lower(): t for t in SUPPORTED_TYPES if t != Q.MXFP4
@@ -236,8 +246,16 @@ _K_ENCODERS = {Q.Q4_K: _encode_q4_k, Q.Q5_K: _encode_q5_k, Q.Q6_K: _encode_q6_k}
 
 _POOL = 4096  # distinct K-quant sub-block scale patterns per tensor (packing each is slow)
 # rms of one block's values per unit of its f16 scale d, for the quant layouts below
-_RMS = {Q.Q8_0: 73.9, Q.Q4_0: 4.637, Q.Q4_1: 4.610, Q.Q5_0: 9.247, Q.Q5_1: 9.233,
-        Q.Q4_K: 41.86 * 4.610, Q.Q5_K: 41.86 * 9.233, Q.Q6_K: 41.86 * 18.48}  # fmt: skip
+_RMS = {
+    Q.Q8_0: 73.9,
+    Q.Q4_0: 4.637,
+    Q.Q4_1: 4.610,
+    Q.Q5_0: 9.247,
+    Q.Q5_1: 9.233,
+    Q.Q4_K: 41.86 * 4.610,
+    Q.Q5_K: 41.86 * 9.233,
+    Q.Q6_K: 41.86 * 18.48,
+}
 
 
 _MXFP4_RMS = float(np.sqrt(np.mean(np.square([0, 1, 2, 3, 4, 6, 8, 12]) / 4.0)))  # per 2^(e-127)

@@ -69,15 +69,16 @@ def plan_stages(meta: ModelMeta, path: str | Path, stage_layers: int) -> list[Sl
                 int(t.n_bytes),
                 int(t.tensor_type),
                 gio.numpy_shape(t),
-            )  # fmt: skip
+            )
         )
     out = []
     with open(path, "rb") as f:
         for bounds in stage_grid(meta.block_count, meta.expert_count, stage_layers):
             ranges = [header] + [
-                r for layer in (-1, *range(bounds.layer_start, bounds.layer_end))
+                r
+                for layer in (-1, *range(bounds.layer_start, bounds.layer_end))
                 for r in sorted(blocks.get(layer, []), key=lambda r: r.offset)
-            ]  # fmt: skip
+            ]
             sums = []
             for r in ranges:
                 f.seek(r.offset)
@@ -87,10 +88,15 @@ def plan_stages(meta: ModelMeta, path: str | Path, stage_layers: int) -> list[Sl
 
 
 def plan_model(
-    model: str, path: str | Path, slice_layers: int, slice_experts: int,
-    source: str | None = None, request_shards: int = 1, grain: str = "expert",
+    model: str,
+    path: str | Path,
+    slice_layers: int,
+    slice_experts: int,
+    source: str | None = None,
+    request_shards: int = 1,
+    grain: str = "expert",
     stage_layers: int = 4,
-) -> ModelInfo:  # fmt: skip
+) -> ModelInfo:
     """Read `path`'s layout and cut it into slices of `grain` (expert: `slice_layers` x
     `slice_experts`; stage: spans of `stage_layers`); `source` defaults to the resolved
     path."""
@@ -132,14 +138,20 @@ def check_backbone_file(info: ModelInfo, path: str | Path, source: BackboneSourc
     )
     fix = "split the registered file (kvq model split FILE --backbone OUT), or register its source"
     if source.size != info.meta.file_size:
-        raise ModelMismatch(f"{what}: its source had {source.size} bytes, registered "
-                            f"{info.meta.file_size}; {fix}")  # fmt: skip
+        raise ModelMismatch(
+            f"{what}: its source had {source.size} bytes, registered {info.meta.file_size}; {fix}"
+        )
     if info.header_sha256 and source.header_sha256 != info.header_sha256:
-        raise ModelMismatch(f"{what}: source metadata sha256 {source.header_sha256[:16]}..., "
-                            f"registered {info.header_sha256[:16]}...; {fix}")  # fmt: skip
+        raise ModelMismatch(
+            f"{what}: source metadata sha256 {source.header_sha256[:16]}..., "
+            f"registered {info.header_sha256[:16]}...; {fix}"
+        )
     if not info.header_sha256:
-        log.warning("model %s was registered without a metadata hash; only the size of the "
-                    "backbone file's source is checked", info.model)  # fmt: skip
+        log.warning(
+            "model %s was registered without a metadata hash; only the size of the "
+            "backbone file's source is checked",
+            info.model,
+        )
 
 
 def check_model_file(info: ModelInfo, path: str | Path) -> None:
@@ -153,11 +165,15 @@ def check_model_file(info: ModelInfo, path: str | Path) -> None:
     if size != info.meta.file_size:
         raise ModelMismatch(f"{what}: {size} bytes, registered {info.meta.file_size}; {fix}")
     if not info.header_sha256:
-        log.warning("model %s was registered without a metadata hash; only its size and expert "
-                    "checksums are checked", info.model)  # fmt: skip
+        log.warning(
+            "model %s was registered without a metadata hash; only its size and expert "
+            "checksums are checked",
+            info.model,
+        )
     elif (got := header_sha256(path)) != info.header_sha256:
-        raise ModelMismatch(f"{what}: metadata sha256 {got[:16]}..., registered "
-                            f"{info.header_sha256[:16]}...; {fix}")  # fmt: skip
+        raise ModelMismatch(
+            f"{what}: metadata sha256 {got[:16]}..., registered {info.header_sha256[:16]}...; {fix}"
+        )
     first = min(info.slices.values(), key=lambda s: (s.layer_start, s.expert_start), default=None)
     if first is None or not first.ranges:
         return
@@ -166,5 +182,7 @@ def check_model_file(info: ModelInfo, path: str | Path) -> None:
         f.seek(r.offset)
         got = hashlib.sha256(f.read(r.nbytes)).hexdigest()
     if got != want:  # same layout, other weights (another seed, another fine-tune)
-        raise ModelMismatch(f"{what}: expert bytes of {r.name} at offset {r.offset} differ "
-                            f"(sha256 {got[:16]}..., registered {want[:16]}...); {fix}")  # fmt: skip
+        raise ModelMismatch(
+            f"{what}: expert bytes of {r.name} at offset {r.offset} differ "
+            f"(sha256 {got[:16]}..., registered {want[:16]}...); {fix}"
+        )

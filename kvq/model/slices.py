@@ -80,18 +80,26 @@ class ExpertSlice:
 
     def bias(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Expert `e`'s (local index) gate, up and down biases, or None without biases."""
-        return None if self.biases is None else (
-            self.biases[0][e], self.biases[1][e], self.biases[2][e]
-        )  # fmt: skip
+        return (
+            None
+            if self.biases is None
+            else (self.biases[0][e], self.biases[1][e], self.biases[2][e])
+        )
 
     def dense_copy(self, dtype: torch.dtype | None = None) -> ExpertSlice:
         """The same experts dequantized into dense tensors (references and tests)."""
         dt = dtype or self.compute_dtype
         g, u, d = (t.dense(dt) if isinstance(t, QStack) else t.to(dtype=dt) for t in self.stacks)
         return ExpertSlice(
-            self.layer, self.expert_start, self.expert_end, g, u, d, biases=self.biases,
+            self.layer,
+            self.expert_start,
+            self.expert_end,
+            g,
+            u,
+            d,
+            biases=self.biases,
             act=self.act,
-        )  # fmt: skip
+        )
 
     def nbytes(self) -> int:
         """Bytes the slice holds as it is (encoded or dense)."""
@@ -107,9 +115,16 @@ class ExpertSlice:
         )
         biases = None if self.biases is None else _biases_on(self.biases, device)
         return ExpertSlice(
-            self.layer, self.expert_start, self.expert_end, g, u, d,
-            (dtype or self.dtype) if self.quantized else None, biases, self.act,
-        )  # fmt: skip
+            self.layer,
+            self.expert_start,
+            self.expert_end,
+            g,
+            u,
+            d,
+            (dtype or self.dtype) if self.quantized else None,
+            biases,
+            self.act,
+        )
 
 
 def _biases_on(b: Biases, device: str | torch.device) -> Biases:
@@ -155,9 +170,14 @@ def decode_slice(
 
 
 def map_slice(
-    path: str | Path, layout: list[TensorRange], layer: int, expert_start: int,
-    expert_end: int, dtype: torch.dtype = torch.float32, act: str = ACT_SILU,
-) -> ExpertSlice:  # fmt: skip
+    path: str | Path,
+    layout: list[TensorRange],
+    layer: int,
+    expert_start: int,
+    expert_end: int,
+    dtype: torch.dtype = torch.float32,
+    act: str = ACT_SILU,
+) -> ExpertSlice:
     """A quantized slice whose bytes alias a memory map of `path`: no byte is read until an
     expert is computed, and then only into the page cache (biases are read at once)."""
     n = _check_range(expert_start, expert_end)
@@ -196,9 +216,14 @@ def _stack_shape(rng: TensorRange, n: int) -> tuple[int, int, int]:
 
 
 def _assemble(
-    stacks: dict[str, QStack], biases: dict[str, torch.Tensor], layer: int, expert_start: int,
-    expert_end: int, dtype: torch.dtype, act: str,
-) -> ExpertSlice:  # fmt: skip
+    stacks: dict[str, QStack],
+    biases: dict[str, torch.Tensor],
+    layer: int,
+    expert_start: int,
+    expert_end: int,
+    dtype: torch.dtype,
+    act: str,
+) -> ExpertSlice:
     missing = [k for k in EXPERT_KINDS if k not in stacks]
     if biases:
         missing += [k for k in BIAS_KINDS if k not in biases]
@@ -206,9 +231,16 @@ def _assemble(
         raise ModelError(f"slice layout lacks the {missing} tensors; use slice_layout()")
     b = (biases["gate_b"], biases["up_b"], biases["down_b"]) if biases else None
     return ExpertSlice(
-        layer, expert_start, expert_end, stacks["gate"], stacks["up"], stacks["down"], dtype,
-        b, act,
-    )  # fmt: skip
+        layer,
+        expert_start,
+        expert_end,
+        stacks["gate"],
+        stacks["up"],
+        stacks["down"],
+        dtype,
+        b,
+        act,
+    )
 
 
 def read_slice_file(path: str | Path | BinaryIO, layout: list[TensorRange]) -> list[bytes]:

@@ -103,9 +103,14 @@ def write_backbone(src: str | Path, out: str | Path) -> SplitReport:
     w.write_tensors_to_file()
     w.close()
     return SplitReport(
-        str(out), tuple(t.name for t in kept), tuple(t.name for t in dropped), meta.file_size,
-        Path(out).stat().st_size, sum(int(t.n_bytes) for t in dropped), source,
-    )  # fmt: skip
+        str(out),
+        tuple(t.name for t in kept),
+        tuple(t.name for t in dropped),
+        meta.file_size,
+        Path(out).stat().st_size,
+        sum(int(t.n_bytes) for t in dropped),
+        source,
+    )
 
 
 def _copy_metadata(reader: GGUFReader, w: GGUFWriter) -> None:
@@ -138,6 +143,7 @@ def backbone_source(path: str | Path) -> BackboneSource | None:
     if gio.str_field(reader, ROUTED_EXPERTS_KEY, "") != ROUTED_EXPERTS_ABSENT:
         return None
     return BackboneSource(
-        gio.int_field(reader, SOURCE_SIZE_KEY), gio.str_field(reader, SOURCE_HEADER_KEY),
+        gio.int_field(reader, SOURCE_SIZE_KEY),
+        gio.str_field(reader, SOURCE_HEADER_KEY),
         gio.str_field(reader, SOURCE_SHA_KEY),
-    )  # fmt: skip
+    )

@@ -39,14 +39,20 @@ RMS_EPS = 1e-6
 TOKENIZERS = ("bytes", "bpe")
 # general.file_type as llama-quantize sets it; a lone K-quant is its "small" (_S) file type
 FILE_TYPES = {
-    "f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-    "bf16": LlamaFileType.MOSTLY_BF16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1,
-    "q5_0": LlamaFileType.MOSTLY_Q5_0, "q5_1": LlamaFileType.MOSTLY_Q5_1,
-    "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q5_k": LlamaFileType.MOSTLY_Q5_K_S,
-    "q6_k": LlamaFileType.MOSTLY_Q6_K, "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "bf16": LlamaFileType.MOSTLY_BF16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "q5_1": LlamaFileType.MOSTLY_Q5_1,
+    "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
+    "q5_k": LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": LlamaFileType.MOSTLY_Q6_K,
+    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
     "mxfp4": LlamaFileType.MOSTLY_MXFP4_MOE,
-}  # fmt: skip
+}
 TokenizerArg = str | Callable[[GGUFWriter], object]
 # `tokenizer.chat_template` of the built-in tokenizers: not ChatML, so that a test can tell the
 # file's template from the fallback; it refuses unknown roles as real templates do
@@ -92,9 +98,16 @@ def make_tiny(
     the context / factor). `tokenizer`: bytes (kvq only) | bpe (llama.cpp loads it too).
     """
     cfg = TinyConfig(
-        layers, experts, experts_used, hidden, expert_ffn, heads, kv_heads, head_dim,
+        layers,
+        experts,
+        experts_used,
+        hidden,
+        expert_ffn,
+        heads,
+        kv_heads,
+        head_dim,
         shared_expert_ffn,
-    )  # fmt: skip
+    )
     cfg = family_parts(cfg, arch, variant)
     rope = (rope_scaling, rope_scaling_factor)
     write_tiny(path, cfg, arch=arch, quant=quant, seed=seed, rope=rope, tokenizer=tokenizer)
@@ -138,9 +151,16 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         return _deepseek2_parts(cfg, variant, half)
     if arch == "glm4moe":
         return replace(
-            cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
-            gating="sigmoid", probs_bias=True, weights_norm=True, head_norms=True, nextn=1,
-        )  # fmt: skip
+            cfg,
+            dense_layers=min(1, cfg.layers - 1),
+            shared_count=1,
+            rope_dim=half,
+            gating="sigmoid",
+            probs_bias=True,
+            weights_norm=True,
+            head_norms=True,
+            nextn=1,
+        )
     if arch == "olmoe":
         return replace(cfg, kv_heads=cfg.heads)
     if arch == "gpt-oss":
@@ -149,9 +169,14 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
         return _qwen35moe_parts(cfg, half)
     if arch == "llama4":
         return replace(
-            cfg, layers=max(4, cfg.layers), moe_step=2, shared_count=1, experts_used=1,
-            context=16384, rope_factors=True,
-        )  # fmt: skip
+            cfg,
+            layers=max(4, cfg.layers),
+            moe_step=2,
+            shared_count=1,
+            experts_used=1,
+            context=16384,
+            rope_factors=True,
+        )
     return cfg
 
 
@@ -160,23 +185,36 @@ def _deepseek2_parts(cfg: TinyConfig, variant: str, half: int) -> TinyConfig:
     lite = variant == "v2-lite"
     groups = 1 if lite or cfg.experts % 2 else 2
     return replace(
-        cfg, dense_layers=min(1, cfg.layers - 1), shared_count=1, rope_dim=half,
-        q_lora_rank=0 if lite else max(2, cfg.hidden // 2), kv_lora_rank=max(2, cfg.hidden // 2),
-        v_head_dim=cfg.head_dim, mla_split=variant != "kv-b",
-        gating="softmax" if lite else "sigmoid", probs_bias=not lite,
-        expert_groups=groups, groups_used=1, weights_norm=not lite,
+        cfg,
+        dense_layers=min(1, cfg.layers - 1),
+        shared_count=1,
+        rope_dim=half,
+        q_lora_rank=0 if lite else max(2, cfg.hidden // 2),
+        kv_lora_rank=max(2, cfg.hidden // 2),
+        v_head_dim=cfg.head_dim,
+        mla_split=variant != "kv-b",
+        gating="softmax" if lite else "sigmoid",
+        probs_bias=not lite,
+        expert_groups=groups,
+        groups_used=1,
+        weights_norm=not lite,
         weights_scale=1.0 if lite else 2.5,
-    )  # fmt: skip
+    )
 
 
 def _qwen35moe_parts(cfg: TinyConfig, half: int) -> TinyConfig:
     """qwen35moe's parts (see `family_parts`); `half`: the rope part's width."""
     k_heads = max(1, cfg.kv_heads)
     return replace(
-        cfg, rope_dim=half, full_attention_interval=2, ssm_k_heads=k_heads,
-        ssm_v_heads=2 * k_heads, ssm_state=cfg.head_dim, ssm_conv=4,
+        cfg,
+        rope_dim=half,
+        full_attention_interval=2,
+        ssm_k_heads=k_heads,
+        ssm_v_heads=2 * k_heads,
+        ssm_state=cfg.head_dim,
+        ssm_conv=4,
         rope_sections=(1, 1, 1, 1),
-    )  # fmt: skip
+    )
 
 
 def write_tiny(
@@ -254,9 +292,16 @@ def _add_rope_scaling(w: GGUFWriter, kind: str, factor: float) -> None:
 
 
 def add_metadata(
-    w: GGUFWriter, cfg: TinyConfig, spec: ArchSpec, name: str, *, quant: str = "f32",
-    context: int = CONTEXT_LENGTH, rope_base: float = ROPE_FREQ_BASE, rms_eps: float = RMS_EPS,
-) -> None:  # fmt: skip
+    w: GGUFWriter,
+    cfg: TinyConfig,
+    spec: ArchSpec,
+    name: str,
+    *,
+    quant: str = "f32",
+    context: int = CONTEXT_LENGTH,
+    rope_base: float = ROPE_FREQ_BASE,
+    rms_eps: float = RMS_EPS,
+) -> None:
     """Hyper-parameters under the keys llama.cpp's converter writes for `spec`'s arch."""
     w.add_name(name)
     w.add_file_type(int(FILE_TYPES[quant]))

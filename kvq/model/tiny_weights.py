@@ -120,9 +120,16 @@ class TinyConfig:
     def check(self) -> None:
         """ModelError naming the first inconsistent dimension."""
         for name in (
-            "layers", "experts", "experts_used", "hidden", "expert_ffn", "heads", "kv_heads",
-            "head_dim", "vocab",
-        ):  # fmt: skip
+            "layers",
+            "experts",
+            "experts_used",
+            "hidden",
+            "expert_ffn",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "vocab",
+        ):
             if getattr(self, name) < 1:
                 raise ModelError(f"make_tiny {name}={getattr(self, name)} must be >= 1")
         if self.experts_used > self.experts:
@@ -276,8 +283,14 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         out.update(_mla_shapes(cfg, p))
     else:
         q_rows = 2 * q if spec.gated_q else q  # qwen35moe: per head q, then the output gate
-        out.update({p + "attn_q.weight": (q_rows, h), p + "attn_k.weight": (kv, h),
-                    p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q)})  # fmt: skip
+        out.update(
+            {
+                p + "attn_q.weight": (q_rows, h),
+                p + "attn_k.weight": (kv, h),
+                p + "attn_v.weight": (kv, h),
+                p + "attn_output.weight": (h, q),
+            }
+        )
         if spec.qk_norm == QK_FULL:
             out.update({p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)})
         elif spec.qk_norm == QK_HEAD or cfg.head_norms:
@@ -289,11 +302,22 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         out[p + "attn_sinks.weight"] = (cfg.heads,)
     if not cfg.is_moe(layer):
         fd = cfg.dense_width
-        out.update({p + "ffn_gate.weight": (fd, h), p + "ffn_up.weight": (fd, h),
-                    p + "ffn_down.weight": (h, fd)})  # fmt: skip
+        out.update(
+            {
+                p + "ffn_gate.weight": (fd, h),
+                p + "ffn_up.weight": (fd, h),
+                p + "ffn_down.weight": (h, fd),
+            }
+        )
     else:
-        out.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, f, h),
-                    p + "ffn_up_exps.weight": (e, f, h), p + "ffn_down_exps.weight": (e, h, f)})  # fmt: skip
+        out.update(
+            {
+                p + "ffn_gate_inp.weight": (e, h),
+                p + "ffn_gate_exps.weight": (e, f, h),
+                p + "ffn_up_exps.weight": (e, f, h),
+                p + "ffn_down_exps.weight": (e, h, f),
+            }
+        )
     if spec.qkv_bias:
         out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
     if cfg.is_moe(layer):
@@ -301,18 +325,34 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
         if spec.shared == SHARED_GATED:
             out[p + "ffn_gate_inp_shexp.weight"] = (h,)
         if spec.shared != SHARED_NONE:
-            out.update({p + "ffn_gate_shexp.weight": (fs, h), p + "ffn_up_shexp.weight": (fs, h),
-                        p + "ffn_down_shexp.weight": (h, fs)})  # fmt: skip
+            out.update(
+                {
+                    p + "ffn_gate_shexp.weight": (fs, h),
+                    p + "ffn_up_shexp.weight": (fs, h),
+                    p + "ffn_down_shexp.weight": (h, fs),
+                }
+            )
         if cfg.probs_bias:
             out[p + "exp_probs_b.bias"] = (e,)
         if spec.router_bias:
             out[p + "ffn_gate_inp.bias"] = (e,)
         if spec.expert_bias:
-            out.update({p + "ffn_gate_exps.bias": (e, f), p + "ffn_up_exps.bias": (e, f),
-                        p + "ffn_down_exps.bias": (e, h)})  # fmt: skip
+            out.update(
+                {
+                    p + "ffn_gate_exps.bias": (e, f),
+                    p + "ffn_up_exps.bias": (e, f),
+                    p + "ffn_down_exps.bias": (e, h),
+                }
+            )
     if layer >= cfg.layers:  # an MTP block: its own projections and norms
-        out.update({p + "nextn.eh_proj.weight": (h, 2 * h), p + "nextn.enorm.weight": (h,),
-                    p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)})  # fmt: skip
+        out.update(
+            {
+                p + "nextn.eh_proj.weight": (h, 2 * h),
+                p + "nextn.enorm.weight": (h,),
+                p + "nextn.hnorm.weight": (h,),
+                p + "nextn.shared_head_norm.weight": (h,),
+            }
+        )
     return out
 
 
@@ -321,11 +361,16 @@ def _delta_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:
     h, c, hv = cfg.hidden, cfg.ssm_channels, cfg.ssm_v_heads
     vd = hv * cfg.ssm_state
     return {
-        p + "attn_qkv.weight": (c, h), p + "attn_gate.weight": (vd, h),
-        p + "ssm_conv1d.weight": (c, cfg.ssm_conv), p + "ssm_dt.bias": (hv,), p + "ssm_a": (hv,),
-        p + "ssm_beta.weight": (hv, h), p + "ssm_alpha.weight": (hv, h),
-        p + "ssm_norm.weight": (cfg.ssm_state,), p + "ssm_out.weight": (h, vd),
-    }  # fmt: skip
+        p + "attn_qkv.weight": (c, h),
+        p + "attn_gate.weight": (vd, h),
+        p + "ssm_conv1d.weight": (c, cfg.ssm_conv),
+        p + "ssm_dt.bias": (hv,),
+        p + "ssm_a": (hv,),
+        p + "ssm_beta.weight": (hv, h),
+        p + "ssm_alpha.weight": (hv, h),
+        p + "ssm_norm.weight": (cfg.ssm_state,),
+        p + "ssm_out.weight": (h, vd),
+    }
 
 
 def _mla_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -333,13 +378,18 @@ def _mla_shapes(cfg: TinyConfig, p: str) -> dict[str, tuple[int, ...]]:
     nope, v = dk - cfg.rope_dims, cfg.value_dim
     out: dict[str, tuple[int, ...]] = {}
     if cfg.q_lora_rank:
-        out.update({p + "attn_q_a.weight": (cfg.q_lora_rank, h),
-                    p + "attn_q_a_norm.weight": (cfg.q_lora_rank,),
-                    p + "attn_q_b.weight": (heads * dk, cfg.q_lora_rank)})  # fmt: skip
+        out.update(
+            {
+                p + "attn_q_a.weight": (cfg.q_lora_rank, h),
+                p + "attn_q_a_norm.weight": (cfg.q_lora_rank,),
+                p + "attn_q_b.weight": (heads * dk, cfg.q_lora_rank),
+            }
+        )
     else:
         out[p + "attn_q.weight"] = (heads * dk, h)
-    out.update({p + "attn_kv_a_mqa.weight": (r + cfg.rope_dims, h),
-                p + "attn_kv_a_norm.weight": (r,)})  # fmt: skip
+    out.update(
+        {p + "attn_kv_a_mqa.weight": (r + cfg.rope_dims, h), p + "attn_kv_a_norm.weight": (r,)}
+    )
     if cfg.mla_split:
         out.update({p + "attn_k_b.weight": (heads, r, nope), p + "attn_v_b.weight": (heads, v, r)})
     else:

@@ -30,12 +30,21 @@ def _max_by(s: Sample, metric: str, by: tuple[str, ...], **want: str) -> dict[La
     return out
 
 
-def _gauge_rule(name: str, metric: str, by: tuple[str, ...], test: Callable[[float], bool],
-                what: str, **want: str) -> Callable[[list[Sample]], Fired]:  # fmt: skip
+def _gauge_rule(
+    name: str,
+    metric: str,
+    by: tuple[str, ...],
+    test: Callable[[float], bool],
+    what: str,
+    **want: str,
+) -> Callable[[list[Sample]], Fired]:
     def rule(samples: list[Sample]) -> Fired:
         got = _max_by(samples[-1], metric, by, **want)
-        return [_over(name, v, dict(k), f"{' '.join(x for _, x in k)}: {what} {v:g}")
-                for k, v in got.items() if test(v)]  # fmt: skip
+        return [
+            _over(name, v, dict(k), f"{' '.join(x for _, x in k)}: {what} {v:g}")
+            for k, v in got.items()
+            if test(v)
+        ]
 
     return rule
 
@@ -44,21 +53,29 @@ def _slice_without_worker(samples: list[Sample]) -> Fired:
     s = samples[-1]
     target = {(lb["model"], lb["slice"]): v for lb, v in pick(s.series, "kvq_slice_target")}
     return [
-        _over("KvqSliceWithoutLiveWorker", 0, {"model": lb["model"], "slice": lb["slice"]},
-              f"{lb['model']}: slice {lb['slice']} is wanted and no live worker serves it")
+        _over(
+            "KvqSliceWithoutLiveWorker",
+            0,
+            {"model": lb["model"], "slice": lb["slice"]},
+            f"{lb['model']}: slice {lb['slice']} is wanted and no live worker serves it",
+        )
         for lb, v in pick(s.series, "kvq_slice_live_workers")
         if v == 0 and target.get((lb["model"], lb["slice"]), 0) > 0
-    ]  # fmt: skip
+    ]
 
 
 def _dead_letters(samples: list[Sample]) -> Fired:
     grew = sum(increase(since(samples, 600.0), "kvq_deadletter_added_total").values())
-    return [_over("KvqDeadLetters", grew, {}, f"{grew:g} dead letters in the last 10 minutes")
-            ] if grew > 0 else []  # fmt: skip
+    return (
+        [_over("KvqDeadLetters", grew, {}, f"{grew:g} dead letters in the last 10 minutes")]
+        if grew > 0
+        else []
+    )
 
 
-def _ratio(name: str, top: str, bottom: str, limit: float, what: str,
-           **top_want: str) -> Callable[[list[Sample]], Fired]:  # fmt: skip
+def _ratio(
+    name: str, top: str, bottom: str, limit: float, what: str, **top_want: str
+) -> Callable[[list[Sample]], Fired]:
     def rule(samples: list[Sample]) -> Fired:
         pair = since(samples, 300.0)
         num: dict[str, float] = {}
@@ -70,9 +87,11 @@ def _ratio(name: str, top: str, bottom: str, limit: float, what: str,
         for lb, v in increase(pair, bottom).items():
             m = dict(lb).get("model", "")
             den[m] = den.get(m, 0) + v
-        return [_over(name, num.get(m, 0) / d, {"model": m},
-                      f"{m}: {num.get(m, 0) / d:.0%} of {what}")
-                for m, d in den.items() if d > 0 and num.get(m, 0) / d > limit]  # fmt: skip
+        return [
+            _over(name, num.get(m, 0) / d, {"model": m}, f"{m}: {num.get(m, 0) / d:.0%} of {what}")
+            for m, d in den.items()
+            if d > 0 and num.get(m, 0) / d > limit
+        ]
 
     return rule
 
@@ -122,31 +141,75 @@ def _absent(samples: list[Sample]) -> Fired:
 
 
 RULES: dict[str, Callable[[list[Sample]], Fired]] = {
-    "KvqRequestBacklog": _gauge_rule("KvqRequestBacklog", "kvq_group_lag", ("model",),
-                                     lambda v: v > 50, "requests unread", stream="requests"),
+    "KvqRequestBacklog": _gauge_rule(
+        "KvqRequestBacklog",
+        "kvq_group_lag",
+        ("model",),
+        lambda v: v > 50,
+        "requests unread",
+        stream="requests",
+    ),
     "KvqRequestsWaiting": _gauge_rule(
-        "KvqRequestsWaiting", "kvq_group_oldest_unread_age_seconds", ("model",),
-        lambda v: v > 60, "oldest unread request (s)", stream="requests"),
-    "KvqOrphanedRequests": _gauge_rule("KvqOrphanedRequests", "kvq_requests_orphaned",
-                                       ("model",), lambda v: v > 0, "orphaned requests"),
+        "KvqRequestsWaiting",
+        "kvq_group_oldest_unread_age_seconds",
+        ("model",),
+        lambda v: v > 60,
+        "oldest unread request (s)",
+        stream="requests",
+    ),
+    "KvqOrphanedRequests": _gauge_rule(
+        "KvqOrphanedRequests",
+        "kvq_requests_orphaned",
+        ("model",),
+        lambda v: v > 0,
+        "orphaned requests",
+    ),
     "KvqInboxStuck": _gauge_rule(
-        "KvqInboxStuck", "kvq_group_oldest_unread_age_seconds", ("model", "worker"),
-        lambda v: v > 10, "oldest unread job (s)", stream="inbox"),
+        "KvqInboxStuck",
+        "kvq_group_oldest_unread_age_seconds",
+        ("model", "worker"),
+        lambda v: v > 10,
+        "oldest unread job (s)",
+        stream="inbox",
+    ),
     "KvqDeadLetters": _dead_letters,
-    "KvqNoLiveCoordinator": _gauge_rule("KvqNoLiveCoordinator", "kvq_coordinators_alive",
-                                        ("model",), lambda v: v == 0, "live coordinators"),
+    "KvqNoLiveCoordinator": _gauge_rule(
+        "KvqNoLiveCoordinator",
+        "kvq_coordinators_alive",
+        ("model",),
+        lambda v: v == 0,
+        "live coordinators",
+    ),
     "KvqSliceWithoutLiveWorker": _slice_without_worker,
-    "KvqJobFallbacks": _ratio("KvqJobFallbacks", "kvq_jobs_total", "kvq_jobs_sent_total", 0.1,
-                              "remote jobs fall back to local compute", kind="fallback|error"),
-    "KvqRequestErrors": _ratio("KvqRequestErrors", "kvq_requests_total", "kvq_requests_total",
-                               0.05, "requests end in an error", finish="error"),
-    "KvqSlowFirstToken": _p95("KvqSlowFirstToken", "kvq_time_to_first_token_seconds", 5.0,
-                              "time to first token"),
+    "KvqJobFallbacks": _ratio(
+        "KvqJobFallbacks",
+        "kvq_jobs_total",
+        "kvq_jobs_sent_total",
+        0.1,
+        "remote jobs fall back to local compute",
+        kind="fallback|error",
+    ),
+    "KvqRequestErrors": _ratio(
+        "KvqRequestErrors",
+        "kvq_requests_total",
+        "kvq_requests_total",
+        0.05,
+        "requests end in an error",
+        finish="error",
+    ),
+    "KvqSlowFirstToken": _p95(
+        "KvqSlowFirstToken", "kvq_time_to_first_token_seconds", 5.0, "time to first token"
+    ),
     "KvqSlowTokens": _p95("KvqSlowTokens", "kvq_token_gap_seconds", 1.0, "gap between tokens"),
     "KvqMetricsAbsent": _absent,
-    "KvqRedisRefusesWrites": _gauge_rule("KvqRedisRefusesWrites", "kvq_redis_refusing_writes",
-                                         ("reason",), lambda v: v > 0, "redis refuses writes"),
-}  # fmt: skip
+    "KvqRedisRefusesWrites": _gauge_rule(
+        "KvqRedisRefusesWrites",
+        "kvq_redis_refusing_writes",
+        ("reason",),
+        lambda v: v > 0,
+        "redis refuses writes",
+    ),
+}
 
 
 def holding(samples: list[Sample]) -> Fired:

@@ -54,9 +54,16 @@ def _board() -> Board:
 
 # -- the jobs (module-level: RQ finds them by import path; arguments and results are JSON) ---
 def register_model(
-    model: str, path: str, source: str | None, slice_layers: int, slice_experts: int,
-    base_replicas: int, request_shards: int = 1, grain: str = "expert", stage_layers: int = 4,
-) -> dict[str, Any]:  # fmt: skip
+    model: str,
+    path: str,
+    source: str | None,
+    slice_layers: int,
+    slice_experts: int,
+    base_replicas: int,
+    request_shards: int = 1,
+    grain: str = "expert",
+    stage_layers: int = 4,
+) -> dict[str, Any]:
     """Plan `model`'s slices (checksumming each) and publish it on the board."""
     from kvq.model.registry import plan_model
 
@@ -111,11 +118,14 @@ class CoarseJobs:
         self.r = redis.Redis.from_url(url)
         self.name = name
         _refuse_cluster(self.r)
-        self.queue = Queue(queue_name(prefix), connection=self.r, serializer=JSONSerializer,
-                           default_timeout=JOB_TIMEOUT_S)  # fmt: skip
+        self.queue = Queue(
+            queue_name(prefix),
+            connection=self.r,
+            serializer=JSONSerializer,
+            default_timeout=JOB_TIMEOUT_S,
+        )
         # one worker's own queue: `close()` wakes its blocking dequeue through it
-        self._own = Queue(f"{self.queue.name}:{name}", connection=self.r,
-                          serializer=JSONSerializer)  # fmt: skip
+        self._own = Queue(f"{self.queue.name}:{name}", connection=self.r, serializer=JSONSerializer)
         self._worker: ThreadWorker | None = None
         self._thread: threading.Thread | None = None
 
@@ -123,8 +133,9 @@ class CoarseJobs:
         """Run jobs from the queue on a thread until `close()`."""
         global _context
         _context = _Context(board)
-        self._worker = ThreadWorker([self.queue, self._own], connection=self.r,
-                                    serializer=JSONSerializer, name=self.name)  # fmt: skip
+        self._worker = ThreadWorker(
+            [self.queue, self._own], connection=self.r, serializer=JSONSerializer, name=self.name
+        )
         self._thread = threading.Thread(target=self._work, name="rq-coarse", daemon=True)
         self._thread.start()
 

@@ -19,9 +19,11 @@ from kvq.bus.records import CoordStats
 
 _LABELS = ["model", "coordinator"]
 _JOB_KINDS = (  # kvq_jobs_total{kind}: how each slice job of a MoE layer was answered
-    ("local", "local_jobs"), ("remote", "remote_jobs"), ("fallback", "fallback_jobs"),
+    ("local", "local_jobs"),
+    ("remote", "remote_jobs"),
+    ("fallback", "fallback_jobs"),
     ("error", "remote_errors"),
-)  # fmt: skip
+)
 _HISTOGRAMS = (
     ("kvq_job_round_trip_seconds", "job_rtt_s", "remote expert job: sent -> result read"),
     ("kvq_time_to_first_token_seconds", "ttft_s", "request admitted -> first token written"),
@@ -55,9 +57,10 @@ class CoordMetrics:
             "kvq_jobs", "slice jobs by how they were answered", labels=[*_LABELS, "kind"]
         )
         self.requests = CounterMetricFamily(
-            "kvq_requests", "requests answered, by finish reason (eos, length, context) or "
-            "error", labels=[*_LABELS, "finish"],
-        )  # fmt: skip
+            "kvq_requests",
+            "requests answered, by finish reason (eos, length, context) or error",
+            labels=[*_LABELS, "finish"],
+        )
         self.counters = [
             (CounterMetricFamily(name, doc, labels=_LABELS), field)
             for name, field, doc in _COUNTERS

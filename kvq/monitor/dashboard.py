@@ -59,26 +59,40 @@ class Dashboard:
         now_ms = self.board.now_ms()
         barred = {w for w, q in self.board.quarantined(model).items() if q.active(now_ms)}
         cells = []
-        for sid, spec in sorted((info.slices if info else {}).items(),
-                                key=lambda kv: (kv[1].layer_start, kv[1].expert_start)):  # fmt: skip
+        for sid, spec in sorted(
+            (info.slices if info else {}).items(),
+            key=lambda kv: (kv[1].layer_start, kv[1].expert_start),
+        ):
             holders = [
-                {"worker": v.worker_id, "alive": v.alive, "ready": v.ready,
-                 "quarantined": v.worker_id in barred}
-                for v in views if v.slice_id == sid
-            ]  # fmt: skip
+                {
+                    "worker": v.worker_id,
+                    "alive": v.alive,
+                    "ready": v.ready,
+                    "quarantined": v.worker_id in barred,
+                }
+                for v in views
+                if v.slice_id == sid
+            ]
             live = sum(1 for h in holders if h["alive"] and h["ready"] and not h["quarantined"])
             d = demand.get(sid)
-            cells.append({
-                "slice": sid, "layers": [spec.layer_start, spec.layer_end],
-                "experts": [spec.expert_start, spec.expert_end], "live": live,
-                "target": d.target if d else 0, "holders": holders,
-                "quarantined": any(h["quarantined"] for h in holders),
-            })  # fmt: skip
+            cells.append(
+                {
+                    "slice": sid,
+                    "layers": [spec.layer_start, spec.layer_end],
+                    "experts": [spec.expert_start, spec.expert_end],
+                    "live": live,
+                    "target": d.target if d else 0,
+                    "holders": holders,
+                    "quarantined": any(h["quarantined"] for h in holders),
+                }
+            )
         meta = info.meta if info else None
         return {
-            "model": model, "cells": cells,
-            "layers": meta.block_count if meta else 0, "experts": meta.expert_count if meta else 0,
-        }  # fmt: skip
+            "model": model,
+            "cells": cells,
+            "layers": meta.block_count if meta else 0,
+            "experts": meta.expert_count if meta else 0,
+        }
 
     def _workers(self, models: list[str]) -> list[dict[str, Any]]:
         now_ms = self.board.now_ms()
@@ -86,11 +100,20 @@ class Dashboard:
         for m in models:
             trust = self.board.quarantined(m)
             for v in self.board.workers(m):
-                row = rows.setdefault(v.worker_id, {
-                    "worker": v.worker_id, "slices": [], "alive": v.alive, "trust": "trusted",
-                    "ms_per_row": v.ms_per_row, "queued_rows": v.queued_rows,
-                    "load": v.load, "device": v.device, "heartbeat_age_s": None,
-                })  # fmt: skip
+                row = rows.setdefault(
+                    v.worker_id,
+                    {
+                        "worker": v.worker_id,
+                        "slices": [],
+                        "alive": v.alive,
+                        "trust": "trusted",
+                        "ms_per_row": v.ms_per_row,
+                        "queued_rows": v.queued_rows,
+                        "load": v.load,
+                        "device": v.device,
+                        "heartbeat_age_s": None,
+                    },
+                )
                 row["slices"].append(f"{m}/{v.slice_id}")
                 q = trust.get(v.worker_id)
                 if q is not None and q.active(now_ms):
@@ -110,13 +133,19 @@ class Dashboard:
                 remote = stats.remote_rows if stats else 0
                 local = stats.local_rows if stats else 0
                 grew = sum(v for lb, v in tokens.items() if dict(lb).get("coordinator") == c.coord)
-                out.append({
-                    "coordinator": c.coord, "model": m, "alive": c.alive,
-                    "busy": c.state.busy if c.state else 0,
-                    "slots": c.state.total if c.state else 0,
-                    "tokens_per_s": round(grew / span, 2) if span > 0 else None,
-                    "remote_share": round(remote / (remote + local), 3) if remote + local else 0.0,
-                })  # fmt: skip
+                out.append(
+                    {
+                        "coordinator": c.coord,
+                        "model": m,
+                        "alive": c.alive,
+                        "busy": c.state.busy if c.state else 0,
+                        "slots": c.state.total if c.state else 0,
+                        "tokens_per_s": round(grew / span, 2) if span > 0 else None,
+                        "remote_share": round(remote / (remote + local), 3)
+                        if remote + local
+                        else 0.0,
+                    }
+                )
         return out
 
     def _deadletters(self, series: Series) -> dict[str, Any]:
@@ -125,7 +154,7 @@ class Dashboard:
         return {
             "length": int(total),
             "newest": [{k: v for k, v in d.describe().items() if k != "fields"} for d in newest],
-        }  # fmt: skip
+        }
 
 
 def _streams(samples: list[Sample]) -> list[dict[str, Any]]:
@@ -152,6 +181,7 @@ def _streams(samples: list[Sample]) -> list[dict[str, Any]]:
 def _sum_group(series: Series, name: str, lb: Labels) -> float | None:
     """The value of `name` for a stream's labels (groups of one stream summed)."""
     want = dict(lb)
-    got = [v for labels, v in pick(series, name)
-           if all(labels.get(k) == x for k, x in want.items())]  # fmt: skip
+    got = [
+        v for labels, v in pick(series, name) if all(labels.get(k) == x for k, x in want.items())
+    ]
     return sum(got) if got else None

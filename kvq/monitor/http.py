@@ -79,10 +79,15 @@ class Api:
         out = []
         for m in self.board.models():
             slices = [
-                {"slice": sid, "target": d.target, "coverage": d.coverage, "demand": d.demand,
-                 "recruiting": d.recruiting}
+                {
+                    "slice": sid,
+                    "target": d.target,
+                    "coverage": d.coverage,
+                    "demand": d.demand,
+                    "recruiting": d.recruiting,
+                }
                 for sid, d in self.board.slice_demand(m).items()
-            ]  # fmt: skip
+            ]
             recruiting = any(s["recruiting"] for s in slices)
             out.append({"model": m, "recruiting": recruiting, "slices": slices})
         return {"models": out}
@@ -116,9 +121,12 @@ class Api:
                 continue
             spec = info.slices[sid].to_dict()
             return {
-                "model": m, "slice": sid, "source": info.source,
-                "bytes": spec["bytes"], "ranges": spec["ranges"],
-            }  # fmt: skip
+                "model": m,
+                "slice": sid,
+                "source": info.source,
+                "bytes": spec["bytes"],
+                "ranges": spec["ranges"],
+            }
         return None
 
     def check_caller(self, worker: str, authorization: str | None) -> None:
@@ -127,8 +135,11 @@ class Api:
         if self.volunteer_mode == "open":
             return
         if self.volunteer_mode == "off":
-            raise HttpError(HTTPStatus.FORBIDDEN, "Forbidden",
-                            "volunteering over HTTP is off (KVQ_HTTP_VOLUNTEER=off)")  # fmt: skip
+            raise HttpError(
+                HTTPStatus.FORBIDDEN,
+                "Forbidden",
+                "volunteering over HTTP is off (KVQ_HTTP_VOLUNTEER=off)",
+            )
         scheme, _, token = (authorization or "").partition(" ")
         user = acl.user_name(self.board.keys.prefix, "worker", worker)
         pool = acl.node_pool(self.board.r)  # on a cluster: any node (users are on all)
@@ -191,11 +202,17 @@ def _parse_volunteer(body: bytes) -> _Ask:
     if model is not None and (not isinstance(model, str) or not _printable(model, 512)):
         raise _bad(f"'model' must be an id, got {_short(model)}")
     held, room = d.get("held") or {}, d.get("room")
-    if not isinstance(held, dict) or len(held) > 64 or not all(
-        _printable(m, 512) and isinstance(sids, list) and len(sids) <= 4096
-        and all(isinstance(x, str) and _printable(x, 64) for x in sids)
-        for m, sids in held.items()
-    ):  # fmt: skip
+    if (
+        not isinstance(held, dict)
+        or len(held) > 64
+        or not all(
+            _printable(m, 512)
+            and isinstance(sids, list)
+            and len(sids) <= 4096
+            and all(isinstance(x, str) and _printable(x, 64) for x in sids)
+            for m, sids in held.items()
+        )
+    ):
         raise _bad(f"'held' must map model ids to lists of slice ids, got {_short(held)}")
     if room is not None and (
         isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63
@@ -227,8 +244,11 @@ def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSON
 
 
 STATIC = Path(__file__).with_name("static")
-STATIC_TYPES = {"index.html": "text/html", "dashboard.js": "text/javascript",
-                "dashboard.css": "text/css"}  # fmt: skip
+STATIC_TYPES = {
+    "index.html": "text/html",
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
 
 
 def _static(name: str) -> Response:
@@ -242,10 +262,13 @@ def create_app(api: Api) -> Starlette:
     return Starlette(
         routes=[*_api_routes(api), *_dashboard_routes(api), _volunteer_route(api)],
         exception_handlers={
-            HttpError: _api_error, 404: _not_found, 405: _not_found,
-            redis.RedisError: _bus_error, Exception: _other,
+            HttpError: _api_error,
+            404: _not_found,
+            405: _not_found,
+            redis.RedisError: _bus_error,
+            Exception: _other,
         },
-    )  # fmt: skip
+    )
 
 
 def _api_routes(api: Api) -> list[Route]:
@@ -346,7 +369,8 @@ def serve_api(
     """
     api = Api(board, volunteer)
     server = ThreadedServer(create_app(api), host, port)
-    sampler = threading.Thread(target=api.dashboard.history.run, args=(server.stopped,),
-                               name="kvq-dashboard", daemon=True)  # fmt: skip
+    sampler = threading.Thread(
+        target=api.dashboard.history.run, args=(server.stopped,), name="kvq-dashboard", daemon=True
+    )
     sampler.start()
     return server, server.thread

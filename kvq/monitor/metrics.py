@@ -41,27 +41,32 @@ class _Queues:
         self.length = _gauge("kvq_stream_length", "entries in a kvq stream (XLEN)", _STREAM_LABELS)
         self.pending = _gauge(
             "kvq_group_pending",
-            "entries delivered to the consumer group but not acknowledged", _STREAM_LABELS,
-        )  # fmt: skip
+            "entries delivered to the consumer group but not acknowledged",
+            _STREAM_LABELS,
+        )
         self.lag = _gauge(
             "kvq_group_lag",
-            "entries no consumer of the group has read yet (XINFO GROUPS lag)", _STREAM_LABELS,
-        )  # fmt: skip
+            "entries no consumer of the group has read yet (XINFO GROUPS lag)",
+            _STREAM_LABELS,
+        )
         self.oldest_pending = _gauge(
             "kvq_group_oldest_pending_age_seconds",
-            "age of the oldest delivered, unacknowledged entry (0 when none)", _STREAM_LABELS,
-        )  # fmt: skip
+            "age of the oldest delivered, unacknowledged entry (0 when none)",
+            _STREAM_LABELS,
+        )
         self.oldest_unread = _gauge(
             "kvq_group_oldest_unread_age_seconds",
-            "age of the oldest entry no consumer has read (0 when none)", _STREAM_LABELS,
-        )  # fmt: skip
+            "age of the oldest entry no consumer has read (0 when none)",
+            _STREAM_LABELS,
+        )
         self.c_pending = _gauge(
             "kvq_consumer_pending", "entries pending under one consumer", _CONSUMER_LABELS
         )
         self.c_idle = _gauge(
-            "kvq_consumer_idle_seconds", "since the consumer's last read or claim",
+            "kvq_consumer_idle_seconds",
+            "since the consumer's last read or claim",
             _CONSUMER_LABELS,
-        )  # fmt: skip
+        )
 
     def add(self, labels: list[str], g: GroupStats) -> None:
         self.length.add_metric(labels, g.length)
@@ -76,8 +81,15 @@ class _Queues:
             self.c_idle.add_metric([*labels[:3], c.name], c.idle_s)
 
     def families(self) -> tuple[GaugeMetricFamily, ...]:
-        return (self.length, self.pending, self.lag, self.oldest_pending, self.oldest_unread,
-                self.c_pending, self.c_idle)  # fmt: skip
+        return (
+            self.length,
+            self.pending,
+            self.lag,
+            self.oldest_pending,
+            self.oldest_unread,
+            self.c_pending,
+            self.c_idle,
+        )
 
 
 class _Trust:
@@ -86,9 +98,10 @@ class _Trust:
     def __init__(self) -> None:
         labels = ["model", "worker"]
         self.quarantined = _gauge(
-            "kvq_worker_quarantined", "1 while the worker is quarantined or banned for a "
-            "wrong result (P:{m:M}:quarantine)", labels,
-        )  # fmt: skip
+            "kvq_worker_quarantined",
+            "1 while the worker is quarantined or banned for a wrong result (P:{m:M}:quarantine)",
+            labels,
+        )
         self.banned = _gauge("kvq_worker_banned", "1 when the worker id is banned", labels)
         self.mismatches = _gauge(
             "kvq_worker_mismatches", "wrong results caught from the worker so far", labels
@@ -118,9 +131,10 @@ class _Market:
         self.target = _gauge("kvq_slice_target", "replicas wanted", slice_labels)
         self.coverage = _gauge("kvq_slice_coverage", "workers holding the slice", slice_labels)
         self.live = _gauge(
-            "kvq_slice_live_workers", "serving workers of the slice with a live heartbeat",
+            "kvq_slice_live_workers",
+            "serving workers of the slice with a live heartbeat",
             slice_labels,
-        )  # fmt: skip
+        )
         self.no_live = _gauge(
             "kvq_slices_without_live_worker", "slices no live serving worker holds", ["model"]
         )
@@ -132,8 +146,9 @@ class _Market:
         )
         self.orphaned = _gauge(
             "kvq_requests_orphaned",
-            "requests pending under a consumer that is no live coordinator", ["model"],
-        )  # fmt: skip
+            "requests pending under a consumer that is no live coordinator",
+            ["model"],
+        )
 
     def add_coordinators(self, model: str, up: set[str], requests: GroupStats) -> None:
         self.coords.add_metric([model], len(up))
@@ -161,8 +176,17 @@ class _Market:
         self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
 
     def families(self) -> tuple[GaugeMetricFamily, ...]:
-        return (self.saturated, self.demand, self.target, self.coverage, self.live, self.no_live,
-                self.alive, self.coords, self.orphaned)  # fmt: skip
+        return (
+            self.saturated,
+            self.demand,
+            self.target,
+            self.coverage,
+            self.live,
+            self.no_live,
+            self.alive,
+            self.coords,
+            self.orphaned,
+        )
 
 
 class RedisCollector(Collector):
@@ -184,9 +208,10 @@ class RedisCollector(Collector):
         yield from market.families()
         yield GaugeMetricFamily("kvq_deadletter_length", "entries in the dead-letter stream", dead)
         yield CounterMetricFamily(
-            "kvq_deadletter_added", "entries ever added to the dead-letter stream (survives "
-            "trimming)", _entries_added(r, k.deadletter()),
-        )  # fmt: skip
+            "kvq_deadletter_added",
+            "entries ever added to the dead-letter stream (survives trimming)",
+            _entries_added(r, k.deadletter()),
+        )
         yield from per_coord.families()
         yield from trust.families()
         yield refusing_writes(r)

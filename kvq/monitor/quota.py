@@ -151,8 +151,13 @@ class QuotaWatch:
         moved, dropped = relay(self.r, self.keys, worker, 2 * self.quota.entries, DEAD_ENTRY_BYTES)
         self.relayed += moved
         if dropped:
-            log.warning("dropped %d dead letters of worker %s over %d bytes (dead_letter writes "
-                        "none: its own XADD)", dropped, worker, DEAD_ENTRY_BYTES)  # fmt: skip
+            log.warning(
+                "dropped %d dead letters of worker %s over %d bytes (dead_letter writes "
+                "none: its own XADD)",
+                dropped,
+                worker,
+                DEAD_ENTRY_BYTES,
+            )
 
     def _disable(self, usage: Usage, why: str) -> None:
         user = self.user_prefix + usage.worker

@@ -50,10 +50,13 @@ class Monitor:
     """The control plane over one board; `run()` until `stop` is set."""
 
     def __init__(
-        self, board: Board, settings: MonitorSettings,
-        clock: Callable[[], float] = time.monotonic, monitor_id: str | None = None,
+        self,
+        board: Board,
+        settings: MonitorSettings,
+        clock: Callable[[], float] = time.monotonic,
+        monitor_id: str | None = None,
         desk: MarketDesk | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.board, self.s, self.clock, self.desk = board, settings, clock, desk
         self.quota: QuotaWatch | None = None  # per-worker quotas (`on_redis`)
         # unique per process: two monitors on one host must not share the lease
@@ -88,9 +91,15 @@ class Monitor:
     def register(self, model: str, path: str | Path, source: str | None = None) -> ModelInfo:
         """Publish a model: metadata, slice table with checksums, base demand per slice (K8)."""
         info = plan_model(
-            model, path, self.s.slice_layers, self.s.slice_experts, source, self.s.request_shards,
-            self.s.grain, self.s.stage_layers,
-        )  # fmt: skip
+            model,
+            path,
+            self.s.slice_layers,
+            self.s.slice_experts,
+            source,
+            self.s.request_shards,
+            self.s.grain,
+            self.s.stage_layers,
+        )
         self.board.register_model(info, self.s.base_replicas)
         self.known[model] = info
         log.info("registered %s: %d slices (%s grain)", model, len(info.slices), info.grain)
@@ -99,8 +108,12 @@ class Monitor:
     def run(self) -> None:
         outage = Outage(log, self.s.reconnect_max_s)
         models = self.board.models()
-        log.info("ready: monitor %s watches %s (poll every %gs)", self.id,
-                 ", ".join(models) if models else "no model yet", self.s.poll_s)  # fmt: skip
+        log.info(
+            "ready: monitor %s watches %s (poll every %gs)",
+            self.id,
+            ", ".join(models) if models else "no model yet",
+            self.s.poll_s,
+        )
         sides = []
         if self.desk is not None:
             sides.append(threading.Thread(target=self._serve_market, name="market", daemon=True))
@@ -205,8 +218,9 @@ class Monitor:
                 self.board.release(model, w)
                 self.released_quarantined += 1
                 out.append(w)
-                log.warning("released %s of %s from quarantined worker %s",
-                            ", ".join(sids), model, w)  # fmt: skip
+                log.warning(
+                    "released %s of %s from quarantined worker %s", ", ".join(sids), model, w
+                )
         return out
 
     def keep_registered(self, listed: list[str]) -> list[str]:
@@ -255,8 +269,13 @@ class Monitor:
         was = sat.on
         saturated = sat.update(saturated, self.clock())
         if saturated != was:
-            log.info("%s: %s (busy %d of %d)", model,
-                     "saturated: boosting" if saturated else "drained: boost off", busy, total)  # fmt: skip
+            log.info(
+                "%s: %s (busy %d of %d)",
+                model,
+                "saturated: boosting" if saturated else "drained: boost off",
+                busy,
+                total,
+            )
         base = self.base_target(backbone)
         effective = base + (self.s.boost_replicas if saturated else 0)
         rates = self.popularity.update(model, self.board.routed(model))
@@ -266,10 +285,14 @@ class Monitor:
             sids = sorted(info.slices) if info is not None else []
             targets = spread(base, self.s.boost_replicas, rates, sids)
         state = ModelState(
-            saturated=saturated, busy=busy, total=total, coordinators=live,
-            base_target=base, effective_target=effective,
+            saturated=saturated,
+            busy=busy,
+            total=total,
+            coordinators=live,
+            base_target=base,
+            effective_target=effective,
             ts_ms=int(self.board.now_ms()),
-        )  # fmt: skip
+        )
         self.board.publish_model_state(model, state, targets)
         return state
 

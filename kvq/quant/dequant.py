@@ -25,8 +25,16 @@ from kvq.errors import ModelError
 
 Q = GGMLQuantizationType
 FAST_TYPES: tuple[GGMLQuantizationType, ...] = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
-)  # fmt: skip
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.MXFP4,
+)
 Decoder = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -165,17 +173,27 @@ def _bf16(b: torch.Tensor, o: torch.Tensor) -> None:
 
 
 _DECODERS: dict[GGMLQuantizationType, Decoder] = {
-    Q.F32: _f32, Q.F16: _f16_values, Q.BF16: _bf16, Q.Q8_0: _q8_0, Q.Q4_0: _q4_0,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4,
-}  # fmt: skip
+    Q.F32: _f32,
+    Q.F16: _f16_values,
+    Q.BF16: _bf16,
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+    Q.MXFP4: _mxfp4,
+}
 # (type, target dtype) pairs that are exact without a float32 detour
 _DIRECT = {(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)}
 
 
 def dequantize(
-    raw: torch.Tensor, qtype: int, shape: tuple[int, int], dtype: torch.dtype = torch.float32,
+    raw: torch.Tensor,
+    qtype: int,
+    shape: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The [rows, cols] matrix encoded in `raw` (uint8, rows * row_bytes bytes), as `dtype`
     on raw's device, or written into `out` (contiguous [rows, cols] on raw's device; its
     dtype wins) and returned."""

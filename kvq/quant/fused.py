@@ -420,6 +420,11 @@ def tiled(qtype: int, w: U8, x: F32, out: F32) -> None:
 
 
 ONE_ROW = {
-    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q5_0: _q5_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
     Q.MXFP4: _mxfp4,
-}  # fmt: skip
+}

@@ -49,9 +49,14 @@ _KERNELS = fused.ONE_ROW
 # rows up to which the float32 kernels beat dequantize + matmul (`kvq bench kernels --batches 1,8,32,64`,
 # 2048x1024, 2 AVX2 cores: at 64 rows Q8_0 and Q4_0 break even, the K-quants still win 1.2-2x)
 _MAX_ROWS = {
-    Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_K: MAX_ROWS, Q.Q5_K: MAX_ROWS, Q.Q6_K: MAX_ROWS,
+    Q.Q8_0: 32,
+    Q.Q4_0: 32,
+    Q.Q5_0: 32,
+    Q.Q4_K: MAX_ROWS,
+    Q.Q5_K: MAX_ROWS,
+    Q.Q6_K: MAX_ROWS,
     Q.MXFP4: 32,
-}  # fmt: skip
+}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_KERNELS)
 _lock = threading.Lock()
 _int8_for: tuple[qdot.KernelOptions, qdot.Built | None] | None = None  # options -> kernel
@@ -111,8 +116,11 @@ def paths() -> dict[str, str]:
     what computes calls of many rows (a prompt)."""
     built = int8_kernel()
     if built is None:
-        return {"activations": "float32", "int8_isa": "",
-                "many_rows": f"dequantize + torch matmul above {MAX_ROWS} rows"}  # fmt: skip
+        return {
+            "activations": "float32",
+            "int8_isa": "",
+            "many_rows": f"dequantize + torch matmul above {MAX_ROWS} rows",
+        }
     isa = built.isa(qdot.options().isa)
     return {"activations": "int8", "int8_isa": isa, "many_rows": qdot.many_rows_kernel(isa)}
 
@@ -151,10 +159,13 @@ Biases = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # per exp
 
 
 def moe_int8(
-    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    types: tuple[int, int, int], weights: list[float], oai: bool = False,
+    x: torch.Tensor,
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    types: tuple[int, int, int],
+    weights: list[float],
+    oai: bool = False,
     biases: Biases = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """One token's routed experts in one C call (`qdot.moe`, int8 activations):
     `sum_e weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given. x: [H]
     float32; experts: the raw bytes (uint8 [rows, row bytes], C-contiguous, on the CPU) of
@@ -163,17 +174,33 @@ def moe_int8(
     triple per expert): gpt-oss's `down_e(swiglu_oai(gate_e x + bg, up_e x + bu)) + bd`."""
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
     wa = np.asarray(weights, dtype=np.float32)
-    return torch.from_numpy(qdot.moe(
-        built, xa, ptrs, types, rb, f, wa, threads, qdot.options().isa, act=int(oai),
-        biases=_bias_ptrs(biases),
-    ))  # fmt: skip
+    return torch.from_numpy(
+        qdot.moe(
+            built,
+            xa,
+            ptrs,
+            types,
+            rb,
+            f,
+            wa,
+            threads,
+            qdot.options().isa,
+            act=int(oai),
+            biases=_bias_ptrs(biases),
+        )
+    )
 
 
 def moe_int8_batch(
-    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    types: tuple[int, int, int], start: list[int], rows: list[int], weights: list[float],
-    oai: bool = False, biases: Biases = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    types: tuple[int, int, int],
+    start: list[int],
+    rows: list[int],
+    weights: list[float],
+    oai: bool = False,
+    biases: Biases = None,
+) -> torch.Tensor:
     """Several tokens' routed experts in one C call (`qdot.moe_batch`, int8 activations):
     row t is `sum weights[p] * down_e(silu(gate_e x[t]) * up_e x[t])` over the pairs p of token
     t, added in pair order, the same bits as `moe_int8` of x[t] with those experts. x: [T, H]
@@ -181,19 +208,32 @@ def moe_int8_batch(
     start[i] .. start[i + 1] - 1; rows, weights: [M], each pair's token row and weight.
     Returns [T, H] float32. The caller checks `moe_covers`. `oai`, `biases`: as `moe_int8`."""
     built, ptrs, rb, f, xa, threads = _moe_args(x, experts)
-    return torch.from_numpy(qdot.moe_batch(
-        built, xa, ptrs, np.asarray(start, np.int64), np.asarray(rows, np.int64),
-        np.asarray(weights, np.float32), types, rb, f, threads, qdot.options().isa, act=int(oai),
-        biases=_bias_ptrs(biases),
-    ))  # fmt: skip
+    return torch.from_numpy(
+        qdot.moe_batch(
+            built,
+            xa,
+            ptrs,
+            np.asarray(start, np.int64),
+            np.asarray(rows, np.int64),
+            np.asarray(weights, np.float32),
+            types,
+            rb,
+            f,
+            threads,
+            qdot.options().isa,
+            act=int(oai),
+            biases=_bias_ptrs(biases),
+        )
+    )
 
 
 def _bias_ptrs(biases: Biases) -> list[tuple[int, int, int]] | None:
     if biases is None:
         return None
     for b in biases:
-        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-                   for t in b):  # fmt: skip
+        if not all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in b
+        ):
             raise ValueError("expert biases must be contiguous float32 CPU tensors")
     return [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in biases]
 

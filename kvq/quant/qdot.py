@@ -55,8 +55,12 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-st
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512", 4: "amx"}
-_ERRORS = {-1: "unknown type", -2: "columns not a multiple of the block", -3: "out of memory",
-           -4: "pairs out of order or a row out of range"}  # fmt: skip
+_ERRORS = {
+    -1: "unknown type",
+    -2: "columns not a multiple of the block",
+    -3: "out of memory",
+    -4: "pairs out of order or a row out of range",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +151,61 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvq_qdot.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, ctypes.c_int, ctypes.c_int]
     lib.kvq_qdot.restype = ctypes.c_int
-    lib.kvq_qdot_moe.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, p, p, p, ctypes.c_int,
-                                 ctypes.c_int, ctypes.c_int, p]  # fmt: skip
+    lib.kvq_qdot_moe.argtypes = [
+        ctypes.c_int,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        p,
+    ]
     lib.kvq_qdot_moe.restype = ctypes.c_int
-    lib.kvq_qdot_moe_batch.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, p, p, p, p, p,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, p]  # fmt: skip
+    lib.kvq_qdot_moe_batch.argtypes = [
+        ctypes.c_int,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        p,
+    ]
     lib.kvq_qdot_moe_batch.restype = ctypes.c_int
-    lib.kvq_attn_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, ctypes.c_float, p, p,
-                                    ctypes.c_int]  # fmt: skip
+    lib.kvq_attn_decode.argtypes = [
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_float,
+        p,
+        p,
+        ctypes.c_int,
+    ]
     lib.kvq_attn_decode.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
@@ -210,8 +261,9 @@ def load(cc: str = "cc", cache_dir: Path | None = None) -> Built | None:
             except (OSError, RuntimeError) as exc:
                 log.warning(
                     "the int8-activation kernel could not be built (%s); computing with the "
-                    "float32 kernels instead (KVQ_ACTIVATIONS=int8 has no effect)", exc,
-                )  # fmt: skip
+                    "float32 kernels instead (KVQ_ACTIVATIONS=int8 has no effect)",
+                    exc,
+                )
                 _loaded[key] = None
         return _loaded[key]
 
@@ -224,29 +276,48 @@ def load_configured(o: KernelOptions | None = None) -> Built | None:
 
 
 def matmul(
-    built: Built, x: npt.NDArray[np.float32], w: npt.NDArray[np.uint8], qtype: int,
-    threads: int, isa: int = -1,
-) -> npt.NDArray[np.float32]:  # fmt: skip
+    built: Built,
+    x: npt.NDArray[np.float32],
+    w: npt.NDArray[np.uint8],
+    qtype: int,
+    threads: int,
+    isa: int = -1,
+) -> npt.NDArray[np.float32]:
     """x [B, K] float32 (C-contiguous) @ W.T for W [N, row bytes] of `qtype` -> [B, N].
     `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX2 + VNNI, 3 AVX512BW + VNNI (512-bit
     Q4_K and Q6_K); lowered to what the CPU has."""
     n, b, k = w.shape[0], x.shape[0], x.shape[1]
     out = np.empty((b, n), dtype=np.float32)
     rc = built.lib.kvq_qdot(
-        int(qtype), w.ctypes.data, n, w.shape[1], x.ctypes.data, b, k, out.ctypes.data,
-        threads, isa,
-    )  # fmt: skip
+        int(qtype),
+        w.ctypes.data,
+        n,
+        w.shape[1],
+        x.ctypes.data,
+        b,
+        k,
+        out.ctypes.data,
+        threads,
+        isa,
+    )
     if rc != 0:
         raise ValueError(f"qdot {Q(qtype).name} [{n}, {k}]: {_ERRORS.get(rc, rc)}")
     return out
 
 
 def moe(
-    built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
-    types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int,
-    weights: npt.NDArray[np.float32], threads: int, isa: int = -1, act: int = 0,
+    built: Built,
+    x: npt.NDArray[np.float32],
+    experts: list[tuple[int, int, int]],
+    types: tuple[int, int, int],
+    row_bytes: tuple[int, int, int],
+    f: int,
+    weights: npt.NDArray[np.float32],
+    threads: int,
+    isa: int = -1,
+    act: int = 0,
     biases: list[tuple[int, int, int]] | None = None,
-) -> npt.NDArray[np.float32]:  # fmt: skip
+) -> npt.NDArray[np.float32]:
     """One token's routed experts in one call (`csrc/qdot_moe.h`): the sum over experts e of
     `weights[e] * down_e(silu(gate_e x) * up_e x)`, added in the order given; with `act` 1 and
     `biases` (per expert the addresses of its float32 gate [f], up [f] and down [H] biases)
@@ -260,9 +331,22 @@ def moe(
     gate, up, down = ((ctypes.c_void_p * max(n, 1))(*(e[j] for e in experts)) for j in range(3))
     out = np.empty(h, dtype=np.float32)
     rc = built.lib.kvq_qdot_moe(
-        n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h,
-        x.ctypes.data, weights.ctypes.data, out.ctypes.data, threads, isa, act, _bias_ptrs(biases),
-    )  # fmt: skip
+        n,
+        gate,
+        up,
+        down,
+        (ctypes.c_int * 3)(*types),
+        (ctypes.c_int64 * 3)(*row_bytes),
+        f,
+        h,
+        x.ctypes.data,
+        weights.ctypes.data,
+        out.ctypes.data,
+        threads,
+        isa,
+        act,
+        _bias_ptrs(biases),
+    )
     if rc != 0:
         names = "/".join(Q(t).name for t in types)
         raise ValueError(f"qdot moe {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
@@ -270,11 +354,20 @@ def moe(
 
 
 def moe_batch(
-    built: Built, x: npt.NDArray[np.float32], experts: list[tuple[int, int, int]],
-    start: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], weights: npt.NDArray[np.float32],
-    types: tuple[int, int, int], row_bytes: tuple[int, int, int], f: int, threads: int,
-    isa: int = -1, act: int = 0, biases: list[tuple[int, int, int]] | None = None,
-) -> npt.NDArray[np.float32]:  # fmt: skip
+    built: Built,
+    x: npt.NDArray[np.float32],
+    experts: list[tuple[int, int, int]],
+    start: npt.NDArray[np.int64],
+    rows: npt.NDArray[np.int64],
+    weights: npt.NDArray[np.float32],
+    types: tuple[int, int, int],
+    row_bytes: tuple[int, int, int],
+    f: int,
+    threads: int,
+    isa: int = -1,
+    act: int = 0,
+    biases: list[tuple[int, int, int]] | None = None,
+) -> npt.NDArray[np.float32]:
     """A batch of tokens' routed experts in one call (`csrc/qdot_moe.h`): row t of the result
     is the sum over token t's pairs p, in order, of `weights[p] * down_e(silu(gate_e x[t]) *
     up_e x[t])`; each expert's weights are unpacked once for all of its tokens. Row t is the
@@ -289,15 +382,32 @@ def moe_batch(
     start, rows = np.ascontiguousarray(start, np.int64), np.ascontiguousarray(rows, np.int64)
     weights = np.ascontiguousarray(weights, np.float32)
     if len(start) != n + 1 or (n and (start[-1] != len(rows) or len(rows) != len(weights))):
-        raise ValueError(f"qdot moe_batch: start {len(start)} for {n} experts, rows {len(rows)}, "
-                         f"weights {len(weights)}")  # fmt: skip
+        raise ValueError(
+            f"qdot moe_batch: start {len(start)} for {n} experts, rows {len(rows)}, "
+            f"weights {len(weights)}"
+        )
     gate, up, down = ((ctypes.c_void_p * max(n, 1))(*(e[j] for e in experts)) for j in range(3))
     out = np.empty((t, h), dtype=np.float32)
     rc = built.lib.kvq_qdot_moe_batch(
-        n, gate, up, down, (ctypes.c_int * 3)(*types), (ctypes.c_int64 * 3)(*row_bytes), f, h, t,
-        x.ctypes.data, start.ctypes.data, rows.ctypes.data, weights.ctypes.data, out.ctypes.data,
-        threads, isa, act, _bias_ptrs(biases),
-    )  # fmt: skip
+        n,
+        gate,
+        up,
+        down,
+        (ctypes.c_int * 3)(*types),
+        (ctypes.c_int64 * 3)(*row_bytes),
+        f,
+        h,
+        t,
+        x.ctypes.data,
+        start.ctypes.data,
+        rows.ctypes.data,
+        weights.ctypes.data,
+        out.ctypes.data,
+        threads,
+        isa,
+        act,
+        _bias_ptrs(biases),
+    )
     if rc != 0:
         names = "/".join(Q(ty).name for ty in types)
         raise ValueError(f"qdot moe_batch {names} [{f}, {h}]: {_ERRORS.get(rc, rc)}")
@@ -312,9 +422,20 @@ def _bias_ptrs(biases: list[tuple[int, int, int]] | None) -> ctypes.Array[ctypes
 
 
 def attn_decode(
-    built: Built, q: int, knew: int, vnew: int, caches: list[tuple[int, int]], lens: list[int],
-    heads: int, kv: int, d: int, scale: float, sinks: int, out: int, threads: int,
-) -> None:  # fmt: skip
+    built: Built,
+    q: int,
+    knew: int,
+    vnew: int,
+    caches: list[tuple[int, int]],
+    lens: list[int],
+    heads: int,
+    kv: int,
+    d: int,
+    scale: float,
+    sinks: int,
+    out: int,
+    threads: int,
+) -> None:
     """One decode step's attention of len(caches) sequences in one call (`csrc/attn_decode.h`):
     writes each sequence's new key and value into its cache at position lens[s], then
     out[s, h] = softmax(scale * q[s, h] . keys) @ values over positions 0 .. lens[s] of kv head
@@ -327,10 +448,23 @@ def attn_decode(
     kc = (ctypes.c_void_p * max(n, 1))(*(c[0] for c in caches))
     vc = (ctypes.c_void_p * max(n, 1))(*(c[1] for c in caches))
     rc = built.lib.kvq_attn_decode(
-        n, heads, kv, d, q, knew, vnew, kc, vc, (ctypes.c_int64 * max(n, 1))(*lens), scale,
-        sinks or None, out, threads,
-    )  # fmt: skip
+        n,
+        heads,
+        kv,
+        d,
+        q,
+        knew,
+        vnew,
+        kc,
+        vc,
+        (ctypes.c_int64 * max(n, 1))(*lens),
+        scale,
+        sinks or None,
+        out,
+        threads,
+    )
     if rc != 0:
         why = {-2: "heads not a multiple of kv heads, or a size below 1", -3: "out of memory"}
-        raise ValueError(f"attn_decode of {n} sequences, {heads}/{kv} heads of {d}: "
-                         f"{why.get(rc, rc)}")  # fmt: skip
+        raise ValueError(
+            f"attn_decode of {n} sequences, {heads}/{kv} heads of {d}: {why.get(rc, rc)}"
+        )

@@ -111,22 +111,35 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
         ]
     elif role == "coordinator":
         rules = [
-            *_model_tables(p), f"%R~{p}:{{m:*}}:workers", f"%R~{p}:{{m:*}}:cancel",
-            f"%R~{p}:{{m:*}}:state", f"~{p}:{{m:*}}:requests", f"~{p}:{{m:*}}:routed",
-            f"~{p}:{{m:*}}:coordinators", f"~{p}:{{m:*}}:quarantine", f"~{p}:{{c:*}}:*",
+            *_model_tables(p),
+            f"%R~{p}:{{m:*}}:workers",
+            f"%R~{p}:{{m:*}}:cancel",
+            f"%R~{p}:{{m:*}}:state",
+            f"~{p}:{{m:*}}:requests",
+            f"~{p}:{{m:*}}:routed",
+            f"~{p}:{{m:*}}:coordinators",
+            f"~{p}:{{m:*}}:quarantine",
+            f"~{p}:{{c:*}}:*",
             f"%W~{p}:{{w:*}}:inbox",
-            f"%R~{p}:{{w:*}}:hb", f"%R~{p}:{{w:*}}:info", f"~{p}:{{w:*}}:results:*",
-            f"~{p}:{{r:*}}:reply", f"~{p}:{{r:*}}:run", f"%R~{p}:{{r:*}}:cancel",
-            f"%W~{p}:deadletter", *_SAFE,
+            f"%R~{p}:{{w:*}}:hb",
+            f"%R~{p}:{{w:*}}:info",
+            f"~{p}:{{w:*}}:results:*",
+            f"~{p}:{{r:*}}:reply",
+            f"~{p}:{{r:*}}:run",
+            f"%R~{p}:{{r:*}}:cancel",
+            f"%W~{p}:deadletter",
+            *_SAFE,
             "-@scripting",
-        ]  # fmt: skip
+        ]
     elif role == "worker":
         if worker is None:
             raise ConfigError("the worker role needs a worker id (kvq acl --worker ID)")
         rules = _worker_rules(p, check_id("worker id", worker))
     elif role in ("client", "api"):
         rules = [
-            "resetkeys", "-@all", *_CONNECT,
+            "resetkeys",
+            "-@all",
+            *_CONNECT,
             f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
             f"(%W~{p}:{{r:*}}:cancel +set)",  # a request's own cancel (`kvq.client.cancel`)
             # `kvq api` deletes a reply stream it has read to its end (its only reader)
@@ -138,13 +151,14 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
             f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xpending)",
             # the gateway's queue watch: slot state, and the token counters of its stats
             f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
-        ]  # fmt: skip
+        ]
         if role == "api":  # redis-py's INCR sends INCRBY
             rules.append(f"(~{p}:{{k:*}}:calls +set +incr +incrby +pttl)")
     else:
         raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-    return AclUser(role, user_name(keys.prefix, role, worker if role == "worker" else None),
-                   tuple(rules))  # fmt: skip
+    return AclUser(
+        role, user_name(keys.prefix, role, worker if role == "worker" else None), tuple(rules)
+    )
 
 
 def _worker_rules(p: str, w: str) -> list[str]:

@@ -43,10 +43,15 @@ from kvq.swarm.throughput import (
 def bench_shape(report: dict[str, Any]) -> Shape:
     s = report["shape"]
     return Shape(
-        report.get("preset") or "bench", s["layers"], s["experts"], s["experts_used"],
-        s["hidden"], s["expert_ffn"], s["slices_per_layer"],
+        report.get("preset") or "bench",
+        s["layers"],
+        s["experts"],
+        s["experts_used"],
+        s["hidden"],
+        s["expert_ffn"],
+        s["slices_per_layer"],
         gqa_params(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["experts"]),
-    )  # fmt: skip
+    )
 
 
 def _per_layer_step(run: dict[str, Any], layers: int) -> dict[str, float]:
@@ -55,10 +60,13 @@ def _per_layer_step(run: dict[str, Any], layers: int) -> dict[str, float]:
     n = steps * layers
     wall, wait = 1000 * run["window_s"] / n, run["wait_ms_per_layer_token"] * b
     return {
-        "b": b, "coord": wall - wait, "work": 1000 * run["workers_cpu_s"] / n,
-        "wall": wall, "jobs": run["jobs_per_layer_token"] * b,
+        "b": b,
+        "coord": wall - wait,
+        "work": 1000 * run["workers_cpu_s"] / n,
+        "wall": wall,
+        "jobs": run["jobs_per_layer_token"] * b,
         "rtt": run["rtt_ms"],
-    }  # fmt: skip
+    }
 
 
 def _points(reports: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -80,17 +88,29 @@ def calibrate(reports: list[dict[str, Any]]) -> Costs:
         raise RoutingError("the bench reports have no window with tokens: nothing to calibrate")
     walls = [p["wall"] for p in pts]
     c0, c1 = _fit([[1.0, p["b"]] for p in pts], [p["coord"] for p in pts], walls)
-    o_job, c_row = _fit([[p["jobs"], p["b"] * p["k"]] for p in pts], [p["work"] for p in pts],
-                        walls)  # fmt: skip
+    o_job, c_row = _fit(
+        [[p["jobs"], p["b"] * p["k"]] for p in pts], [p["work"] for p in pts], walls
+    )
     rest = [p["wall"] - p["coord"] - p["work"] for p in pts]
     more = [max(0.0, contacted(p["jobs"], int(p["w"])) - 1) for p in pts]
     cols = [
         [1.0, p["b"], m, p["rtt"], p["rtt"] * busiest(p["jobs"], int(p["w"])), p["rtt"] * m]
         for p, m in zip(pts, more, strict=True)
-    ]  # fmt: skip
+    ]
     r0_0, r0_1, r_contact, fixed, per_job, per_contact = _fit(cols, rest, walls)
-    return Costs(c0, c1, o_job, c_row, r0_0, r0_1, rtts_per_job=per_job, rtts_fixed=fixed,
-                 r_contact=r_contact, rtts_contact=per_contact, workers_parallel=1)  # fmt: skip
+    return Costs(
+        c0,
+        c1,
+        o_job,
+        c_row,
+        r0_0,
+        r0_1,
+        rtts_per_job=per_job,
+        rtts_fixed=fixed,
+        r_contact=r_contact,
+        rtts_contact=per_contact,
+        workers_parallel=1,
+    )
 
 
 def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
@@ -102,23 +122,40 @@ def check(reports: list[dict[str, Any]], costs: Costs) -> list[dict[str, Any]]:
             if not run["tokens"]:
                 continue
             measured_jobs = run["jobs_per_layer_token"] * run["sequences"]
-            got = tok_s(shape, costs, rep["workers"], run["rtt_ms"], run["sequences"],
-                        rep.get("microbatches", 1), measured_jobs)  # fmt: skip
-            out.append({
-                "report": i, "workers": rep["workers"], "rtt_ms": run["rtt_ms"],
-                "sequences": run["sequences"],
-                "tok_s": run["tok_s"], "model_tok_s": round(got, 3),
-                "error": round(got / run["tok_s"] - 1, 3),
-                "jobs_per_layer_step": round(run["jobs_per_layer_token"] * run["sequences"], 2),
-                "model_jobs_per_layer_step": round(jobs(shape, run["sequences"]), 2),
-            })  # fmt: skip
+            got = tok_s(
+                shape,
+                costs,
+                rep["workers"],
+                run["rtt_ms"],
+                run["sequences"],
+                rep.get("microbatches", 1),
+                measured_jobs,
+            )
+            out.append(
+                {
+                    "report": i,
+                    "workers": rep["workers"],
+                    "rtt_ms": run["rtt_ms"],
+                    "sequences": run["sequences"],
+                    "tok_s": run["tok_s"],
+                    "model_tok_s": round(got, 3),
+                    "error": round(got / run["tok_s"] - 1, 3),
+                    "jobs_per_layer_step": round(run["jobs_per_layer_token"] * run["sequences"], 2),
+                    "model_jobs_per_layer_step": round(jobs(shape, run["sequences"]), 2),
+                }
+            )
     return out
 
 
 def project(
-    costs: Costs, frm: Shape, shapes: list[str], workers: tuple[int, ...],
-    rtts_ms: tuple[float, ...], batch: int, speedups: tuple[float, float] = (1.0, 1.0),
-) -> list[dict[str, Any]]:  # fmt: skip
+    costs: Costs,
+    frm: Shape,
+    shapes: list[str],
+    workers: tuple[int, ...],
+    rtts_ms: tuple[float, ...],
+    batch: int,
+    speedups: tuple[float, float] = (1.0, 1.0),
+) -> list[dict[str, Any]]:
     """Per shape, workers and RTT: tok/s at 1 sequence and at `batch` (1 micro-batch and the
     best of 2..8), and the smallest batch whose round trips micro-batches hide."""
     out = []
@@ -128,8 +165,9 @@ def project(
         to = SHAPES[name]
         # a CPU per worker, on a machine of its own: the costs of reaching several workers
         # measured here (processes sharing one CPU and one proxy host) are left out
-        c = replace(costs.scaled(frm, to, *speedups), workers_parallel=0, r_contact=0.0,
-                    rtts_contact=0.0)  # fmt: skip
+        c = replace(
+            costs.scaled(frm, to, *speedups), workers_parallel=0, r_contact=0.0, rtts_contact=0.0
+        )
         one = replace(c, one_rtt_per_layer=True)
         for w in workers:
             for rtt in rtts_ms:
@@ -137,15 +175,20 @@ def project(
                     range(1, min(8, batch) + 1), key=lambda m: tok_s(to, c, w, rtt, batch, m)
                 )
                 hide, hide1 = hiding_batch(to, c, w, rtt), hiding_batch(to, one, w, rtt)
-                out.append({
-                    "shape": name, "workers": w, "rtt_ms": rtt,
-                    "tok_s_b1": round(tok_s(to, c, w, rtt, 1), 3),
-                    f"tok_s_b{batch}": round(tok_s(to, c, w, rtt, batch), 3),
-                    f"tok_s_b{batch}_best_m": round(tok_s(to, c, w, rtt, batch, best_m), 3),
-                    "best_m": best_m,
-                    f"tok_s_b{batch}_one_rtt": round(tok_s(to, one, w, rtt, batch, best_m), 3),
-                    "hidden_at": _at(hide), "hidden_at_one_rtt": _at(hide1),
-                })  # fmt: skip
+                out.append(
+                    {
+                        "shape": name,
+                        "workers": w,
+                        "rtt_ms": rtt,
+                        "tok_s_b1": round(tok_s(to, c, w, rtt, 1), 3),
+                        f"tok_s_b{batch}": round(tok_s(to, c, w, rtt, batch), 3),
+                        f"tok_s_b{batch}_best_m": round(tok_s(to, c, w, rtt, batch, best_m), 3),
+                        "best_m": best_m,
+                        f"tok_s_b{batch}_one_rtt": round(tok_s(to, one, w, rtt, batch, best_m), 3),
+                        "hidden_at": _at(hide),
+                        "hidden_at_one_rtt": _at(hide1),
+                    }
+                )
     return out
 
 
@@ -154,10 +197,14 @@ def _at(hide: tuple[int, int] | None) -> dict[str, int] | None:
 
 
 def throughput_report(
-    reports: list[dict[str, Any]], shapes: list[str], workers: tuple[int, ...],
-    rtts_ms: tuple[float, ...], batch: int, speedups: tuple[float, float] = (1.0, 1.0),
+    reports: list[dict[str, Any]],
+    shapes: list[str],
+    workers: tuple[int, ...],
+    rtts_ms: tuple[float, ...],
+    batch: int,
+    speedups: tuple[float, float] = (1.0, 1.0),
     calibrate_with: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Calibrated from the first `calibrate_with` reports (0: all); checked against all (the
     others' windows are predictions); projected with the coordinator and the workers
     `speedups` times as fast as the bench's CPUs."""
@@ -177,13 +224,25 @@ def throughput_report(
     for c in checks:
         c["predicted"] = c.pop("report") >= len(used)
     errors = [abs(c["error"]) for c in checks]
-    fields = ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "r_contact", "rtts_fixed",
-              "rtts_per_job", "rtts_contact")  # fmt: skip
+    fields = (
+        "c0",
+        "c1",
+        "o_job",
+        "c_row",
+        "r0_0",
+        "r0_1",
+        "r_contact",
+        "rtts_fixed",
+        "rtts_per_job",
+        "rtts_contact",
+    )
     return {
         "calibrated_from": [{"workers": r["workers"], "preset": r.get("preset")} for r in used],
         "costs_ms": {f: round(getattr(costs, f), 4) for f in fields},
-        "check": checks, "max_abs_error": round(max(errors), 3) if errors else None,
+        "check": checks,
+        "max_abs_error": round(max(errors), 3) if errors else None,
         "speedups": {"coordinator": speedups[0], "workers": speedups[1]},
-        "projection": project(costs, bench_shape(reports[0]), shapes, workers, rtts_ms, batch,
-                              speedups),
-    }  # fmt: skip
+        "projection": project(
+            costs, bench_shape(reports[0]), shapes, workers, rtts_ms, batch, speedups
+        ),
+    }

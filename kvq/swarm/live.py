@@ -79,9 +79,13 @@ class LiveRouter:
     """Swarm routing for one model served by one coordinator (pure; fed by the caller)."""
 
     def __init__(
-        self, model_id: str, slices: Sequence[str], coordinator: str,
-        policy: LivePolicy | None = None, local_slices: Collection[str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model_id: str,
+        slices: Sequence[str],
+        coordinator: str,
+        policy: LivePolicy | None = None,
+        local_slices: Collection[str] | None = None,
+    ) -> None:
         self.model_id, self.coordinator = model_id, coordinator
         self.policy = policy or LivePolicy()
         self.spec = ModelSpec(model_id, tuple(Slice(s) for s in slices))
@@ -321,12 +325,18 @@ class LiveRouter:
         """For stats and logs: load, copies, uncovered slices, proven and pending workers."""
         busy, total = self._slots
         return {
-            "model": self.model_id, "busy": busy, "total": total, "loaded": self.loaded,
-            "copies": len(self._routes), "replans": self.replans, "uncovered": list(self.uncovered),
+            "model": self.model_id,
+            "busy": busy,
+            "total": total,
+            "loaded": self.loaded,
+            "copies": len(self._routes),
+            "replans": self.replans,
+            "uncovered": list(self.uncovered),
             "proven": sorted(w for w, v in self._workers.items() if v.alive and self._proven(v)),
-            "trials_pending": list(self._candidates), "last_cost": round(self.last_cost, 3),
+            "trials_pending": list(self._candidates),
+            "last_cost": round(self.last_cost, 3),
             "probes": self.probes,
-        }  # fmt: skip
+        }
 
     # -- internals --------------------------------------------------------------------------
     def _relax(self, now_ms: float) -> None:

@@ -146,9 +146,14 @@ def _rank(p: NodeProfile) -> tuple[float, float, str]:
 
 
 def _pick(
-    ranked: list[str], ledger: _Ledger, model: str, i: int, gib: float,
-    avoid: set[str], used: set[str],
-) -> str | None:  # fmt: skip
+    ranked: list[str],
+    ledger: _Ledger,
+    model: str,
+    i: int,
+    gib: float,
+    avoid: set[str],
+    used: set[str],
+) -> str | None:
     """First fitting node by rank: outside `avoid` and `used` if possible, then relaxing."""
     second: str | None = None
     third: str | None = None
@@ -184,9 +189,12 @@ def _place_one(
 
 
 def place(
-    profiles: Sequence[NodeProfile], models: Sequence[ModelSpec], copies: int,
-    keep: Sequence[Pipeline] = (), next_id: int = 0,
-) -> tuple[Pipeline, ...]:  # fmt: skip
+    profiles: Sequence[NodeProfile],
+    models: Sequence[ModelSpec],
+    copies: int,
+    keep: Sequence[Pipeline] = (),
+    next_id: int = 0,
+) -> tuple[Pipeline, ...]:
     """Up to `copies` copies per model on `profiles` (the usable nodes), keeping `keep` where
     it still fits. A model may get fewer copies than asked when memory runs out."""
     specs = {m.model_id: m for m in models}

@@ -38,9 +38,7 @@ def _splice(route: Route, dead_node: str, state: SwarmState, tokens: int) -> Fai
     for i, node in enumerate(p.assignment):
         if node != dead_node and state.alive(node):
             continue
-        live = [
-            n for n in state.plan.holders(p.model_id, i) if n != dead_node and state.alive(n)
-        ]  # fmt: skip
+        live = [n for n in state.plan.holders(p.model_id, i) if n != dead_node and state.alive(n)]
         if not live:
             return None
         best = min(live, key=lambda n: (state.node_cost(n), n))
@@ -52,9 +50,12 @@ def _splice(route: Route, dead_node: str, state: SwarmState, tokens: int) -> Fai
 
 
 def failover_in_swarm(
-    route: Route, dead_node: str, state: SwarmState, options: FailoverOptions | None = None,
+    route: Route,
+    dead_node: str,
+    state: SwarmState,
+    options: FailoverOptions | None = None,
     request: RoutingRequest | None = None,
-) -> FailoverResult:  # fmt: skip
+) -> FailoverResult:
     """H6 in the order of H7: a valid rescue route, or `Unrecoverable`; never an invalid route."""
     opts = options or FailoverOptions()
     tokens = (request or RoutingRequest()).tokens
@@ -82,9 +83,15 @@ def failover_in_swarm(
             return FailoverResult(
                 Route(best, pipeline_cost(best, state, tokens)), "degraded", True, (), fallback
             )
-    why = "no fallback model" if fallback is None else (
-        "degradation not allowed" if not opts.allow_degraded else f"no live copy of {fallback!r}"
-    )  # fmt: skip
+    why = (
+        "no fallback model"
+        if fallback is None
+        else (
+            "degradation not allowed"
+            if not opts.allow_degraded
+            else f"no live copy of {fallback!r}"
+        )
+    )
     raise Unrecoverable(
         f"model {model!r} lost node {dead_node!r}: no other live copy, some lost slice has no "
         f"live holder, and {why}; add or revive nodes holding its slices"

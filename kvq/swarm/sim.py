@@ -80,19 +80,40 @@ def _failover(swarm: Swarm, node: str, model: str) -> dict[str, Any]:
     if r is None:  # the focus model's route did not use the node: nothing was lost
         return _record("failover", swarm, model, node=node, rung=None, degraded=False, replaced=[])
     if r.result is None:
-        return _record("failover", swarm, model, node=node, route=None, rung=None,
-                       degraded=None, replaced=[], error=str(r.error))  # fmt: skip
+        return _record(
+            "failover",
+            swarm,
+            model,
+            node=node,
+            route=None,
+            rung=None,
+            degraded=None,
+            replaced=[],
+            error=str(r.error),
+        )
     res = r.result
     return _record(
-        "failover", swarm, model, node=node, lost=r.lost.as_dict(), route=res.route.as_dict(),
-        rung=res.rung, degraded=res.degraded, fallback_model=res.fallback_model,
+        "failover",
+        swarm,
+        model,
+        node=node,
+        lost=r.lost.as_dict(),
+        route=res.route.as_dict(),
+        rung=res.rung,
+        degraded=res.degraded,
+        fallback_model=res.fallback_model,
         replaced=[{"slice": x.sid, "dead": x.dead, "node": x.node} for x in res.replaced],
-    )  # fmt: skip
+    )
 
 
 def _replan(step: str, swarm: Swarm, model: str, node: str, rp: Replan) -> dict[str, Any]:
-    return _record(step, swarm, model, node=node, replan={
-        "dropped": list(rp.dropped), "added": list(rp.added), "missing": rp.missing})  # fmt: skip
+    return _record(
+        step,
+        swarm,
+        model,
+        node=node,
+        replan={"dropped": list(rp.dropped), "added": list(rp.added), "missing": rp.missing},
+    )
 
 
 def simulate(topo: Topology, opts: SimOptions) -> dict[str, Any]:
@@ -118,9 +139,17 @@ def simulate(topo: Topology, opts: SimOptions) -> dict[str, Any]:
         for p in plan.pipelines
     ]
     return {
-        "model": model, "pipelines": copies, "seed": opts.seed, "requests_per_step": opts.requests,
-        "steps": steps, "final_status": swarm.status(), "final_plan": final,
+        "model": model,
+        "pipelines": copies,
+        "seed": opts.seed,
+        "requests_per_step": opts.requests,
+        "steps": steps,
+        "final_status": swarm.status(),
+        "final_plan": final,
         "final_plan_valid": not plan.problems(),
-        "traffic": {"requests": traffic.steps, "routed": traffic.routed,
-                    "unroutable": traffic.unroutable},
-    }  # fmt: skip
+        "traffic": {
+            "requests": traffic.steps,
+            "routed": traffic.routed,
+            "unroutable": traffic.unroutable,
+        },
+    }

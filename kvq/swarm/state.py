@@ -53,9 +53,13 @@ class SwarmState:
     __slots__ = ("_cost", "_index", "_models", "_users", "alpha", "plan", "telemetry", "weights")
 
     def __init__(
-        self, plan: SwarmPlan, telemetry: Mapping[str, NodeTelemetry] | None = None,
-        weights: CostWeights | None = None, alpha: float = 0.3, declared: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        plan: SwarmPlan,
+        telemetry: Mapping[str, NodeTelemetry] | None = None,
+        weights: CostWeights | None = None,
+        alpha: float = 0.3,
+        declared: bool = True,
+    ) -> None:
         """`telemetry` is reused where given (replans keep what was measured); other nodes start
         cold, with their declared latency when `declared` (H1: from_profiles vs from_plan)."""
         self.plan, self.weights, self.alpha = plan, weights or CostWeights(), alpha
@@ -102,9 +106,13 @@ class SwarmState:
         return t
 
     def observe(
-        self, node_id: str, latency_ms: float | None = None, load: float | None = None,
-        score: float | None = None, alpha: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        node_id: str,
+        latency_ms: float | None = None,
+        load: float | None = None,
+        score: float | None = None,
+        alpha: float | None = None,
+    ) -> None:
         """Blends one telemetry sample into the node's EWMAs (H5); `alpha` overrides the
         state's weight of the new sample (1: it replaces the estimate)."""
         t = self.node(node_id)
@@ -186,9 +194,10 @@ class SwarmState:
         c = self._copies(model_id)
         skip = -1 if without is None else self._index.get(without, -1)
         out = [
-            Route(c.pipes[j], c.cost[j]) for j in range(len(c.pipes))
+            Route(c.pipes[j], c.cost[j])
+            for j in range(len(c.pipes))
             if c.cost[j] < _INF and skip not in c.nodes[j]
-        ]  # fmt: skip
+        ]
         return sorted(out, key=lambda r: (r.cost, r.pipeline_id))
 
 

@@ -76,9 +76,11 @@ class Swarm:
     """Several models on one set of nodes, each request routed to a copy of its own model."""
 
     def __init__(
-        self, profiles: Sequence[NodeProfile], models: Sequence[ModelSpec],
+        self,
+        profiles: Sequence[NodeProfile],
+        models: Sequence[ModelSpec],
         config: SwarmConfig | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config or SwarmConfig()
         ids = [p.node_id for p in profiles]
         if len(set(ids)) != len(ids):
@@ -111,9 +113,12 @@ class Swarm:
         return self.state.route(model_id, (request or RoutingRequest()).tokens)
 
     def observe(
-        self, node_id: str, latency_ms: float | None = None, load: float | None = None,
+        self,
+        node_id: str,
+        latency_ms: float | None = None,
+        load: float | None = None,
         score: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.state.observe(node_id, latency_ms, load, score)
 
     def mark_down(self, node_id: str) -> tuple[Rescue, ...]:
@@ -170,9 +175,10 @@ class Swarm:
         before = {p.pipeline_id for p in old.plan.pipelines}
         after = {p.pipeline_id for p in pipes}
         missing = {
-            m: self.config.pipelines - len(plan.of_model(m)) for m in self._models
+            m: self.config.pipelines - len(plan.of_model(m))
+            for m in self._models
             if len(plan.of_model(m)) < self.config.pipelines
-        }  # fmt: skip
+        }
         return Replan(tuple(sorted(before - after)), tuple(sorted(after - before)), missing)
 
     def alive_nodes(self) -> list[str]:

@@ -37,9 +37,12 @@ class NodeTelemetry:
         return self.latency_ms is not None or self.load is not None
 
     def observe(
-        self, alpha: float, latency_ms: float | None = None, load: float | None = None,
+        self,
+        alpha: float,
+        latency_ms: float | None = None,
+        load: float | None = None,
         score: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Blends new samples into the EWMAs (`alpha` = weight of the new sample); a non-finite
         sample is ignored, so one bad measurement cannot poison the cost."""
         if latency_ms is not None and not math.isfinite(latency_ms):

@@ -54,13 +54,22 @@ def gqa_params(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: i
 
 
 SHAPES = {
-    "qwen3-235b-a22b": Shape("qwen3-235b-a22b", 94, 128, 8, 4096, 1536, 32,
-                             gqa_params(4096, 64, 4, 128, 128)),
+    "qwen3-235b-a22b": Shape(
+        "qwen3-235b-a22b", 94, 128, 8, 4096, 1536, 32, gqa_params(4096, 64, 4, 128, 128)
+    ),
     # 61 layers, 3 dense (their FFNs spread over the 58 MoE layers), MLA attention (q_lora
     # 1536, kv_lora 512, 128 heads of 128+64 / 128), one shared expert of 2048
-    "deepseek-v3": Shape("deepseek-v3", 58, 256, 8, 7168, 2048, 64,
-                         187.1e6 + 7168 * 256 + 3 * 7168 * 2048 + 3 * 3 * 7168 * 18432 / 58),
-}  # fmt: skip
+    "deepseek-v3": Shape(
+        "deepseek-v3",
+        58,
+        256,
+        8,
+        7168,
+        2048,
+        64,
+        187.1e6 + 7168 * 256 + 3 * 7168 * 2048 + 3 * 3 * 7168 * 18432 / 58,
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +89,20 @@ class Costs:
     workers_parallel: int = 0  # CPUs the workers compute on; 0: one per worker
     one_rtt_per_layer: bool = False  # what if: a layer waits one RTT, however many jobs
 
-    def scaled(self, frm: Shape, to: Shape, coord_speedup: float = 1.0,
-               worker_speedup: float = 1.0) -> Costs:  # fmt: skip
+    def scaled(
+        self, frm: Shape, to: Shape, coord_speedup: float = 1.0, worker_speedup: float = 1.0
+    ) -> Costs:
         """These costs for shape `to`, by parameter ratios, on a coordinator `coord_speedup`
         and workers `worker_speedup` times as fast as the calibrating machine's."""
         kc = to.backbone_params / frm.backbone_params / coord_speedup
         kw = (to.hidden * to.expert_ffn) / (frm.hidden * frm.expert_ffn) / worker_speedup
-        return replace(self, c0=self.c0 * kc, c1=self.c1 * kc, c_row=self.c_row * kw,
-                       o_job=self.o_job / worker_speedup)  # fmt: skip
+        return replace(
+            self,
+            c0=self.c0 * kc,
+            c1=self.c1 * kc,
+            c_row=self.c_row * kw,
+            o_job=self.o_job / worker_speedup,
+        )
 
 
 def jobs(shape: Shape, b: float) -> float:
@@ -181,18 +196,28 @@ def layer_times(
 
 
 def layer_ms(
-    shape: Shape, c: Costs, workers: int, rtt_ms: float, batch: int, m: int = 1,
+    shape: Shape,
+    c: Costs,
+    workers: int,
+    rtt_ms: float,
+    batch: int,
+    m: int = 1,
     n_jobs: float | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """Steady-state ms per MoE layer per step (the formula in the module docstring)."""
     t = layer_times(shape, c, workers, rtt_ms, batch / m, n_jobs)
     return max(m * t.coord, t.coord + t.wait, m * t.worker)
 
 
 def tok_s(
-    shape: Shape, c: Costs, workers: int, rtt_ms: float, batch: int, m: int = 1,
+    shape: Shape,
+    c: Costs,
+    workers: int,
+    rtt_ms: float,
+    batch: int,
+    m: int = 1,
     n_jobs: float | None = None,
-) -> float:  # fmt: skip
+) -> float:
     return 1000 * batch / (shape.layers * layer_ms(shape, c, workers, rtt_ms, batch, m, n_jobs))
 
 
@@ -204,9 +229,13 @@ def hidden(shape: Shape, c: Costs, workers: int, rtt_ms: float, batch: int, m: i
 
 
 def hiding_batch(
-    shape: Shape, c: Costs, workers: int, rtt_ms: float, ms: tuple[int, ...] = (2, 4, 8),
+    shape: Shape,
+    c: Costs,
+    workers: int,
+    rtt_ms: float,
+    ms: tuple[int, ...] = (2, 4, 8),
     max_batch: int = 4096,
-) -> tuple[int, int] | None:  # fmt: skip
+) -> tuple[int, int] | None:
     """The smallest (batch, micro-batches) with the round trips hidden, batch a multiple of
     m, or None up to `max_batch`."""
     best: tuple[int, int] | None = None

@@ -23,9 +23,21 @@ class Traffic:
     """Drives a swarm with seeded requests; counters say what happened."""
 
     __slots__ = (
-        "_held", "_killed", "_models", "_ring", "churn_every", "failovers", "hold", "rng", "routed",
-        "slots", "steps", "swarm", "unroutable", "unrecoverable",
-    )  # fmt: skip
+        "_held",
+        "_killed",
+        "_models",
+        "_ring",
+        "churn_every",
+        "failovers",
+        "hold",
+        "rng",
+        "routed",
+        "slots",
+        "steps",
+        "swarm",
+        "unroutable",
+        "unrecoverable",
+    )
 
     def __init__(
         self, swarm: Swarm, seed: int = 0, hold: int = 8, slots: int = 4, churn_every: int = 0

@@ -88,9 +88,14 @@ class ModelSpec:
 
     @classmethod
     def layered(
-        cls, model_id: str, layers: int, layer_gib: float, experts: int = 1,
-        experts_per_slice: int | None = None, fallback: str | None = None,
-    ) -> ModelSpec:  # fmt: skip
+        cls,
+        model_id: str,
+        layers: int,
+        layer_gib: float,
+        experts: int = 1,
+        experts_per_slice: int | None = None,
+        fallback: str | None = None,
+    ) -> ModelSpec:
         """`layers` layers of `layer_gib`; at expert grain each layer is cut in expert ranges."""
         if layers < 1 or experts < 1 or not layer_gib >= 0:
             raise TopologyError(
@@ -142,8 +147,13 @@ class Route:
 
     def as_dict(self) -> dict[str, object]:
         p = self.pipeline
-        return {"model": p.model_id, "pipeline_id": p.pipeline_id, "nodes": list(p.stages),
-                "hops": p.hops, "cost": round(self.cost, 3)}  # fmt: skip
+        return {
+            "model": p.model_id,
+            "pipeline_id": p.pipeline_id,
+            "nodes": list(p.stages),
+            "hops": p.hops,
+            "cost": round(self.cost, 3),
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,8 +49,10 @@ class Budget:
         if limit is not None and s.memory_gib <= 0 and limit == 0:
             log.warning(
                 "free memory of %s is below KVQ_WORKER_MEMORY_RESERVE_GIB (%.2f): this worker "
-                "takes no slice; set KVQ_WORKER_MEMORY_GIB", device, s.memory_reserve_gib,
-            )  # fmt: skip
+                "takes no slice; set KVQ_WORKER_MEMORY_GIB",
+                device,
+                s.memory_reserve_gib,
+            )
         return cls(limit, s.max_slices)
 
 

@@ -33,8 +33,9 @@ class _Bar:
         self.progress = progress
         self.t0 = self.logged = time.monotonic()
         show = sys.stderr.isatty()
-        self.bar = tqdm(total=spec.nbytes, unit="B", unit_scale=True, desc=spec.sid,
-                        disable=not show)  # fmt: skip
+        self.bar = tqdm(
+            total=spec.nbytes, unit="B", unit_scale=True, desc=spec.sid, disable=not show
+        )
         self.log = not show
 
     def update(self, n: int) -> None:
@@ -47,9 +48,13 @@ class _Bar:
             self.logged = now
             rate = self.done / max(now - self.t0, 1e-9)
             log.info(
-                "downloading %s: %.1f of %.1f MB (%.2f MB/s, ETA %.0fs)", self.sid,
-                self.done / 1e6, self.total / 1e6, rate / 1e6, (self.total - self.done) / rate,
-            )  # fmt: skip
+                "downloading %s: %.1f of %.1f MB (%.2f MB/s, ETA %.0fs)",
+                self.sid,
+                self.done / 1e6,
+                self.total / 1e6,
+                rate / 1e6,
+                (self.total - self.done) / rate,
+            )
 
     def close(self) -> None:
         self.bar.close()

@@ -91,8 +91,14 @@ class Loader:
             raise TamperedSource(why, fp, again=True)
         dtype = compute_dtype(self.device, self.compute_dtype, (r.ggml_type for r in spec.ranges))
         t0 = time.monotonic()
-        log.log(level, "loading %s %s (%.1f MB from %s)", held.model, held.sid,
-                spec.nbytes / 1e6, info.source)  # fmt: skip
+        log.log(
+            level,
+            "loading %s %s (%.1f MB from %s)",
+            held.model,
+            held.sid,
+            spec.nbytes / 1e6,
+            info.source,
+        )
         progress(0, spec.nbytes)
         try:
             blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
@@ -106,10 +112,18 @@ class Loader:
         for layer in spec.layers():  # blobs come in range order: layer by layer
             ranges = spec.ranges_of(layer)
             part, at = blobs[at : at + len(ranges)], at + len(ranges)
-            experts.append(decode_slice(
-                ranges, part, layer, spec.expert_start, spec.expert_end,
-                device=str(self.device), dtype=dtype, act=info.meta.expert_act,
-            ))  # fmt: skip
+            experts.append(
+                decode_slice(
+                    ranges,
+                    part,
+                    layer,
+                    spec.expert_start,
+                    spec.expert_end,
+                    device=str(self.device),
+                    dtype=dtype,
+                    act=info.meta.expert_act,
+                )
+            )
         bank = Bank(experts, self.bank_options, self.device, log_level=level)
         hidden = info.meta.embedding_length
         warm_s = warm_up(bank, hidden, dtype, self.device)

@@ -41,12 +41,16 @@ class Membership:
     `work()` (seconds spent computing, rows computed) since the worker started."""
 
     def __init__(
-        self, board: Board, worker_id: str, device: str,
+        self,
+        board: Board,
+        worker_id: str,
+        device: str,
         served: Callable[[], tuple[int, int]] = lambda: (0, 0),
         work: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
-        market: Market | None = None, instance: str | None = None,
+        market: Market | None = None,
+        instance: str | None = None,
         backlog: Backlog | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.board, self.id, self.device, self.served = board, worker_id, device, served
         self.market = market or BoardMarket(board)
         self.instance = instance or uuid.uuid4().hex  # this process, among any of the same id
@@ -93,9 +97,15 @@ class Membership:
         if not self.holds and now - self._idle_beat >= self.board.lifetimes.beat_every_s():
             self._idle_beat = now
             idle = WorkerInfo(
-                model="", slice="", device=self.device, state=IDLE, instance=self.instance,
-                holds="{}", machine=MACHINE, cpus=cpus_text(machine.cpus()),
-            )  # fmt: skip
+                model="",
+                slice="",
+                device=self.device,
+                state=IDLE,
+                instance=self.instance,
+                holds="{}",
+                machine=MACHINE,
+                cpus=cpus_text(machine.cpus()),
+            )
             self.board.beat(self.id, idle)
         got = self.market.volunteer(self.id, self.by_model(), room)
         if got is None:
@@ -144,21 +154,35 @@ class Membership:
         for model, sids in self.by_model().items():
             # after a reap it survived, or lost data
             if self.market.rejoin(model, self.id, *sids):
-                log.warning("the market had lost %s's slices of %s (a reap, or Redis lost its "
-                            "keys); counted them again", self.id, model)  # fmt: skip
+                log.warning(
+                    "the market had lost %s's slices of %s (a reap, or Redis lost its "
+                    "keys); counted them again",
+                    self.id,
+                    model,
+                )
         served, last = self.served()
         load, ms_per_row = self._load()
         done, total = self.progress
         plate = self.backlog.view()
         info = WorkerInfo(
-            model=h.model, slice=h.sid, device=self.device, served=served, last_serve_ms=last,
-            state=LOADING if self.loading is not None else SERVING, loaded_bytes=done,
-            total_bytes=total, load=load, ms_per_row=ms_per_row, busy_rows=plate.busy_rows,
+            model=h.model,
+            slice=h.sid,
+            device=self.device,
+            served=served,
+            last_serve_ms=last,
+            state=LOADING if self.loading is not None else SERVING,
+            loaded_bytes=done,
+            total_bytes=total,
+            load=load,
+            ms_per_row=ms_per_row,
+            busy_rows=plate.busy_rows,
             queued_rows=plate.queued_rows + self._unread_rows(self._unread, served),
-            queued_by=plate.by_coord_text(), instance=self.instance,
+            queued_by=plate.by_coord_text(),
+            instance=self.instance,
             holds=holds_text(self.served_by_model()),
-            machine=MACHINE, cpus=cpus_text(machine.cpus()),
-        )  # fmt: skip
+            machine=MACHINE,
+            cpus=cpus_text(machine.cpus()),
+        )
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
         self._unread = max(0, inbox - plate.jobs) if self.holds else 0

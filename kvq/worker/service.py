@@ -56,9 +56,14 @@ class Worker:
     """One worker; `run()` until `stop` is set (or it idles out)."""
 
     def __init__(
-        self, board: RedisBoard, settings: WorkerSettings, bank: BankOptions, worker_id: str,
-        market: Market | None = None, instance: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        board: RedisBoard,
+        settings: WorkerSettings,
+        bank: BankOptions,
+        worker_id: str,
+        market: Market | None = None,
+        instance: str | None = None,
+    ) -> None:
         self.board, self.s, self.bank_options = board, settings, bank
         self.id = check_id("worker id", worker_id)
         self.device = pick_device(settings.device)
@@ -66,14 +71,26 @@ class Worker:
         self.shelf = Shelf(self.id)
         self.consumer: Consumer | None = None
         self.membership = Membership(
-            board, worker_id, str(self.device), self.shelf.served, self.shelf.work, market,
+            board,
+            worker_id,
+            str(self.device),
+            self.shelf.served,
+            self.shelf.work,
+            market,
             instance,
-        )  # fmt: skip
+        )
         self.stop = threading.Event()
         self._idle_since = time.monotonic()  # holding no slice since
         self._next_ask = 0.0  # monotonic time of the next volunteer ask
-        self.loader = Loader(board, self.id, self.device, settings.compute_dtype,
-                             settings.download_timeout_s, bank, settings.stage_max_seqs)  # fmt: skip
+        self.loader = Loader(
+            board,
+            self.id,
+            self.device,
+            settings.compute_dtype,
+            settings.download_timeout_s,
+            bank,
+            settings.stage_max_seqs,
+        )
         self._loader: threading.Thread | None = None  # asking and loading beside the serving
         self._loads: queue.SimpleQueue[_Found] = queue.SimpleQueue()
         self._loading = threading.Event()  # the volunteer thread is loading (not just asking)
@@ -125,8 +142,12 @@ class Worker:
         self.membership.claim(self.board.lifetimes.claim_wait_s())
         self.membership.start()
         models = self.board.models()
-        log.info("ready: worker %s on %s volunteers for slices of %s", self.id, self.device,
-                 ", ".join(models) if models else "the models a monitor registers")  # fmt: skip
+        log.info(
+            "ready: worker %s on %s volunteers for slices of %s",
+            self.id,
+            self.device,
+            ", ".join(models) if models else "the models a monitor registers",
+        )
         try:
             while not self.stop.is_set():
                 try:
@@ -169,9 +190,11 @@ class Worker:
         applies what the thread found). True if one was offered, or is being asked for."""
         now = time.monotonic()
         # serving already: look for more at the heartbeat's pace, not the idle poll's
-        pace = self.s.volunteer_poll_s if not self.shelf else max(
-            self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s()
-        )  # fmt: skip
+        pace = (
+            self.s.volunteer_poll_s
+            if not self.shelf
+            else max(self.s.volunteer_poll_s, self.board.lifetimes.beat_every_s())
+        )
         self._next_ask = max(self._next_ask, now + pace)
         room = _Room(self.shelf.used_bytes, len(self.shelf), frozenset(self.shelf))
         if self.shelf:
@@ -239,14 +262,24 @@ class Worker:
             if not need:
                 continue
             spare = sorted(
-                (sid for sid in mine if holders[sid] >= 2 and (model, sid) in room.keys
-                 and (free is None or free + info.slices[sid].nbytes >= min(need))),
+                (
+                    sid
+                    for sid in mine
+                    if holders[sid] >= 2
+                    and (model, sid) in room.keys
+                    and (free is None or free + info.slices[sid].nbytes >= min(need))
+                ),
                 key=lambda sid: (-holders[sid], sid),
-            )  # fmt: skip
+            )
             for sid in spare:
                 if self.membership.retire(model, sid) is not None:
-                    log.info("%d slice(s) of %s have no holder: gave back %s (%d holders) to "
-                             "take one", len(need), model, sid, holders[sid])  # fmt: skip
+                    log.info(
+                        "%d slice(s) of %s have no holder: gave back %s (%d holders) to take one",
+                        len(need),
+                        model,
+                        sid,
+                        holders[sid],
+                    )
                     return _GaveBack(model, sid)
         return None
 
@@ -297,8 +330,9 @@ class Worker:
                     exc,
                 )
             return
-        log.error("cannot serve %s %s: %s; volunteering again in %.1fs",
-                  held.model, held.sid, exc, delay)  # fmt: skip
+        log.error(
+            "cannot serve %s %s: %s; volunteering again in %.1fs", held.model, held.sid, exc, delay
+        )
 
     def _install(self, got: Loaded) -> None:
         """A loaded slice starts serving: on the shelf, counted, beating."""
@@ -311,9 +345,15 @@ class Worker:
         # the line already written
         log.info(
             "serving %s %s (%d bytes in %.2fs, warm-up %.2fs) on %s; %d slice(s), %.1f MB",
-            held.model, held.sid, got.nbytes, got.seconds, got.warm_s, self.device,
-            len(self.shelf), self.shelf.used_bytes / 1e6,
-        )  # fmt: skip
+            held.model,
+            held.sid,
+            got.nbytes,
+            got.seconds,
+            got.warm_s,
+            self.device,
+            len(self.shelf),
+            self.shelf.used_bytes / 1e6,
+        )
         self.membership.hold(held)
         self._load_backoff.reset()
         self._next_ask = 0.0  # room left? ask again at once
@@ -358,8 +398,12 @@ class Worker:
             if h is None:
                 self.shelf.last_job[key] = now  # still needed: look again later
                 continue
-            log.info("no job for %.0fs and %s %s is over-covered: released it",
-                     self.s.idle_release_s, h.model, h.sid)  # fmt: skip
+            log.info(
+                "no job for %.0fs and %s %s is over-covered: released it",
+                self.s.idle_release_s,
+                h.model,
+                h.sid,
+            )
             self.shelf.drop(h.model, h.sid)
             self._next_ask = 0.0
         if not self.shelf:
@@ -425,9 +469,15 @@ class Worker:
         assert self.consumer is not None
         try:
             dead_letter(
-                self.board.r, self.board.keys, self.consumer.stream, eid, fields, reason,
-                self.board.maxlen, self._dead_key,
-            )  # fmt: skip
+                self.board.r,
+                self.board.keys,
+                self.consumer.stream,
+                eid,
+                fields,
+                reason,
+                self.board.maxlen,
+                self._dead_key,
+            )
         except redis.RedisError as exc:
             if is_connection_error(exc) or refusal(exc):
                 raise

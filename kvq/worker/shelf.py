@@ -68,9 +68,10 @@ class Shelf:
         if sv is None:
             mine = sorted(s for m, s in self.servers if m == job.model)
             where = (
-                f"this worker holds no slice of {job.model}" if not mine
+                f"this worker holds no slice of {job.model}"
+                if not mine
                 else f"this worker holds slice(s) {', '.join(mine)} of {job.model}, not that one"
-            )  # fmt: skip
+            )
             held = ", ".join(
                 f"{m} layers {sv.bank.layers if sv.bank else []}"
                 for (m, _), sv in self.servers.items()

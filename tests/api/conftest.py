@@ -117,10 +117,17 @@ def system(
     redis_server: EmbeddedRedis, api_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[System]:
     s = load_settings(
-        redis_url=redis_server.url, prefix=f"t{uuid.uuid4().hex[:10]}", block_ms=100,
-        heartbeat_ttl_s=1.0, volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50,
-        slot_poll_s=0.02, n_slots=4, api_timeout_s=30.0,
-    )  # fmt: skip
+        redis_url=redis_server.url,
+        prefix=f"t{uuid.uuid4().hex[:10]}",
+        block_ms=100,
+        heartbeat_ttl_s=1.0,
+        volunteer_poll_s=0.05,
+        monitor_poll_s=0.1,
+        dispatch_refresh_ms=50,
+        slot_poll_s=0.02,
+        n_slots=4,
+        api_timeout_s=30.0,
+    )
     tmp = tmp_path_factory.mktemp("api")
     mon = Monitor.from_settings(s)
     mon.register(MODEL, api_model)

@@ -29,8 +29,13 @@ def cancelled_ids(system: System) -> list[str]:
 
 def test_disconnect_mid_stream_cancels(system: System) -> None:
     before = system.coord.cancelled
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 0,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "a long story",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", system.url + "/v1/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -50,10 +55,22 @@ def test_disconnect_mid_stream_cancels(system: System) -> None:
 def test_interrupted_submit_cancels(system: System) -> None:
     before = system.coord.cancelled
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvq", "submit", "--model", MODEL, "--prompt", "go on",
-         "--max-tokens", "450"],
-        env=child_env(system.settings), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "submit",
+            "--model",
+            MODEL,
+            "--prompt",
+            "go on",
+            "--max-tokens",
+            "450",
+        ],
+        env=child_env(system.settings),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait(lambda: system.coord.engine.busy > 0, "the request to be generated", 60)
         rid = system.coord.engine.active[0].request_id

@@ -57,10 +57,14 @@ def test_streamed_completion_equals_the_whole_one(oai: OpenAI) -> None:
     whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
     chunks = list(
         oai.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert all(ch.id.startswith("cmpl-") and ch.model == MODEL for ch in chunks)
     assert len({ch.id for ch in chunks}) == 1
     texts = [ch.choices[0].text for ch in chunks if ch.choices]
@@ -119,9 +123,11 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(oai: OpenAI, system
         start, end = span(k)
         stop = text[start:end]
         return (
-            len(pieces[k]) - len(pieces[k - 1]) >= 2 and end <= len(pieces[k + 2])
-            and "\ufffd" not in stop and text.find(stop) == start
-        )  # fmt: skip
+            len(pieces[k]) - len(pieces[k - 1]) >= 2
+            and end <= len(pieces[k + 2])
+            and "\ufffd" not in stop
+            and text.find(stop) == start
+        )
 
     assert pieces[-1] == text
     start, end = span(next(k for k in range(1, len(gen) - 2) if fits(k)))
@@ -129,9 +135,13 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(oai: OpenAI, system
     assert len(stop) >= 3
     for stream in (False, True):
         r = oai.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzzq"],
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop, "zzzq"],
             stream=stream,
-        )  # fmt: skip
+        )
         if stream:
             chunks = list(r)  # type: ignore[arg-type]
             got = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -186,8 +196,13 @@ def test_logprobs_are_log_softmax_of_the_logits(
 
     msgs = [{"role": "user", "content": "x"}]
     chat = oai.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=5,  # type: ignore[arg-type]
-    )  # fmt: skip
+        model=MODEL,
+        messages=msgs,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,  # type: ignore[arg-type]
+    )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     prompt = env.from_string(CHAT_TEMPLATE).render(messages=msgs, add_generation_prompt=True)

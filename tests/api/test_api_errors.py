@@ -39,10 +39,12 @@ BAD_CHATS: list[tuple[dict[str, Any], str]] = [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 9},
-     "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 9},
+        "top_logprobs",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
-]  # fmt: skip
+]
 
 
 def post(url: str, path: str, body: Any, **kw: Any) -> httpx.Response:
@@ -167,8 +169,13 @@ def test_flood_gets_429_and_the_rest_is_served(system: System) -> None:
     url = system.gateway(api_max_queue=1)
 
     def one(i: int) -> tuple[int, str | None, str]:
-        body = {"model": MODEL, "prompt": f"flood {i}", "max_tokens": 40, "temperature": 0,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": f"flood {i}",
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
             text = resp.read().decode()
             return resp.status_code, resp.headers.get("Retry-After"), text
@@ -178,8 +185,9 @@ def test_flood_gets_429_and_the_rest_is_served(system: System) -> None:
     statuses = [s for s, _, _ in got]
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
     assert all(ra is not None and int(ra) >= 1 for s, ra, _ in got if s == 429)
-    assert all(text.endswith("data: [DONE]\n\n") and '"length"' in text
-               for s, _, text in got if s == 200)  # fmt: skip
+    assert all(
+        text.endswith("data: [DONE]\n\n") and '"length"' in text for s, _, text in got if s == 200
+    )
 
 
 def test_api_keys_and_the_per_key_limit(system: System) -> None:
@@ -253,17 +261,24 @@ MALFORMED: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"model": "%s", "prompt": [18446744073709551616]}' % MODEL.encode()),
     ("/v1/completions", b'{"model": "%s", "prompt": [-1]}' % MODEL.encode()),
     ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800 lone"}' % MODEL.encode()),
-    ("/v1/chat/completions",
-     b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}' % MODEL.encode()),
+    (
+        "/v1/chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}' % MODEL.encode(),
+    ),
     ("/v1/completions", b'{"model": "%s", "prompt": "x", "max_tokens": 1e400}' % MODEL.encode()),
-    ("/v1/completions", b'{"model": "%s", "prompt": "x", "seed": 18446744073709551616}'
-     % MODEL.encode()),
-    ("/v1/completions", b'{"model": "%s", "prompt": "x", "logit_bias": {"99999999999999999999": 1}}'
-     % MODEL.encode()),
+    (
+        "/v1/completions",
+        b'{"model": "%s", "prompt": "x", "seed": 18446744073709551616}' % MODEL.encode(),
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "%s", "prompt": "x", "logit_bias": {"99999999999999999999": 1}}'
+        % MODEL.encode(),
+    ),
     ("/tokenize", b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode()),
     ("/detokenize", b'{"model": "%s", "tokens": [18446744073709551616]}' % MODEL.encode()),
     ("/v1/completions", b"\xff\xfe not utf-8"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body"), MALFORMED, ids=range(len(MALFORMED)))

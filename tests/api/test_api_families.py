@@ -22,8 +22,12 @@ from kvq.model.chat import load_chat_template
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
 
-FAMILIES = {"olmoe": ("olmoe", ""), "glm": ("glm4moe", ""), "dsv3": ("deepseek2", "v3"),
-            "dsv2lite": ("deepseek2", "v2-lite")}  # fmt: skip
+FAMILIES = {
+    "olmoe": ("olmoe", ""),
+    "glm": ("glm4moe", ""),
+    "dsv3": ("deepseek2", "v3"),
+    "dsv2lite": ("deepseek2", "v2-lite"),
+}
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 
 
@@ -37,9 +41,15 @@ def families(
         paths[model] = d / f"{model}.gguf"
         make_tiny(paths[model], arch=arch, variant=variant, layers=3, tokenizer="bpe", seed=7)
     s = load_settings(
-        redis_url=redis_server.url, prefix=f"f{uuid.uuid4().hex[:10]}", block_ms=100,
-        heartbeat_ttl_s=1.0, monitor_poll_s=0.1, slot_poll_s=0.02, n_slots=2, api_timeout_s=60.0,
-    )  # fmt: skip
+        redis_url=redis_server.url,
+        prefix=f"f{uuid.uuid4().hex[:10]}",
+        block_ms=100,
+        heartbeat_ttl_s=1.0,
+        monitor_poll_s=0.1,
+        slot_poll_s=0.02,
+        n_slots=2,
+        api_timeout_s=60.0,
+    )
     mon = Monitor.from_settings(s)
     coords = []
     for model, path in paths.items():

@@ -14,14 +14,41 @@ from conftest import MODEL, System
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-NAMES = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-         "top_k", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-         "logprobs", "top_logprobs", "stream", "stream_options", "n", "best_of", "echo", "user",
-         "logit_bias", "tokens", "add_special_tokens", "role", "content"]  # fmt: skip
+NAMES = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "echo",
+    "user",
+    "logit_bias",
+    "tokens",
+    "add_special_tokens",
+    "role",
+    "content",
+]
 LEAVES = (
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(-3, 40)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-)  # fmt: skip
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-3, 40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
 VALUES = st.recursive(
     LEAVES,
     lambda inner: (
@@ -34,17 +61,28 @@ INTS = st.integers(-5, 300) | st.integers(-(2**70), 2**70)
 TEXT = st.text(max_size=20)
 NEAR = {  # values close to valid ones, so that the checks past the first one run too
     "prompt": TEXT | st.lists(INTS, min_size=1, max_size=5) | st.lists(TEXT, max_size=2),
-    "messages": st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | VALUES,
-        "content": TEXT | VALUES}), max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | VALUES,
+                "content": TEXT | VALUES,
+            }
+        ),
+        max_size=3,
+    ),
     "tokens": st.lists(INTS, max_size=5),
     "stop_token_ids": st.lists(INTS, max_size=5),
     "stop": TEXT | st.lists(TEXT, max_size=5),
-    "max_tokens": INTS, "seed": INTS, "top_k": INTS, "logprobs": INTS | st.booleans(),
-    "top_logprobs": INTS, "stream": st.booleans(),
+    "max_tokens": INTS,
+    "seed": INTS,
+    "top_k": INTS,
+    "logprobs": INTS | st.booleans(),
+    "top_logprobs": INTS,
+    "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5),
-}  # fmt: skip
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+}
 FIELDS = st.sampled_from(NAMES).flatmap(
     lambda n: st.tuples(st.just(n), NEAR[n] | VALUES if n in NEAR else VALUES)
 )

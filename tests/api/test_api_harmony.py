@@ -9,9 +9,22 @@ from kvq import wire
 from kvq.api.shape import Answer
 
 TOKENS = [
-    "<|channel|>", "analysis", "<|message|>", "User", " says", " hi", ".", "<|end|>",
-    "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hello", "!",
-]  # fmt: skip
+    "<|channel|>",
+    "analysis",
+    "<|message|>",
+    "User",
+    " says",
+    " hi",
+    ".",
+    "<|end|>",
+    "<|start|>",
+    "assistant",
+    "<|channel|>",
+    "final",
+    "<|message|>",
+    "Hello",
+    "!",
+]
 WHOLE = "".join(TOKENS)
 
 
@@ -50,8 +63,10 @@ def test_stream_sends_reasoning_then_content() -> None:
 
 def test_other_answers_are_untouched() -> None:
     answer = Answer("r3", "qwen", chat=True, logprobs=False)
-    for ev in (wire.ReplyEvent(kind="token", text="Hi <|channel|>"),
-               wire.ReplyEvent(kind="done", index=1, text="Hi <|channel|>", finish="eos")):  # fmt: skip
+    for ev in (
+        wire.ReplyEvent(kind="token", text="Hi <|channel|>"),
+        wire.ReplyEvent(kind="done", index=1, text="Hi <|channel|>", finish="eos"),
+    ):
         answer.add(ev)
     assert answer.whole()["choices"][0]["message"] == {
         "role": "assistant",

@@ -39,8 +39,9 @@ def test_an_unknown_chat_role_is_400_before_queueing(oai: OpenAI, system: System
     before = system.queued()
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "robot", "content": "x"}],  # type: ignore[misc,list-item]
-        )  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "robot", "content": "x"}],  # type: ignore[misc,list-item]
+        )
     err = exc.value.body
     assert isinstance(err, dict) and err["param"] == "messages[0].role", err
     assert "robot" in err["message"] and "assistant" in err["message"]
@@ -75,20 +76,33 @@ def test_tokenize_and_detokenize_in_vllms_shapes(system: System, context: int) -
     r = httpx.post(system.url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body == {"count": len(tok.encode(text)), "max_model_len": context,
-                    "tokens": tok.encode(text), "token_strs": None}  # fmt: skip
-    plain = httpx.post(system.url + "/tokenize", json={"model": MODEL, "prompt": text,
-                       "add_special_tokens": False}, timeout=30).json()  # fmt: skip
+    assert body == {
+        "count": len(tok.encode(text)),
+        "max_model_len": context,
+        "tokens": tok.encode(text),
+        "token_strs": None,
+    }
+    plain = httpx.post(
+        system.url + "/tokenize",
+        json={"model": MODEL, "prompt": text, "add_special_tokens": False},
+        timeout=30,
+    ).json()
     assert plain["tokens"] == tok.encode(text, add_bos=False)
-    chat = httpx.post(system.url + "/tokenize", json={"model": MODEL, "messages": [
-        {"role": "user", "content": text}]}, timeout=30).json()  # fmt: skip
+    chat = httpx.post(
+        system.url + "/tokenize",
+        json={"model": MODEL, "messages": [{"role": "user", "content": text}]},
+        timeout=30,
+    ).json()
     assert chat["count"] > body["count"]
-    r = httpx.post(system.url + "/detokenize", json={"model": MODEL, "tokens": plain["tokens"]},
-                   timeout=30)  # fmt: skip
+    r = httpx.post(
+        system.url + "/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}, timeout=30
+    )
     assert r.status_code == 200 and r.json() == {"prompt": text}, r.text
-    for path, bad, param in (("/tokenize", {"model": MODEL}, "prompt"),
-                             ("/detokenize", {"model": MODEL, "tokens": ["a"]}, "tokens"),
-                             ("/tokenize", {"model": 7, "prompt": "x"}, "model")):  # fmt: skip
+    for path, bad, param in (
+        ("/tokenize", {"model": MODEL}, "prompt"),
+        ("/detokenize", {"model": MODEL, "tokens": ["a"]}, "tokens"),
+        ("/tokenize", {"model": 7, "prompt": "x"}, "model"),
+    ):
         r = httpx.post(system.url + path, json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(system.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30)
@@ -100,8 +114,11 @@ def test_cors_is_off_by_default_and_opt_in(system: System) -> None:
     off = httpx.get(system.url + "/v1/models", headers=origin, timeout=30)
     assert "access-control-allow-origin" not in off.headers
     url = system.gateway(api_cors_origins="http://app.example")
-    pre = httpx.options(url + "/v1/chat/completions", headers=origin | {
-        "Access-Control-Request-Headers": "authorization,content-type"}, timeout=30)  # fmt: skip
+    pre = httpx.options(
+        url + "/v1/chat/completions",
+        headers=origin | {"Access-Control-Request-Headers": "authorization,content-type"},
+        timeout=30,
+    )
     assert pre.status_code == 200, pre.text
     assert pre.headers["access-control-allow-origin"] == "http://app.example"
     got = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example"}, timeout=30)

@@ -27,8 +27,7 @@ def flood(url: str, n: int, max_tokens: int) -> tuple[Counter[int], list[float],
 
     def one(i: int) -> int:
         t0 = time.monotonic()
-        body = {"model": MODEL, "prompt": f"flood {i}", "max_tokens": max_tokens,
-                "temperature": 0}  # fmt: skip
+        body = {"model": MODEL, "prompt": f"flood {i}", "max_tokens": max_tokens, "temperature": 0}
         resp = httpx.post(url + "/v1/completions", json=body, timeout=300)
         times.append(time.monotonic() - t0)
         if resp.status_code == 429:
@@ -79,8 +78,9 @@ def test_429_when_the_measured_rate_says_it_would_not_start_in_time(system: Syst
         system.r.xadd(stream, {"x": str(i)})
     system.r.xgroup_create(stream, COORDINATOR_GROUP, id="0")
     url = system.gateway(api_timeout_s=1.0, api_max_queue=64)
-    waiting = threading.Thread(target=post, args=(url, "/v1/completions", {"model": "slow",
-                               "prompt": "x"}))  # fmt: skip
+    waiting = threading.Thread(
+        target=post, args=(url, "/v1/completions", {"model": "slow", "prompt": "x"})
+    )
     waiting.start()  # its wait samples the queue
     for _ in range(6):  # 2 entries/s taken by a "coordinator"
         time.sleep(0.5)

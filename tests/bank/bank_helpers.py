@@ -19,9 +19,14 @@ DEVICE = torch.device(os.environ.get("BANK_TEST_DEVICE", "cpu"))
 
 
 def make_slice(
-    layer: int = 0, start: int = 0, end: int = 8, hidden: int = 32, ffn: int = 48,
-    seed: int = 0, dtype: torch.dtype = torch.float32,
-) -> ExpertSlice:  # fmt: skip
+    layer: int = 0,
+    start: int = 0,
+    end: int = 8,
+    hidden: int = 32,
+    ffn: int = 48,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> ExpertSlice:
     """Random experts [start, end) of `layer` on the CPU (non-square: transposes fail loudly)."""
     gen = torch.Generator().manual_seed(seed * 1000 + layer)
     n = end - start
@@ -29,8 +34,9 @@ def make_slice(
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.2).to(dtype)
 
-    return ExpertSlice(layer, start, end, rand(n, ffn, hidden), rand(n, ffn, hidden),
-                       rand(n, hidden, ffn))  # fmt: skip
+    return ExpertSlice(
+        layer, start, end, rand(n, ffn, hidden), rand(n, ffn, hidden), rand(n, hidden, ffn)
+    )
 
 
 def per_expert(sl: ExpertSlice) -> int:
@@ -49,8 +55,9 @@ def routes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] distinct per row in [start, end) and weights [T, k] summing to 1."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(end - start, generator=gen)[:k] + start
-                       for _ in range(tokens)])  # fmt: skip
+    ids = torch.stack(
+        [torch.randperm(end - start, generator=gen)[:k] + start for _ in range(tokens)]
+    )
     w = torch.rand(tokens, k, generator=gen)
     return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
 

@@ -92,9 +92,12 @@ def test_bfloat16_and_empty_rows(device: torch.device) -> None:
     ],
 )
 def test_forward_errors(
-    layer: int, x_shape: tuple[int, int], ids_dtype: torch.dtype,
-    rng: tuple[int | None, int | None], match: str,
-) -> None:  # fmt: skip
+    layer: int,
+    x_shape: tuple[int, int],
+    ids_dtype: torch.dtype,
+    rng: tuple[int | None, int | None],
+    match: str,
+) -> None:
     bank = Bank([make_slice()], opts())
     ids, w = routes(4, 2, 0, 8)
     with pytest.raises(BankError, match=match):
@@ -130,8 +133,13 @@ def test_sub_range_forward_counts_only_its_range() -> None:
 
 def test_hot_set_from_histogram() -> None:
     sls = [make_slice(layer=i, start=4, end=8) for i in (0, 1)]
-    hist = Histogram("m", [table(0, [0, 0, 0, 0, 1, 50, 2, 3], [1] * 8),
-                           table(1, [9, 9, 9, 9, 40, 0, 30, 1], [1] * 8)])  # fmt: skip
+    hist = Histogram(
+        "m",
+        [
+            table(0, [0, 0, 0, 0, 1, 50, 2, 3], [1] * 8),
+            table(1, [9, 9, 9, 9, 40, 0, 30, 1], [1] * 8),
+        ],
+    )
     bank = Bank(sls, opts(hot_bytes=3 * per_expert(sls[0])), hist=hist)
     assert bank.hot_set() == {0: [5], 1: [4, 6]}  # global ids; sizes are resident bytes
     assert bank.hot_bytes == 3 * per_expert(sls[0])
@@ -177,11 +185,16 @@ def test_budget_overflow_refuses_to_build(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize(
     ("kw", "name"),
-    [({"dyn_steps": 0}, "dyn_steps"), ({"dyn_margin": 0.9}, "dyn_margin"),
-     ({"dyn_margin": float("nan")}, "dyn_margin"), ({"numa_policy": "x"}, "numa_policy"),
-     ({"cold_path": "x"}, "cold_path"), ({"hot_bytes": -1}, "hot_bytes"),
-     ({"dyn_max_swaps": 0}, "dyn_max_swaps")],
-)  # fmt: skip
+    [
+        ({"dyn_steps": 0}, "dyn_steps"),
+        ({"dyn_margin": 0.9}, "dyn_margin"),
+        ({"dyn_margin": float("nan")}, "dyn_margin"),
+        ({"numa_policy": "x"}, "numa_policy"),
+        ({"cold_path": "x"}, "cold_path"),
+        ({"hot_bytes": -1}, "hot_bytes"),
+        ({"dyn_max_swaps": 0}, "dyn_max_swaps"),
+    ],
+)
 def test_options_are_validated(kw: dict[str, object], name: str) -> None:
     with pytest.raises(BankError, match=name):
         BankOptions(**kw)  # type: ignore[arg-type]

@@ -34,8 +34,23 @@ def test_collect_counts_every_routing(
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n\nexperts\n")
     out = tmp_path / "h.json"
-    assert main(["balance", "collect", "--model", str(model), "--prompts", str(prompts),
-                 "--tokens", "4", "-o", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "balance",
+                "collect",
+                "--model",
+                str(model),
+                "--prompts",
+                str(prompts),
+                "--tokens",
+                "4",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     hist = load_hist(out)
     meta = read_meta(model)
     # (BOS + bytes + generated tokens, minus the last one never fed back) x experts_used
@@ -49,22 +64,35 @@ def test_collect_counts_every_routing(
 def test_collect_errors(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "e.txt"
     empty.write_text("\n\n")
-    assert main(["balance", "collect", "--model", str(model), "--prompts", str(empty),
-                 "-o", str(tmp_path / "h.json")]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "balance",
+                "collect",
+                "--model",
+                str(model),
+                "--prompts",
+                str(empty),
+                "-o",
+                str(tmp_path / "h.json"),
+            ]
+        )
+        == 1
+    )
     assert "no non-empty line" in capsys.readouterr().err
 
 
 def _write(path: Path, counts: list[list[int]], model: str = "m") -> Path:
-    layers = [{"layer": i, "counts": c, "expert_bytes": [1 << 20] * len(c)}
-              for i, c in enumerate(counts)]  # fmt: skip
+    layers = [
+        {"layer": i, "counts": c, "expert_bytes": [1 << 20] * len(c)} for i, c in enumerate(counts)
+    ]
     path.write_text(json.dumps({"model": model, "layers": layers}))
     return path
 
 
 def test_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     h = _write(tmp_path / "h.json", [[5, 1, 9, 0], [2, 8, 1, 1]])
-    assert main(["balance", "plan", "--hist", str(h), "--budget-gib", str(3 / 1024),
-                 "--json"]) == 0  # fmt: skip
+    assert main(["balance", "plan", "--hist", str(h), "--budget-gib", str(3 / 1024), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["hot"] == {"0": [0, 2], "1": [1]}
     assert doc["bytes_used"] == 3 << 20 and doc["covered_share"] == pytest.approx(22 / 27)
@@ -79,8 +107,11 @@ def test_plan_human(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"model": "m", "layers": [
-        {"layer": 0, "counts": [1, -3], "expert_bytes": [1, 1]}]}))  # fmt: skip
+    bad.write_text(
+        json.dumps(
+            {"model": "m", "layers": [{"layer": 0, "counts": [1, -3], "expert_bytes": [1, 1]}]}
+        )
+    )
     assert main(["balance", "plan", "--hist", str(bad), "--budget-gib", "1"]) == 1
     assert "layer 0 expert 1" in capsys.readouterr().err
     good = _write(tmp_path / "h.json", [[1]])

@@ -15,8 +15,10 @@ from kvq.errors import BankError
 
 def doc(**layer0: object) -> dict[str, object]:
     row = {"layer": 0, "counts": [3, 1, 2], "expert_bytes": [10, 10, 10]} | layer0
-    return {"model": "m", "layers": [row, {"layer": 1, "counts": [0, 5, 1],
-                                           "expert_bytes": [10, 10, 10]}]}  # fmt: skip
+    return {
+        "model": "m",
+        "layers": [row, {"layer": 1, "counts": [0, 5, 1], "expert_bytes": [10, 10, 10]}],
+    }
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -48,8 +50,9 @@ def test_invalid_histograms(bad: object, match: str) -> None:
 
 def test_nan_in_file_is_refused(tmp_path: Path) -> None:
     p = tmp_path / "h.json"
-    p.write_text('{"model": "m", "layers": [{"layer": 0, "counts": [1, NaN], '
-                 '"expert_bytes": [1, 1]}]}')  # fmt: skip
+    p.write_text(
+        '{"model": "m", "layers": [{"layer": 0, "counts": [1, NaN], "expert_bytes": [1, 1]}]}'
+    )
     with pytest.raises(BankError, match="layer 0 expert 1: .*NaN"):
         load_hist(p)
 
@@ -123,5 +126,7 @@ def test_rerank_bad_prior() -> None:
 def test_json_is_plain(tmp_path: Path) -> None:
     save_hist(_hist("m", [1, 2]), tmp_path / "h.json")
     loaded = json.loads((tmp_path / "h.json").read_text())
-    assert loaded == {"model": "m", "layers": [{"layer": 0, "counts": [1, 2],
-                                                "expert_bytes": [8, 8]}]}  # fmt: skip
+    assert loaded == {
+        "model": "m",
+        "layers": [{"layer": 0, "counts": [1, 2], "expert_bytes": [8, 8]}],
+    }

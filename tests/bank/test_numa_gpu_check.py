@@ -79,7 +79,12 @@ def test_gpu_check_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_check_script_without_cuda() -> None:
     env = {**os.environ, "PYTHON": sys.executable}  # the interpreter running the tests
-    proc = subprocess.run(["bash", str(ROOT / "workers/gpu_check.sh")], capture_output=True,
-                          text=True, timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(ROOT / "workers/gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "nothing to check" in proc.stdout

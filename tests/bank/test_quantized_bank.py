@@ -27,8 +27,9 @@ from kvq.model.qstack import QStack
 @pytest.fixture(scope="module", params=["f32", "q8_0", "q4_0"])
 def quant_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qbank") / f"tiny-{request.param}.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=64,
-              quant=request.param)  # fmt: skip
+    make_tiny(
+        path, layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=64, quant=request.param
+    )
     return path
 
 
@@ -114,9 +115,13 @@ def test_backbone_anonymous_memory_does_not_hold_the_experts(tmp_path: Path) -> 
     make_tiny(path, layers=2, experts=32, experts_used=2, hidden=256, expert_ffn=512)
     dense_experts = 2 * 32 * 3 * 256 * 512 * 4  # what fp32 dequantized experts would take
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True,
-    )  # fmt: skip
+        [sys.executable, "-c", _CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+    )
     growth = json.loads(out.stdout.strip().splitlines()[-1])["anon_growth"]
     assert growth < dense_experts / 4, (
         f"anonymous memory grew {growth} bytes (experts: {dense_experts})"

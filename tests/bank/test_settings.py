@@ -36,14 +36,26 @@ def test_empty_hot_gib_means_stock(monkeypatch: pytest.MonkeyPatch, value: str) 
 
 
 def test_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in {"KVQ_HOT_GIB": "1.5", "KVQ_DYNAMIC": "0", "KVQ_DYN_STEPS": "50",
-                 "KVQ_DYN_MAX_SWAPS": "4", "KVQ_DYN_MARGIN": "2", "KVQ_VRAM_RESERVE_GIB": "0.5",
-                 "KVQ_NUMA_POLICY": "bind"}.items():  # fmt: skip
+    for k, v in {
+        "KVQ_HOT_GIB": "1.5",
+        "KVQ_DYNAMIC": "0",
+        "KVQ_DYN_STEPS": "50",
+        "KVQ_DYN_MAX_SWAPS": "4",
+        "KVQ_DYN_MARGIN": "2",
+        "KVQ_VRAM_RESERVE_GIB": "0.5",
+        "KVQ_NUMA_POLICY": "bind",
+    }.items():
         monkeypatch.setenv(k, v)
     o = BankOptions.from_settings(load_settings())
-    assert o == BankOptions(hot_bytes=int(1.5 * GIB), dynamic=False, dyn_steps=50,
-                            dyn_max_swaps=4, dyn_margin=2.0, vram_reserve_bytes=GIB // 2,
-                            numa_policy="bind")  # fmt: skip
+    assert o == BankOptions(
+        hot_bytes=int(1.5 * GIB),
+        dynamic=False,
+        dyn_steps=50,
+        dyn_max_swaps=4,
+        dyn_margin=2.0,
+        vram_reserve_bytes=GIB // 2,
+        numa_policy="bind",
+    )
 
 
 def test_empty_strings_do_not_leak_into_other_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,13 +67,21 @@ def test_empty_strings_do_not_leak_into_other_fields(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(
     ("var", "value"),
     [
-        ("KVQ_DYN_STEPS", "0"), ("KVQ_DYN_STEPS", "-5"), ("KVQ_DYN_STEPS", "x"),
-        ("KVQ_DYN_MAX_SWAPS", "0"), ("KVQ_DYN_MARGIN", "0.9"), ("KVQ_DYN_MARGIN", "nan"),
-        ("KVQ_DYN_MARGIN", "inf"), ("KVQ_HOT_GIB", "-1"), ("KVQ_HOT_GIB", "lots"),
-        ("KVQ_HOT_GIB", "nan"), ("KVQ_VRAM_RESERVE_GIB", "-2"), ("KVQ_NUMA_POLICY", "interleave"),
+        ("KVQ_DYN_STEPS", "0"),
+        ("KVQ_DYN_STEPS", "-5"),
+        ("KVQ_DYN_STEPS", "x"),
+        ("KVQ_DYN_MAX_SWAPS", "0"),
+        ("KVQ_DYN_MARGIN", "0.9"),
+        ("KVQ_DYN_MARGIN", "nan"),
+        ("KVQ_DYN_MARGIN", "inf"),
+        ("KVQ_HOT_GIB", "-1"),
+        ("KVQ_HOT_GIB", "lots"),
+        ("KVQ_HOT_GIB", "nan"),
+        ("KVQ_VRAM_RESERVE_GIB", "-2"),
+        ("KVQ_NUMA_POLICY", "interleave"),
         ("KVQ_DYNAMIC", "sometimes"),
     ],
-)  # fmt: skip
+)
 def test_garbage_is_refused(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError) as info:
@@ -81,8 +101,12 @@ def test_child_env_round_trips_bank_settings(monkeypatch: pytest.MonkeyPatch) ->
 def test_config_check_names_the_knob(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvq", "config", "check"], env=env | {"KVQ_DYN_STEPS": "0"},
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "kvq", "config", "check"],
+        env=env | {"KVQ_DYN_STEPS": "0"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "KVQ_DYN_STEPS" in proc.stderr and "Traceback" not in proc.stderr

@@ -22,8 +22,10 @@ def backbone(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_generation_is_unchanged_and_counted(backbone: Backbone, dynamic: bool) -> None:
-    bank = Bank(backbone.experts.values(), opts(hot_bytes=4 * per_expert(backbone.experts[0]),
-                                       dynamic=dynamic, dyn_steps=3))  # fmt: skip
+    bank = Bank(
+        backbone.experts.values(),
+        opts(hot_bytes=4 * per_expert(backbone.experts[0]), dynamic=dynamic, dyn_steps=3),
+    )
     prompt = ByteTokenizer.from_meta(backbone.meta).encode("hot and cold")
     want = generate(backbone, prompt, 12, stop_at_eos=False)
 

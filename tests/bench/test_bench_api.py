@@ -12,8 +12,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def test_bench_api_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "api", "--json", "--streams", "2", "--requests", "4", "--max-tokens", "4",
-            "--rounds", "1"]  # fmt: skip
+    argv = [
+        "bench",
+        "api",
+        "--json",
+        "--streams",
+        "2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "4",
+        "--rounds",
+        "1",
+    ]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)
     for side in ("direct", "api"):

@@ -12,20 +12,37 @@ from kvq.errors import ConfigError
 from kvq.model import make_tiny
 
 KEYS = {
-    "saturation_to_first_remote_s", "drain_to_release_s", "boost_flips_per_10min",
-    "remote_share_saturated", "boost_flips", "noisy_window_s", "idle_release_s",
-    "saturation_leave_s", "saturation_enter_s", "monitor_poll_s", "targets", "policy",
-}  # fmt: skip
+    "saturation_to_first_remote_s",
+    "drain_to_release_s",
+    "boost_flips_per_10min",
+    "remote_share_saturated",
+    "boost_flips",
+    "noisy_window_s",
+    "idle_release_s",
+    "saturation_leave_s",
+    "saturation_enter_s",
+    "monitor_poll_s",
+    "targets",
+    "policy",
+}
 
 
 def test_elastic_bench_reports_its_timings(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=2, experts=8, experts_used=2)
-    r = run_elastic_bench(ElasticBench(
-        model=str(model), max_tokens=4, saturated_s=2.0, noisy_s=2.0, idle_release_s=0.5,
-        saturation_enter_s=0.2, saturation_leave_s=0.5, monitor_poll_s=0.1,
-        log_dir=str(tmp_path / "logs"),
-    ))  # fmt: skip
+    r = run_elastic_bench(
+        ElasticBench(
+            model=str(model),
+            max_tokens=4,
+            saturated_s=2.0,
+            noisy_s=2.0,
+            idle_release_s=0.5,
+            saturation_enter_s=0.2,
+            saturation_leave_s=0.5,
+            monitor_poll_s=0.1,
+            log_dir=str(tmp_path / "logs"),
+        )
+    )
     assert KEYS <= r.keys()
     assert 0 < r["saturation_to_first_remote_s"] < 60
     assert 0 <= r["drain_to_release_s"] < 60

@@ -26,10 +26,27 @@ def test_every_kernel_type_is_timed_against_the_dense_path() -> None:
 
 def test_cli_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "bench", "kernels", "--rows", "32", "--cols", "256",
-         "--batches", "1", "--threads", "1", "--json"],
-        capture_output=True, text=True, check=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "bench",
+            "kernels",
+            "--rows",
+            "32",
+            "--cols",
+            "256",
+            "--batches",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     r = json.loads(out.stdout)
     assert r["shape"] == [32, 256] and len(r["results"]) == len(kernels.KERNEL_TYPES)
     assert r["threads"] == 1

@@ -17,10 +17,16 @@ from kvq.model import make_tiny
 def test_microbatch_bench_pairs_the_arms(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=2, experts=8, experts_used=2)
-    r = run_microbatch_bench(MicrobatchBench(
-        model=str(model), sequences=4, max_tokens=6, warmup_steps=4, pairs=6,
-        log_dir=str(tmp_path / "logs"),
-    ))  # fmt: skip
+    r = run_microbatch_bench(
+        MicrobatchBench(
+            model=str(model),
+            sequences=4,
+            max_tokens=6,
+            warmup_steps=4,
+            pairs=6,
+            log_dir=str(tmp_path / "logs"),
+        )
+    )
     assert set(r["arms"]) == {"1", "2"}
     for arm in r["arms"].values():
         assert arm["steps"] == 6 and arm["mean_ms"] > 0 and arm["remote_jobs_per_step"] >= 0

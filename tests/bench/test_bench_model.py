@@ -16,11 +16,25 @@ from kvq.model import make_tiny
 
 pytestmark = pytest.mark.timeout(60)
 
-KVQ_FIGURES = ("load_s", "peak_rss_mb", "anon_rss_mb_load", "anon_rss_mb_decode",
-               "decode_tok_s", "aggregate_tok_s", "aggregate_gain", "prompt_tokens",
-               "experts_per_layer_1", "experts_per_layer_batch", "expert_ms_per_layer_1",
-               "expert_ms_per_layer_batch", "expert_share_1", "expert_share_batch",
-               "prefill_tok_s", "ttft_s", "ttft_first_s")  # fmt: skip
+KVQ_FIGURES = (
+    "load_s",
+    "peak_rss_mb",
+    "anon_rss_mb_load",
+    "anon_rss_mb_decode",
+    "decode_tok_s",
+    "aggregate_tok_s",
+    "aggregate_gain",
+    "prompt_tokens",
+    "experts_per_layer_1",
+    "experts_per_layer_batch",
+    "expert_ms_per_layer_1",
+    "expert_ms_per_layer_batch",
+    "expert_share_1",
+    "expert_share_batch",
+    "prefill_tok_s",
+    "ttft_s",
+    "ttft_first_s",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +50,19 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
 
 
 def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
-    r: dict[str, Any] = {"load_s": 2.0, "peak_rss_mb": 100.0, "anon_rss_mb_load": 50.0,
-                         "anon_rss_mb_decode": 60.0, "prompt_tokens": 9, "decode_tokens": 4,
-                         "decode_tok_s": decode_tok_s, "prefill_tokens": 512,
-                         "prefill_tok_s": 10 * decode_tok_s, "ttft_s": 51.2 / decode_tok_s,
-                         "ttft_first_s": 60.0 / decode_tok_s}  # fmt: skip
+    r: dict[str, Any] = {
+        "load_s": 2.0,
+        "peak_rss_mb": 100.0,
+        "anon_rss_mb_load": 50.0,
+        "anon_rss_mb_decode": 60.0,
+        "prompt_tokens": 9,
+        "decode_tokens": 4,
+        "decode_tok_s": decode_tok_s,
+        "prefill_tokens": 512,
+        "prefill_tok_s": 10 * decode_tok_s,
+        "ttft_s": 51.2 / decode_tok_s,
+        "ttft_first_s": 60.0 / decode_tok_s,
+    }
     if engine == "kvq":
         r |= {"aggregate_tok_s": 3 * decode_tok_s, "hit_rate": None, "bank_note": "stub"}
     # llama.cpp refuses the 64-sequence context: null, with its note
@@ -49,8 +71,23 @@ def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
 
 
 def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
-    r = _json(capsys, "bench", "model", "--model", str(tiny), "--no-llama", "--tokens", "4",
-              "--rounds", "1", "--threads", "1", "--prefill-tokens", "40", "--json")  # fmt: skip
+    r = _json(
+        capsys,
+        "bench",
+        "model",
+        "--model",
+        str(tiny),
+        "--no-llama",
+        "--tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--prefill-tokens",
+        "40",
+        "--json",
+    )
     assert r["file_mb"] > 0 and r["threads"] == 1 and r["rounds"] == 1
     kq = r["kvq"]
     assert r["prefill_tokens"] == 40 and kq["prefill_tokens"] == 40
@@ -174,8 +211,24 @@ def test_stderr_hint_keeps_the_reason_of_a_failed_load() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
 def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
-    r = _json(capsys, "bench", "model", "--model", str(tiny), "--tokens", "4", "--rounds", "1",
-              "--threads", "1", "--prefill-tokens", "40", "--sequences", "2,3", "--json")  # fmt: skip
+    r = _json(
+        capsys,
+        "bench",
+        "model",
+        "--model",
+        str(tiny),
+        "--tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--prefill-tokens",
+        "40",
+        "--sequences",
+        "2,3",
+        "--json",
+    )
     ll = r["llama"]
     assert ll.get("error") or ll["decode_tok_s"] > 0
     assert set(r["kvq"]["aggregates"]) == {"2", "3"} and r["kvq"]["aggregate_sequences"] == 2
@@ -203,8 +256,10 @@ def test_cpu_features_name_the_isa_extensions(tmp_path: Path) -> None:
     from kvq.bench.prefill import cpu_features
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f "
-                    "avx512bw avx512_vnni avx512_bf16\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n")  # fmt: skip
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f "
+        "avx512bw avx512_vnni avx512_bf16\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n"
+    )
     assert cpu_features(info) == {
         "model": "AMD EPYC",
         "flags": ["avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"],
@@ -221,8 +276,16 @@ def test_llama_batch_decodes_each_sequence_as_alone(tmp_path: Path) -> None:
     from kvq.bench.llama_batch import decode_together
 
     path = tmp_path / "bpe.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256,
-              tokenizer="bpe", quant="q4_k")  # fmt: skip
+    make_tiny(
+        path,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=256,
+        expert_ffn=256,
+        tokenizer="bpe",
+        quant="q4_k",
+    )
     llm = Llama(model_path=str(path), n_threads=1, n_ctx=128, verbose=False)
     prompts = [llm.tokenize(f"hello world {i}".encode(), add_bos=True) for i in range(4)]
     out, rate = decode_together(llm, prompts, 6, threads=1)
@@ -241,10 +304,19 @@ def test_llama_round_gives_each_count_or_a_note(tmp_path: Path) -> None:
     """Each count of `sequences` gets its own multi-sequence context; one llama.cpp refuses
     (more sequences than its LLAMA_MAX_SEQ, 256) is null with the reason, the others stand."""
     path = tmp_path / "bpe.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=64,
-              tokenizer="bpe", quant="q4_k")  # fmt: skip
-    cfg = bench_model.ModelBench(str(path), threads=1, tokens=3, sequences=(2, 4, 300),
-                                 prefill_tokens=0)  # fmt: skip
+    make_tiny(
+        path,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=64,
+        expert_ffn=64,
+        tokenizer="bpe",
+        quant="q4_k",
+    )
+    cfg = bench_model.ModelBench(
+        str(path), threads=1, tokens=3, sequences=(2, 4, 300), prefill_tokens=0
+    )
     r = bench_model.child_llama(cfg)
     assert r["aggregates"]["2"] > 0 and r["aggregates"]["4"] > 0
     assert r["aggregate_tok_s"] == r["aggregates"]["2"] and r["aggregate_sequences"] == 2

@@ -18,10 +18,17 @@ def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=2, experts=8, experts_used=2)
     r = run_offload_bench(
-        OffloadBench(model=str(model), rtts_ms=(0.0, 10.0), microbatches=(1, 2), sequences=4,
-                     max_tokens=4,
-                     warmup_s=1.0, measure_s=2.0, log_dir=str(tmp_path / "logs"))
-    )  # fmt: skip
+        OffloadBench(
+            model=str(model),
+            rtts_ms=(0.0, 10.0),
+            microbatches=(1, 2),
+            sequences=4,
+            max_tokens=4,
+            warmup_s=1.0,
+            measure_s=2.0,
+            log_dir=str(tmp_path / "logs"),
+        )
+    )
     assert r["baseline"]["tok_s"] > 0 and r["baseline"]["before"]["tokens"] > 0
     assert [(run["rtt_ms"], run["microbatches"]) for run in r["runs"]] == [
         (0.0, 1),
@@ -77,16 +84,34 @@ def test_bad_options_are_refused_first(bad: dict) -> None:
 def test_summary_takes_the_median_over_repeats() -> None:
     runs = [
         {"rtt_ms": rtt, "microbatches": 1, "speedup": sp, "remote_share": rs}
-        for rtt, sp, rs in [(0.0, 1.2, 0.4), (5.0, 0.9, 0.1), (0.0, 1.0, 0.5), (5.0, 1.1, 0.0),
-                            (0.0, 1.3, 0.3), (5.0, 1.0, 0.2)]
-    ]  # fmt: skip
+        for rtt, sp, rs in [
+            (0.0, 1.2, 0.4),
+            (5.0, 0.9, 0.1),
+            (0.0, 1.0, 0.5),
+            (5.0, 1.1, 0.0),
+            (0.0, 1.3, 0.3),
+            (5.0, 1.0, 0.2),
+        ]
+    ]
     assert _summary(runs) == [
-        {"rtt_ms": 0.0, "microbatches": 1, "speedup_median": 1.2, "speedups": [1.2, 1.0, 1.3],
-         "remote_share_median": 0.4},
-        {"rtt_ms": 5.0, "microbatches": 1, "speedup_median": 1.0, "speedups": [0.9, 1.1, 1.0],
-         "remote_share_median": 0.1},
-    ]  # fmt: skip
+        {
+            "rtt_ms": 0.0,
+            "microbatches": 1,
+            "speedup_median": 1.2,
+            "speedups": [1.2, 1.0, 1.3],
+            "remote_share_median": 0.4,
+        },
+        {
+            "rtt_ms": 5.0,
+            "microbatches": 1,
+            "speedup_median": 1.0,
+            "speedups": [0.9, 1.1, 1.0],
+            "remote_share_median": 0.1,
+        },
+    ]
     # a run without a baseline tok/s has no speed-up: left out of the median, not a 0
-    none = [{"rtt_ms": 0.0, "microbatches": 1, "speedup": sp, "remote_share": 0.1}
-            for sp in (None, 1.1, 1.3)]  # fmt: skip
+    none = [
+        {"rtt_ms": 0.0, "microbatches": 1, "speedup": sp, "remote_share": 0.1}
+        for sp in (None, 1.1, 1.3)
+    ]
     assert _summary(none)[0]["speedup_median"] == 1.2

@@ -20,10 +20,16 @@ from kvq.errors import ConfigError
 @pytest.mark.parametrize(
     "bad",
     [
-        {"workers": 0}, {"cap_fraction": 0.0}, {"workers": 1}, {"rtts_ms": (-1.0,)},
-        {"sequences": ()}, {"sequences": (0,)}, {"measure_s": 0.0}, {"copies": 0},
+        {"workers": 0},
+        {"cap_fraction": 0.0},
+        {"workers": 1},
+        {"rtts_ms": (-1.0,)},
+        {"sequences": ()},
+        {"sequences": (0,)},
+        {"measure_s": 0.0},
+        {"copies": 0},
     ],
-)  # fmt: skip
+)
 def test_bad_options_are_refused_before_anything_starts(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         PoolBench(**bad).check()
@@ -64,8 +70,21 @@ def test_the_memory_cgroup_is_found_in_v1_and_v2_trees(tmp_path: Path) -> None:
 
 
 def test_the_cli_parses_the_lists() -> None:
-    a = build_parser().parse_args(["bench", "pool", "--rtt-ms", "0,20", "--sequences", "1,8",
-                                   "--workers", "2", "--cap-fraction", "0.6", "--no-netns"])  # fmt: skip
+    a = build_parser().parse_args(
+        [
+            "bench",
+            "pool",
+            "--rtt-ms",
+            "0,20",
+            "--sequences",
+            "1,8",
+            "--workers",
+            "2",
+            "--cap-fraction",
+            "0.6",
+            "--no-netns",
+        ]
+    )
     assert a.rtt_ms == (0.0, 20.0) and a.sequences == (1, 8) and a.workers == 2
     assert a.cap_fraction == 0.6 and a.no_netns and not a.no_kill and a.copies == 2
 
@@ -74,13 +93,25 @@ def _stats(n: int) -> CoordStats:
     h = Histogram()
     for _ in range(n):
         h.observe(0.004)
-    return CoordStats(remote_jobs=10 * n, remote_sent=10 * n, remote_wait_s=0.5 * n,
-                      remote_send_s=0.01 * n, job_rtt_s=h.to_text())  # fmt: skip
+    return CoordStats(
+        remote_jobs=10 * n,
+        remote_sent=10 * n,
+        remote_wait_s=0.5 * n,
+        remote_send_s=0.01 * n,
+        job_rtt_s=h.to_text(),
+    )
 
 
 def test_a_window_reports_per_layer_and_per_token_figures() -> None:
-    w = pool_report.window(_stats(1), _stats(3), 10.0, 40, {"coordinator": 1.0, "workers": 2.0},
-                           {"coordinator": 3.0, "workers": 6.0}, 8)  # fmt: skip
+    w = pool_report.window(
+        _stats(1),
+        _stats(3),
+        10.0,
+        40,
+        {"coordinator": 1.0, "workers": 2.0},
+        {"coordinator": 3.0, "workers": 6.0},
+        8,
+    )
     assert w["tok_s"] == 4.0 and w["remote_share"] == 1.0 and w["remote_jobs"] == 20
     assert w["wait_ms_per_layer_token"] == pytest.approx(1000 * 1.0 / (40 * 8))
     assert w["jobs_per_layer_token"] == pytest.approx(20 / (40 * 8), abs=1e-3)
@@ -92,14 +123,25 @@ def _report(tmp_path: Path) -> dict[str, Any]:
     full, bb = tmp_path / "m.gguf", tmp_path / "m-backbone.gguf"
     full.write_bytes(b"x" * 100)
     bb.write_bytes(b"x" * 10)
-    run = pool_report.window(None, None, 1.0, 0, {"coordinator": 0, "workers": 0},
-                             {"coordinator": 0, "workers": 0}, 8)  # fmt: skip
+    run = pool_report.window(
+        None, None, 1.0, 0, {"coordinator": 0, "workers": 0}, {"coordinator": 0, "workers": 0}, 8
+    )
     held = {"w0": {"held_bytes": 2**20}}
     runs = [run | {"rtt_ms": 0.0, "sequences": 1, "failed_requests": 0, "workers": held}]
-    kill = {"victim": "w0", "victim_slices": 3, "victim_only_copies": 0, "rtt_ms": 0.0,
-            "sequences": 8, "recover_s": 0.0, "recover_timeout_s": 60, "uncovered_after": 0,
-            "heartbeat_ttl_s": 3, "failed_requests": 0, "completed_requests": 5,
-            "longest_token_gap_s": 2.1}  # fmt: skip
+    kill = {
+        "victim": "w0",
+        "victim_slices": 3,
+        "victim_only_copies": 0,
+        "rtt_ms": 0.0,
+        "sequences": 8,
+        "recover_s": 0.0,
+        "recover_timeout_s": 60,
+        "uncovered_after": 0,
+        "heartbeat_ttl_s": 3,
+        "failed_requests": 0,
+        "completed_requests": 5,
+        "longest_token_gap_s": 2.1,
+    }
     shape = {"layers": 8}
     return pool_report.build(PoolBench(), full, bb, 90, 64, shape, True, runs, kill, (0, 1))
 

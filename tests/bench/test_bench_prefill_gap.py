@@ -42,9 +42,26 @@ def test_a_prompt_longer_than_the_context_is_refused(model: Path) -> None:
 
 def test_the_command_prints_json(model: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "bench", "prefill-gap", "--model", str(model),
-         "--streams", "2", "--prompt-tokens", "40", "--chunk", "8", "--json"],
-        capture_output=True, check=True, timeout=120, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "bench",
+            "prefill-gap",
+            "--model",
+            str(model),
+            "--streams",
+            "2",
+            "--prompt-tokens",
+            "40",
+            "--chunk",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=120,
+        text=True,
+    )
     r = json.loads(out.stdout)
     assert r["config"]["chunk"] == 8 and r["arms"]["chunked"]["steps"] == 5

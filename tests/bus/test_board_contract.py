@@ -162,8 +162,15 @@ def test_market_answers_match_the_lua_scripts(
 
 # -- records --------------------------------------------------------------------------------
 def test_records_round_trip_through_their_hash_form() -> None:
-    state = ModelState(saturated=True, busy=3, total=4, coordinators=1, base_target=1,
-                       effective_target=2, ts_ms=123)  # fmt: skip
+    state = ModelState(
+        saturated=True,
+        busy=3,
+        total=4,
+        coordinators=1,
+        base_target=1,
+        effective_target=2,
+        ts_ms=123,
+    )
     as_redis = {k.encode(): str(v).encode() for k, v in state.to_hash().items()}
     assert ModelState.from_hash(as_redis) == state
     info = WorkerInfo(model="m", slice=SIDS[0], device="cuda:0", served=7, last_serve_ms=9)
@@ -217,8 +224,10 @@ def test_workers_view_has_one_view_per_slice_a_worker_holds(board_case: BoardCas
     board.beat("a", WorkerInfo(model="m", slice=SIDS[2], device="cpu", holds=holds))
     views = board.workers("m")
     assert [(v.worker_id, v.slice_id, v.ready) for v in views] == [
-        ("a", SIDS[0], True), ("a", SIDS[1], True), ("a", SIDS[2], False),
-    ]  # fmt: skip
+        ("a", SIDS[0], True),
+        ("a", SIDS[1], True),
+        ("a", SIDS[2], False),
+    ]
     assert board.release("m", "a", SIDS[1]) == (SIDS[1],)
     assert [v.slice_id for v in board.workers("m")] == [SIDS[0], SIDS[2]]
     assert board.retire("m", "a", SIDS[0]) is None, "still wanted"
@@ -255,8 +264,11 @@ def test_a_beat_of_an_older_worker_lists_one_slice_per_model() -> None:
 def test_coordinators_view_and_stats(board_case: BoardCase) -> None:
     board = board_case.board
     now_ms = int(time.time() * 1000)
-    board.publish_slots("c1", SlotState(model="m", busy=2, total=4, ts_ms=now_ms),
-                        CoordStats(completed=3, hot_hit_rate=0.5))  # fmt: skip
+    board.publish_slots(
+        "c1",
+        SlotState(model="m", busy=2, total=4, ts_ms=now_ms),
+        CoordStats(completed=3, hot_hit_rate=0.5),
+    )
     (view,) = board.coordinators("m")
     assert (view.coord, view.alive, view.state and view.state.busy) == ("c1", True, 2)
     assert board.coordinator_alive("c1") and not board.coordinator_alive("c2")

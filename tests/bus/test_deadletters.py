@@ -29,8 +29,9 @@ def test_list_show_requeue_purge(settings: Settings) -> None:
         letters = list_dead(r, keys, 10)
         assert [d.reason for d in letters] == ["max_tokens 0", "not this slice", "version 9"]
         assert [d.reason for d in list_dead(r, keys, 10, source=requests)] == [
-            "max_tokens 0", "version 9"
-        ]  # fmt: skip
+            "max_tokens 0",
+            "version 9",
+        ]
         assert len(list_dead(r, keys, 2)) == 2
         first = letters[-1]
         shown = get_dead(r, keys, first.id)

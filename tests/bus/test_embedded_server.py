@@ -20,8 +20,10 @@ def test_a_busy_port_is_refused(redis_server: EmbeddedRedis) -> None:
 def test_cli_server_on_a_busy_port_exits_1(redis_server: EmbeddedRedis) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvq", "server", "--port", str(redis_server.port)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "in use" in out.stderr and redis_server.url not in out.stdout
 

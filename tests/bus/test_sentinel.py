@@ -31,8 +31,9 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
         )
         proc = subprocess.Popen(  # the bundled server binary, fixed arguments
             [find_server_binary(), str(conf), "--sentinel"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             yield f"redis+sentinel://127.0.0.1:{port}/kvqmaster"
         finally:

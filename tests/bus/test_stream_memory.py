@@ -31,8 +31,11 @@ def test_ten_thousand_answered_jobs_leave_the_streams_small(settings: Settings) 
             pipe.execute()
             sent += 100
             entries = worker.read(count=100, block_ms=100)
-            worker.answer([(results, {b"y": PAYLOAD}, None)] * len(entries),
-                          [eid for eid, _ in entries], 100_000)  # fmt: skip
+            worker.answer(
+                [(results, {b"y": PAYLOAD}, None)] * len(entries),
+                [eid for eid, _ in entries],
+                100_000,
+            )
             assert len(tail.read(count=1000, block_ms=None)) == len(entries)
         tail.read(count=1000, block_ms=None)  # deletes the last batch it read
         inbox_bytes = int(r.memory_usage(inbox) or 0)
@@ -44,8 +47,10 @@ def test_ten_thousand_answered_jobs_leave_the_streams_small(settings: Settings) 
             xadd(pipe, kept, {b"job": PAYLOAD}, 100_000)
         pipe.execute()
         kept_bytes = int(r.memory_usage(kept) or 0) * JOBS // 1000
-        print(f"after {JOBS} jobs: inbox {inbox_bytes} B, results {results_bytes} B; "
-              f"kept until MAXLEN they would be about {kept_bytes // 2**20} MiB each")  # fmt: skip
+        print(
+            f"after {JOBS} jobs: inbox {inbox_bytes} B, results {results_bytes} B; "
+            f"kept until MAXLEN they would be about {kept_bytes // 2**20} MiB each"
+        )
         assert inbox_bytes < KEPT_BOUND and results_bytes < KEPT_BOUND
         assert kept_bytes > 1000 * KEPT_BOUND, "the bound means something"
     finally:

@@ -395,8 +395,9 @@ def test_answer_and_read_leaves_the_pending_pass_to_read(
     assert ids_of(Consumer(r, stream, WORKER_GROUP, "w1").read(count=10, block_ms=None)) == taken
     again = Consumer(r, stream, WORKER_GROUP, "w1")  # restarted: both still pending
     (first, _), *_ = again.read(count=1, block_ms=None)
-    errors = again.answer_and_read([(keys.worker_results("w1", "c"), {"n": "0"}, None)],
-                                   [first], 100, 10, 100)  # fmt: skip
+    errors = again.answer_and_read(
+        [(keys.worker_results("w1", "c"), {"n": "0"}, None)], [first], 100, 10, 100
+    )
     assert errors == [None]
     assert ids_of(again.read(count=10, block_ms=None)) == taken[1:]
 
@@ -406,8 +407,9 @@ def test_answer_and_read_recreates_a_deleted_inbox(r: redis.Redis, keys: Keys, s
     eids = add(r, stream, 1)
     assert ids_of(c.read(count=10, block_ms=None)) == eids
     r.delete(stream)  # a FLUSHALL or an operator: the group goes with the stream
-    assert c.answer_and_read([(keys.worker_results("w1", "c"), {"n": "0"}, None)], [], 100, 10,
-                             None) == [None]  # fmt: skip
+    assert c.answer_and_read(
+        [(keys.worker_results("w1", "c"), {"n": "0"}, None)], [], 100, 10, None
+    ) == [None]
     add(r, stream, 1, start=5)
     assert [f[b"n"] for _, f in c.read(count=10, block_ms=None)] == [b"5"]
 

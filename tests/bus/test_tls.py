@@ -60,18 +60,56 @@ def _openssl(*args: str | Path) -> None:
 
 def _ca(d: Path, name: str) -> tuple[Path, Path]:
     key, crt = d / f"{name}.key", d / f"{name}.crt"
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt,
-             "-days", "2", "-subj", f"/CN={name}")  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        crt,
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+    )
     return crt, key
 
 
 def _signed(d: Path, name: str, ca: tuple[Path, Path], server: bool) -> tuple[Path, Path]:
     key, csr, crt, ext = (d / f"{name}.{x}" for x in ("key", "csr", "crt", "ext"))
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
-             "-subj", f"/CN={'localhost' if server else name}")  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        csr,
+        "-subj",
+        f"/CN={'localhost' if server else name}",
+    )
     ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n" if server else "")
-    _openssl("x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial",
-             "-out", crt, "-days", "2", "-extfile", ext)  # fmt: skip
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca[0],
+        "-CAkey",
+        ca[1],
+        "-CAcreateserial",
+        "-out",
+        crt,
+        "-days",
+        "2",
+        "-extfile",
+        ext,
+    )
     return crt, key
 
 
@@ -93,11 +131,31 @@ def tls_port(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int
     port = free_port()
     d = tmp_path_factory.mktemp("tls-redis")
     proc = subprocess.Popen(
-        [binary, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(pki.server_cert),
-         "--tls-key-file", str(pki.server_key), "--tls-ca-cert-file", str(pki.ca),
-         "--tls-auth-clients", "yes", "--save", "", "--appendonly", "no", "--dir", str(d)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            binary,
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(pki.server_cert),
+            "--tls-key-file",
+            str(pki.server_key),
+            "--tls-ca-cert-file",
+            str(pki.ca),
+            "--tls-auth-clients",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -118,8 +176,12 @@ def _settings(port: int, **tls: object) -> Settings:
 
 
 def test_the_right_ca_and_a_client_certificate_connect(pki: Pki, tls_port: int) -> None:
-    s = _settings(tls_port, tls_ca_file=str(pki.ca), tls_cert_file=str(pki.client_cert),
-                  tls_key_file=str(pki.client_key))  # fmt: skip
+    s = _settings(
+        tls_port,
+        tls_ca_file=str(pki.ca),
+        tls_cert_file=str(pki.client_cert),
+        tls_key_file=str(pki.client_key),
+    )
     r = connect(s.bus)
     try:
         r.set("k", "v")
@@ -129,8 +191,12 @@ def test_the_right_ca_and_a_client_certificate_connect(pki: Pki, tls_port: int) 
 
 
 def test_a_wrong_ca_fails_at_once_with_one_line(pki: Pki, tls_port: int) -> None:
-    s = _settings(tls_port, tls_ca_file=str(pki.other_ca), tls_cert_file=str(pki.client_cert),
-                  tls_key_file=str(pki.client_key))  # fmt: skip
+    s = _settings(
+        tls_port,
+        tls_ca_file=str(pki.other_ca),
+        tls_cert_file=str(pki.client_cert),
+        tls_key_file=str(pki.client_key),
+    )
     t0 = time.monotonic()
     with pytest.raises(TlsError) as err:
         connect(s.bus)
@@ -147,8 +213,12 @@ def test_no_client_certificate_is_refused_by_an_mtls_server(pki: Pki, tls_port: 
 def test_the_verification_opt_out_connects_and_warns(
     pki: Pki, tls_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    s = _settings(tls_port, tls_insecure=True, tls_cert_file=str(pki.client_cert),
-                  tls_key_file=str(pki.client_key))  # fmt: skip
+    s = _settings(
+        tls_port,
+        tls_insecure=True,
+        tls_cert_file=str(pki.client_cert),
+        tls_key_file=str(pki.client_key),
+    )
     with caplog.at_level(logging.WARNING, logger="kvq.bus"):
         r = connect(s.bus)
     try:
@@ -164,8 +234,12 @@ def test_a_url_that_weakens_tls_connects_only_with_the_opt_out_and_warns(
     url = f"rediss://localhost:{tls_port}/0?ssl_cert_reqs=none"
     with pytest.raises(ConfigError, match="KVQ_TLS_INSECURE"):
         load_settings(redis_url=url)
-    s = load_settings(redis_url=url, tls_insecure=True, tls_cert_file=str(pki.client_cert),
-                      tls_key_file=str(pki.client_key))  # fmt: skip
+    s = load_settings(
+        redis_url=url,
+        tls_insecure=True,
+        tls_cert_file=str(pki.client_cert),
+        tls_key_file=str(pki.client_key),
+    )
     with caplog.at_level(logging.WARNING, logger="kvq.bus"):
         r = connect(s.bus)
     try:
@@ -177,12 +251,16 @@ def test_a_url_that_weakens_tls_connects_only_with_the_opt_out_and_warns(
 
 def test_a_worker_with_a_wrong_ca_exits_with_one_line(pki: Pki, tls_port: int) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
-    env |= {"KVQ_REDIS_URL": f"rediss://kvq:s3cret@localhost:{tls_port}/0",
-            "KVQ_TLS_CA_FILE": str(pki.other_ca)}  # fmt: skip
+    env |= {
+        "KVQ_REDIS_URL": f"rediss://kvq:s3cret@localhost:{tls_port}/0",
+        "KVQ_TLS_CA_FILE": str(pki.other_ca),
+    }
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "worker", "--id", "w1"], env=env, capture_output=True,
+        [sys.executable, "-m", "kvq", "worker", "--id", "w1"],
+        env=env,
+        capture_output=True,
         timeout=90,
-    )  # fmt: skip
+    )
     err = out.stderr.decode()
     assert out.returncode == 1, err
     lines = [ln for ln in err.splitlines() if ln.startswith("kvq:")]

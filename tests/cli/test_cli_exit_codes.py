@@ -19,9 +19,9 @@ from kvq.model import make_tiny
 DOWN = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
-def commands(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[
-    tuple[tuple[str, ...], argparse.ArgumentParser]
-]:  # fmt: skip
+def commands(
+    p: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
     """Every command path (`("bench", "bus")`, ...) with its parser, leaves only."""
     subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
@@ -44,8 +44,12 @@ def required(p: argparse.ArgumentParser) -> list[str]:
 
 
 def generated() -> list[tuple[list[str], int]]:
-    rows: list[tuple[list[str], int]] = [([], 2), (["--version"], 0), (["--help"], 0),
-                                         (["no-such-command"], 2)]  # fmt: skip
+    rows: list[tuple[list[str], int]] = [
+        ([], 2),
+        (["--version"], 0),
+        (["--help"], 0),
+        (["no-such-command"], 2),
+    ]
     for path, p in commands(build_parser()):
         rows.append(([*path, "--help"], 0))
         rows.append(([*path, *required(p), "--no-such-flag"], 2))
@@ -133,7 +137,7 @@ RUNTIME: list[tuple[list[str], dict[str, str], int, str]] = [
         {},
         2,
         "stop",
-    ),  # fmt: skip
+    ),
     (["monitor", "--model", "tiny"], {}, 2, "ID=PATH"),
     (["monitor", "--model", "tiny=/no/such.gguf"], {}, 2, "/no/such.gguf"),
     (["demo", "--redis", "notaurl"], {}, 2, "Redis URL"),
@@ -151,7 +155,7 @@ RUNTIME: list[tuple[list[str], dict[str, str], int, str]] = [
         {"KVQ_MODEL_WAIT_S": "0.3"},
         1,
         "nope",
-    ),  # fmt: skip
+    ),
     (["worker", "--id", "no spaces"], {}, 2, "worker id"),
     (["generate", "--model", "m.gguf", "--prompt", "x", "--temperature", "-1"], {}, 1, "Model"),
     (["bench", "swarm", "--nodes", "0"], {}, 2, "--nodes"),
@@ -160,16 +164,22 @@ RUNTIME: list[tuple[list[str], dict[str, str], int, str]] = [
         {},
         1,
         "BankError",
-    ),  # fmt: skip
+    ),
 ]
 IDS = [" ".join(a) + (f" [{next(iter(e))}]" if e else "") for a, e, _, _ in RUNTIME]
 
 
 @pytest.mark.parametrize(("argv", "extra", "code", "word"), RUNTIME, ids=IDS)
 def test_runtime_rows(
-    argv: list[str], extra: dict[str, str], code: int, word: str, env: Settings,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-) -> None:  # fmt: skip
+    argv: list[str],
+    extra: dict[str, str],
+    code: int,
+    word: str,
+    env: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
     for k, v in extra.items():
         monkeypatch.setenv(k, v)
     if "m.gguf" in argv:

@@ -66,21 +66,29 @@ def test_commands_that_do_not_compute_do_not_import_torch(
     argv: list[str], settings: Settings
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv], env=env_of(settings), capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-c", PROBE, *argv],
+        env=env_of(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     got = json.loads(proc.stderr.strip().splitlines()[-1])
-    print(f"kvq {' '.join(argv)}: {got['s']:.2f} s wall, {got['cpu_s']:.2f} s CPU, "
-          f"{got['rss_mb']:.0f} MB")  # fmt: skip
+    print(
+        f"kvq {' '.join(argv)}: {got['s']:.2f} s wall, {got['cpu_s']:.2f} s CPU, "
+        f"{got['rss_mb']:.0f} MB"
+    )
     assert got["code"] in (0, 1) and not got["torch"], got
     assert got["rss_mb"] < MAX_RSS_MB and got["cpu_s"] < MAX_CPU_S, got
 
 
 def test_server_does_not_load_torch_and_exits_0_on_sigterm(settings: Settings) -> None:
     with subprocess.Popen(
-        [sys.executable, "-m", "kvq", "server", "--port", "0"], env=env_of(settings),
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    ) as proc:  # fmt: skip
+        [sys.executable, "-m", "kvq", "server", "--port", "0"],
+        env=env_of(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as proc:
         try:
             assert proc.stdout is not None and proc.stdout.readline().startswith("redis://")
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
@@ -145,8 +153,9 @@ def test_submit_stops_within_2s_when_the_last_coordinator_leaves(
     state = SlotState(model="m", busy=0, total=4, ts_ms=int(time.time() * 1000))
     mon.board.publish_slots("ghost", state, CoordStats())  # alive, never answers
     cmd = [sys.executable, "-m", "kvq", "submit", "--model", "m", "--prompt", "x"]
-    with subprocess.Popen(cmd, env=env_of(settings), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        cmd, env=env_of(settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    ) as proc:
         try:
             stream = Keys(settings.prefix).model_requests("m")
             deadline = time.monotonic() + 60

@@ -53,8 +53,17 @@ def test_demo_json_twice_in_a_row() -> None:
         )
         assert out.returncode == 0, out.stderr
         summary = json.loads(out.stdout.strip().splitlines()[-1])
-        for key in ("requests_completed", "tokens_generated", "local_jobs", "remote_jobs",
-                    "fallback_jobs", "workers_recruited", "remote_matches_local", "redis", "wall_s"):  # fmt: skip
+        for key in (
+            "requests_completed",
+            "tokens_generated",
+            "local_jobs",
+            "remote_jobs",
+            "fallback_jobs",
+            "workers_recruited",
+            "remote_matches_local",
+            "redis",
+            "wall_s",
+        ):
             assert key in summary
         assert summary["requests_completed"] == 16
         assert summary["remote_jobs"] > 0 and summary["local_jobs"] > 0
@@ -94,8 +103,11 @@ def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_i
     run_in_thread(Coordinator.from_settings(settings, "c1", "m", model))
     out = subprocess.run(
         [*KVQ, "submit", "--model", "m", "--prompt", "hi there", "--max-tokens", "5", "--json"],
-        capture_output=True, text=True, timeout=60, env=child_env(settings),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(settings),
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     bb = Backbone.from_gguf(model)
@@ -105,8 +117,11 @@ def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_i
 def test_bench_bus_json_shape(settings: Settings) -> None:
     out = subprocess.run(
         [*KVQ, "bench", "bus", "--json", "--jobs", "200", "--redis", settings.redis_url],
-        capture_output=True, text=True, timeout=120, env={**os.environ},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for name in ("kvq", "raw", "rq"):
@@ -120,8 +135,10 @@ def test_demo_with_every_process_under_its_acl_user() -> None:
     `kvq acl` user; the whole burst works with zero ACL denials."""
     out = subprocess.run(
         [*KVQ, "demo", "--acl", "--json", "--requests", "6", "--max-tokens", "8"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["acl_denials"] == 0 and summary["requests_completed"] == 6
@@ -133,9 +150,12 @@ def test_demo_on_a_local_cluster_spreads_the_requests_over_its_masters() -> None
     env, _ = _marked_env()
     env["KVQ_REQUEST_SHARDS"] = "6"
     out = subprocess.run(
-        [*KVQ, "demo", "--cluster", "3", "--json"], capture_output=True, text=True, timeout=240,
+        [*KVQ, "demo", "--cluster", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
         env=env,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["redis"] == "cluster of 3"

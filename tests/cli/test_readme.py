@@ -64,8 +64,9 @@ def test_running_it_for_real_as_written(home: Path) -> None:
     script = readme_block().replace("6379", str(port))
     venv_bin = str(ROOT / ".venv" / "bin")
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVQ_", "VIRTUAL_ENV", "PYTHON"))}  # fmt: skip
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVQ_", "VIRTUAL_ENV", "PYTHON"))
+    }
     env |= {"HOME": str(home), "PATH": path, "OMP_NUM_THREADS": "1"}
     cmd = ["bash", "-e", "-c", script]
     if os.geteuid() == 0 and others_can_run(ROOT / ".venv" / "bin" / "python"):
@@ -73,8 +74,14 @@ def test_running_it_for_real_as_written(home: Path) -> None:
         cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
     log = home / "out.log"
     with open(log, "w") as out_file:  # not a pipe: background jobs would hold it open
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         proc.wait(timeout=240)
     finally:

@@ -36,11 +36,17 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
     settings: Settings, tiny_model: Path, cluster_with_replicas: EmbeddedCluster, run_in_thread
 ) -> None:
     cluster = cluster_with_replicas
-    s = settings.model_copy(update={
-        "redis_url": cluster.url, "saturation_threshold": 1, "dispatch_policy": "copies",
-        "job_deadline_ms": 1000, "reconnect_max_s": 0.5, "heartbeat_ttl_s": 3.0,
-        "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "redis_url": cluster.url,
+            "saturation_threshold": 1,
+            "dispatch_policy": "copies",
+            "job_deadline_ms": 1000,
+            "reconnect_max_s": 0.5,
+            "heartbeat_ttl_s": 3.0,
+            "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)
@@ -58,8 +64,9 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
         while not stop.is_set():
             sent = time.monotonic()
             try:
-                got = client.generate(mon.board.r, keys, "tiny", prompt="failover",
-                                      max_tokens=6, timeout_s=15)  # fmt: skip
+                got = client.generate(
+                    mon.board.r, keys, "tiny", prompt="failover", max_tokens=6, timeout_s=15
+                )
                 outcomes.append((sent, "ok" if got == want else f"wrong {got}"))
             except (TimeoutError, client.RequestFailed, redis.RedisError) as exc:
                 outcomes.append((sent, f"{type(exc).__name__}: {exc}"))
@@ -77,8 +84,11 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
     killed_at = time.monotonic()
     # the survivors say cluster_state:ok until they mark the victim failed: wait for its slots
     # to have a new master, not for "ok" alone (which held 0.1 s after the kill in one CI run)
-    wait_for(lambda: cluster.master_port(slot) not in (None, victim.port) and cluster.healthy(),
-             60, "a replica to take over the dead master's slots")  # fmt: skip
+    wait_for(
+        lambda: cluster.master_port(slot) not in (None, victim.port) and cluster.healthy(),
+        60,
+        "a replica to take over the dead master's slots",
+    )
 
     def client_sees_new_master() -> bool:  # the client's slot map, not only the cluster's
         try:
@@ -89,14 +99,19 @@ def test_a_master_killed_under_load_is_replaced_and_serving_goes_on(
 
     wait_for(client_sees_new_master, 30, "the client to reach the slot's new master")
     recovered_at = time.monotonic()
-    wait_for(lambda: sum(o == "ok" for t, o in outcomes if t > recovered_at) >= 10, 120,
-             "ten requests served after the failover")  # fmt: skip
+    wait_for(
+        lambda: sum(o == "ok" for t, o in outcomes if t > recovered_at) >= 10,
+        120,
+        "ten requests served after the failover",
+    )
     stop.set()
     loader.join(30)
     after = [o for t, o in outcomes if t > recovered_at]
     around = [o for t, o in outcomes if killed_at - 15 < t <= recovered_at]
     failed = sorted({o for o in around if o != "ok"})
-    print(f"failover took {recovered_at - killed_at:.1f}s; requests sent around it: "
-          f"{len(around)}, not ok: {len(failed)} kinds {failed[:4]}")  # fmt: skip
+    print(
+        f"failover took {recovered_at - killed_at:.1f}s; requests sent around it: "
+        f"{len(around)}, not ok: {len(failed)} kinds {failed[:4]}"
+    )
     assert all(o == "ok" for o in after), after[:3]
     assert not any(o.startswith("wrong") for _, o in outcomes)

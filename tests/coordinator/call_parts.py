@@ -46,9 +46,13 @@ class Posted:
 
 
 def make_call(
-    routing: Any, *, has_experts: bool, verify: str = "off", dtype: str = "float32",
+    routing: Any,
+    *,
+    has_experts: bool,
+    verify: str = "off",
+    dtype: str = "float32",
     job_deadline_ms: int = 1000,
-) -> tuple[LayerCall, MemoryBoard, Posted]:  # fmt: skip
+) -> tuple[LayerCall, MemoryBoard, Posted]:
     """A call of layer 0 over 2 rows waiting for job `j1` (slice A) sent to `routing`'s first
     holder of A; `routing` needs `holders` and what the test's path calls on it."""
     board, posted = MemoryBoard(), Posted()
@@ -56,21 +60,45 @@ def make_call(
     trust = Trust(TrustPolicy(), "c1", rng=random.Random(0))
     verifier = Verifier(board, "m", trust, verify, dtype, stats)
     verifier.on_caught = lambda w: None
-    settings = SimpleNamespace(verify_remote=verify, job_deadline_ms=job_deadline_ms,
-                               replica_wait_s=5.0)  # fmt: skip
+    settings = SimpleNamespace(
+        verify_remote=verify, job_deadline_ms=job_deadline_ms, replica_wait_s=5.0
+    )
     info = SimpleNamespace(model="m", meta=SimpleNamespace(moe_layers=[]))
     placement = Placement(routing, info, settings, has_experts, stats)  # type: ignore[arg-type]
-    mailbox = Mailbox(posted, None, Keys("t"), "c1", lambda: routing.holders, stats,  # type: ignore[arg-type]
-                      results=posted)  # type: ignore[arg-type]  # fmt: skip
-    parts = CallParts("m", settings, placement, routing, mailbox, verifier, None,  # type: ignore[arg-type]
-                      Tally(stats=stats))  # fmt: skip
+    mailbox = Mailbox(
+        posted,
+        None,
+        Keys("t"),
+        "c1",
+        lambda: routing.holders,
+        stats,  # type: ignore[arg-type]
+        results=posted,
+    )  # type: ignore[arg-type]
+    parts = CallParts(
+        "m",
+        settings,
+        placement,
+        routing,
+        mailbox,
+        verifier,
+        None,  # type: ignore[arg-type]
+        Tally(stats=stats),
+    )
     call = LayerCall(parts, 0, torch.zeros(2, H), torch.zeros(2, 1), torch.ones(2, 1))
     job = wire.Job(
-        job_id="j", model="m", layer=0, slice="A", expert_start=0, expert_end=1, coord="c1",
-        reply_to="r", deadline_ms=0, x=wire.Tensor.of(np.zeros((2, H), np.float32)),
+        job_id="j",
+        model="m",
+        layer=0,
+        slice="A",
+        expert_start=0,
+        expert_end=1,
+        coord="c1",
+        reply_to="r",
+        deadline_ms=0,
+        x=wire.Tensor.of(np.zeros((2, H), np.float32)),
         ids=wire.Tensor.of(np.zeros((2, 1), np.int32)),
         weights=wire.Tensor.of(np.ones((2, 1), np.float32)),
-    )  # fmt: skip
+    )
     call._job = lambda job_id, spec, rows, worker: job  # type: ignore[method-assign]
     first = next(w for w, sids in routing.holders.items() if "A" in sids)
     p = Pending(SimpleNamespace(sid="A"), torch.tensor([0, 1]), first, time.monotonic(), 0.0)  # type: ignore[arg-type]

@@ -34,8 +34,9 @@ def _call(has_experts: bool = False) -> tuple[LayerCall, Any]:
         refresh_s=0.01,
     )
     call, board, _ = make_call(routing, has_experts=has_experts)
-    d = SimpleNamespace(stats=call.stats, per_worker=call.parts.tally.per_worker, board=board,
-                        routing=routing)  # fmt: skip
+    d = SimpleNamespace(
+        stats=call.stats, per_worker=call.parts.tally.per_worker, board=board, routing=routing
+    )
     return call, d
 
 
@@ -94,8 +95,11 @@ def test_a_result_read_by_another_call_is_kept_for_its_own() -> None:
     call, d = _call(has_experts=True)
     other = object()
     mailbox = call.parts.mailbox
-    mailbox.expect("j2", Pending(SimpleNamespace(sid="A"), torch.tensor([0]), "w0", 0.0, 0.0),  # type: ignore[arg-type]
-                   other)  # fmt: skip
+    mailbox.expect(
+        "j2",
+        Pending(SimpleNamespace(sid="A"), torch.tensor([0]), "w0", 0.0, 0.0),  # type: ignore[arg-type]
+        other,
+    )
     j2 = wire.Result(job_id="j2", worker="w0", y=wire.Tensor.of(np.ones((1, H), np.float32)))
     mailbox.take("w0", "w0-results", b"1-0", {k.encode(): v for k, v in wire.encode(j2).items()})
     assert mailbox.collect(call, None) == [], "not this call's"

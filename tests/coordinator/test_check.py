@@ -69,8 +69,10 @@ def _run(bank: Bank, jobs: list, dtype: torch.dtype) -> list[torch.Tensor]:
     return results
 
 
-@pytest.fixture(scope="module", params=[("bf16", torch.bfloat16), ("q4_k", torch.bfloat16),
-                                        ("f16", torch.float16)])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("bf16", torch.bfloat16), ("q4_k", torch.bfloat16), ("f16", torch.float16)],
+)
 def honest(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     quant, low = request.param
     path = tmp_path_factory.mktemp("check") / f"{quant}.gguf"
@@ -87,8 +89,10 @@ def test_an_honest_lower_precision_worker_is_never_flagged_over_10000_jobs(hones
     cs = [compare(y, r, tol, btol) for y, r in zip(got, ref, strict=True)]
     worst, bias = max(c.rel_err for c in cs), max(abs(c.bias) for c in cs)
     flagged = sum(not c.ok for c in cs)
-    print(f"{name}: worst relative row error {worst:.4g}, bias {bias:.4g} over {len(jobs)} jobs, "
-          f"tolerances {tol}, {btol}")  # fmt: skip
+    print(
+        f"{name}: worst relative row error {worst:.4g}, bias {bias:.4g} over {len(jobs)} jobs, "
+        f"tolerances {tol}, {btol}"
+    )
     assert flagged == 0
     # the tolerances keep a margin over honest rounding; a 1% scale lies beyond the mean bias's
     # (the mean over BIAS_WINDOW checked results, tests/coordinator/test_check_paths.py)
@@ -117,10 +121,16 @@ def test_honest_rounding_has_a_steady_size_and_orthogonal_noise_adds_to_it(hones
     errs = np.array([compare(y, r, 1.0, 1.0).rel_err for y, r in zip(got, ref, strict=True)])
     windows = np.convolve(errs, np.ones(BIAS_WINDOW) / BIAS_WINDOW, mode="valid")
     rng = np.random.default_rng(2)
-    lies = np.array([compare(_orthogonal(y, 0.015, rng), r, 1.0, 1.0).rel_err
-                     for y, r in zip(got[:2000], ref[:2000], strict=True)])  # fmt: skip
-    print(f"{name}: honest window mean worst {windows.max():.4g}; 1.5% orthogonal liar per job "
-          f"best {lies.min():.4g} (tolerance {MEAN_ROW_TOLERANCE[name]})")  # fmt: skip
+    lies = np.array(
+        [
+            compare(_orthogonal(y, 0.015, rng), r, 1.0, 1.0).rel_err
+            for y, r in zip(got[:2000], ref[:2000], strict=True)
+        ]
+    )
+    print(
+        f"{name}: honest window mean worst {windows.max():.4g}; 1.5% orthogonal liar per job "
+        f"best {lies.min():.4g} (tolerance {MEAN_ROW_TOLERANCE[name]})"
+    )
     assert windows.max() < MEAN_ROW_TOLERANCE[name] / 1.3
     assert lies.min() > MEAN_ROW_TOLERANCE[name]
     if name == "bfloat16":  # under the one-job row tolerance: only the window's mean sees it

@@ -44,8 +44,11 @@ def _rows(rng: np.random.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor,
     x = rng.standard_normal((t, 256)) * 10 ** rng.uniform(-2, 1.5)
     ids = np.argsort(rng.random((t, EXPERTS)), axis=1)[:, :USED].copy()
     w = rng.random((t, USED))
-    return (torch.from_numpy(x.astype(np.float32)), torch.from_numpy(ids),
-            torch.from_numpy(w.astype(np.float32)))  # fmt: skip
+    return (
+        torch.from_numpy(x.astype(np.float32)),
+        torch.from_numpy(ids),
+        torch.from_numpy(w.astype(np.float32)),
+    )
 
 
 def _forward(bank: Bank, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,13 @@ def _jobs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         t = int(rng.integers(1, 9))
         x = rng.standard_normal((t, 256)) * 10 ** rng.uniform(-2, 1.5)
         ids = np.argsort(rng.random((t, EXPERTS)), axis=1)[:, :USED].copy()
-        out.append((torch.from_numpy(x.astype(np.float32)), torch.from_numpy(ids),
-                    torch.from_numpy(rng.random((t, USED)).astype(np.float32))))  # fmt: skip
+        out.append(
+            (
+                torch.from_numpy(x.astype(np.float32)),
+                torch.from_numpy(ids),
+                torch.from_numpy(rng.random((t, USED)).astype(np.float32)),
+            )
+        )
     return out
 
 
@@ -92,14 +97,17 @@ def test_two_forced_simd_paths_agree_bitwise_and_liars_are_caught(model: Path) -
                 caught[scale] += verdict is Verdict.REJECTED
     finally:
         qdot.configure(before)
-    print(f"q8, worker scalar vs coordinator {best}: {JOBS} honest jobs, 0 flagged; "
-          f"caught x1.01 {caught[1.01]}/{JOBS}, x1.05 {caught[1.05]}/{JOBS}")  # fmt: skip
+    print(
+        f"q8, worker scalar vs coordinator {best}: {JOBS} honest jobs, 0 flagged; "
+        f"caught x1.01 {caught[1.01]}/{JOBS}, x1.05 {caught[1.05]}/{JOBS}"
+    )
     assert v.stats.mismatches == 2 * JOBS and caught == {1.01: JOBS, 1.05: JOBS}
     assert "honest" not in board.quarantined("tiny")
 
 
-@pytest.mark.parametrize(("name", "low"), [("bfloat16", torch.bfloat16),
-                                           ("float16", torch.float16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "low"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
 def test_gpu_dtype_paths_are_checked_against_float32_and_catch_one_percent(
     model: Path, name: str, low: torch.dtype
 ) -> None:
@@ -141,7 +149,9 @@ def test_gpu_dtype_paths_are_checked_against_float32_and_catch_one_percent(
     finally:
         qdot.configure(before)
     liars = JOBS // 10
-    print(f"{name}: {JOBS} honest jobs, 0 flagged (worst mean bias over {BIAS_WINDOW} {worst_mean:.3g}); "
-          f"x1.01 caught at its first job {first[1.01]}/{liars}, all within {within[1.01]}; "
-          f"x1.05 {first[1.05]}/{liars}, within {within[1.05]}")  # fmt: skip
+    print(
+        f"{name}: {JOBS} honest jobs, 0 flagged (worst mean bias over {BIAS_WINDOW} {worst_mean:.3g}); "
+        f"x1.01 caught at its first job {first[1.01]}/{liars}, all within {within[1.01]}; "
+        f"x1.05 {first[1.05]}/{liars}, within {within[1.05]}"
+    )
     assert within[1.01] <= BIAS_WINDOW and first[1.05] == liars

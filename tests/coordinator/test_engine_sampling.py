@@ -46,8 +46,9 @@ def test_each_sequence_of_a_batch_matches_local_generation(
         engine.admit(name, prompts[name], 20, b"", p)
     got = run(engine)
     for name, p in PARAMS.items():
-        s = Sampling(p.temperature, p.top_k, p.top_p, p.seed, p.presence_penalty,
-                     p.frequency_penalty)  # fmt: skip
+        s = Sampling(
+            p.temperature, p.top_k, p.top_p, p.seed, p.presence_penalty, p.frequency_penalty
+        )
         assert got[name].generated == generate(bb, prompts[name], 20, sampling=s), name
     # the penalties change the greedy path (else the test above would prove nothing for them)
     assert got["penalized"].generated != generate(bb, prompts["penalized"], 20)

@@ -46,8 +46,11 @@ def test_the_registered_file_and_a_copy_pass(
 
 
 def test_another_size_is_refused(info: ModelInfo, models: dict[str, Path]) -> None:
-    with pytest.raises(ModelMismatch, match=r"bigger.gguf.*not the file registered as model "
-                       r"'tiny'.*bytes, registered \d+"):  # fmt: skip
+    with pytest.raises(
+        ModelMismatch,
+        match=r"bigger.gguf.*not the file registered as model "
+        r"'tiny'.*bytes, registered \d+",
+    ):
         check_model_file(info, models["bigger"])
 
 
@@ -78,10 +81,23 @@ def test_the_coordinator_process_refuses_a_wrong_file(
     Monitor.from_settings(settings).register("tiny", models["right"])
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "coordinator", "--model", str(models["reseeded"]),
-         "--model-id", "tiny", "--id", "c-wrong"],
-        env=child_env(settings), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "coordinator",
+            "--model",
+            str(models["reseeded"]),
+            "--model-id",
+            "tiny",
+            "--id",
+            "c-wrong",
+        ],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     assert "kvq: ModelMismatch:" in out.stderr and "metadata sha256" in out.stderr
     assert "Traceback" not in out.stderr

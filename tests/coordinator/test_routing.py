@@ -314,10 +314,19 @@ def test_a_worker_that_recovered_before_dying_is_no_rescue(
 
 def _beat_queue(board: Board, worker: str, sid: str, rows: int, by: str) -> None:
     """`worker`'s heartbeat reports `rows` waiting (JSON `by` coordinator), 1 ms per row."""
-    board.beat(worker, WorkerInfo(
-        model="m", slice=sid, device="cpu", last_serve_ms=int(time.time() * 1000),
-        ms_per_row=1.0, busy_rows=rows // 4, queued_rows=rows - rows // 4, queued_by=by,
-    ))  # fmt: skip
+    board.beat(
+        worker,
+        WorkerInfo(
+            model="m",
+            slice=sid,
+            device="cpu",
+            last_serve_ms=int(time.time() * 1000),
+            ms_per_row=1.0,
+            busy_rows=rows // 4,
+            queued_rows=rows - rows // 4,
+            queued_by=by,
+        ),
+    )
 
 
 def test_capacity_gives_a_worker_busy_with_another_coordinator_less(
@@ -386,8 +395,9 @@ def test_capacity_reprobes_a_priced_out_worker_and_it_wins_work_back(
     not the base route), and the probe's sample replaces its estimate, so a worker that is
     fast again takes its share back."""
     board = board_case.board
-    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=0.3,
-                           reprobe_ms=50)  # fmt: skip
+    router, sids = _router(
+        board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=0.3, reprobe_ms=50
+    )
     _serve(board, "w", sids[0])
     _measured(router, "w", 5.0, 2.0, own=1.0)  # a slow sample: 5x the coordinator's rate
     busy = _routing().saturation_threshold
@@ -409,8 +419,9 @@ def test_capacity_reprobes_a_worker_on_the_base_copy(board_case: BoardCase, gguf
     """The router re-probes only workers off its chosen copy; a worker on that copy whom the
     split prices out gets its probe from the split (`split_probes`)."""
     board = board_case.board
-    router, sids = _router(board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0,
-                           reprobe_ms=50)  # fmt: skip
+    router, sids = _router(
+        board, gguf, dispatch_policy="capacity", swarm_ewma_alpha=1.0, reprobe_ms=50
+    )
     _serve(board, "w", sids[0])
     _prove(router, "w")  # proven and fast by latency: the router's copy uses it under load
     router.capacity.reset("w")
@@ -440,9 +451,14 @@ def test_capacity_reprobes_a_worker_on_the_base_copy(board_case: BoardCase, gguf
     ],
 )
 def test_capacity_gives_no_share_to_a_worker_on_our_busy_cores(
-    board_case: BoardCase, gguf: Path, threads: str, machine: str, cpus: str, device: str,
+    board_case: BoardCase,
+    gguf: Path,
+    threads: str,
+    machine: str,
+    cpus: str,
+    device: str,
     shares: bool,
-) -> None:  # fmt: skip
+) -> None:
     """A CPU worker on the coordinator's machine adds no compute while the coordinator's
     threads cover all of its CPUs: its part of a layer would run in turn with the
     coordinator's, so the split (which counts node finish times as parallel) leaves it out."""
@@ -457,11 +473,17 @@ def test_capacity_gives_no_share_to_a_worker_on_our_busy_cores(
     router.uses_all_cores = threads == "all"  # what SliceRouter's compute_threads decides
     beat_cpus = {"mine": cpus_text(mine), "": "", "other": cpus_text({max(mine) + 1})}[cpus]
     board.rejoin("m", "w", sids[0])
-    board.beat("w", WorkerInfo(
-        model="m", slice=sids[0], device=device, last_serve_ms=int(time.time() * 1000),
-        machine={"here": machine_id(), "there": "another-boot-id", "": ""}[machine],
-        cpus=beat_cpus,
-    ))  # fmt: skip
+    board.beat(
+        "w",
+        WorkerInfo(
+            model="m",
+            slice=sids[0],
+            device=device,
+            last_serve_ms=int(time.time() * 1000),
+            machine={"here": machine_id(), "there": "another-boot-id", "": ""}[machine],
+            cpus=beat_cpus,
+        ),
+    )
     _measured(router, "w", 0.5, 0.5, own=1.0)  # twice as fast as the coordinator
     busy = _routing().saturation_threshold
     assert router.shares_cores(board.workers("m")[0]) is shares
@@ -498,8 +520,12 @@ def test_a_worker_serving_several_slices_is_routed_each_of_them(
     assert router.holders == {"multi": frozenset(sids[:3])}
     with pytest.raises(UncoveredSlice, match=sids[3]):
         router.check()
-    board.beat("multi", WorkerInfo(model="m", slice=sids[3], device="cpu", last_serve_ms=now,
-                                   holds=json.dumps({"m": sids})))  # fmt: skip
+    board.beat(
+        "multi",
+        WorkerInfo(
+            model="m", slice=sids[3], device="cpu", last_serve_ms=now, holds=json.dumps({"m": sids})
+        ),
+    )
     _prove(router, "multi")
     router.check()
     assert _remote(router, sids, busy=TOTAL) == dict.fromkeys(sids, "multi")

@@ -47,8 +47,11 @@ def test_the_referee_replays_the_chunks_as_the_holders_ran_them(model: Path) -> 
     specs = plan_stages(read_meta(model), model, 1)
     hidden = read_meta(model).embedding_length
     g = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(5, hidden, generator=g), torch.randn(1, hidden, generator=g),
-              torch.randn(1, hidden, generator=g)]  # fmt: skip
+    chunks = [
+        torch.randn(5, hidden, generator=g),
+        torch.randn(1, hidden, generator=g),
+        torch.randn(1, hidden, generator=g),
+    ]
     got = Referee(model, specs).recompute(0, [chunks, chunks[:1]])
     assert got is not None and got.shape == (6, hidden)
     assert torch.equal(got[:1], _holder_run(model, chunks))
@@ -75,7 +78,13 @@ def test_without_the_span_here_no_answer_is_used_and_nobody_is_blamed(model: Pat
     hidden = read_meta(model).embedding_length
     y = torch.randn(1, hidden)
     v = _verifier()
-    ruling = rule(v, Referee(None, specs), 0, Answer("a", y, "float32"),
-                  Answer("b", y + 1, "float32"), [[torch.randn(1, hidden)]])  # fmt: skip
+    ruling = rule(
+        v,
+        Referee(None, specs),
+        0,
+        Answer("a", y, "float32"),
+        Answer("b", y + 1, "float32"),
+        [[torch.randn(1, hidden)]],
+    )
     assert ruling.use is None and ruling.caught == [] and "no answer is used" in ruling.why
     assert v.stats.unresolved == 1 and not v.barred("a") and not v.barred("b")

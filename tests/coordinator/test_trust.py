@@ -27,8 +27,9 @@ class Clock:
         return self.now_ms
 
 
-def _jobs_until_caught(trust: Trust, worker: str, garbage: float, rng: random.Random,
-                       limit: int) -> int | None:  # fmt: skip
+def _jobs_until_caught(
+    trust: Trust, worker: str, garbage: float, rng: random.Random, limit: int
+) -> int | None:
     """Run `limit` jobs of a worker lying with probability `garbage` per job (its own draw,
     independent of the coordinator's); the 1-based job at which it is caught, or None."""
     for job in range(1, limit + 1):
@@ -100,8 +101,14 @@ def test_mismatch_quarantines_then_bans_and_checks_fully_again() -> None:
         trust.passed("w")
     assert trust.p("w") == policy.p_min and not trust.barred("w")
     q = trust.failed("w", "relative row error 2.1")
-    assert q == Quarantine(until_ms=1_010_000, mismatches=1, banned=False, coord="c1",
-                           reason="relative row error 2.1", ts_ms=1_000_000)  # fmt: skip
+    assert q == Quarantine(
+        until_ms=1_010_000,
+        mismatches=1,
+        banned=False,
+        coord="c1",
+        reason="relative row error 2.1",
+        ts_ms=1_000_000,
+    )
     assert trust.barred("w") and trust.p("w") == 1.0
     clock.now_ms += 10_001
     assert not trust.barred("w"), "quarantine is for a stated time"
@@ -170,11 +177,22 @@ def test_trust_cannot_be_banked_a_late_liar_is_caught_per_step(jobs_per_step: in
     print(f"{jobs_per_step} jobs/step: late liar caught within 12 steps in {share:.4f} of runs")
     assert share >= 0.975  # 0.986 expected; 2000 runs: standard error 0.0026
     # without the floor, the same late liar usually gets further (the banked trust)
-    banked = sum(
-        (_late_liar_steps(Trust(TrustPolicy(step_floor=0.0), "c", rng=random.Random(i)),
-                          jobs_per_step, 300, 400) or 400) < 12
-        for i in range(runs)
-    ) / runs  # fmt: skip
+    banked = (
+        sum(
+            (
+                _late_liar_steps(
+                    Trust(TrustPolicy(step_floor=0.0), "c", rng=random.Random(i)),
+                    jobs_per_step,
+                    300,
+                    400,
+                )
+                or 400
+            )
+            < 12
+            for i in range(runs)
+        )
+        / runs
+    )
     assert banked < share - 0.1 or jobs_per_step == 48
 
 

@@ -28,9 +28,10 @@ def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "cond
 def wait_ready(mon: Monitor, model_id: str, n: int, timeout_s: float = 60.0) -> None:
     """Until `n` workers of `model_id` have loaded their slice and beat "serving"."""
     wait_for(
-        lambda: sum(v.alive and v.ready for v in mon.board.workers(model_id)) == n, timeout_s,
+        lambda: sum(v.alive and v.ready for v in mon.board.workers(model_id)) == n,
+        timeout_s,
         f"{n} workers loaded and serving",
-    )  # fmt: skip
+    )
 
 
 def local_tokens(model: Path, prompt: str, n: int) -> list[int]:

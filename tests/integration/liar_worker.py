@@ -32,9 +32,13 @@ log = logging.getLogger("liar")
 
 
 def patch(
-    garbage: float, seed: int, kind: str, honest_first: int = 0, factor: float = 1.05,
+    garbage: float,
+    seed: int,
+    kind: str,
+    honest_first: int = 0,
+    factor: float = 1.05,
     label: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     rng = random.Random(seed)
     honest = server.ExpertServer.handle
     answered = 0

@@ -40,12 +40,26 @@ def test_kvq_acl_refuses_an_unsafe_worker_id(capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.slow
 def test_apply_then_a_whole_deployment_on_those_users(
-    settings: Settings, r: redis.Redis, tiny_model: Path, tmp_path: Path,
+    settings: Settings,
+    r: redis.Redis,
+    tiny_model: Path,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     secrets = tmp_path / "acl.json"
-    argv = ["acl", "--apply", settings.redis_url, "--prefix", settings.prefix,
-            "--worker", "w0", "--worker", "w1", "--secrets", str(secrets)]  # fmt: skip
+    argv = [
+        "acl",
+        "--apply",
+        settings.redis_url,
+        "--prefix",
+        settings.prefix,
+        "--worker",
+        "w0",
+        "--worker",
+        "w1",
+        "--secrets",
+        str(secrets),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     made = json.loads(secrets.read_text())
@@ -59,8 +73,9 @@ def test_apply_then_a_whole_deployment_on_those_users(
     def spawn(role_url: str, *args: str) -> subprocess.Popen[bytes]:
         env = child_env(s, redis_url=role_url)
         with (tmp_path / f"{args[0]}-{len(procs)}.log").open("wb") as log:
-            p = subprocess.Popen([sys.executable, "-m", "kvq", *args], env=env, stdout=log,
-                                 stderr=subprocess.STDOUT)  # fmt: skip
+            p = subprocess.Popen(
+                [sys.executable, "-m", "kvq", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         procs.append(p)
         return p
 
@@ -71,18 +86,34 @@ def test_apply_then_a_whole_deployment_on_those_users(
         spawn(url["coordinator"], "coordinator", "--model", str(tiny_model), "--model-id", "tiny")
         keys = Keys(s.prefix)
         deadline = time.monotonic() + 120
-        while len(r.hgetall(keys.model_workers("tiny"))) < 2 or not r.exists(keys.coord_slots(
-            "coord-" + __import__("socket").gethostname())):  # fmt: skip
+        while len(r.hgetall(keys.model_workers("tiny"))) < 2 or not r.exists(
+            keys.coord_slots("coord-" + __import__("socket").gethostname())
+        ):
             assert time.monotonic() < deadline, _logs(tmp_path)
             assert all(p.poll() is None for p in procs), _logs(tmp_path)
             time.sleep(0.2)
         time.sleep(1.0)  # the workers' "serving" beat
         env = child_env(s, redis_url=url["client"])
         out = subprocess.run(
-            [sys.executable, "-m", "kvq", "submit", "--model", "tiny", "--prompt", "acl",
-             "--max-tokens", "6", "--json", "--timeout", "90"],
-            env=env, capture_output=True, timeout=150,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvq",
+                "submit",
+                "--model",
+                "tiny",
+                "--prompt",
+                "acl",
+                "--max-tokens",
+                "6",
+                "--json",
+                "--timeout",
+                "90",
+            ],
+            env=env,
+            capture_output=True,
+            timeout=150,
+        )
         assert out.returncode == 0, out.stderr.decode() + _logs(tmp_path)
         got = json.loads(out.stdout)
         assert got["token_ids"] == local_tokens(tiny_model, "acl", 6)
@@ -112,8 +143,11 @@ def _keyed_api_under_its_user(
     keys = "key-aaaaaaaa-1,key-bbbbbbbb-2"
     env = child_env(s, redis_url=api_url, api_port=port, api_keys=keys, api_key_rpm=2)
     with (tmp_path / "api.log").open("wb") as log:
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvq", "api"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kvq", "api"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -126,8 +160,12 @@ def _keyed_api_under_its_user(
         time.sleep(0.2)
 
     def call(key: str) -> httpx.Response:
-        return httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                          json={"model": "tiny", "prompt": "acl", "max_tokens": 3}, timeout=60)  # fmt: skip
+        return httpx.post(
+            base + "/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "tiny", "prompt": "acl", "max_tokens": 3},
+            timeout=60,
+        )
 
     got = [call("key-aaaaaaaa-1").status_code for _ in range(3)]
     assert got == [200, 200, 429], _logs(tmp_path)

@@ -29,8 +29,9 @@ def test_whole_flow_under_acl_users(
     run_in_thread(mon)
     ids = [f"w{i}" for i in range(len(info.slices))]
     one_each = {"worker_max_slices": 1}  # one worker per slice (one would fit every slice)
-    workers = [Worker.from_settings(as_role("worker", w).model_copy(update=one_each), w)
-               for w in ids]  # fmt: skip
+    workers = [
+        Worker.from_settings(as_role("worker", w).model_copy(update=one_each), w) for w in ids
+    ]
     for w in workers:
         run_in_thread(w)
     wait_for(lambda: all(w.holding for w in workers), 30, "every worker loaded via the monitor")

@@ -50,26 +50,33 @@ def _promtool_fires(tmp: Path, lag: float, pending: float, old_rule: str | None)
         rule = {"alert": "KvqRequestBacklog", "expr": old_rule, "for": "2m"}
         rules.write_text(yaml.safe_dump({"groups": [{"name": "old", "rules": [rule]}]}))
     else:
-        expected = [{
-            "exp_labels": {"severity": "warning", "model": "tiny"},
-            "exp_annotations": {
-                "summary": f"tiny: {lag:g} requests wait for a free coordinator slot",
-                "description": "Add coordinators (or KVQ_N_SLOTS); see kvq_coordinators_alive.",
-            },
-        }]  # fmt: skip
+        expected = [
+            {
+                "exp_labels": {"severity": "warning", "model": "tiny"},
+                "exp_annotations": {
+                    "summary": f"tiny: {lag:g} requests wait for a free coordinator slot",
+                    "description": "Add coordinators (or KVQ_N_SLOTS); see kvq_coordinators_alive.",
+                },
+            }
+        ]
     series = [
         {"series": f'kvq_group_{name}{{stream="requests",model="tiny"}}', "values": f"{v:g}x5"}
         for name, v in (("lag", lag), ("pending", pending))
     ]
-    test = {"interval": "1m", "input_series": series, "alert_rule_test": [
-        {"eval_time": "3m", "alertname": "KvqRequestBacklog", "exp_alerts": expected}
-    ]}  # fmt: skip
+    test = {
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "3m", "alertname": "KvqRequestBacklog", "exp_alerts": expected}
+        ],
+    }
     unit = tmp / "unit.yml"
-    unit.write_text(yaml.safe_dump(
-        {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [test]}
-    ))  # fmt: skip
-    out = subprocess.run([promtool(), "test", "rules", str(unit)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    unit.write_text(
+        yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [test]})
+    )
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(unit)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -106,8 +113,10 @@ def test_backlog_fires_on_lag_and_coordinator_counters_add_up(
     got = _scrape(mon)
     assert got["kvq_group_lag", req] == 0 and got["kvq_group_pending", req] == 0
     tokens = got["kvq_tokens_total", c]
-    ttft, gaps = (got["kvq_time_to_first_token_seconds_count", c],
-                  got["kvq_token_gap_seconds_count", c])  # fmt: skip
+    ttft, gaps = (
+        got["kvq_time_to_first_token_seconds_count", c],
+        got["kvq_token_gap_seconds_count", c],
+    )
     assert tokens > 0 and ttft > 0
     assert ttft + gaps == tokens, "each token is a first token or follows a gap"
     assert got["kvq_requests_total", c | {("finish", "error")}] == 0

@@ -43,10 +43,23 @@ def backbone(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def _generate(model: Path, prompt: str) -> list[int]:
     """`kvq generate --json` on `model`, as a user runs it."""
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "generate", "--model", str(model), "--prompt", prompt,
-         "--max-tokens", str(TOKENS), "--json"],
-        capture_output=True, check=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(TOKENS),
+            "--json",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
     ids: list[int] = json.loads(out.stdout)["token_ids"]
     return ids
 
@@ -54,10 +67,14 @@ def _generate(model: Path, prompt: str) -> list[int]:
 def test_backbone_coordinator_and_two_half_workers_match_generate(
     settings: Settings, tiny_model: Path, backbone: Path, run_in_thread, tmp_path: Path
 ) -> None:
-    s = settings.model_copy(update={
-        "slice_experts": 4, "worker_max_slices": 2,  # 4 slices: two workers, two slices each
-        "job_deadline_ms": 10_000, "replica_wait_s": 30.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 4,
+            "worker_max_slices": 2,  # 4 slices: two workers, two slices each
+            "job_deadline_ms": 10_000,
+            "replica_wait_s": 30.0,
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)  # the full file: the workers' source
@@ -138,13 +155,24 @@ def test_backbone_refuses_all_experts_and_another_source(
 
 
 def _replicated(
-    settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path, replicas: int,
+    settings: Settings,
+    tiny_model: Path,
+    run_in_thread,
+    tmp_path: Path,
+    replicas: int,
     **more: object,
-) -> tuple[Settings, Keys, Monitor, Children]:  # fmt: skip
+) -> tuple[Settings, Keys, Monitor, Children]:
     """The tiny model in 2 slices of `replicas` copies each, registered, its monitor running;
     the workers are the test's to start (`kids`)."""
-    s = settings.model_copy(update={"slice_experts": 8, "base_replicas": replicas,
-                                    "worker_max_slices": 2, "replica_wait_s": 30.0, **more})  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 8,
+            "base_replicas": replicas,
+            "worker_max_slices": 2,
+            "replica_wait_s": 30.0,
+            **more,
+        }
+    )
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
@@ -157,8 +185,9 @@ def test_a_stopped_replica_jobs_go_to_the_other_one(
     """Two workers hold every slice; the one in use is SIGSTOPped mid-request: its jobs miss
     their deadline and are sent again to the other replica, the tokens stay those of
     `generate`."""
-    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 2,
-                                     job_deadline_ms=1500, heartbeat_ttl_s=30.0)  # fmt: skip
+    s, keys, mon, kids = _replicated(
+        settings, tiny_model, run_in_thread, tmp_path, 2, job_deadline_ms=1500, heartbeat_ttl_s=30.0
+    )
     try:
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
@@ -193,9 +222,16 @@ def test_the_only_holder_killed_ends_the_request_within_the_wait(
     after the first miss, then the request ends with NoReplica (no made-up token), not
     after the heartbeat expires."""
     wait_s, deadline_ms = 3.0, 1000
-    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 1,
-                                     job_deadline_ms=deadline_ms, heartbeat_ttl_s=60.0,
-                                     replica_wait_s=wait_s)  # fmt: skip
+    s, keys, mon, kids = _replicated(
+        settings,
+        tiny_model,
+        run_in_thread,
+        tmp_path,
+        1,
+        job_deadline_ms=deadline_ms,
+        heartbeat_ttl_s=60.0,
+        replica_wait_s=wait_s,
+    )
     try:
         kids.spawn("w0", "worker", "--id", "w0")
         wait_ready(mon, "tiny", 2, 120)
@@ -226,16 +262,20 @@ def test_replicas_check_each_other_and_a_liar_is_outvoted(
     result drawn for a check confirmed by another holder (with the default trust schedule, all
     of a new worker's first 50), a third decides a disagreement. Every token equals
     `generate`'s, the liar is quarantined, and the honest ones serve on."""
-    s, keys, mon, kids = _replicated(settings, tiny_model, run_in_thread, tmp_path, 3,
-                                     job_deadline_ms=5000)  # fmt: skip
+    s, keys, mon, kids = _replicated(
+        settings, tiny_model, run_in_thread, tmp_path, 3, job_deadline_ms=5000
+    )
     try:
         for i in range(2):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
         with (tmp_path / "liar.log").open("wb") as out:
             kids.procs["liar"] = subprocess.Popen(
-                [sys.executable, str(LIAR), "--id", "liar", "--garbage", "1"], env=kids.env,
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                [sys.executable, str(LIAR), "--id", "liar", "--garbage", "1"],
+                env=kids.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         wait_ready(mon, "tiny", 6, 120)  # 2 slices x 3 replicas
         coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
         run_in_thread(coord)
@@ -254,8 +294,10 @@ def test_replicas_check_each_other_and_a_liar_is_outvoted(
         rid = client.send(r, keys, "tiny", prompt=PROMPTS[0], max_tokens=TOKENS)
         got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
         assert got == _generate(tiny_model, PROMPTS[0])
-        print(f"witness jobs {st.witness_jobs}, confirmed {st.verified}, outvoted "
-              f"{st.mismatches}, unresolved {st.unresolved}; used per worker "
-              f"{coord.dispatch.per_worker}")  # fmt: skip
+        print(
+            f"witness jobs {st.witness_jobs}, confirmed {st.verified}, outvoted "
+            f"{st.mismatches}, unresolved {st.unresolved}; used per worker "
+            f"{coord.dispatch.per_worker}"
+        )
     finally:
         kids.stop_all()

@@ -47,10 +47,14 @@ def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
     meta = read_meta(model)
     model_id = f"fam-{arch}"
     s = load_settings(
-        redis_url=redis_server.url, prefix=f"fam-{arch}", coordinator_experts="none",
-        slice_layers=len(meta.moe_layers), slice_experts=4, worker_max_slices=1,
+        redis_url=redis_server.url,
+        prefix=f"fam-{arch}",
+        coordinator_experts="none",
+        slice_layers=len(meta.moe_layers),
+        slice_experts=4,
+        worker_max_slices=1,
         job_deadline_ms=60000,
-    )  # fmt: skip
+    )
     kids = Children(child_env(s) | {"OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))
     board = open_board(s.bus, s.lifetimes)
     try:
@@ -68,14 +72,16 @@ def test_backbone_only_coordinator_and_two_workers_equal_local_generation(
             return {v.slice_id for v in board.workers(model_id) if v.alive and v.ready}
 
         kids.wait_for(lambda: ready() == set(info.slices), 300, "both halves held")
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", model_id,
-                   "--id", "c1")  # fmt: skip
+        kids.spawn(
+            "coord", "coordinator", "--model", str(model), "--model-id", model_id, "--id", "c1"
+        )
         kids.wait_for(lambda: board.coordinator_alive("c1"), 120, "the coordinator")
         r = connect(s.bus)
         try:
             prompt = "The quick brown fox"
-            got = client.generate(r, Keys(s.prefix), model_id, prompt=prompt, max_tokens=8,
-                                  timeout_s=240)  # fmt: skip
+            got = client.generate(
+                r, Keys(s.prefix), model_id, prompt=prompt, max_tokens=8, timeout_s=240
+            )
         finally:
             r.close()
         assert got == local_tokens(model, prompt, 8)

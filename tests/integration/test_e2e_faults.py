@@ -36,10 +36,19 @@ def _job(
     ids = np.array([[0, 5], [3, 1], [6, 7]][:rows], dtype=np.int32)
     w = np.full(ids.shape, 0.5, dtype=np.float32)
     job = wire.Job(
-        job_id=job_id, model="tiny", layer=0, slice=sid, expert_start=0, expert_end=4,
-        coord="test", reply_to=reply_to, deadline_ms=0,
-        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-    )  # fmt: skip
+        job_id=job_id,
+        model="tiny",
+        layer=0,
+        slice=sid,
+        expert_start=0,
+        expert_end=4,
+        coord="test",
+        reply_to=reply_to,
+        deadline_ms=0,
+        x=wire.Tensor.of(x),
+        ids=wire.Tensor.of(ids),
+        weights=wire.Tensor.of(w),
+    )
     sl = load_slice(model, meta, 0, 0, 4)
     ref = expert_forward_reference(
         sl.gate.double().numpy(), sl.up.double().numpy(), sl.down.double().numpy(), 0, x, ids, w
@@ -95,8 +104,14 @@ def test_worker_survives_redis_restart(tiny_model: Path, tmp_path: Path, run_in_
     try:
         from kvq.config import load_settings
 
-        s = load_settings(redis_url=server.url, prefix="rs", block_ms=100, heartbeat_ttl_s=1.0,
-                          volunteer_poll_s=0.05, reconnect_max_s=0.5)  # fmt: skip
+        s = load_settings(
+            redis_url=server.url,
+            prefix="rs",
+            block_ms=100,
+            heartbeat_ttl_s=1.0,
+            volunteer_poll_s=0.05,
+            reconnect_max_s=0.5,
+        )
         keys = Keys(s.prefix)
         r = redis.Redis.from_url(server.url)
         info = Monitor.from_settings(s).register("tiny", tiny_model)
@@ -128,14 +143,20 @@ def test_killed_worker_jobs_answered_exactly_once(
     settings: Settings, tiny_model: Path, run_in_thread, tmp_path: Path
 ) -> None:
     """SIGSTOP a worker so jobs pile up on it, then SIGKILL it: nothing is lost or doubled."""
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "job_deadline_ms": 4000, "slice_experts": 8,
-        "base_replicas": 2, "heartbeat_ttl_s": 2.0, "dispatch_policy": "copies",
-        "worker_max_slices": 1,  # four workers, one slice each (one would fit both)
-        # the claim is about a death, not about pricing: on a loaded machine a slow trial
-        # round trip must not price the proven workers out of the route
-        "cost_w_latency": 0.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "job_deadline_ms": 4000,
+            "slice_experts": 8,
+            "base_replicas": 2,
+            "heartbeat_ttl_s": 2.0,
+            "dispatch_policy": "copies",
+            "worker_max_slices": 1,  # four workers, one slice each (one would fit both)
+            # the claim is about a death, not about pricing: on a loaded machine a slow trial
+            # round trip must not price the proven workers out of the route
+            "cost_w_latency": 0.0,
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
@@ -159,8 +180,14 @@ def test_killed_worker_jobs_answered_exactly_once(
             lambda: mon.board.r.xlen(keys.worker_inbox("w0")) > 0, 20, "jobs sent to the victim"
         )
         kids.kill("w0")
-        got = [[e.token_id for e in client.events(mon.board.r, keys, rid, 120) if e.token_id is not None]
-               for rid in rids]  # fmt: skip
+        got = [
+            [
+                e.token_id
+                for e in client.events(mon.board.r, keys, rid, 120)
+                if e.token_id is not None
+            ]
+            for rid in rids
+        ]
         bb = Backbone.from_gguf(tiny_model)
         tok = ByteTokenizer.from_meta(bb.meta)
         for prompt, tokens in zip(prompts, got, strict=True):
@@ -180,15 +207,21 @@ def test_rescues_count_workers_killed_while_in_use(
 ) -> None:
     """Issue 12 item 7: two workers on the coordinator's route are SIGKILLed one after the
     other under load; the published `rescues` counter counts both."""
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "job_deadline_ms": 2000, "slice_experts": 8,
-        "base_replicas": 1, "heartbeat_ttl_s": 1.5, "worker_grace_ms": 60_000,
-        "worker_max_slices": 1,  # one worker per slice (one would fit both)
-        "dispatch_policy": "copies",  # whole copies put both workers on the route
-        # latency out of the cost: on a busy machine slow results must not price the workers
-        # off the route before they are killed (score still drops with each miss)
-        "cost_w_latency": 0.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "job_deadline_ms": 2000,
+            "slice_experts": 8,
+            "base_replicas": 1,
+            "heartbeat_ttl_s": 1.5,
+            "worker_grace_ms": 60_000,
+            "worker_max_slices": 1,  # one worker per slice (one would fit both)
+            "dispatch_policy": "copies",  # whole copies put both workers on the route
+            # latency out of the cost: on a busy machine slow results must not price the workers
+            # off the route before they are killed (score still drops with each miss)
+            "cost_w_latency": 0.0,
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)

@@ -42,24 +42,38 @@ def kids(settings: Settings, tmp_path: Path) -> Iterator[Children]:
 
 @pytest.mark.parametrize("kind", ["nan", "noise", "shape"])
 def test_forged_results_never_reach_a_client_and_the_forger_is_quarantined(
-    settings: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path,
+    settings: Settings,
+    kids: Children,
+    run_in_thread,
+    tiny_model: Path,
+    tmp_path: Path,
     kind: str,
-) -> None:  # fmt: skip
-    s = settings.model_copy(update={
-        "coordinator_experts": "none", "slice_experts": 8, "worker_max_slices": 1,
-        "job_deadline_ms": 10_000,
-    })  # fmt: skip
+) -> None:
+    s = settings.model_copy(
+        update={
+            "coordinator_experts": "none",
+            "slice_experts": 8,
+            "worker_max_slices": 1,
+            "job_deadline_ms": 10_000,
+        }
+    )
     assert s.verify_remote == "sampled" and s.trust_full_checks == 50, "the defaults"
     kids.env = child_env(s)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)
     with (tmp_path / "forger.log").open("wb") as out:
         kids.procs["forger"] = subprocess.Popen(
-            [sys.executable, str(FORGER), "--id", "forger", "--kind", kind], env=kids.env,
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    kids.wait_for(lambda: mon.board.assignments("tiny").get("forger") == (min(info.slices),),
-                  60, "the forger holding layer 0")  # fmt: skip
+            [sys.executable, str(FORGER), "--id", "forger", "--kind", kind],
+            env=kids.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    kids.wait_for(
+        lambda: mon.board.assignments("tiny").get("forger") == (min(info.slices),),
+        60,
+        "the forger holding layer 0",
+    )
     kids.spawn("honest", "worker", "--id", "honest")
     wait_ready(mon, "tiny", 2)
     coord = Coordinator.from_settings(s, "c1", "tiny", tiny_model)

@@ -38,12 +38,28 @@ def _valid(kind: str, rng: random.Random, i: int) -> dict[str, Any]:
         return {"v": 2, "request_id": f"fuzz-{i}", "model": "tiny", "prompt": "x", "max_tokens": 1}
     if kind == "job":
         ids = {"dtype": "int64", "shape": [1, 2], "data": np.array([[0, 1]], "<i8").tobytes()}
-        return {"v": 1, "job_id": f"c1:{rng.randrange(100)}", "model": "tiny", "layer": 0,
-                "slice": "L000-001:E0000-0008", "expert_start": 0, "expert_end": 8, "coord": "c1",
-                "reply_to": f"fuzz:out:{rng.randrange(4)}", "deadline_ms": 0,
-                "x": _tensor(rng, [1, 64]), "ids": ids, "weights": _tensor(rng, [1, 2])}  # fmt: skip
-    return {"v": 1, "job_id": f"c1:{rng.randrange(1000)}", "worker": "w0", "compute_ms": 1.0,
-            "y": _tensor(rng, [1, 64])}  # fmt: skip
+        return {
+            "v": 1,
+            "job_id": f"c1:{rng.randrange(100)}",
+            "model": "tiny",
+            "layer": 0,
+            "slice": "L000-001:E0000-0008",
+            "expert_start": 0,
+            "expert_end": 8,
+            "coord": "c1",
+            "reply_to": f"fuzz:out:{rng.randrange(4)}",
+            "deadline_ms": 0,
+            "x": _tensor(rng, [1, 64]),
+            "ids": ids,
+            "weights": _tensor(rng, [1, 2]),
+        }
+    return {
+        "v": 1,
+        "job_id": f"c1:{rng.randrange(1000)}",
+        "worker": "w0",
+        "compute_ms": 1.0,
+        "y": _tensor(rng, [1, 64]),
+    }
 
 
 JUNK: list[Any] = [None, -1, 2**70, "", "\udcff", b"\xff\xfe", [], {}, [1, [2]], 1.5, True]
@@ -91,10 +107,16 @@ def _flood(r: Any, stream: str, kind: str, seed: int) -> None:
 def test_fuzz_into_every_stream_loses_no_canary(
     settings: Settings, tiny_model: Path, tmp_path: Path, run_in_thread
 ) -> None:
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "slice_experts": 8, "slice_layers": 1,
-        "dispatch_policy": "copies", "job_deadline_ms": 2000, "heartbeat_ttl_s": 3.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "slice_experts": 8,
+            "slice_layers": 1,
+            "dispatch_policy": "copies",
+            "job_deadline_ms": 2000,
+            "heartbeat_ttl_s": 3.0,
+        }
+    )
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
@@ -113,8 +135,11 @@ def test_fuzz_into_every_stream_loses_no_canary(
                 time.sleep(0.5)
                 continue
             try:
-                got = [e.token_id for e in client.events(r, keys, rid, CANARY_TIMEOUT_S, entry)
-                       if e.token_id is not None]  # fmt: skip
+                got = [
+                    e.token_id
+                    for e in client.events(r, keys, rid, CANARY_TIMEOUT_S, entry)
+                    if e.token_id is not None
+                ]
                 outcomes.append("done" if got == want else f"wrong {got}")
             except client.RequestFailed as exc:
                 outcomes.append(f"error {exc}")
@@ -127,14 +152,25 @@ def test_fuzz_into_every_stream_loses_no_canary(
     try:
         kids.spawn("worker", "worker", "--id", "w0")
         wait_ready(mon, "tiny", 1)
-        kids.spawn("coordinator", "coordinator", "--model-id", "tiny", "--model",
-                   str(tiny_model), "--id", "c1")  # fmt: skip
+        kids.spawn(
+            "coordinator",
+            "coordinator",
+            "--model-id",
+            "tiny",
+            "--model",
+            str(tiny_model),
+            "--id",
+            "c1",
+        )
         kids.wait_for(lambda: r.exists(keys.coord_slots("c1")), 120, "the coordinator")
         loops = [threading.Thread(target=canaries, daemon=True) for _ in range(2)]
         for t in loops:
             t.start()
-        streams = [(keys.model_requests("tiny"), "request"), (keys.worker_inbox("w0"), "job"),
-                   (keys.worker_results("w0", "c1"), "result")]  # fmt: skip
+        streams = [
+            (keys.model_requests("tiny"), "request"),
+            (keys.worker_inbox("w0"), "job"),
+            (keys.worker_results("w0", "c1"), "result"),
+        ]
         t0 = time.monotonic()
         for seed, (stream, kind) in enumerate(streams):
             _flood(r, stream, kind, seed)
@@ -148,9 +184,11 @@ def test_fuzz_into_every_stream_loses_no_canary(
         assert not kids.dead(), f"no process stopped: {kids.dead()}"
         lost, done = outcomes.count("lost"), outcomes.count("done")
         bad = [o for o in outcomes if o not in ("done", "refused")]
-        print(f"fuzz {3 * N_FUZZ} entries written in {flood_s:.1f}s, requests drained in "
-              f"{drain_s:.1f}s; canaries {len(outcomes)}: done {done}, refused at submit "
-              f"{outcomes.count('refused')}, lost {lost}; dead letters {r.xlen(keys.deadletter())}")  # fmt: skip
+        print(
+            f"fuzz {3 * N_FUZZ} entries written in {flood_s:.1f}s, requests drained in "
+            f"{drain_s:.1f}s; canaries {len(outcomes)}: done {done}, refused at submit "
+            f"{outcomes.count('refused')}, lost {lost}; dead letters {r.xlen(keys.deadletter())}"
+        )
         assert lost == 0, "every canary gets a terminal event"
         assert not bad, bad[:3]
         assert done >= 10

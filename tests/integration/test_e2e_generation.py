@@ -23,13 +23,16 @@ def test_remote_generation_equals_local(
     settings: Settings, tiny_model: Path, run_in_thread, microbatches: int, shards: int
 ) -> None:
     # threshold 1: every step is "under load", so every covered slice goes remote
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "job_deadline_ms": 10_000,
-        "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
-        "microbatches": microbatches,  # 2: layer calls of two micro-batches in flight at once
-        "request_shards": shards,  # 3: the requests spread over three streams (issue 14)
-        "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "job_deadline_ms": 10_000,
+            "dispatch_policy": "copies",  # whole copies: the tiny model's split would stay local
+            "microbatches": microbatches,  # 2: layer calls of two micro-batches in flight at once
+            "request_shards": shards,  # 3: the requests spread over three streams (issue 14)
+            "worker_max_slices": 1,  # one worker per slice (one would fit every slice)
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)

@@ -59,8 +59,10 @@ def test_every_field_of_a_worker_record_written_badly_leaves_every_role_serving(
         r.hset(keys.model_workers("tiny"), "evil", held)
         r.set(keys.worker_heartbeat("evil"), "evil-instance", px=60_000)
         r.delete(keys.worker_info("evil"))
-        r.hset(keys.worker_info("evil"), mapping=good | {"instance": "evil-instance",
-                                                         field: BAD_VALUES[kind]})  # fmt: skip
+        r.hset(
+            keys.worker_info("evil"),
+            mapping=good | {"instance": "evil-instance", field: BAD_VALUES[kind]},
+        )
         time.sleep(0.15)  # a few refreshes of the coordinator and polls of the monitor
         t0 = time.monotonic()
         got = client.generate(r, keys, "tiny", prompt="hostile", max_tokens=4, timeout_s=30)
@@ -71,6 +73,8 @@ def test_every_field_of_a_worker_record_written_badly_leaves_every_role_serving(
         assert not dead, f"{dead} died after {field} = {kind}"
         assert took < 10, f"a request took {took:.1f} s after {field} = {kind}"
         mon.board.workers("tiny")  # the monitor's own read of every record decodes too
-    print(f"{len(CASES)} bad records ({len(WorkerInfo.fields())} fields x {len(BAD_VALUES)} "
-          f"kinds): every role alive, every request served, slowest {slowest:.2f} s")  # fmt: skip
+    print(
+        f"{len(CASES)} bad records ({len(WorkerInfo.fields())} fields x {len(BAD_VALUES)} "
+        f"kinds): every role alive, every request served, slowest {slowest:.2f} s"
+    )
     wait_for(lambda: honest.holding is not None, 5, "the honest worker still holding")

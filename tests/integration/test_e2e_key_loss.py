@@ -104,13 +104,20 @@ class Outcome:
 
 
 def _system_settings(base: Settings) -> Settings:
-    return base.model_copy(update={
-        "coordinator_experts": "none",  # every expert job goes to a worker (inboxes, results)
-        "slice_experts": 8, "worker_max_slices": 1,  # one slice (layer) per worker
-        "n_slots": 2, "request_shards": 2, "job_deadline_ms": 1500,
-        "api_keys": API_KEY, "api_key_rpm": 10_000, "api_timeout_s": 8.0,
-        "market_wait_s": 2.0,
-    })  # fmt: skip
+    return base.model_copy(
+        update={
+            "coordinator_experts": "none",  # every expert job goes to a worker (inboxes, results)
+            "slice_experts": 8,
+            "worker_max_slices": 1,  # one slice (layer) per worker
+            "n_slots": 2,
+            "request_shards": 2,
+            "job_deadline_ms": 1500,
+            "api_keys": API_KEY,
+            "api_key_rpm": 10_000,
+            "api_timeout_s": 8.0,
+            "market_wait_s": 2.0,
+        }
+    )
 
 
 @contextmanager
@@ -126,8 +133,9 @@ def _running(s: Settings, tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Ch
         for w in WORKERS:
             kids.spawn(w, "worker", "--id", w)
         kids.wait_for(lambda: board_r.hlen(keys.model_workers(MODEL)) == 2, 120, "2 workers")
-        kids.spawn("coord", "coordinator", "--model", str(tiny_model), "--model-id", MODEL,
-                   "--id", COORD)  # fmt: skip
+        kids.spawn(
+            "coord", "coordinator", "--model", str(tiny_model), "--model-id", MODEL, "--id", COORD
+        )
         kids.spawn("api", "api")
         url = f"http://127.0.0.1:{port}"
         kids.wait_for(lambda: _api_up(url), 120, "the gateway")
@@ -157,8 +165,12 @@ def _api_up(url: str) -> bool:
 def _api_call(url: str, prompt: str) -> tuple[int, str]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
     try:
-        resp = httpx.post(url + "/v1/completions", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        resp = httpx.post(
+            url + "/v1/completions",
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
     except httpx.HTTPError as exc:
         return 0, str(exc)
     return resp.status_code, resp.text[:200]
@@ -208,8 +220,9 @@ class Rounds:
         rids = [client.send(r, keys, MODEL, prompt=p, max_tokens=MAX_TOKENS) for p in prompts]
         readers: list[Future[Outcome]] = [self.pool.submit(_read, r, keys, rid) for rid in rids]
         api: Future[tuple[int, str]] = self.pool.submit(_api_call, url, PROMPTS[1])
-        kids.wait_for(lambda: r.xlen(keys.request_reply(rids[0])) > 0, 30,
-                      "the first request generating")  # fmt: skip
+        kids.wait_for(
+            lambda: r.xlen(keys.request_reply(rids[0])) > 0, 30, "the first request generating"
+        )
         t0 = time.monotonic()
         fault(rids)
         outcomes = [f.result(timeout=90) for f in readers]
@@ -228,13 +241,17 @@ class Rounds:
         assert status in (200, 400, 503, 504), f"{kind}: gateway answered {status}: {text}"
         done = sum(o.kind == "done" for o in outcomes)
         errors = ",".join(o.detail for o in outcomes if o.kind == "error") or "-"
-        self.rows.append(f"{kind:20} open {OPEN}+1 api: done {done}, error {OPEN - done} "
-                         f"({errors}), api {status}; ended {ended_s:4.1f}s, "
-                         f"served again {recover_s:4.1f}s")  # fmt: skip
+        self.rows.append(
+            f"{kind:20} open {OPEN}+1 api: done {done}, error {OPEN - done} "
+            f"({errors}), api {status}; ended {ended_s:4.1f}s, "
+            f"served again {recover_s:4.1f}s"
+        )
 
     def logs(self) -> dict[str, str]:
-        return {name: (Path(self.kids.log_dir or "") / f"{name}.log").read_text()
-                for name in ("monitor", "coord", "w0")}  # fmt: skip
+        return {
+            name: (Path(self.kids.log_dir or "") / f"{name}.log").read_text()
+            for name in ("monitor", "coord", "w0")
+        }
 
 
 @pytest.mark.slow
@@ -271,11 +288,19 @@ def test_every_role_survives_a_restart_without_persistence(
 ) -> None:
     """The issue's first case: Redis stopped and started again empty on the same port, twice."""
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
-    s = _system_settings(load_settings(
-        redis_url=server.url, prefix="restart", block_ms=100, heartbeat_ttl_s=1.0,
-        volunteer_poll_s=0.05, monitor_poll_s=0.1, dispatch_refresh_ms=50, slot_poll_s=0.02,
-        reconnect_max_s=0.5,
-    ))  # fmt: skip
+    s = _system_settings(
+        load_settings(
+            redis_url=server.url,
+            prefix="restart",
+            block_ms=100,
+            heartbeat_ttl_s=1.0,
+            volunteer_poll_s=0.05,
+            monitor_poll_s=0.1,
+            dispatch_refresh_ms=50,
+            slot_poll_s=0.02,
+            reconnect_max_s=0.5,
+        )
+    )
 
     def restart(rids: list[str]) -> None:
         server.stop()  # no AOF, no RDB: it comes back empty

@@ -86,17 +86,27 @@ def test_a_coordinator_on_a_corrupted_file_stops_and_another_serves(
         bad_sid, _ = _corrupt_copy(tiny_model, info, tmp_path / "bad.gguf")
         kids.spawn("w0", "worker", "--id", "w0")
         kids.wait_for(lambda: any(v.ready for v in board.workers("tiny")), 120, "a worker")
-        kids.spawn("c1", "coordinator", "--model", str(tmp_path / "bad.gguf"),
-                   "--model-id", "tiny", "--id", "c1")  # fmt: skip
+        kids.spawn(
+            "c1",
+            "coordinator",
+            "--model",
+            str(tmp_path / "bad.gguf"),
+            "--model-id",
+            "tiny",
+            "--id",
+            "c1",
+        )
         assert kids.procs["c1"].wait(120) != 0
         log = (tmp_path / "c1.log").read_text()
         assert "ModelCorrupt" in log and bad_sid in log, log[-2000:]
-        kids.spawn("c2", "coordinator", "--model", str(tiny_model), "--model-id", "tiny",
-                   "--id", "c2")  # fmt: skip
+        kids.spawn(
+            "c2", "coordinator", "--model", str(tiny_model), "--model-id", "tiny", "--id", "c2"
+        )
         r = connect(s.bus)
         try:
-            got = client.generate(r, Keys(s.prefix), "tiny", prompt="own bytes", max_tokens=6,
-                                  timeout_s=120)  # fmt: skip
+            got = client.generate(
+                r, Keys(s.prefix), "tiny", prompt="own bytes", max_tokens=6, timeout_s=120
+            )
         finally:
             r.close()
         assert got == local_tokens(tiny_model, "own bytes", 6)

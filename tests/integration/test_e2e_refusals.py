@@ -40,8 +40,13 @@ def test_undecodable_request_gets_an_error_event(
     coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
     run_in_thread(coord)
     r = mon.board.r
-    body: dict[str, object] = {"v": 1, "request_id": f"bad-{bad}", "model": "tiny",
-                               "prompt": "hi", "max_tokens": 4}  # fmt: skip
+    body: dict[str, object] = {
+        "v": 1,
+        "request_id": f"bad-{bad}",
+        "model": "tiny",
+        "prompt": "hi",
+        "max_tokens": 4,
+    }
     if bad == "version":
         body["v"] = 99
     elif bad == "max_tokens":
@@ -140,8 +145,10 @@ def test_a_request_of_invalid_utf8_is_answered_on_its_reply_stream(
         list(client.events(r, keys, rid, timeout_s=20))
     assert caught.value.failure is not None and caught.value.failure.type == "BadRequest"
     assert time.monotonic() - t0 < 10, "answered, not timed out"
-    dead = wait_for(lambda: len(r.xrange(keys.deadletter())) == 2 and r.xrange(keys.deadletter()),
-                    what="both dead letters")  # fmt: skip
+    dead = wait_for(
+        lambda: len(r.xrange(keys.deadletter())) == 2 and r.xrange(keys.deadletter()),
+        what="both dead letters",
+    )
     assert all(b"UTF-8" in f[b"reason"] for _, f in dead), dead
     wait_for(lambda: r.xlen(keys.model_requests("tiny")) == 0, what="both entries acked")
     assert client.generate(r, keys, "tiny", prompt="hi", max_tokens=2, timeout_s=60)
@@ -159,8 +166,10 @@ def test_a_duplicate_ids_refusal_is_not_taken_for_the_first_requests_own(
     first = client.send(r, keys, "tiny", prompt="mine", max_tokens=6, request_id="twice")
     coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
     run_in_thread(coord)
-    wait_for(lambda: any(e.kind == "token" for e in coord.board.reply_events("twice")),
-             what="the first request's first token")  # fmt: skip
+    wait_for(
+        lambda: any(e.kind == "token" for e in coord.board.reply_events("twice")),
+        what="the first request's first token",
+    )
     second = client.send(r, keys, "tiny", prompt="yours", max_tokens=6, request_id="twice")
     assert first == second == "twice" and first.entry != second.entry
     with pytest.raises(client.RequestFailed, match="duplicate request id"):

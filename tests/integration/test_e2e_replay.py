@@ -62,9 +62,14 @@ def test_a_killed_coordinator_s_requests_stream_each_token_once(
 ) -> None:
     """With 3 request shards, each request on its own: the dead coordinator held entries of
     every shard (one generating, the others delivered and held back), all taken over."""
-    s = settings.model_copy(update={
-        "n_slots": 1, "saturation_threshold": 1, "claim_idle_ms": 300, "request_shards": shards,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "n_slots": 1,
+            "saturation_threshold": 1,
+            "claim_idle_ms": 300,
+            "request_shards": shards,
+        }
+    )
     mon = Monitor.from_settings(s)
     mon.register("tiny", tiny_model)
     run_in_thread(mon)
@@ -75,10 +80,11 @@ def test_a_killed_coordinator_s_requests_stream_each_token_once(
         kids.spawn("c1", *_coordinator_args(tiny_model, "c1"))
         ids = ids_on_every_shard(n_requests, shards, how)
         subs = [
-            client.submit(r, keys, "tiny", prompt=f"{PROMPT} {i}", max_tokens=n_tokens,
-                          request_id=ids[i])
+            client.submit(
+                r, keys, "tiny", prompt=f"{PROMPT} {i}", max_tokens=n_tokens, request_id=ids[i]
+            )
             for i in range(n_requests)
-        ]  # fmt: skip
+        ]
         first = subs[0].request_id
         kids.wait_for(lambda: r.xlen(keys.request_reply(first)) >= 10, 60, "tokens streaming")
         kids.procs["c1"].send_signal(signal.SIGKILL)
@@ -154,7 +160,7 @@ def test_reply_filter_skips_replays_stale_runs_and_other_entries() -> None:
             tok(3, 1),
             tok(4, 2, "9-0"),
             tok(4, 2),
-        ]  # fmt: skip
+        ]
         if f.accept(ev)
     ]
     assert seen == [0, 1, 2, 3, 4]

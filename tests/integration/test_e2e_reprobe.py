@@ -32,18 +32,25 @@ def test_a_priced_out_worker_is_re_probed_and_wins_work_back(
 ) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=8, seed=7)
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "slice_experts": 8, "dispatch_policy": "copies",
-        "reprobe_ms": REPROBE_MS, "job_deadline_ms": 5000, "worker_grace_ms": 60_000.0,
-        "swarm_ewma_alpha": 1.0,  # one sample sets a worker's latency: verdicts are crisp
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "slice_experts": 8,
+            "dispatch_policy": "copies",
+            "reprobe_ms": REPROBE_MS,
+            "job_deadline_ms": 5000,
+            "worker_grace_ms": 60_000.0,
+            "swarm_ewma_alpha": 1.0,  # one sample sets a worker's latency: verdicts are crisp
+        }
+    )
     mon = Monitor.from_settings(s)
     mon.register("m", model)
     run_in_thread(mon)
     host, port = "127.0.0.1", int(s.redis_url.rsplit(":", 1)[1].split("/")[0])
     proxy = DelayProxy(host, port, rtt_ms=400)  # 400 ms per round trip: priced out under load
-    kids = Children(child_env(s, redis_url=f"redis://127.0.0.1:{proxy.port}/0"),
-                    log_dir=str(tmp_path / "logs"))  # fmt: skip
+    kids = Children(
+        child_env(s, redis_url=f"redis://127.0.0.1:{proxy.port}/0"), log_dir=str(tmp_path / "logs")
+    )
     stop = threading.Event()
     try:
         kids.spawn("worker", "worker", "--id", "w")

@@ -103,13 +103,18 @@ def test_uncovered_model_is_refused_until_a_worker_covers_it(
 def test_worker_whose_heartbeat_expires_is_marked_down(
     settings: Settings, one_slice_model: Path, run_in_thread, tmp_path: Path
 ) -> None:
-    s = settings.model_copy(update={
-        "saturation_threshold": 1, "slice_experts": 8, "base_replicas": 2,
-        "dispatch_policy": "copies",  # H8: the rescue moves the copy to the live worker
-        "heartbeat_ttl_s": 1.0, "job_deadline_ms": 10_000,  # a cold first try may be slow
-        # one slow first sample (a cold worker process) must not price w1 out of every copy
-        "cost_w_latency": 0.01,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "saturation_threshold": 1,
+            "slice_experts": 8,
+            "base_replicas": 2,
+            "dispatch_policy": "copies",  # H8: the rescue moves the copy to the live worker
+            "heartbeat_ttl_s": 1.0,
+            "job_deadline_ms": 10_000,  # a cold first try may be slow
+            # one slow first sample (a cold worker process) must not price w1 out of every copy
+            "cost_w_latency": 0.01,
+        }
+    )
     keys = Keys(s.prefix)
     mon = Monitor.from_settings(s)
     mon.register("m", one_slice_model)

@@ -35,9 +35,16 @@ def _up(url: str) -> bool:
 @pytest.mark.timeout(300)
 def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_up: bool) -> None:
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
-    s = load_settings(redis_url=server.url, prefix="term", block_ms=100, heartbeat_ttl_s=1.0,
-                      volunteer_poll_s=0.05, monitor_poll_s=0.1, reconnect_max_s=1.0,
-                      slice_experts=8)  # fmt: skip
+    s = load_settings(
+        redis_url=server.url,
+        prefix="term",
+        block_ms=100,
+        heartbeat_ttl_s=1.0,
+        volunteer_poll_s=0.05,
+        monitor_poll_s=0.1,
+        reconnect_max_s=1.0,
+        slice_experts=8,
+    )
     port = free_port()
     kids = Children(child_env(s, api_port=port), log_dir=str(tmp_path / "logs"))
     r = redis.Redis.from_url(server.url)
@@ -46,11 +53,22 @@ def test_sigterm_exits_0_for_every_role(tiny_model: Path, tmp_path: Path, redis_
         kids.spawn("monitor", "monitor", "--model", f"tiny={tiny_model}")
         kids.wait_for(lambda: r.sismember(keys.models(), "tiny"), 120, "registration")
         kids.spawn("worker", "worker", "--id", "w0")
-        kids.spawn("coordinator", "coordinator", "--model", str(tiny_model), "--model-id",
-                   "tiny", "--id", "c1")  # fmt: skip
+        kids.spawn(
+            "coordinator",
+            "coordinator",
+            "--model",
+            str(tiny_model),
+            "--model-id",
+            "tiny",
+            "--id",
+            "c1",
+        )
         kids.spawn("api", "api")
-        kids.wait_for(lambda: r.exists(keys.coord_slots("c1")) and r.hlen(keys.model_workers("tiny")),
-                      120, "the coordinator and the worker")  # fmt: skip
+        kids.wait_for(
+            lambda: r.exists(keys.coord_slots("c1")) and r.hlen(keys.model_workers("tiny")),
+            120,
+            "the coordinator and the worker",
+        )
         kids.wait_for(lambda: _up(f"http://127.0.0.1:{port}/health"), 120, "the gateway")
         if not redis_up:
             server.stop()
@@ -81,11 +99,22 @@ def test_sigterm_exits_0_while_a_coordinator_waits_for_its_model(
     s = load_settings(redis_url=server.url, prefix="term-start", reconnect_max_s=1.0)
     kids = Children(child_env(s), log_dir=str(tmp_path / "logs"))
     try:
-        proc = kids.spawn("coordinator", "coordinator", "--model", str(tiny_model),
-                          "--model-id", "nobody-registered-it", "--id", "c1")  # fmt: skip
+        proc = kids.spawn(
+            "coordinator",
+            "coordinator",
+            "--model",
+            str(tiny_model),
+            "--model-id",
+            "nobody-registered-it",
+            "--id",
+            "c1",
+        )
         log = tmp_path / "logs" / "coordinator.log"
-        kids.wait_for(lambda: "waiting for model" in log.read_text(), 90,
-                      "the coordinator waiting for its model")  # fmt: skip
+        kids.wait_for(
+            lambda: "waiting for model" in log.read_text(),
+            90,
+            "the coordinator waiting for its model",
+        )
         server.stop()  # and Redis goes too
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)

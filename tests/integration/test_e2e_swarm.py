@@ -45,10 +45,23 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _generate(model: Path, prompt: str) -> list[int]:
     out = subprocess.run(
-        [sys.executable, "-m", "kvq", "generate", "--model", str(model), "--prompt", prompt,
-         "--max-tokens", str(TOKENS), "--json"],
-        capture_output=True, check=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvq",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(TOKENS),
+            "--json",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
     ids: list[int] = json.loads(out.stdout)["token_ids"]
     return ids
 
@@ -69,30 +82,40 @@ def _copies(mon: Monitor, sids: list[str]) -> list[int]:
 
 def _swarm(
     settings: Settings, files: tuple[Path, Path], run_in_thread, tmp_path: Path, share: float
-) -> tuple[Settings, Keys, Monitor, Coordinator, list[str], Children]:  # fmt: skip
+) -> tuple[Settings, Keys, Monitor, Coordinator, list[str], Children]:
     """The 10-slice model registered, its monitor and a backbone-only coordinator running
     (two copies of each slice wanted), and workers (to spawn) whose budgets hold `share` of
     the routed experts each."""
     full, backbone = files
-    s = settings.model_copy(update={
-        "slice_experts": 2, "worker_max_slices": 0, "job_deadline_ms": 1500,
-        "replica_wait_s": 30.0, "heartbeat_ttl_s": 3.0, "monitor_poll_s": 0.25,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 2,
+            "worker_max_slices": 0,
+            "job_deadline_ms": 1500,
+            "replica_wait_s": 30.0,
+            "heartbeat_ttl_s": 3.0,
+            "monitor_poll_s": 0.25,
+        }
+    )
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", full)
     sids = sorted(info.slices)
     expert_bytes = sum(sl.nbytes for sl in info.slices.values())
     assert len(sids) == 10 and len({sl.nbytes for sl in info.slices.values()}) == 1
     budget_gib = share * expert_bytes / 2**30
-    kids = Children(child_env(s.model_copy(update={"worker_memory_gib": budget_gib})),
-                    log_dir=str(tmp_path))  # fmt: skip
+    kids = Children(
+        child_env(s.model_copy(update={"worker_memory_gib": budget_gib})), log_dir=str(tmp_path)
+    )
     run_in_thread(mon)
     coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
     assert not coord.dispatch.has_experts
     run_in_thread(coord)
     # the monitor sees a coordinator without experts: two copies of each slice wanted
-    wait_for(lambda: {d.target for d in mon.board.slice_demand("tiny").values()} == {2}, 15,
-             "targets of 2 copies")  # fmt: skip
+    wait_for(
+        lambda: {d.target for d in mon.board.slice_demand("tiny").values()} == {2},
+        15,
+        "targets of 2 copies",
+    )
     return s, Keys(s.prefix), mon, coord, sids, kids
 
 
@@ -106,8 +129,11 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
         joined: list[float] = []
         for i, want in enumerate((7, 14, 20)):  # copies held after each join
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
-            wait_for(lambda want=want: sum(_copies(mon, sids)) == want, 120,  # type: ignore[misc]
-                     f"{want} copies after w{i} joined")  # fmt: skip
+            wait_for(
+                lambda want=want: sum(_copies(mon, sids)) == want,
+                120,  # type: ignore[misc]
+                f"{want} copies after w{i} joined",
+            )
             joined.append(time.monotonic() - t0)
             if i == 0:  # the first worker holds one copy of what it can, never two
                 assert _copies(mon, sids).count(1) == 7
@@ -117,8 +143,10 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
         assert _copies(mon, sids) == [2] * 10, held
         per_worker = Counter(w for ws in held.values() for w in ws)
         assert all(n <= 7 for n in per_worker.values()), per_worker  # within each budget
-        print(f"SWARM joins: 7, 14, 20 copies at {', '.join(f'{t:.1f}' for t in joined)} s; "
-              f"per worker {dict(per_worker)}")  # fmt: skip
+        print(
+            f"SWARM joins: 7, 14, 20 copies at {', '.join(f'{t:.1f}' for t in joined)} s; "
+            f"per worker {dict(per_worker)}"
+        )
 
         r = mon.board.r
         prompts = ["a swarm holds it", "none of us can"]
@@ -140,13 +168,20 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
         killed = time.monotonic()
         got += [e.token_id for e in events if e.token_id is not None]
         assert got == want[prompts[0]], "the request in flight finished, same tokens"
-        wait_for(lambda: _copies(mon, sids) == [2] * 10
-                 and all(victim not in ws for ws in _holders(mon).values()), 60,
-                 "two live copies of every slice again")  # fmt: skip
+        wait_for(
+            lambda: (
+                _copies(mon, sids) == [2] * 10
+                and all(victim not in ws for ws in _holders(mon).values())
+            ),
+            60,
+            "two live copies of every slice again",
+        )
         recover_s = time.monotonic() - killed
-        print(f"SWARM SIGKILL of {victim} ({len(lost)} slices): request finished; two copies "
-              f"of every slice again after {recover_s:.1f} s "
-              f"(heartbeat TTL {s.heartbeat_ttl_s} s)")  # fmt: skip
+        print(
+            f"SWARM SIGKILL of {victim} ({len(lost)} slices): request finished; two copies "
+            f"of every slice again after {recover_s:.1f} s "
+            f"(heartbeat TTL {s.heartbeat_ttl_s} s)"
+        )
         assert recover_s < 60
         for p in prompts:  # and the swarm serves on
             rid = client.send(r, keys, "tiny", prompt=p, max_tokens=TOKENS)
@@ -173,22 +208,32 @@ def test_full_workers_give_up_second_copies_to_cover_a_dead_workers_slices(
     try:
         for i, want in enumerate((5, 10, 15)):
             kids.spawn(f"w{i}", "worker", "--id", f"w{i}")
-            wait_for(lambda want=want: sum(_copies(mon, sids)) == want, 120,  # type: ignore[misc]
-                     f"{want} copies after w{i} joined")  # fmt: skip
+            wait_for(
+                lambda want=want: sum(_copies(mon, sids)) == want,
+                120,  # type: ignore[misc]
+                f"{want} copies after w{i} joined",
+            )
         held = _holders(mon)
         assert min(_copies(mon, sids)) == 1
         sole = Counter(next(iter(ws)) for ws in held.values() if len(ws) == 1)
         victim, alone = sole.most_common(1)[0]
         kids.procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: min(_copies(mon, sids)) == 1
-                 and all(victim not in ws for ws in _holders(mon).values()), 60,
-                 "every slice held again by a survivor")  # fmt: skip
+        wait_for(
+            lambda: (
+                min(_copies(mon, sids)) == 1
+                and all(victim not in ws for ws in _holders(mon).values())
+            ),
+            60,
+            "every slice held again by a survivor",
+        )
         recover_s = time.monotonic() - killed
         per_worker = Counter(w for ws in _holders(mon).values() for w in ws)
         assert all(n <= 5 for n in per_worker.values()), per_worker  # within each budget
-        print(f"SWARM SIGKILL of {victim} ({alone} sole copies): every slice covered again "
-              f"after {recover_s:.1f} s by {dict(per_worker)}")  # fmt: skip
+        print(
+            f"SWARM SIGKILL of {victim} ({alone} sole copies): every slice covered again "
+            f"after {recover_s:.1f} s by {dict(per_worker)}"
+        )
         r = mon.board.r
         prompt = "covered again"
         rid = client.send(r, keys, "tiny", prompt=prompt, max_tokens=TOKENS)

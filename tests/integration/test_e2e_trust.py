@@ -37,20 +37,32 @@ from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow
 LIAR = Path(__file__).with_name("liar_worker.py")
-PROMPTS = ["liars get caught", "the quick brown fox", "trust but verify", "kvq", "MoE",
-           "spot checks", "graded trust", "no garbage", "ten percent", "a hundred jobs"]  # fmt: skip
+PROMPTS = [
+    "liars get caught",
+    "the quick brown fox",
+    "trust but verify",
+    "kvq",
+    "MoE",
+    "spot checks",
+    "graded trust",
+    "no garbage",
+    "ten percent",
+    "a hundred jobs",
+]
 MAX_TOKENS = 12
 
 
 @pytest.fixture
 def s(settings: Settings) -> Settings:
-    return settings.model_copy(update={
-        "coordinator_experts": "none",  # every job remote, checked from the mapped file
-        "slice_experts": 8,  # one slice per layer: the liar holds one, the honest one the other
-        "worker_max_slices": 1,  # (a worker's budget would fit both)
-        "job_deadline_ms": 10_000,
-        "gpu_workers": "*",  # GPU paths' tolerances are tested (not admission: its own test)
-    })  # fmt: skip
+    return settings.model_copy(
+        update={
+            "coordinator_experts": "none",  # every job remote, checked from the mapped file
+            "slice_experts": 8,  # one slice per layer: the liar holds one, the honest one the other
+            "worker_max_slices": 1,  # (a worker's budget would fit both)
+            "job_deadline_ms": 10_000,
+            "gpu_workers": "*",  # GPU paths' tolerances are tested (not admission: its own test)
+        }
+    )
 
 
 @pytest.fixture
@@ -60,27 +72,61 @@ def kids(s: Settings, tmp_path: Path) -> Iterator[Children]:
     k.stop_all()
 
 
-def _spawn_liar(kids: Children, s: Settings, tmp_path: Path, wid: str, garbage: float,
-                seed: int, kind: str = "noise", honest_first: int = 0,
-                extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+def _spawn_liar(
+    kids: Children,
+    s: Settings,
+    tmp_path: Path,
+    wid: str,
+    garbage: float,
+    seed: int,
+    kind: str = "noise",
+    honest_first: int = 0,
+    extra: tuple[str, ...] = (),
+) -> None:
     log = (tmp_path / f"{wid}.log").open("wb")
     kids.procs[wid] = subprocess.Popen(
-        [sys.executable, str(LIAR), "--id", wid, "--garbage", str(garbage), "--seed",
-         str(seed), "--kind", kind, "--honest-first", str(honest_first), *extra],
-        env=child_env(s), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(LIAR),
+            "--id",
+            wid,
+            "--garbage",
+            str(garbage),
+            "--seed",
+            str(seed),
+            "--kind",
+            kind,
+            "--honest-first",
+            str(honest_first),
+            *extra,
+        ],
+        env=child_env(s),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     log.close()
 
 
-def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
-           spawn_first, coord_s: Settings | None = None) -> tuple[Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
+def _start(
+    s: Settings,
+    kids: Children,
+    run_in_thread,
+    model: Path,
+    first: str,
+    spawn_first,
+    coord_s: Settings | None = None,
+) -> tuple[Monitor, Coordinator]:  # type: ignore[no-untyped-def]
     """Register, start `first` (it takes layer 0's slice), then an honest worker, then the
     coordinator (with `coord_s` if given)."""
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", model)
     spawn_first()
-    kids.wait_for(lambda: mon.board.assignments("tiny").get(first) == (min(info.slices),), 60,
-                  f"{first} holding layer 0")  # fmt: skip
+    kids.wait_for(
+        lambda: mon.board.assignments("tiny").get(first) == (min(info.slices),),
+        60,
+        f"{first} holding layer 0",
+    )
     kids.spawn("honest", "worker", "--id", "honest")
     wait_ready(mon, "tiny", 2)
     coord = Coordinator.from_settings(coord_s or s, "c1", "tiny", model)
@@ -88,8 +134,9 @@ def _start(s: Settings, kids: Children, run_in_thread, model: Path, first: str,
     return mon, coord
 
 
-def _generate_until_caught(r: redis.Redis, keys: Keys, board_quarantined, model: Path,
-                           suspect: str) -> int:  # type: ignore[no-untyped-def]  # fmt: skip
+def _generate_until_caught(
+    r: redis.Redis, keys: Keys, board_quarantined, model: Path, suspect: str
+) -> int:  # type: ignore[no-untyped-def]
     """Requests one at a time, each checked against all-local generation, until `suspect`
     is quarantined; how many requests it took."""
     for n, prompt in enumerate(PROMPTS, start=1):
@@ -128,12 +175,25 @@ def _lies(tmp_path: Path, wid: str) -> int:
     ids=["every-job", "ten-percent", "nan-with-verification-off"],
 )
 def test_a_liar_is_caught_and_its_garbage_never_used(
-    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path,
-    garbage: float, seed: int, kind: str, verify: str,
-) -> None:  # fmt: skip
+    s: Settings,
+    kids: Children,
+    run_in_thread,
+    tiny_model: Path,
+    tmp_path: Path,
+    garbage: float,
+    seed: int,
+    kind: str,
+    verify: str,
+) -> None:
     s = s.model_copy(update={"verify_remote": verify})
-    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
-                        lambda: _spawn_liar(kids, s, tmp_path, "liar", garbage, seed, kind))  # fmt: skip
+    mon, coord = _start(
+        s,
+        kids,
+        run_in_thread,
+        tiny_model,
+        "liar",
+        lambda: _spawn_liar(kids, s, tmp_path, "liar", garbage, seed, kind),
+    )
     _generate_until_caught(mon.board.r, Keys(s.prefix), mon.board.quarantined, tiny_model, "liar")
     verdict = mon.board.quarantined("tiny")["liar"]
     assert verdict.active(time.time() * 1000) and verdict.coord == "c1" and not verdict.banned
@@ -188,22 +248,29 @@ def test_a_one_in_a_hundred_liar_is_caught_and_each_lie_escapes_at_most_as_state
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trust_cannot_be_banked_a_late_liar_spoils_at_most_one_completion(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, seed: int
-) -> None:  # fmt: skip
+) -> None:
     """Issue 32 item 4. The liar answers its first 300 jobs honestly (its streak takes it to
     the 2% floor, where a late lie used to go unchecked for about 50 jobs: 4 of 16 requests
     wrong), then lies on every job. Requests one at a time, each compared with all-local
     generation: at most 1 of them is wrong before the step floor's check catches it."""
     honest_first = 300
-    mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
-                        lambda: _spawn_liar(kids, s, tmp_path, "liar", 1.0, seed,
-                                            honest_first=honest_first))  # fmt: skip
+    mon, coord = _start(
+        s,
+        kids,
+        run_in_thread,
+        tiny_model,
+        "liar",
+        lambda: _spawn_liar(kids, s, tmp_path, "liar", 1.0, seed, honest_first=honest_first),
+    )
     want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
     requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 100)
     lies = _lies(tmp_path, "liar")
     t = coord.trust.workers["liar"]
-    print(f"late liar (seed {seed}): honest for {honest_first} jobs, caught after {lies} lies "
-          f"at its check {t.checked}; {wrong} wrong of {requests} requests; "
-          f"jobs/step {coord.trust.per_step.get('liar', 0):.2f}")  # fmt: skip
+    print(
+        f"late liar (seed {seed}): honest for {honest_first} jobs, caught after {lies} lies "
+        f"at its check {t.checked}; {wrong} wrong of {requests} requests; "
+        f"jobs/step {coord.trust.per_step.get('liar', 0):.2f}"
+    )
     assert lies >= 1, "it did start lying before the catch"
     assert wrong <= 1 and requests <= 100
 
@@ -218,8 +285,14 @@ def test_an_impersonator_is_caught_but_blamed_on_the_worker_whose_stream_it_writ
     (`docs/security.md`, "Bound identity")."""
     keys = Keys(s.prefix)
     stop = threading.Event()
-    mon, coord = _start(s, kids, run_in_thread, tiny_model, "victim",
-                        lambda: kids.spawn("victim", "worker", "--id", "victim"))  # fmt: skip
+    mon, coord = _start(
+        s,
+        kids,
+        run_in_thread,
+        tiny_model,
+        "victim",
+        lambda: kids.spawn("victim", "worker", "--id", "victim"),
+    )
     r = redis.Redis.from_url(s.redis_url)
     t = threading.Thread(target=_impersonate, args=(r, keys, "victim", stop), daemon=True)
     t.start()
@@ -254,8 +327,14 @@ def test_an_honest_bfloat16_worker_is_never_flagged(
     the coordinator's float32 by rounding: checked through its full-check phase and into
     sampling, it is never flagged (the 10,000-job claim is `tests/coordinator/test_check.py`)."""
     bf16 = child_env(s.model_copy(update={"compute_dtype": "bfloat16"}))
-    mon, coord = _start(s, kids, run_in_thread, tiny_model, "bf16",
-                        lambda: kids.spawn("bf16", "worker", "--id", "bf16", env=bf16))  # fmt: skip
+    mon, coord = _start(
+        s,
+        kids,
+        run_in_thread,
+        tiny_model,
+        "bf16",
+        lambda: kids.spawn("bf16", "worker", "--id", "bf16", env=bf16),
+    )
     keys, r = Keys(s.prefix), mon.board.r
     want = s.trust_full_checks + 100
     for i in range(40):
@@ -308,9 +387,11 @@ def test_checks_cost_what_the_schedule_says_once_trust_is_earned(
     share = (st.verified_rows - snap[1]) / (st.remote_rows - snap[0])
     policy, trust = coord.trust.policy, coord.trust
     predicted = sum(trust.p(f"w{i}") for i in range(2)) / 2
-    print(f"once trusted: {share:.4f} of remote rows recomputed (the schedule says "
-          f"{predicted:.4f}; jobs per step {[round(trust.per_step[f'w{i}'], 2) for i in range(2)]}); "
-          f"from the start {st.verified_rows / st.remote_rows:.4f}")  # fmt: skip
+    print(
+        f"once trusted: {share:.4f} of remote rows recomputed (the schedule says "
+        f"{predicted:.4f}; jobs per step {[round(trust.per_step[f'w{i}'], 2) for i in range(2)]}); "
+        f"from the start {st.verified_rows / st.remote_rows:.4f}"
+    )
     assert st.mismatches == 0
     assert all(trust.workers[f"w{i}"].ok > policy.full_checks + 100 for i in range(2))
     assert policy.p_min <= predicted <= policy.step_floor + 0.01
@@ -335,8 +416,16 @@ def tiny_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvq.model import make_tiny
 
     path = tmp_path_factory.mktemp("models") / "tiny-q4k.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256,
-              quant="q4_k_m", seed=3)  # fmt: skip
+    make_tiny(
+        path,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=256,
+        expert_ffn=256,
+        quant="q4_k_m",
+        seed=3,
+    )
     return path
 
 
@@ -354,9 +443,15 @@ def _activations(kind: str) -> Iterator[None]:
 @pytest.mark.parametrize("factor", [1.01, 1.05])
 @pytest.mark.parametrize("path", list(LIAR_PATHS))
 def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
-    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tiny_q4k: Path,
-    tmp_path: Path, path: str, factor: float,
-) -> None:  # fmt: skip
+    s: Settings,
+    kids: Children,
+    run_in_thread,
+    tiny_model: Path,
+    tiny_q4k: Path,
+    tmp_path: Path,
+    path: str,
+    factor: float,
+) -> None:
     """Issue 32 item 3, the report's table rerun with real processes: a worker whose every
     result is its honest one times `factor` (1.01 hides inside bfloat16's one-job spread), on
     each compute path the coordinator can ask for, labelled as the worker likes. The
@@ -371,14 +466,21 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
     extra = ("--factor", str(factor), *(("--label", label) if label else ()))
     with _activations(acts):
         want = {p: local_tokens(model, p, MAX_TOKENS) for p in PROMPTS}
-        mon, coord = _start(s, kids, run_in_thread, model, "liar",
-                            lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "scale",
-                                                extra=extra))  # fmt: skip
+        mon, coord = _start(
+            s,
+            kids,
+            run_in_thread,
+            model,
+            "liar",
+            lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "scale", extra=extra),
+        )
         requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 40)
     t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
     asked = coord.dispatch.verifier.asked("liar")
-    print(f"LIAR-TABLE | {path} | x{factor} | asked {asked} | caught at check {t.checked} | "
-          f"{lies} lies | {wrong} wrong of {requests} requests |")  # fmt: skip
+    print(
+        f"LIAR-TABLE | {path} | x{factor} | asked {asked} | caught at check {t.checked} | "
+        f"{lies} lies | {wrong} wrong of {requests} requests |"
+    )
     assert t.mismatches == 1 and "honest" not in mon.board.quarantined("tiny")
     if dtype in ("float32", "auto") or label:  # exact, bitwise, or the wrong label: first lie
         assert lies == 1 and wrong == 0
@@ -389,7 +491,7 @@ def test_the_liar_table_a_scaled_result_is_caught_on_every_path(
 @pytest.mark.parametrize("factor", [0.028, 0.015])
 def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, factor: float
-) -> None:  # fmt: skip
+) -> None:
     """X3, a GPU path claim. A worker that says it computes in bfloat16 is held to bfloat16's 3% row
     tolerance; it adds noise orthogonal to each row (no bias to see) at `factor` of the row's
     norm, under that tolerance. The mean row error over its last 8 checked results is not
@@ -400,15 +502,24 @@ def test_a_gpu_path_claim_cannot_hide_orthogonal_noise_under_its_tolerance(
     liar_s = s.model_copy(update={"compute_dtype": "bfloat16"})
     with _activations("float32"):
         want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
-        mon, coord = _start(s, kids, run_in_thread, tiny_model, "liar",
-                            lambda: _spawn_liar(kids, liar_s, tmp_path, "liar", 1.0, 0, "ortho",
-                                                extra=("--factor", str(factor))))  # fmt: skip
+        mon, coord = _start(
+            s,
+            kids,
+            run_in_thread,
+            tiny_model,
+            "liar",
+            lambda: _spawn_liar(
+                kids, liar_s, tmp_path, "liar", 1.0, 0, "ortho", extra=("--factor", str(factor))
+            ),
+        )
         requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 40)
     t, lies = coord.trust.workers["liar"], _lies(tmp_path, "liar")
     asked = coord.dispatch.verifier.asked("liar")
     why = mon.board.quarantined("tiny")["liar"].reason
-    print(f"LIAR-TABLE | bfloat16 claim, orthogonal noise {factor:.1%} | asked {asked} | caught "
-          f"at check {t.checked} | {lies} lies | {wrong} wrong of {requests} requests | {why}")  # fmt: skip
+    print(
+        f"LIAR-TABLE | bfloat16 claim, orthogonal noise {factor:.1%} | asked {asked} | caught "
+        f"at check {t.checked} | {lies} lies | {wrong} wrong of {requests} requests | {why}"
+    )
     assert asked == "bfloat16" and "row error" in why
     assert t.checked <= s.trust_full_checks and wrong == 0
     assert set(mon.board.quarantined("tiny")) == {"liar"}
@@ -447,23 +558,31 @@ STAGE_LIARS = {
 }
 
 
-def _start_stage(s: Settings, kids: Children, run_in_thread, model: Path, tmp_path: Path,
-                 *liar: str) -> tuple[Settings, Monitor, Coordinator]:  # type: ignore[no-untyped-def]  # fmt: skip
+def _start_stage(
+    s: Settings, kids: Children, run_in_thread, model: Path, tmp_path: Path, *liar: str
+) -> tuple[Settings, Monitor, Coordinator]:  # type: ignore[no-untyped-def]
     """`model` at stage grain, one block a span, two holders of each: the liar (`liar`:
     liar_worker.py's arguments) holds the first span, three honest workers the rest."""
-    s = s.model_copy(update={"grain": "stage", "stage_layers": 1, "base_replicas": 2,
-                             "backbone_replicas": 2})  # fmt: skip
+    s = s.model_copy(
+        update={"grain": "stage", "stage_layers": 1, "base_replicas": 2, "backbone_replicas": 2}
+    )
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", model)
     assert info.grain == "stage" and len(info.stages()) == 2
     log = (tmp_path / "liar.log").open("wb")
     kids.procs["liar"] = subprocess.Popen(
-        [sys.executable, str(LIAR), "--id", "liar", *liar], env=child_env(s), stdout=log,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [sys.executable, str(LIAR), "--id", "liar", *liar],
+        env=child_env(s),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     log.close()
-    kids.wait_for(lambda: mon.board.assignments("tiny").get("liar") == (min(info.slices),), 60,
-                  "the liar holding the first span")  # fmt: skip
+    kids.wait_for(
+        lambda: mon.board.assignments("tiny").get("liar") == (min(info.slices),),
+        60,
+        "the liar holding the first span",
+    )
     for w in ("h1", "h2", "h3"):
         kids.spawn(w, "worker", "--id", w)
     wait_ready(mon, "tiny", 4, 120)
@@ -474,9 +593,14 @@ def _start_stage(s: Settings, kids: Children, run_in_thread, model: Path, tmp_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("row", list(STAGE_LIARS))
 def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
-    s: Settings, kids: Children, run_in_thread, tiny_model: Path, tiny_q4k: Path,
-    tmp_path: Path, row: str,
-) -> None:  # fmt: skip
+    s: Settings,
+    kids: Children,
+    run_in_thread,
+    tiny_model: Path,
+    tiny_q4k: Path,
+    tmp_path: Path,
+    row: str,
+) -> None:
     """X3 at stage grain (X12). The model at stage grain, one block a span, two holders of each; the
     liar holds the first span and lies on every stage answer. The coordinator witnesses the
     sequences of a holder it does not trust yet on a second holder of the span and referees
@@ -485,8 +609,9 @@ def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
     quant, kind, factor = STAGE_LIARS[row]
     model = tiny_q4k if quant == "q4_k_m" else tiny_model
     want = {p: local_tokens(model, p, MAX_TOKENS) for p in PROMPTS[:4]}
-    s, mon, coord = _start_stage(s, kids, run_in_thread, model, tmp_path, "--kind", kind,
-                                 "--factor", str(factor))  # fmt: skip
+    s, mon, coord = _start_stage(
+        s, kids, run_in_thread, model, tmp_path, "--kind", kind, "--factor", str(factor)
+    )
     run_in_thread(coord)
     keys, r = Keys(s.prefix), mon.board.r
     wrong = requests = 0
@@ -496,8 +621,10 @@ def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
         requests += 1
         wrong += got != want[prompt]
     t, lies, st = coord.trust.workers["liar"], _lies(tmp_path, "liar"), coord.dispatch.stats
-    print(f"LIAR-TABLE | {row} | caught at check {t.checked} | {lies} lies | {wrong} wrong of "
-          f"{requests} requests | {st.witness_jobs} witness jobs |")  # fmt: skip
+    print(
+        f"LIAR-TABLE | {row} | caught at check {t.checked} | {lies} lies | {wrong} wrong of "
+        f"{requests} requests | {st.witness_jobs} witness jobs |"
+    )
     assert "liar" in mon.board.quarantined("tiny"), "caught"
     assert wrong == 0 and lies == 1, "caught on its first lie, which was never used"
     assert t.mismatches == 1 and st.mismatches == 1
@@ -508,23 +635,26 @@ def test_the_liar_table_at_stage_grain_a_lying_span_holder_is_caught_before_use(
 @pytest.mark.parametrize("verify", ["sampled", "all"])
 def test_a_late_liar_at_stage_grain_spoils_few_completions_and_none_when_all_are_witnessed(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path, verify: str
-) -> None:  # fmt: skip
+) -> None:
     """The liar answers its first 150 stage jobs honestly (its streak takes it past the full
     checks), then lies on every one. Sampled (the default), each new sequence on its span is
     witnessed with the step floor's probability (0.3): a few completions may be wrong before
     one is witnessed and it is caught. `KVQ_VERIFY_REMOTE=all` witnesses every sequence: none
     is wrong, at twice the span's compute."""
     s = s.model_copy(update={"verify_remote": verify})
-    s, mon, coord = _start_stage(s, kids, run_in_thread, tiny_model, tmp_path,
-                                 "--honest-first", "150")  # fmt: skip
+    s, mon, coord = _start_stage(
+        s, kids, run_in_thread, tiny_model, tmp_path, "--honest-first", "150"
+    )
     coord.trust.rng = random.Random(7)
     run_in_thread(coord)
     want = {p: local_tokens(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
     requests, wrong = _until_caught(mon, Keys(s.prefix), want, "liar", 80)
     st = coord.dispatch.stats
-    print(f"LATE-LIAR stage | verify {verify} | caught after {requests} requests | {wrong} "
-          f"wrong | {_lies(tmp_path, 'liar')} lies | {st.witness_jobs} witness jobs of "
-          f"{st.remote_sent} |")  # fmt: skip
+    print(
+        f"LATE-LIAR stage | verify {verify} | caught after {requests} requests | {wrong} "
+        f"wrong | {_lies(tmp_path, 'liar')} lies | {st.witness_jobs} witness jobs of "
+        f"{st.remote_sent} |"
+    )
     assert set(mon.board.quarantined("tiny")) == {"liar"}
     if verify == "all":
         assert wrong == 0
@@ -535,7 +665,7 @@ def test_a_late_liar_at_stage_grain_spoils_few_completions_and_none_when_all_are
 @pytest.mark.timeout(600)
 def test_at_stage_grain_a_third_holder_decides_for_a_backbone_only_coordinator(
     s: Settings, kids: Children, run_in_thread, tiny_model: Path, tmp_path: Path
-) -> None:  # fmt: skip
+) -> None:
     """The coordinator runs on a backbone file (no span of its own to referee with): when the
     liar and the honest holder of a span disagree, a third holder of the span replays the
     sequence's inputs chunk by chunk as they ran them (`StageJob.chunks`) and decides. The
@@ -544,19 +674,31 @@ def test_at_stage_grain_a_third_holder_decides_for_a_backbone_only_coordinator(
 
     backbone = tmp_path / "tiny-backbone.gguf"
     write_backbone(tiny_model, backbone)
-    s = s.model_copy(update={"grain": "stage", "stage_layers": 1, "base_replicas": 3,
-                             "backbone_replicas": 3, "coordinator_experts": "none"})  # fmt: skip
+    s = s.model_copy(
+        update={
+            "grain": "stage",
+            "stage_layers": 1,
+            "base_replicas": 3,
+            "backbone_replicas": 3,
+            "coordinator_experts": "none",
+        }
+    )
     mon = Monitor.from_settings(s)
     info = mon.register("tiny", tiny_model)
     # "a-liar": first by id among holders no job has priced yet, so the first chain has it
     _spawn_liar(kids, s, tmp_path, "a-liar", 1.0, 0, "noise")
-    kids.wait_for(lambda: mon.board.assignments("tiny").get("a-liar") == (min(info.slices),), 60,
-                  "the liar holding the first span")  # fmt: skip
+    kids.wait_for(
+        lambda: mon.board.assignments("tiny").get("a-liar") == (min(info.slices),),
+        60,
+        "the liar holding the first span",
+    )
     for w in ("h1", "h2", "h3", "h4", "h5"):
         kids.spawn(w, "worker", "--id", w, env=child_env(s))
     wait_ready(mon, "tiny", 6, 180)
-    held = {sid: sum(v.slice_id == sid and v.ready for v in mon.board.workers("tiny"))
-            for sid in info.slices}  # fmt: skip
+    held = {
+        sid: sum(v.slice_id == sid and v.ready for v in mon.board.workers("tiny"))
+        for sid in info.slices
+    }
     assert all(n >= 3 for n in held.values()), held
     coord = Coordinator.from_settings(s, "c1", "tiny", backbone)
     run_in_thread(coord)
@@ -567,8 +709,10 @@ def test_at_stage_grain_a_third_holder_decides_for_a_backbone_only_coordinator(
         got = [e.token_id for e in client.events(r, keys, rid, 120) if e.token_id is not None]
         wrong += got != local_tokens(tiny_model, prompt, MAX_TOKENS)
     st = coord.dispatch.stats
-    print(f"LIAR-TABLE | stage, backbone-only coordinator, third holder decides | "
-          f"{_lies(tmp_path, 'a-liar')} lies | {wrong} wrong of 3 | {st.witness_jobs} witness jobs "
-          f"| unresolved {st.unresolved} |")  # fmt: skip
+    print(
+        f"LIAR-TABLE | stage, backbone-only coordinator, third holder decides | "
+        f"{_lies(tmp_path, 'a-liar')} lies | {wrong} wrong of 3 | {st.witness_jobs} witness jobs "
+        f"| unresolved {st.unresolved} |"
+    )
     assert set(mon.board.quarantined("tiny")) == {"a-liar"}
     assert wrong == 0 and _lies(tmp_path, "a-liar") == 1 and st.unresolved == 0

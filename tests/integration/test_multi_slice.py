@@ -63,10 +63,19 @@ def _job(info: ModelInfo, job_id: str, coord: str, seed: int, sid: str | None = 
     ids = np.argsort(rng.random((3, hi - lo)), axis=1)[:, :2].astype(np.int32) + lo
     w = rng.random((3, 2)).astype(np.float32)
     return wire.Job(
-        job_id=job_id, model=info.model, layer=spec.layer_start, slice=spec.sid,
-        expert_start=lo, expert_end=hi, coord=coord, reply_to="ignored", deadline_ms=0,
-        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-    )  # fmt: skip
+        job_id=job_id,
+        model=info.model,
+        layer=spec.layer_start,
+        slice=spec.sid,
+        expert_start=lo,
+        expert_end=hi,
+        coord=coord,
+        reply_to="ignored",
+        deadline_ms=0,
+        x=wire.Tensor.of(x),
+        ids=wire.Tensor.of(ids),
+        weights=wire.Tensor.of(w),
+    )
 
 
 def _local(path: Path, info: ModelInfo, job: wire.Job) -> np.ndarray:
@@ -86,9 +95,13 @@ def _results(r: redis.Redis, stream: str) -> dict[str, wire.Result]:
 
 
 def _served_as_local(
-    r: redis.Redis, keys: Keys, kids: Children, worker: str, jobs: list[wire.Job],
+    r: redis.Redis,
+    keys: Keys,
+    kids: Children,
+    worker: str,
+    jobs: list[wire.Job],
     local: Callable[[wire.Job], np.ndarray],
-) -> None:  # fmt: skip
+) -> None:
     """Sends `jobs` to `worker`'s one inbox; every result equals `local(job)`, bit for bit."""
     for job in jobs:
         r.xadd(keys.worker_inbox(worker), wire.encode(job))
@@ -118,8 +131,11 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
     kids = Children(env, log_dir=str(tmp_path))
     try:
         kids.spawn("multi", "worker", "--id", "multi")
-        kids.wait_for(lambda: all(_ready(mon, m, "multi") for m in infos), 90,
-                      "one worker serving a slice of each model")  # fmt: skip
+        kids.wait_for(
+            lambda: all(_ready(mon, m, "multi") for m in infos),
+            90,
+            "one worker serving a slice of each model",
+        )
         for m, info in infos.items():
             assert mon.board.assignments(m) == {"multi": tuple(info.slices)}
         held = mon.board.worker_info("multi")
@@ -141,8 +157,9 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
         _until(lambda: not r.exists(keys.worker_heartbeat("multi")), 10, "the beat to lapse")
         assert mon.reap(*infos) == ["multi"]
         assert all(mon.board.assignments(m) == {} for m in infos)
-        assert all(mon.board.slice_demand(m)[next(iter(i.slices))].coverage == 0
-                   for m, i in infos.items())  # fmt: skip
+        assert all(
+            mon.board.slice_demand(m)[next(iter(i.slices))].coverage == 0 for m, i in infos.items()
+        )
     finally:
         kids.stop_all()
 
@@ -198,11 +215,16 @@ def test_a_full_worker_gives_back_a_slice_whose_answer_was_lost(
 def test_through_the_monitor_a_worker_takes_a_slice_of_each_model(
     settings: Settings, two_models: dict[str, Path], run_in_thread: Callable[[Any], Any]
 ) -> None:
-    s = settings.model_copy(update={
-        "slice_experts": 8, "volunteer_poll_s": 0.05, "monitor_poll_s": 0.1,
-        "monitor_lease_s": 1.0, "worker_market": "monitor",
-        "market_wait_s": 1.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 8,
+            "volunteer_poll_s": 0.05,
+            "monitor_poll_s": 0.1,
+            "monitor_lease_s": 1.0,
+            "worker_market": "monitor",
+            "market_wait_s": 1.0,
+        }
+    )
     mon, infos = _register(s, two_models)
     run_in_thread(mon)
     w = Worker.from_settings(s, "via-monitor")
@@ -221,9 +243,13 @@ def test_wind_down_is_per_slice(
     """K10 per slice: the idle slice covered beyond its target goes back, the one still needed
     stays, and so do the worker's heartbeat and inbox; a job for the slice given back is
     answered with an error."""
-    s = settings.model_copy(update={
-        "slice_experts": 8, "volunteer_poll_s": 0.05, "idle_release_s": 0.3,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 8,
+            "volunteer_poll_s": 0.05,
+            "idle_release_s": 0.3,
+        }
+    )
     mon, infos = _register(s, two_models)
     keys, r = Keys(s.prefix), mon.board.r
     w = Worker.from_settings(s, "winder")
@@ -232,13 +258,22 @@ def test_wind_down_is_per_slice(
     alpha = next(iter(infos["alpha"].slices))
     mon.board.set_target("alpha", alpha, 0)  # alpha's load drained
     # the worker's thread gives the slice back, then frees its server: wait for both
-    _until(lambda: len(w.holdings) == 1 and w.shelf.models() == {"beta"}, 30,
-           "alpha's slice released and its server dropped")  # fmt: skip
+    _until(
+        lambda: len(w.holdings) == 1 and w.shelf.models() == {"beta"},
+        30,
+        "alpha's slice released and its server dropped",
+    )
     assert w.holdings[0].model == "beta"
     assert mon.board.assignments("alpha") == {} and "winder" in mon.board.assignments("beta")
     assert r.exists(keys.worker_heartbeat("winder")), "its keys stay with its other slice"
-    _until(lambda: (i := mon.board.worker_info("winder")) is not None
-           and i.held() == {"beta": tuple(infos["beta"].slices)}, 10, "a beat without alpha")  # fmt: skip
+    _until(
+        lambda: (
+            (i := mon.board.worker_info("winder")) is not None
+            and i.held() == {"beta": tuple(infos["beta"].slices)}
+        ),
+        10,
+        "a beat without alpha",
+    )
     time.sleep(1.0)
     assert len(w.holdings) == 1, "beta is still wanted: it stays"
     job = _job(infos["alpha"], "late", "c1", seed=0)
@@ -278,8 +313,11 @@ def test_one_worker_process_serves_two_slices_of_one_model_from_one_inbox(
     kids = Children(env, log_dir=str(tmp_path))
     try:
         kids.spawn("pair", "worker", "--id", "pair")
-        kids.wait_for(lambda: _ready_slices(mon, "gamma", "pair") == set(sids), 90,
-                      "one worker serving both slices of one model")  # fmt: skip
+        kids.wait_for(
+            lambda: _ready_slices(mon, "gamma", "pair") == set(sids),
+            90,
+            "one worker serving both slices of one model",
+        )
         assert mon.board.assignments("gamma") == {"pair": tuple(sids)}
         beat = mon.board.worker_info("pair")
         assert beat is not None and beat.held() == {"gamma": tuple(sids)}
@@ -314,9 +352,11 @@ def test_a_budget_that_fits_one_slice_of_a_model_holds_exactly_one_of_it(
 
 
 def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
-    settings: Settings, tmp_path: Path, run_in_thread: Callable[[Any], Any],
+    settings: Settings,
+    tmp_path: Path,
+    run_in_thread: Callable[[Any], Any],
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     """16 slices of one model (1 layer x 32 experts, 2 experts a slice): each load is followed
     at once by the next ask, not by a heartbeat's wait. The log says "serving" once a slice;
     only the first slice also logs its loading and its bank (64 slices, 320 lines before)."""
@@ -344,10 +384,16 @@ def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
 def test_through_the_monitor_a_worker_takes_both_slices_of_one_model(
     settings: Settings, two_slices: Path, run_in_thread: Callable[[Any], Any]
 ) -> None:
-    s = settings.model_copy(update={
-        "slice_experts": 4, "volunteer_poll_s": 0.05, "monitor_poll_s": 0.1,
-        "monitor_lease_s": 1.0, "worker_market": "monitor", "market_wait_s": 1.0,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 4,
+            "volunteer_poll_s": 0.05,
+            "monitor_poll_s": 0.1,
+            "monitor_lease_s": 1.0,
+            "worker_market": "monitor",
+            "market_wait_s": 1.0,
+        }
+    )
     mon = Monitor.from_settings(s)
     info = mon.register("gamma", two_slices)
     run_in_thread(mon)
@@ -360,9 +406,10 @@ def test_through_the_monitor_a_worker_takes_both_slices_of_one_model(
 
 def _ready_slices(mon: Monitor, model: str, worker: str) -> set[str]:
     return {
-        v.slice_id for v in mon.board.workers(model) if v.worker_id == worker and v.alive
-        and v.ready
-    }  # fmt: skip
+        v.slice_id
+        for v in mon.board.workers(model)
+        if v.worker_id == worker and v.alive and v.ready
+    }
 
 
 class _HeldBackHandler(http.server.SimpleHTTPRequestHandler):

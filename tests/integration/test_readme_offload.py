@@ -76,8 +76,13 @@ def _burst(board: RedisBoard, url: str, prefix: str) -> tuple[float, CoordStats,
         while any(t.is_alive() for t in threads):
             st = board.coord_stats("coord-1")
             if st is not None and before is not None:
-                timeline.append((round(time.monotonic() - t0, 1), st.local_jobs - before.local_jobs,
-                                 st.remote_jobs - before.remote_jobs))  # fmt: skip
+                timeline.append(
+                    (
+                        round(time.monotonic() - t0, 1),
+                        st.local_jobs - before.local_jobs,
+                        st.remote_jobs - before.remote_jobs,
+                    )
+                )
             time.sleep(0.5)
 
     for t in threads:
@@ -104,8 +109,11 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: a worker here can only take the coordinator's")
     model = tmp_path / "model.gguf"
-    subprocess.run([sys.executable, "-m", "kvq", "model", "make-tiny", str(model), "--preset",
-                    "small"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "kvq", "model", "make-tiny", str(model), "--preset", "small"],
+        check=True,
+        capture_output=True,
+    )
     s = load_settings(redis_url=redis_server.url, prefix="readme-offload")  # defaults otherwise
     env = child_env(s) | {"OMP_NUM_THREADS": "1"}
     kids = Children(env, log_dir=str(tmp_path / "logs"))
@@ -115,8 +123,9 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
         kids.spawn("monitor", "monitor", "--model", f"{MODEL}={model}")
         kids.wait_for(lambda: MODEL in board.models(), 120, "registration")
         slices = len(board.model_info(MODEL).slices)
-        kids.spawn("coord", "coordinator", "--model", str(model), "--model-id", MODEL,
-                   "--id", "coord-1")  # fmt: skip
+        kids.spawn(
+            "coord", "coordinator", "--model", str(model), "--model-id", MODEL, "--id", "coord-1"
+        )
         kids.wait_for(lambda: board.coordinator_alive("coord-1"), 120, "the coordinator")
         runs: dict[str, list[tuple[float, float]]] = {"local": [], "offload": []}
         shares: list[tuple[int, int]] = []  # (remote, all) expert jobs of each offloaded burst
@@ -125,8 +134,9 @@ def test_the_readme_deployment_offloads_a_burst(redis_server, tmp_path: Path) ->
             runs["local"].append((tok_s, 0.0))
             name = f"worker-{i}"
             kids.spawn(name, "worker", "--id", name)
-            kids.wait_for(lambda n=name: _ready_slices(board, n) == slices, 300,
-                          f"{name} to hold every slice")  # fmt: skip
+            kids.wait_for(
+                lambda n=name: _ready_slices(board, n) == slices, 300, f"{name} to hold every slice"
+            )
             time.sleep(s.worker_grace_ms / 1000 + 1)  # it idles past its K4 grace window
             tok_s, a, b = _burst(board, s.redis_url, s.prefix)
             remote = b.remote_jobs - a.remote_jobs

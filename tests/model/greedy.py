@@ -17,8 +17,15 @@ def llama_model(path: Path, n_ctx: int = 128) -> Any:
     """llama.cpp on `path` with an F32 KV cache (its default F16 cache rounds K and V)."""
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
-                           n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        logits_all=True,
+        verbose=False,
+        n_threads=2,
+        type_k=_F32,
+        type_v=_F32,
+    )
 
 
 def llama_greedy(

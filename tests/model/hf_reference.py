@@ -74,9 +74,13 @@ def _model_class(meta: ModelMeta) -> PreTrainedModel:
     if meta.arch == "qwen2moe":
         fs = meta.expert_shared_feed_forward_length
         cfg = Qwen2MoeConfig(
-            **common, num_experts=e, moe_intermediate_size=f, norm_topk_prob=False,
-            shared_expert_intermediate_size=fs, qkv_bias=True,
-        )  # fmt: skip
+            **common,
+            num_experts=e,
+            moe_intermediate_size=f,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=fs,
+            qkv_bias=True,
+        )
         return Qwen2MoeForCausalLM(cfg)
     assert meta.arch == "llama"
     return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=e, intermediate_size=f))

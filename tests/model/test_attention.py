@@ -11,8 +11,9 @@ import torch
 from kvq.model.layers import causal_attention
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
-               scale: float) -> torch.Tensor:  # fmt: skip
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float
+) -> torch.Tensor:
     t, heads, d = q.shape
     group = heads // k.shape[1]
     q64, k64, v64 = q.double(), k.double(), v.double()
@@ -26,13 +27,16 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
     return out.reshape(t, heads * d)
 
 
-@pytest.mark.parametrize(("heads", "kv", "t", "past", "scale"), [
-    (4, 4, 1, 9, 0.0),     # decode, one kv head per query head
-    (8, 2, 1, 0, 0.0),     # decode at position 0 (GQA 4:1)
-    (8, 2, 5, 3, 0.0),     # several new tokens after a cached prefix: the mask matters
-    (6, 1, 7, 0, 0.25),    # multi-query, a prompt from scratch, an explicit scale
-    (32, 4, 1, 63, 0.0),   # qwen3's 8:1 grouping
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("heads", "kv", "t", "past", "scale"),
+    [
+        (4, 4, 1, 9, 0.0),  # decode, one kv head per query head
+        (8, 2, 1, 0, 0.0),  # decode at position 0 (GQA 4:1)
+        (8, 2, 5, 3, 0.0),  # several new tokens after a cached prefix: the mask matters
+        (6, 1, 7, 0, 0.25),  # multi-query, a prompt from scratch, an explicit scale
+        (32, 4, 1, 63, 0.0),  # qwen3's 8:1 grouping
+    ],
+)
 def test_matches_the_float64_reference(
     heads: int, kv: int, t: int, past: int, scale: float
 ) -> None:
@@ -49,8 +53,11 @@ def test_matches_the_float64_reference(
 def test_a_new_token_never_sees_later_positions() -> None:
     """Changing a key or value after a query's position leaves that query's output unchanged."""
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(4, 8, 16, generator=g), torch.randn(4, 2, 16, generator=g),
-               torch.randn(4, 2, 16, generator=g))  # fmt: skip
+    q, k, v = (
+        torch.randn(4, 8, 16, generator=g),
+        torch.randn(4, 2, 16, generator=g),
+        torch.randn(4, 2, 16, generator=g),
+    )
     a = causal_attention(q, k, v, 0)
     k2, v2 = k.clone(), v.clone()
     k2[3], v2[3] = 100.0, -100.0

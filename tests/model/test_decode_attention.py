@@ -32,12 +32,21 @@ def _cache(length: int, seed: int, windows: tuple[int, ...] = ()) -> KVCache:
 
 def _new(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, heads, D, generator=g), torch.randn(n, KV, D, generator=g),
-            torch.randn(n, KV, D, generator=g))  # fmt: skip
+    return (
+        torch.randn(n, heads, D, generator=g),
+        torch.randn(n, KV, D, generator=g),
+        torch.randn(n, KV, D, generator=g),
+    )
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache], layer: int,
-               sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: list[KVCache],
+    layer: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """What the backbone's loop computes: append, then causal_attention, per sequence."""
     outs = []
     for i, c in enumerate(caches):
@@ -104,8 +113,21 @@ def test_heads_that_do_not_group_are_refused_with_a_reason() -> None:
         pytest.skip("no C compiler")
     q, k, v = _new(1, 3, 4)
     with pytest.raises(ValueError, match="heads not a multiple of kv heads"):
-        qdot.attn_decode(built, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                         [(0, 0)], [0], 3, 2, D, 0.125, 0, q.data_ptr(), 1)  # fmt: skip
+        qdot.attn_decode(
+            built,
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            [(0, 0)],
+            [0],
+            3,
+            2,
+            D,
+            0.125,
+            0,
+            q.data_ptr(),
+            1,
+        )
 
 
 def test_backbone_decode_matches_the_per_sequence_loop(

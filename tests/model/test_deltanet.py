@@ -171,8 +171,14 @@ def test_chunked_rule_equals_the_recurrence(chunk: int, decay: float) -> None:
         want.append(torch.einsum("hvk,hk->hv", s, q[i]))
     outs, st = [], s0
     for i in range(0, t, chunk):
-        o, st = _chunk(q[i : i + chunk], k[i : i + chunk], v[i : i + chunk],
-                       beta[i : i + chunk], g[i : i + chunk], st)  # fmt: skip
+        o, st = _chunk(
+            q[i : i + chunk],
+            k[i : i + chunk],
+            v[i : i + chunk],
+            beta[i : i + chunk],
+            g[i : i + chunk],
+            st,
+        )
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs), torch.stack(want), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(st, s, rtol=1e-10, atol=1e-10)

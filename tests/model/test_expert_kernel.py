@@ -89,8 +89,9 @@ def test_same_bits_as_expert_forward_and_given_inside() -> None:
     got = grouped_expert_ffn(x, ids, w, 2, 7, experts.__getitem__, torch.float32)
     assert torch.equal(got, want)
     inside = (ids >= 2) & (ids < 7)  # [T, k]
-    given_mask = grouped_expert_ffn(x, ids, w, 2, 7, experts.__getitem__, torch.float32,
-                                    inside=inside)  # fmt: skip
+    given_mask = grouped_expert_ffn(
+        x, ids, w, 2, 7, experts.__getitem__, torch.float32, inside=inside
+    )
     assert torch.equal(given_mask, want)
 
 
@@ -108,8 +109,9 @@ def test_before_compute_runs_once_and_only_with_work(lo: int, hi: int, calls: in
     x, _, w = _inputs(5, 2, seed=8, unused=0)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 3], [0, 5]])  # none in [6, 8)
     seen: list[int] = []
-    out = grouped_expert_ffn(x, ids, w, lo, hi, experts.__getitem__, torch.float32,
-                             lambda: seen.append(1))  # fmt: skip
+    out = grouped_expert_ffn(
+        x, ids, w, lo, hi, experts.__getitem__, torch.float32, lambda: seen.append(1)
+    )
     assert len(seen) == calls
     if calls == 0:
         assert torch.equal(out, torch.zeros_like(x))
@@ -118,12 +120,18 @@ def test_before_compute_runs_once_and_only_with_work(lo: int, hi: int, calls: in
 def _silu_calls(path: Path) -> list[int]:
     """Lines where `path` names silu in code (strings and comments do not count)."""
     toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    return [t.start[0] for t in toks if t.type == tokenize.NAME and t.string.lower() in
-            ("silu", "silu_")]  # fmt: skip
+    return [
+        t.start[0]
+        for t in toks
+        if t.type == tokenize.NAME and t.string.lower() in ("silu", "silu_")
+    ]
 
 
 def test_swiglu_is_written_once() -> None:
-    found = {str(p.relative_to(KVQ)): lines for p in sorted(KVQ.rglob("*.py"))
-             if (lines := _silu_calls(p))}  # fmt: skip
+    found = {
+        str(p.relative_to(KVQ)): lines
+        for p in sorted(KVQ.rglob("*.py"))
+        if (lines := _silu_calls(p))
+    }
     assert list(found) == ["model/layers.py"], f"silu outside kvq.model.layers.swiglu: {found}"
     assert len(found["model/layers.py"]) == 1

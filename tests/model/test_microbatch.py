@@ -78,14 +78,18 @@ def test_each_microbatch_equals_its_own_forward_bit_for_bit(
     nxt = [list(p) for p in PROMPTS]
     for _ in range(4):  # a prefill, then decode steps
         outs = forward_microbatched(
-            bb, [[SeqStep(nxt[i], caches[i]) for i in g] for g in groups],
+            bb,
+            [[SeqStep(nxt[i], caches[i]) for i in g] for g in groups],
             Recording(bb, 2).start,
-        )  # fmt: skip
+        )
         refs = [bb.forward([SeqStep(nxt[i], alone[i]) for i in g]) for g in groups]
         for out, ref in zip(outs, refs, strict=True):
             assert torch.equal(out, ref)
-        tokens = {i: int(t) for g, o in zip(groups, outs, strict=True) for i, t in
-                  zip(g, o.argmax(-1), strict=True)}  # fmt: skip
+        tokens = {
+            i: int(t)
+            for g, o in zip(groups, outs, strict=True)
+            for i, t in zip(g, o.argmax(-1), strict=True)
+        }
         nxt = [[tokens[i]] for i in range(len(PROMPTS))]
     assert [c.length for c in caches] == [c.length for c in alone]
 
@@ -104,9 +108,9 @@ def test_interleaves_attention_with_the_other_microbatch_in_flight(backbone: Bac
 def test_caches_do_not_advance_when_a_pass_fails(backbone: Backbone) -> None:
     steps = [SeqStep(list(p), backbone.new_cache()) for p in PROMPTS[:2]]
 
-    def broken(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[
-        [], torch.Tensor
-    ]:  # fmt: skip
+    def broken(
+        layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
         return lambda: torch.zeros(1, 1)  # the wrong shape
 
     with pytest.raises(Exception, match="moe fn returned shape"):

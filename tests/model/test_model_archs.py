@@ -29,9 +29,12 @@ def _tiny(tmp_path: Path, arch: str, extra: Callable[[GGUFWriter], None] | None 
 
 @pytest.mark.parametrize(
     ("arch", "gguf_arch", "norm", "shared"),
-    [("qwen3moe", "qwen3moe", True, 0), ("qwen2moe", "qwen2moe", False, 40),
-     ("mixtral", "llama", True, 0)],
-)  # fmt: skip
+    [
+        ("qwen3moe", "qwen3moe", True, 0),
+        ("qwen2moe", "qwen2moe", False, 40),
+        ("mixtral", "llama", True, 0),
+    ],
+)
 def test_metadata_of_each_arch(
     tmp_path: Path, arch: str, gguf_arch: str, norm: bool, shared: int
 ) -> None:
@@ -101,9 +104,15 @@ def _write(path: Path, arch: str, keys: dict[str, Any], tensors: dict[str, Any])
 
 
 def _keys(a: str, **more: Any) -> dict[str, Any]:
-    base = {"block_count": 1, "embedding_length": 32, "attention.head_count": 4,
-            "expert_count": 2, "expert_used_count": 1, "expert_feed_forward_length": 32,
-            "context_length": 64}  # fmt: skip
+    base = {
+        "block_count": 1,
+        "embedding_length": 32,
+        "attention.head_count": 4,
+        "expert_count": 2,
+        "expert_used_count": 1,
+        "expert_feed_forward_length": 32,
+        "context_length": 64,
+    }
     return {f"{a}.{k}": v for k, v in {**base, **more}.items()}
 
 
@@ -117,27 +126,67 @@ def _experts() -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("arch", "keys", "tensors", "words"),
     [
-        ("gemma", {}, {}, r"'gemma' is not supported.*qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama"),
+        (
+            "gemma",
+            {},
+            {},
+            r"'gemma' is not supported.*qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, llama",
+        ),
         ("llama", {"llama.block_count": 1}, {}, r"'llama' without experts.*expert_count = 0"),
-        ("qwen3moe", _keys("qwen3moe", **{"rope.scaling.type": "longrope"}), _experts(),
-         r"rope.scaling.type 'longrope' is not supported"),
-        ("qwen3moe", _keys("qwen3moe", expert_gating_func=3), _experts(),
-         r"expert_gating_func = 3 is not supported.*softmax \(1\) and sigmoid \(2\)"),
-        ("qwen3moe", _keys("qwen3moe", **{"rope.dimension_count": 4}), _experts(),
-         r"dimension_count 4 != head size 8: partial rotary"),
-        ("qwen3moe", _keys("qwen3moe", **{"attention.value_length": 16}), _experts(),
-         r"value_length 16 != key_length 8"),
-        ("llama", _keys("llama"), {**_experts(), "blk.0.ffn_gate.0.weight": (
-            np.zeros((32, 32), np.float32), GGMLQuantizationType.F32)},
-         r"each expert as its own tensor.*re-convert"),
-        ("llama", _keys("llama"), {**_experts(), "rope_freqs.weight": (
-            np.ones(4, np.float32), GGMLQuantizationType.F32)}, r"'rope_freqs.weight'.*not supported"),
+        (
+            "qwen3moe",
+            _keys("qwen3moe", **{"rope.scaling.type": "longrope"}),
+            _experts(),
+            r"rope.scaling.type 'longrope' is not supported",
+        ),
+        (
+            "qwen3moe",
+            _keys("qwen3moe", expert_gating_func=3),
+            _experts(),
+            r"expert_gating_func = 3 is not supported.*softmax \(1\) and sigmoid \(2\)",
+        ),
+        (
+            "qwen3moe",
+            _keys("qwen3moe", **{"rope.dimension_count": 4}),
+            _experts(),
+            r"dimension_count 4 != head size 8: partial rotary",
+        ),
+        (
+            "qwen3moe",
+            _keys("qwen3moe", **{"attention.value_length": 16}),
+            _experts(),
+            r"value_length 16 != key_length 8",
+        ),
+        (
+            "llama",
+            _keys("llama"),
+            {
+                **_experts(),
+                "blk.0.ffn_gate.0.weight": (
+                    np.zeros((32, 32), np.float32),
+                    GGMLQuantizationType.F32,
+                ),
+            },
+            r"each expert as its own tensor.*re-convert",
+        ),
+        (
+            "llama",
+            _keys("llama"),
+            {**_experts(), "rope_freqs.weight": (np.ones(4, np.float32), GGMLQuantizationType.F32)},
+            r"'rope_freqs.weight'.*not supported",
+        ),
         # Q8_1 is an intermediate format gguf cannot dequantize (Q2_K and the IQ types it can)
-        ("qwen3moe", _keys("qwen3moe"), {**_experts(), "blk.0.attn_q.weight": (
-            np.zeros((32, 40), np.uint8), GGMLQuantizationType.Q8_1)},
-         r"'blk.0.attn_q.weight' is stored as Q8_1, which kvq does not support"),
+        (
+            "qwen3moe",
+            _keys("qwen3moe"),
+            {
+                **_experts(),
+                "blk.0.attn_q.weight": (np.zeros((32, 40), np.uint8), GGMLQuantizationType.Q8_1),
+            },
+            r"'blk.0.attn_q.weight' is stored as Q8_1, which kvq does not support",
+        ),
     ],
-)  # fmt: skip
+)
 def test_refusals_name_the_problem(
     tmp_path: Path, arch: str, keys: dict[str, Any], tensors: dict[str, Any], words: str
 ) -> None:

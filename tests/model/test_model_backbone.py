@@ -160,8 +160,13 @@ def test_bad_steps_raise_and_leave_caches_alone(backbone: Backbone) -> None:
 
 def test_kv_cache_grows_without_changing_the_answer(odd_backbone: Backbone) -> None:
     bb, seq = odd_backbone, _ids(odd_backbone, "a cache that starts small and doubles")
-    small = KVCache(bb.meta.block_count, bb.meta.context_length, bb.meta.head_count_kv,
-                    bb.meta.head_dim, initial=3)  # fmt: skip
+    small = KVCache(
+        bb.meta.block_count,
+        bb.meta.context_length,
+        bb.meta.head_count_kv,
+        bb.meta.head_dim,
+        initial=3,
+    )
     bb.forward([SeqStep(seq[:5], small)])  # 3 -> 6
     for t in seq[5:]:
         got = bb.forward([SeqStep([t], small)])[0]

@@ -25,11 +25,15 @@ CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"c
 TOOL = {
     "type": "function",
     "function": {
-        "name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
     },
-}  # fmt: skip
+}
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi"},
@@ -123,8 +127,11 @@ def test_llama4() -> None:
         "<|header_start|>assistant<|header_end|>\n\n"
     )
     call = {**CALL, "function": {**CALL["function"], "arguments": '{"city": "Paris"}'}}
-    tool_chat = [TOOL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [call]},
-                 TOOL_CHAT[2]]  # fmt: skip
+    tool_chat = [
+        TOOL_CHAT[0],
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        TOOL_CHAT[2],
+    ]
     assert _render(name, tool_chat, bos) == (
         "<|begin_of_text|><|header_start|>user<|header_end|>\n\nWeather in Paris?<|eot|>"
         "<|header_start|>assistant<|header_end|>\n\n<|python_start|><|python_end|>"
@@ -163,8 +170,11 @@ def _harmony_system(effort: str) -> str:
 
 def test_gpt_oss_harmony() -> None:
     name = "openai-gpt-oss-120b.jinja"
-    chat = [*CHAT[:2], {"role": "assistant", "content": "Hello!", "reasoning_content": "hmm"},
-            CHAT[3]]  # fmt: skip
+    chat = [
+        *CHAT[:2],
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "hmm"},
+        CHAT[3],
+    ]
     assert (
         _render(name, chat, reasoning_effort="high")
         == (
@@ -176,8 +186,11 @@ def test_gpt_oss_harmony() -> None:
         )
     )
     assert "Reasoning: medium" in _render(name, chat)  # the template's default effort
-    tool_chat = [*TOOL_CHAT[:1], {**TOOL_CHAT[1], "reasoning_content": "Need weather."},
-                 TOOL_CHAT[2]]  # fmt: skip
+    tool_chat = [
+        *TOOL_CHAT[:1],
+        {**TOOL_CHAT[1], "reasoning_content": "Need weather."},
+        TOOL_CHAT[2],
+    ]
     assert _render(name, tool_chat, tools=[TOOL]) == (
         _harmony_system("medium") + "\nCalls to these tools must go to the commentary channel: "
         "'functions'.<|end|><|start|>developer<|message|># Tools\n\n## functions\n\n"

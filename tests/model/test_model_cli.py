@@ -43,15 +43,37 @@ def test_cli_choices_match_the_library() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "quant"),
-    [("qwen2moe", "q4_k"), ("mixtral", "q5_0"), ("deepseek2", "q4_k"), ("glm4moe", "q8_0"),
-     ("olmoe", "f16"), ("qwen35moe", "q8_0")],
-)  # fmt: skip
+    [
+        ("qwen2moe", "q4_k"),
+        ("mixtral", "q5_0"),
+        ("deepseek2", "q4_k"),
+        ("glm4moe", "q8_0"),
+        ("olmoe", "f16"),
+        ("qwen35moe", "q8_0"),
+    ],
+)
 def test_make_tiny_then_inspect(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, arch: str, quant: str
 ) -> None:
     path = str(tmp_path / "m.gguf")
-    code, out = _run(capsys, "model", "make-tiny", path, "--arch", arch, "--quant", quant,
-                     "--hidden", "256", "--expert-ffn", "256", "--experts", "6", "--layers", "3")  # fmt: skip
+    code, out = _run(
+        capsys,
+        "model",
+        "make-tiny",
+        path,
+        "--arch",
+        arch,
+        "--quant",
+        quant,
+        "--hidden",
+        "256",
+        "--expert-ffn",
+        "256",
+        "--experts",
+        "6",
+        "--layers",
+        "3",
+    )
     assert code == 0 and "wrote" in out
     d = _json(capsys, "model", "inspect", path, "--slice-experts", "4", "--json")
     meta = read_meta(path)
@@ -80,8 +102,20 @@ def test_make_tiny_k_quants_fall_back_where_rows_are_not_whole_blocks(
     assert d["quant_types"]["ffn_down_exps"] == {"Q5_0": 2}  # llama-quantize's fallback
     assert d["tokenizer_model"] == "gpt2"  # make-tiny's default: a tokenizer llama.cpp loads
     assert load_tokenizer(path).encode("Zq", add_bos=False) == [90, 113]  # no merge: bytes
-    code, _ = _run(capsys, "model", "make-tiny", path, "--quant", "q4_k_m", "--hidden", "256",
-                   "--expert-ffn", "256", "--tokenizer", "bytes")  # fmt: skip
+    code, _ = _run(
+        capsys,
+        "model",
+        "make-tiny",
+        path,
+        "--quant",
+        "q4_k_m",
+        "--hidden",
+        "256",
+        "--expert-ffn",
+        "256",
+        "--tokenizer",
+        "bytes",
+    )
     d = _json(capsys, "model", "inspect", path, "--json")
     assert d["quant_types"]["output"] == {"Q6_K": 1} and d["tokenizer_model"] == "kvq-bytes"
     assert d["quant_types"]["attn_v"] == {"Q8_0": 2}  # 8 experts: llama.cpp's Mixtral rule
@@ -119,8 +153,19 @@ def test_inspect_sizes_and_memory(capsys: pytest.CaptureFixture[str], odd_path: 
     assert m["worker_slice_bytes_max"] == 4 * 3 * 48 * 32 * 4  # experts 0-3 of a layer
     assert m["worker_slice_bytes_min"] == 2 * 3 * 48 * 32 * 4  # experts 4-5
     assert len(m["assumptions"]) == 4
-    bf = _json(capsys, "model", "inspect", str(odd_path), "--json", "--dtype", "bfloat16",
-               "--n-slots", "2", "--kv-positions", "100")["memory"]  # fmt: skip
+    bf = _json(
+        capsys,
+        "model",
+        "inspect",
+        str(odd_path),
+        "--json",
+        "--dtype",
+        "bfloat16",
+        "--n-slots",
+        "2",
+        "--kv-positions",
+        "100",
+    )["memory"]
     assert bf["kv_cache_bytes"] == 2 * 100 * 2 * 2 * meta.head_count_kv * meta.head_dim * 2
     assert bf["backbone_bytes"] == (m["backbone_bytes"] - embed) // 2 + embed
     code, text = _run(capsys, "model", "inspect", str(odd_path))
@@ -135,21 +180,41 @@ def test_inspect_quantized_backbone_counts_what_the_loader_keeps_encoded(
     encoded (`QMatrix`) or `QRows` counts at its encoded, mapped size; every other tensor
     dense in the compute dtype."""
     path = tmp_path / "q.gguf"
-    write_preset(path, Preset("s", TinyConfig(2, 4, 2, 256, 256, 4, 2, 64, vocab=600), 64, 1e6,
-                              1e-6), "q4_k_m")  # fmt: skip
+    write_preset(
+        path,
+        Preset("s", TinyConfig(2, 4, 2, 256, 256, 4, 2, 64, vocab=600), 64, 1e6, 1e-6),
+        "q4_k_m",
+    )
     m = _json(capsys, "model", "inspect", str(path), "--json")["memory"]
     reader = GGUFReader(path)
     size = {t.name: int(t.n_bytes) for t in reader.tensors}
     bb = Backbone.from_gguf(path)
-    encoded = {"token_embd.weight"} | {
-        f"blk.{i}.{name}.weight" for i, lw in enumerate(bb.layers)
-        if isinstance(lw.attn, GqaWeights)
-        for name, w in (("attn_q", lw.attn.wq), ("attn_k", lw.attn.wk), ("attn_v", lw.attn.wv),
-                        ("attn_output", lw.attn.wo)) if isinstance(w, QMatrix)
-    } | ({"output.weight"} if isinstance(bb.output, QMatrix) and "output.weight" in size else set())  # fmt: skip
+    encoded = (
+        {"token_embd.weight"}
+        | {
+            f"blk.{i}.{name}.weight"
+            for i, lw in enumerate(bb.layers)
+            if isinstance(lw.attn, GqaWeights)
+            for name, w in (
+                ("attn_q", lw.attn.wq),
+                ("attn_k", lw.attn.wk),
+                ("attn_v", lw.attn.wv),
+                ("attn_output", lw.attn.wo),
+            )
+            if isinstance(w, QMatrix)
+        }
+        | (
+            {"output.weight"}
+            if isinstance(bb.output, QMatrix) and "output.weight" in size
+            else set()
+        )
+    )
     assert len(encoded) > 2, "a Q4_K_M backbone keeps its attention matrices encoded"
-    dense = sum(int(t.n_elements) * 4 for t in reader.tensors
-                if "_exps." not in t.name and t.name not in encoded)  # fmt: skip
+    dense = sum(
+        int(t.n_elements) * 4
+        for t in reader.tensors
+        if "_exps." not in t.name and t.name not in encoded
+    )
     assert m["backbone_mapped_bytes"] == sum(size[n] for n in encoded)
     assert m["backbone_dense_bytes"] == dense
     assert m["backbone_bytes"] == m["backbone_dense_bytes"] + m["backbone_mapped_bytes"]
@@ -161,19 +226,51 @@ def test_generate_json_matches_the_library(
     capsys: pytest.CaptureFixture[str], odd_path: Path, odd_backbone: Backbone
 ) -> None:
     tok = load_tokenizer(odd_path)
-    d = _json(capsys, "generate", "--model", str(odd_path), "--prompt", "hi there",
-              "--max-tokens", "7", "--json")  # fmt: skip
+    d = _json(
+        capsys,
+        "generate",
+        "--model",
+        str(odd_path),
+        "--prompt",
+        "hi there",
+        "--max-tokens",
+        "7",
+        "--json",
+    )
     want = generate(odd_backbone, tok.encode("hi there"), 7)
     assert d["token_ids"] == want and d["text"] == tok.decode(want)
     assert d["prompt_ids"] == tok.encode("hi there")
-    d2 = _json(capsys, "generate", "--model", str(odd_path), "--prompt-ids", "256,104,105",
-               "--max-tokens", "3", "--json")  # fmt: skip
+    d2 = _json(
+        capsys,
+        "generate",
+        "--model",
+        str(odd_path),
+        "--prompt-ids",
+        "256,104,105",
+        "--max-tokens",
+        "3",
+        "--json",
+    )
     assert d2["token_ids"] == generate(odd_backbone, [256, 104, 105], 3)
 
 
 def test_generate_sampling_is_seeded(capsys: pytest.CaptureFixture[str], odd_path: Path) -> None:
-    args = ["generate", "--model", str(odd_path), "--prompt", "x", "--max-tokens", "12",
-            "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--json"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(odd_path),
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.5",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--json",
+    ]
     a = _json(capsys, *args, "--seed", "1")["token_ids"]
     assert a == _json(capsys, *args, "--seed", "1")["token_ids"]
     assert a != _json(capsys, *args, "--seed", "2")["token_ids"]
@@ -204,18 +301,51 @@ def test_generate_prints_real_text_with_the_files_tokenizer(
     path = tmp_path / "bpe-model.gguf"
     cfg = TinyConfig(2, 4, 2, 32, 32, 4, 2, 8, vocab=trained.get_vocab_size())
     write_tiny(path, cfg, seed=4, tokenizer=lambda w: fx.add_byte_level_vocab(w, trained))
-    d = _json(capsys, "generate", "--model", str(path), "--prompt", "The quick brown fox",
-              "--max-tokens", "10", "--json")  # fmt: skip
+    d = _json(
+        capsys,
+        "generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "10",
+        "--json",
+    )
     assert d["prompt_ids"] == trained.encode("The quick brown fox").ids
     assert d["text"] == trained.decode(d["token_ids"]) and len(d["text"]) >= 10
-    code, out = _run(capsys, "generate", "--model", str(path), "--prompt", "The quick brown fox",
-                     "--max-tokens", "10")  # fmt: skip
+    code, out = _run(
+        capsys,
+        "generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "10",
+    )
     assert code == 0 and out == d["text"] + "\n"  # streamed as it was generated
 
 
 def test_bench_experts_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    d = _json(capsys, "bench", "experts", "--json", "--hidden", "64", "--expert-ffn", "64",
-              "--experts", "4", "--experts-used", "2", "--repeat", "1", "--quants", "q8_0,q4_k")  # fmt: skip
+    d = _json(
+        capsys,
+        "bench",
+        "experts",
+        "--json",
+        "--hidden",
+        "64",
+        "--expert-ffn",
+        "64",
+        "--experts",
+        "4",
+        "--experts-used",
+        "2",
+        "--repeat",
+        "1",
+        "--quants",
+        "q8_0,q4_k",
+    )
     assert set(d["ratio_vs_matmul"]) == {"1", "8", "64"}
     for row in d["expert_ffn"]:
         assert row["ffn_gflops"] > 0 and row["matmul_gflops"] > 0 and row["ratio_vs_matmul"] > 0

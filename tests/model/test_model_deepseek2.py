@@ -22,8 +22,14 @@ DIMS = {"layers": 2, "experts": 8, "hidden": 64, "expert_ffn": 32, "heads": 4, "
 
 def _file(tmp_path: Path, variant: str, rope: str) -> Path:
     path = tmp_path / f"ds-{variant}-{rope}.gguf"
-    make_tiny(path, arch="deepseek2", variant=variant, rope_scaling=rope,
-              rope_scaling_factor=4.0 if rope == "yarn" else 1.0, **DIMS)  # type: ignore[arg-type]  # fmt: skip
+    make_tiny(
+        path,
+        arch="deepseek2",
+        variant=variant,
+        rope_scaling=rope,
+        rope_scaling_factor=4.0 if rope == "yarn" else 1.0,
+        **DIMS,
+    )  # type: ignore[arg-type]
     return path
 
 
@@ -35,11 +41,15 @@ def _hf_weights(path: Path, layer: int) -> dict[str, np.ndarray]:
         x = t[f"blk.{layer}.{name}.weight"]
         return np.asarray(x.data, np.float64).reshape(numpy_shape(x))
 
-    w = {"kv_a_proj_with_mqa": get("attn_kv_a_mqa"), "kv_a_layernorm": get("attn_kv_a_norm"),
-         "o_proj": get("attn_output")}  # fmt: skip
+    w = {
+        "kv_a_proj_with_mqa": get("attn_kv_a_mqa"),
+        "kv_a_layernorm": get("attn_kv_a_norm"),
+        "o_proj": get("attn_output"),
+    }
     if f"blk.{layer}.attn_q_a.weight" in t:
-        w.update(q_a_proj=get("attn_q_a"), q_a_layernorm=get("attn_q_a_norm"),
-                 q_b_proj=get("attn_q_b"))  # fmt: skip
+        w.update(
+            q_a_proj=get("attn_q_a"), q_a_layernorm=get("attn_q_a_norm"), q_b_proj=get("attn_q_b")
+        )
     else:
         w["q_proj"] = get("attn_q")
     k_b, v_b = get("attn_k_b"), get("attn_v_b")  # [h, r, nope], [h, v, r]
@@ -52,15 +62,27 @@ def _config(bb: Backbone) -> MlaConfig:
     m = bb.meta
     scaling: dict[str, Any] | None = None
     if m.rope_scaling_type == "yarn":
-        scaling = {"type": "yarn", "factor": m.rope_scaling_factor, "beta_fast": 32.0,
-                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                   "original_max_position_embeddings": m.rope_original_context_length}  # fmt: skip
+        scaling = {
+            "type": "yarn",
+            "factor": m.rope_scaling_factor,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": m.rope_original_context_length,
+        }
     return MlaConfig(
-        n_heads=m.head_count, hidden=m.embedding_length, q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.head_dim - m.rope_dims,
-        qk_rope_head_dim=m.rope_dims, v_head_dim=m.value_head_dim, rope_theta=m.rope_freq_base,
-        rms_eps=m.rms_eps, rope_scaling=scaling,
-    )  # fmt: skip
+        n_heads=m.head_count,
+        hidden=m.embedding_length,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.head_dim - m.rope_dims,
+        qk_rope_head_dim=m.rope_dims,
+        v_head_dim=m.value_head_dim,
+        rope_theta=m.rope_freq_base,
+        rms_eps=m.rms_eps,
+        rope_scaling=scaling,
+    )
 
 
 @pytest.mark.parametrize(("variant", "rope"), [("v3", "none"), ("v3", "yarn"), ("v2-lite", "yarn")])
@@ -91,9 +113,13 @@ def test_mla_through_the_latent_cache_equals_the_float64_reference(
 
 @pytest.mark.parametrize(
     ("gating", "groups", "used", "bias", "norm", "scale"),
-    [("sigmoid", 4, 2, True, True, 2.5), ("sigmoid", 1, 1, True, True, 1.0),
-     ("softmax", 1, 1, False, False, 1.0), ("sigmoid", 8, 3, True, False, 1.5)],
-)  # fmt: skip
+    [
+        ("sigmoid", 4, 2, True, True, 2.5),
+        ("sigmoid", 1, 1, True, True, 1.0),
+        ("softmax", 1, 1, False, False, 1.0),
+        ("sigmoid", 8, 3, True, False, 1.5),
+    ],
+)
 def test_grouped_routing_equals_the_float64_reference(
     gating: str, groups: int, used: int, bias: bool, norm: bool, scale: float
 ) -> None:
@@ -105,10 +131,15 @@ def test_grouped_routing_equals_the_float64_reference(
     ids, w = route(router, x, Gating(k, gating, norm, scale, groups, used), b)
     logits = x.double().numpy() @ router.double().numpy().T
     want_ids, want_w = route_ref(
-        logits, gating=gating, n_group=groups, topk_group=used, top_k=k,
-        bias=None if b is None else b.double().numpy(), norm_topk_prob=norm,
+        logits,
+        gating=gating,
+        n_group=groups,
+        topk_group=used,
+        top_k=k,
+        bias=None if b is None else b.double().numpy(),
+        norm_topk_prob=norm,
         routed_scaling_factor=scale,
-    )  # fmt: skip
+    )
     # the same experts with the same weights; kvq (as llama.cpp) lists them by biased score,
     # the reference by weight, so compare each row in expert order
     order, want_order = ids.numpy().argsort(1), want_ids.argsort(1)

@@ -141,14 +141,16 @@ def test_bad_shapes_raise() -> None:
         expert_forward(sl, x, ids.int(), w)
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("qwen3moe", "q4_k"), ("mixtral", "q6_k"),
-                                             ("qwen2moe", "q5_0")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("qwen3moe", "q4_k"), ("mixtral", "q6_k"), ("qwen2moe", "q5_0")]
+)
 def test_quantized_model_slice_matches_float64_reference(
     tmp_path: Path, arch: str, quant: str
 ) -> None:
     path = tmp_path / "q.gguf"
-    make_tiny(path, arch=arch, quant=quant, experts=6, experts_used=3, hidden=256,
-              expert_ffn=256, seed=9)  # fmt: skip
+    make_tiny(
+        path, arch=arch, quant=quant, experts=6, experts_used=3, hidden=256, expert_ffn=256, seed=9
+    )
     meta = read_meta(path)
     sl = load_slice(path, meta, 1, 2, 5)
     g = torch.Generator().manual_seed(2)

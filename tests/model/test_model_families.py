@@ -18,18 +18,39 @@ from greedy import kvq_greedy, llama_greedy, llama_model  # noqa: E402
 from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta  # noqa: E402
 from kvq.model.gguf_io import open_reader, tensor_map  # noqa: E402
 
-DIMS = {"layers": 3, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
-        "kv_heads": 2, "head_dim": 64}  # fmt: skip
+DIMS = {
+    "layers": 3,
+    "experts": 8,
+    "hidden": 256,
+    "expert_ffn": 256,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 64,
+}
 PROMPT = "The quick brown fox jumps over"
 STEPS = 16
-FAMILIES = [("olmoe", ""), ("glm4moe", ""), ("deepseek2", "v3"), ("deepseek2", "v2-lite"),
-            ("deepseek2", "kv-b"), ("llama4", "")]  # fmt: skip
+FAMILIES = [
+    ("olmoe", ""),
+    ("glm4moe", ""),
+    ("deepseek2", "v3"),
+    ("deepseek2", "v2-lite"),
+    ("deepseek2", "kv-b"),
+    ("llama4", ""),
+]
 
 
 def _write(tmp_path: Path, arch: str, variant: str, quant: str, rope: str = "none") -> Path:
     path = tmp_path / f"{arch}-{variant or 'base'}-{quant}-{rope}.gguf"
-    make_tiny(path, arch=arch, variant=variant, quant=quant, tokenizer="bpe",
-              rope_scaling=rope, rope_scaling_factor=4.0 if rope == "yarn" else 1.0, **DIMS)  # fmt: skip
+    make_tiny(
+        path,
+        arch=arch,
+        variant=variant,
+        quant=quant,
+        tokenizer="bpe",
+        rope_scaling=rope,
+        rope_scaling_factor=4.0 if rope == "yarn" else 1.0,
+        **DIMS,
+    )
     return path
 
 
@@ -40,8 +61,13 @@ def test_tiny_files_carry_every_part_of_their_family(tmp_path: Path) -> None:
     assert v3.expert_shared_feed_forward_length > 0 and v3.expert_weights_scale == 2.5
     names = set(tensor_map(open_reader(tmp_path / "deepseek2-v3-f32-none.gguf")))
     moe = v3.leading_dense_block_count
-    assert {f"blk.{moe}.exp_probs_b.bias", f"blk.{moe}.attn_k_b.weight", "blk.0.ffn_up.weight",
-            f"blk.{moe}.attn_q_a.weight", f"blk.{moe}.ffn_up_shexp.weight"} <= names  # fmt: skip
+    assert {
+        f"blk.{moe}.exp_probs_b.bias",
+        f"blk.{moe}.attn_k_b.weight",
+        "blk.0.ffn_up.weight",
+        f"blk.{moe}.attn_q_a.weight",
+        f"blk.{moe}.ffn_up_shexp.weight",
+    } <= names
     lite = read_meta(_write(tmp_path, "deepseek2", "v2-lite", "f32"))
     assert (lite.q_lora_rank, lite.expert_gating, lite.expert_group_count) == (0, "softmax", 1)
     kvb = _write(tmp_path, "deepseek2", "kv-b", "f32")

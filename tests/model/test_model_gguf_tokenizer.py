@@ -140,6 +140,8 @@ def test_token_types_corrected_by_text_as_llama_cpp_does() -> None:
     assert llama_token_types(harmony, [control] * 6) == [user, user, user, user, control, control]
     # <|end|> ends generation unless <|return|> and <|call|> do; a NORMAL <|im_end|> is control
     assert llama_token_types(["<|end|>", "<|im_end|>", "hi"], [normal] * 3) == [
-        control, control, normal,
-    ]  # fmt: skip
+        control,
+        control,
+        normal,
+    ]
     assert llama_token_types(["a", "b"], []) == [normal, normal]  # no types: all normal

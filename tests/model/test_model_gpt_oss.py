@@ -29,8 +29,15 @@ from kvq.model.qstack import QMatrix
 from kvq.model.slices import load_slice
 from kvq.quant import qdot
 
-DIMS = {"layers": 3, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
-        "kv_heads": 2, "head_dim": 64}  # fmt: skip
+DIMS = {
+    "layers": 3,
+    "experts": 8,
+    "hidden": 256,
+    "expert_ffn": 256,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 64,
+}
 PROMPT = "The quick brown fox jumps over"
 STEPS = 16
 _F32 = 0  # GGML_TYPE_F32 for llama.cpp's KV cache
@@ -41,8 +48,15 @@ needs_llama = pytest.mark.skipif(
 
 def write(tmp_path: Path, quant: str = "f32", **dims: int) -> Path:
     path = tmp_path / f"gpt-oss-{quant}.gguf"
-    make_tiny(path, arch="gpt-oss", quant=quant, tokenizer="bpe", rope_scaling="yarn",
-              rope_scaling_factor=4.0, **(DIMS | dims))  # fmt: skip
+    make_tiny(
+        path,
+        arch="gpt-oss",
+        quant=quant,
+        tokenizer="bpe",
+        rope_scaling="yarn",
+        rope_scaling_factor=4.0,
+        **(DIMS | dims),
+    )
     return path
 
 
@@ -58,9 +72,18 @@ def test_tiny_file_carries_every_part(tmp_path: Path) -> None:
     assert m.sliding_window < len(ids) < len(ids) + STEPS <= 128
     assert set(m.expert_tensors[0]) == {"gate", "up", "down", "gate_b", "up_b", "down_b"}
     names = set(tensor_map(open_reader(path)))
-    for part in ("attn_sinks.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
-                 "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
-                 "ffn_up_exps.bias", "ffn_down_exps.bias", "post_attention_norm.weight"):  # fmt: skip
+    for part in (
+        "attn_sinks.weight",
+        "attn_q.bias",
+        "attn_k.bias",
+        "attn_v.bias",
+        "attn_output.bias",
+        "ffn_gate_inp.bias",
+        "ffn_gate_exps.bias",
+        "ffn_up_exps.bias",
+        "ffn_down_exps.bias",
+        "post_attention_norm.weight",
+    ):
         assert f"blk.1.{part}" in names
 
 
@@ -92,8 +115,9 @@ def test_experts_with_biases_and_clamped_swiglu_equal_the_float64_reference(
     assert isinstance(sl.gate, torch.Tensor)  # load_slice: dense
     pre = torch.einsum("efh,th->tef", sl.gate, x) + sl.biases[0][None]  # [T, n, F]
     assert bool((pre > 7).any())  # the gate's clamp is reached
-    want = expert_forward_reference(sl.gate, sl.up, sl.down, 2, x, ids, w,
-                                    biases=sl.biases, act="swiglu_oai")  # fmt: skip
+    want = expert_forward_reference(
+        sl.gate, sl.up, sl.down, 2, x, ids, w, biases=sl.biases, act="swiglu_oai"
+    )
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -161,8 +185,15 @@ def test_mxfp4_argmax_agrees_with_llama_cpp(tmp_path: Path) -> None:
     path = write(tmp_path, "mxfp4")
     ids = load_tokenizer(path).encode(PROMPT)
     ours, _ = kvq_greedy(Backbone.from_gguf(path), ids, STEPS)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
-                          n_threads=2, type_k=_F32, type_v=_F32)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=128,
+        logits_all=True,
+        verbose=False,
+        n_threads=2,
+        type_k=_F32,
+        type_v=_F32,
+    )
     llm.eval(ids + ours[:-1])
     theirs = [int(np.argmax(llm.scores[len(ids) - 1 + i])) for i in range(STEPS)]
     agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
@@ -186,8 +217,9 @@ def test_mxfp4_expert_call_error_against_float64(
     x = torch.randn(4, meta.embedding_length, generator=gen)
     ids = torch.stack([torch.randperm(meta.expert_count, generator=gen)[:2] for _ in range(4)])
     w = torch.rand(4, 2, generator=gen)
-    want = expert_forward_reference(dense.gate, dense.up, dense.down, 0, x, ids, w,
-                                    biases=sl.biases, act="swiglu_oai")  # fmt: skip
+    want = expert_forward_reference(
+        dense.gate, dense.up, dense.down, 0, x, ids, w, biases=sl.biases, act="swiglu_oai"
+    )
     before = qdot.options()
     qdot.configure(replace(before, activations=activations))
     try:
@@ -222,12 +254,28 @@ def _write_array_pattern(tmp_path: Path, flags: list[bool]) -> Path:
     reads for every arch with a sliding-window pattern) instead of the default 2."""
     from kvq.model.tiny import TinyConfig, family_parts, write_tiny
 
-    cfg = family_parts(TinyConfig(DIMS["layers"], DIMS["experts"], 2, DIMS["hidden"],
-                                  DIMS["expert_ffn"], DIMS["heads"], DIMS["kv_heads"],
-                                  DIMS["head_dim"]), "gpt-oss")  # fmt: skip
+    cfg = family_parts(
+        TinyConfig(
+            DIMS["layers"],
+            DIMS["experts"],
+            2,
+            DIMS["hidden"],
+            DIMS["expert_ffn"],
+            DIMS["heads"],
+            DIMS["kv_heads"],
+            DIMS["head_dim"],
+        ),
+        "gpt-oss",
+    )
     path = tmp_path / "gpt-oss-array.gguf"
-    write_tiny(path, cfg, arch="gpt-oss", tokenizer="bpe", rope=("yarn", 4.0),
-               extra=lambda w: w.add_array("gpt-oss.attention.sliding_window_pattern", flags))  # fmt: skip
+    write_tiny(
+        path,
+        cfg,
+        arch="gpt-oss",
+        tokenizer="bpe",
+        rope=("yarn", 4.0),
+        extra=lambda w: w.add_array("gpt-oss.attention.sliding_window_pattern", flags),
+    )
     return path
 
 

@@ -24,10 +24,28 @@ STEPS = 32
 PROMPT = "The quick brown fox"
 ARCHS = ("qwen3moe", "qwen2moe", "mixtral")
 # non-square dims: hidden != heads * head_dim, ffn != hidden, kv heads < heads
-SMALL = {"layers": 2, "experts": 6, "experts_used": 3, "hidden": 48, "expert_ffn": 40,
-         "heads": 4, "kv_heads": 2, "head_dim": 16, "shared_expert_ffn": 56}  # fmt: skip
-QUANTIZED = {"layers": 2, "experts": 4, "experts_used": 2, "hidden": 256, "expert_ffn": 256,
-             "heads": 4, "kv_heads": 2, "head_dim": 32, "shared_expert_ffn": 256}  # fmt: skip
+SMALL = {
+    "layers": 2,
+    "experts": 6,
+    "experts_used": 3,
+    "hidden": 48,
+    "expert_ffn": 40,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "shared_expert_ffn": 56,
+}
+QUANTIZED = {
+    "layers": 2,
+    "experts": 4,
+    "experts_used": 2,
+    "hidden": 256,
+    "expert_ffn": 256,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 32,
+    "shared_expert_ffn": 256,
+}
 
 
 def _kvq_greedy(bb: Backbone, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -53,9 +71,13 @@ def _compare(path: Path) -> None:
     rel = float((got - ref).abs().max() / ref.abs().max())
     assert rel < 1e-4, f"max relative logit difference {rel:.2e}"
     gen: Any = model.generate(
-        torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
-        pad_token_id=bb.meta.eos_id, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )  # fmt: skip
+        torch.tensor([prompt]),
+        max_new_tokens=STEPS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=bb.meta.eos_id,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
     assert gen[0, len(prompt) :].tolist() == tokens
     assert len(set(tokens)) > 3  # a real sequence, not one repeated token
 
@@ -67,8 +89,9 @@ def test_logits_and_greedy_tokens_match_transformers(arch: str, tmp_path: Path) 
     _compare(path)
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("qwen3moe", "q4_k"), ("qwen2moe", "q6_k"),
-                                             ("mixtral", "q8_0")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("qwen3moe", "q4_k"), ("qwen2moe", "q6_k"), ("mixtral", "q8_0")]
+)
 @pytest.mark.usefixtures("float32_activations")  # the exact path; int8's error: test_precision
 def test_quantized_models_match_transformers(arch: str, quant: str, tmp_path: Path) -> None:
     path = tmp_path / f"{arch}-{quant}.gguf"

@@ -34,10 +34,24 @@ from kvq.model.tiny import family_parts, write_tiny
 from kvq.model.tiny_weights import TinyConfig
 from kvq.slices import SliceSpec
 
-DIMS = {"layers": 4, "experts": 8, "hidden": 256, "expert_ffn": 256, "heads": 4,
-        "kv_heads": 2, "head_dim": 64}  # fmt: skip
-SMALL = {"layers": 4, "experts": 8, "hidden": 64, "expert_ffn": 64, "heads": 4,
-         "kv_heads": 2, "head_dim": 16}  # fmt: skip
+DIMS = {
+    "layers": 4,
+    "experts": 8,
+    "hidden": 256,
+    "expert_ffn": 256,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 64,
+}
+SMALL = {
+    "layers": 4,
+    "experts": 8,
+    "hidden": 64,
+    "expert_ffn": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+}
 PROMPT = "The quick brown fox jumps over"
 STEPS = 16
 CHUNK = 8192
@@ -53,8 +67,7 @@ def write(tmp_path: Path, dims: dict[str, int] = DIMS, **parts: int) -> Path:
         make_tiny(path, arch="llama4", tokenizer="bpe", **dims)
         return path
     cfg = TinyConfig(experts_used=1, **dims)  # type: ignore[arg-type]
-    write_tiny(path, replace(family_parts(cfg, "llama4"), **parts), arch="llama4",
-               tokenizer="bpe")  # fmt: skip
+    write_tiny(path, replace(family_parts(cfg, "llama4"), **parts), arch="llama4", tokenizer="bpe")
     return path
 
 
@@ -69,8 +82,13 @@ def test_tiny_file_carries_every_part(tmp_path: Path) -> None:
     assert m.kq_norm and (m.attn_temp_floor, m.attn_temp_scale) == (8192, 0.1)
     assert m.context_length > CHUNK  # a test can cross the chunk
     names = set(tensor_map(open_reader(path)))
-    assert {"rope_freqs.weight", "blk.0.ffn_up.weight", "blk.2.ffn_down.weight",
-            "blk.1.ffn_up_shexp.weight", "blk.3.ffn_gate_exps.weight"} <= names  # fmt: skip
+    assert {
+        "rope_freqs.weight",
+        "blk.0.ffn_up.weight",
+        "blk.2.ffn_down.weight",
+        "blk.1.ffn_up_shexp.weight",
+        "blk.3.ffn_gate_exps.weight",
+    } <= names
     assert "blk.0.ffn_gate_inp.weight" not in names and "blk.1.ffn_up.weight" not in names
 
 
@@ -177,8 +195,9 @@ def _reference_moe_layer(path: Path, layer: int, x: np.ndarray, k: int) -> np.nd
         logits = t[p + "ffn_gate_inp.weight"] @ row  # [E]
         for e in np.argsort(-logits, kind="stable")[:k]:
             w = 1 / (1 + np.exp(-logits[e]))
-            out[r] += ffn(w * row, *(t[p + f"ffn_{kind}_exps.weight"][e]
-                                     for kind in ("gate", "up", "down")))  # fmt: skip
+            out[r] += ffn(
+                w * row, *(t[p + f"ffn_{kind}_exps.weight"][e] for kind in ("gate", "up", "down"))
+            )
         out[r] += ffn(row, *(t[p + f"ffn_{kind}_shexp.weight"] for kind in ("gate", "up", "down")))
     return out
 
@@ -251,10 +270,13 @@ def test_slices_hold_the_interleaved_moe_layers(tmp_path: Path) -> None:
         for layer in spec.layers():
             ranges = spec.ranges_of(layer)
             assert all(r.name.startswith(f"blk.{layer}.") for r in ranges)
-            sl = decode_slice(ranges, read_slice_file(path, ranges), layer, spec.expert_start,
-                              spec.expert_end)  # fmt: skip
+            sl = decode_slice(
+                ranges, read_slice_file(path, ranges), layer, spec.expert_start, spec.expert_end
+            )
             want = load_slice(path, meta, layer, spec.expert_start, spec.expert_end)
             assert torch.equal(sl.dense_copy().down, want.dense_copy().down)
-    assert [s.sid for s in plan_slices(meta, path, 1, 8)] == ["L001-002:E0000-0008",
-                                                              "L003-004:E0000-0008"]  # fmt: skip
+    assert [s.sid for s in plan_slices(meta, path, 1, 8)] == [
+        "L001-002:E0000-0008",
+        "L003-004:E0000-0008",
+    ]
     assert meta_from_dict(meta_to_dict(meta)) == meta

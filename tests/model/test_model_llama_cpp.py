@@ -21,8 +21,9 @@ DIMS = {"layers": 2, "experts": 4, "hidden": 256, "expert_ffn": 256, "head_dim":
 
 
 def _compare(path: Path, tol: float | None) -> None:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False,
-                          n_threads=2)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2
+    )
     tok = load_tokenizer(path)
     for text in TEXTS:
         assert llm.tokenize(text.encode(), add_bos=True, special=False) == tok.encode(text)

@@ -30,13 +30,18 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_small_preset_file_follows_the_plan(small: Path) -> None:
-    got = [(t.name, gio.numpy_shape(t), int(t.tensor_type), int(t.n_bytes))
-           for t in GGUFReader(small).tensors]  # fmt: skip
+    got = [
+        (t.name, gio.numpy_shape(t), int(t.tensor_type), int(t.n_bytes))
+        for t in GGUFReader(small).tensors
+    ]
     assert got == [(t.name, t.shape, int(t.qtype), t.nbytes) for t in plan(SMALL)]
     types = {name: gio.quant_type(qtype).name for name, _, qtype, _ in got}
     assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [
-        "Q4_K", "Q4_K", "Q6_K", "Q6_K",
-    ]  # fmt: skip
+        "Q4_K",
+        "Q4_K",
+        "Q6_K",
+        "Q6_K",
+    ]
     assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_gate_inp.weight"] == "F32"
     meta = read_meta(small)
     assert (meta.block_count, meta.expert_count, meta.expert_used_count) == (4, 16, 4)
@@ -109,11 +114,33 @@ def test_real_preset_sizes(name: str, params: float, gib: float, expert_share: f
 
 
 DEEPSEEK = Preset(
-    "ds", TinyConfig(3, 8, 2, 256, 256, 4, 4, 96, vocab=1000, dense_layers=1, dense_ffn=512,
-                     shared_count=2, rope_dim=32, kv_lora_rank=64, v_head_dim=64,
-                     gating="softmax", weights_norm=False, weights_scale=1.0),
-    256, 1e4, 1e-6, arch="deepseek2", yarn=(4.0, 64, 0.0707),
-)  # fmt: skip
+    "ds",
+    TinyConfig(
+        3,
+        8,
+        2,
+        256,
+        256,
+        4,
+        4,
+        96,
+        vocab=1000,
+        dense_layers=1,
+        dense_ffn=512,
+        shared_count=2,
+        rope_dim=32,
+        kv_lora_rank=64,
+        v_head_dim=64,
+        gating="softmax",
+        weights_norm=False,
+        weights_scale=1.0,
+    ),
+    256,
+    1e4,
+    1e-6,
+    arch="deepseek2",
+    yarn=(4.0, 64, 0.0707),
+)
 
 
 def test_deepseek2_preset_carries_its_parts_and_generates(tmp_path: Path) -> None:
@@ -126,16 +153,25 @@ def test_deepseek2_preset_carries_its_parts_and_generates(tmp_path: Path) -> Non
     assert (m.arch, m.leading_dense_block_count, list(m.moe_layers)) == ("deepseek2", 1, [1, 2])
     assert (m.q_lora_rank, m.kv_lora_rank, m.rope_dims, m.value_head_dim) == (0, 64, 32, 64)
     assert (m.rope_scaling_type, m.rope_scaling_factor, m.rope_yarn_log_mul) == (
-        "yarn", 4.0, pytest.approx(0.0707),
-    )  # fmt: skip
+        "yarn",
+        4.0,
+        pytest.approx(0.0707),
+    )
     assert m.expert_shared_feed_forward_length == 2 * 256
     bb = Backbone.from_gguf(path)
     ids = load_tokenizer(path).encode("experts route tokens")
     logits = bb.forward([SeqStep(ids, bb.new_cache())])[0]
     assert torch.isfinite(logits).all()
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False,
-                          n_threads=2, type_k=0, type_v=0)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=64,
+        logits_all=True,
+        verbose=False,
+        n_threads=2,
+        type_k=0,
+        type_v=0,
+    )
     llm.eval(ids)
     theirs = np.asarray(llm.scores[len(ids) - 1], dtype=np.float64)
     assert np.corrcoef(theirs, logits.double().numpy())[0, 1] > 0.98

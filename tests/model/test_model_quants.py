@@ -26,9 +26,20 @@ from kvq.model.quants import (
 
 Q = GGMLQuantizationType
 # worst error allowed, as a fraction of the block's largest magnitude
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q6_K: 4e-2,
-             Q.Q5_0: 7e-2, Q.Q5_1: 7e-2, Q.Q5_K: 7e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.15,
-             Q.Q4_K: 0.15, Q.MXFP4: 0.25}  # fmt: skip
+TOLERANCE = {
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 8e-3,
+    Q.Q8_0: 1e-2,
+    Q.Q6_K: 4e-2,
+    Q.Q5_0: 7e-2,
+    Q.Q5_1: 7e-2,
+    Q.Q5_K: 7e-2,
+    Q.Q4_0: 0.15,
+    Q.Q4_1: 0.15,
+    Q.Q4_K: 0.15,
+    Q.MXFP4: 0.25,
+}
 
 
 def _rows() -> np.ndarray:
@@ -79,18 +90,31 @@ def test_bad_inputs_name_the_problem() -> None:
 
 
 def test_kept_f32_tensors_follow_llama_quantize() -> None:
-    for name, shape in [("blk.0.attn_norm.weight", (64,)), ("blk.0.attn_q_norm.weight", (16,)),
-                        ("blk.0.ffn_gate_inp.weight", (8, 256)), ("blk.0.attn_q.bias", (64,)),
-                        ("blk.0.ffn_gate_inp_shexp.weight", (256,)), ("output_norm.weight", (256,))]:  # fmt: skip
+    for name, shape in [
+        ("blk.0.attn_norm.weight", (64,)),
+        ("blk.0.attn_q_norm.weight", (16,)),
+        ("blk.0.ffn_gate_inp.weight", (8, 256)),
+        ("blk.0.attn_q.bias", (64,)),
+        ("blk.0.ffn_gate_inp_shexp.weight", (256,)),
+        ("output_norm.weight", (256,)),
+    ]:
         assert tensor_type(name, shape, "q4_k_m", 4, 16) == Q.F32, name
     assert tensor_type("blk.0.ffn_gate_shexp.weight", (512, 256), "q6_k", 4, 16) == Q.Q6_K
 
 
 @pytest.mark.parametrize(
     ("qtype", "row", "want"),
-    [(Q.Q4_K, 256, Q.Q4_K), (Q.Q4_K, 64, Q.Q5_0), (Q.Q5_K, 96, Q.Q5_1), (Q.Q6_K, 32, Q.Q8_0),
-     (Q.Q4_K, 48, Q.F16), (Q.Q8_0, 48, Q.F16), (Q.Q4_0, 64, Q.Q4_0), (Q.F32, 7, Q.F32)],
-)  # fmt: skip
+    [
+        (Q.Q4_K, 256, Q.Q4_K),
+        (Q.Q4_K, 64, Q.Q5_0),
+        (Q.Q5_K, 96, Q.Q5_1),
+        (Q.Q6_K, 32, Q.Q8_0),
+        (Q.Q4_K, 48, Q.F16),
+        (Q.Q8_0, 48, Q.F16),
+        (Q.Q4_0, 64, Q.Q4_0),
+        (Q.F32, 7, Q.F32),
+    ],
+)
 def test_rows_that_are_not_whole_blocks_fall_back(qtype: Q, row: int, want: Q) -> None:
     assert fallback_type(qtype, row) == want
     name = "blk.0.ffn_down_exps.weight"  # experts follow the same rule

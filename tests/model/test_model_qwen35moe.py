@@ -30,8 +30,15 @@ from kvq.model.qstack import QMatrix
 from kvq.model.tiny import family_parts, write_tiny
 from kvq.model.tiny_weights import TinyConfig
 
-DIMS = {"layers": 4, "experts": 8, "hidden": 128, "expert_ffn": 64, "heads": 4,
-        "kv_heads": 2, "head_dim": 32}  # fmt: skip
+DIMS = {
+    "layers": 4,
+    "experts": 8,
+    "hidden": 128,
+    "expert_ffn": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 32,
+}
 PROMPT = "The quick brown fox jumps over"
 STEPS = 16
 F32_ANGLES = {"rtol": 1e-5, "atol": 1e-5}
@@ -55,14 +62,27 @@ def test_tiny_file_carries_every_part(path: Path) -> None:
     assert m.rope_sections == (1, 1, 1, 1) and m.rope_dims == 16 < m.head_dim
     assert meta_from_dict(json.loads(json.dumps(meta_to_dict(m)))) == m  # published layouts
     t = tensor_map(open_reader(path))
-    for part in ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias",
-                 "ssm_a", "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight",
-                 "ssm_out.weight"):  # fmt: skip
+    for part in (
+        "attn_qkv.weight",
+        "attn_gate.weight",
+        "ssm_conv1d.weight",
+        "ssm_dt.bias",
+        "ssm_a",
+        "ssm_beta.weight",
+        "ssm_alpha.weight",
+        "ssm_norm.weight",
+        "ssm_out.weight",
+    ):
         assert f"blk.0.{part}" in t and f"blk.1.{part}" not in t
     # full attention: q and its output gate in one attn_q, per-head q/k norms
     assert tuple(t["blk.1.attn_q.weight"].shape) == (128, 2 * 4 * 32)  # GGUF order
-    for part in ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
-                 "ffn_gate_inp_shexp.weight", "ffn_up_shexp.weight"):  # fmt: skip
+    for part in (
+        "attn_q_norm.weight",
+        "attn_k_norm.weight",
+        "post_attention_norm.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ffn_up_shexp.weight",
+    ):
         assert f"blk.1.{part}" in t
     assert "blk.0.attn_q.weight" not in t
 
@@ -130,8 +150,19 @@ def test_q4_k_m_argmax_agrees_with_llama_cpp(tmp_path: Path) -> None:
     tokens and the argmax of each step is compared; both round activations to 8 bits, not at
     the same places, hence at least 15 of 16 (measured 16 of 16 with seeds 0 and 1)."""
     path = tmp_path / "qwen35moe-q4_k_m.gguf"
-    make_tiny(path, arch="qwen35moe", quant="q4_k_m", tokenizer="bpe", layers=4, experts=16,
-              hidden=256, expert_ffn=256, heads=4, kv_heads=2, head_dim=64)  # fmt: skip
+    make_tiny(
+        path,
+        arch="qwen35moe",
+        quant="q4_k_m",
+        tokenizer="bpe",
+        layers=4,
+        experts=16,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+    )
     types = {t.name: t.tensor_type for t in tensor_map(open_reader(path)).values()}
     assert types["blk.2.attn_qkv.weight"] == Q.Q6_K  # use_more_bits(2, 4), as attn_v
     assert types["blk.0.attn_qkv.weight"] == Q.Q4_K and types["blk.0.ssm_conv1d.weight"] == Q.F32

@@ -90,8 +90,9 @@ def test_planned_slices_cut_the_expert_tensors_exactly(
         for layer in spec.layers():
             layout = spec.ranges_of(layer)
             assert layout == slice_layout(meta, layer, spec.expert_start, spec.expert_end)
-            sl = decode_slice(layout, read_slice_file(odd_path, layout), layer,
-                              spec.expert_start, spec.expert_end)  # fmt: skip
+            sl = decode_slice(
+                layout, read_slice_file(odd_path, layout), layer, spec.expert_start, spec.expert_end
+            )
             want = load_slice(odd_path, meta, layer, spec.expert_start, spec.expert_end)
             dense = sl.dense_copy()
             assert torch.equal(dense.gate, want.gate) and torch.equal(dense.down, want.down)

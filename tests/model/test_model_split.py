@@ -32,8 +32,18 @@ def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     arch, quant = request.param
     path = tmp_path_factory.mktemp("split") / f"{arch}-{quant}.gguf"
     extra = {"shared_expert_ffn": 256} if arch == "qwen2moe" else {}
-    make_tiny(path, arch=arch, quant=quant, layers=2, experts=8, experts_used=2, hidden=256,
-              expert_ffn=256, seed=5, **extra)  # fmt: skip
+    make_tiny(
+        path,
+        arch=arch,
+        quant=quant,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=256,
+        expert_ffn=256,
+        seed=5,
+        **extra,
+    )
     return path
 
 
@@ -46,8 +56,12 @@ def test_split_keeps_every_non_routed_tensor_byte_for_byte(full: Path, tmp_path:
     assert routed and set(r.dropped) == routed
     assert set(bb_t) == set(src_t) - routed, "every other tensor is kept"
     assert any("shexp" in n for n in bb_t) == any("shexp" in n for n in src_t)
-    assert {"token_embd.weight", "output_norm.weight", "blk.1.ffn_gate_inp.weight",
-            "blk.1.attn_norm.weight"} <= set(bb_t)  # fmt: skip
+    assert {
+        "token_embd.weight",
+        "output_norm.weight",
+        "blk.1.ffn_gate_inp.weight",
+        "blk.1.attn_norm.weight",
+    } <= set(bb_t)
     for name, t in bb_t.items():
         s = src_t[name]
         assert (t.tensor_type, list(t.shape)) == (s.tensor_type, list(s.shape)), name

@@ -36,8 +36,18 @@ def test_k_quants_with_the_default_sizes_fall_back_per_tensor(tmp_path: Path) ->
 
 def test_q4_k_m_mix_in_a_file(tmp_path: Path) -> None:
     path = tmp_path / "mix.gguf"
-    make_tiny(path, quant="q4_k_m", layers=4, experts=4, hidden=256, expert_ffn=256,
-              heads=4, kv_heads=2, head_dim=64, tokenizer="bpe")  # fmt: skip
+    make_tiny(
+        path,
+        quant="q4_k_m",
+        layers=4,
+        experts=4,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        tokenizer="bpe",
+    )
     types = _types(path)
     assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
     # use_more_bits(i, 4): layers 2 and 3
@@ -52,18 +62,28 @@ def test_q4_k_m_mix_in_a_file(tmp_path: Path) -> None:
     assert len(generate(bb, ids, 3, stop_at_eos=False)) == 3
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("qwen2moe", "q4_k_m"), ("mixtral", "q5_0"),
-                                             ("qwen3moe", "f16")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("qwen2moe", "q4_k_m"), ("mixtral", "q5_0"), ("qwen3moe", "f16")]
+)
 def test_the_planner_lists_what_make_tiny_writes(tmp_path: Path, arch: str, quant: str) -> None:
     path = tmp_path / "t.gguf"
-    make_tiny(path, arch=arch, quant=quant, tokenizer="bpe", hidden=256, expert_ffn=96,
-              shared_expert_ffn=64)  # fmt: skip
+    make_tiny(
+        path,
+        arch=arch,
+        quant=quant,
+        tokenizer="bpe",
+        hidden=256,
+        expert_ffn=96,
+        shared_expert_ffn=64,
+    )
     meta = read_meta(path)
     cfg = TinyConfig(2, 8, 2, 256, 96, 4, 2, 16, 64, vocab=meta.vocab_size)
     gguf_arch = {"mixtral": "llama"}.get(arch, arch)
     want = plan(Preset("t", cfg, 512, 1e6, 1e-6, gguf_arch), quant)
-    got = [(t.name, gio.numpy_shape(t), int(t.tensor_type), int(t.n_bytes))
-           for t in GGUFReader(path).tensors]  # fmt: skip
+    got = [
+        (t.name, gio.numpy_shape(t), int(t.tensor_type), int(t.n_bytes))
+        for t in GGUFReader(path).tensors
+    ]
     assert got == [(t.name, t.shape, int(t.qtype), t.nbytes) for t in want]
 
 

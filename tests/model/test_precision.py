@@ -32,8 +32,19 @@ TILE_ROWS = 64  # rows of the many-row call: 32 pairs for each of 4 experts
 GEMM_MIN = 16  # csrc/qdot_gemm.h: an expert with this many rows takes the tile kernel
 # max |y - ref| / max |ref| per expert call (two int8-quantized activations per call for the
 # int8 types; measured 1.3-3.0%, table in docs/models.md, "Correctness"; bounds 1.4-2x that)
-REL_BOUND = {"f32": 1e-5, "f16": 1e-5, "bf16": 1e-5, "q8_0": 3e-2, "q4_0": 3e-2, "q5_0": 3e-2,
-             "q4_k": 4.5e-2, "q5_k": 4.5e-2, "q6_k": 4e-2, "mxfp4": 3e-2, "q4_k_m": 4.5e-2}  # fmt: skip
+REL_BOUND = {
+    "f32": 1e-5,
+    "f16": 1e-5,
+    "bf16": 1e-5,
+    "q8_0": 3e-2,
+    "q4_0": 3e-2,
+    "q5_0": 3e-2,
+    "q4_k": 4.5e-2,
+    "q5_k": 4.5e-2,
+    "q6_k": 4e-2,
+    "mxfp4": 3e-2,
+    "q4_k_m": 4.5e-2,
+}
 AGREE_FLOOR = dict.fromkeys(DEFAULT_QUANTS, 56)  # of 64 teacher-forced greedy steps
 
 
@@ -47,8 +58,18 @@ def exact() -> object:
 
 
 def _tiny(path: Path, quant: str) -> Path:
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256, heads=4,
-              kv_heads=2, head_dim=64, quant=quant)  # fmt: skip
+    make_tiny(
+        path,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        quant=quant,
+    )
     return path
 
 
@@ -184,11 +205,14 @@ def test_default_path_error_and_greedy_agreement(
         assert all(np.array_equal(a, b) for a, b in zip(outs, first, strict=True)), name
     opts = qdot.options()
     qdot.configure(qdot.KernelOptions("int8", opts.cc, opts.cache_dir))  # the default
-    agree = sum(a == b for a, b in zip(_forced(Backbone.from_gguf(path), prompt, want), want,
-                                       strict=True))  # fmt: skip
+    agree = sum(
+        a == b for a, b in zip(_forced(Backbone.from_gguf(path), prompt, want), want, strict=True)
+    )
     worst = next(iter(per_path.values()))[0]
     bound = REL_BOUND[quant]
-    print(f"\n| {quant} | {', '.join(per_path)} | {worst[1]:.2e} | {worst[TILE_ROWS]:.2e} | "
-          f"{bound:.0e} | {agree} of 64 | {AGREE_FLOOR[quant]} |")  # fmt: skip
+    print(
+        f"\n| {quant} | {', '.join(per_path)} | {worst[1]:.2e} | {worst[TILE_ROWS]:.2e} | "
+        f"{bound:.0e} | {agree} of 64 | {AGREE_FLOOR[quant]} |"
+    )
     assert max(worst.values()) < bound, (quant, worst)
     assert agree >= AGREE_FLOOR[quant], f"{quant}: {agree} of 64 greedy steps agree"

@@ -47,15 +47,33 @@ F32 = 2e-5  # against HF's float32 steps, relative to the output's scale
 
 # mscale != mscale_all_dim, so the cos/sin factor is not 1; factor 40 and positions past the
 # original 64, so YaRN's interpolated and blended dims are all in play
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-        "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-        "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 PLAIN = {"rope_type": "default", "rope_theta": 10000.0}
 # non-square dims everywhere: a transposed matrix fails loudly
-DIMS = {"kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
-        "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
-        "moe_intermediate_size": 12, "n_shared_experts": 2, "vocab_size": 50,
-        "num_hidden_layers": 1, "max_position_embeddings": 64 * 40}  # fmt: skip
+DIMS = {
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "n_routed_experts": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 12,
+    "n_shared_experts": 2,
+    "vocab_size": 50,
+    "num_hidden_layers": 1,
+    "max_position_embeddings": 64 * 40,
+}
 
 
 @pytest.fixture
@@ -91,16 +109,26 @@ def _mla_cfg(hf: Any) -> MlaConfig:
 
 def _v3_config(rope: dict[str, Any], q_lora_rank: int | None = 20) -> Any:
     cfg = c3.DeepseekV3Config(
-        hidden_size=40, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=q_lora_rank,
-        rope_parameters=dict(rope), **DIMS,
-    )  # fmt: skip
+        hidden_size=40,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        q_lora_rank=q_lora_rank,
+        rope_parameters=dict(rope),
+        **DIMS,
+    )
     cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32
     return cfg
 
 
 def _v2_config(rope: dict[str, Any], **kw: Any) -> Any:
-    args = {"hidden_size": 48, "num_attention_heads": 4, "q_lora_rank": None,
-            "rope_parameters": dict(rope), **DIMS, **kw}  # fmt: skip
+    args = {
+        "hidden_size": 48,
+        "num_attention_heads": 4,
+        "q_lora_rank": None,
+        "rope_parameters": dict(rope),
+        **DIMS,
+        **kw,
+    }
     cfg = c2.DeepseekV2Config(**args)
     cfg._attn_implementation = "sdpa"
     return cfg
@@ -157,7 +185,7 @@ def test_yarn_inv_freq_is_hf(dim: int, base: float, orig: int, factor: float) ->
             "qk_rope_head_dim": dim,
             "rope_parameters": rope,
             "max_position_embeddings": int(orig * factor),
-        }  # fmt: skip
+        }
     )
     ours = yarn_inv_freq_ref(dim, base, factor, orig, 32.0, 1.0)
     theirs, _ = modeling_rope_utils._compute_yarn_parameters(hf)
@@ -318,10 +346,16 @@ def _v3_router(hf: Any, seed: int, bias_shift: float = 0.0) -> Any:
     return gate
 
 
-V3_ROUTES = {"norm": {"norm_topk_prob": True, "routed_scaling_factor": 2.5},
-             "no-norm": {"norm_topk_prob": False, "routed_scaling_factor": 1.0},
-             "one-group": {"n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-                           "routed_scaling_factor": 2.5}}  # fmt: skip
+V3_ROUTES = {
+    "norm": {"norm_topk_prob": True, "routed_scaling_factor": 2.5},
+    "no-norm": {"norm_topk_prob": False, "routed_scaling_factor": 1.0},
+    "one-group": {
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    },
+}
 
 
 def _route_v3(gate: Any, logits: torch.Tensor, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -390,9 +424,17 @@ def test_route_is_hf_v2(method: str, lift: Callable[[], None]) -> None:
     groups = (4, 2) if method == "group_limited_greedy" else (1, 1)
 
     def ours(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        return route_ref(logits.double().numpy(), gating="softmax", n_group=groups[0],
-                         topk_group=groups[1], top_k=4, bias=None, norm_topk_prob=False,
-                         routed_scaling_factor=16.0, group_score="max")  # fmt: skip
+        return route_ref(
+            logits.double().numpy(),
+            gating="softmax",
+            n_group=groups[0],
+            topk_group=groups[1],
+            top_k=4,
+            bias=None,
+            norm_topk_prob=False,
+            routed_scaling_factor=16.0,
+            group_score="max",
+        )
 
     with torch.no_grad():
         logits, weights, ids = gate(x)
@@ -414,8 +456,15 @@ def test_route_group_scores_by_hand() -> None:
     scores (all 0.5 here), normalised with HF's 1e-20 and then scaled."""
     logits = np.zeros((1, 8))  # sigmoid 0.5 everywhere
     bias = np.array([0.4, -0.4, 0.1, 0.1, -0.45, -0.45, -0.45, -0.45])
-    kw = {"gating": "sigmoid", "n_group": 4, "topk_group": 1, "top_k": 2, "bias": bias,
-          "norm_topk_prob": True, "routed_scaling_factor": 3.0}  # fmt: skip
+    kw = {
+        "gating": "sigmoid",
+        "n_group": 4,
+        "topk_group": 1,
+        "top_k": 2,
+        "bias": bias,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 3.0,
+    }
     ids, w = route_ref(logits, **kw)  # type: ignore[arg-type]
     assert sorted(ids[0].tolist()) == [2, 3]
     np.testing.assert_array_equal(w, [[1.5 / (1 + 1e-20), 1.5 / (1 + 1e-20)]])
@@ -427,8 +476,12 @@ def _moe_weights(moe: Any, w: dict[str, np.ndarray]) -> dict[str, Any]:
     F = moe.experts.intermediate_dim
     gate_up = w["experts.gate_up_proj"]  # [E, 2F, hidden]: gate rows, then up rows
     shared = {k: w[f"shared_experts.{k}_proj"] for k in ("gate", "up", "down")}
-    return {"experts_gate": gate_up[:, :F], "experts_up": gate_up[:, F:],
-            "experts_down": w["experts.down_proj"], "shared": shared}  # fmt: skip
+    return {
+        "experts_gate": gate_up[:, :F],
+        "experts_up": gate_up[:, F:],
+        "experts_down": w["experts.down_proj"],
+        "shared": shared,
+    }
 
 
 @pytest.mark.parametrize("version", ["v3", "v2"])
@@ -455,9 +508,17 @@ def test_moe_is_hf(version: str, lift: Callable[[], None]) -> None:
     if version == "v3":
         ids, weights = _route_v3(moe.gate, logits)
     else:
-        ids, weights = route_ref(logits.numpy(), gating="softmax", n_group=4, topk_group=2,
-                                 top_k=4, bias=None, norm_topk_prob=False,
-                                 routed_scaling_factor=16.0, group_score="max")  # fmt: skip
+        ids, weights = route_ref(
+            logits.numpy(),
+            gating="softmax",
+            n_group=4,
+            topk_group=2,
+            top_k=4,
+            bias=None,
+            norm_topk_prob=False,
+            routed_scaling_factor=16.0,
+            group_score="max",
+        )
     ours = moe_ffn_ref(x, ids=ids, weights=weights, **_moe_weights(moe, w))
     scale = np.abs(ours).max()
     assert _max_err(ours, lifted) < TIGHT * scale

@@ -37,13 +37,29 @@ def lift(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
 
 def _config(**kw: Any) -> Any:
     # non-square: hidden 40, 4 heads of 12 (48), 2 kv heads; rotary on 6 of the 12 dims
-    args = {"hidden_size": 40, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 12, "attention_bias": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
-                                "partial_rotary_factor": 0.5},
-            "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
-            "moe_intermediate_size": 12, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True, "vocab_size": 50, "num_hidden_layers": 1, **kw}  # fmt: skip
+    args = {
+        "hidden_size": 40,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.5,
+        },
+        "n_routed_experts": 16,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 12,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "vocab_size": 50,
+        "num_hidden_layers": 1,
+        **kw,
+    }
     cfg = cg.Glm4MoeConfig(**args)
     cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32
     return cfg
@@ -60,9 +76,16 @@ def test_attention_is_hf(qk_norm: bool, offset: int, lift: Callable[[], None]) -
     att = mg.Glm4MoeAttention(hf, 0)
     w = randomize(att, seed=1)
     assert "q_proj.bias" in w and ("q_norm" in w) == qk_norm
-    cfg = Glm4MoeAttnConfig(n_heads=4, n_kv_heads=2, head_dim=12, hidden=40, rope_theta=1e6,
-                            partial_rotary_factor=0.5, use_qk_norm=qk_norm,
-                            rms_eps=hf.rms_norm_eps)  # fmt: skip
+    cfg = Glm4MoeAttnConfig(
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=12,
+        hidden=40,
+        rope_theta=1e6,
+        partial_rotary_factor=0.5,
+        use_qk_norm=qk_norm,
+        rms_eps=hf.rms_norm_eps,
+    )
     pos = np.arange(T) + float(offset)
     x = np.random.default_rng(2).standard_normal((T, 40))
     ours = glm4_moe_attention_ref(x, w, cfg, pos)
@@ -98,16 +121,22 @@ def test_moe_is_hf(groups: tuple[int, int], lift: Callable[[], None]) -> None:
         lifted = moe(xt)[0].numpy()
         logits, hf_w, hf_ids = moe.gate(xt)
     ids, weights = glm4_moe_route_ref(
-        logits.numpy(), bias=moe.gate.e_score_correction_bias.double().numpy(),
-        n_group=groups[0], topk_group=groups[1], top_k=4, norm_topk_prob=True,
-        routed_scaling_factor=2.5)  # fmt: skip
+        logits.numpy(),
+        bias=moe.gate.e_score_correction_bias.double().numpy(),
+        n_group=groups[0],
+        topk_group=groups[1],
+        top_k=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
     order = torch.argsort(hf_w, dim=-1, descending=True)
     assert (ids == hf_ids.gather(1, order).numpy()).all()
     assert _max_err(weights, hf_w.gather(1, order).numpy()) < TIGHT
     gate_up, F = w["experts.gate_up_proj"], hf.moe_intermediate_size
     shared = {k: w[f"shared_experts.{k}_proj"] for k in ("gate", "up", "down")}
-    ours = moe_ffn_ref(x, gate_up[:, :F], gate_up[:, F:], w["experts.down_proj"], ids, weights,
-                       shared)  # fmt: skip
+    ours = moe_ffn_ref(
+        x, gate_up[:, :F], gate_up[:, F:], w["experts.down_proj"], ids, weights, shared
+    )
     scale = np.abs(ours).max()
     assert _max_err(ours, lifted) < TIGHT * scale
     assert _max_err(ours, shipped) < F32 * scale

@@ -46,9 +46,10 @@ def train_byte_level(vocab_size: int = 420) -> Any:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     tok.train_from_iterator([CORPUS], trainer)
     tok.add_special_tokens(SPECIALS)
     return tok

@@ -36,14 +36,20 @@ def alerts() -> list[dict[str, str]]:
 
 
 def test_the_rules_are_valid() -> None:
-    out = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_every_alert_fires_and_resolves() -> None:
-    out = subprocess.run([promtool(), "test", "rules", str(UNIT)], capture_output=True,
-                         text=True, timeout=120, cwd=UNIT.parent)  # fmt: skip
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(UNIT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=UNIT.parent,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -51,8 +51,13 @@ def test_the_monitor_registers_through_rq_and_rq_info_shows_it(
         data = board.r.hget(f"rq:job:{job_id}", "data")
         assert json.loads(zlib.decompress(data))[0].endswith("register_model"), "JSON, no pickle"
         rq = Path(sys.executable).parent / "rq"
-        shown = subprocess.run([str(rq), "info", "--url", settings.redis_url],
-                               capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+        shown = subprocess.run(
+            [str(rq), "info", "--url", settings.redis_url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         assert name in shown and "mon-rq" in shown, shown
     finally:
         kids.stop_all()
@@ -69,8 +74,12 @@ def test_histogram_and_plan_run_as_rq_jobs(settings: Settings, model: Path, tmp_
     jobs.serve(board)
     try:
         out = tmp_path / "hist.json"
-        got = jobs.wait(jobs.enqueue(coarse.collect_histogram, str(model), ["a b", "c d e"], 4,
-                                     str(out), "cpu"), 120)  # fmt: skip
+        got = jobs.wait(
+            jobs.enqueue(
+                coarse.collect_histogram, str(model), ["a b", "c d e"], 4, str(out), "cpu"
+            ),
+            120,
+        )
         direct = collect_histogram(model, ["a b", "c d e"], 4)
         assert got["routed"] == sum(int(t.counts.sum()) for t in direct.layers) > 0
         plan: dict[str, Any] = jobs.wait(jobs.enqueue(coarse.plan_hot_set, str(out), 200_000), 60)

@@ -32,8 +32,15 @@ from kvq.monitor.alerts import ELSEWHERE, RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "tests" / "artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def chromium() -> tuple[str, dict[str, str]] | None:
@@ -43,8 +50,14 @@ def chromium() -> tuple[str, dict[str, str]] | None:
         return given, {}
     unpacked = ROOT / ".tools" / "chromium"
     if (unpacked / "usr/lib/chromium/chromium").exists():
-        libs = [str(p) for p in (unpacked / "usr/lib/x86_64-linux-gnu", unpacked / "lib/x86_64-linux-gnu",
-                                 unpacked / "usr/lib/chromium")]  # fmt: skip
+        libs = [
+            str(p)
+            for p in (
+                unpacked / "usr/lib/x86_64-linux-gnu",
+                unpacked / "lib/x86_64-linux-gnu",
+                unpacked / "usr/lib/chromium",
+            )
+        ]
         return str(unpacked / "usr/lib/chromium/chromium"), {"LD_LIBRARY_PATH": ":".join(libs)}
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     return (found, {}) if found else None
@@ -87,31 +100,57 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     make_tiny(model, layers=2, experts=8, seed=5)  # 4 slices: 2 layers x 2 expert groups
     http, api = free_port(), free_port()
     s = Settings(redis_url=redis_server.url, prefix=f"dash{os.getpid()}")
-    env = child_env(s, http_port=http, heartbeat_ttl_s=1.5, monitor_poll_s=0.2,
-                    volunteer_poll_s=0.1, slot_poll_s=0.2, worker_max_slices=2,
-                    log_format="json", state_dir=str(tmp / "state"))  # fmt: skip
+    env = child_env(
+        s,
+        http_port=http,
+        heartbeat_ttl_s=1.5,
+        monitor_poll_s=0.2,
+        volunteer_poll_s=0.1,
+        slot_poll_s=0.2,
+        worker_max_slices=2,
+        log_format="json",
+        state_dir=str(tmp / "state"),
+    )
     sw = Swarm(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{api}")
     kvq = [sys.executable, "-m", "kvq"]
     cmds = {
         "monitor": [*kvq, "monitor", "--model", f"tiny={model}"],
-        "coordinator": [*kvq, "coordinator", "--model", str(model), "--model-id", "tiny",
-                        "--id", "coord-dash"],
+        "coordinator": [
+            *kvq,
+            "coordinator",
+            "--model",
+            str(model),
+            "--model-id",
+            "tiny",
+            "--id",
+            "coord-dash",
+        ],
         "worker-a": [*kvq, "worker", "--id", "dash-a"],
         "worker-b": [*kvq, "worker", "--id", "dash-b"],
         "api": [*kvq, "api", "--port", str(api)],
-    }  # fmt: skip
+    }
     try:
         for name, cmd in cmds.items():
             sw.logs[name] = tmp / f"{name}.log"
             with sw.logs[name].open("wb") as out:
                 sw.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
             if name == "monitor":  # the others wait for the registration anyway
-                wait(lambda: httpx.get(sw.url + "/healthz", timeout=2).status_code == 200,
-                     "the monitor's HTTP port")  # fmt: skip
-        wait(lambda: sum(len(w["slices"]) for w in sw.snapshot()["workers"]
-                         if w["heartbeat_age_s"] is not None) == 4
-             and all(c["live"] == 1 for m in sw.snapshot()["models"] for c in m["cells"]),
-             "both workers serving two slices each")  # fmt: skip
+                wait(
+                    lambda: httpx.get(sw.url + "/healthz", timeout=2).status_code == 200,
+                    "the monitor's HTTP port",
+                )
+        wait(
+            lambda: (
+                sum(
+                    len(w["slices"])
+                    for w in sw.snapshot()["workers"]
+                    if w["heartbeat_age_s"] is not None
+                )
+                == 4
+                and all(c["live"] == 1 for m in sw.snapshot()["models"] for c in m["cells"])
+            ),
+            "both workers serving two slices each",
+        )
         yield sw
     finally:
         for p in sw.procs.values():
@@ -142,8 +181,11 @@ def test_dashboard_json_and_the_ready_lines(swarm: Swarm) -> None:
     assert c["coordinator"] == "coord-dash" and c["slots"] >= 1
     assert any(s["stream"].startswith("requests") for s in snap["streams"])
     assert {a["alert"] for a in snap["alerts"]} <= set(RULES)
-    httpx.post(swarm.api + "/v1/completions", json={"model": "tiny", "prompt": "x",
-               "max_tokens": 4}, timeout=60).raise_for_status()  # fmt: skip
+    httpx.post(
+        swarm.api + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 4},
+        timeout=60,
+    ).raise_for_status()
     for role, log in swarm.logs.items():
         lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         ready = [x["message"] for x in lines if x["message"].startswith("ready:")]
@@ -162,9 +204,13 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
     exe, extra_env = browser
     with playwright.sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=exe, headless=True, args=FLAGS,
-            env=dict(os.environ) | extra_env, viewport={"width": 1280, "height": 1400},
-        )  # fmt: skip
+            str(tmp_path / "profile"),
+            executable_path=exe,
+            headless=True,
+            args=FLAGS,
+            env=dict(os.environ) | extra_env,
+            viewport={"width": 1280, "height": 1400},
+        )
         try:
             page = ctx.new_page()
             page.goto(swarm.url + "/")
@@ -184,9 +230,10 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
 
             swarm.procs["worker-b"].kill()  # its slices lose their only live replica
             page.wait_for_function(
-                "sel => document.querySelector(sel)?.dataset.state === 'none'", arg=cell,
+                "sel => document.querySelector(sel)?.dataset.state === 'none'",
+                arg=cell,
                 timeout=30_000,
-            )  # fmt: skip
+            )
             assert page.get_attribute(cell, "data-live") == "0"
             assert page.locator(".cell[data-state='none']").count() == len(b_slices)
             # the alert condition of docs/alerts.yml that now holds, as Prometheus would see it

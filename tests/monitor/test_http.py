@@ -78,9 +78,16 @@ def test_recruitment_reports_saturation(mon: Monitor, url: str, r: redis.Redis) 
     status, got = call(url, "/api/moe/recruitment")
     assert status == 200
     assert got["models"] == [
-        {"model": "m", "busy": mon.s.saturation_threshold, "total": 4, "saturated": True,
-         "coordinators": 1, "base_target": 1, "effective_target": 2},
-    ]  # fmt: skip
+        {
+            "model": "m",
+            "busy": mon.s.saturation_threshold,
+            "total": 4,
+            "saturated": True,
+            "coordinators": 1,
+            "base_target": 1,
+            "effective_target": 2,
+        },
+    ]
 
 
 def test_demand_then_volunteer_until_exhausted(mon: Monitor, url: str, model: Path) -> None:
@@ -126,9 +133,17 @@ def test_a_worker_names_what_it_holds_and_takes_more(mon: Monitor, url: str) -> 
 
 
 def test_bad_volunteer_bodies_are_400(url: str) -> None:
-    for body in (b"{not json", b"[1]", b'{"worker": ""}', b'{"worker": 3}', b'{"model": "m"}',
-                 b'{"worker": "w", "held": ["s"]}', b'{"worker": "w", "held": {"m": "s"}}',
-                 b'{"worker": "w", "room": -1}', b'{"worker": "w", "room": "9"}'):  # fmt: skip
+    for body in (
+        b"{not json",
+        b"[1]",
+        b'{"worker": ""}',
+        b'{"worker": 3}',
+        b'{"model": "m"}',
+        b'{"worker": "w", "held": ["s"]}',
+        b'{"worker": "w", "held": {"m": "s"}}',
+        b'{"worker": "w", "room": -1}',
+        b'{"worker": "w", "room": "9"}',
+    ):
         status, got = call(url, "/api/expert-volunteer", body)
         assert status == 400, body
         assert got["type"] == "BadRequest" and got["retryable"] is False and got["message"]
@@ -139,11 +154,18 @@ def test_bad_volunteer_bodies_are_400(url: str) -> None:
 MALFORMED = [
     b'{"worker": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",  # nested past the parser's limit
     b'{"worker": "w", "held": ' + b'{"m": ' * 500 + b"[]" + b"}" * 500 + b"}",
-    b'{"worker": "a:b"}', b'{"worker": "w{x}"}', b'{"worker": "w*"}', b'{"worker": "\\ud800"}',
-    b'{"worker": "' + b"x" * 65 + b'"}', b'{"worker": " w"}', b'{"worker": "w", "model": "\\udc00"}',
-    b'{"worker": "w", "held": {"\\ud800": ["s"]}}', b'{"worker": "w", "room": 1e400}',
-    b'{"worker": "w", "room": 18446744073709551616}', b"\xff\xfe",
-]  # fmt: skip
+    b'{"worker": "a:b"}',
+    b'{"worker": "w{x}"}',
+    b'{"worker": "w*"}',
+    b'{"worker": "\\ud800"}',
+    b'{"worker": "' + b"x" * 65 + b'"}',
+    b'{"worker": " w"}',
+    b'{"worker": "w", "model": "\\udc00"}',
+    b'{"worker": "w", "held": {"\\ud800": ["s"]}}',
+    b'{"worker": "w", "room": 1e400}',
+    b'{"worker": "w", "room": 18446744073709551616}',
+    b"\xff\xfe",
+]
 
 
 @pytest.mark.parametrize("body", MALFORMED, ids=range(len(MALFORMED)))
@@ -200,8 +222,13 @@ def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> N
     """Issue 11: a coordinator's verdicts (P:{m:M}:quarantine) in the API and the metrics."""
     now = int(time.time() * 1000)
     assert call(url, "/api/trust") == (200, {"models": [{"model": "m", "workers": []}]})
-    mon.board.quarantine("m", "liar", Quarantine(until_ms=now + 60_000, mismatches=1,
-                                                 coord="c1", reason="row error 2.3", ts_ms=now))  # fmt: skip
+    mon.board.quarantine(
+        "m",
+        "liar",
+        Quarantine(
+            until_ms=now + 60_000, mismatches=1, coord="c1", reason="row error 2.3", ts_ms=now
+        ),
+    )
     mon.board.quarantine("m", "served-time", Quarantine(until_ms=now - 1, mismatches=1))
     mon.board.quarantine("m", "banned", Quarantine(until_ms=0, mismatches=3, banned=True))
     status, got = call(url, "/api/trust")
@@ -209,16 +236,23 @@ def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> N
     (entry,) = got["models"]
     by_worker = {w["worker"]: w for w in entry["workers"]}
     assert by_worker["liar"] == {
-        "worker": "liar", "quarantined": True, "until_ms": now + 60_000, "mismatches": 1,
-        "banned": False, "coord": "c1", "reason": "row error 2.3", "ts_ms": now,
-    }  # fmt: skip
+        "worker": "liar",
+        "quarantined": True,
+        "until_ms": now + 60_000,
+        "mismatches": 1,
+        "banned": False,
+        "coord": "c1",
+        "reason": "row error 2.3",
+        "ts_ms": now,
+    }
     assert not by_worker["served-time"]["quarantined"]
     assert by_worker["banned"]["quarantined"] and by_worker["banned"]["banned"]
     status, text = call(url, "/metrics")
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text) for s in fam.samples
-    }  # fmt: skip
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
     assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "liar"))] == 1
     assert samples["kvq_worker_quarantined", (("model", "m"), ("worker", "served-time"))] == 0
     assert samples["kvq_worker_banned", (("model", "m"), ("worker", "banned"))] == 1

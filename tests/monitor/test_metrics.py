@@ -146,12 +146,25 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
     for s in (0.002, 0.003, 0.2):
         rtt.observe(s)
     stats = CoordStats(
-        local_jobs=7, remote_jobs=3, fallback_jobs=2, remote_errors=1, tokens=40,
-        finishes='{"eos": 2, "length": 3, "error": 1}', job_rtt_s=rtt.to_text(),
-        verified=5, mismatches=1, nonfinite_results=2, barred_results=4, quarantines=2,
-        remote_rows=100, verified_rows=20, local_expert_s=1.5, remote_wait_s=0.25,
-        remote_send_s=0.125, local_rows=300,
-    )  # fmt: skip
+        local_jobs=7,
+        remote_jobs=3,
+        fallback_jobs=2,
+        remote_errors=1,
+        tokens=40,
+        finishes='{"eos": 2, "length": 3, "error": 1}',
+        job_rtt_s=rtt.to_text(),
+        verified=5,
+        mismatches=1,
+        nonfinite_results=2,
+        barred_results=4,
+        quarantines=2,
+        remote_rows=100,
+        verified_rows=20,
+        local_expert_s=1.5,
+        remote_wait_s=0.25,
+        remote_send_s=0.125,
+        local_rows=300,
+    )
     ts = int(time.time() * 1000)
     mon.board.publish_slots("c1", SlotState(model="m", busy=1, total=4, ts_ms=ts), stats)
     got = scrape(mon)
@@ -166,12 +179,27 @@ def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
     assert got["kvq_job_round_trip_seconds_bucket", (*c[:1], ("le", "+Inf"), c[1])] == 3
     assert got["kvq_job_round_trip_seconds_sum", c] == pytest.approx(0.205)
     assert got["kvq_time_to_first_token_seconds_count", c] == 0
-    trust = {name: got[f"kvq_{name}_total", c] for name in (
-        "results_verified", "result_mismatches", "results_nonfinite", "results_barred",
-        "quarantines", "remote_rows", "verified_rows")}  # fmt: skip
-    assert trust == {"results_verified": 5, "result_mismatches": 1, "results_nonfinite": 2,
-                     "results_barred": 4, "quarantines": 2, "remote_rows": 100,
-                     "verified_rows": 20}  # fmt: skip
+    trust = {
+        name: got[f"kvq_{name}_total", c]
+        for name in (
+            "results_verified",
+            "result_mismatches",
+            "results_nonfinite",
+            "results_barred",
+            "quarantines",
+            "remote_rows",
+            "verified_rows",
+        )
+    }
+    assert trust == {
+        "results_verified": 5,
+        "result_mismatches": 1,
+        "results_nonfinite": 2,
+        "results_barred": 4,
+        "quarantines": 2,
+        "remote_rows": 100,
+        "verified_rows": 20,
+    }
     assert got["kvq_local_expert_seconds_total", c] == 1.5
     assert got["kvq_remote_wait_seconds_total", c] == 0.25
     assert got["kvq_remote_send_seconds_total", c] == 0.125
@@ -212,8 +240,9 @@ def test_a_worker_holding_several_slices_is_one_worker_with_one_inbox(
         sid = board.volunteer("m", "w0", None, held)
         assert sid is not None
         held.append(sid)
-    board.beat("w0", WorkerInfo(model="m", slice=held[-1], device="cpu",
-                                holds=json.dumps({"m": held})))  # fmt: skip
+    board.beat(
+        "w0", WorkerInfo(model="m", slice=held[-1], device="cpu", holds=json.dumps({"m": held}))
+    )
     r.xgroup_create(board.keys.worker_inbox("w0"), WORKER_GROUP, id="0", mkstream=True)
     board.send_jobs([("w0", {"i": "0"})])
     got = scrape(mon)

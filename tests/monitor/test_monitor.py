@@ -206,19 +206,33 @@ def test_reap_sends_each_job_of_a_multi_slice_worker_to_its_own_slice(
 
     def job(model: str, i: int) -> dict[str, bytes | str]:
         t = wire.Tensor.of(np.zeros((1, 2), dtype=np.float32))
-        return wire.encode(wire.Job(
-            job_id=f"{model}{i}", model=model, layer=0, slice=sids[model], expert_start=0,
-            expert_end=4, coord="c", reply_to="r", deadline_ms=0, x=t, ids=t, weights=t,
-        ))  # fmt: skip
+        return wire.encode(
+            wire.Job(
+                job_id=f"{model}{i}",
+                model=model,
+                layer=0,
+                slice=sids[model],
+                expert_start=0,
+                expert_end=4,
+                coord="c",
+                reply_to="r",
+                deadline_ms=0,
+                x=t,
+                ids=t,
+                weights=t,
+            )
+        )
 
     jobs = [job("m", 0), job("n", 0), job("m", 1), {"m": b"garbage"}]
     board.send_jobs([("dead", f) for f in jobs])
     assert mon.reap("m", "n") == ["dead"]
     ids = {
-        w: [wire.decode(f, wire.Job).job_id if f["m"] != b"garbage" else "garbage"
-            for f in _raw_inbox(board_case, w)]
+        w: [
+            wire.decode(f, wire.Job).job_id if f["m"] != b"garbage" else "garbage"
+            for f in _raw_inbox(board_case, w)
+        ]
         for w in ("peer-m", "peer-n")
-    }  # fmt: skip
+    }
     assert sorted(ids["peer-m"]) == ["garbage", "m0", "m1"] and ids["peer-n"] == ["n0"]
     assert board.assignments("m") == {"peer-m": (sids["m"],)}
     assert board.assignments("n") == {"peer-n": (sids["n"],)}
@@ -257,10 +271,22 @@ def test_reap_sends_each_job_to_a_peer_of_its_own_slice_of_one_model(
 
     def job(sid: str, lo: int, i: int) -> dict[str, bytes | str]:
         t = wire.Tensor.of(np.zeros((1, 2), dtype=np.float32))
-        return wire.encode(wire.Job(
-            job_id=f"{sid}/{i}", model="m", layer=0, slice=sid, expert_start=lo,
-            expert_end=lo + 4, coord="c", reply_to="r", deadline_ms=0, x=t, ids=t, weights=t,
-        ))  # fmt: skip
+        return wire.encode(
+            wire.Job(
+                job_id=f"{sid}/{i}",
+                model="m",
+                layer=0,
+                slice=sid,
+                expert_start=lo,
+                expert_end=lo + 4,
+                coord="c",
+                reply_to="r",
+                deadline_ms=0,
+                x=t,
+                ids=t,
+                weights=t,
+            )
+        )
 
     board.send_jobs([("dead", f) for f in (job(a, 0, 0), job(b, 4, 0), job(a, 0, 1))])
     assert mon.reap("m") == ["dead"]

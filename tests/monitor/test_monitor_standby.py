@@ -42,8 +42,9 @@ def test_the_standby_takes_over_when_the_active_monitor_is_killed(
 ) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=8)
-    s = settings.model_copy(update={"monitor_lease_s": LEASE_S, "monitor_poll_s": 0.1,
-                                    "slice_experts": 8})  # fmt: skip
+    s = settings.model_copy(
+        update={"monitor_lease_s": LEASE_S, "monitor_poll_s": 0.1, "slice_experts": 8}
+    )
     board = open_board(s.bus, s.lifetimes)
     kids = Children(child_env(s), log_dir=str(tmp_path / "logs"))
     try:

@@ -48,8 +48,14 @@ def test_the_monitor_gives_the_hot_slice_more_copies_while_saturated(
     board = board_case.board
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=8)
-    s = load_settings(slice_experts=2, base_replicas=1, boost_replicas=1, saturation_enter_s=0,
-                      saturation_leave_s=0, saturation_threshold=1)  # fmt: skip
+    s = load_settings(
+        slice_experts=2,
+        base_replicas=1,
+        boost_replicas=1,
+        saturation_enter_s=0,
+        saturation_leave_s=0,
+        saturation_threshold=1,
+    )
     mon = Monitor(board, s.monitor)
     info = mon.register("m", model)
     hot, *cold = sorted(info.slices)

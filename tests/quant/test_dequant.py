@@ -51,8 +51,13 @@ def _shape_cols(enc: npt.NDArray[np.uint8], qtype: GGMLQuantizationType) -> int:
     return int(enc.shape[1] // size * block)
 
 
-def _decode(enc: npt.NDArray[np.uint8], qtype: GGMLQuantizationType, device: str = "cpu",
-            dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def _decode(
+    enc: npt.NDArray[np.uint8],
+    qtype: GGMLQuantizationType,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dequantize of the byte rows enc [rows, row_bytes], from a flat uint8 tensor on device."""
     raw = torch.from_numpy(enc.reshape(-1).copy()).to(device)
     return dequantize(raw, qtype, (enc.shape[0], _shape_cols(enc, qtype)), dtype, out)
@@ -74,8 +79,9 @@ SHAPES = [(rows, blocks) for rows in (1, 3, 64) for blocks in (1, 2, 3)]
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source", [_encoded, _random], ids=["encoded", "random"])
 @pytest.mark.parametrize("qtype", FAST_TYPES, ids=lambda t: t.name)
-def test_fast_types_match_gguf_bit_for_bit(qtype: GGMLQuantizationType, source: Source,
-                                           device: str) -> None:  # fmt: skip
+def test_fast_types_match_gguf_bit_for_bit(
+    qtype: GGMLQuantizationType, source: Source, device: str
+) -> None:
     for seed, (rows, blocks) in enumerate(SHAPES):
         enc = source(qtype, rows, _cols(qtype, blocks), seed)
         assert_same_bits(_decode(enc, qtype, device), _reference(enc, qtype))
@@ -83,11 +89,15 @@ def test_fast_types_match_gguf_bit_for_bit(qtype: GGMLQuantizationType, source: 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    qtype=st.sampled_from(FAST_TYPES), rows=st.integers(1, 9), blocks=st.integers(1, 4),
-    seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.0, 1e-30, 1e-7, 1.0, 6e4, 1e30]),
-)  # fmt: skip
-def test_any_magnitude_matches_gguf(qtype: GGMLQuantizationType, rows: int, blocks: int,
-                                    seed: int, scale: float) -> None:  # fmt: skip
+    qtype=st.sampled_from(FAST_TYPES),
+    rows=st.integers(1, 9),
+    blocks=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([0.0, 1e-30, 1e-7, 1.0, 6e4, 1e30]),
+)
+def test_any_magnitude_matches_gguf(
+    qtype: GGMLQuantizationType, rows: int, blocks: int, seed: int, scale: float
+) -> None:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((rows, _cols(qtype, blocks))) * scale).astype(np.float32)
     with np.errstate(all="ignore"):  # huge values overflow f16 scales to inf

@@ -197,8 +197,18 @@ def test_greedy_tokens_with_int8_activations_agree_with_float32(
     from kvq.model import Backbone, make_tiny
 
     path = tmp_path / f"{quant}.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256, heads=4,
-              kv_heads=2, head_dim=64, quant=quant)  # fmt: skip
+    make_tiny(
+        path,
+        layers=2,
+        experts=8,
+        experts_used=2,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        quant=quant,
+    )
     bb = Backbone.from_gguf(path)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     want = generate(bb, prompt, 64, stop_at_eos=False)
@@ -266,8 +276,10 @@ def _moe_case(types: tuple[Q, Q, Q], n: int, h: int, f: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     shapes = ((f, h), (f, h), (h, f))
-    raws = [[random_blocks(t, s, 0.05, rng) for t, s in zip(types, shapes, strict=True)]
-            for _ in range(n)]  # fmt: skip
+    raws = [
+        [random_blocks(t, s, 0.05, rng) for t, s in zip(types, shapes, strict=True)]
+        for _ in range(n)
+    ]
     dense = [np.stack([gguf_dequantize(r[j], types[j]) for r in raws]) for j in range(3)]
     x = rng.standard_normal(h, dtype=np.float32)
     w = rng.random(n, dtype=np.float32)
@@ -282,8 +294,14 @@ def _moe(built: qdot.Built, raws, types, x, w, threads: int = 2, isa: int = -1) 
     return qdot.moe(built, x, ptrs, types, rb, raws[0][0].shape[0], w, threads, isa)
 
 
-MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
-             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4, Q.MXFP4)]  # fmt: skip
+MOE_TYPES = [
+    (Q.Q4_K, Q.Q4_K, Q.Q6_K),
+    (Q.Q5_K, Q.Q5_K, Q.Q4_K),
+    (Q.Q8_0, Q.Q4_0, Q.Q8_0),
+    (Q.Q4_K, Q.Q8_0, Q.Q4_0),
+    (Q.Q6_K, Q.Q6_K, Q.Q5_K),
+    (Q.MXFP4, Q.MXFP4, Q.MXFP4),
+]
 # and gate and up taking x in two orders (the 512-bit Q4_K pairs its chunks)
 BITS_TYPES = [*MOE_TYPES, (Q.Q4_K, Q.Q6_K, Q.Q4_K)]
 MOE_TOL = 3e-2  # max relative error of a layer's sum (measured 0.7-2.5%: two quantizations)
@@ -335,8 +353,16 @@ def test_moe_call_refuses_bad_types_and_sizes(built: qdot.Built) -> None:
     with pytest.raises(ValueError, match="unknown type"):
         _moe(built, raws, (Q.F16, Q.Q4_K, Q.Q4_K), x, w)
     with pytest.raises(ValueError, match="multiple"):
-        qdot.moe(built, x[:200].copy(), [tuple(r.ctypes.data for r in raws[0])], types,
-                 (144, 144, 144), 256, w, 1)  # fmt: skip
+        qdot.moe(
+            built,
+            x[:200].copy(),
+            [tuple(r.ctypes.data for r in raws[0])],
+            types,
+            (144, 144, 144),
+            256,
+            w,
+            1,
+        )
 
 
 @pytest.mark.usefixtures("int8")

@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 
 ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 # (Q4_K, Q6_K, Q4_K): gate and up take x in two orders (the 512-bit Q4_K pairs its chunks)
-MOE_TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K), (Q.Q8_0, Q.Q4_0, Q.Q8_0),
-             (Q.Q4_K, Q.Q8_0, Q.Q4_0), (Q.Q6_K, Q.Q6_K, Q.Q5_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K)]  # fmt: skip
+MOE_TYPES = [
+    (Q.Q4_K, Q.Q4_K, Q.Q6_K),
+    (Q.Q5_K, Q.Q5_K, Q.Q4_K),
+    (Q.Q8_0, Q.Q4_0, Q.Q8_0),
+    (Q.Q4_K, Q.Q8_0, Q.Q4_0),
+    (Q.Q6_K, Q.Q6_K, Q.Q5_K),
+    (Q.Q4_K, Q.Q6_K, Q.Q4_K),
+]
 MOE_TOL = 3e-2  # as the one-token call's (tests/quant/test_qdot.py)
 TYPE_IDS = ["-".join(t.name for t in ts) for ts in MOE_TYPES]
 
@@ -34,8 +40,10 @@ Raws = list[list[np.ndarray]]  # per expert: gate [f, h], up [f, h], down [h, f]
 
 def _experts(types: tuple[Q, Q, Q], n: int, h: int, f: int, rng: np.random.Generator) -> Raws:
     shapes = ((f, h), (f, h), (h, f))
-    raws = [[random_blocks(t, s, 0.05, rng) for t, s in zip(types, shapes, strict=True)]
-            for _ in range(n)]  # fmt: skip
+    raws = [
+        [random_blocks(t, s, 0.05, rng) for t, s in zip(types, shapes, strict=True)]
+        for _ in range(n)
+    ]
     if Q.Q6_K in types:  # int8 scales of both signs, not only random_blocks' 16..63
         for e in raws:
             for t, r in zip(types, e, strict=True):
@@ -73,8 +81,9 @@ def _one(built: qdot.Built, raws: Raws, types, x, ids, w, threads: int = 1, isa:
         mine = sorted((int(e), float(w[t, j])) for j, e in enumerate(ids[t]) if e >= 0)
         ptrs = [tuple(r.ctypes.data for r in raws[e]) for e, _ in mine]
         wts = np.array([we for _, we in mine], np.float32)
-        out.append(qdot.moe(built, x[t].copy(), ptrs, types, rb, raws[0][0].shape[0], wts,
-                            threads, isa))  # fmt: skip
+        out.append(
+            qdot.moe(built, x[t].copy(), ptrs, types, rb, raws[0][0].shape[0], wts, threads, isa)
+        )
     return np.stack(out)
 
 
@@ -181,8 +190,9 @@ def test_several_rows_take_the_batch_call_and_keep_each_rows_bits(
         got = expert_forward(sl, x, ids, w)
         assert torch.equal(bank.forward(0, x, ids, w), got)
         for i in range(t):
-            assert torch.equal(expert_forward(sl, x[i : i + 1], ids[i : i + 1], w[i : i + 1]),
-                               got[i : i + 1]), (t, i)  # fmt: skip
+            assert torch.equal(
+                expert_forward(sl, x[i : i + 1], ids[i : i + 1], w[i : i + 1]), got[i : i + 1]
+            ), (t, i)
         ref = expert_forward_reference(*dense, 0, x.numpy(), ids.numpy(), w.numpy())
         assert np.abs(got.numpy() - ref).max() / np.abs(ref).max() < MOE_TOL
         part = expert_forward(half, x, ids, w)

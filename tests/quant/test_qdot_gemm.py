@@ -58,8 +58,9 @@ def test_many_rows_get_their_one_row_bits(built: qdot.Built, qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype) + 100)
     raw = _weights(qtype, (37, 512), rng)
     x = rng.standard_normal((max(ROWS), 512), dtype=np.float32)
-    alone = np.concatenate([qdot.matmul(built, x[i : i + 1], raw, qtype, 1, 0)
-                            for i in range(len(x))])  # fmt: skip
+    alone = np.concatenate(
+        [qdot.matmul(built, x[i : i + 1], raw, qtype, 1, 0) for i in range(len(x))]
+    )
     for rows in ROWS:
         for isa in ISAS:
             for threads in (1, 2):

@@ -29,8 +29,14 @@ print(torch.get_num_threads(), numba.get_num_threads())
 def test_omp_num_threads_survives_the_first_kernel_call(threads: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "OMP_NUM"))}
     env["OMP_NUM_THREADS"] = threads
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                         text=True, check=True, timeout=120).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
     assert out == [threads, threads]
 
 
@@ -44,6 +50,12 @@ def test_a_child_sizes_its_own_pool() -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "OMP_NUM"))}
     env["OMP_NUM_THREADS"] = "2"
-    out = subprocess.run([sys.executable, "-c", parent, PROBE], env=env, capture_output=True,
-                         text=True, check=True, timeout=240).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", parent, PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    ).stdout.split()
     assert out == ["1", "1"]

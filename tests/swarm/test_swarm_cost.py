@@ -109,8 +109,9 @@ def test_down_nodes_discard_copies_and_unknown_names_are_typed() -> None:
 
 def test_from_plan_is_cold_and_from_profiles_adds_declared_latency() -> None:
     spec = ModelSpec.layered("m", layers=1, layer_gib=1.0)
-    plan = SwarmPlan({"a": NodeProfile("a", latency_ms=2.0)}, {"m": spec},
-                     (Pipeline(0, "m", ("a",)),))  # fmt: skip
+    plan = SwarmPlan(
+        {"a": NodeProfile("a", latency_ms=2.0)}, {"m": spec}, (Pipeline(0, "m", ("a",)),)
+    )
     assert SwarmState.from_plan(plan).node("a").effective()[0] == UNMEASURED_LATENCY_MS
     assert SwarmState.from_profiles(plan).node("a").effective()[0] == 2.0
 

@@ -22,13 +22,20 @@ from kvq.swarm import (
 def _state(pipes: list[tuple[str, tuple[str, ...]]], fallback: str | None = None) -> SwarmState:
     models = {m for m, _ in pipes}
     specs = {
-        m: ModelSpec.layered(m, layers=len(next(a for mm, a in pipes if mm == m)), layer_gib=1.0,
-                             fallback=fallback if m == "m" else None)
+        m: ModelSpec.layered(
+            m,
+            layers=len(next(a for mm, a in pipes if mm == m)),
+            layer_gib=1.0,
+            fallback=fallback if m == "m" else None,
+        )
         for m in models
-    }  # fmt: skip
+    }
     nodes = sorted({n for _, a in pipes for n in a})
-    plan = SwarmPlan({n: NodeProfile(n) for n in nodes}, specs,
-                     tuple(Pipeline(i, m, a) for i, (m, a) in enumerate(pipes)))  # fmt: skip
+    plan = SwarmPlan(
+        {n: NodeProfile(n) for n in nodes},
+        specs,
+        tuple(Pipeline(i, m, a) for i, (m, a) in enumerate(pipes)),
+    )
     state = SwarmState(plan)
     for i, n in enumerate(nodes):
         state.observe(n, latency_ms=float(i), load=0.0)

@@ -17,11 +17,15 @@ from kvq.swarm import ModelSpec, NodeProfile, Swarm, SwarmConfig
 
 def _swarm(copies: int = 2) -> Swarm:
     nodes = [
-        NodeProfile("gpu", 48, latency_ms=4, score=2.0), NodeProfile("desktop", 16, latency_ms=9),
-        NodeProfile("mini", 12, latency_ms=12), NodeProfile("laptop", 12, latency_ms=14),
-    ]  # fmt: skip
-    models = [ModelSpec.layered("base", 12, 2.0, experts=8, experts_per_slice=4),
-              ModelSpec.layered("code", 6, 1.0)]  # fmt: skip
+        NodeProfile("gpu", 48, latency_ms=4, score=2.0),
+        NodeProfile("desktop", 16, latency_ms=9),
+        NodeProfile("mini", 12, latency_ms=12),
+        NodeProfile("laptop", 12, latency_ms=14),
+    ]
+    models = [
+        ModelSpec.layered("base", 12, 2.0, experts=8, experts_per_slice=4),
+        ModelSpec.layered("code", 6, 1.0),
+    ]
     return Swarm(nodes, models, SwarmConfig(pipelines=copies))
 
 

@@ -190,9 +190,13 @@ def test_route_is_fast_and_allocation_free_on_steady_state() -> None:
 
 
 _worker = st.builds(
-    WorkerView, st.sampled_from(["a", "b", "c", "d", "e"]), st.sampled_from(SLICES),
-    st.booleans(), st.sampled_from([0, 1]), st.one_of(st.none(), st.floats(0, 1)),
-)  # fmt: skip
+    WorkerView,
+    st.sampled_from(["a", "b", "c", "d", "e"]),
+    st.sampled_from(SLICES),
+    st.booleans(),
+    st.sampled_from([0, 1]),
+    st.one_of(st.none(), st.floats(0, 1)),
+)
 _event = st.one_of(
     st.tuples(st.just("result"), st.sampled_from("abcde"), st.floats(0, 300)),
     st.tuples(st.just("failure"), st.sampled_from("abcde"), st.floats(0, 3000)),
@@ -203,13 +207,17 @@ _event = st.one_of(
 
 @settings(max_examples=150, deadline=None, database=None)
 @given(
-    st.lists(_worker, max_size=6), st.lists(_event, max_size=10),
-    st.sets(st.sampled_from(SLICES)), st.floats(0, 3000),
-)  # fmt: skip
+    st.lists(_worker, max_size=6),
+    st.lists(_event, max_size=10),
+    st.sets(st.sampled_from(SLICES)),
+    st.floats(0, 3000),
+)
 def test_live_routes_only_send_to_live_eligible_holders(
-    workers: list[WorkerView], events: list[tuple[str, str | int, float]], local: set[str],
+    workers: list[WorkerView],
+    events: list[tuple[str, str | int, float]],
+    local: set[str],
     now: float,
-) -> None:  # fmt: skip
+) -> None:
     r = LiveRouter("tiny", SLICES, "coord", LivePolicy(grace_ms=1000.0), local_slices=local)
     r.update_workers(workers, 0.0)
     for kind, who, x in events:
@@ -245,9 +253,7 @@ def test_live_routes_only_send_to_live_eligible_holders(
     for sid, wid in route.remote.items():
         assert wid in live and sid in slices_of[wid]
         proven = wid in served  # a checked result, never the self-reported last_serve_ms
-        forced = sid not in local and not any(
-            sid in slices_of[u] and u in served for u in live
-        )  # fmt: skip
+        forced = sid not in local and not any(sid in slices_of[u] and u in served for u in live)
         assert proven or forced or wid == route.trial
     if route.trial is not None:
         assert r.loaded and now < 1000.0

@@ -14,17 +14,23 @@ from kvq.swarm import CostWeights, ModelSpec, NodeProfile, Pipeline, SwarmPlan, 
 def test_layered_model_cuts_layers_and_expert_ranges() -> None:
     m = ModelSpec.layered("m", layers=2, layer_gib=4.0, experts=6, experts_per_slice=4)
     assert [parse_slice_id(s.sid) for s in m.slices] == [
-        (0, 1, 0, 4), (0, 1, 4, 6), (1, 2, 0, 4), (1, 2, 4, 6)
-    ]  # fmt: skip
+        (0, 1, 0, 4),
+        (0, 1, 4, 6),
+        (1, 2, 0, 4),
+        (1, 2, 4, 6),
+    ]
     assert [s.gib for s in m.slices] == pytest.approx([4 * 4 / 6, 4 * 2 / 6] * 2)
     assert sum(s.gib for s in m.slices) == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"layers": 0}, "layers"), ({"experts_per_slice": 9}, "experts_per_slice"),
-     ({"layer_gib": -1.0}, "layer_gib")],
-)  # fmt: skip
+    [
+        ({"layers": 0}, "layers"),
+        ({"experts_per_slice": 9}, "experts_per_slice"),
+        ({"layer_gib": -1.0}, "layer_gib"),
+    ],
+)
 def test_layered_model_rejects_bad_shapes(kwargs: dict[str, float], match: str) -> None:
     args: dict[str, float] = {"layers": 2, "layer_gib": 1.0, "experts": 8} | kwargs
     with pytest.raises(TopologyError, match=match):
@@ -102,12 +108,20 @@ def test_plan_problems_name_what_is_wrong() -> None:
     model = ModelSpec.layered("m", layers=2, layer_gib=2.0, fallback="gone")
     profiles = {"a": NodeProfile("a", 3.0)}
     pipes = (
-        Pipeline(0, "m", ("a", "a")), Pipeline(0, "m", ("a",)), Pipeline(2, "x", ("a",)),
+        Pipeline(0, "m", ("a", "a")),
+        Pipeline(0, "m", ("a",)),
+        Pipeline(2, "x", ("a",)),
         Pipeline(3, "m", ("a", "zz")),
-    )  # fmt: skip
+    )
     problems = " | ".join(SwarmPlan(profiles, {"m": model}, pipes).problems())
-    for text in ("used twice", "covers 1 slices", "unknown model 'x'", "unknown node 'zz'",
-                 "holds 4.000 GiB > its 3.000", "unknown fallback 'gone'"):  # fmt: skip
+    for text in (
+        "used twice",
+        "covers 1 slices",
+        "unknown model 'x'",
+        "unknown node 'zz'",
+        "holds 4.000 GiB > its 3.000",
+        "unknown fallback 'gone'",
+    ):
         assert text in problems
     with pytest.raises(TopologyError, match="invalid plan"):
         SwarmPlan(profiles, {"m": model}, pipes).validate()

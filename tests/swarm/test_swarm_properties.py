@@ -54,8 +54,16 @@ def swarms(draw: st.DrawFn) -> Swarm:
         fallback = f"m{j + 1}" if j + 1 < n_models and draw(st.booleans()) else None
         layers = draw(st.integers(1, 5))
         experts = draw(st.sampled_from([1, 4]))
-        models.append(ModelSpec.layered(f"m{j}", layers, draw(st.sampled_from([0.5, 1.0, 2.0])),
-                                        experts, experts // 2 or 1, fallback))  # fmt: skip
+        models.append(
+            ModelSpec.layered(
+                f"m{j}",
+                layers,
+                draw(st.sampled_from([0.5, 1.0, 2.0])),
+                experts,
+                experts // 2 or 1,
+                fallback,
+            )
+        )
     try:
         return Swarm(nodes, models, SwarmConfig(pipelines=draw(st.integers(1, 3))))
     except CapacityError:
@@ -128,8 +136,10 @@ def _mark_down(swarm: Swarm, node: str) -> None:
             if node in lost.pipeline.nodes:
                 res = _check_failover(swarm, lost, node)
                 expected[m] = (lost, None if res is None else res.route)
-    got = {r.model_id: (r.lost, None if r.result is None else r.result.route)
-           for r in swarm.mark_down(node)}  # fmt: skip
+    got = {
+        r.model_id: (r.lost, None if r.result is None else r.result.route)
+        for r in swarm.mark_down(node)
+    }
     assert got == expected
     assert not swarm.state.alive(node)
 

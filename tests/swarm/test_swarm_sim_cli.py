@@ -27,8 +27,18 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]
 
 
 def test_the_documented_command_runs_as_written() -> None:
-    cmd = [sys.executable, "-m", "kvq", "swarm-sim", "--topology", "examples/swarm.json",
-           "--kill", "gpu", "--pipelines", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvq",
+        "swarm-sim",
+        "--topology",
+        "examples/swarm.json",
+        "--kill",
+        "gpu",
+        "--pipelines",
+        "2",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -52,8 +62,20 @@ def test_the_example_holds_two_models_never_mixed(capsys: pytest.CaptureFixture[
 
 
 def test_growth_and_removal_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    code, doc, _ = _run(capsys, "swarm-sim", "--topology", str(EXAMPLE), "--kill", "gpu",
-                        "--grow", str(GROW), "--remove", "laptop", "--seed", "3")  # fmt: skip
+    code, doc, _ = _run(
+        capsys,
+        "swarm-sim",
+        "--topology",
+        str(EXAMPLE),
+        "--kill",
+        "gpu",
+        "--grow",
+        str(GROW),
+        "--remove",
+        "laptop",
+        "--seed",
+        "3",
+    )
     assert code == 0
     assert [s["step"] for s in doc["steps"]] == ["start", "failover", "growth", "growth", "removal"]
     grow = doc["steps"][2]
@@ -64,17 +86,28 @@ def test_growth_and_removal_steps(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_same_seed_gives_the_same_document(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ("swarm-sim", "--topology", str(EXAMPLE), "--kill", "gpu", "--kill", "desktop",
-            "--seed", "7")  # fmt: skip
+    args = (
+        "swarm-sim",
+        "--topology",
+        str(EXAMPLE),
+        "--kill",
+        "gpu",
+        "--kill",
+        "desktop",
+        "--seed",
+        "7",
+    )
     assert _run(capsys, *args)[1] == _run(capsys, *args)[1]
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(("--kill", "nope"), "UnknownNode: unknown node 'nope'"),
-     (("--remove", "nope"), "UnknownNode"),
-     (("--model", "nope"), "UnknownModel: unknown model 'nope'")],
-)  # fmt: skip
+    [
+        (("--kill", "nope"), "UnknownNode: unknown node 'nope'"),
+        (("--remove", "nope"), "UnknownNode"),
+        (("--model", "nope"), "UnknownModel: unknown model 'nope'"),
+    ],
+)
 def test_unknown_names_exit_2_with_a_clear_error(
     capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
 ) -> None:
@@ -85,11 +118,16 @@ def test_unknown_names_exit_2_with_a_clear_error(
 
 def test_bad_topology_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     cases = {
-        "missing.json": None, "bad.json": "{not json",
+        "missing.json": None,
+        "bad.json": "{not json",
         "typo.json": json.dumps({"nodes": [{"id": "a", "memory_gb": 4}], "models": []}),
-        "small.json": json.dumps({"nodes": [{"id": "a", "memory_gib": 1}],
-                                  "models": [{"id": "m", "layers": 4, "layer_gib": 1}]}),
-    }  # fmt: skip
+        "small.json": json.dumps(
+            {
+                "nodes": [{"id": "a", "memory_gib": 1}],
+                "models": [{"id": "m", "layers": 4, "layer_gib": 1}],
+            }
+        ),
+    }
     for name, text in cases.items():
         if text is not None:
             (tmp_path / name).write_text(text)
@@ -121,7 +159,7 @@ def test_topology_parser_names_the_bad_field() -> None:
         ({**base, "models": [{"id": "m", "layers": 1.5, "layer_gib": 1}]}, "layers must be an int"),
         ({**base, "models": [{**base["models"][0], "fallback": "z"}]}, "fallback 'z'"),
         ({"nodes": []}, "'nodes' must be a non-empty list"),
-    ]  # fmt: skip
+    ]
     for data, match in bad:
         with pytest.raises(TopologyError, match=match):
             parse_topology(data)

@@ -36,9 +36,15 @@ COSTS = Costs(c0=0.6, c1=0.15, o_job=0.3, c_row=0.05, r0_0=0.8, r0_1=0.02, worke
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(
-    "t", [LayerTimes(1.0, 5.0, 0.5), LayerTimes(4.0, 3.0, 1.0), LayerTimes(1.0, 3.0, 2.5),
-          LayerTimes(2.0, 2.0, 0.0), LayerTimes(0.3, 40.0, 10.0)],
-)  # fmt: skip
+    "t",
+    [
+        LayerTimes(1.0, 5.0, 0.5),
+        LayerTimes(4.0, 3.0, 1.0),
+        LayerTimes(1.0, 3.0, 2.5),
+        LayerTimes(2.0, 2.0, 0.0),
+        LayerTimes(0.3, 40.0, 10.0),
+    ],
+)
 def test_the_formula_is_the_simulated_schedule(t: LayerTimes, m: int) -> None:
     formula = max(m * t.coord, t.coord + t.wait, m * t.worker)
     assert simulate_period(t, m) == pytest.approx(formula, rel=1e-6)
@@ -92,32 +98,67 @@ def _synthetic(c: Costs, workers: int, rtts: tuple[float, ...]) -> dict[str, Any
             t = layer_times(SMALL, c, workers, rtt, b)
             steps = 1000.0
             n = steps * SMALL.layers
-            runs.append({
-                "rtt_ms": rtt, "sequences": b, "tokens": int(steps * b),
-                "window_s": layer_ms(SMALL, c, workers, rtt, b) * n / 1000,
-                "coord_cpu_s": t.coord * n / 1000, "workers_cpu_s": t.worker * n / 1000,
-                "wait_ms_per_layer_token": t.wait / b,
-                "jobs_per_layer_token": jobs(SMALL, b) / b,
-                "tok_s": tok_s(SMALL, c, workers, rtt, b),
-            })  # fmt: skip
-    shape = {"layers": 8, "experts": 32, "experts_used": 4, "hidden": 1024, "expert_ffn": 512,
-             "heads": 8, "kv_heads": 4, "head_dim": 128, "slices_per_layer": 8}  # fmt: skip
-    return {"preset": "small", "shape": shape, "workers": workers, "microbatches": 1,
-            "runs": runs}  # fmt: skip
+            runs.append(
+                {
+                    "rtt_ms": rtt,
+                    "sequences": b,
+                    "tokens": int(steps * b),
+                    "window_s": layer_ms(SMALL, c, workers, rtt, b) * n / 1000,
+                    "coord_cpu_s": t.coord * n / 1000,
+                    "workers_cpu_s": t.worker * n / 1000,
+                    "wait_ms_per_layer_token": t.wait / b,
+                    "jobs_per_layer_token": jobs(SMALL, b) / b,
+                    "tok_s": tok_s(SMALL, c, workers, rtt, b),
+                }
+            )
+    shape = {
+        "layers": 8,
+        "experts": 32,
+        "experts_used": 4,
+        "hidden": 1024,
+        "expert_ffn": 512,
+        "heads": 8,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "slices_per_layer": 8,
+    }
+    return {"preset": "small", "shape": shape, "workers": workers, "microbatches": 1, "runs": runs}
 
 
 def test_calibration_recovers_the_costs_and_predicts_other_rtts() -> None:
-    truth = Costs(0.6, 0.15, 0.3, 0.05, 0.8, 0.02, rtts_per_job=0.9, rtts_fixed=1.1,
-                  r_contact=0.4, rtts_contact=0.3, workers_parallel=1)  # fmt: skip
+    truth = Costs(
+        0.6,
+        0.15,
+        0.3,
+        0.05,
+        0.8,
+        0.02,
+        rtts_per_job=0.9,
+        rtts_fixed=1.1,
+        r_contact=0.4,
+        rtts_contact=0.3,
+        workers_parallel=1,
+    )
     reps = [_synthetic(truth, w, (0.0, 5.0, 20.0)) for w in (1, 3)]
     got = calibrate(reps)
-    for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1", "rtts_per_job", "rtts_fixed",
-              "r_contact", "rtts_contact"):  # fmt: skip
+    for f in (
+        "c0",
+        "c1",
+        "o_job",
+        "c_row",
+        "r0_0",
+        "r0_1",
+        "rtts_per_job",
+        "rtts_fixed",
+        "r_contact",
+        "rtts_contact",
+    ):
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6, abs=1e-9), f
     assert bench_shape(reps[0]).backbone_params == SMALL.backbone_params
     held_out = _synthetic(truth, 2, (0.0, 5.0, 20.0))  # predicted, not fitted
-    out = throughput_report([*reps, held_out], ["qwen3-235b-a22b"], (8,), (20.0,), 32,
-                            calibrate_with=2)  # fmt: skip
+    out = throughput_report(
+        [*reps, held_out], ["qwen3-235b-a22b"], (8,), (20.0,), 32, calibrate_with=2
+    )
     assert out["max_abs_error"] <= 1e-3 and len(out["check"]) == 18
     assert [c["predicted"] for c in out["check"]] == [False] * 12 + [True] * 6
     assert [r["workers"] for r in out["calibrated_from"]] == [1, 3]
@@ -143,16 +184,45 @@ def test_the_fit_keeps_every_cost_non_negative() -> None:
     for run in rep["runs"]:  # noise that pulls r0_1 below zero
         run["window_s"] *= 1.0 - 0.01 * run["sequences"]
     got = calibrate([rep])
-    assert min(getattr(got, f) for f in ("c0", "c1", "o_job", "c_row", "r0_0", "r0_1",
-                                         "rtts_per_job", "rtts_fixed", "r_contact")) >= 0  # fmt: skip
+    assert (
+        min(
+            getattr(got, f)
+            for f in (
+                "c0",
+                "c1",
+                "o_job",
+                "c_row",
+                "r0_0",
+                "r0_1",
+                "rtts_per_job",
+                "rtts_fixed",
+                "r_contact",
+            )
+        )
+        >= 0
+    )
 
 
 def test_the_cli_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "bench.json"
-    f.write_text(json.dumps(_synthetic(Costs(0.6, 0.15, 0.3, 0.05, 0.8, workers_parallel=1),
-                                       2, (0.0, 20.0))))  # fmt: skip
-    assert main(["swarm-sim", "--throughput", "--measured", str(f), "--workers", "8,32",
-                 "--rtt-ms", "20"]) == 0  # fmt: skip
+    f.write_text(
+        json.dumps(_synthetic(Costs(0.6, 0.15, 0.3, 0.05, 0.8, workers_parallel=1), 2, (0.0, 20.0)))
+    )
+    assert (
+        main(
+            [
+                "swarm-sim",
+                "--throughput",
+                "--measured",
+                str(f),
+                "--workers",
+                "8,32",
+                "--rtt-ms",
+                "20",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {r["workers"] for r in out["projection"]} == {8, 32}
     assert main(["swarm-sim"]) == 2 and "--topology is required" in capsys.readouterr().err

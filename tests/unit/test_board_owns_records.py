@@ -30,16 +30,49 @@ CONFIG = ROOT / "config.py"  # defines the settings the rules derive from
 EXEMPT = {ROOT / "local" / "server.py", ROOT / "bench" / "bus.py"}
 
 HASH_AND_TTL = {
-    "hget", "hset", "hgetall", "hmget", "hmset", "hkeys", "hvals", "hlen", "hincrby",
-    "hincrbyfloat", "hexists", "hdel", "hsetnx", "hscan", "expire", "pexpire", "expireat",
-    "pexpireat", "ttl", "pttl", "persist", "setex", "psetex", "exists", "sadd", "srem",
-    "smembers", "sismember",
-}  # fmt: skip
+    "hget",
+    "hset",
+    "hgetall",
+    "hmget",
+    "hmset",
+    "hkeys",
+    "hvals",
+    "hlen",
+    "hincrby",
+    "hincrbyfloat",
+    "hexists",
+    "hdel",
+    "hsetnx",
+    "hscan",
+    "expire",
+    "pexpire",
+    "expireat",
+    "pexpireat",
+    "ttl",
+    "pttl",
+    "persist",
+    "setex",
+    "psetex",
+    "exists",
+    "sadd",
+    "srem",
+    "smembers",
+    "sismember",
+}
 RECORD_KEYS = {
-    "models", "model_meta", "model_slices", "model_target", "model_coverage", "model_workers",
-    "model_coordinators", "model_state", "worker_heartbeat", "worker_info", "coord_slots",
+    "models",
+    "model_meta",
+    "model_slices",
+    "model_target",
+    "model_coverage",
+    "model_workers",
+    "model_coordinators",
+    "model_state",
+    "worker_heartbeat",
+    "worker_info",
+    "coord_slots",
     "coord_stats",
-}  # fmt: skip
+}
 RULE_SETTINGS = {"heartbeat_ttl_s", "slot_state_stale_s", "request_ttl_s"}
 REDIS_ONLY_FIELDS = {"ts_ms", "last_serve_ms"}
 

@@ -101,9 +101,10 @@ def test_another_entrys_refusal_is_not_ours(r: redis.Redis, prefix: str) -> None
     first = client.send(r, keys, "m", prompt="hi", request_id="dup")
     second = client.send(r, keys, "m", prompt="hi", request_id="dup")
     refusal = wire.ReplyEvent(
-        kind="error", error=wire.Failure("BadRequest", "refused: duplicate request id 'dup'"),
+        kind="error",
+        error=wire.Failure("BadRequest", "refused: duplicate request id 'dup'"),
         entry=second.entry,
-    )  # fmt: skip
+    )
     done = wire.ReplyEvent(kind="done", index=0, attempt=1, entry=first.entry)
     for ev in (refusal, done):
         r.xadd(keys.request_reply("dup"), wire.encode(ev))

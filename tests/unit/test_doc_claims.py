@@ -15,8 +15,14 @@ from kvq.config import Settings, env_name
 from kvq.security.identity import default_worker_id
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "compose.yaml",
-                *(p for p in (ROOT / "workers").iterdir() if p.is_file())])  # fmt: skip
+PAGES = sorted(
+    [
+        *ROOT.glob("docs/*.md"),
+        ROOT / "README.md",
+        ROOT / "compose.yaml",
+        *(p for p in (ROOT / "workers").iterdir() if p.is_file()),
+    ]
+)
 SETTINGS = {env_name(n) for n in Settings.model_fields}
 INTERRUPTED = 130  # SIGINT, the cli's KeyboardInterrupt
 CODES = {EXIT_OK, EXIT_FAIL, EXIT_USAGE, INTERRUPTED}
@@ -24,8 +30,11 @@ NOT_A_SETTING = re.compile(r"unknown|not a setting|no setting|not `KVQ|refuses|n
 
 
 def lines() -> list[tuple[str, int, str]]:
-    return [(p.relative_to(ROOT).as_posix(), i, text) for p in PAGES
-            for i, text in enumerate(p.read_text().splitlines(), 1)]  # fmt: skip
+    return [
+        (p.relative_to(ROOT).as_posix(), i, text)
+        for p in PAGES
+        for i, text in enumerate(p.read_text().splitlines(), 1)
+    ]
 
 
 def with_next(page: str, i: int) -> str:
@@ -50,8 +59,11 @@ def test_every_kvq_name_is_a_setting() -> None:
                     wrong.append(f"{page}:{i}: no setting starts with {name}")
             elif name not in SETTINGS and not NOT_A_SETTING.search(with_next(page, i)):
                 wrong.append(f"{page}:{i}: {name} is no setting (docs/settings.md lists them)")
-            elif name in SETTINGS and re.search(r"names that are not settings|is no setting|"
-                                                r"not a setting", with_previous(page, i)):  # fmt: skip
+            elif name in SETTINGS and re.search(
+                r"names that are not settings|is no setting|"
+                r"not a setting",
+                with_previous(page, i),
+            ):
                 wrong.append(f"{page}:{i}: {name} is a setting, said not to be one")
     assert not wrong, "\n".join(wrong)
 
@@ -71,12 +83,14 @@ def test_every_default_worker_id_is_the_one_kvq_makes(tmp_path: Path) -> None:
 
 EXIT_CLAIM = re.compile(
     r"(?:exits?|exit code|exit status|exiting)(?: with)?(?: code| status)? (\d+)"
-    r"|\(code (\d+)\)|\(exit (\d+)\)", re.I,
-)  # fmt: skip
+    r"|\(code (\d+)\)|\(exit (\d+)\)",
+    re.I,
+)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.suffix in (".md", ".sh", ".service")],
-                         ids=lambda p: p.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if p.suffix in (".md", ".sh", ".service")], ids=lambda p: p.name
+)
 def test_every_exit_code_is_one_the_cli_has(page: Path) -> None:
     wrong = []
     for i, text in enumerate(page.read_text().splitlines(), 1):

@@ -40,9 +40,13 @@ def examples(page: str) -> list[tuple[str, str, str, int]]:
 
 @pytest.mark.parametrize("var,value,out,rc", examples("settings.md"))
 def test_documented_config_check_examples_hold(
-    var: str, value: str, out: str, rc: int, monkeypatch: pytest.MonkeyPatch,
+    var: str,
+    value: str,
+    out: str,
+    rc: int,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv(var, value)
     assert main(["config", "check"]) == rc
     assert out.strip().splitlines()[0] in capsys.readouterr().err
@@ -66,8 +70,9 @@ def test_config_check_json_prints_json(
 ) -> None:
     assert main(["config", "check", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "valid": True, "settings": len(Settings.model_fields),
-    }  # fmt: skip
+        "valid": True,
+        "settings": len(Settings.model_fields),
+    }
     monkeypatch.setenv("KVQ_N_SLOTS", "0")
     assert main(["config", "check", "--json"]) == 2
     got = json.loads(capsys.readouterr().out)

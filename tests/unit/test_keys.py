@@ -20,8 +20,12 @@ prefixes = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 
 # every key builder, by the hash tag it must carry
 SCOPES: dict[str, str] = {
-    "model_": "m", "worker_": "w", "coord_": "c", "request_": "r", "apikey_": "k",
-}  # fmt: skip
+    "model_": "m",
+    "worker_": "w",
+    "coord_": "c",
+    "request_": "r",
+    "apikey_": "k",
+}
 GLOBAL = {"models", "deadletter", "monitor_lease", "market"}
 # (scope id, second id): the first id's tag
 TWO_IDS = {"worker_results", "bench_tagged", "model_grant"}

@@ -55,12 +55,15 @@ def test_log_records_are_redacted(caplog: pytest.LogCaptureFixture) -> None:
     [
         (f"redis://h:6379/0?password={SECRET}", "redis://h:6379/0?password=***"),
         (f"redis://h:6379/0?db=1&password={SECRET}&x=2", "redis://h:6379/0?db=1&password=***&x=2"),
-        (f"rediss://u:{SECRET}@h:1/0?ssl_password={SECRET}", "rediss://u:***@h:1/0?ssl_password=***"),
+        (
+            f"rediss://u:{SECRET}@h:1/0?ssl_password={SECRET}",
+            "rediss://u:***@h:1/0?ssl_password=***",
+        ),
         (f"redis+cluster://u:{SECRET}@h:1", "redis+cluster://u:***@h:1"),
         (f"unix:///run/r.sock?password={SECRET}", "unix:///run/r.sock?password=***"),
         (f"redis://:{SECRET}@h:1/0", "redis://:***@h:1/0"),
     ],
-)  # fmt: skip
+)
 def test_every_url_form_loses_its_password(url: str, shown: str) -> None:
     assert redacted_url(url) == shown
     assert SECRET not in redacted_text(f"Error connecting to {url}.")

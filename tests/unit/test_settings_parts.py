@@ -14,12 +14,19 @@ from kvq import settings_parts
 from kvq.config import Settings, load_settings
 
 PARTS = [
-    cls for _, cls in inspect.getmembers(settings_parts, inspect.isclass)
+    cls
+    for _, cls in inspect.getmembers(settings_parts, inspect.isclass)
     if dataclasses.is_dataclass(cls) and cls.__name__.endswith("Settings")
-]  # fmt: skip
-CARVED = {"BusSettings": "bus", "RoutingSettings": "routing", "DispatchSettings": "dispatch",
-          "CoordinatorSettings": "coordinator", "WorkerSettings": "worker",
-          "MonitorSettings": "monitor", "ApiSettings": "api"}  # fmt: skip
+]
+CARVED = {
+    "BusSettings": "bus",
+    "RoutingSettings": "routing",
+    "DispatchSettings": "dispatch",
+    "CoordinatorSettings": "coordinator",
+    "WorkerSettings": "worker",
+    "MonitorSettings": "monitor",
+    "ApiSettings": "api",
+}
 
 
 def test_every_part_is_carved_and_has_no_default() -> None:

@@ -113,11 +113,8 @@ def test_grid_covers_every_layer_and_expert_exactly_once(
 ) -> None:
     grid = slice_grid(layers, experts, slice_layers, slice_experts)
     cells = Counter(
-        (layer, e)
-        for ls, le, es, ee in grid
-        for layer in range(ls, le)
-        for e in range(es, ee)
-    )  # fmt: skip
+        (layer, e) for ls, le, es, ee in grid for layer in range(ls, le) for e in range(es, ee)
+    )
     assert set(cells) == {(la, e) for la in range(layers) for e in range(experts)}
     assert set(cells.values()) <= {1}
     assert all(0 < b.layer_end - b.layer_start <= slice_layers for b in grid)
@@ -127,9 +124,14 @@ def test_grid_covers_every_layer_and_expert_exactly_once(
 
 @pytest.mark.parametrize(
     ("args", "words"),
-    [((2, 8, 0, 4), "slice_layers"), ((2, 8, 1, 0), "slice_experts"), ((-1, 8, 1, 4), "layers"),
-     ((2, 8, 1, True), "slice_experts"), ((2, 8.0, 1, 4), "experts")],
-)  # fmt: skip
+    [
+        ((2, 8, 0, 4), "slice_layers"),
+        ((2, 8, 1, 0), "slice_experts"),
+        ((-1, 8, 1, 4), "layers"),
+        ((2, 8, 1, True), "slice_experts"),
+        ((2, 8.0, 1, 4), "experts"),
+    ],
+)
 def test_grid_rejects_bad_sizes(args: tuple[Any, ...], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         slice_grid(*args)
@@ -158,12 +160,18 @@ def specs(draw: st.DrawFn) -> SliceSpec:
     ranges = draw(
         st.lists(
             st.builds(
-                TensorRange, names, st.sampled_from(EXPERT_KINDS), ints, ints, st.integers(0, 40),
+                TensorRange,
+                names,
+                st.sampled_from(EXPERT_KINDS),
+                ints,
+                ints,
+                st.integers(0, 40),
                 st.lists(st.integers(0, 2**20), max_size=3).map(tuple),
             ),
-            min_size=n, max_size=n,
+            min_size=n,
+            max_size=n,
         )
-    )  # fmt: skip
+    )
     sums = draw(st.lists(st.from_regex(r"[0-9a-f]{64}", fullmatch=True), min_size=n, max_size=n))
     return SliceSpec(slice_id(ls, le, es, ee), ls, le, es, ee, tuple(ranges), tuple(sums))
 

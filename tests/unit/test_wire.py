@@ -493,6 +493,12 @@ def test_a_tensor_with_an_impossible_shape_is_a_wire_error(shape: list[int]) -> 
     raw = msgspec.msgpack.encode({"v": wire.VERSION, "job_id": "j", "worker": "w", "y": y})
     with pytest.raises(WireError):
         wire.unpack(raw, Result)
-    ok = msgspec.msgpack.encode({"v": wire.VERSION, "job_id": "j", "worker": "w",
-                                 "y": {"dtype": "float32", "shape": [3, 0], "data": b""}})  # fmt: skip
+    ok = msgspec.msgpack.encode(
+        {
+            "v": wire.VERSION,
+            "job_id": "j",
+            "worker": "w",
+            "y": {"dtype": "float32", "shape": [3, 0], "data": b""},
+        }
+    )
     assert wire.unpack(ok, Result).y.array().shape == (3, 0)

@@ -30,9 +30,11 @@ class _GatedMarket:
         self.gate, self.waiting = threading.Event(), threading.Event()
 
     def volunteer(
-        self, worker: str, held: Mapping[str, Collection[str]] | None = None,
+        self,
+        worker: str,
+        held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
-    ) -> Held | None:  # fmt: skip
+    ) -> Held | None:
         if held:
             self.waiting.set()
             assert self.gate.wait(30), "the test never opened the gate"
@@ -46,11 +48,22 @@ def _job(model: Path, sid: str, job_id: str) -> dict[bytes, bytes]:
     x = np.ones((2, read_meta(model).embedding_length), dtype=np.float32)
     ids = np.array([[0, 1], [2, 3]], dtype=np.int32)
     w = np.full(ids.shape, 0.5, dtype=np.float32)
-    return wire.encode(wire.Job(
-        job_id=job_id, model="m", layer=0, slice=sid, expert_start=0, expert_end=4,
-        coord="c", reply_to="c-results", deadline_ms=0,
-        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-    ))  # fmt: skip
+    return wire.encode(
+        wire.Job(
+            job_id=job_id,
+            model="m",
+            layer=0,
+            slice=sid,
+            expert_start=0,
+            expert_end=4,
+            coord="c",
+            reply_to="c-results",
+            deadline_ms=0,
+            x=wire.Tensor.of(x),
+            ids=wire.Tensor.of(ids),
+            weights=wire.Tensor.of(w),
+        )
+    )
 
 
 def test_jobs_are_answered_while_an_ask_for_another_slice_waits_on_the_market(

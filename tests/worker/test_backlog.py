@@ -32,11 +32,22 @@ def _job(model: Path, sid: str, job_id: str, coord: str, rows: int) -> dict[byte
     ids = np.zeros((rows, 2), dtype=np.int32)
     ids[:, 1] = 1
     w = np.full(ids.shape, 0.5, dtype=np.float32)
-    return wire.encode(wire.Job(
-        job_id=job_id, model="m", layer=0, slice=sid, expert_start=0, expert_end=8,
-        coord=coord, reply_to=f"{coord}-results", deadline_ms=0,
-        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-    ))  # fmt: skip
+    return wire.encode(
+        wire.Job(
+            job_id=job_id,
+            model="m",
+            layer=0,
+            slice=sid,
+            expert_start=0,
+            expert_end=8,
+            coord=coord,
+            reply_to=f"{coord}-results",
+            deadline_ms=0,
+            x=wire.Tensor.of(x),
+            ids=wire.Tensor.of(ids),
+            weights=wire.Tensor.of(w),
+        )
+    )
 
 
 def test_heartbeat_reports_the_batch_being_served(
@@ -57,15 +68,17 @@ def test_heartbeat_reports_the_batch_being_served(
         return handle(job)
 
     worker.server.handle = held  # type: ignore[method-assign]
-    worker.board.send_jobs([
-        ("w", _job(model, sid, "j1", "cA", 5)), ("w", _job(model, sid, "j2", "cB", 7)),
-        ("w", _job(model, sid, "j3", "cA", 2)),
-    ])  # fmt: skip
+    worker.board.send_jobs(
+        [
+            ("w", _job(model, sid, "j1", "cA", 5)),
+            ("w", _job(model, sid, "j2", "cB", 7)),
+            ("w", _job(model, sid, "j3", "cA", 2)),
+        ]
+    )
 
     def beat() -> tuple[int, int, dict[str, int]] | None:
         info = worker.board.worker_info("w")
-        return None if info is None else (info.busy_rows, info.queued_rows,
-                                          info.queued_by_coord())  # fmt: skip
+        return None if info is None else (info.busy_rows, info.queued_rows, info.queued_by_coord())
 
     # read together: 2 jobs queued by rows; read apart: j1 busy, 2 unread jobs counted at
     # the next beat (one row each until the worker has a mean rows per job)

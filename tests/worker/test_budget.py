@@ -46,9 +46,13 @@ def test_the_settings_make_the_budget() -> None:
 
 @pytest.mark.parametrize(
     "name,value",
-    [("worker_memory_gib", -1.0), ("worker_memory_gib", float("inf")),
-     ("worker_memory_reserve_gib", -0.5), ("worker_max_slices", -1)],
-)  # fmt: skip
+    [
+        ("worker_memory_gib", -1.0),
+        ("worker_memory_gib", float("inf")),
+        ("worker_memory_reserve_gib", -0.5),
+        ("worker_max_slices", -1),
+    ],
+)
 def test_bad_budget_settings_are_refused(name: str, value: float) -> None:
     with pytest.raises(ConfigError, match=name.upper()):
         load_settings(**{name: value})

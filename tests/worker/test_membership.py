@@ -62,8 +62,9 @@ def _wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
 
 def _view(sid: str, device: str = "gpu0", **fields: Any) -> WorkerView:
     """Worker "w"'s view of `sid` as a beat from this process shows it."""
-    return WorkerView("w", sid, alive=True, device=device, machine=machine_id(), cpus=cpus(),
-                      **fields)  # fmt: skip
+    return WorkerView(
+        "w", sid, alive=True, device=device, machine=machine_id(), cpus=cpus(), **fields
+    )
 
 
 def test_volunteer_takes_the_slice_with_most_demand(board_case: BoardCase, gguf: Path) -> None:
@@ -95,9 +96,17 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     # offered, not yet loaded: beating (never reaped while it downloads), not routable
     assert board.workers("m") == [_view(b, last_serve_ms=1234, ready=False)]
     assert board.worker_info("w") == WorkerInfo(
-        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, state="loading",
-        instance="i1", holds="{}", machine=machine_id(), cpus=cpus_text(cpus()),
-    )  # fmt: skip
+        model="m",
+        slice=b,
+        device="gpu0",
+        served=3,
+        last_serve_ms=1234,
+        state="loading",
+        instance="i1",
+        holds="{}",
+        machine=machine_id(),
+        cpus=cpus_text(cpus()),
+    )
     m.loaded(10, 100)
     m.beat()
     info = board.worker_info("w")
@@ -106,10 +115,18 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert m.held == held
     assert board.workers("m") == [_view(b, last_serve_ms=1234, load=0.0)]
     assert board.worker_info("w") == WorkerInfo(
-        model="m", slice=b, device="gpu0", served=3, last_serve_ms=1234, loaded_bytes=10,
-        total_bytes=100, instance="i1", holds=f'{{"m":["{b}"]}}', machine=machine_id(),
+        model="m",
+        slice=b,
+        device="gpu0",
+        served=3,
+        last_serve_ms=1234,
+        loaded_bytes=10,
+        total_bytes=100,
+        instance="i1",
+        holds=f'{{"m":["{b}"]}}',
+        machine=machine_id(),
         cpus=cpus_text(cpus()),
-    )  # fmt: skip
+    )
 
 
 def test_beat_reports_fresh_counters_and_rejoins_after_release(

@@ -66,14 +66,28 @@ def server(tiny: Tiny) -> ExpertServer:
 
 
 def make_job(
-    x: np.ndarray, ids: np.ndarray, w: np.ndarray, layer: int = 0, lo: int = 0, hi: int = 4,
+    x: np.ndarray,
+    ids: np.ndarray,
+    w: np.ndarray,
+    layer: int = 0,
+    lo: int = 0,
+    hi: int = 4,
     **kw: Any,
-) -> wire.Job:  # fmt: skip
+) -> wire.Job:
     fields: dict[str, Any] = dict(
-        job_id="j1", model=MODEL, layer=layer, slice="s0", expert_start=lo, expert_end=hi,
-        coord="c1", reply_to="out", deadline_ms=0,
-        x=wire.Tensor.of(x), ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-    )  # fmt: skip
+        job_id="j1",
+        model=MODEL,
+        layer=layer,
+        slice="s0",
+        expert_start=lo,
+        expert_end=hi,
+        coord="c1",
+        reply_to="out",
+        deadline_ms=0,
+        x=wire.Tensor.of(x),
+        ids=wire.Tensor.of(ids),
+        weights=wire.Tensor.of(w),
+    )
     return wire.Job(**(fields | kw))
 
 
@@ -143,8 +157,9 @@ def test_second_layer_is_served_from_its_own_range(server: ExpertServer, tiny: T
 
 
 @pytest.mark.parametrize(("layer", "lo", "hi"), [(0, 1, 3), (0, 3, 4), (1, 6, 8), (1, 4, 5)])
-def test_sub_range_of_the_held_range(server: ExpertServer, tiny: Tiny, layer: int, lo: int,
-                                     hi: int) -> None:  # fmt: skip
+def test_sub_range_of_the_held_range(
+    server: ExpertServer, tiny: Tiny, layer: int, lo: int, hi: int
+) -> None:
     x, ids, w = inputs(tiny, [[e, (e + 1) % 8] for e in range(8)], seed=2)
     y = assert_serves(server, tiny, make_job(x, ids, w, layer=layer, lo=lo, hi=hi))
     rows_in = [e for e in range(8) if lo <= e < hi or lo <= (e + 1) % 8 < hi]
@@ -155,8 +170,9 @@ def test_sub_range_of_the_held_range(server: ExpertServer, tiny: Tiny, layer: in
 
 def test_half_precision_job_and_empty_rows(server: ExpertServer, tiny: Tiny) -> None:
     x, ids, w = inputs(tiny, [[0, 1], [2, 3]], seed=3)
-    assert_serves(server, tiny, make_job(x.astype(np.float16), ids.astype(np.int64),
-                                         w.astype(np.float16)))  # fmt: skip
+    assert_serves(
+        server, tiny, make_job(x.astype(np.float16), ids.astype(np.int64), w.astype(np.float16))
+    )
     empty = make_job(x[:0], ids[:0], w[:0])
     assert assert_serves(server, tiny, empty).shape == (0, tiny.hidden)
     assert server.served == 2
@@ -208,9 +224,15 @@ def test_hidden_size_mismatch(server: ExpertServer, tiny: Tiny) -> None:
     assert_refuses(server, job, BAD_JOB, f"hidden size {tiny.hidden + 1} != {tiny.hidden}")
 
 
-@pytest.mark.parametrize(("field", "at", "value"), [("x", (1, 5), np.nan), ("x", (0, 0), -np.inf),
-                                                    ("weights", (1, 0), np.inf),
-                                                    ("weights", (0, 1), np.nan)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "at", "value"),
+    [
+        ("x", (1, 5), np.nan),
+        ("x", (0, 0), -np.inf),
+        ("weights", (1, 0), np.inf),
+        ("weights", (0, 1), np.nan),
+    ],
+)
 def test_non_finite_inputs(
     server: ExpertServer, tiny: Tiny, field: str, at: tuple[int, int], value: float
 ) -> None:

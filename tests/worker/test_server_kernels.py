@@ -74,8 +74,7 @@ def test_a_prefill_job_takes_the_coordinators_kernel_and_bits(
     tmp_path: Path, calls: list[tuple[int, list[int]]]
 ) -> None:
     path = tmp_path / "q4_k_m.gguf"
-    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256,
-              quant="q4_k_m")  # fmt: skip
+    make_tiny(path, layers=2, experts=8, experts_used=2, hidden=256, expert_ffn=256, quant="q4_k_m")
     bb = Backbone.from_gguf(path)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, 256), dtype=np.float32)
@@ -89,10 +88,19 @@ def test_a_prefill_job_takes_the_coordinators_kernel_and_bits(
         local_calls = calls[:]
         calls.clear()
         job = wire.Job(
-            job_id="j", model="tiny", layer=layer, slice="s", expert_start=0, expert_end=8,
-            coord="c", reply_to="out", deadline_ms=0, x=wire.Tensor.of(x),
-            ids=wire.Tensor.of(ids), weights=wire.Tensor.of(w),
-        )  # fmt: skip
+            job_id="j",
+            model="tiny",
+            layer=layer,
+            slice="s",
+            expert_start=0,
+            expert_end=8,
+            coord="c",
+            reply_to="out",
+            deadline_ms=0,
+            x=wire.Tensor.of(x),
+            ids=wire.Tensor.of(ids),
+            weights=wire.Tensor.of(w),
+        )
         res = _worker(path, layer).handle(job)
         assert res.error is None, res.error
         assert res.y is not None and res.dtype == "q8"  # int8 activations, said so

@@ -37,10 +37,19 @@ def _job(
     ids = np.array([[lo, lo + 1], [hi - 1, lo]], dtype=np.int32)
     w = np.full((2, 2), 0.5, dtype=np.float32)
     return wire.Job(
-        job_id=job_id, model=model, layer=layer, slice=sid, expert_start=lo, expert_end=hi,
-        coord="c", reply_to="r", deadline_ms=0, x=wire.Tensor.of(x), ids=wire.Tensor.of(ids),
+        job_id=job_id,
+        model=model,
+        layer=layer,
+        slice=sid,
+        expert_start=lo,
+        expert_end=hi,
+        coord="c",
+        reply_to="r",
+        deadline_ms=0,
+        x=wire.Tensor.of(x),
+        ids=wire.Tensor.of(ids),
         weights=wire.Tensor.of(w),
-    )  # fmt: skip
+    )
 
 
 def test_each_job_goes_to_the_server_of_its_slice(servers: dict[str, ExpertServer]) -> None:

@@ -25,9 +25,14 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
 ) -> None:
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=8)
-    s = settings.model_copy(update={
-        "slice_experts": 8, "base_replicas": 2, "idle_release_s": 0.3, "idle_shutdown_s": 0.3,
-    })  # fmt: skip
+    s = settings.model_copy(
+        update={
+            "slice_experts": 8,
+            "base_replicas": 2,
+            "idle_release_s": 0.3,
+            "idle_shutdown_s": 0.3,
+        }
+    )
     keys = Keys(s.prefix)
     info = Monitor.from_settings(s).register("m", model)
     (sid,) = info.slices
