@@ -289,7 +289,7 @@ class Settings(SettingsChecks):
         ge=0,
         le=4096,
         description="slices a worker holds at most, of one model or several (0 = as many "
-        "as the memory budget fits; 1 = one slice, the behaviour before issue 10 item 4)",
+        "as the memory budget fits; 1 = one slice at a time)",
     )
 
     # -- monitor ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`kvq bench offload`: does a worker make the coordinator faster? (issue 10)
+"""`kvq bench offload`: does a worker make the coordinator faster?
 
 Real processes on one machine: a coordinator pinned to CPU 0 and, in the offload runs, one
 worker pinned to CPU 1, each with one torch thread; the embedded Redis, the monitor and the

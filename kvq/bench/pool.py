@@ -1,5 +1,4 @@
-"""`kvq bench pool`: a model none of the workers can hold, served by all of them (issue 33
-items 5, 6).
+"""`kvq bench pool`: a model none of the workers can hold, served by all of them.
 
 Real processes on this machine, as root: the embedded Redis, a monitor that registers the full
 GGUF (the workers load their slices from it), a coordinator started on the backbone-only file

@@ -1,6 +1,6 @@
 """`kvq bench prefill-gap`: what one long prompt does to the token gaps of streams that decode.
 
-Issue 28 item 3. In one process, on one GGUF file, through the coordinator's `Engine` (its MoE
+In one process, on one GGUF file, through the coordinator's `Engine` (its MoE
 computed here, as a coordinator holding the experts computes it): `streams` sequences decode;
 two steps in, a prompt of `prompt_tokens` tokens arrives. Each stream's gaps are the times
 between its consecutive tokens, over the window from that arrival until the long prompt has

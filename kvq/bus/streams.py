@@ -162,7 +162,7 @@ class Consumer:
 
     def ack(self, *entry_ids: bytes) -> None:
         """Acknowledge and delete the entries: an answered entry is never needed again, and
-        kept it would hold memory until the stream's MAXLEN (issue 12 item 6)."""
+        kept it would hold memory until the stream's MAXLEN."""
         if entry_ids:
             pipe = self.r.pipeline(transaction=False)
             pipe.xack(self.stream, self.group, *entry_ids)

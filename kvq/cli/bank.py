@@ -1,4 +1,4 @@
-"""Hot/cold bank commands (issue 4): `kvq balance collect|rerank|plan`, `kvq bench bank`."""
+"""Hot/cold bank commands: `kvq balance collect|rerank|plan`, `kvq bench bank`."""
 
 from __future__ import annotations
 

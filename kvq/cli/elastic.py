@@ -1,5 +1,5 @@
 """`kvq bench elastic`: recruitment, boost stability and wind-down timed through real
-processes (issue 10; `kvq.bench.elastic`)."""
+processes (`kvq.bench.elastic`)."""
 
 from __future__ import annotations
 

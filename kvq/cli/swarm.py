@@ -1,4 +1,4 @@
-"""Swarm routing commands (issue 5): `kvq swarm-sim`, `kvq bench swarm`, `kvq bench offload`."""
+"""Swarm routing commands: `kvq swarm-sim`, `kvq bench swarm`, `kvq bench offload`."""
 
 from __future__ import annotations
 
@@ -347,7 +347,7 @@ def _add_swarm_sim(sub: Subparsers) -> None:
     s.add_argument("--requests", type=int, default=64, help="simulated requests between steps")
     s.add_argument("--model", help="model whose route each step shows (default: the first)")
     s.add_argument("--no-degrade", action="store_true", help="forbid fallback models")
-    t = s.add_argument_group("throughput model (issue 33 item 6)")
+    t = s.add_argument_group("throughput model")
     t.add_argument(
         "--throughput",
         action="store_true",

@@ -1,4 +1,4 @@
-"""Capacity-aware assignment of one MoE layer's slices under load (K3, issue 10 item 1).
+"""Capacity-aware assignment of one MoE layer's slices under load (K3).
 
 Under load the aim is aggregate throughput: a layer is done when its slowest node is done, so
 each layer's active slices go to the nodes that make that finish time smallest. A node's finish

@@ -145,7 +145,7 @@ class SliceRouter:
 
     def _backlog_ms(self, v: WorkerView) -> float:
         """How long the rows other coordinators have queued on `v` delay work sent to it now
-        (issue 10 item 3): its last beat's rows less this coordinator's own, at the worker's
+        : its last beat's rows less this coordinator's own, at the worker's
         reported ms per row (or this coordinator's estimate of it). Its measured overhead
         already holds the queueing it saw; this adds what its last results could not show."""
         own = dict(v.queued_by).get(self.coord, 0)

@@ -1,6 +1,6 @@
 """Graded trust in workers: how often a worker's results are recomputed, and what a lie costs it.
 
-A coordinator recomputes a sampled share of each worker's results before using them (issue 11,
+A coordinator recomputes a sampled share of each worker's results before using them (X3,
 `docs/security.md`, "Verified results and trust"). The share is a schedule of the worker's
 *clean streak* `ok` (results verified equal since its last mismatch):
 

@@ -8,7 +8,7 @@ background thread (`kvq.asgi`).
 | POST   | /api/expert-volunteer    | `{"worker", "model"?, "held"?, "room"?}` → a slice to    |
 |        |                          | fetch, or 204; the                                       |
 |        |                          | worker's ACL password as bearer (KVQ_HTTP_VOLUNTEER)     |
-| GET    | /api/trust               | per model: quarantined and banned workers (issue 11)     |
+| GET    | /api/trust               | per model: quarantined and banned workers                |
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 | GET    | /                        | the live dashboard (HTML; assets under /static/)         |

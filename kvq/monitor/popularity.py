@@ -1,4 +1,4 @@
-"""Replica targets weighted by routed demand (K7, issue 10 item 6): hot slices get more copies.
+"""Replica targets weighted by routed demand (K7): hot slices get more copies.
 
 Coordinators add the token rows they route to each slice to `P:{m:M}:routed` (a counter per
 slice). Each monitor tick turns the counters' growth into a per-slice rate (an EWMA with

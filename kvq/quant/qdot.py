@@ -7,8 +7,9 @@ loaded with ctypes.
 rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
 unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
 weight row per int32 lane; the same integers and float steps, so the same bits. It
-computes below the stored precision (the activations lose bits), so it runs only where a
-setting asks for it (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`).
+computes below the stored precision (the activations lose bits, as llama.cpp's do); it is the
+default (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`), and `KVQ_ACTIVATIONS=float32`
+turns it off for the exact path.
 
 The instruction set is chosen at run time by the C code (`__builtin_cpu_supports`), never
 assumed from the build machine; every path gives the same bits (the integers are exact and the

@@ -10,7 +10,7 @@ dies. Pure and synchronous over plain data; the caller owns time, threads and I/
 - `live`: `LiveRouter`, the coordinator's per-model dispatch policy (K1-K4);
 - `topology`, `traffic`, `sim`: the `kvq swarm-sim` input format and simulator (H9).
 - `throughput`, `calibrate`: tok/s of a backbone-only coordinator and W workers on paper,
-  calibrated from `kvq bench pool` (`kvq swarm-sim --throughput`, issue 33 item 6).
+  calibrated from `kvq bench pool` (`kvq swarm-sim --throughput`).
 """
 
 from kvq.bus.records import WorkerView

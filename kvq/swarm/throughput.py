@@ -1,4 +1,4 @@
-"""Decode tok/s of a backbone-only coordinator and W workers, on paper (issue 33 item 6).
+"""Decode tok/s of a backbone-only coordinator and W workers, on paper.
 
 One engine step runs B sequences through L MoE layers. Each layer: the coordinator computes its
 part (attention, router; `C(b) = c0 + c1 * b` ms for b sequences), sends one job per slice the

@@ -1,4 +1,4 @@
-"""What a worker has on its plate, for its heartbeat (issue 10 item 3).
+"""What a worker has on its plate, for its heartbeat.
 
 A coordinator's capacity split prices each worker by what it measured itself; it cannot see
 rows that other coordinators queued on the same worker. The worker can: it reads its inbox in

@@ -1,4 +1,4 @@
-"""How many slices a worker holds: a memory budget in published slice bytes (issue 10 item 4).
+"""How many slices a worker holds: a memory budget in published slice bytes.
 
 A worker volunteers while the next slice fits: the market is told the bytes it has left
 (`room`) and offers only slices that fit, so no reservation is wasted on a worker that could

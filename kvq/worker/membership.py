@@ -3,7 +3,7 @@
 Everything goes through a `Board`, so this runs the same on Redis and in memory. One lock keeps
 a heartbeat from re-asserting a slice the worker is giving back.
 
-A worker may hold several slices, of one model or of several (issue 10 item 4): it volunteers
+A worker may hold several slices, of one model or of several: it volunteers
 one slice at a time, telling the market which it holds, so it is offered one it does not. The
 heartbeat starts before the worker asks for a slice (state "idle") and goes on while it
 downloads one (state "loading", with its progress), so the monitor never reaps a worker for a

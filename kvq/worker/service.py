@@ -7,7 +7,7 @@ Life cycle:
    each expert once (warm-up) before announcing "serving", so first results are warm (K4);
    then it keeps volunteering, at once after each slice it loads, for slices it does not hold
    while its memory budget has room (`kvq.worker.budget`) and some slice has demand: it may
-   serve several slices, of one model or of several (issue 10 item 4);
+   serve several slices, of one model or of several;
 3. heartbeat on a thread (a key that expires), re-asserting every slice after a reap or a
    Redis restart;
 4. serve: XREADGROUP BLOCK on its own inbox, pending entries first; each job goes to the server

@@ -4,7 +4,7 @@ stage slice), behind one inbox.
 Every job names its model and slice (`wire.Job`); the shelf hands it to the server of that
 slice, which checks the layers and experts. A job for a slice the worker does not hold (one
 released since it was sent, or a forged one) is answered with a `BadJob` error, as a job for
-the wrong slice always was. A worker may hold several slices of one model (issue 10 item 4):
+the wrong slice always was. A worker may hold several slices of one model:
 the market's `P:{m:M}:workers` hash lists every slice id it holds.
 """
 
