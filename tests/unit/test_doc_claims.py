@@ -5,6 +5,7 @@ has. The pages: docs/*.md, README.md, workers/ (README, scripts, unit), compose.
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -106,3 +107,105 @@ def test_the_cli_page_tables_exactly_those_codes() -> None:
     table = doc.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     codes = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
     assert codes == CODES, codes
+
+
+# A dotted name or a path of the package in backquotes: `kvq.model.experts.sliced_forward`,
+# `kvq/quant/csrc/qdot.c`. Each must still be there after a module moves or a name changes.
+CODE_NAME = re.compile(r"`(kvq(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`|`(kvq/[A-Za-z0-9_/.]+\.[a-z]+)`")
+# dotted names that are GGUF metadata keys kvq writes (`kvq model split`), not code
+GGUF_KEYS = re.compile(r"kvq\.source\.")
+
+
+def resolves(dotted: str) -> bool:
+    """`dotted` is a module of kvq, or a name (an attribute, a method) reached from one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_every_module_and_name_the_docs_give_exists() -> None:
+    wrong = []
+    for page, i, text in lines():
+        for m in CODE_NAME.finditer(text):
+            dotted, path = m.groups()
+            if dotted and not GGUF_KEYS.match(dotted) and not resolves(dotted):
+                wrong.append(f"{page}:{i}: {dotted} is not a module or name of kvq")
+            if path and not (ROOT / path).exists():
+                wrong.append(f"{page}:{i}: {path} does not exist")
+    assert not wrong, "\n".join(wrong)
+
+
+def stated_defaults() -> list[tuple[str, int, str, str]]:
+    """Every `KVQ_X` (default V) / `KVQ_X`, default V / `KVQ_X` defaults to V in the docs, where
+    V is a number (with or without a unit) or a backquoted literal."""
+    pat = re.compile(
+        r"`(KVQ_[A-Z0-9_]+)`(?: \(|, | )(?:the )?default(?:s to|:)? "
+        r"(`[^`]+`|-?\d+(?:\.\d+)?)(?![\d.])( s\b)?"
+    )
+    return [
+        (page, i, m.group(1), seconds_as_ms(m.group(1), m.group(2).strip("`"), m.group(3)))
+        for page, i, text in lines()
+        for m in pat.finditer(text)
+    ]
+
+
+def seconds_as_ms(name: str, value: str, unit: str | None) -> str:
+    """ "`KVQ_X_MS` (default 5 s)" states 5000 ms."""
+    return str(float(value) * 1000) if unit and name.endswith("_MS") else value
+
+
+def same_value(stated: str, default: object) -> bool:
+    if isinstance(default, bool):
+        return stated.lower() in ({"true", "1"} if default else {"false", "0"})
+    if default == "":
+        return stated in ("", '""')
+    if isinstance(default, (int, float)):
+        try:
+            return float(stated) == float(default)
+        except ValueError:
+            return False
+    shown = ",".join(default) if isinstance(default, (list, tuple)) else str(default)
+    return stated == shown
+
+
+def test_every_stated_default_is_the_settings_default() -> None:
+    found = stated_defaults()
+    assert len(found) >= 5, found  # the pattern still finds the docs' claims
+    fields = {env_name(n): f.default for n, f in Settings.model_fields.items()}
+    wrong = [
+        f"{page}:{i}: {name} defaults to {fields[name]!r}, not {value}"
+        for page, i, name, value in found
+        if name in fields and not same_value(value, fields[name])
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_settings_table_gives_each_default() -> None:
+    doc = (ROOT / "docs" / "settings.md").read_text()
+    fields = {env_name(n): f.default for n, f in Settings.model_fields.items()}
+    wrong = []
+    for name, value in re.findall(r"^\| `(KVQ_[A-Z0-9_]+)` \| `([^`]*)` \|", doc, re.M):
+        if fields[name] is not None and not same_value(value, fields[name]):
+            wrong.append(f"settings.md: {name} defaults to {fields[name]!r}, not {value}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_issue_numbers_in_the_product_or_its_docs() -> None:
+    """A reader cannot follow "issue 10 item 4": name the spec id or the behaviour."""
+    sources = [*(ROOT / "kvq").rglob("*.py"), *(p for p in PAGES if p.suffix == ".md")]
+    wrong = [
+        f"{p.relative_to(ROOT)}:{i}: {m.group(0)}"
+        for p in sources
+        for i, text in enumerate(p.read_text().splitlines(), 1)
+        for m in re.finditer(r"(?<!llama\.cpp )\b[Ii]ssues? #?\d+", text)
+    ]
+    assert not wrong, "\n".join(wrong)
