@@ -3,11 +3,13 @@
     KvqError
     ├── ConfigError        a setting is missing or out of range (names the setting)
     ├── WireError          a message cannot be decoded or fails validation
+    │   └── BadJob             a well-formed job this expert server cannot serve
     ├── BusError           Redis transport problems that survived reconnection
     │   ├── IdentityInUse      another live process already serves under this worker id
     │   └── TlsError           the TLS handshake failed (wrong CA, certificate or key)
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
     │   ├── SliceIntegrityError   downloaded slice bytes do not match what was published
+    │   │   └── TamperedSource        the source's bytes differ from the published checksums
     │   └── ModelMismatch         a coordinator's GGUF is not the file registered for its id
     │       └── ModelCorrupt          ... a range of it fails its checksum (checked before blame)
     ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
@@ -21,7 +23,14 @@
     │   ├── CapacityError      the nodes' memory cannot hold one copy of a model
     │   └── TopologyError      a swarm topology or plan is malformed or invalid
     ├── ServerError        the embedded Redis server could not be started
-    └── ApiError           an HTTP request `kvq api` answers with an error status
+    ├── ChildDied          a child process of `kvq demo` exited while the caller waited on it
+    ├── RequestFailed      the coordinator answered a request with an error event
+    ├── ApiError           an HTTP request `kvq api` answers with an error status
+    └── HttpError          an HTTP request the monitor answers with an error status
+
+`TamperedSource` (`kvq.worker.loader`) and `RequestFailed` (`kvq.client`) live beside the data
+they carry; every other class is here. `tests/unit/test_errors.py` holds that every exception
+class of kvq is in this tree.
 
 Every message carries the bad value and what to do about it.
 """
@@ -120,6 +129,23 @@ class TopologyError(RoutingError):
 
 class ServerError(KvqError):
     """The embedded Redis server could not be started or stopped."""
+
+
+class ChildDied(KvqError):
+    """A child process exited while the caller waited on something it should provide."""
+
+
+class BadJob(WireError):
+    """A well-formed job that this server cannot serve (another slice, model or shape)."""
+
+
+class HttpError(KvqError):
+    """An answer of the monitor's HTTP API other than 2xx, sent as `{type, message, retryable}`
+    (`status` is an `http.HTTPStatus`)."""
+
+    def __init__(self, status: int, kind: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.retryable = status, kind, retryable
 
 
 class ApiError(KvqError):

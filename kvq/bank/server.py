@@ -20,7 +20,7 @@ import torch
 from kvq import wire
 from kvq.bank import Bank
 from kvq.device import dtype_name
-from kvq.errors import ModelError, WireError
+from kvq.errors import BadJob, ModelError
 
 log = logging.getLogger("kvq.worker")
 
@@ -30,10 +30,6 @@ NON_FINITE = "NonFinite"
 WRONG_DTYPE = "WrongDType"  # the job asks for a compute path this worker does not run; the
 # message is the one it runs (the coordinator may ask for it next: `Verifier.refused`)
 _FLOATS = ("float32", "float16")
-
-
-class BadJob(WireError):
-    """A well-formed job that this server cannot serve (another slice, model or shape)."""
 
 
 class ExpertServer:

@@ -21,11 +21,11 @@ from kvq.bus import redacted_url
 from kvq.bus.records import CoordStats
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, child_env
-from kvq.errors import KvqError
+from kvq.errors import ChildDied, KvqError
 from kvq.keys import request_streams
 from kvq.local.cluster import EmbeddedCluster
 from kvq.local.demo_acl import DemoUsers
-from kvq.local.procs import ChildDied, Children
+from kvq.local.procs import Children
 from kvq.local.server import EmbeddedRedis
 from kvq.model import make_tiny, read_meta
 

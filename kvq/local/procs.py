@@ -12,12 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvq.errors import KvqError
+from kvq.errors import ChildDied
 from kvq.local.server import _die_with_parent
-
-
-class ChildDied(KvqError):
-    """A child process exited while the caller waited on something it should provide."""
 
 
 def _pinned(cpus: set[int]) -> Callable[[], None]:

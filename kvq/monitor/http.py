@@ -39,7 +39,7 @@ from starlette.routing import Route
 from kvq.asgi import ThreadedServer, capped_body
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
-from kvq.errors import ConfigError
+from kvq.errors import ConfigError, HttpError
 from kvq.keys import check_id
 from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
@@ -47,16 +47,6 @@ from kvq.security import acl
 
 log = logging.getLogger("kvq.monitor.http")
 MAX_BODY = 64 * 1024
-
-
-class HttpError(Exception):
-    """An answer other than 2xx, sent as `{type, message, retryable}`."""
-
-    def __init__(
-        self, status: HTTPStatus, kind: str, message: str, retryable: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.retryable = status, kind, retryable
 
 
 class Api:
