@@ -15,12 +15,17 @@ episode (when it starts, and when Redis serves again), not once per retry:
 What does end a role: the server refuses its credentials or its ACL user lacks a command
 (`NOAUTH`, `WRONGPASS`, `NOPERM`: a deployment error the operator must fix, `kvq acl`) or its
 TLS handshake fails.
+
+Every long-running loop of a role (the coordinator's ticks, the worker's serving loop, the
+monitor's polls and its market) is one `run_until_stopped`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -113,3 +118,29 @@ class Outage:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
+
+
+def run_until_stopped(
+    stop: threading.Event,
+    step: Callable[[], bool | None],
+    outage: Outage,
+    pause_s: float = 0.0,
+    after_failure: Callable[[], None] | None = None,
+) -> None:
+    """Call `step` until `stop` is set or `step` returns False. A Redis error it raises is
+    waited out by `outage` (backoff, logged once per episode; a fatal one is raised again),
+    then `after_failure` runs (a role reads its pending entries again); no other Redis error
+    ends the loop. After a step Redis served, wait `pause_s` (woken early by `stop`)."""
+    while not stop.is_set():
+        try:
+            go_on = step()
+            outage.ok()
+        except redis.RedisError as exc:
+            outage.failed(exc)
+            if after_failure is not None:
+                after_failure()
+            continue
+        if go_on is False:
+            return
+        if pause_s > 0:
+            stop.wait(pause_s)

@@ -23,7 +23,7 @@ from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
 from kvq.bus import claim_from_dead, dead_letter
 from kvq.bus.board import Fields, wait_for_model
-from kvq.bus.outage import Outage
+from kvq.bus.outage import Outage, run_until_stopped
 from kvq.bus.records import CoordStats, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.bus.shards import ShardedConsumer
@@ -245,13 +245,7 @@ class Coordinator:
         """Ticks until stopped. A Redis that is down, refuses writes (`MISCONF`, `OOM`, ...)
         or refuses one command is waited out (`kvq.bus.outage`): no such error ends the
         coordinator; the requests it holds are read again from its pending entries."""
-        while not self.stop.is_set():
-            try:
-                self.tick()
-                outage.ok()
-            except redis.RedisError as exc:
-                outage.failed(exc)
-                self.requests.reset_pending()
+        run_until_stopped(self.stop, self.tick, outage, after_failure=self.requests.reset_pending)
 
     def tick(self) -> None:
         """Take over orphans, drop cancelled requests, admit what fits, run one step."""

@@ -229,7 +229,7 @@ def _short(v: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _error(status: HTTPStatus, kind: str, message: str, retryable: bool) -> JSONResponse:
+def _error(status: int, kind: str, message: str, retryable: bool) -> JSONResponse:
     return JSONResponse({"type": kind, "message": message, "retryable": retryable}, int(status))
 
 

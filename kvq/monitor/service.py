@@ -33,7 +33,7 @@ import redis
 
 from kvq.bus.board import Board
 from kvq.bus.market import MarketDesk
-from kvq.bus.outage import Outage
+from kvq.bus.outage import Outage, run_until_stopped
 from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.catalog import ModelInfo
@@ -135,51 +135,52 @@ class Monitor:
     def _run(self, outage: Outage) -> None:
         """Polls until stopped; a Redis that is down or refuses (writes, or one command) is
         waited out, logged once per episode (`kvq.bus.outage`)."""
-        while not self.stop.is_set():
-            try:
-                if self._lead():
-                    self.tick()
-                outage.ok()
-            except redis.RedisError as exc:
-                outage.failed(exc)
-                continue
-            self.stop.wait(self.s.poll_s)
+        run_until_stopped(self.stop, self._poll, outage, pause_s=self.s.poll_s)
+
+    def _poll(self) -> None:
+        """Lead if no other monitor does; the active one ticks."""
+        if self._lead():
+            self.tick()
 
     def _serve_market(self) -> None:
         """Answer workers' market asks while this monitor is the active one."""
         assert self.desk is not None
         block_ms = max(1, int(min(1.0, self.s.poll_s) * 1000))
         outage = Outage(logging.getLogger("kvq.monitor.market"), self.s.reconnect_max_s)
-        while not self.stop.is_set():
+        desk = self.desk
+
+        def answer() -> None:
             if not self.active:
                 self.stop.wait(self.s.poll_s)
-                continue
+                return
             try:
-                self.desk.serve(block_ms, self.quota.take_asking() if self.quota else ())
-                outage.ok()
-            except redis.RedisError as exc:
-                outage.failed(exc)
+                desk.serve(block_ms, self.quota.take_asking() if self.quota else ())
+            except redis.RedisError:
+                raise  # waited out by run_until_stopped
             except Exception:  # one bad ask must not stop recruitment
                 log.exception("market: answering asks failed; going on")
                 self.stop.wait(self.s.poll_s)
+
+        run_until_stopped(self.stop, answer, outage)
 
     def _watch_quotas(self) -> None:
         """Measure every worker user about once a second while active (`kvq.monitor.quota`);
         a monitor whose user may not (a `kvq acl` older than the watch) says so once."""
         assert self.quota is not None
         outage = Outage(logging.getLogger("kvq.monitor.quota"), self.s.reconnect_max_s)
-        while not self.stop.wait(min(1.0, self.s.poll_s)):
-            if not self.active:
-                continue
-            try:
-                self.quota.check()
-                outage.ok()
-            except redis.exceptions.NoPermissionError as exc:
-                hint = "the monitor's user needs ACL USERS|SETUSER, CLIENT LIST|KILL"
-                log.error("worker quotas not enforced: %s (%s: kvq acl --apply)", exc, hint)
-                return
-            except redis.RedisError as exc:
-                outage.failed(exc)
+        quota = self.quota
+
+        def measure() -> bool:
+            if self.active:
+                try:
+                    quota.check()
+                except redis.exceptions.NoPermissionError as exc:
+                    hint = "the monitor's user needs ACL USERS|SETUSER, CLIENT LIST|KILL"
+                    log.error("worker quotas not enforced: %s (%s: kvq acl --apply)", exc, hint)
+                    return False
+            return True
+
+        run_until_stopped(self.stop, measure, outage, pause_s=min(1.0, self.s.poll_s))
 
     def live_coordinators(self) -> list[str]:
         """Every coordinator listed for a model the monitor knows (whose results streams

@@ -34,7 +34,7 @@ from kvq.bank import BankOptions
 from kvq.bank.server import BAD_JOB, ExpertServer
 from kvq.bus import Backoff, Consumer, dead_letter, is_connection_error
 from kvq.bus.market import Market, MarketDoor
-from kvq.bus.outage import Outage, refusal
+from kvq.bus.outage import Outage, refusal, run_until_stopped
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, WorkerSettings
 from kvq.device import pick_device
@@ -149,24 +149,27 @@ class Worker:
             ", ".join(models) if models else "the models a monitor registers",
         )
         try:
-            while not self.stop.is_set():
-                try:
-                    self._install_loaded()
-                    took = self._volunteer() if self._volunteer_due() else False
-                    if self.shelf:
-                        self._serve_batch()
-                    elif not took:
-                        self._maybe_idle_out()
-                        self.stop.wait(self.s.volunteer_poll_s)
-                    outage.ok()
-                except redis.RedisError as exc:  # down, refusing writes: waited out
-                    outage.failed(exc)
-                    if self.consumer is not None:
-                        self.consumer.reset_pending()
+            run_until_stopped(self.stop, self._turn, outage, after_failure=self._reread_pending)
         finally:
             self.stop.set()
             self.membership.close()
             self.membership.leave()
+
+    def _turn(self) -> None:
+        """One pass of the serving loop: install what the volunteer thread loaded, ask for a
+        slice when due, serve a batch of jobs (or idle a poll)."""
+        self._install_loaded()
+        took = self._volunteer() if self._volunteer_due() else False
+        if self.shelf:
+            self._serve_batch()
+        elif not took:
+            self._maybe_idle_out()
+            self.stop.wait(self.s.volunteer_poll_s)
+
+    def _reread_pending(self) -> None:
+        """After Redis failed a pass: the jobs read but not answered are read again."""
+        if self.consumer is not None:
+            self.consumer.reset_pending()
 
     def _maybe_idle_out(self) -> None:
         """Holding no slice for `idle_shutdown_s` (> 0): exit (code 0)."""

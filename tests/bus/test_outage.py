@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import redis
 
-from kvq.bus.outage import Outage, kind_of, refusal
+from kvq.bus.outage import Outage, kind_of, refusal, run_until_stopped
 from kvq.monitor.metrics import refusal_reasons
 
 REFUSALS = [
@@ -57,3 +58,48 @@ def test_refusal_reasons_from_info() -> None:
     full = ok | {"maxmemory": 100, "used_memory": 99, "aof_last_write_status": "err"}
     assert refusal_reasons(full) == {"oom", "misconf"}
     assert refusal_reasons(full | {"maxmemory_policy": "allkeys-lru"}) == {"misconf"}
+
+
+def test_run_until_stopped_rides_out_redis_errors_and_ends_when_told() -> None:
+    stop = threading.Event()
+    outage = Outage(logging.getLogger("test.outage"), cap_s=0.01, base_s=0.001)
+    script: list[BaseException | bool | None] = [
+        redis.ConnectionError("down"),
+        redis.ResponseError("WRONGTYPE Operation against a key"),
+        None,
+        True,
+        False,  # the step says: no more
+        None,  # never reached
+    ]
+    calls, rereads = [], []
+
+    def step() -> bool | None:
+        calls.append(1)
+        got = script.pop(0)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    run_until_stopped(stop, step, outage, after_failure=lambda: rereads.append(1))
+    assert len(calls) == 5 and len(rereads) == 2
+    assert outage.kind is None and outage.episodes == 2  # each kind an episode, then served
+
+
+def test_run_until_stopped_raises_a_fatal_error_and_stops_on_the_event() -> None:
+    outage = Outage(logging.getLogger("test.outage"), cap_s=0.01, base_s=0.001)
+
+    def refused() -> None:
+        raise redis.AuthenticationError("WRONGPASS invalid username-password pair")
+
+    with pytest.raises(redis.AuthenticationError):
+        run_until_stopped(threading.Event(), refused, outage)
+    stop = threading.Event()
+    steps: list[int] = []
+
+    def count() -> None:
+        steps.append(1)
+        if len(steps) == 3:
+            stop.set()
+
+    run_until_stopped(stop, count, outage, pause_s=0.001)
+    assert len(steps) == 3
