@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PY) -c 'import sys; sys.exit("kvq needs Python >= 3.11") if sys.version_info < (3, 11) else None'
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

@@ -237,6 +237,7 @@ def worker_view(
         device=info.device,
         machine=info.machine,
         cpus=parse_cpus(info.cpus),
+        kernels=info.kernels,
     )
 
 

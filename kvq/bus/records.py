@@ -269,6 +269,7 @@ class WorkerInfo(Record, frozen=True, kw_only=True):
     holds: Annotated[str, msgspec.Meta(max_length=MAX_JSON_FIELD)] = ""
     machine: Text512 = ""  # the kernel's boot id (`kvq.machine`): "" unknown
     cpus: Text512 = ""  # the CPUs it computes on, e.g. "0-3,8"; "" unknown
+    kernels: Text512 = ""  # what computes its products (`kvq.quant.kernels.describe`); "" unknown
 
     @property
     def ready(self) -> bool:
@@ -399,3 +400,4 @@ class WorkerView:
     device: str = ""  # "cpu", "cuda", ...; "" unknown
     machine: str = ""  # the kernel's boot id of its host; "" unknown (`kvq.machine`)
     cpus: frozenset[int] = frozenset()  # the CPUs it computes on; empty: unknown
+    kernels: str = ""  # what computes its products (`WorkerInfo.kernels`); "" unknown

@@ -80,7 +80,10 @@ def check(board: RedisBoard, role: str, ident: str | None, s: Settings) -> tuple
         from kvq.security.identity import default_worker_id
 
         worker = ident or default_worker_id(s.state_dir)
-        return board.worker_alive(worker), f"worker {worker} heartbeats"
+        alive = board.worker_alive(worker)
+        info = board.worker_info(worker) if alive else None
+        said = f" (kernels: {info.kernels})" if info is not None and info.kernels else ""
+        return alive, f"worker {worker} heartbeats{said}"
     if ident is None:
         return False, "monitor: give the model id it registers (--id MODEL)"
     state = board.model_state(ident)

@@ -141,6 +141,12 @@ class _Market:
         self.alive = _gauge(
             "kvq_workers_alive", "workers holding a slice with a live heartbeat", ["model"]
         )
+        self.kernels = _gauge(
+            "kvq_workers_by_kernels",
+            "live workers of the model by what computes their products (e.g. `int8 avx512 "
+            "(installed)`, `float32 (no int8 kernel: ...)`): a slow path shows here",
+            ["model", "kernels"],
+        )
         self.coords = _gauge(
             "kvq_coordinators_alive", "coordinators with fresh slot state", ["model"]
         )
@@ -174,6 +180,12 @@ class _Market:
             self.live.add_metric([model, sid], serving.get(sid, 0))
         self.no_live.add_metric([model], sum(1 for sid in slices if not serving.get(sid)))
         self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
+        by_kernels: dict[str, set[str]] = {}
+        for v in views:
+            if v.alive:
+                by_kernels.setdefault(v.kernels or "unknown", set()).add(v.worker_id)
+        for path, workers in sorted(by_kernels.items()):
+            self.kernels.add_metric([model, path], len(workers))
 
     def families(self) -> tuple[GaugeMetricFamily, ...]:
         return (
@@ -184,6 +196,7 @@ class _Market:
             self.live,
             self.no_live,
             self.alive,
+            self.kernels,
             self.coords,
             self.orphaned,
         )

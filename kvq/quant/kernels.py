@@ -125,6 +125,19 @@ def paths() -> dict[str, str]:
     return {"activations": "int8", "int8_isa": isa, "many_rows": qdot.many_rows_kernel(isa)}
 
 
+def describe() -> str:
+    """One line for reports and a worker's `info`: what multiplies quantized matrices here and
+    where its kernel came from, e.g. `int8 avx512 (installed)`, `int8 avx2 (built at first
+    use)`, `float32 (KVQ_ACTIVATIONS)` or `float32 (no int8 kernel: none installed, no
+    compiler)`. Loads the kernel if nothing has yet."""
+    built = int8_kernel()
+    if built is not None:
+        return f"int8 {built.isa(qdot.options().isa)} ({built.origin})"
+    if qdot.options().activations == "float32":
+        return "float32 (KVQ_ACTIVATIONS)"
+    return "float32 (no int8 kernel: none installed, no compiler)"
+
+
 def int8_active() -> bool:
     """Whether products of the quantized types use int8 activations here."""
     return int8_kernel() is not None

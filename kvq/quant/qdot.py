@@ -20,13 +20,21 @@ The same library carries the decode-attention kernel (`attn_decode`, `csrc/attn_
 one decode step's attention of every sequence in one call), which is float32 and runs whatever
 the activations setting says (`kvq.model.decode_attention`).
 
-Build: `cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno -fopenmp qdot.c -lm` into a
-cache directory, named by the hash of the sources, the compiler and the flags; written to a temporary name and
-renamed into place, so processes building at once each end up loading a whole library. The
-OpenMP runtime is libgomp.so.1, which torch has already loaded: the kernel shares torch's
-threads. Without OpenMP (the build retries without it) the kernel runs on one thread. Where
-there is no compiler or the build fails, `load` logs one warning and returns None, and the
-caller keeps the float32 numba kernels.
+Where it comes from, in this order (`Built.origin` says which):
+- **installed**: `pip install` compiled it with setuptools (`setup.py`) into
+  `kvq/quant/_qdot*.so`, so a machine or image with no compiler at run time has it. It is used
+  when the hash of the sources it was built from (`kvq_qdot_sources_key`) is the hash of the
+  sources here (`sources_key`): an editable checkout whose C files changed since the install
+  builds afresh instead of running a stale library.
+- **built at first use**: `cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno -fopenmp
+  qdot.c -lm` into a cache directory, named by the hash of the sources, the compiler and the
+  flags; written to a temporary name and renamed into place, so processes building at once
+  each end up loading a whole library.
+Either way the flags are the same, so are the bits. The OpenMP runtime is libgomp.so.1, which
+torch has already loaded: the kernel shares torch's threads. Without OpenMP (each build retries
+without it) the kernel runs on one thread. Where neither exists, `load` logs one warning and
+returns None, and the caller keeps the float32 numba kernels (`kernels.paths()` says so, and a
+worker reports it in its `info`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -50,7 +59,8 @@ from gguf import GGMLQuantizationType
 Q = GGMLQuantizationType
 log = logging.getLogger("kvq.quant")
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+INSTALL_DIR = Path(__file__).resolve().parent  # where `pip install` puts _qdot*.so
+CSRC = INSTALL_DIR / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in the cache key
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
@@ -64,13 +74,18 @@ _ERRORS = {
 }
 
 
+INSTALLED, FIRST_USE = "installed", "built at first use"
+
+
 @dataclass(frozen=True, slots=True)
 class Built:
-    """The loaded library and what it was built with."""
+    """The loaded library, what it was built with and where it came from (`INSTALLED` or
+    `FIRST_USE`)."""
 
     lib: ctypes.CDLL
     path: Path
     openmp: bool
+    origin: str = FIRST_USE
 
     @property
     def best_isa(self) -> str:
@@ -101,12 +116,39 @@ def default_cache_dir(state_dir: str = "") -> Path:
     return Path.home() / ".cache" / "kvq" / "kernels"
 
 
+def sources_key() -> str:
+    """sha256 over the C sources in name order (`setup.py` computes the same at install)."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _key(cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
     h.update("\0".join((cc, *flags)).encode())
     return h.hexdigest()[:16]
+
+
+def installed() -> Built | None:
+    """The library `pip install` built beside this module, where there is one built from
+    these very sources; None otherwise (no compiler at install, or C files changed since)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = INSTALL_DIR / f"_qdot{suffix}"
+        if not path.is_file():
+            continue
+        lib = ctypes.CDLL(str(path))
+        stamp = getattr(lib, "kvq_qdot_sources_key", None)
+        if stamp is not None:
+            stamp.restype = ctypes.c_char_p
+        if stamp is None or stamp().decode() != sources_key():
+            log.info("%s was built from other sources than these; building them instead", path)
+            return None
+        _declare(lib)
+        return Built(lib, path, bool(lib.kvq_qdot_openmp()), INSTALLED)
+    return None
 
 
 def _compile(cc: str, flags: tuple[str, ...], dest: Path) -> str | None:
@@ -144,7 +186,7 @@ def build(cc: str, cache_dir: Path) -> Built:
                 continue
         lib = ctypes.CDLL(str(path))
         _declare(lib)
-        return Built(lib, path, openmp)
+        return Built(lib, path, openmp, FIRST_USE)
     raise RuntimeError(why)
 
 
@@ -210,6 +252,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvq_attn_decode.restype = ctypes.c_int
     lib.kvq_qdot_best_isa.argtypes = []
     lib.kvq_qdot_best_isa.restype = ctypes.c_int
+    lib.kvq_qdot_sources_key.argtypes = []
+    lib.kvq_qdot_sources_key.restype = ctypes.c_char_p
+    lib.kvq_qdot_openmp.argtypes = []
+    lib.kvq_qdot_openmp.restype = ctypes.c_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,14 +297,14 @@ _loaded: dict[tuple[str, str], Built | None] = {}
 
 
 def load(cc: str = "cc", cache_dir: Path | None = None) -> Built | None:
-    """The library, built at the first call per (compiler, directory); None (after one
-    warning) where it cannot be built."""
+    """The installed library where it matches these sources, else the one built at the first
+    call per (compiler, directory); None (after one warning) where neither can be had."""
     d = cache_dir or default_cache_dir()
     key = (cc, str(d))
     with _lock:
         if key not in _loaded:
             try:
-                _loaded[key] = build(cc, d)
+                _loaded[key] = installed() or build(cc, d)
             except (OSError, RuntimeError) as exc:
                 log.warning(
                     "the int8-activation kernel could not be built (%s); computing with the "

@@ -50,8 +50,10 @@ class Membership:
         market: Market | None = None,
         instance: str | None = None,
         backlog: Backlog | None = None,
+        kernels: str = "",
     ) -> None:
         self.board, self.id, self.device, self.served = board, worker_id, device, served
+        self.kernels = kernels  # `kvq.quant.kernels.describe()`, in every beat
         self.market = market or BoardMarket(board)
         self.instance = instance or uuid.uuid4().hex  # this process, among any of the same id
         self.work = work  # (busy seconds, rows) so far: load and ms per row per beat interval
@@ -105,6 +107,7 @@ class Membership:
                 holds="{}",
                 machine=MACHINE,
                 cpus=cpus_text(machine.cpus()),
+                kernels=self.kernels,
             )
             self.board.beat(self.id, idle)
         got = self.market.volunteer(self.id, self.by_model(), room)
@@ -182,6 +185,7 @@ class Membership:
             holds=holds_text(self.served_by_model()),
             machine=MACHINE,
             cpus=cpus_text(machine.cpus()),
+            kernels=self.kernels,
         )
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)

@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import redis
+import torch
 
 from kvq import wire
 from kvq.bank import BankOptions
@@ -40,6 +41,7 @@ from kvq.config import Settings, WorkerSettings
 from kvq.device import pick_device
 from kvq.errors import BankError, ConfigError, KvqError, WireError
 from kvq.keys import WORKER_GROUP, check_id
+from kvq.quant import kernels
 from kvq.security.acl import user_name
 from kvq.worker.budget import Budget
 from kvq.worker.loader import Fingerprint, Loaded, Loader, TamperedSource
@@ -78,6 +80,7 @@ class Worker:
             self.shelf.work,
             market,
             instance,
+            kernels=kernels_text(self.device),
         )
         self.stop = threading.Event()
         self._idle_since = time.monotonic()  # holding no slice since
@@ -143,9 +146,10 @@ class Worker:
         self.membership.start()
         models = self.board.models()
         log.info(
-            "ready: worker %s on %s volunteers for slices of %s",
+            "ready: worker %s on %s (%s) volunteers for slices of %s",
             self.id,
             self.device,
+            self.membership.kernels,
             ", ".join(models) if models else "the models a monitor registers",
         )
         try:
@@ -552,3 +556,11 @@ def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     if mode != "auto":
         return mode == "monitor"
     return who != "default"
+
+
+def kernels_text(device: torch.device) -> str:
+    """What computes this worker's products, for its `info` (`kvq health worker`, the
+    dashboard, `kvq_workers_by_kernels`): the CPU kernels' path and origin, or the device."""
+    if device.type == "cpu":
+        return kernels.describe()
+    return f"torch on {device.type}"

@@ -50,8 +50,11 @@ def test_each_role_is_healthy_only_while_alive(
     assert health("coordinator", "--id", "c1") == 0
 
     assert health("worker", "--id", "w1") == 1
-    board.beat("w1", WorkerInfo(model="", slice="", device="cpu", state="idle"))
+    capsys.readouterr()
+    slow = "float32 (no int8 kernel: none installed, no compiler)"
+    board.beat("w1", WorkerInfo(model="", slice="", device="cpu", state="idle", kernels=slow))
     assert health("worker", "--id", "w1") == 0
+    assert f"ok: worker w1 heartbeats (kernels: {slow})" in capsys.readouterr().out
     board.forget_worker("w1")
     assert health("worker", "--id", "w1") == 1
 

@@ -252,3 +252,18 @@ def test_a_worker_holding_several_slices_is_one_worker_with_one_inbox(
     text = generate_latest(make_registry(board)).decode()  # type: ignore[arg-type]
     lag = [ln for ln in text.splitlines() if ln.startswith("kvq_group_lag{") and "w0" in ln]
     assert len(lag) == 1 and lag[0].endswith(" 1.0"), lag
+
+
+def test_live_workers_are_counted_by_what_computes_their_products(
+    mon: Monitor, r: redis.Redis
+) -> None:
+    board = mon.board
+    paths = {"w0": "int8 avx512 (installed)", "w1": "int8 avx512 (installed)", "w2": ""}
+    paths["w3"] = "float32 (no int8 kernel: none installed, no compiler)"
+    for w, kernels in paths.items():
+        sid = board.volunteer("m", w, None, [])
+        assert sid is not None
+        board.beat(w, WorkerInfo(model="m", slice=sid, device="cpu", kernels=kernels))
+    got = scrape(mon)
+    by = {dict(k[1])["kernels"]: v for k, v in got.items() if k[0] == "kvq_workers_by_kernels"}
+    assert by == {"int8 avx512 (installed)": 2, paths["w3"]: 1, "unknown": 1}

@@ -4,6 +4,8 @@ independence)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -80,3 +82,19 @@ def test_covers_only_small_cpu_float32_batches() -> None:
     assert not kernels.covers(Q.Q4_K, 4, x.to(torch.bfloat16))
     assert not kernels.covers(Q.IQ4_NL, 4, x)
     assert not kernels.covers(Q.F16, 4, x)
+
+
+def test_describe_says_what_computes_and_where_the_kernel_came_from(
+    built: qdot.Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = qdot.options()
+    try:
+        qdot.configure(qdot.KernelOptions("int8", "cc", str(built.path.parent)))
+        assert kernels.describe() == f"int8 {built.best_isa} ({built.origin})"
+        qdot.configure(qdot.KernelOptions("float32"))
+        assert kernels.describe() == "float32 (KVQ_ACTIVATIONS)"
+        monkeypatch.setattr(qdot, "INSTALL_DIR", tmp_path)  # nothing installed, no compiler
+        qdot.configure(qdot.KernelOptions("int8", str(tmp_path / "no-cc"), str(tmp_path)))
+        assert kernels.describe() == "float32 (no int8 kernel: none installed, no compiler)"
+    finally:
+        qdot.configure(before)

@@ -136,8 +136,9 @@ def test_kernels_use_it_for_every_row_count_only_when_asked() -> None:
 
 
 def test_no_compiler_means_the_float32_kernels_and_one_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(qdot, "INSTALL_DIR", tmp_path)  # no library from the install either
     raw, x, _ = _case(Q.Q4_K, 16, 512, 1)
     w, xt = torch.from_numpy(raw), torch.from_numpy(x)
     f32 = kernels.matmul_float32(xt, w, Q.Q4_K)

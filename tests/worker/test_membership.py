@@ -90,11 +90,14 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     board = board_case.board
     _, b = _register(board, gguf)
     board.set_target("m", b, 1)
-    m = Membership(board, "w", "gpu0", served=lambda: (3, 1234), instance="i1")
+    m = Membership(
+        board, "w", "gpu0", served=lambda: (3, 1234), instance="i1", kernels="torch on gpu0"
+    )
     held = m.volunteer()
     assert held is not None
     # offered, not yet loaded: beating (never reaped while it downloads), not routable
-    assert board.workers("m") == [_view(b, last_serve_ms=1234, ready=False)]
+    gpu = "torch on gpu0"
+    assert board.workers("m") == [_view(b, last_serve_ms=1234, ready=False, kernels=gpu)]
     assert board.worker_info("w") == WorkerInfo(
         model="m",
         slice=b,
@@ -106,6 +109,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
         holds="{}",
         machine=machine_id(),
         cpus=cpus_text(cpus()),
+        kernels="torch on gpu0",
     )
     m.loaded(10, 100)
     m.beat()
@@ -113,7 +117,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
     assert info is not None and (info.loaded_bytes, info.total_bytes) == (10, 100)
     m.hold(held)
     assert m.held == held
-    assert board.workers("m") == [_view(b, last_serve_ms=1234, load=0.0)]
+    assert board.workers("m") == [_view(b, last_serve_ms=1234, load=0.0, kernels=gpu)]
     assert board.worker_info("w") == WorkerInfo(
         model="m",
         slice=b,
@@ -126,6 +130,7 @@ def test_hold_makes_the_worker_alive_with_its_counters(board_case: BoardCase, gg
         holds=f'{{"m":["{b}"]}}',
         machine=machine_id(),
         cpus=cpus_text(cpus()),
+        kernels=gpu,
     )
 
 

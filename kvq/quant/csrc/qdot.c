@@ -11,7 +11,8 @@
  * scalar, AVX2, AVX512-VNNI and AMX paths give the same bits, and each output is computed by one
  * thread: results depend neither on the CPU's features nor on the thread count.
  *
- * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c (kvq/quant/qdot.py);
+ * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c, at install
+ * (setup.py) or at first use (kvq/quant/qdot.py);
  * -fno-math-errno lets lrintf be one instruction.
  * -ffp-contract=off keeps a * b + c from becoming an FMA in one path and not in another.
  */
@@ -500,6 +501,13 @@ static int amx_usable(void) {
 #endif
 }
 #endif
+
+/* The hash of the sources this library was built from, where the build says it (setup.py
+ * defines it at install; kvq.quant.qdot compares it with the sources it has), else "". */
+#ifndef KVQ_SOURCES_KEY
+#define KVQ_SOURCES_KEY ""
+#endif
+const char *kvq_qdot_sources_key(void) { return KVQ_SOURCES_KEY; }
 
 int kvq_qdot_best_isa(void) {
 #ifdef QDOT_X86
