@@ -38,7 +38,6 @@ def _prompts(n: int) -> list[str]:
 def _alone(model: Path, s: Settings, prompts: list[str], n: int) -> list[list[int]]:
     """What `kvq generate` prints for each prompt alone (its code path, in this process)."""
     bb = Backbone.from_gguf(model)
-    bb.expert_grain = s.slice_experts
     tok = load_tokenizer(model)
     return [generate(bb, tok.encode(p), n, chunk=s.prefill_chunk) for p in prompts]
 
