@@ -23,6 +23,7 @@ import torch
 
 # (x [P, H], ids [P, 1], weights [P, 1]) -> [P, H]: the grouped sum over one expert range
 RangeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BLOCK_ELEMENTS = 1 << 20  # floats of terms `combine` gathers at once (4 MB in float32)
 
 
 def inside(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -58,20 +59,41 @@ def combine(
     """The MoE output of rows with experts `ids` [T, k] from terms computed in parts: each
     part `(mask [T, k] bool, terms [P, H])`, its pairs in `mask`'s row-major order (as
     `expert_terms` of the rows gives them). Returns [T, H]: each row's terms added from 0 in
-    ascending expert id (`fixed_sum`)."""
+    ascending expert id, a pair no part computed counting as 0."""
     t, k = ids.shape
-    terms = torch.zeros(t, k, hidden, dtype=dtype, device=ids.device)  # [T, k, H]
-    for mask, part in parts:
-        terms[mask] = part.to(dtype)
-    return fixed_sum(terms, ids)
-
-
-def fixed_sum(terms: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """terms [T, k, H] (choice j of row t: its expert `ids[t, j]`'s term) added per row from 0
-    in ascending expert id, the order every one-call path adds in. Returns [T, H]."""
-    order = ids.argsort(dim=1)  # [T, k]
-    rows = torch.arange(ids.shape[0], device=ids.device)  # [T]
-    out = torch.zeros(terms.shape[0], terms.shape[2], dtype=terms.dtype, device=terms.device)
-    for j in range(ids.shape[1]):
-        out = out + terms[rows, order[:, j]]  # [T, H]
+    rank = ids.argsort(dim=1).argsort(dim=1)  # [T, k] place of each choice by expert id
+    slot = torch.arange(t, device=ids.device)[:, None] * k + rank  # [T, k] its row of [T*k]
+    got = []
+    for mask, part in parts:  # its slots [P], terms [P, H], pairs before each row [T + 1]
+        before = [0, *mask.sum(dim=1).cumsum(0).tolist()]
+        got.append((slot[mask], part.to(dtype), before))
+    out = torch.zeros(t, hidden, dtype=dtype, device=ids.device)  # [T, H]
+    block = max(1, min(t, BLOCK_ELEMENTS // max(1, k * hidden)))
+    ranked = torch.empty(block * k, hidden, dtype=dtype, device=ids.device)  # [B*k, H]
+    for a in range(0, t, block):
+        b = min(a + block, t)
+        placed = 0
+        for slots, part, before in got:  # each term copied once, to its place by rank
+            lo, hi = before[a], before[b]
+            if hi > lo:
+                _place(ranked, slots[lo:hi] - a * k, part[lo:hi])
+                placed += hi - lo
+        rows = ranked[: (b - a) * k].view(b - a, k, hidden)  # [B, k, H]
+        if placed < (b - a) * k:  # some pairs missing: they count as 0
+            rows.zero_()
+            for slots, part, before in got:
+                lo, hi = before[a], before[b]
+                _place(ranked, slots[lo:hi] - a * k, part[lo:hi])
+        acc = out[a:b]  # [B, H]
+        for j in range(k):
+            acc.add_(rows[:, j])  # acc + term: one rounding, from 0
     return out
+
+
+def _place(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[rows] = src (dst [N, H], rows [P], src [P, H]): numpy's row copies on the CPU, 3x
+    torch's `index_copy_` there."""
+    if dst.device.type == "cpu":
+        dst.numpy()[rows.numpy()] = src.numpy()
+    else:
+        dst.index_copy_(0, rows, src)
