@@ -26,6 +26,7 @@ from kvq.errors import WireError
 VERSION = 1
 REQUEST_VERSION = 3  # requests; v1 and v2 ones still decode
 REPLY_VERSION = 4  # reply events; v1 to v3 ones still decode
+JOB_VERSION = 2  # expert jobs: v2 asks for per-pair terms, v1 (row sums) still decodes
 MAX_LOGIT_BIAS = 300  # entries of a `logit_bias` (OpenAI's limit)
 MAX_GRAMMAR = 1 << 20  # bytes of a compiled grammar
 MAX_STOPS = 4
@@ -94,9 +95,15 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls(name, list(arr.shape), arr.tobytes())  # type: ignore[arg-type]  # C order
 
 
-class Job(_Msg, frozen=True):
-    """Token-level expert job: rows of one MoE layer routed to experts of one slice."""
+class Job(_Msg, frozen=True, kw_only=True):
+    """Token-level expert job: rows of one MoE layer routed to experts of one slice.
 
+    v2 (`JOB_VERSION`): the result holds one row per (row, expert) pair inside the slice, in
+    row-major (row, choice) order, each that pair's term `w * expert(x)`; the coordinator adds
+    a token's terms in ascending expert id (`kvq.model.moe_sum`, X17). v1: one row per job row,
+    the sum of its terms (what a worker still answers to a coordinator that predates v2)."""
+
+    v: Literal[1, 2] = 2  # type: ignore[assignment]  # JOB_VERSION
     job_id: Name
     model: Name
     layer: NonNeg
@@ -124,7 +131,8 @@ class Job(_Msg, frozen=True):
 
 
 class Result(_Msg, frozen=True, omit_defaults=True):
-    """A worker's answer: the gate-weighted sum over the slice's experts per row.
+    """A worker's answer: an expert job's gate-weighted terms (v2 job: one row per pair
+    inside the slice; v1 job: their sum per row), or a stage job's rows.
 
     Fields at their default are left out of the map, so a float32 worker's results still
     decode on a coordinator that predates `dtype` (which refuses unknown fields)."""
@@ -132,7 +140,9 @@ class Result(_Msg, frozen=True, omit_defaults=True):
     job_id: Name
     worker: Name
     compute_ms: float = 0.0
-    y: Tensor | None = None  # [T, H], float32 on the wire whatever the compute dtype
+    # [P, H] (v2 expert job), [T, H] (v1) or [N, H] (stage job): float32 on the wire
+    # whatever the compute dtype
+    y: Tensor | None = None
     error: Failure | None = None
     dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
     # a stage job's sequences whose state the holder does not have (`StageJob`): replay them

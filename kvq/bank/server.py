@@ -1,8 +1,9 @@
 """`ExpertServer`: a decoded expert job in, a result out. No Redis, no threads.
 
 The worker's loop is read → `server.handle(job)` → write the result → ack. The coordinator
-computes its local slices through the same `compute`, so local and remote agree bit for bit
-when they compute in the same dtype. `handle` never raises: a job it cannot serve comes back as
+computes its local slices through the same `terms`, so local and remote agree bit for bit
+when they compute in the same dtype: a job's result is one row per (row, expert) pair inside
+its slice, which the coordinator adds in its fixed order (`kvq.model.moe_sum`). `handle` never raises: a job it cannot serve comes back as
 a result whose `error` says why (`BadJob` for the job itself, `DeadlineExpired`, `NonFinite`
 output, or the exception of a failed compute).
 """
@@ -21,6 +22,7 @@ from kvq import wire
 from kvq.bank import Bank
 from kvq.device import dtype_name
 from kvq.errors import BadJob, ModelError
+from kvq.model.moe_sum import expert_terms
 
 log = logging.getLogger("kvq.worker")
 
@@ -64,6 +66,18 @@ class ExpertServer:
         with torch.inference_mode():
             return self.bank.forward(layer, x, ids, w, lo, hi)
 
+    def terms(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Each (row, expert) pair's term `w * expert(x)` for the experts in `[lo, hi)`, in
+        row-major (row, choice) order (`kvq.model.moe_sum.expert_terms`): what a coordinator
+        adds in its fixed order. x: [T, H]; ids, w: [T, k]. Returns [P, H]."""
+
+        def forward(xp: torch.Tensor, ip: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+            return self.compute(layer, xp, ip, wp, lo, hi)  # [P, H]
+
+        return expert_terms(x, ids, w, lo, hi, forward)
+
     def handle(self, job: wire.Job) -> wire.Result:
         """The job's result, or a result carrying the error; never raises."""
         t0 = time.perf_counter()
@@ -104,7 +118,7 @@ class ExpertServer:
         self.served += 1
         self.last_serve_ms = int(self.clock_ms())
         self.busy_s += time.perf_counter() - t0
-        self.rows += int(out.shape[0])
+        self.rows += int(job.x.shape[0])
         return result
 
     def check(self, job: wire.Job) -> None:
@@ -139,8 +153,10 @@ class ExpertServer:
         x = torch.from_numpy(np.array(job.x.array(), dtype=np.float32)).to(dev, dtype)
         ids = torch.from_numpy(np.array(job.ids.array(), dtype=np.int64)).to(dev)
         w = torch.from_numpy(np.array(job.weights.array(), dtype=np.float32)).to(dev, dtype)
-        y = self.compute(job.layer, x, ids, w, job.expert_start, job.expert_end)
-        return y.float().cpu().numpy()  # [T, H]
+        # a v1 job (a coordinator that predates per-pair terms) wants each row's sum
+        run = self.terms if job.v >= 2 else self.compute
+        y = run(job.layer, x, ids, w, job.expert_start, job.expert_end)
+        return y.float().cpu().numpy()  # [P, H] (v1: [T, H])
 
     def _failed(self, job: wire.Job, error: wire.Failure, t0: float) -> wire.Result:
         ms = (time.perf_counter() - t0) * 1000

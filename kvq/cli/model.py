@@ -184,7 +184,6 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     sampling.check()  # before the (slow) model load
     tok = load_tokenizer(args.model)
     bb = Backbone.from_gguf(args.model, device=pick_device(args.device or settings.device))
-    bb.expert_grain = settings.slice_experts  # the sums a coordinator's slices make (X17)
     prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
     stream = _TextStream(tok) if not args.json else None
     ids = generate(

@@ -128,7 +128,7 @@ class Dispatcher:
         p, res, sender = dv.pending, dv.result, dv.sender
         ms = latency_ms(p, dv.eid)
         y = res.y.array() if res.error is None and res.y is not None else None
-        want = (p.rows.numel(), self.server.hidden)
+        want = (p.pairs, self.server.hidden)
         if y is not None and y.shape != want:  # no honest worker answers another shape
             self.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")
         if y is None and res.error is not None:

@@ -11,8 +11,11 @@ the dispatcher: what it learns goes into the step's tally, the routing's estimat
 verifier, and what the dispatcher needs after it (whether it sent remote jobs) it reads off
 the call.
 
-Partial sums are added in slice order whatever the arrival order, so remote and local
-generation agree bit for bit when the worker computes with the same dtype.
+Each slice, local or remote, gives its pairs' terms (one row per (row, expert) pair inside
+it) and `finish` adds each token's terms from 0 in ascending expert id whatever the arrival
+order (`kvq.model.moe_sum`): the bits of one call over the whole layer, so remote, local,
+`kvq generate` and stage grain agree bit for bit when the workers compute with the same
+dtype, whatever the slice grid.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.placement import Placement
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.verify import Verdict, Verifier
+from kvq.model.moe_sum import combine, inside
 from kvq.slices import SliceSpec
 
 log = logging.getLogger("kvq.coordinator")
@@ -82,20 +86,23 @@ class LayerCall:
             w,
         )  # [T,H] [T,k] [T,k]
         self.stats = parts.tally.stats
-        self.partials: dict[str, torch.Tensor] = {}
+        self.partials: dict[str, torch.Tensor] = {}  # sid -> its pairs' terms [P, H]
+        self.masks: dict[str, torch.Tensor] = {}  # sid -> its pairs among the call's [T, k]
         self.pending: dict[str, Pending] = {}
         self.order: list[tuple[SliceSpec, torch.Tensor]] = []
         self.deadline_ms = int(parts.clock_ms()) + parts.settings.job_deadline_ms
         self.sent_remote = False  # it sent jobs it waits for (the dispatcher reads it)
+        self.whole: torch.Tensor | None = None  # [T, H] when every slice ran here at once
 
     def start(self, busy: int, total: int) -> None:
         """Route the layer, send its remote jobs, compute its local slices."""
         parts, stats, place = self.parts, self.stats, self.parts.placement
         for spec in place.slices_of(self.layer):
-            hit = ((self.ids >= spec.expert_start) & (self.ids < spec.expert_end)).any(dim=1)
-            rows = hit.nonzero().squeeze(1)  # [R]
+            mask = inside(self.ids, spec.expert_start, spec.expert_end)  # [T, k]
+            rows = mask.any(dim=1).nonzero().squeeze(1)  # [R]
             if rows.numel():
                 self.order.append((spec, rows))
+                self.masks[spec.sid] = mask
         work = {spec.sid: int(rows.numel()) for spec, rows in self.order}
         place.count_routed(work)  # the monitor weights replica targets by it (K7)
         route = place.route(work, busy, total)
@@ -113,7 +120,7 @@ class LayerCall:
                 continue
             job_id = parts.mailbox.next_job_id()
             jobs.append((worker, wire.encode(self._job(job_id, spec, rows, worker))))
-            p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())
+            p = self._pending(spec, rows, worker)
             if worker == trial and parts.routing.router.holds_locally(spec.sid):
                 # a K4 trial or re-probe only measures the worker: computed here as well and
                 # not waited for, so a slow worker costs no layer call its round trip
@@ -127,6 +134,9 @@ class LayerCall:
         stats.remote_sent += len(self.pending)
         stats.trials_sent += len(jobs) - len(self.pending)
         self.sent_remote = bool(self.pending)
+        if not jobs:  # every slice here: one call over them adds in the fixed order itself
+            self.whole = self._all_local(local)
+            return
         for spec, rows in local:  # while the remote jobs are in flight
             self.partials[spec.sid] = self.local(spec, rows)
             stats.local_jobs += 1
@@ -140,10 +150,34 @@ class LayerCall:
             self._gather()
         elif self.parts.mailbox.has_trials:  # nothing to wait for: read answered trials
             self.receive(self.parts.mailbox.collect(self, None))
-        out = torch.zeros_like(self.x)
-        for spec, rows in self.order:
-            out.index_add_(0, rows, self.partials[spec.sid])
-        return out
+        if self.whole is not None:
+            return self.whole
+        parts = ((self.masks[spec.sid], self.partials[spec.sid]) for spec, _ in self.order)
+        return combine(self.ids, int(self.x.shape[1]), self.x.dtype, parts)  # [T, H]
+
+    def _all_local(self, local: list[tuple[SliceSpec, torch.Tensor]]) -> torch.Tensor:
+        """Every slice of the call computed here: one call over their experts, which adds
+        each token's terms in the fixed order (the bits `combine` gives their terms, one
+        kernel call instead of one a slice). Its time counts per slice, by rows. [T, H]"""
+        if not local:
+            return torch.zeros_like(self.x)
+        t0 = time.perf_counter()
+        lo, hi = min(s.expert_start for s, _ in local), max(s.expert_end for s, _ in local)
+        y = self.parts.server.compute(self.layer, self.x, self.ids, self.w, lo, hi)
+        took = time.perf_counter() - t0
+        rows = [int(r.numel()) for _, r in local]
+        for n in rows:
+            self.parts.routing.observe_local(n, took * 1000 * n / sum(rows))
+        self.stats.local_expert_s += took
+        self.stats.local_rows += sum(rows)
+        self.stats.local_jobs += len(local)
+        return y
+
+    def _pending(self, spec: SliceSpec, rows: torch.Tensor, worker: str) -> Pending:
+        """A job of `rows` for `spec` sent to `worker` now; its result holds one row per
+        pair of those rows inside the slice."""
+        pairs = int(self.masks[spec.sid].sum())
+        return Pending(spec, rows, worker, time.monotonic(), self.parts.clock_ms(), pairs=pairs)
 
     def _expect(self, job_id: str, p: Pending) -> None:
         self.pending[job_id] = p
@@ -160,7 +194,7 @@ class LayerCall:
         parts.mailbox.post(
             [(worker, wire.encode(self._job(job_id, spec, rows, worker)))], parts.routing.holders
         )
-        p = Pending(spec, rows, worker, time.monotonic(), parts.clock_ms())
+        p = self._pending(spec, rows, worker)
         self._expect(job_id, p)
         return p
 
@@ -184,7 +218,7 @@ class LayerCall:
 
     def local(self, spec: SliceSpec, rows: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        y = self.parts.server.compute(
+        y = self.parts.server.terms(
             self.layer,
             self.x[rows],
             self.ids[rows],
@@ -264,7 +298,7 @@ class LayerCall:
         y = None
         if res.error is None and res.y is not None:
             y = torch.from_numpy(res.y.array().copy()).to(self.x.device, self.x.dtype)
-        want = (p.rows.numel(), self.x.shape[1])
+        want = (p.pairs, self.x.shape[1])
         if y is not None and y.shape != want:  # no honest worker answers another shape
             stats.remote_errors += 1
             parts.verifier.caught(sender, f"a result of shape {list(y.shape)} for {list(want)}")

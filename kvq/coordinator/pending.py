@@ -21,6 +21,7 @@ class Pending:
     # answers to the same rows from other workers, waiting for this job's to confirm one
     # (a backbone-only coordinator's quorum, `LayerCall.deliver`)
     answers: list[Answer] = field(default_factory=list)
+    pairs: int = 0  # an expert job's result rows: its (row, expert) pairs inside the slice
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Answer:
     """One worker's result for a job's rows, as it came (`dtype`: the path it computed in)."""
 
     worker: str
-    y: torch.Tensor  # [R, H]
+    y: torch.Tensor  # [P, H] (an expert job's terms) or [N, H] (a stage job's rows)
     dtype: str
 
 

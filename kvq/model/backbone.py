@@ -32,7 +32,7 @@ from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.decode_attention import decode_attention
 from kvq.model.deltanet import DeltaState, DeltaWeights
-from kvq.model.experts import expert_forward, sliced_forward
+from kvq.model.experts import expert_forward
 from kvq.model.layers import (
     Gating,
     Rope,
@@ -103,9 +103,6 @@ class Backbone:
         self.output_norm = output_norm  # [H]
         self.output = output  # [V, H]
         self.experts = experts  # experts[layer] covers all experts of that MoE layer
-        # local_moe's sum order: 0 = one call over the layer, else by ranges of this many
-        # experts, as a coordinator whose slices hold that many sums them (X17)
-        self.expert_grain = 0
         self.device = output_norm.device
         self.dtype = output_norm.dtype
         self.spec = arch_spec(meta.arch)
@@ -184,13 +181,11 @@ class Backbone:
     def local_moe(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
-        """MoeFn computing all of `layer`'s experts locally: in one call, or summed by ranges
-        of `expert_grain` experts as a coordinator sums its slices (`sliced_forward`)."""
+        """MoeFn computing all of `layer`'s experts locally in one call: the bits of any
+        other placement of its experts (`kvq.model.moe_sum`)."""
         sl = self.experts.get(layer)
         if sl is None:
             raise ModelError(no_experts_message(layer))
-        if 0 < self.expert_grain < sl.expert_end - sl.expert_start:
-            return sliced_forward(sl, x, ids, w, self.expert_grain)
         return expert_forward(sl, x, ids, w)
 
     @torch.no_grad()

@@ -4,9 +4,11 @@ An expert is `down(act(gate x + bg, up x + bu)) + bd`: `act` is silu(g) * u, or 
 clamped form (`swiglu_oai`); the biases exist only where the arch has them (gpt-oss) and come
 with the slice, so a worker computes exactly what the coordinator would.
 
-Because each expert's contribution is added independently, summing `expert_forward` over any
-partition of a layer's experts into slices gives the full-layer result; this is what lets the
-coordinator scatter one layer's tokens over many workers and add the partial outputs.
+A token's experts are added from 0 in ascending expert id, each term `w * y` a float32
+product of the same bits however the call is grouped: where a layer's experts are computed in
+several places (a coordinator's slices, local or on workers), each gives its pairs' terms
+(`slice_terms`) and `kvq.model.moe_sum.combine` adds them in that order, the same bits as one
+`expert_forward` over the layer (X17).
 
 `grouped_expert_ffn` is the one loop both the model's reference path and the bank run; they
 differ only in where an expert's weights come from (`weights_of`), so their outputs are the same
@@ -27,6 +29,7 @@ import torch
 from kvq.errors import KvqError, ModelError
 from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
 from kvq.model.layers import OAI_ALPHA, OAI_LIMIT, gated, linear, swiglu
+from kvq.model.moe_sum import expert_terms
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.slices import ExpertSlice
 from kvq.quant import kernels
@@ -77,47 +80,29 @@ def expert_forward(
     )
 
 
-def sliced_forward(
-    sl: ExpertSlice, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grain: int
+def slice_terms(
+    sl: ExpertSlice, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int
 ) -> torch.Tensor:
-    """`expert_forward` summed as a coordinator sums its slices (X17): the experts cut into
-    ranges of `grain` (`KVQ_SLICE_EXPERTS`), each range's rows computed alone and its partial
-    added from 0 in range order. A token's bits then do not depend on which ranges were
-    computed here or by which worker. x: [T, H]; ids, weights: [T, k]. Returns [T, H]."""
+    """Each pair's term of `sl`'s experts in `[lo, hi)` (`kvq.model.moe_sum.expert_terms`):
+    what a coordinator's slice over that range gives, local or remote. x: [T, H]; ids,
+    weights: [T, k]. Returns [P, H], the pairs inside in row-major (row, choice) order."""
     check_inputs(sl.hidden, x, ids, weights)
-    out = torch.zeros_like(x)  # [T, H]
     first = sl.expert_start
-    for lo in range(first, sl.expert_end, grain):
-        hi = min(lo + grain, sl.expert_end)
-        rows = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)  # [R]
-        if not rows.numel():
-            continue
-        weights_of, bias_of = _shifted(sl, lo - first)
-        part = grouped_expert_ffn(
-            x[rows],
-            ids[rows],
-            weights[rows],
+
+    def forward(xp: torch.Tensor, ip: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+        return grouped_expert_ffn(
+            xp,
+            ip,
+            wp,
             lo,
             hi,
-            weights_of,
+            lambda e: sl.expert(e + lo - first),
             sl.compute_dtype,
             act=sl.act,
-            bias_of=bias_of,
+            bias_of=None if sl.biases is None else (lambda e: sl.bias(e + lo - first)),
         )
-        out.index_add_(0, rows, part)
-    return out
 
-
-def _shifted(sl: ExpertSlice, shift: int) -> tuple[WeightsOf, BiasOf | None]:
-    """`sl`'s weights and biases of the experts from local index `shift` on."""
-
-    def weights_of(e: int) -> ExpertWeights:
-        return sl.expert(e + shift)
-
-    def bias_of(e: int) -> ExpertBias | None:
-        return sl.bias(e + shift)
-
-    return weights_of, (bias_of if sl.biases is not None else None)
+    return expert_terms(x, ids, weights, lo, hi, forward)  # [P, H]
 
 
 def grouped_expert_ffn(

@@ -84,7 +84,9 @@ def make_call(
         None,  # type: ignore[arg-type]
         Tally(stats=stats),
     )
-    call = LayerCall(parts, 0, torch.zeros(2, H), torch.zeros(2, 1), torch.ones(2, 1))
+    ids = torch.zeros(2, 1, dtype=torch.int64)  # [T, k]: each row one pair inside slice A
+    call = LayerCall(parts, 0, torch.zeros(2, H), ids, torch.ones(2, 1))
+    call.masks["A"] = torch.ones(2, 1, dtype=torch.bool)
     job = wire.Job(
         job_id="j",
         model="m",
@@ -101,7 +103,9 @@ def make_call(
     )
     call._job = lambda job_id, spec, rows, worker: job  # type: ignore[method-assign]
     first = next(w for w, sids in routing.holders.items() if "A" in sids)
-    p = Pending(SimpleNamespace(sid="A"), torch.tensor([0, 1]), first, time.monotonic(), 0.0)  # type: ignore[arg-type]
+    p = Pending(
+        SimpleNamespace(sid="A"), torch.tensor([0, 1]), first, time.monotonic(), 0.0, pairs=2
+    )  # type: ignore[arg-type]
     call.pending = {"j1": p}
     mailbox.expect("j1", p, call)
     return call, board, posted

@@ -1,6 +1,6 @@
 """X17 on every family's tiny model: a sequence's logits are the same bits alone or beside any
 other sequences of a step (prompts and decode tokens, any count and lengths), and a MoE
-layer's output the same bits whichever ranges of its experts were summed where."""
+layer's output the same bits whatever the slice grid and wherever each slice ran."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvq.model import Backbone, make_tiny
 from kvq.model.cache import SeqStep
-from kvq.model.experts import expert_forward, grouped_expert_ffn, sliced_forward
+from kvq.model.experts import expert_forward, slice_terms
+from kvq.model.moe_sum import combine, inside
 
 FAMILIES = [
     ("qwen3moe", "", "f32"),
@@ -45,6 +46,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             variant=variant,
             quant=quant,
             layers=3,
+            experts_used=4,  # of 8: a slice can hold 2 of a token's experts, not the first
             hidden=hidden,
             expert_ffn=hidden,
             seed=3,
@@ -89,46 +91,62 @@ def test_a_sequences_logits_do_not_depend_on_its_batch(
     assert torch.equal(got, alone), (got - alone).abs().max()
 
 
+def _grid(e: int, cuts: list[int], places: list[int]) -> list[tuple[int, int]]:
+    """The expert ranges one call each computes: the layer's `e` experts cut at `cuts` into
+    slices, slice i placed at `places[i]` (the coordinator, a worker, another), and
+    neighbouring slices of one place computed in one call."""
+    bounds = sorted({c % e for c in cuts} - {0})
+    slices = list(zip([0, *bounds], [*bounds, e], strict=True))
+    calls: list[tuple[int, int, int]] = []
+    for i, (lo, hi) in enumerate(slices):
+        place = places[i % len(places)]
+        if calls and calls[-1][2] == place:
+            calls[-1] = (calls[-1][0], hi, place)
+        else:
+            calls.append((lo, hi, place))
+    return [(lo, hi) for lo, hi, _ in calls]
+
+
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(rows=st.integers(1, 12), grain=st.integers(1, 8), seed=st.integers(0, 10**6))
-def test_slice_sums_do_not_depend_on_where_slices_ran(
-    family: Backbone, rows: int, grain: int, seed: int
+@given(
+    rows=st.integers(1, 12),
+    cuts=st.lists(st.integers(1, 1000), max_size=7),
+    places=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+    more=st.lists(st.booleans(), min_size=12, max_size=12),
+    seed=st.integers(0, 10**6),
+)
+def test_a_tokens_moe_output_does_not_depend_on_where_its_experts_ran(
+    family: Backbone, rows: int, cuts: list[int], places: list[int], more: list[bool], seed: int
 ) -> None:
-    """`sliced_forward` is the coordinator's sum (each range's partial over its own rows,
-    added from 0 in range order: `LayerCall.finish`), whichever rows of the layer a range
-    computed with; with the grain of the whole layer it is `expert_forward`."""
+    """Any slice grid, any placement of the slices, each call over the rows that reach its
+    experts and perhaps others: the terms added in the fixed order (`combine`, what
+    `LayerCall.finish` does) are the bits of one `expert_forward` over the layer (what
+    `kvq generate` and a stage holder compute), for the batch and for each row alone."""
     layer = min(family.experts)
     sl = family.experts[layer]
     g = torch.Generator().manual_seed(seed)
     h, e = sl.hidden, sl.expert_end
-    x = torch.randn(rows, h, generator=g)
+    x = torch.randn(rows, h, generator=g)  # [T, H]
     k = family.meta.expert_used_count
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])  # [T, k]
-    w = torch.rand(rows, k, generator=g)
-    out = torch.zeros_like(x)
-    for lo in range(0, e, grain):  # as a coordinator: each slice's partial on its own rows
-        hi = min(lo + grain, e)
-        hit = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().squeeze(1)
-        if hit.numel():
-            part = grouped_expert_ffn(
-                x[hit],
-                ids[hit],
-                w[hit],
-                lo,
-                hi,
-                lambda j, lo=lo: sl.expert(j + lo),
-                sl.compute_dtype,
-                act=sl.act,
-                bias_of=None if sl.biases is None else (lambda j, lo=lo: sl.bias(j + lo)),
-            )
-            out.index_add_(0, hit, part)
-    assert torch.equal(sliced_forward(sl, x, ids, w, grain), out)
-    one = sliced_forward(sl, x[-1:], ids[-1:], w[-1:], grain)  # the last row alone
-    assert torch.equal(one[0], out[-1])
-    if grain >= e:
-        assert torch.equal(expert_forward(sl, x, ids, w), out)
+    w = torch.rand(rows, k, generator=g)  # [T, k]
+    parts = []
+    for lo, hi in _grid(e, cuts, places):
+        mask = inside(ids, lo, hi)  # [T, k]
+        sub = (mask.any(dim=1) | torch.tensor(more[:rows])).nonzero().squeeze(1)  # [R]
+        parts.append((mask, slice_terms(sl, x[sub], ids[sub], w[sub], lo, hi)))
+    got = combine(ids, h, x.dtype, parts)  # [T, H]
+    whole = expert_forward(sl, x, ids, w)  # [T, H]
+    assert torch.equal(got, whole), (got - whole).abs().max()
+    t = rows - 1  # the last row alone, in one call and in the grid's calls
+    assert torch.equal(expert_forward(sl, x[t:], ids[t:], w[t:])[0], whole[t])
+    alone = [
+        (m[t:], slice_terms(sl, x[t:], ids[t:], w[t:], lo, hi))
+        for (m, _), (lo, hi) in zip(parts, _grid(e, cuts, places), strict=True)
+    ]
+    assert torch.equal(combine(ids[t:], h, x.dtype, alone)[0], whole[t])
 
 
 def test_a_prompt_read_in_pieces_is_read_alike_in_every_batch(tmp_path: Path) -> None:

@@ -95,9 +95,11 @@ def reference(tiny: Tiny, job: wire.Job) -> np.ndarray:
     """The float64 answer over experts [expert_start, expert_end) of the job's layer."""
     sl, lo, hi = tiny.full[job.layer], job.expert_start, job.expert_end
     g, u, d = (t[lo:hi].numpy() for t in (sl.gate, sl.up, sl.down))
-    return expert_forward_reference(
-        g, u, d, lo, job.x.array(), job.ids.array(), job.weights.array()
-    )
+    x, ids, w = job.x.array(), job.ids.array(), job.weights.array()
+    if job.v >= 2:  # one row per (row, expert) pair inside the range, row-major: its term
+        t, j = np.nonzero((ids >= lo) & (ids < hi))
+        x, ids, w = x[t], ids[t, j][:, None], w[t, j][:, None]
+    return expert_forward_reference(g, u, d, lo, x, ids, w)
 
 
 def inputs(tiny: Tiny, ids: list[list[int]], seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -139,20 +141,27 @@ def test_good_job_matches_reference_and_counts(tiny: Tiny) -> None:
     assert res.compute_ms > 0
     y = res.y.array()
     np.testing.assert_allclose(y, reference(tiny, job), rtol=RTOL, atol=ATOL)
-    assert np.all(y[2] == 0), "a row whose experts are all outside [0, 4) gets exactly 0"
-    assert (np.abs(y[[0, 1, 3]]).max(axis=1) > 0).all(), "rows with an expert inside are not 0"
+    assert y.shape == (5, tiny.hidden), "one row per pair inside [0, 4); row 2 has none"
+    assert (np.abs(y).max(axis=1) > 0).all()
     assert (server.served, server.last_serve_ms) == (1, 5_000)
     clock.now_ms = 5_500.0
     only_inside = server.handle(make_job(x[:1], ids[:1, :1], w[:1, :1]))  # expert 0 alone
     assert only_inside.y is not None
-    np.testing.assert_allclose(y[:1], only_inside.y.array(), rtol=RTOL, atol=ATOL)
+    assert np.array_equal(y[:1], only_inside.y.array()), "a term's bits do not depend on its job"
     assert (server.served, server.last_serve_ms) == (2, 5_500)
+
+
+def test_a_v1_job_is_answered_with_each_rows_sum(server: ExpertServer, tiny: Tiny) -> None:
+    """A coordinator that predates per-pair terms gets the sum over the range per row."""
+    x, ids, w = inputs(tiny, [[0, 5], [3, 1], [6, 7]])
+    y = assert_serves(server, tiny, make_job(x, ids, w, v=1))
+    assert y.shape == (3, tiny.hidden) and np.all(y[2] == 0)
 
 
 def test_second_layer_is_served_from_its_own_range(server: ExpertServer, tiny: Tiny) -> None:
     x, ids, w = inputs(tiny, [[4, 0], [7, 5], [1, 2]], seed=1)
     y = assert_serves(server, tiny, make_job(x, ids, w, layer=1, lo=4, hi=8))
-    assert np.all(y[2] == 0) and np.abs(y[:2]).max() > 0
+    assert y.shape[0] == 3 and (np.abs(y).max(axis=1) > 0).all()
     assert not np.allclose(y[0], assert_serves(server, tiny, make_job(x, ids, w))[0])
 
 
@@ -162,10 +171,9 @@ def test_sub_range_of_the_held_range(
 ) -> None:
     x, ids, w = inputs(tiny, [[e, (e + 1) % 8] for e in range(8)], seed=2)
     y = assert_serves(server, tiny, make_job(x, ids, w, layer=layer, lo=lo, hi=hi))
-    rows_in = [e for e in range(8) if lo <= e < hi or lo <= (e + 1) % 8 < hi]
-    assert (np.abs(y[rows_in]).max(axis=1) > 0).all()
-    out = [e for e in range(8) if e not in rows_in]
-    assert np.all(y[out] == 0), "held experts outside the job's range contribute 0"
+    # held experts outside the job's range give no row
+    assert y.shape[0] == int(((ids >= lo) & (ids < hi)).sum())
+    assert (np.abs(y).max(axis=1) > 0).all()
 
 
 def test_half_precision_job_and_empty_rows(server: ExpertServer, tiny: Tiny) -> None:

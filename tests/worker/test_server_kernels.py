@@ -3,7 +3,7 @@ slice's downloaded bytes go through `decode_slice`, a `Bank` and `ExpertServer.h
 `kvq.worker.loader.Loader.load` builds them, and a 64-row job reaches the same int8 MoE entry
 point (`qdot.moe_batch`, the C `kvq_qdot_moe_batch`, whose experts of 16 rows or more take the
 tile kernel on AVX-512) with the same rows per expert as the coordinator's local call, and
-gives the same bits. Not a timing: the calls are recorded."""
+gives the same bits once its per-pair terms are added in the coordinator's order. Not a timing: the calls are recorded."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
 from kvq.device import compute_dtype
 from kvq.model import Backbone, decode_slice, make_tiny, read_meta, slice_layout
+from kvq.model.moe_sum import combine, inside
 from kvq.quant import kernels, qdot
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,12 +105,13 @@ def test_a_prefill_job_takes_the_coordinators_kernel_and_bits(
         res = _worker(path, layer).handle(job)
         assert res.error is None, res.error
         assert res.y is not None and res.dtype == "q8"  # int8 activations, said so
-        remote = res.y.array()
+        terms = torch.from_numpy(res.y.array().copy())  # [2 * ROWS, H]: one row per pair
+        remote = combine(it, 256, torch.float32, [(inside(it, 0, 8), terms)]).numpy()
         assert np.array_equal(remote, local) and np.array_equal(bank, local), layer
-        # one call of all 64 rows on each side, the same rows per expert, 16 each: the
-        # tile kernel on AVX-512
-        assert local_calls == [calls[0]] * 2 and calls == [calls[0]]
-        assert calls[0] == (ROWS, [GEMM_MIN] * 8)
+        # one call on each side, the same rows per expert, 16 each: the tile kernel on
+        # AVX-512 (the worker's rows are the pairs, each row once per expert)
+        assert local_calls == [(ROWS, [GEMM_MIN] * 8)] * 2
+        assert calls == [(2 * ROWS, [GEMM_MIN] * 8)]
         calls.clear()
     built = kernels.int8_kernel()
     assert built is not None

@@ -61,7 +61,7 @@ def test_each_job_goes_to_the_server_of_its_slice(servers: dict[str, ExpertServe
     ra, rb = shelf.handle(ja), shelf.handle(jb)
     assert ra.error is None and rb.error is None and ra.y is not None and rb.y is not None
     assert np.array_equal(ra.y.array(), servers["a"].handle(ja).y.array())  # type: ignore[union-attr]
-    assert ra.y.shape == [2, 64] and rb.y.shape == [2, 32]
+    assert ra.y.shape == [4, 64] and rb.y.shape == [4, 32]  # one row per (row, expert) pair
     served, last = shelf.served()
     assert served >= 2 and last > 0
 
