@@ -37,8 +37,9 @@ from kvq.config import DispatchSettings
 from kvq.coordinator.mailbox import Delivery, Mailbox
 from kvq.coordinator.pending import Answer, Pending, latency_ms
 from kvq.coordinator.placement import Placement
+from kvq.coordinator.recovery import recovery_for
 from kvq.coordinator.routing import SliceRouter
-from kvq.coordinator.verify import Verdict, Verifier
+from kvq.coordinator.verify import Verifier
 from kvq.model.moe_sum import combine, inside
 from kvq.slices import SliceSpec
 
@@ -93,6 +94,7 @@ class LayerCall:
         self.deadline_ms = int(parts.clock_ms()) + parts.settings.job_deadline_ms
         self.sent_remote = False  # it sent jobs it waits for (the dispatcher reads it)
         self.whole: torch.Tensor | None = None  # [T, H] when every slice ran here at once
+        self.recovery = recovery_for(parts.placement.has_experts)  # on a miss, and to check
 
     def start(self, busy: int, total: int) -> None:
         """Route the layer, send its remote jobs, compute its local slices."""
@@ -113,8 +115,8 @@ class LayerCall:
         trial = route.trial if route is not None else None
         for spec, rows in self.order:
             worker = route.worker(spec.sid) if route is not None else None
-            if worker is None and not place.has_experts:  # a split kept it here: it cannot be
-                worker = place.replica_for(spec.sid, None, self._give_up_at())
+            if worker is None:  # the route keeps it here: where it cannot be, a replica
+                worker = self.recovery.unrouted(self, spec)
             if worker is None:
                 local.append((spec, rows))
                 continue
@@ -183,7 +185,7 @@ class LayerCall:
         self.pending[job_id] = p
         self.parts.mailbox.expect(job_id, p, self)
 
-    def _send(self, worker: str, spec: SliceSpec, rows: torch.Tensor) -> Pending:
+    def send(self, worker: str, spec: SliceSpec, rows: torch.Tensor) -> Pending:
         """One more job for rows this call already routed (sent again, or to a witness); its
         deadline is the job deadline from now."""
         parts = self.parts
@@ -233,30 +235,19 @@ class LayerCall:
         return y
 
     def fallback(self, p: Pending, latency_ms: float, failed_by: str | None = None) -> None:
-        """A remote job failed or timed out: compute it here and count it, never lose it
-        (without the experts here: send it again, `resend`). The failure counts against
-        `failed_by`, the worker whose answer failed (a peer the job was moved to, perhaps),
-        else against `p.worker`, which did not answer in time."""
+        """A remote job failed or timed out: its policy gets the terms another way, never
+        losing them. The failure counts against `failed_by`, the worker whose answer failed
+        (a peer the job was moved to, perhaps), else against `p.worker`, which did not answer
+        in time."""
         self.parts.routing.observe_failure(failed_by or p.worker, latency_ms)
-        if not self.parts.placement.has_experts:
-            self.resend(p)
-            return
-        self.stats.fallback_jobs += 1
-        self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+        self.recovery.missed(self, p)
 
-    def _give_up_at(self) -> float:
+    def give_up_time(self) -> float:
+        """Monotonic time after which a job no one here can compute fails: `KVQ_REPLICA_WAIT_S`
+        from this call's first need of a replica."""
         if not self.give_up_at:
             self.give_up_at = time.monotonic() + self.parts.settings.replica_wait_s
         return self.give_up_at
-
-    def resend(self, p: Pending) -> None:
-        """A backbone-only coordinator's job failed: the same rows go to a live replica of the
-        slice (another worker if there is one), waited for up to `KVQ_REPLICA_WAIT_S` from
-        this call's first failure; then NoReplica ends the step's requests with an error."""
-        worker = self.parts.placement.replica_for(p.spec.sid, p.worker, self._give_up_at())
-        log.info("job for slice %s failed on %s; sent again to %s", p.spec.sid, p.worker, worker)
-        self._send(worker, p.spec, p.rows)
-        self.stats.remote_sent += 1
 
     def _gather(self) -> None:
         mailbox, stats = self.parts.mailbox, self.stats
@@ -276,7 +267,7 @@ class LayerCall:
                     "job %s on %s missed its deadline; %s",
                     job_id,
                     p.worker,
-                    "computing locally" if self.parts.placement.has_experts else "sending it again",
+                    self.recovery.after_miss,
                 )
                 mailbox.forget(job_id)
                 self.fallback(p, float(self.parts.settings.job_deadline_ms))
@@ -313,91 +304,14 @@ class LayerCall:
             return
         if parts.verifier.barred(sender):  # caught earlier: nothing it sends is used
             stats.barred_results += 1
-            if not parts.placement.has_experts:
-                self.resend(p)
-                return
-            stats.fallback_jobs += 1
-            self.partials[p.spec.sid] = self.local(p.spec, p.rows)
+            self.recovery.missed(self, p)
             return
-        if not parts.placement.has_experts:  # nothing here can recompute it: replicas check
-            self._quorum(p, Answer(sender, y, res.dtype), ms, res.compute_ms)
-            return
-        recompute = lambda: self.local(p.spec, p.rows)  # noqa: E731
-        y, verdict = parts.verifier.judge(sender, y, res.dtype, recompute, p.spec.sid)
-        self.partials[p.spec.sid] = y
-        if verdict is Verdict.REJECTED:
-            stats.fallback_jobs += 1
-            return
-        self._used(sender, p, ms, res.compute_ms, verdict is Verdict.VERIFIED)
+        self.recovery.answered(self, p, Answer(sender, y, res.dtype), ms, res.compute_ms)
 
-    def _used(self, worker: str, p: Pending, ms: float, compute_ms: float, verified: bool) -> None:
+    def use(self, worker: str, p: Pending, ms: float, compute_ms: float, verified: bool) -> None:
         tally = self.parts.tally
         tally.stats.remote_jobs += 1
         self.parts.routing.observe_result(
             worker, ms, int(p.rows.numel()), compute_ms, verified=verified
         )
         tally.per_worker[worker] = tally.per_worker.get(worker, 0) + 1
-
-    def _quorum(self, p: Pending, got: Answer, ms: float, compute_ms: float) -> None:
-        """A coordinator without experts checks a result by the same job's result from another
-        holder of the slice (BOINC's quorum), drawn as often as a recomputation would be. Two
-        that agree are used; on disagreement a third holder decides, and the one outvoted is
-        caught; with no holder left to ask, none is used and the job is sent again (it waits,
-        up to `KVQ_REPLICA_WAIT_S`, then NoReplica: never a wrong token)."""
-        verifier = self.parts.verifier
-        if verifier.unchecked(got.worker, got.y, got.dtype) is Verdict.REJECTED:
-            if p.answers:  # a witness that failed: ask another, the earlier answers wait
-                self._witness(p, p.answers, None)
-            else:
-                self.resend(p)
-            return
-        if not p.answers and not verifier.wants_witness(got.worker):
-            self.partials[p.spec.sid] = got.y
-            self._used(got.worker, p, ms, compute_ms, False)
-            return
-        agreeing = next((a for a in p.answers if verifier.agree(a, got)), None)
-        if agreeing is not None:
-            verifier.confirmed([agreeing, got])
-            for a in p.answers:
-                if a is not agreeing:
-                    verifier.outvoted(a, [agreeing, got])
-            self.partials[p.spec.sid] = got.y
-            self._used(got.worker, p, ms, compute_ms, True)
-            return
-        self._witness(p, [*p.answers, got], got.worker)
-
-    def _witness(self, p: Pending, answers: list[Answer], last: str | None) -> None:
-        """Send `p`'s rows to a live holder of the slice that has not answered them yet, to
-        confirm one of `answers`; with none left, the answers are dropped and the job sent
-        again."""
-        parts = self.parts
-        asked = {a.worker for a in answers} | {p.worker}
-        free = [
-            w
-            for w in parts.routing.live_holders(p.spec.sid)
-            if w not in asked and not parts.verifier.barred(w)
-        ]
-        if not free:
-            if len(answers) > 1:
-                log.warning(
-                    "slice %s: %d answers to one job disagree and no other live worker "
-                    "holds it; none is used, the job is sent again",
-                    p.spec.sid,
-                    len(answers),
-                )
-                self.stats.unresolved += 1
-                self.resend(p)
-            else:  # no second holder: used unconfirmed, as without quorum
-                self.stats.unwitnessed += 1
-                self.partials[p.spec.sid] = answers[0].y
-                self._used(answers[0].worker, p, 0.0, 0.0, False)
-            return
-        witness = self._send(free[0], p.spec, p.rows)
-        witness.answers = answers
-        self.stats.witness_jobs += 1
-        log.debug(
-            "slice %s: a job asks %s to confirm %s",
-            p.spec.sid,
-            free[0],
-            ", ".join(a.worker for a in answers) or "-",
-        )
