@@ -157,29 +157,11 @@ def run_api_bench(settings: Settings, opts: ApiBenchOptions) -> dict[str, Any]:
         if not opts.model_path:
             make_tiny(model, layers=2, experts=8, experts_used=2, tokenizer="bpe")
         port = _free_port()
-        s = settings.model_copy(
-            update={
-                "redis_url": server.url,
-                "n_slots": opts.streams,
-                "api_port": port,
-                "api_max_queue": max(settings.api_max_queue, opts.requests + 1),
-                "saturation_threshold": min(settings.saturation_threshold, opts.streams),
-            }
-        )
+        s = _bench_settings(settings, opts, server.url, port)
         env = child_env(s)
         env.setdefault("OMP_NUM_THREADS", "1")
         children = Children(env)
-        board = open_board(s.bus, s.lifetimes)
-        children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}")
-        _wait(lambda: MODEL_ID in board.models(), children, "model registration")
-        children.spawn(
-            "coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model, "--id", COORD_ID
-        )
-        for i in range(opts.workers):
-            children.spawn(f"worker-{i}", "worker", "--id", f"bench-worker-{i}")
-        children.spawn("api", "api")
-        _wait(lambda: board.coordinator_alive(COORD_ID), children, "the coordinator")
-        _wait(lambda: _up(port), children, "kvq api")
+        _start_system(s, opts, children, model, port)
         direct, api = _direct(s, opts.max_tokens), _api(port, opts.max_tokens)
         _round(direct, opts.streams, opts.streams)  # warm-up: caches, connections, pools
         _round(api, opts.streams, opts.streams)
@@ -187,33 +169,70 @@ def run_api_bench(settings: Settings, opts: ApiBenchOptions) -> dict[str, Any]:
         for _ in range(opts.rounds):
             d_rounds.append(_round(direct, opts.streams, opts.requests))
             a_rounds.append(_round(api, opts.streams, opts.requests))
-        d, a = _best(d_rounds), _best(a_rounds)
-        return {
-            "streams": opts.streams,
-            "requests": opts.requests,
-            "max_tokens": opts.max_tokens,
-            "rounds": opts.rounds,
-            "workers": opts.workers,
-            "direct": d,
-            "api": a,
-            "ratio": round(a["tokens_per_s"] / d["tokens_per_s"], 3),
-            # each api round against the direct round just before it: robust to load drift
-            "ratio_paired_median": round(
-                statistics.median(
-                    x["tokens_per_s"] / y["tokens_per_s"]
-                    for x, y in zip(a_rounds, d_rounds, strict=True)
-                ),
-                3,
-            ),
-            "ttft_ratio": round(a["ttft_p50_ms"] / max(d["ttft_p50_ms"], 1e-3), 3),
-            "direct_rounds": d_rounds,
-            "api_rounds": a_rounds,
-        }
+        return _report(opts, d_rounds, a_rounds)
     finally:
         if children is not None:
             children.stop_all()
         server.close()
         tmp.cleanup()
+
+
+def _bench_settings(settings: Settings, opts: ApiBenchOptions, url: str, port: int) -> Settings:
+    """The settings every child runs with: the embedded Redis, one slot a stream, room to queue."""
+    return settings.model_copy(
+        update={
+            "redis_url": url,
+            "n_slots": opts.streams,
+            "api_port": port,
+            "api_max_queue": max(settings.api_max_queue, opts.requests + 1),
+            "saturation_threshold": min(settings.saturation_threshold, opts.streams),
+        }
+    )
+
+
+def _start_system(
+    s: Settings, opts: ApiBenchOptions, children: Children, model: str, port: int
+) -> None:
+    """Monitor, coordinator, workers and the api, each waited for until it serves."""
+    board = open_board(s.bus, s.lifetimes)
+    children.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}")
+    _wait(lambda: MODEL_ID in board.models(), children, "model registration")
+    children.spawn(
+        "coordinator", "coordinator", "--model-id", MODEL_ID, "--model", model, "--id", COORD_ID
+    )
+    for i in range(opts.workers):
+        children.spawn(f"worker-{i}", "worker", "--id", f"bench-worker-{i}")
+    children.spawn("api", "api")
+    _wait(lambda: board.coordinator_alive(COORD_ID), children, "the coordinator")
+    _wait(lambda: _up(port), children, "kvq api")
+
+
+def _report(
+    opts: ApiBenchOptions, d_rounds: list[dict[str, float]], a_rounds: list[dict[str, float]]
+) -> dict[str, Any]:
+    """The `--json` document: the best round of each path and their ratios."""
+    d, a = _best(d_rounds), _best(a_rounds)
+    return {
+        "streams": opts.streams,
+        "requests": opts.requests,
+        "max_tokens": opts.max_tokens,
+        "rounds": opts.rounds,
+        "workers": opts.workers,
+        "direct": d,
+        "api": a,
+        "ratio": round(a["tokens_per_s"] / d["tokens_per_s"], 3),
+        # each api round against the direct round just before it: robust to load drift
+        "ratio_paired_median": round(
+            statistics.median(
+                x["tokens_per_s"] / y["tokens_per_s"]
+                for x, y in zip(a_rounds, d_rounds, strict=True)
+            ),
+            3,
+        ),
+        "ttft_ratio": round(a["ttft_p50_ms"] / max(d["ttft_p50_ms"], 1e-3), 3),
+        "direct_rounds": d_rounds,
+        "api_rounds": a_rounds,
+    }
 
 
 def _up(port: int) -> bool:

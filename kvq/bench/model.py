@@ -272,20 +272,11 @@ def _decode_rate(stamps: list[float]) -> float:
 
 def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     """One kvq round: load, batch-1 decode, then the coordinator's batched path."""
-    import torch
-
-    from kvq.model import Backbone, load_tokenizer
-    from kvq.model.generate import generate
-    from kvq.quant import kernels, qdot
+    from kvq.model import load_tokenizer
 
     from .expert_tally import ExpertTally, span
 
-    torch.set_num_threads(cfg.threads)
-    qdot.configure(qdot.KernelOptions(**(cfg.kernels or {})))
-    kernels.int8_active()  # build or load the int8 kernel before the clock starts
-    t0 = time.perf_counter()
-    bb = Backbone.from_gguf(cfg.model)
-    load_s = time.perf_counter() - t0
+    bb, load_s = _kvq_load(cfg)
     anon_load = _status_mb("RssAnon")
     tok = load_tokenizer(cfg.model)
     prefill: dict[str, Any] = {}
@@ -297,6 +288,64 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
             min(cfg.prefill_tokens, bb.meta.context_length - 1),
         )
     prompt = tok.encode(cfg.prompt, add_bos=True)
+    stamps, one = _kvq_decode_one(bb, prompt, cfg)
+    bank, bank_note = _coordinator_bank(bb, cfg)
+    moe = bank.forward if bank is not None else bb.local_moe
+    many = ExpertTally(moe, rows=cfg.batch)
+    agg, agg_tokens, agg_s = _kvq_aggregate(bb, tok, cfg, cfg.batch, many, bank)
+    hit_rate, aggregates = _hit_rate(bank), {str(cfg.batch): agg}
+    for n in cfg.sequences[1:]:
+        aggregates[str(n)] = _kvq_aggregate(bb, tok, cfg, n, moe, bank)[0]
+    decode = _decode_rate(stamps)
+    return (
+        {
+            "load_s": load_s,
+            "peak_rss_mb": _status_mb("VmHWM"),
+            "anon_rss_mb_load": anon_load,
+            "anon_rss_mb_decode": _status_mb("RssAnon"),
+            "prompt_tokens": len(prompt),
+            "decode_tokens": len(stamps),
+            "decode_tok_s": decode,
+            "aggregate_tok_s": agg,
+            "aggregate_gain": _ratio(agg, decode),
+            "aggregate_sequences": cfg.batch,
+            "aggregate_tokens": agg_tokens,
+            "aggregates": aggregates,
+            "hit_rate": hit_rate,
+            "bank_note": bank_note,
+            "experts_per_layer_1": one.mean_distinct(),
+            "experts_per_layer_batch": many.mean_distinct(),
+            "expert_ms_per_layer_1": one.mean_ms(),
+            "expert_ms_per_layer_batch": many.mean_ms(),
+            "expert_share_1": one.share(span(stamps)),
+            "expert_share_batch": many.share(agg_s),
+        }
+        | _kvq_runtime()
+        | prefill
+    )
+
+
+def _kvq_load(cfg: ModelBench) -> tuple[Any, float]:
+    """Threads and kernels set, the backbone loaded: it and the seconds the load took."""
+    import torch
+
+    from kvq.model import Backbone
+    from kvq.quant import kernels, qdot
+
+    torch.set_num_threads(cfg.threads)
+    qdot.configure(qdot.KernelOptions(**(cfg.kernels or {})))
+    kernels.int8_active()  # build or load the int8 kernel before the clock starts
+    t0 = time.perf_counter()
+    bb = Backbone.from_gguf(cfg.model)
+    return bb, time.perf_counter() - t0
+
+
+def _kvq_decode_one(bb: Any, prompt: list[int], cfg: ModelBench) -> tuple[list[float], Any]:
+    """Batch-1 greedy decode: each token's time stamp and the expert tally it ran through."""
+    from kvq.model.generate import generate
+
+    from .expert_tally import ExpertTally
+
     stamps: list[float] = []
     one = ExpertTally(bb.local_moe, rows=1)
     generate(
@@ -307,41 +356,22 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         stop_at_eos=False,
         on_token=lambda _t: stamps.append(time.perf_counter()),
     )
-    bank, bank_note = _coordinator_bank(bb, cfg)
-    moe = bank.forward if bank is not None else bb.local_moe
-    many = ExpertTally(moe, rows=cfg.batch)
-    agg, agg_tokens, agg_s = _kvq_aggregate(bb, tok, cfg, cfg.batch, many, bank)
-    hit_rate, aggregates = _hit_rate(bank), {str(cfg.batch): agg}
-    for n in cfg.sequences[1:]:
-        aggregates[str(n)] = _kvq_aggregate(bb, tok, cfg, n, moe, bank)[0]
-    decode = _decode_rate(stamps)
+    return stamps, one
+
+
+def _kvq_runtime() -> dict[str, Any]:
+    """The threads, activations and kernel paths the round ran with."""
+    import torch
+
+    from kvq.quant import kernels, qdot
+
     return {
-        "load_s": load_s,
-        "peak_rss_mb": _status_mb("VmHWM"),
-        "anon_rss_mb_load": anon_load,
-        "anon_rss_mb_decode": _status_mb("RssAnon"),
-        "prompt_tokens": len(prompt),
-        "decode_tokens": len(stamps),
-        "decode_tok_s": decode,
-        "aggregate_tok_s": agg,
-        "aggregate_gain": _ratio(agg, decode),
-        "aggregate_sequences": cfg.batch,
-        "aggregate_tokens": agg_tokens,
-        "aggregates": aggregates,
-        "hit_rate": hit_rate,
-        "bank_note": bank_note,
-        "experts_per_layer_1": one.mean_distinct(),
-        "experts_per_layer_batch": many.mean_distinct(),
-        "expert_ms_per_layer_1": one.mean_ms(),
-        "expert_ms_per_layer_batch": many.mean_ms(),
-        "expert_share_1": one.share(span(stamps)),
-        "expert_share_batch": many.share(agg_s),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(),
         "paths": kernels.paths(),
-    } | prefill
+    }
 
 
 def _kvq_aggregate(

@@ -155,31 +155,52 @@ def _run(cfg: OffloadBench, coord_cpu: int, worker_cpu: int) -> dict[str, Any]:
         )
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=cfg.log_dir or str(Path(tmp) / "logs"))
-        board = open_board(s.bus, s.lifetimes)
         try:
-            kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
-            kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
-            coord = _coordinator(kids, board, model, cfg.microbatches[0], coord_cpu)
-            baselines = [_phase(board, s, cfg, kids, coord)]
-            runs = []
-            rounds = itertools.product(  # micro-batch values side by side: the machine drifts
-                range(cfg.repeat), enumerate(cfg.rtts_ms), enumerate(cfg.microbatches)
-            )
-            for k, (i, rtt), (j, mb) in rounds:
-                if not coord.endswith(f"-mb{mb}"):
-                    coord = _coordinator(kids, board, model, mb, coord_cpu)
-                name = f"{i}-{j}" + (f"-{k}" if cfg.repeat > 1 else "")
-                run = _with_worker(board, s, cfg, kids, coord, name, rtt, worker_cpu)
-                baselines.append(_phase(board, s, cfg, kids, coord))
-                beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
-                speedup = round(run["tok_s"] / beside, 3) if beside else None
-                runs.append(
-                    {"rtt_ms": rtt, "microbatches": mb, "repeat": k}
-                    | run
-                    | {"baseline_tok_s": round(beside, 3), "speedup": speedup}
-                )
+            baselines, runs = _measure(cfg, s, kids, model, coord_cpu, worker_cpu)
         finally:
             kids.stop_all()
+    return _report(cfg, file_mb, coord_cpu, worker_cpu, baselines, runs)
+
+
+def _measure(
+    cfg: OffloadBench, s: Settings, kids: Children, model: str, coord_cpu: int, worker_cpu: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every (RTT, micro-batches) run with a worker, each between two phases without one: the
+    phases and the runs."""
+    board = open_board(s.bus, s.lifetimes)
+    kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={model}", cpus={worker_cpu})
+    kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
+    coord = _coordinator(kids, board, model, cfg.microbatches[0], coord_cpu)
+    baselines = [_phase(board, s, cfg, kids, coord)]
+    runs = []
+    rounds = itertools.product(  # micro-batch values side by side: the machine drifts
+        range(cfg.repeat), enumerate(cfg.rtts_ms), enumerate(cfg.microbatches)
+    )
+    for k, (i, rtt), (j, mb) in rounds:
+        if not coord.endswith(f"-mb{mb}"):
+            coord = _coordinator(kids, board, model, mb, coord_cpu)
+        name = f"{i}-{j}" + (f"-{k}" if cfg.repeat > 1 else "")
+        run = _with_worker(board, s, cfg, kids, coord, name, rtt, worker_cpu)
+        baselines.append(_phase(board, s, cfg, kids, coord))
+        beside = (baselines[-2]["tok_s"] + baselines[-1]["tok_s"]) / 2
+        speedup = round(run["tok_s"] / beside, 3) if beside else None
+        runs.append(
+            {"rtt_ms": rtt, "microbatches": mb, "repeat": k}
+            | run
+            | {"baseline_tok_s": round(beside, 3), "speedup": speedup}
+        )
+    return baselines, runs
+
+
+def _report(
+    cfg: OffloadBench,
+    file_mb: float,
+    coord_cpu: int,
+    worker_cpu: int,
+    baselines: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The `--json` document."""
     base = statistics.mean(b["tok_s"] for b in baselines)
     e = statistics.mean(b["expert_share"] for b in baselines)
     return {

@@ -137,47 +137,13 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
     full, backbone = model_files(cfg)
     log_dir = cfg.log_dir or str(Path(cfg.cache_dir).expanduser() / "logs")
     with local_redis() as server:
-        s = load_settings(
-            redis_url=server.url,
-            prefix="kvqpool",
-            n_slots=max(cfg.sequences),
-            saturation_threshold=min(2, max(cfg.sequences)),  # loaded at 1 sequence too
-            max_tokens_limit=max(512, cfg.max_tokens),
-            idle_shutdown_s=0,
-            idle_release_s=0,
-            heartbeat_ttl_s=cfg.hb_ttl_s,
-            monitor_poll_s=0.5,
-            microbatches=cfg.microbatches,
-            backbone_replicas=cfg.copies,
-            base_replicas=1,
-            boost_replicas=0,
-            grain=cfg.grain,
-            stage_layers=cfg.stage_layers,
-            verify_remote=cfg.verify,
-        )
+        s = _pool_settings(cfg, server.url)
         env = child_env(s) | {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         kids = Children(env, log_dir=log_dir)
         board = open_board(s.bus, s.lifetimes)
         try:
-            kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={full}", cpus={side_cpu})
-            kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
-            info = board.model_info(MODEL_ID)
-            assert info is not None
-            sizes = {sid: sl.nbytes for sid, sl in info.slices.items()}
+            sizes, shape = _start_roles(kids, board, full, backbone, coord_cpu, side_cpu)
             expert_bytes = sum(sizes.values())
-            shape = report.shape_of(info.meta, len(sizes))
-            kids.spawn(
-                "coordinator",
-                "coordinator",
-                "--model-id",
-                MODEL_ID,
-                "--model",
-                str(backbone),
-                "--id",
-                COORD_ID,
-                cpus={coord_cpu},
-            )
-            kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
             budget = cfg.cap_fraction * expert_bytes
             pool = PoolWorkers(
                 kids,
@@ -190,25 +156,7 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
                 budget,
                 int(budget) + cfg.overhead_mib * 2**20,
             )
-            runs: list[dict[str, Any]] = []
-            kill = None
-            for i, rtt in enumerate(cfg.rtts_ms):
-                try:
-                    joined = pool.start(cfg.workers, rtt)
-                    for n in cfg.sequences:
-                        runs.append(
-                            {"rtt_ms": rtt, "sequences": n, "join": joined}
-                            | _window(board, s, cfg, kids, pool, n)
-                        )
-                    last = i == len(cfg.rtts_ms) - 1
-                    if cfg.kill and last:
-                        kill = (
-                            _kill_phase(board, s, cfg, kids, pool)
-                            if _survivors_hold(cfg)
-                            else {"skipped": SURVIVORS_CANNOT}
-                        )
-                finally:
-                    pool.stop()
+            runs, kill = _rounds(board, s, cfg, kids, pool)
         finally:
             kids.stop_all()
     return report.build(
@@ -223,6 +171,86 @@ def _run(cfg: PoolBench, coord_cpu: int, side_cpu: int, netns: bool) -> dict[str
         kill,
         (coord_cpu, side_cpu),
     )
+
+
+def _pool_settings(cfg: PoolBench, redis_url: str) -> Settings:
+    """The settings every child runs with."""
+    return load_settings(
+        redis_url=redis_url,
+        prefix="kvqpool",
+        n_slots=max(cfg.sequences),
+        saturation_threshold=min(2, max(cfg.sequences)),  # loaded at 1 sequence too
+        max_tokens_limit=max(512, cfg.max_tokens),
+        idle_shutdown_s=0,
+        idle_release_s=0,
+        heartbeat_ttl_s=cfg.hb_ttl_s,
+        monitor_poll_s=0.5,
+        microbatches=cfg.microbatches,
+        backbone_replicas=cfg.copies,
+        base_replicas=1,
+        boost_replicas=0,
+        grain=cfg.grain,
+        stage_layers=cfg.stage_layers,
+        verify_remote=cfg.verify,
+    )
+
+
+def _start_roles(
+    kids: Children,
+    board: RedisBoard,
+    full: Path,
+    backbone: Path,
+    coord_cpu: int,
+    side_cpu: int,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The monitor and the coordinator, each waited for: the slices' sizes and the model's
+    shape."""
+    kids.spawn("monitor", "monitor", "--model", f"{MODEL_ID}={full}", cpus={side_cpu})
+    kids.wait_for(lambda: MODEL_ID in board.models(), 600, "model registration")
+    info = board.model_info(MODEL_ID)
+    assert info is not None
+    sizes = {sid: sl.nbytes for sid, sl in info.slices.items()}
+    shape = report.shape_of(info.meta, len(sizes))
+    kids.spawn(
+        "coordinator",
+        "coordinator",
+        "--model-id",
+        MODEL_ID,
+        "--model",
+        str(backbone),
+        "--id",
+        COORD_ID,
+        cpus={coord_cpu},
+    )
+    kids.wait_for(lambda: board.coordinator_alive(COORD_ID), 600, "the coordinator")
+    return sizes, shape
+
+
+def _rounds(
+    board: RedisBoard, s: Settings, cfg: PoolBench, kids: Children, pool: PoolWorkers
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each RTT: the pool started, one window per sequence count; the kill phase after the
+    last: the runs and the kill phase's figures."""
+    runs: list[dict[str, Any]] = []
+    kill = None
+    for i, rtt in enumerate(cfg.rtts_ms):
+        try:
+            joined = pool.start(cfg.workers, rtt)
+            for n in cfg.sequences:
+                runs.append(
+                    {"rtt_ms": rtt, "sequences": n, "join": joined}
+                    | _window(board, s, cfg, kids, pool, n)
+                )
+            last = i == len(cfg.rtts_ms) - 1
+            if cfg.kill and last:
+                kill = (
+                    _kill_phase(board, s, cfg, kids, pool)
+                    if _survivors_hold(cfg)
+                    else {"skipped": SURVIVORS_CANNOT}
+                )
+        finally:
+            pool.stop()
+    return runs, kill
 
 
 def _window(

@@ -313,6 +313,13 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
+    _print_model_table(r)
+    _print_model_notes(r["kvq"], r.get("llama", {}), r.get("llama_note"))
+    return EXIT_OK
+
+
+def _print_model_table(r: dict[str, Any]) -> None:
+    """The bench's header and its figures side by side: kvq, llama.cpp, their ratio."""
     print(
         f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
         f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
@@ -342,6 +349,10 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     for n, v in (kq.get("aggregates") or {}).items():
         other = [(d.get("aggregates") or {}).get(n) for d in (ll, ratio)]
         print(f"  {'aggregate @ ' + n:<20} {_cells(v, *other)}")
+
+
+def _print_model_notes(kq: dict[str, Any], ll: dict[str, Any], llama_note: str | None) -> None:
+    """Below the table: the bank's hit rate, the kernel paths, the experts a layer, notes."""
     hr = kq["hit_rate"]
     if hr is not None:
         print(
@@ -364,10 +375,9 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
             f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)"
         )
     notes = [f"{n} sequences: {v}" for n, v in (ll.get("aggregate_notes") or {}).items()]
-    for note in (r.get("llama_note"), ll.get("error"), *notes):
+    for note in (llama_note, ll.get("error"), *notes):
         if note:
             print(f"  llama.cpp: {note}")
-    return EXIT_OK
 
 
 # -- parser --------------------------------------------------------------------------------

@@ -150,17 +150,7 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     if arch == "deepseek2":
         return _deepseek2_parts(cfg, variant, half)
     if arch == "glm4moe":
-        return replace(
-            cfg,
-            dense_layers=min(1, cfg.layers - 1),
-            shared_count=1,
-            rope_dim=half,
-            gating="sigmoid",
-            probs_bias=True,
-            weights_norm=True,
-            head_norms=True,
-            nextn=1,
-        )
+        return _glm4moe_parts(cfg, half)
     if arch == "olmoe":
         return replace(cfg, kv_heads=cfg.heads)
     if arch == "gpt-oss":
@@ -168,16 +158,34 @@ def family_parts(cfg: TinyConfig, arch: str, variant: str = "") -> TinyConfig:
     if arch == "qwen35moe":
         return _qwen35moe_parts(cfg, half)
     if arch == "llama4":
-        return replace(
-            cfg,
-            layers=max(4, cfg.layers),
-            moe_step=2,
-            shared_count=1,
-            experts_used=1,
-            context=16384,
-            rope_factors=True,
-        )
+        return _llama4_parts(cfg)
     return cfg
+
+
+def _glm4moe_parts(cfg: TinyConfig, half: int) -> TinyConfig:
+    return replace(
+        cfg,
+        dense_layers=min(1, cfg.layers - 1),
+        shared_count=1,
+        rope_dim=half,
+        gating="sigmoid",
+        probs_bias=True,
+        weights_norm=True,
+        head_norms=True,
+        nextn=1,
+    )
+
+
+def _llama4_parts(cfg: TinyConfig) -> TinyConfig:
+    return replace(
+        cfg,
+        layers=max(4, cfg.layers),
+        moe_step=2,
+        shared_count=1,
+        experts_used=1,
+        context=16384,
+        rope_factors=True,
+    )
 
 
 def _deepseek2_parts(cfg: TinyConfig, variant: str, half: int) -> TinyConfig:

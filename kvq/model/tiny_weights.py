@@ -274,7 +274,7 @@ def _mla_tensors(cfg: TinyConfig, rng: np.random.Generator, p: str) -> dict[str,
 def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple[int, ...]]:
     """GGUF name -> numpy shape of every tensor of block `layer`, for every arch (MTP blocks
     past `cfg.layers` included): the one description `tiny_tensors` and the presets share."""
-    h, f, e, d = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.head_dim
+    h, d = cfg.hidden, cfg.head_dim
     q, kv, p = cfg.heads * d, cfg.kv_heads * d, f"blk.{layer}."
     out: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (h,)}
     if cfg.recurrent(layer):
@@ -282,68 +282,17 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
     elif spec.attention == MLA:
         out.update(_mla_shapes(cfg, p))
     else:
-        q_rows = 2 * q if spec.gated_q else q  # qwen35moe: per head q, then the output gate
-        out.update(
-            {
-                p + "attn_q.weight": (q_rows, h),
-                p + "attn_k.weight": (kv, h),
-                p + "attn_v.weight": (kv, h),
-                p + "attn_output.weight": (h, q),
-            }
-        )
-        if spec.qk_norm == QK_FULL:
-            out.update({p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)})
-        elif spec.qk_norm == QK_HEAD or cfg.head_norms:
-            out.update({p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)})
+        out.update(_gqa_shapes(cfg, spec, p))
     out[p + spec.ffn_norm + ".weight"] = (h,)
     if spec.out_bias:
         out[p + "attn_output.bias"] = (h,)
     if spec.attn_sinks:
         out[p + "attn_sinks.weight"] = (cfg.heads,)
-    if not cfg.is_moe(layer):
-        fd = cfg.dense_width
-        out.update(
-            {
-                p + "ffn_gate.weight": (fd, h),
-                p + "ffn_up.weight": (fd, h),
-                p + "ffn_down.weight": (h, fd),
-            }
-        )
-    else:
-        out.update(
-            {
-                p + "ffn_gate_inp.weight": (e, h),
-                p + "ffn_gate_exps.weight": (e, f, h),
-                p + "ffn_up_exps.weight": (e, f, h),
-                p + "ffn_down_exps.weight": (e, h, f),
-            }
-        )
+    out.update(_ffn_shapes(cfg, layer, p))
     if spec.qkv_bias:
         out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
     if cfg.is_moe(layer):
-        fs = cfg.shared_ffn
-        if spec.shared == SHARED_GATED:
-            out[p + "ffn_gate_inp_shexp.weight"] = (h,)
-        if spec.shared != SHARED_NONE:
-            out.update(
-                {
-                    p + "ffn_gate_shexp.weight": (fs, h),
-                    p + "ffn_up_shexp.weight": (fs, h),
-                    p + "ffn_down_shexp.weight": (h, fs),
-                }
-            )
-        if cfg.probs_bias:
-            out[p + "exp_probs_b.bias"] = (e,)
-        if spec.router_bias:
-            out[p + "ffn_gate_inp.bias"] = (e,)
-        if spec.expert_bias:
-            out.update(
-                {
-                    p + "ffn_gate_exps.bias": (e, f),
-                    p + "ffn_up_exps.bias": (e, f),
-                    p + "ffn_down_exps.bias": (e, h),
-                }
-            )
+        out.update(_moe_extra_shapes(cfg, spec, p))
     if layer >= cfg.layers:  # an MTP block: its own projections and norms
         out.update(
             {
@@ -351,6 +300,71 @@ def layer_shapes(cfg: TinyConfig, spec: ArchSpec, layer: int) -> dict[str, tuple
                 p + "nextn.enorm.weight": (h,),
                 p + "nextn.hnorm.weight": (h,),
                 p + "nextn.shared_head_norm.weight": (h,),
+            }
+        )
+    return out
+
+
+def _gqa_shapes(cfg: TinyConfig, spec: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """Grouped-query attention's projections and its q/k norms, if any."""
+    h, d = cfg.hidden, cfg.head_dim
+    q, kv = cfg.heads * d, cfg.kv_heads * d
+    q_rows = 2 * q if spec.gated_q else q  # qwen35moe: per head q, then the output gate
+    out: dict[str, tuple[int, ...]] = {
+        p + "attn_q.weight": (q_rows, h),
+        p + "attn_k.weight": (kv, h),
+        p + "attn_v.weight": (kv, h),
+        p + "attn_output.weight": (h, q),
+    }
+    if spec.qk_norm == QK_FULL:
+        out.update({p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)})
+    elif spec.qk_norm == QK_HEAD or cfg.head_norms:
+        out.update({p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)})
+    return out
+
+
+def _ffn_shapes(cfg: TinyConfig, layer: int, p: str) -> dict[str, tuple[int, ...]]:
+    """A dense layer's FFN, or a MoE layer's router and stacked experts."""
+    h, f, e = cfg.hidden, cfg.expert_ffn, cfg.experts
+    if not cfg.is_moe(layer):
+        fd = cfg.dense_width
+        return {
+            p + "ffn_gate.weight": (fd, h),
+            p + "ffn_up.weight": (fd, h),
+            p + "ffn_down.weight": (h, fd),
+        }
+    return {
+        p + "ffn_gate_inp.weight": (e, h),
+        p + "ffn_gate_exps.weight": (e, f, h),
+        p + "ffn_up_exps.weight": (e, f, h),
+        p + "ffn_down_exps.weight": (e, h, f),
+    }
+
+
+def _moe_extra_shapes(cfg: TinyConfig, spec: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's shared expert (and its gate), score bias, router and expert biases."""
+    h, f, e, fs = cfg.hidden, cfg.expert_ffn, cfg.experts, cfg.shared_ffn
+    out: dict[str, tuple[int, ...]] = {}
+    if spec.shared == SHARED_GATED:
+        out[p + "ffn_gate_inp_shexp.weight"] = (h,)
+    if spec.shared != SHARED_NONE:
+        out.update(
+            {
+                p + "ffn_gate_shexp.weight": (fs, h),
+                p + "ffn_up_shexp.weight": (fs, h),
+                p + "ffn_down_shexp.weight": (h, fs),
+            }
+        )
+    if cfg.probs_bias:
+        out[p + "exp_probs_b.bias"] = (e,)
+    if spec.router_bias:
+        out[p + "ffn_gate_inp.bias"] = (e,)
+    if spec.expert_bias:
+        out.update(
+            {
+                p + "ffn_gate_exps.bias": (e, f),
+                p + "ffn_up_exps.bias": (e, f),
+                p + "ffn_down_exps.bias": (e, h),
             }
         )
     return out
