@@ -79,7 +79,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
 
 def _model_flags(specs: list[str]) -> list[tuple[str, str]]:
     """The monitor's `--model ID=PATH` flags, each file's header read: (model id, path) pairs."""
-    from kvq.model import read_meta
+    from kvq.gguf import read_meta
 
     models = []
     for spec in specs:
@@ -259,7 +259,7 @@ def _watch(board: Any, model: str, done: threading.Event, lost: threading.Event)
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.local.demo import DemoOptions, run_demo
+    from kvq.tools.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         redis_url=args.redis,
@@ -287,10 +287,10 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.bus import run_bus_bench
+    from kvq.tools.bench.bus import run_bus_bench
 
     if args.cluster:
-        from kvq.bench.cluster import run_cluster_bench
+        from kvq.tools.bench.cluster import run_cluster_bench
 
         out = run_cluster_bench(args.cluster, args.seconds)
         print(json.dumps(out) if args.json else "\n".join(f"{k:<20} {v}" for k, v in out.items()))

@@ -48,12 +48,14 @@ from kvq.errors import (
     UncoveredSlice,
     WireError,
 )
+from kvq.gguf import read_meta
+from kvq.gguf.registry import check_backbone_file, check_model_file
+from kvq.gguf.split import backbone_source
 from kvq.keys import COORDINATOR_GROUP, request_streams
-from kvq.model import Backbone, load_tokenizer, read_meta
-from kvq.model.chat import load_chat_template
-from kvq.model.registry import check_backbone_file, check_model_file
-from kvq.model.split import backbone_source
+from kvq.model import Backbone
 from kvq.prompts import render_chat
+from kvq.text import load_tokenizer
+from kvq.text.chat import load_chat_template
 
 log = logging.getLogger("kvq.coordinator")
 READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)

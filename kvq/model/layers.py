@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
-from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
+from kvq.gguf.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.rowwise import pointwise, row_matmul
 
