@@ -218,7 +218,7 @@ def _ratio(a: Any, b: Any) -> float | None:
 def _spawn(engine: str, cfg: ModelBench) -> dict[str, Any]:
     """One round of `engine` in a fresh interpreter; its JSON line, or {"error": ...}."""
     spec = json.dumps({"engine": engine, **asdict(cfg)})
-    root = Path(__file__).resolve().parents[2]  # -m finds this kvq, installed or not
+    root = Path(__file__).resolve().parents[3]  # -m finds this kvq, installed or not
     proc = subprocess.run(
         [sys.executable, "-m", "kvq.tools.bench.model", "--child", spec],
         capture_output=True,
