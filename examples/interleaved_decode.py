@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from kvq.model import Backbone, load_tokenizer
+from kvq.model import Backbone
 from kvq.model import experts as ex
 from kvq.model.generate import generate
 from kvq.quant import kernels, qdot
+from kvq.text import load_tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the rain in Spain falls mainly"
 

@@ -22,7 +22,8 @@ from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
 from kvq.device import compute_dtype
-from kvq.model import Backbone, decode_slice, read_meta, slice_layout
+from kvq.gguf import read_meta, slice_layout
+from kvq.model import Backbone, decode_slice
 from kvq.model.cache import SeqStep
 from kvq.quant import kernels
 

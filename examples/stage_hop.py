@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from kvq import client
-from kvq.bench.delay_proxy import DelayProxy
 from kvq.bus import connect
 from kvq.bus.histogram import Histogram
 from kvq.bus.redis_board import open_board
@@ -27,7 +26,8 @@ from kvq.config import child_env, load_settings
 from kvq.keys import Keys
 from kvq.local.cluster import local_redis
 from kvq.local.procs import Children
-from kvq.model import make_tiny
+from kvq.tools.bench.delay_proxy import DelayProxy
+from kvq.tools.synth import make_tiny
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 lie in the file), `ModelInfo` (the meta, the slice table and the source workers fetch from),
 and the meta's JSON form, the value of `P:{m:M}:meta`'s `meta` field.
 
-`kvq.model.meta` fills a `ModelMeta` from a GGUF header, `kvq.model.registry` cuts a file into
+`kvq.gguf.meta` fills a `ModelMeta` from a GGUF header, `kvq.gguf.registry` cuts a file into
 a `ModelInfo`; this module imports neither numpy, gguf nor torch, so the bus can carry models
 without knowing how they are read or run. Fields that have a default in `ModelMeta` may be
 absent from a published dict (a layout published by an older kvq); the others must be present
@@ -75,7 +75,7 @@ class ModelMeta:
     sliding_window_pattern: int = 0  # layers i % p < p - 1 slide (p = 0: all of them)
     sliding_layers: tuple[bool, ...] = ()  # the pattern as a per-layer array, when so given
     rope_freq_base_swa: float = 0.0  # the sliding layers' rope base; 0: rope_freq_base
-    expert_act: str = "silu"  # the routed experts' activation (`kvq.model.arch.EXPERT_ACTS`)
+    expert_act: str = "silu"  # the routed experts' activation (`kvq.gguf.arch.EXPERT_ACTS`)
     # Gated DeltaNet (qwen35moe, `kvq.model.deltanet`); full_attention_interval 0: no such layers
     full_attention_interval: int = 0  # layer i is full attention when (i + 1) % this == 0
     recurrent_list: tuple[int, ...] = ()  # attention.recurrent_layers, where the file has it
@@ -86,7 +86,7 @@ class ModelMeta:
     # IMROPE (qwen35moe): rope.dimension_sections [t, h, w, e]; a text token has its position
     # in t, h and w and 0 in e, so the pairs of an e section are not rotated (`Rope`)
     rope_sections: tuple[int, ...] = ()
-    # llama4 (`kvq.model.meta_llama4`): MoE every `moe_layer_step`-th layer, chunked windows,
+    # llama4 (`kvq.gguf.meta_llama4`): MoE every `moe_layer_step`-th layer, chunked windows,
     # NoPE layers, q/k RMS norm and the NoPE layers' attention temperature
     moe_layer_step: int = 1  # layer i is MoE when (i + 1 - leading dense) % this == 0
     swa_chunked: bool = False  # the sliding layers attend within chunks of `sliding_window`

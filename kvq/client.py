@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 
@@ -283,12 +283,8 @@ def events(
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             raise TimeoutError(f"no complete reply for request {request_id} in {timeout_s}s")
-        try:
-            resp = r.xread({key: last}, count=256, block=min(left_ms, 1000))
-        except redis.RedisError as exc:  # an outage: wait it out, until the deadline
-            if not is_connection_error(exc):
-                raise
-            time.sleep(min(0.5, left_ms / 1000))
+        resp = _read_replies(r, key, last, left_ms)
+        if resp is None:  # an outage: wait it out, until the deadline
             continue
         gone = False
         if not resp and entry and stream and time.monotonic() - quiet_since >= lost_after_s:
@@ -314,6 +310,18 @@ def events(
                 "FLUSHALL or a DEL); send it again",
                 wire.Failure(type="Lost", message="request lost by Redis", retryable=True),
             )
+
+
+def _read_replies(r: redis.Redis, key: str, last: bytes, left_ms: int) -> Any:
+    """One blocking read of a reply stream after `last`: None in a Redis outage, after a short
+    pause."""
+    try:
+        return r.xread({key: last}, count=256, block=min(left_ms, 1000))
+    except redis.RedisError as exc:
+        if not is_connection_error(exc):
+            raise
+        time.sleep(min(0.5, left_ms / 1000))
+        return None
 
 
 def entry_gone(r: redis.Redis, stream: str, entry: str) -> bool:

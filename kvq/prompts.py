@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from kvq import wire
-from kvq.model.tool_calls import arguments_as_text, tool_format
+from kvq.text.tool_calls import arguments_as_text, tool_format
 
 
 def template_messages(

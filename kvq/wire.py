@@ -214,7 +214,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top-n
     # v3: added to the logits before the grammar mask and sampling (OpenAI's `logit_bias`)
     logit_bias: Annotated[dict[NonNeg, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
-    # v3: an llguidance grammar (`kvq.model.grammar`): only tokens it allows are sampled
+    # v3: an llguidance grammar (`kvq.text.grammar`): only tokens it allows are sampled
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR)] | None = None
     # v3: log-probabilities of the prompt's tokens (and this many alternatives each)
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

@@ -60,7 +60,7 @@ def expert_throughput(
     """Per mode (hot, mapped, staged): expert calls/s and weight GB/s for `tokens` tokens
     routed to one expert per call, sweeping every expert (Qwen3-30B-A3B-sized by default)."""
     from kvq.bank import Bank, BankOptions
-    from kvq.model.slices import ExpertSlice
+    from kvq.model.expert_slice import ExpertSlice
 
     g = torch.randn(experts, ffn, hidden, dtype=dtype) * 0.02
     sl = ExpertSlice(0, 0, experts, g, g.clone(), torch.randn(experts, hidden, ffn, dtype=dtype))
@@ -95,9 +95,9 @@ def quantized_experts(
     import numpy as np
 
     from kvq.bank import Bank, BankOptions
+    from kvq.model.expert_slice import ExpertSlice
     from kvq.model.qstack import QStack
-    from kvq.model.quants import encode, quant_type_named
-    from kvq.model.slices import ExpertSlice
+    from kvq.tools.synth.quants import encode, quant_type_named
 
     rng = np.random.default_rng(0)
     x = torch.randn(tokens, hidden)  # [T, H]

@@ -19,7 +19,7 @@ import msgspec
 from kvq import wire
 from kvq.api.params import Call
 from kvq.api.shape import Answer
-from kvq.model import tool_calls
+from kvq.text import tool_calls
 
 
 def fan_out(call: Call) -> list[Call]:

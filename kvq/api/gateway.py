@@ -28,7 +28,7 @@ from kvq.client import ReplyReader, RequestFailed
 from kvq.config import Settings
 from kvq.errors import ApiError, WireError
 from kvq.keys import request_shard
-from kvq.model import tool_calls
+from kvq.text import tool_calls
 
 
 class Gateway:

@@ -1,7 +1,7 @@
 """OpenAI's response shapes: completions, chat completions, their stream chunks, usage and
 logprobs, built from kvq reply events.
 
-A chat answer that opens with a harmony channel header (gpt-oss: `kvq.model.harmony`) is split
+A chat answer that opens with a harmony channel header (gpt-oss: `kvq.text.harmony`) is split
 as vLLM splits it: the final channel is `content`, the analysis channel `reasoning_content`,
 streamed as deltas of each."""
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvq import wire
-from kvq.model import harmony
+from kvq.text import harmony
 
 # the coordinator's finish reasons, as OpenAI names them
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}

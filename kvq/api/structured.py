@@ -3,7 +3,7 @@ OpenAI's `response_format` (`json_object`, `json_schema` with `strict`), llama-s
 `grammar` (GBNF or Lark) and `json_schema`, vLLM's `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar`, OpenAI's `logit_bias`, and `tools` with `tool_choice`.
 
-A grammar is compiled here (`kvq.model.grammar`), so a bad schema is refused before anything
+A grammar is compiled here (`kvq.text.grammar`), so a bad schema is refused before anything
 is queued; the coordinator masks the logits with it at every step.
 """
 
@@ -91,7 +91,7 @@ def _json(param: str, text: str) -> Any:
 def compile_constraint(c: tuple[str, str, str]) -> str:
     """llguidance's grammar for (param, kind, text); 400 naming the param when it is bad,
     501 when llguidance is not installed here."""
-    from kvq.model import grammar
+    from kvq.text import grammar
 
     param, kind, text = c
     if not grammar.available():

@@ -26,8 +26,8 @@ class ModelText:
     """What a gateway needs of one model to count and render its text."""
 
     context_length: int
-    tokenizer: Any  # kvq.model.Tokenizer
-    chat: Any  # kvq.model.chat.ChatTemplate
+    tokenizer: Any  # kvq.text.Tokenizer
+    chat: Any  # kvq.text.chat.ChatTemplate
 
     def encode(
         self,
@@ -71,7 +71,7 @@ def _load(info: ModelInfo) -> ModelText | None:
     path = Path(info.source.removeprefix("file://"))
     if "://" in info.source.removeprefix("file://") or not path.is_file():
         return None
-    from kvq.model import load_tokenizer
-    from kvq.model.chat import load_chat_template
+    from kvq.text import load_tokenizer
+    from kvq.text.chat import load_chat_template
 
     return ModelText(info.meta.context_length, load_tokenizer(path), load_chat_template(path))

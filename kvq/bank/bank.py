@@ -31,7 +31,7 @@ from kvq.bank.options import BankOptions
 from kvq.bank.planner import plan_swaps
 from kvq.bank.store import LayerStore, SlotMap, choose_cold_path
 from kvq.errors import BankError
-from kvq.model.slices import ExpertSlice
+from kvq.model.expert_slice import ExpertSlice
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0

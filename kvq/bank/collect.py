@@ -15,8 +15,10 @@ import torch
 
 from kvq.bank.hist import Histogram, merge_counts
 from kvq.errors import BankError
-from kvq.model import Backbone, expert_forward, load_tokenizer, slice_nbytes
+from kvq.gguf import slice_nbytes
+from kvq.model import Backbone, expert_forward
 from kvq.model.generate import generate
+from kvq.text import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from kvq.bank.options import BankOptions, device_free_bytes, resolve_budget
 from kvq.bank.planner import LayerTable, Plan, table
 from kvq.bank.store import hot_encoded
 from kvq.errors import BankError
+from kvq.model.expert_slice import ExpertSlice
 from kvq.model.qstack import QStack
-from kvq.model.slices import ExpertSlice
 
 
 def resident_bytes(sl: ExpertSlice, device: torch.device) -> int:

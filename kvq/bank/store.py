@@ -28,9 +28,9 @@ import torch
 from kvq.bank import coldpath
 from kvq.bank.coldpath import uva_view
 from kvq.errors import BankError
+from kvq.model.expert_slice import ExpertSlice, Stack
 from kvq.model.experts import ExpertWeights
 from kvq.model.qstack import QMatrix, QStack
-from kvq.model.slices import ExpertSlice, Stack
 from kvq.quant import dequantize, kernels
 
 Weights = ExpertWeights

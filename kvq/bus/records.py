@@ -112,7 +112,7 @@ class ModelEntry(Record, frozen=True, kw_only=True):
     expert_count: int
     expert_used_count: int
     slice_count: int
-    meta: str  # kvq.model.meta_to_dict(...) as JSON
+    meta: str  # kvq.catalog.meta_to_dict(...) as JSON
     header_sha256: str = ""  # of the GGUF bytes before the tensor data ("": an older monitor)
     request_shards: int = 1  # request streams (KVQ_REQUEST_SHARDS; 1: an older monitor)
 

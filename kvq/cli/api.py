@@ -61,7 +61,7 @@ def _stop_when(stop: threading.Event, server: Any) -> None:
 
 
 def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.api import ApiBenchOptions, run_api_bench
+    from kvq.tools.bench.api import ApiBenchOptions, run_api_bench
 
     opts = ApiBenchOptions(
         streams=args.streams,
@@ -83,7 +83,7 @@ def cmd_bench_api(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_structured(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.structured import StructuredBench, run_structured_bench
+    from kvq.tools.bench.structured import StructuredBench, run_structured_bench
 
     cfg = StructuredBench(
         model=args.model,

@@ -100,7 +100,7 @@ def cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_bank(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.bank import TraceSpec, run_bank_bench
+    from kvq.tools.bench.bank import TraceSpec, run_bank_bench
 
     result = run_bank_bench(TraceSpec(seed=args.seed))
     if args.json:

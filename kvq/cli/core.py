@@ -8,7 +8,8 @@ import logging
 import signal
 import threading
 import uuid
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvq.api.limits import MAX_TEMPERATURE
 from kvq.cli.common import (
@@ -23,6 +24,12 @@ from kvq.cli.common import (
 )
 from kvq.config import Settings, describe
 from kvq.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from kvq.bus.redis_board import RedisBoard
+    from kvq.monitor import Monitor
+    from kvq.monitor.coarse import CoarseJobs
+    from kvq.wire import ReplyEvent
 
 log = logging.getLogger("kvq.cli")
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -44,54 +51,11 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bus.redis_board import open_board
-    from kvq.model import read_meta
-    from kvq.monitor import Monitor, coarse
+    from kvq.monitor import Monitor
 
     board = open_board(settings.bus, settings.lifetimes)
     mon = Monitor.on_redis(board, settings.monitor, monitor_id=args.id)
-    models = []
-    for spec in args.model or []:
-        model, _, path = spec.partition("=")
-        if not path:
-            raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
-        try:
-            meta = read_meta(path)  # a bad file fails here, at once; checksums: a coarse job
-        except (OSError, ModelError) as exc:  # a wrong flag value: usage (exit 2)
-            raise ConfigError(f"--model {spec}: {exc}") from None
-        if not meta.holds_experts:
-            raise ConfigError(
-                f"--model {spec}: {path!r} is a backbone file (kvq model split --backbone): "
-                "workers could not fetch the experts from it; register the full file it was "
-                "split from, and start the coordinator on the backbone file"
-            )
-        models.append((model, path))
-    jobs = None
-    if settings.coarse_url:
-        jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
-        jobs.serve(board)
-    elif models:
-        log.info(
-            "KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
-            "inline (RQ needs a standalone Redis)"
-        )
-    m = settings.monitor
-    for model, path in models:
-        if jobs is None:
-            mon.register(model, path, args.source)
-            continue
-        job = jobs.enqueue(
-            coarse.register_model,
-            model,
-            path,
-            args.source,
-            m.slice_layers,
-            m.slice_experts,
-            m.base_replicas,
-            m.request_shards,
-            m.grain,
-            m.stage_layers,
-        )
-        log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
+    jobs = _register_models(_model_flags(args.model or []), args.source, settings, board, mon)
     stop_on_signals(mon.stop)
     server = None
     if settings.http_port:
@@ -111,6 +75,70 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             server.shutdown()
             server.server_close()
     return EXIT_OK
+
+
+def _model_flags(specs: list[str]) -> list[tuple[str, str]]:
+    """The monitor's `--model ID=PATH` flags, each file's header read: (model id, path) pairs."""
+    from kvq.gguf import read_meta
+
+    models = []
+    for spec in specs:
+        model, _, path = spec.partition("=")
+        if not path:
+            raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
+        try:
+            meta = read_meta(path)  # a bad file fails here, at once; checksums: a coarse job
+        except (OSError, ModelError) as exc:  # a wrong flag value: usage (exit 2)
+            raise ConfigError(f"--model {spec}: {exc}") from None
+        if not meta.holds_experts:
+            raise ConfigError(
+                f"--model {spec}: {path!r} is a backbone file (kvq model split --backbone): "
+                "workers could not fetch the experts from it; register the full file it was "
+                "split from, and start the coordinator on the backbone file"
+            )
+        models.append((model, path))
+    return models
+
+
+def _register_models(
+    models: list[tuple[str, str]],
+    source: str | None,
+    settings: Settings,
+    board: RedisBoard,
+    mon: Monitor,
+) -> CoarseJobs | None:
+    """Each model registered, inline or as an RQ job where `KVQ_RQ_URL` is set: the jobs'
+    queue (None inline), to close once the monitor stops."""
+    from kvq.monitor import coarse
+
+    jobs = None
+    if settings.coarse_url:
+        jobs = coarse.CoarseJobs(settings.coarse_url, settings.prefix, mon.id)
+        jobs.serve(board)
+    elif models:
+        log.info(
+            "KVQ_RQ_URL is unset and KVQ_REDIS_URL is no standalone server: registering "
+            "inline (RQ needs a standalone Redis)"
+        )
+    m = settings.monitor
+    for model, path in models:
+        if jobs is None:
+            mon.register(model, path, source)
+            continue
+        job = jobs.enqueue(
+            coarse.register_model,
+            model,
+            path,
+            source,
+            m.slice_layers,
+            m.slice_experts,
+            m.base_replicas,
+            m.request_shards,
+            m.grain,
+            m.stage_layers,
+        )
+        log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
+    return jobs
 
 
 def cmd_coordinator(args: argparse.Namespace, settings: Settings) -> int:
@@ -158,8 +186,6 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
-    ids: list[int] = []
-    text, finish, shown = "", None, ""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cancels it too
     done, lost = threading.Event(), threading.Event()
     # the id is chosen here, so that a Ctrl-C at any point after the request may have been
@@ -176,16 +202,8 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             request_id=rid,
         )
         threading.Thread(target=_watch, args=(board, args.model, done, lost), daemon=True).start()
-        for ev in client.events(r, keys, queued, timeout_s=args.timeout, entry=entry):
-            if ev.kind == "token" and ev.token_id is not None:
-                ids.append(ev.token_id)
-                shown += ev.text
-                if not args.json:
-                    print(ev.text, end="", flush=True)
-            elif ev.kind == "done":
-                text, finish = ev.text, ev.finish
-                if not args.json and text.startswith(shown):  # text held back until the end
-                    print(text[len(shown) :], end="", flush=True)
+        events = client.events(r, keys, queued, timeout_s=args.timeout, entry=entry)
+        ids, text, finish = _print_reply(events, args.json)
         done.set()
     except (KeyboardInterrupt, TimeoutError):
         done.set()
@@ -198,6 +216,24 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     out = {"request_id": rid, "token_ids": ids, "text": text, "finish": finish}
     print(json.dumps(out) if args.json else "")
     return EXIT_OK
+
+
+def _print_reply(events: Iterable[ReplyEvent], as_json: bool) -> tuple[list[int], str, Any]:
+    """Each token printed as it comes (nothing with `--json`): the token ids, the final text
+    and the finish reason."""
+    ids: list[int] = []
+    text, finish, shown = "", None, ""
+    for ev in events:
+        if ev.kind == "token" and ev.token_id is not None:
+            ids.append(ev.token_id)
+            shown += ev.text
+            if not as_json:
+                print(ev.text, end="", flush=True)
+        elif ev.kind == "done":
+            text, finish = ev.text, ev.finish
+            if not as_json and text.startswith(shown):  # text held back until the end
+                print(text[len(shown) :], end="", flush=True)
+    return ids, text, finish
 
 
 def _served(board: Any, model: str) -> bool:
@@ -223,7 +259,7 @@ def _watch(board: Any, model: str, done: threading.Event, lost: threading.Event)
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.local.demo import DemoOptions, run_demo
+    from kvq.tools.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         redis_url=args.redis,
@@ -251,10 +287,10 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.bus import run_bus_bench
+    from kvq.tools.bench.bus import run_bus_bench
 
     if args.cluster:
-        from kvq.bench.cluster import run_cluster_bench
+        from kvq.tools.bench.cluster import run_cluster_bench
 
         out = run_cluster_bench(args.cluster, args.seconds)
         print(json.dumps(out) if args.json else "\n".join(f"{k:<20} {v}" for k, v in out.items()))

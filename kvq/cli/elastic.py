@@ -1,5 +1,5 @@
 """`kvq bench elastic`: recruitment, boost stability and wind-down timed through real
-processes (`kvq.bench.elastic`)."""
+processes (`kvq.tools.bench.elastic`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ Subparsers = Any  # argparse._SubParsersAction (private)
 
 
 def cmd_bench_elastic(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.elastic import ElasticBench, run_elastic_bench
+    from kvq.tools.bench.elastic import ElasticBench, run_elastic_bench
 
     cfg = ElasticBench(
         model=args.model,

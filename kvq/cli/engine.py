@@ -1,5 +1,5 @@
 """`kvq bench prefill-gap`: the token gaps of decoding streams while a long prompt arrives,
-read whole or in chunks (`KVQ_PREFILL_CHUNK`; `kvq.bench.prefill_gap`)."""
+read whole or in chunks (`KVQ_PREFILL_CHUNK`; `kvq.tools.bench.prefill_gap`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ Subparsers = Any  # argparse._SubParsersAction (private)
 
 
 def cmd_bench_prefill_gap(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.prefill_gap import PrefillGapBench, run_prefill_gap_bench
+    from kvq.tools.bench.prefill_gap import PrefillGapBench, run_prefill_gap_bench
 
     cfg = PrefillGapBench(
         model=args.model,

@@ -11,9 +11,9 @@ from kvq.cli.common import EXIT_OK, EXIT_USAGE
 from kvq.config import Settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
-# literal copies of kvq.model.arch.TINY_ARCHS, kvq.model.quants.QUANT_NAMES / MIXES,
-# kvq.model.presets.PRESETS and kvq.model.tiny.TOKENIZERS (a test keeps them equal): importing
-# kvq.model here would load torch for every `kvq` command, even `--help`
+# literal copies of kvq.gguf.arch.TINY_ARCHS, kvq.tools.synth.quants.QUANT_NAMES / MIXES,
+# kvq.tools.synth.presets.PRESETS and kvq.tools.synth.tiny.TOKENIZERS (a test keeps them
+# equal): importing those here would load numpy and gguf for every `kvq` command, even `--help`
 ARCHS = (
     "deepseek2",
     "glm4moe",
@@ -25,7 +25,7 @@ ARCHS = (
     "qwen3moe",
     "qwen35moe",
 )
-VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.model.tiny.VARIANTS (deepseek2's)
+VARIANTS = ("v3", "v2-lite", "kv-b")  # kvq.tools.synth.tiny.VARIANTS (deepseek2's)
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 MIXES = ("q4_k_m", "mxfp4")
 PRESETS = ("small", "olmoe-1b-7b", "deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b")
@@ -61,7 +61,7 @@ def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
     if args.dry_run:
         print("kvq: --dry-run needs --preset", file=sys.stderr)
         return EXIT_USAGE
-    from kvq.model import make_tiny
+    from kvq.tools.synth import make_tiny
 
     dims: dict[str, Any] = {n.replace("-", "_"): default for n, default in _TINY_INTS}
     dims.update({n: getattr(args, n) for n in given})
@@ -80,7 +80,7 @@ def cmd_make_tiny(args: argparse.Namespace, settings: Settings) -> int:
 def _write_preset(args: argparse.Namespace) -> int:
     import time
 
-    from kvq.model.presets import plan, preset_named, write_preset
+    from kvq.tools.synth.presets import plan, preset_named, write_preset
 
     preset = preset_named(args.preset)
     quant = args.quant or preset.quant
@@ -98,7 +98,7 @@ def _write_preset(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.model.describe import MemoryAssumptions, describe_model
+    from kvq.gguf.describe import MemoryAssumptions, describe_model
 
     mem = MemoryAssumptions(args.dtype, args.n_slots or settings.n_slots, args.kv_positions)
     d = describe_model(args.file, args.slice_experts or settings.slice_experts, mem)
@@ -144,7 +144,7 @@ def _print_memory(m: dict[str, Any]) -> None:
 
 
 def cmd_split(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.model.split import write_backbone
+    from kvq.gguf.split import write_backbone
 
     r = write_backbone(args.file, args.backbone)
     if args.json:
@@ -177,8 +177,9 @@ def cmd_split(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.device import pick_device
-    from kvq.model import Backbone, load_tokenizer
+    from kvq.model import Backbone
     from kvq.model.generate import Sampling, generate
+    from kvq.text import load_tokenizer
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.check()  # before the (slow) model load
@@ -219,8 +220,8 @@ class _TextStream:
 
 
 def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.experts import ExpertsBench, run_experts_bench
     from kvq.device import pick_device
+    from kvq.tools.bench.experts import ExpertsBench, run_experts_bench
 
     cfg = ExpertsBench(
         hidden=args.hidden,
@@ -252,7 +253,7 @@ def cmd_bench_experts(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_kernels(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.kernels import KernelsBench, run_kernels_bench
+    from kvq.tools.bench.kernels import KernelsBench, run_kernels_bench
 
     r = run_kernels_bench(
         KernelsBench(
@@ -293,8 +294,8 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     from dataclasses import asdict
 
     from kvq.bank.options import BankOptions
-    from kvq.bench.model import PROMPT, ModelBench, run_model_bench
     from kvq.quant import qdot
+    from kvq.tools.bench.model import PROMPT, ModelBench, run_model_bench
 
     cfg = ModelBench(
         args.model,
@@ -312,6 +313,13 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(r))
         return EXIT_OK
+    _print_model_table(r)
+    _print_model_notes(r["kvq"], r.get("llama", {}), r.get("llama_note"))
+    return EXIT_OK
+
+
+def _print_model_table(r: dict[str, Any]) -> None:
+    """The bench's header and its figures side by side: kvq, llama.cpp, their ratio."""
     print(
         f"{r['model']} ({r['file_mb']:.1f} MB): {r['threads']} threads, {r['tokens']} "
         f"tokens, median of {r['rounds']} rounds, {r['kvq'].get('activations', 'float32')} "
@@ -341,6 +349,10 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
     for n, v in (kq.get("aggregates") or {}).items():
         other = [(d.get("aggregates") or {}).get(n) for d in (ll, ratio)]
         print(f"  {'aggregate @ ' + n:<20} {_cells(v, *other)}")
+
+
+def _print_model_notes(kq: dict[str, Any], ll: dict[str, Any], llama_note: str | None) -> None:
+    """Below the table: the bank's hit rate, the kernel paths, the experts a layer, notes."""
     hr = kq["hit_rate"]
     if hr is not None:
         print(
@@ -363,10 +375,9 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
             f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)"
         )
     notes = [f"{n} sequences: {v}" for n, v in (ll.get("aggregate_notes") or {}).items()]
-    for note in (r.get("llama_note"), ll.get("error"), *notes):
+    for note in (llama_note, ll.get("error"), *notes):
         if note:
             print(f"  llama.cpp: {note}")
-    return EXIT_OK
 
 
 # -- parser --------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def _throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_swarm(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.swarm import run_swarm_bench
+    from kvq.tools.bench.swarm import run_swarm_bench
 
     r = run_swarm_bench(args.nodes, args.models, args.routes, args.steps, args.seed)
     if args.json:
@@ -128,7 +128,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.offload import OffloadBench, run_offload_bench
+    from kvq.tools.bench.offload import OffloadBench, run_offload_bench
 
     cfg = OffloadBench(
         model=args.model,
@@ -169,7 +169,7 @@ def cmd_bench_offload(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.microbatch import MicrobatchBench, run_microbatch_bench
+    from kvq.tools.bench.microbatch import MicrobatchBench, run_microbatch_bench
 
     cfg = MicrobatchBench(
         model=args.model,
@@ -199,8 +199,8 @@ def cmd_bench_microbatch(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_pool(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.pool import PoolBench, run_pool_bench
-    from kvq.bench.pool_report import lines
+    from kvq.tools.bench.pool import PoolBench, run_pool_bench
+    from kvq.tools.bench.pool_report import lines
 
     cfg = PoolBench(
         preset=args.preset,
@@ -288,7 +288,7 @@ def _add_pool(bench: Subparsers) -> None:
 
 
 def cmd_bench_llama_rpc(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.bench.llama_rpc import RpcBench, run_rpc_bench
+    from kvq.tools.bench.llama_rpc import RpcBench, run_rpc_bench
 
     cfg = RpcBench(
         model=args.model,

@@ -21,10 +21,11 @@ import torch
 from kvq import wire
 from kvq.coordinator.chain import Chain, Pass
 from kvq.coordinator.detok import StopText
-from kvq.model import Backbone, KVCache, MoeFn, SeqStep, Tokenizer
-from kvq.model.grammar import Constraint, GrammarVocab, mask_rows
+from kvq.model import Backbone, KVCache, MoeFn, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
 from kvq.model.sampling import Sampler, Sampling, top_logprobs
+from kvq.text import Tokenizer
+from kvq.text.grammar import Constraint, GrammarVocab, mask_rows
 
 
 @dataclass

@@ -48,12 +48,14 @@ from kvq.errors import (
     UncoveredSlice,
     WireError,
 )
+from kvq.gguf import read_meta
+from kvq.gguf.registry import check_backbone_file, check_model_file
+from kvq.gguf.split import backbone_source
 from kvq.keys import COORDINATOR_GROUP, request_streams
-from kvq.model import Backbone, load_tokenizer, read_meta
-from kvq.model.chat import load_chat_template
-from kvq.model.registry import check_backbone_file, check_model_file
-from kvq.model.split import backbone_source
+from kvq.model import Backbone
 from kvq.prompts import render_chat
+from kvq.text import load_tokenizer
+from kvq.text.chat import load_chat_template
 
 log = logging.getLogger("kvq.coordinator")
 READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)
@@ -144,39 +146,11 @@ class Coordinator:
             self.routing,
             board.maxlen,
         )
-        self.chain = (
-            None
-            if not stage
-            else Chain(
-                self.backbone,
-                self.info,
-                coord_id,
-                self.routing,
-                self.dispatch.mailbox,
-                self.dispatch.tally,
-                dispatch.stage_deadline_ms,
-                dispatch.replica_wait_s,
-                dispatch.microbatches,
-                self.dispatch.verifier,
-                Referee(model_path, self.info.stages()),
-                board.now_ms,
-            )
-        )
+        self.chain = self._stage_chain(dispatch, model_path) if stage else None
         self.engine = Engine(
             self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
         )
-        # every shard of the model's requests, through its group (kvq.bus.shards)
-        shards = request_streams(board.keys, model, self.info.request_shards)
-        self.requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, coord_id)
-        self.cancels = CancelFeed(board.r, board.keys.model_cancels(model), board.keys)
-        self.slots = SlotPoller(
-            lambda: self.engine.busy,
-            settings.n_slots,
-            settings.saturation_threshold,
-            self._publish_slots,
-            settings.slot_poll_s,
-            board.lifetimes.load_fresh_s(),
-        )
+        self.requests, self.cancels, self.slots = self._intake(settings)
         self.stop = threading.Event()
         # the registered checksums of this coordinator's own expert ranges, before any blame
         self.own = OwnBytes(model_path, self.info) if backbone_source(model_path) is None else None
@@ -191,6 +165,42 @@ class Coordinator:
         self.times = RequestTimes()
         self._claim_at = 0.0
         self._published = False  # a slot record was published once (a later new one: lost)
+
+    def _stage_chain(self, dispatch: DispatchSettings, model_path: str | Path) -> Chain:
+        """The chain of stage jobs of a model sliced by stage, and its referee."""
+        return Chain(
+            self.backbone,
+            self.info,
+            self.id,
+            self.routing,
+            self.dispatch.mailbox,
+            self.dispatch.tally,
+            dispatch.stage_deadline_ms,
+            dispatch.replica_wait_s,
+            dispatch.microbatches,
+            self.dispatch.verifier,
+            Referee(model_path, self.info.stages()),
+            self.board.now_ms,
+        )
+
+    def _intake(
+        self, settings: CoordinatorSettings
+    ) -> tuple[ShardedConsumer, CancelFeed, SlotPoller]:
+        """What comes in: every shard of the model's requests (through its group,
+        kvq.bus.shards), its cancels, and the slot poller that publishes how busy we are."""
+        board, model = self.board, self.model
+        shards = request_streams(board.keys, model, self.info.request_shards)
+        requests = ShardedConsumer(board.r, shards, COORDINATOR_GROUP, self.id)
+        cancels = CancelFeed(board.r, board.keys.model_cancels(model), board.keys)
+        slots = SlotPoller(
+            lambda: self.engine.busy,
+            settings.n_slots,
+            settings.saturation_threshold,
+            self._publish_slots,
+            settings.slot_poll_s,
+            board.lifetimes.load_fresh_s(),
+        )
+        return requests, cancels, slots
 
     @classmethod
     def from_settings(

@@ -110,10 +110,9 @@ class EmbeddedRedis:
     def pidfile(self) -> Path:
         return self.data_dir / "server.pid"
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        _check_free(self.port)
-        args = [
+    def _command(self) -> list[str]:
+        """The server's command line: local only, no append-only file, snapshots if persistent."""
+        return [
             find_server_binary(),
             "--port",
             str(self.port),
@@ -139,8 +138,12 @@ class EmbeddedRedis:
             str(self.logfile),
             *self.extra_args,
         ]
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _check_free(self.port)
         self.proc = subprocess.Popen(
-            args,
+            self._command(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent,  # no threads touch the child

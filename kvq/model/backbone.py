@@ -1,4 +1,4 @@
-"""The forward pass of the MoE archs kvq serves (see `kvq.model.arch`), in torch, with the
+"""The forward pass of the MoE archs kvq serves (see `kvq.gguf.arch`), in torch, with the
 routed-expert FFN behind a pluggable MoeFn.
 
 Each block is built from the parts its weights have: GQA or MLA attention (`GqaWeights`,
@@ -27,11 +27,14 @@ import torch
 
 from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
+from kvq.gguf.arch import arch_spec
+from kvq.gguf.layout import slice_layout
+from kvq.gguf.meta import read_meta
 from kvq.model import deltanet
-from kvq.model.arch import arch_spec
 from kvq.model.cache import KVCache, SeqStep
 from kvq.model.decode_attention import decode_attention
 from kvq.model.deltanet import DeltaState, DeltaWeights
+from kvq.model.expert_slice import ExpertSlice, map_slice
 from kvq.model.experts import expert_forward
 from kvq.model.layers import (
     Gating,
@@ -42,7 +45,6 @@ from kvq.model.layers import (
     rms_norm,
     swiglu,
 )
-from kvq.model.layout import slice_layout
 from kvq.model.loader import (
     DenseFfn,
     GqaWeights,
@@ -53,12 +55,10 @@ from kvq.model.loader import (
     layer_weights,
     output_weight,
 )
-from kvq.model.meta import read_meta
 from kvq.model.mla import mla_scales
 from kvq.model.moe_ffn import MoeCall, moe_ffn
 from kvq.model.qstack import QRows, Weight
 from kvq.model.rowwise import heads_matmul
-from kvq.model.slices import ExpertSlice, map_slice
 from kvq.model.threads import one_thread
 
 # the small torch work of a pass (norms, rope, routing, each sequence's attention) runs on one

@@ -27,11 +27,11 @@ import numpy.typing as npt
 import torch
 
 from kvq.errors import KvqError, ModelError
-from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI
+from kvq.gguf.arch import ACT_SILU, ACT_SWIGLU_OAI
+from kvq.model.expert_slice import ExpertSlice
 from kvq.model.layers import OAI_ALPHA, OAI_LIMIT, gated, linear, swiglu
 from kvq.model.moe_sum import expert_terms
 from kvq.model.qstack import QMatrix, Weight
-from kvq.model.slices import ExpertSlice
 from kvq.quant import kernels
 
 ExpertWeights = tuple[Weight, Weight, Weight]  # gate [F, H], up, down [H, F]: dense or encoded

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
-from kvq.model.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
+from kvq.gguf.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.rowwise import pointwise, row_matmul
 
@@ -156,6 +156,27 @@ def _yarn_bounds(
     return float(max(0, low)), float(min(head_dim - 1, high))
 
 
+def _fused_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A prompt into an empty cache: torch's fused causal attention (flash attention on the
+    CPU), which skips the masked half and never makes the [T, S] scores; 1.6x at 512.
+    q: [T, heads, d], k and v: [T, kv, d]; returns [T, heads * d]."""
+    t, heads, d = q.shape
+    return (
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale or 1.0 / math.sqrt(d),
+            enable_gqa=k.shape[1] != heads,
+        )[0]
+        .transpose(0, 1)
+        .reshape(t, heads * v.shape[-1])
+    )
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,20 +205,7 @@ def causal_attention(
     dv = v.shape[-1]
     kv = k.shape[1]
     if t > 1 and sinks is None and not window and not chunk and k.shape[0] == t and dv == d:
-        # a prompt into an empty cache: torch's fused causal attention (flash attention on the
-        # CPU), which skips the masked half and never makes the [T, S] scores; 1.6x at 512
-        return (
-            F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                is_causal=True,
-                scale=scale or 1.0 / math.sqrt(d),
-                enable_gqa=kv != heads,
-            )[0]
-            .transpose(0, 1)
-            .reshape(t, heads * dv)
-        )
+        return _fused_prompt_attention(q, k, v, scale)
     group = heads // kv
     qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
     scores = (qg @ k.permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))  # [kv, group*T, S]

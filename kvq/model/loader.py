@@ -18,8 +18,8 @@ from gguf import ReaderTensor
 
 from kvq.catalog import ModelMeta
 from kvq.errors import ModelError
-from kvq.model import gguf_io as gio
-from kvq.model.arch import MLA, QK_FULL, QK_HEAD, SHARED_GATED, ArchSpec
+from kvq.gguf import reader as gio
+from kvq.gguf.arch import MLA, QK_FULL, QK_HEAD, SHARED_GATED, ArchSpec
 from kvq.model.deltanet import DeltaDims, DeltaWeights
 from kvq.model.qstack import FileMap, QMatrix, QRows, Weight
 from kvq.quant import dequantize, kernels

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from kvq.errors import ModelError
+from kvq.gguf.meta import read_meta
 from kvq.model.backbone import Backbone
-from kvq.model.meta import read_meta
 from kvq.slices import SliceSpec
 
 

@@ -65,7 +65,7 @@ def register_model(
     stage_layers: int = 4,
 ) -> dict[str, Any]:
     """Plan `model`'s slices (checksumming each) and publish it on the board."""
-    from kvq.model.registry import plan_model
+    from kvq.gguf.registry import plan_model
 
     info = plan_model(
         model, path, slice_layers, slice_experts, source, request_shards, grain, stage_layers

@@ -38,7 +38,7 @@ from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.catalog import ModelInfo
 from kvq.config import MonitorSettings, Settings
-from kvq.model.registry import plan_model
+from kvq.gguf.registry import plan_model
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
 from kvq.monitor.quota import Quota, QuotaWatch

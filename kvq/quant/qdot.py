@@ -190,72 +190,27 @@ def build(cc: str, cache_dir: Path) -> Built:
     raise RuntimeError(why)
 
 
+# each exported C function's arguments, one letter an argument (i int, L int64_t, p pointer,
+# f float) as csrc/qdot.c declares them; every one returns an int (and kvq_qdot_sources_key,
+# declared apart, a string)
+_SIGNATURES = {
+    "kvq_qdot": "i p L L p L L p i i",
+    "kvq_qdot_moe": "i p p p p p L L p p p i i i p",
+    "kvq_qdot_moe_batch": "i p p p p p L L L p p p p p i i i p",
+    "kvq_attn_decode": "L L L L p p p p p p f p p i",
+    "kvq_qdot_best_isa": "",
+    "kvq_qdot_openmp": "",
+}
+_CTYPES = {"i": ctypes.c_int, "L": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.kvq_qdot.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, ctypes.c_int, ctypes.c_int]
-    lib.kvq_qdot.restype = ctypes.c_int
-    lib.kvq_qdot_moe.argtypes = [
-        ctypes.c_int,
-        p,
-        p,
-        p,
-        p,
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        p,
-    ]
-    lib.kvq_qdot_moe.restype = ctypes.c_int
-    lib.kvq_qdot_moe_batch.argtypes = [
-        ctypes.c_int,
-        p,
-        p,
-        p,
-        p,
-        p,
-        i64,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        p,
-        p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        p,
-    ]
-    lib.kvq_qdot_moe_batch.restype = ctypes.c_int
-    lib.kvq_attn_decode.argtypes = [
-        i64,
-        i64,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        p,
-        p,
-        p,
-        ctypes.c_float,
-        p,
-        p,
-        ctypes.c_int,
-    ]
-    lib.kvq_attn_decode.restype = ctypes.c_int
-    lib.kvq_qdot_best_isa.argtypes = []
-    lib.kvq_qdot_best_isa.restype = ctypes.c_int
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [_CTYPES[a] for a in args.split()]
+        fn.restype = ctypes.c_int
     lib.kvq_qdot_sources_key.argtypes = []
     lib.kvq_qdot_sources_key.restype = ctypes.c_char_p
-    lib.kvq_qdot_openmp.argtypes = []
-    lib.kvq_qdot_openmp.restype = ctypes.c_int
 
 
 @dataclass(frozen=True, slots=True)

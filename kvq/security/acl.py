@@ -95,70 +95,85 @@ def role_user(keys: Keys, role: str, worker: str | None = None) -> AclUser:
     """The ACL user of `role` under `keys.prefix` (`worker` names the worker for that role)."""
     p = _glob(keys.prefix)
     if role == "monitor":
-        # RQ's coarse jobs (kvq.monitor.coarse) on the same server: its `rq:*` keys, its
-        # worker's command channel, and INFO (it reads the server's version)
-        rules = [
-            f"~{p}:*",
-            "~rq:*",
-            "resetchannels",
-            "&rq:*",
-            "+@all",
-            "-@dangerous",
-            "-@admin",
-            *_NO_LISTING,
-            "+info",
-            *_QUOTA_WATCH,
-        ]
+        rules = _monitor_rules(p)
     elif role == "coordinator":
-        rules = [
-            *_model_tables(p),
-            f"%R~{p}:{{m:*}}:workers",
-            f"%R~{p}:{{m:*}}:cancel",
-            f"%R~{p}:{{m:*}}:state",
-            f"~{p}:{{m:*}}:requests",
-            f"~{p}:{{m:*}}:routed",
-            f"~{p}:{{m:*}}:coordinators",
-            f"~{p}:{{m:*}}:quarantine",
-            f"~{p}:{{c:*}}:*",
-            f"%W~{p}:{{w:*}}:inbox",
-            f"%R~{p}:{{w:*}}:hb",
-            f"%R~{p}:{{w:*}}:info",
-            f"~{p}:{{w:*}}:results:*",
-            f"~{p}:{{r:*}}:reply",
-            f"~{p}:{{r:*}}:run",
-            f"%R~{p}:{{r:*}}:cancel",
-            f"%W~{p}:deadletter",
-            *_SAFE,
-            "-@scripting",
-        ]
+        rules = _coordinator_rules(p)
     elif role == "worker":
         if worker is None:
             raise ConfigError("the worker role needs a worker id (kvq acl --worker ID)")
         rules = _worker_rules(p, check_id("worker id", worker))
     elif role in ("client", "api"):
-        rules = [
-            "resetkeys",
-            "-@all",
-            *_CONNECT,
-            f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
-            f"(%W~{p}:{{r:*}}:cancel +set)",  # a request's own cancel (`kvq.client.cancel`)
-            # `kvq api` deletes a reply stream it has read to its end (its only reader)
-            f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
-            f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
-            # the queue's length and its group's lag; no XINFO STREAM (its FULL form lists the
-            # queued requests of everyone: prompts, ids)
-            # XPENDING: whether its own queued request is still there (`kvq.client.events`)
-            f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xpending)",
-            # the gateway's queue watch: slot state, and the token counters of its stats
-            f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
-        ]
-        if role == "api":  # redis-py's INCR sends INCRBY
-            rules.append(f"(~{p}:{{k:*}}:calls +set +incr +incrby +pttl)")
+        rules = _client_rules(p, api=role == "api")
     else:
         raise ConfigError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     return AclUser(
         role, user_name(keys.prefix, role, worker if role == "worker" else None), tuple(rules)
     )
+
+
+def _monitor_rules(p: str) -> list[str]:
+    """Every key under the prefix; RQ's coarse jobs (kvq.monitor.coarse) on the same server:
+    its `rq:*` keys, its worker's command channel, and INFO (it reads the server's version)."""
+    return [
+        f"~{p}:*",
+        "~rq:*",
+        "resetchannels",
+        "&rq:*",
+        "+@all",
+        "-@dangerous",
+        "-@admin",
+        *_NO_LISTING,
+        "+info",
+        *_QUOTA_WATCH,
+    ]
+
+
+def _coordinator_rules(p: str) -> list[str]:
+    """Its own requests, replies and slot records; workers' inboxes written, their beats read."""
+    return [
+        *_model_tables(p),
+        f"%R~{p}:{{m:*}}:workers",
+        f"%R~{p}:{{m:*}}:cancel",
+        f"%R~{p}:{{m:*}}:state",
+        f"~{p}:{{m:*}}:requests",
+        f"~{p}:{{m:*}}:routed",
+        f"~{p}:{{m:*}}:coordinators",
+        f"~{p}:{{m:*}}:quarantine",
+        f"~{p}:{{c:*}}:*",
+        f"%W~{p}:{{w:*}}:inbox",
+        f"%R~{p}:{{w:*}}:hb",
+        f"%R~{p}:{{w:*}}:info",
+        f"~{p}:{{w:*}}:results:*",
+        f"~{p}:{{r:*}}:reply",
+        f"~{p}:{{r:*}}:run",
+        f"%R~{p}:{{r:*}}:cancel",
+        f"%W~{p}:deadletter",
+        *_SAFE,
+        "-@scripting",
+    ]
+
+
+def _client_rules(p: str, api: bool) -> list[str]:
+    """A client's, and with `api` the gateway's: send, cancel and read its own requests."""
+    rules = [
+        "resetkeys",
+        "-@all",
+        *_CONNECT,
+        f"(%W~{p}:{{m:*}}:requests %W~{p}:{{m:*}}:cancel +xadd)",
+        f"(%W~{p}:{{r:*}}:cancel +set)",  # a request's own cancel (`kvq.client.cancel`)
+        # `kvq api` deletes a reply stream it has read to its end (its only reader)
+        f"(~{p}:{{r:*}}:reply +xread +xrange +xrevrange +xlen +exists +pttl +ttl +del)",
+        f"({' '.join([*_model_tables(p), f'%R~{p}:{{m:*}}:coordinators', *_READ])})",
+        # the queue's length and its group's lag; no XINFO STREAM (its FULL form lists the
+        # queued requests of everyone: prompts, ids)
+        # XPENDING: whether its own queued request is still there (`kvq.client.events`)
+        f"(%R~{p}:{{m:*}}:requests +xlen +xinfo|groups +xinfo|consumers +xpending)",
+        # the gateway's queue watch: slot state, and the token counters of its stats
+        f"(%R~{p}:{{c:*}}:slots %R~{p}:{{c:*}}:stats +hgetall +hget +exists)",
+    ]
+    if api:  # redis-py's INCR sends INCRBY
+        rules.append(f"(~{p}:{{k:*}}:calls +set +incr +incrby +pttl)")
+    return rules
 
 
 def _worker_rules(p: str, w: str) -> list[str]:

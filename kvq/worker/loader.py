@@ -22,7 +22,7 @@ from kvq.bus.board import Board
 from kvq.bus.market import Held
 from kvq.device import compute_dtype
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.model import decode_slice
+from kvq.model import ExpertSlice, decode_slice
 from kvq.model.qstack import FileMap
 from kvq.model.stage import load_stage, write_stage_file
 from kvq.slices import SliceSpec
@@ -108,8 +108,22 @@ class Loader:
             stage = self._stage(held, spec, blobs, info.meta.file_size, dtype)
             warm_s = warm_up_stage(stage)
             return Loaded(held, stage, spec.nbytes, time.monotonic() - t0, warm_s)
-        experts, at = [], 0
-        for layer in spec.layers():  # blobs come in range order: layer by layer
+        experts = self._experts(spec, blobs, dtype, info.meta.expert_act)
+        bank = Bank(experts, self.bank_options, self.device, log_level=level)
+        hidden = info.meta.embedding_length
+        warm_s = warm_up(bank, hidden, dtype, self.device)
+        # deadlines are on Redis's clock: this host's may be minutes off the coordinator's
+        server = ExpertServer(self.name, held.model, bank, hidden, dtype, self.board.now_ms)
+        return Loaded(held, server, spec.nbytes, time.monotonic() - t0, warm_s)
+
+    def _experts(
+        self, spec: SliceSpec, blobs: list[bytes], dtype: torch.dtype, act: str
+    ) -> list[ExpertSlice]:
+        """The slice's experts decoded, one entry a layer (blobs come in range order: layer by
+        layer)."""
+        experts: list[ExpertSlice] = []
+        at = 0
+        for layer in spec.layers():
             ranges = spec.ranges_of(layer)
             part, at = blobs[at : at + len(ranges)], at + len(ranges)
             experts.append(
@@ -121,15 +135,10 @@ class Loader:
                     spec.expert_end,
                     device=str(self.device),
                     dtype=dtype,
-                    act=info.meta.expert_act,
+                    act=act,
                 )
             )
-        bank = Bank(experts, self.bank_options, self.device, log_level=level)
-        hidden = info.meta.embedding_length
-        warm_s = warm_up(bank, hidden, dtype, self.device)
-        # deadlines are on Redis's clock: this host's may be minutes off the coordinator's
-        server = ExpertServer(self.name, held.model, bank, hidden, dtype, self.board.now_ms)
-        return Loaded(held, server, spec.nbytes, time.monotonic() - t0, warm_s)
+        return experts
 
     def _stage(
         self, held: Held, spec: SliceSpec, blobs: list[bytes], file_size: int, dtype: torch.dtype

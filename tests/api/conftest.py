@@ -28,8 +28,8 @@ from kvq.config import Settings, child_env, load_settings
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
 from kvq.local.server import EmbeddedRedis
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
 MODEL = "tiny"

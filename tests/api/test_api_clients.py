@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from conftest import MODEL, System
 
-from kvq.model import bpe, load_tokenizer
-from kvq.model.tiny import TinyConfig, family_parts, write_tiny
+from kvq.text import load_tokenizer
+from kvq.tools.synth import bpe
+from kvq.tools.synth.tiny import TinyConfig, family_parts, write_tiny
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

@@ -12,9 +12,10 @@ import torch
 from conftest import MODEL, System
 from openai import OpenAI
 
-from kvq.model import Backbone, SeqStep, load_tokenizer
+from kvq.model import Backbone, SeqStep
 from kvq.model.generate import Sampling, generate
-from kvq.model.tiny import CHAT_TEMPLATE
+from kvq.text import load_tokenizer
+from kvq.tools.synth.tiny import CHAT_TEMPLATE
 
 PROMPT = "the quick brown fox"
 

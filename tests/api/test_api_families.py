@@ -17,10 +17,12 @@ from openai import OpenAI
 from kvq.config import load_settings
 from kvq.coordinator import Coordinator
 from kvq.local.server import EmbeddedRedis
-from kvq.model import Backbone, load_tokenizer, make_tiny
-from kvq.model.chat import load_chat_template
+from kvq.model import Backbone
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
+from kvq.text import load_tokenizer
+from kvq.text.chat import load_chat_template
+from kvq.tools.synth import make_tiny
 
 FAMILIES = {
     "olmoe": ("olmoe", ""),

@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import MODEL, System
 
-from kvq.model import Backbone, KVCache, SeqStep, Tokenizer, load_tokenizer
+from kvq.model import Backbone, KVCache, SeqStep
+from kvq.text import Tokenizer, load_tokenizer
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.timeout(300)

@@ -11,8 +11,9 @@ import pytest
 from conftest import MODEL, System
 from openai import OpenAI
 
-from kvq.model import load_tokenizer, read_meta
-from kvq.model.chat import load_chat_template
+from kvq.gguf import read_meta
+from kvq.text import load_tokenizer
+from kvq.text.chat import load_chat_template
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import torch
 from conftest import MODEL, System
 from openai import BadRequestError, OpenAI
 
-from kvq.model import Backbone, KVCache, SeqStep, load_tokenizer
+from kvq.model import Backbone, KVCache, SeqStep
+from kvq.text import load_tokenizer
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

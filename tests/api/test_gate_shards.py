@@ -15,8 +15,8 @@ from kvq.bus.records import CoordStats, SlotState
 from kvq.config import Settings
 from kvq.errors import ApiError
 from kvq.keys import request_shard, request_streams
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 
 def test_calls_go_to_their_shard_and_429_counts_every_shard(

@@ -13,7 +13,7 @@ import torch
 
 from kvq.bank.layout import resident_bytes
 from kvq.bank.options import BankOptions
-from kvq.model.slices import ExpertSlice
+from kvq.model.expert_slice import ExpertSlice
 
 DEVICE = torch.device(os.environ.get("BANK_TEST_DEVICE", "cpu"))
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvq.bank import load_hist
-from kvq.bench.bank import TraceSpec, run_trace
 from kvq.cli import main
-from kvq.model import make_tiny, read_meta, slice_nbytes
+from kvq.gguf import read_meta, slice_nbytes
+from kvq.tools.bench.bank import TraceSpec, run_trace
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(autouse=True)

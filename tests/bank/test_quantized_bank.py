@@ -19,9 +19,11 @@ from bank_helpers import opts
 
 from kvq.bank import Bank
 from kvq.bank.layout import resident_bytes
-from kvq.model import Backbone, load_tokenizer, make_tiny
+from kvq.model import Backbone
 from kvq.model.generate import generate
 from kvq.model.qstack import QStack
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module", params=["f32", "q8_0", "q4_0"])

@@ -9,8 +9,10 @@ import pytest
 from bank_helpers import opts, per_expert
 
 from kvq.bank import Bank
-from kvq.model import Backbone, ByteTokenizer, make_tiny
+from kvq.model import Backbone
 from kvq.model.generate import generate
+from kvq.text import ByteTokenizer
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

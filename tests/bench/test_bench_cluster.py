@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from kvq.bench.cluster import pair_tags, run_cluster_bench
 from kvq.local.cluster import SLOTS
+from kvq.tools.bench.cluster import pair_tags, run_cluster_bench
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvq.bench.elastic import ElasticBench, run_elastic_bench
 from kvq.errors import ConfigError
-from kvq.model import make_tiny
+from kvq.tools.bench.elastic import ElasticBench, run_elastic_bench
+from kvq.tools.synth import make_tiny
 
 KEYS = {
     "saturation_to_first_remote_s",

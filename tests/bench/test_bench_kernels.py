@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from kvq.bench.kernels import KernelsBench, run_kernels_bench
 from kvq.quant import kernels
+from kvq.tools.bench.kernels import KernelsBench, run_kernels_bench
 
 
 def test_every_kernel_type_is_timed_against_the_dense_path() -> None:

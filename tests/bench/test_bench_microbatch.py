@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvq.bench.microbatch import MicrobatchBench, run_microbatch_bench
 from kvq.errors import ConfigError
-from kvq.model import make_tiny
+from kvq.tools.bench.microbatch import MicrobatchBench, run_microbatch_bench
+from kvq.tools.synth import make_tiny
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvq.bench import model as bench_model
 from kvq.cli import main
-from kvq.model import make_tiny
+from kvq.tools.bench import model as bench_model
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,7 +241,7 @@ def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tin
 
 
 def test_prefill_prompts_have_exactly_n_tokens_and_differ() -> None:
-    from kvq.bench.prefill import prompt_ids
+    from kvq.tools.bench.prefill import prompt_ids
 
     def encode(text: str) -> list[int]:  # BOS, then one id per word
         return [1] + [len(w) for w in text.split()]
@@ -253,7 +253,7 @@ def test_prefill_prompts_have_exactly_n_tokens_and_differ() -> None:
 
 
 def test_cpu_features_name_the_isa_extensions(tmp_path: Path) -> None:
-    from kvq.bench.prefill import cpu_features
+    from kvq.tools.bench.prefill import cpu_features
 
     info = tmp_path / "cpuinfo"
     info.write_text(
@@ -273,7 +273,7 @@ def test_llama_batch_decodes_each_sequence_as_alone(tmp_path: Path) -> None:
     one-sequence `generate` gives it (so the aggregate rate counts real decoding)."""
     from llama_cpp import Llama
 
-    from kvq.bench.llama_batch import decode_together
+    from kvq.tools.bench.llama_batch import decode_together
 
     path = tmp_path / "bpe.gguf"
     make_tiny(

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from kvq.bench import pool, pool_report, pool_sandbox
-from kvq.bench.delay_proxy import DelayProxy
-from kvq.bench.pool import PoolBench, run_pool_bench
 from kvq.bus.histogram import Histogram
 from kvq.bus.records import CoordStats
 from kvq.cli import build_parser, main
 from kvq.errors import ConfigError
+from kvq.tools.bench import pool, pool_report, pool_sandbox
+from kvq.tools.bench.delay_proxy import DelayProxy
+from kvq.tools.bench.pool import PoolBench, run_pool_bench
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvq.bench.prefill_gap import PrefillGapBench, run_prefill_gap_bench
 from kvq.errors import ConfigError
-from kvq.model import make_tiny
+from kvq.tools.bench.prefill_gap import PrefillGapBench, run_prefill_gap_bench
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

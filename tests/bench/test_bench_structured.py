@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvq.bench.structured import StructuredBench, run_structured_bench
 from kvq.errors import ConfigError
-from kvq.model import make_tiny
+from kvq.tools.bench.structured import StructuredBench, run_structured_bench
+from kvq.tools.synth import make_tiny
 
 pytest.importorskip("llguidance")
 

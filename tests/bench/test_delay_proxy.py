@@ -9,8 +9,8 @@ import time
 
 import redis
 
-from kvq.bench.delay_proxy import DelayProxy
 from kvq.local.server import EmbeddedRedis
+from kvq.tools.bench.delay_proxy import DelayProxy
 
 
 def _echo_server() -> tuple[socket.socket, int]:

@@ -29,11 +29,11 @@ from kvq.bus.records import (
     WorkerInfo,
 )
 from kvq.bus.redis_board import RedisBoard
+from kvq.gguf.registry import plan_model
 from kvq.keys import Keys
 from kvq.local.server import EmbeddedRedis
-from kvq.model import make_tiny
-from kvq.model.registry import plan_model
 from kvq.slices import slice_id
+from kvq.tools.synth import make_tiny
 
 SIDS = [slice_id(0, 1, 4 * i, 4 * i + 4) for i in range(4)]
 WORKERS = ["a", "b", "c", "d", "e"]

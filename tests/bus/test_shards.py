@@ -103,8 +103,8 @@ def test_clients_put_requests_on_their_shard_and_the_count_cannot_change_under_t
 ) -> None:
     from kvq import client
     from kvq.keys import request_shard
-    from kvq.model import make_tiny
     from kvq.monitor import Monitor
+    from kvq.tools.synth import make_tiny
 
     model = tmp_path / "m.gguf"
     make_tiny(model, layers=1, experts=4, experts_used=2)

@@ -14,7 +14,7 @@ import pytest
 
 from kvq.cli import build_parser, main
 from kvq.config import Settings
-from kvq.model import make_tiny
+from kvq.tools.synth import make_tiny
 
 DOWN = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 

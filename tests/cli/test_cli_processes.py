@@ -144,8 +144,8 @@ def test_submit_stops_within_2s_when_the_last_coordinator_leaves(
 ) -> None:
     from kvq.bus.records import CoordStats, SlotState
     from kvq.keys import Keys
-    from kvq.model import make_tiny
     from kvq.monitor import Monitor
+    from kvq.tools.synth import make_tiny
 
     make_tiny(tmp_path / "m.gguf", layers=2, experts=8)
     mon = Monitor.from_settings(settings)

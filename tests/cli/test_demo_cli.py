@@ -15,9 +15,10 @@ import pytest
 
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
-from kvq.model import Backbone, ByteTokenizer
+from kvq.model import Backbone
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
+from kvq.text import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 KVQ = [sys.executable, "-m", "kvq"]
@@ -95,7 +96,7 @@ def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 
 def test_submit_streams_the_completion(settings: Settings, tmp_path: Path, run_in_thread) -> None:
-    from kvq.model import make_tiny
+    from kvq.tools.synth import make_tiny
 
     model = tmp_path / "m.gguf"
     make_tiny(model)

@@ -15,8 +15,8 @@ from kvq.bus.records import CoordStats, ModelState, SlotState, WorkerInfo
 from kvq.bus.redis_board import open_board
 from kvq.cli import build_parser, main
 from kvq.config import Settings
-from kvq.model import make_tiny
-from kvq.model.registry import plan_model
+from kvq.gguf.registry import plan_model
+from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvq.model import make_tiny
+from kvq.tools.synth import make_tiny
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))  # e2e_helpers
 

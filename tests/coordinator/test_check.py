@@ -24,8 +24,10 @@ from kvq.coordinator.check import (
     compare,
     tolerance,
 )
-from kvq.model import load_slice, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import load_slice
 from kvq.quant import kernels
+from kvq.tools.synth import make_tiny
 
 JOBS = 10_000
 EXPERTS, USED = 8, 2

@@ -21,8 +21,10 @@ from kvq.coordinator.check import deterministic, tolerance
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verdict, Verifier
 from kvq.device import dtype_name
-from kvq.model import load_slice, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import load_slice
 from kvq.quant import qdot
+from kvq.tools.synth import make_tiny
 
 EXPERTS, USED, JOBS = 8, 2, 60
 _OPTS = BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False)

@@ -20,8 +20,10 @@ from kvq.bus.records import DispatchCounters
 from kvq.coordinator.check import BIAS_WINDOW
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verdict, Verifier, admitted
-from kvq.model import load_slice, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import load_slice
 from kvq.quant import kernels, qdot
+from kvq.tools.synth import make_tiny
 
 EXPERTS, USED, JOBS = 8, 2, 300
 _OPTS = BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False)

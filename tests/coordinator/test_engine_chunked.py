@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvq.coordinator.engine import Engine, Sequence
-from kvq.model import Backbone, ByteTokenizer, SeqStep, make_tiny
+from kvq.model import Backbone, SeqStep
 from kvq.model.generate import generate
+from kvq.text import ByteTokenizer
+from kvq.tools.synth import make_tiny
 
 ARCHS = ["qwen3moe", "gpt-oss", "llama4", "deepseek2", "qwen35moe", "olmoe"]
 PROMPT = list(range(3, 45))  # 42 tokens: past gpt-oss's window (8) and llama4's chunk

@@ -13,12 +13,14 @@ import torch
 
 from kvq import wire
 from kvq.coordinator.engine import Engine, Sequence
-from kvq.model import Backbone, KVCache, SeqStep, Tokenizer, load_tokenizer, make_tiny
+from kvq.model import Backbone, KVCache, SeqStep
 from kvq.model.generate import generate
+from kvq.text import Tokenizer, load_tokenizer
+from kvq.tools.synth import make_tiny
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-from kvq.model.grammar import compile_grammar  # noqa: E402  (needs llguidance)
+from kvq.text.grammar import compile_grammar  # noqa: E402  (needs llguidance)
 
 SCHEMA = {
     "type": "object",
@@ -126,7 +128,7 @@ def test_prompt_logprobs_equal_a_forward_of_the_whole_prompt(
 def test_every_answer_on_the_small_preset_validates(tmp_path: Path) -> None:
     """The `small` preset (random weights, a 32,000-token vocabulary): 100 of 100 answers
     under the schema parse and validate, 25 sequences a batch."""
-    from kvq.model.presets import preset_named, write_preset
+    from kvq.tools.synth.presets import preset_named, write_preset
 
     path = tmp_path / "small.gguf"
     write_preset(path, preset_named("small"))

@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvq.coordinator.engine import Engine, Sequence
-from kvq.model import Backbone, load_tokenizer, make_tiny
+from kvq.model import Backbone
 from kvq.model.generate import generate
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
 
 
 def test_eos_is_not_a_token(tmp_path: Path) -> None:

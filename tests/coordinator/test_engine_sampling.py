@@ -9,8 +9,10 @@ import torch
 
 from kvq import wire
 from kvq.coordinator.engine import Engine, Sequence
-from kvq.model import Backbone, SeqStep, Tokenizer, load_tokenizer, make_tiny
+from kvq.model import Backbone, SeqStep
 from kvq.model.generate import Sampling, generate
+from kvq.text import Tokenizer, load_tokenizer
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

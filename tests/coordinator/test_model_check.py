@@ -14,9 +14,9 @@ import pytest
 from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.errors import ModelMismatch
-from kvq.model import make_tiny
-from kvq.model.registry import check_model_file, plan_model
+from kvq.gguf.registry import check_model_file, plan_model
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

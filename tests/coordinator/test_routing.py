@@ -17,8 +17,8 @@ from kvq.catalog import ModelInfo
 from kvq.config import RoutingSettings, load_settings
 from kvq.coordinator.routing import SliceRouter
 from kvq.errors import UncoveredSlice
-from kvq.model import make_tiny
-from kvq.model.registry import plan_model
+from kvq.gguf.registry import plan_model
+from kvq.tools.synth import make_tiny
 
 TOTAL = 4
 

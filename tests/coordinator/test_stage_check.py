@@ -17,8 +17,10 @@ from kvq.coordinator.pending import Answer
 from kvq.coordinator.stage_check import Referee, rule
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verifier
-from kvq.model import Backbone, make_tiny, read_meta
-from kvq.model.registry import plan_stages
+from kvq.gguf import read_meta
+from kvq.gguf.registry import plan_stages
+from kvq.model import Backbone
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import redis
 from acl_helpers import RoleSettings, role_settings
 
 from kvq.config import Settings
-from kvq.model import make_tiny
 from kvq.security import acl
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="session")

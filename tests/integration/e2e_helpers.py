@@ -9,9 +9,10 @@ from typing import Any
 
 from kvq.config import Settings
 from kvq.keys import Keys
-from kvq.model import Backbone, load_tokenizer
+from kvq.model import Backbone
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
+from kvq.text import load_tokenizer
 from kvq.worker import Worker
 
 

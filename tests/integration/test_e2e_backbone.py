@@ -20,11 +20,11 @@ from kvq.client import RequestFailed
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.errors import ConfigError, ModelMismatch
+from kvq.gguf.split import write_backbone
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
-from kvq.model.split import write_backbone
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.slow
 

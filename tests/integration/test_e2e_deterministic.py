@@ -19,9 +19,11 @@ from kvq.bus.redis_board import open_board
 from kvq.config import Settings, child_env, load_settings
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import Backbone, load_tokenizer, make_tiny
+from kvq.model import Backbone
 from kvq.model.generate import generate
-from kvq.model.presets import preset_named, write_preset
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.presets import preset_named, write_preset
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,10 @@ from kvq import client
 from kvq.bus import connect
 from kvq.bus.redis_board import open_board
 from kvq.config import child_env, load_settings
+from kvq.gguf import read_meta
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny, read_meta
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,14 @@ from e2e_helpers import wait_for, wait_ready
 from kvq import client, wire
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
+from kvq.gguf import read_meta
 from kvq.keys import Keys
 from kvq.local.procs import Children
 from kvq.local.server import EmbeddedRedis
-from kvq.model import Backbone, ByteTokenizer, expert_forward_reference, load_slice, read_meta
+from kvq.model import Backbone, expert_forward_reference, load_slice
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
+from kvq.text import ByteTokenizer
 from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow

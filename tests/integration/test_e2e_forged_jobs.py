@@ -19,10 +19,10 @@ import redis
 
 from kvq import wire
 from kvq.config import Settings, child_env
+from kvq.gguf import read_meta
 from kvq.keys import Keys
 from kvq.local.procs import Children
 from kvq.local.server import EmbeddedRedis
-from kvq.model import read_meta
 from kvq.monitor import Monitor
 from kvq.slices import SliceSpec
 

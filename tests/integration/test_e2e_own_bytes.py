@@ -27,9 +27,9 @@ from kvq.coordinator.own_bytes import OwnBytes
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verifier
 from kvq.errors import ModelCorrupt
+from kvq.gguf.registry import plan_model
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model.registry import plan_model
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,13 @@ import pytest
 from e2e_helpers import wait_for, wait_ready
 
 from kvq import client
-from kvq.bench.delay_proxy import DelayProxy
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.bench.delay_proxy import DelayProxy
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.slow
 REPROBE_MS = 500.0

@@ -14,8 +14,8 @@ from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.config import Settings, child_env, load_settings
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "hello", "a b c d e f g"]

@@ -21,11 +21,11 @@ from e2e_helpers import wait_for
 from kvq import client
 from kvq.config import Settings, child_env
 from kvq.coordinator import Coordinator
+from kvq.gguf.split import write_backbone
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
-from kvq.model.split import write_backbone
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.slow
 

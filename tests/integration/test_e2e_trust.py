@@ -413,7 +413,7 @@ LIAR_PATHS = {
 
 @pytest.fixture(scope="module")
 def tiny_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvq.model import make_tiny
+    from kvq.tools.synth import make_tiny
 
     path = tmp_path_factory.mktemp("models") / "tiny-q4k.gguf"
     make_tiny(
@@ -670,7 +670,7 @@ def test_at_stage_grain_a_third_holder_decides_for_a_backbone_only_coordinator(
     liar and the honest holder of a span disagree, a third holder of the span replays the
     sequence's inputs chunk by chunk as they ran them (`StageJob.chunks`) and decides. The
     liar is caught at its first lie; every completion equals all-local generation."""
-    from kvq.model.split import write_backbone
+    from kvq.gguf.split import write_backbone
 
     backbone = tmp_path / "tiny-backbone.gguf"
     write_backbone(tiny_model, backbone)

@@ -30,10 +30,10 @@ from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
 from kvq.local.procs import Children
-from kvq.model import make_tiny
-from kvq.model.slices import map_slice
+from kvq.model.expert_slice import map_slice
 from kvq.monitor import Monitor
 from kvq.slices import SliceSpec
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 from kvq.worker.budget import GIB
 

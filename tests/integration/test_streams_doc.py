@@ -34,7 +34,7 @@ from kvq.bus.redis_board import open_board
 from kvq.bus.streams import dead_letter
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
-from kvq.model import make_tiny
+from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "streams.md"

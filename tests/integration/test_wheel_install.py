@@ -23,7 +23,8 @@ from e2e_helpers import wait_for
 
 from kvq import wire
 from kvq.config import Settings, child_env
-from kvq.model import expert_forward_reference, load_slice, read_meta
+from kvq.gguf import read_meta
+from kvq.model import expert_forward_reference, load_slice
 from kvq.monitor import Monitor
 
 pytestmark = pytest.mark.slow

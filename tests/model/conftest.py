@@ -13,8 +13,9 @@ import pytest
 if importlib.util.find_spec("kvq") is None:  # kvq not installed: import it from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvq.model import Backbone, make_tiny
+from kvq.model import Backbone
 from kvq.quant import qdot
+from kvq.tools.synth import make_tiny
 
 # non-square dimensions so any transposed matrix fails loudly
 ODD = {

@@ -28,7 +28,7 @@ from transformers import (
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from kvq.catalog import ModelMeta
-from kvq.model import read_meta
+from kvq.gguf import read_meta
 
 
 def hf_model(path: str | Path) -> PreTrainedModel:

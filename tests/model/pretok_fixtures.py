@@ -9,7 +9,7 @@ from typing import Any
 
 from gguf import GGUFWriter, TokenType
 
-from kvq.model.pretokenizers import PreTokenizer
+from kvq.text.pretokenizers import PreTokenizer
 
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"

@@ -11,10 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvq.model import Backbone, make_tiny
+from kvq.model import Backbone
 from kvq.model.cache import SeqStep
 from kvq.model.experts import expert_forward, slice_terms
 from kvq.model.moe_sum import combine, inside
+from kvq.tools.synth import make_tiny
 
 FAMILIES = [
     ("qwen3moe", "", "f32"),
@@ -152,8 +153,8 @@ def test_a_tokens_moe_output_does_not_depend_on_where_its_experts_ran(
 def test_a_prompt_read_in_pieces_is_read_alike_in_every_batch(tmp_path: Path) -> None:
     """The engine cuts a prompt where `generate(chunk=)` does, whatever the other prompts."""
     from kvq.coordinator.engine import Engine
-    from kvq.model import ByteTokenizer
     from kvq.model.generate import generate
+    from kvq.text import ByteTokenizer
 
     make_tiny(tmp_path / "m.gguf", seed=3)
     bb = Backbone.from_gguf(tmp_path / "m.gguf")

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from kvq.coordinator.engine import Engine
-from kvq.model import Backbone, ByteTokenizer, SeqStep, make_tiny
+from kvq.model import Backbone, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
+from kvq.text import ByteTokenizer
+from kvq.tools.synth import make_tiny
 
 PROMPTS = [[5, 9, 2], [7], [11, 3, 3, 8, 1], [4, 4], [6, 1, 9], [13, 2, 7, 7]]
 

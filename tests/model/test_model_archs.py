@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, read_meta
-from kvq.model.arch import ARCHS, permute_qk
-from kvq.model.tiny import TinyConfig, write_tiny
+from kvq.gguf import read_meta
+from kvq.gguf.arch import ARCHS, permute_qk
+from kvq.model import Backbone, SeqStep
+from kvq.tools.synth.tiny import TinyConfig, write_tiny
 
 CFG = TinyConfig(2, 6, 3, 32, 48, 4, 2, 8, shared_expert_ffn=40)
 

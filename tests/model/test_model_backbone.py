@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, ByteTokenizer, ExpertSlice, KVCache, SeqStep, expert_forward
+from kvq.model import Backbone, ExpertSlice, KVCache, SeqStep, expert_forward
 from kvq.model.generate import generate
+from kvq.text import ByteTokenizer
 
 ALL_BACKBONES = ["backbone", "odd_backbone", "qwen2_backbone", "mixtral_backbone"]
 PROMPTS = [

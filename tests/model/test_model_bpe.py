@@ -10,8 +10,10 @@ import pytest
 from gguf import GGUFReader, TokenType
 
 from kvq.errors import ModelError
-from kvq.model import ByteTokenizer, load_tokenizer, make_tiny, read_meta
-from kvq.model.bpe import BOS, EOS, byte_symbols, tiny_vocab, train_merges
+from kvq.gguf import read_meta
+from kvq.text import ByteTokenizer, load_tokenizer
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.bpe import BOS, EOS, byte_symbols, tiny_vocab, train_merges
 
 TEXTS = [
     "Hello world",

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvq.errors import ModelError
-from kvq.model.chat import ChatTemplate
+from kvq.text.chat import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "templates"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -12,14 +12,16 @@ from gguf import GGUFReader
 
 from kvq.cli import main
 from kvq.cli import model as cli_model
-from kvq.model import Backbone, load_tokenizer, read_meta, slice_nbytes
-from kvq.model.arch import TINY_ARCHS
+from kvq.gguf import read_meta, slice_nbytes
+from kvq.gguf.arch import TINY_ARCHS
+from kvq.model import Backbone
 from kvq.model.generate import generate
 from kvq.model.loader import GqaWeights
-from kvq.model.presets import PRESETS, Preset, plan, write_preset
 from kvq.model.qstack import QMatrix
-from kvq.model.quants import MIXES, QUANT_NAMES
-from kvq.model.tiny import TOKENIZERS, VARIANTS, TinyConfig, write_tiny
+from kvq.text import load_tokenizer
+from kvq.tools.synth.presets import PRESETS, Preset, plan, write_preset
+from kvq.tools.synth.quants import MIXES, QUANT_NAMES
+from kvq.tools.synth.tiny import TOKENIZERS, VARIANTS, TinyConfig, write_tiny
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:

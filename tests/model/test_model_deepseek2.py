@@ -13,9 +13,10 @@ import pytest
 import torch
 from ref_deepseek import MlaConfig, mla_attention_ref, route_ref
 
-from kvq.model import Backbone, make_tiny
-from kvq.model.gguf_io import numpy_shape, open_reader, tensor_map
+from kvq.gguf.reader import numpy_shape, open_reader, tensor_map
+from kvq.model import Backbone
 from kvq.model.layers import Gating, route
+from kvq.tools.synth import make_tiny
 
 DIMS = {"layers": 2, "experts": 8, "hidden": 64, "expert_ffn": 32, "heads": 4, "head_dim": 16}
 

@@ -9,7 +9,9 @@ import pytest
 from gguf import GGUFWriter
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import Backbone
+from kvq.tools.synth import make_tiny
 
 
 def _write(path: Path, arch: str, keys: dict[str, int]) -> None:
@@ -100,7 +102,7 @@ def test_truncated_file_is_a_model_error_naming_the_file(tmp_path: Path) -> None
 
 
 def test_unknown_quant_type_is_a_model_error_naming_the_tensor(tmp_path: Path) -> None:
-    from kvq.model.gguf_io import check_supported
+    from kvq.gguf.reader import check_supported
 
     with pytest.raises(ModelError, match="blk.0.ffn_up_exps.weight"):
         check_supported(31337, "blk.0.ffn_up_exps.weight")

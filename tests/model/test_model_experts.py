@@ -11,14 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import ModelError
-from kvq.model import (
-    ExpertSlice,
-    expert_forward,
-    expert_forward_reference,
-    load_slice,
-    make_tiny,
-    read_meta,
-)
+from kvq.gguf import read_meta
+from kvq.model import ExpertSlice, expert_forward, expert_forward_reference, load_slice
+from kvq.tools.synth import make_tiny
 
 E, F_, H = 6, 48, 32
 

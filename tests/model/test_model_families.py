@@ -15,8 +15,11 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from greedy import kvq_greedy, llama_greedy, llama_model  # noqa: E402
 
-from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta  # noqa: E402
-from kvq.model.gguf_io import open_reader, tensor_map  # noqa: E402
+from kvq.gguf import read_meta  # noqa: E402
+from kvq.gguf.reader import open_reader, tensor_map  # noqa: E402
+from kvq.model import Backbone  # noqa: E402
+from kvq.text import load_tokenizer  # noqa: E402
+from kvq.tools.synth import make_tiny  # noqa: E402
 
 DIMS = {
     "layers": 3,

@@ -20,7 +20,8 @@ pytest.importorskip("tokenizers")
 import tokenizer_fixtures as fx
 
 from kvq.errors import ModelError
-from kvq.model import ByteTokenizer, load_tokenizer, read_meta
+from kvq.gguf import read_meta
+from kvq.text import ByteTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -133,7 +134,7 @@ def test_refusals(
 
 
 def test_token_types_corrected_by_text_as_llama_cpp_does() -> None:
-    from kvq.model.gguf_tokenizer import llama_token_types
+    from kvq.text.gguf_tokenizer import llama_token_types
 
     normal, control, user = 1, 3, 4
     harmony = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]

@@ -21,13 +21,16 @@ from gguf.quants import dequantize as gguf_dequantize
 from greedy import kvq_greedy, llama_greedy
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.gguf.reader import open_reader, tensor_map
+from kvq.model import Backbone, SeqStep
+from kvq.model.expert_slice import load_slice
 from kvq.model.experts import expert_forward, expert_forward_reference
-from kvq.model.gguf_io import open_reader, tensor_map
 from kvq.model.layers import causal_attention
 from kvq.model.qstack import QMatrix
-from kvq.model.slices import load_slice
 from kvq.quant import qdot
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
 
 DIMS = {
     "layers": 3,
@@ -252,7 +255,7 @@ def test_mxfp4_experts_take_the_one_call_int8_kernel_rows_alone(tmp_path: Path) 
 def _write_array_pattern(tmp_path: Path, flags: list[bool]) -> Path:
     """The tiny gpt-oss file, its sliding layers given as a per-layer array (a form llama.cpp
     reads for every arch with a sliding-window pattern) instead of the default 2."""
-    from kvq.model.tiny import TinyConfig, family_parts, write_tiny
+    from kvq.tools.synth.tiny import TinyConfig, family_parts, write_tiny
 
     cfg = family_parts(
         TinyConfig(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvq.model.harmony import HarmonyStream, Parsed, ToolCall, is_harmony, parse
+from kvq.text.harmony import HarmonyStream, Parsed, ToolCall, is_harmony, parse
 
 ANSWER = (
     "<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"

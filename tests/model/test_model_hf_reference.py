@@ -18,7 +18,9 @@ pytest.importorskip("transformers")
 
 from hf_reference import hf_model
 
-from kvq.model import Backbone, ByteTokenizer, SeqStep, make_tiny
+from kvq.model import Backbone, SeqStep
+from kvq.text import ByteTokenizer
+from kvq.tools.synth import make_tiny
 
 STEPS = 32
 PROMPT = "The quick brown fox"

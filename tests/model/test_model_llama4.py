@@ -22,17 +22,20 @@ from gguf import GGUFReader
 from greedy import kvq_greedy, llama_greedy
 
 from kvq.catalog import meta_from_dict, meta_to_dict
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
-from kvq.model.gguf_io import open_reader, tensor_map
+from kvq.gguf import read_meta
+from kvq.gguf.reader import open_reader, tensor_map
+from kvq.gguf.registry import plan_slices
+from kvq.model import Backbone, SeqStep
+from kvq.model.expert_slice import decode_slice, load_slice, read_slice_file
 from kvq.model.layers import Gating, attn_temperature, causal_attention, rms_norm
 from kvq.model.loader import MoeFfn
 from kvq.model.moe_ffn import moe_ffn
-from kvq.model.registry import plan_slices
-from kvq.model.slices import decode_slice, load_slice, read_slice_file
 from kvq.model.threads import one_thread
-from kvq.model.tiny import family_parts, write_tiny
-from kvq.model.tiny_weights import TinyConfig
 from kvq.slices import SliceSpec
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.tiny import family_parts, write_tiny
+from kvq.tools.synth.tiny_weights import TinyConfig
 
 DIMS = {
     "layers": 4,

@@ -12,9 +12,11 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny  # noqa: E402
-from kvq.model.presets import Preset, write_preset  # noqa: E402
-from kvq.model.tiny import TinyConfig  # noqa: E402
+from kvq.model import Backbone, SeqStep  # noqa: E402
+from kvq.text import load_tokenizer  # noqa: E402
+from kvq.tools.synth import make_tiny  # noqa: E402
+from kvq.tools.synth.presets import Preset, write_preset  # noqa: E402
+from kvq.tools.synth.tiny import TinyConfig  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps", "Héllo wörld ✓ 日本語", "experts route 12345 tokens"]
 DIMS = {"layers": 2, "experts": 4, "hidden": 256, "expert_ffn": 256, "head_dim": 64}

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.errors import ModelError
-from kvq.model import read_meta, read_slice_file, slice_layout, slice_nbytes
+from kvq.gguf import read_meta, slice_layout, slice_nbytes
+from kvq.model import read_slice_file
 
 
 def test_read_meta_has_every_value(odd_path: Path) -> None:

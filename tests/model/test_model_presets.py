@@ -13,11 +13,13 @@ import torch
 from gguf import GGUFReader
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, load_tokenizer, read_meta
-from kvq.model import gguf_io as gio
+from kvq.gguf import read_meta
+from kvq.gguf import reader as gio
+from kvq.model import Backbone, SeqStep
 from kvq.model.generate import generate
-from kvq.model.presets import PRESETS, Preset, plan, preset_named, write_preset
-from kvq.model.tiny import TinyConfig
+from kvq.text import load_tokenizer
+from kvq.tools.synth.presets import PRESETS, Preset, plan, preset_named, write_preset
+from kvq.tools.synth.tiny import TinyConfig
 
 SMALL = Preset("small", TinyConfig(4, 16, 4, 512, 256, 4, 2, 64, vocab=1000), 256, 1e6, 1e-6)
 
@@ -183,10 +185,10 @@ def test_deepseek2_preset_carries_its_parts_and_generates(tmp_path: Path) -> Non
 def test_preset_shapes_are_what_make_tiny_writes(arch: str) -> None:
     """One description of every family's tensors (`layer_shapes`): the presets' plan and the
     tiny writer's arrays agree name for name and shape for shape."""
-    from kvq.model.arch import tiny_arch
-    from kvq.model.presets import tensor_shapes
-    from kvq.model.tiny import family_parts
-    from kvq.model.tiny_weights import tiny_tensors
+    from kvq.gguf.arch import tiny_arch
+    from kvq.tools.synth.presets import tensor_shapes
+    from kvq.tools.synth.tiny import family_parts
+    from kvq.tools.synth.tiny_weights import tiny_tensors
 
     cfg = family_parts(TinyConfig(3, 8, 2, 64, 32, 4, 2, 16, shared_expert_ffn=40), arch)
     spec = tiny_arch(arch)

@@ -25,8 +25,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 import pretok_fixtures as fx  # noqa: E402
 
 from kvq.errors import ModelError  # noqa: E402
-from kvq.model import load_tokenizer  # noqa: E402
-from kvq.model.pretokenizers import PRE_TOKENIZERS, PreTokenizer  # noqa: E402
+from kvq.text import load_tokenizer  # noqa: E402
+from kvq.text.pretokenizers import PRE_TOKENIZERS, PreTokenizer  # noqa: E402
 
 LLAMA_CPP_NAMES = sorted(set(PRE_TOKENIZERS) - {"gpt2"})  # gpt2: kvq's alias, llama.cpp refuses it
 

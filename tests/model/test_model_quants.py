@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvq.errors import ModelError
-from kvq.model.quants import (
+from kvq.tools.synth.quants import (
     QUANT_NAMES,
     SUPPORTED_TYPES,
     encode,

@@ -21,14 +21,17 @@ from greedy import kvq_greedy, llama_greedy, llama_model
 
 from kvq.catalog import meta_from_dict, meta_to_dict
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.gguf.describe import MemoryAssumptions, describe_model
+from kvq.gguf.reader import open_reader, tensor_map
+from kvq.model import Backbone, SeqStep
 from kvq.model.deltanet import DeltaWeights
-from kvq.model.describe import MemoryAssumptions, describe_model
-from kvq.model.gguf_io import open_reader, tensor_map
 from kvq.model.layers import Rope
 from kvq.model.qstack import QMatrix
-from kvq.model.tiny import family_parts, write_tiny
-from kvq.model.tiny_weights import TinyConfig
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.tiny import family_parts, write_tiny
+from kvq.tools.synth.tiny_weights import TinyConfig
 
 DIMS = {
     "layers": 4,

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from kvq.model import Backbone, expert_forward_reference, make_tiny
+from kvq.model import Backbone, expert_forward_reference
 from kvq.model.generate import generate
+from kvq.tools.synth import make_tiny
 
 
 def _as_iq4_nl(path: Path) -> None:

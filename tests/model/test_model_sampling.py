@@ -13,10 +13,12 @@ import torch
 
 from kvq.coordinator.detok import StopText
 from kvq.errors import ModelError
-from kvq.model import Backbone, SeqStep, load_tokenizer, make_tiny
-from kvq.model.chat import CHATML, ChatTemplate, load_chat_template
+from kvq.model import Backbone, SeqStep
 from kvq.model.sampling import Sampler, Sampling
-from kvq.model.tiny import CHAT_TEMPLATE
+from kvq.text import load_tokenizer
+from kvq.text.chat import CHATML, ChatTemplate, load_chat_template
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.tiny import CHAT_TEMPLATE
 
 DRAWS = 20_000
 
@@ -172,7 +174,7 @@ def test_chatml_fallback(tmp_path: Path) -> None:
 
 
 def _no_template(w: object) -> None:
-    from kvq.model.tiny import _byte_tokenizer
+    from kvq.tools.synth.tiny import _byte_tokenizer
 
     _byte_tokenizer(w)  # type: ignore[arg-type]
 

@@ -12,9 +12,11 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.model import decode_slice, load_slice, make_tiny, read_meta, read_slice_file, slice_layout
-from kvq.model.quants import QUANT_NAMES
-from kvq.model.registry import plan_slices
+from kvq.gguf import read_meta, slice_layout
+from kvq.gguf.registry import plan_slices
+from kvq.model import decode_slice, load_slice, read_slice_file
+from kvq.tools.synth import make_tiny
+from kvq.tools.synth.quants import QUANT_NAMES
 
 
 def _full(path: Path, name: str) -> np.ndarray:

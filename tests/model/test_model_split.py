@@ -11,11 +11,14 @@ import torch
 
 from kvq.cli import main
 from kvq.errors import ModelError
-from kvq.model import Backbone, load_tokenizer, make_tiny, read_meta
-from kvq.model import gguf_io as gio
+from kvq.gguf import read_meta
+from kvq.gguf import reader as gio
+from kvq.gguf.registry import header_sha256
+from kvq.gguf.split import backbone_source, is_routed, write_backbone
+from kvq.model import Backbone
 from kvq.model.generate import generate
-from kvq.model.registry import header_sha256
-from kvq.model.split import backbone_source, is_routed, write_backbone
+from kvq.text import load_tokenizer
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(
@@ -130,8 +133,8 @@ def test_a_backbone_file_cannot_be_registered_and_inspects_without_slices(
     full: Path, tmp_path: Path
 ) -> None:
     from kvq.errors import ConfigError
-    from kvq.model.describe import describe_model
-    from kvq.model.registry import plan_model
+    from kvq.gguf.describe import describe_model
+    from kvq.gguf.registry import plan_model
 
     out = tmp_path / "backbone.gguf"
     write_backbone(full, out)

@@ -10,13 +10,15 @@ import pytest
 from gguf import GGUFReader, LlamaFileType
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, load_tokenizer, read_meta
-from kvq.model import gguf_io as gio
-from kvq.model.bpe import tiny_vocab
+from kvq.gguf import read_meta
+from kvq.gguf import reader as gio
+from kvq.model import Backbone
 from kvq.model.generate import generate
-from kvq.model.presets import Preset, plan
-from kvq.model.quants import tensor_type
-from kvq.model.tiny import TinyConfig, make_tiny, write_tiny
+from kvq.text import load_tokenizer
+from kvq.tools.synth.bpe import tiny_vocab
+from kvq.tools.synth.presets import Preset, plan
+from kvq.tools.synth.quants import tensor_type
+from kvq.tools.synth.tiny import TinyConfig, make_tiny, write_tiny
 
 
 def _types(path: Path) -> dict[str, str]:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvq.errors import ModelError
-from kvq.model import ByteTokenizer, read_meta
+from kvq.gguf import read_meta
+from kvq.text import ByteTokenizer
 
 
 def test_round_trip_and_specials(tiny_path: Path) -> None:

@@ -12,14 +12,16 @@ import pytest
 
 from kvq import wire
 from kvq.coordinator.engine import Engine
-from kvq.model import Backbone, load_tokenizer, make_tiny
-from kvq.model import tool_calls as tc
-from kvq.model.chat import ChatTemplate
+from kvq.model import Backbone
 from kvq.prompts import render_chat
+from kvq.text import load_tokenizer
+from kvq.text import tool_calls as tc
+from kvq.text.chat import ChatTemplate
+from kvq.tools.synth import make_tiny
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-from kvq.model.grammar import compile_grammar  # noqa: E402  (needs llguidance)
+from kvq.text.grammar import compile_grammar  # noqa: E402  (needs llguidance)
 
 TEMPLATES = Path(__file__).parent / "templates"
 PARAMS = {

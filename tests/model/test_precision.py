@@ -17,10 +17,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.bank import Bank, BankOptions
-from kvq.model import Backbone, expert_forward_reference, make_tiny
+from kvq.model import Backbone, expert_forward_reference
 from kvq.model.backbone import SeqStep
 from kvq.model.generate import generate
 from kvq.quant import qdot
+from kvq.tools.synth import make_tiny
 
 QUANTS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
 REL_ERR = 1e-5  # max |fast - ref| / max|ref| per expert call

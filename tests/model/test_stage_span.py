@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from kvq.errors import ModelError
-from kvq.model import Backbone, KVCache, SeqStep, make_tiny, read_meta
-from kvq.model.registry import plan_stages
+from kvq.gguf import read_meta
+from kvq.gguf.registry import plan_stages
+from kvq.model import Backbone, KVCache, SeqStep
 from kvq.model.stage import load_stage, write_stage_file
+from kvq.tools.synth import make_tiny
 from kvq.worker.fetch import fetch_slice
 
 FAMILIES = [

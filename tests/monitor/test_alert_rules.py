@@ -21,9 +21,9 @@ from kvq.api.metrics import ApiMetrics
 from kvq.bus.records import CoordStats, SlotState, WorkerInfo
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.metrics import make_registry
+from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "alerts.yml"

@@ -20,8 +20,8 @@ from kvq.bus.redis_board import open_board
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError
 from kvq.local.procs import Children
-from kvq.model import make_tiny
 from kvq.monitor import coarse
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="module")

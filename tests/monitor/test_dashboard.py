@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from kvq.config import Settings, child_env
-from kvq.model import make_tiny
 from kvq.monitor.alerts import ELSEWHERE, RULES
+from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "tests" / "artifacts"

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvq.bus.records import CoordStats, Quarantine, SlotState
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.http import serve_api
+from kvq.tools.synth import make_tiny
 
 SLICES = 2 * (8 // 4)  # layers × expert groups of the tiny model
 

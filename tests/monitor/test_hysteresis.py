@@ -12,9 +12,9 @@ from boards import BoardCase
 
 from kvq.bus.records import CoordStats, SlotState
 from kvq.config import load_settings
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.hysteresis import Hysteresis
+from kvq.tools.synth import make_tiny
 
 
 def test_square_wave_holds_before_each_change() -> None:

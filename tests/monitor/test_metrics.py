@@ -17,9 +17,9 @@ from kvq.bus.histogram import Histogram
 from kvq.bus.records import CoordStats, SlotState, WorkerInfo
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.metrics import make_registry
+from kvq.tools.synth import make_tiny
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 SLICES = 4  # 2 layers x 2 groups of 4 experts

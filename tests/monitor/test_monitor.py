@@ -15,9 +15,10 @@ from boards import BoardCase
 from kvq.bus.records import CoordStats, Quarantine, SlotState, WorkerInfo
 from kvq.bus.redis_board import RedisBoard
 from kvq.config import Settings, load_settings
+from kvq.gguf import read_meta
 from kvq.keys import WORKER_GROUP, Keys
-from kvq.model import make_tiny, read_meta
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 # saturation follows busy at once here; tests/monitor/test_hysteresis.py covers the holds
 BASE = load_settings(saturation_enter_s=0.0, saturation_leave_s=0.0).monitor

@@ -8,8 +8,8 @@ import pytest
 
 from kvq.config import Settings
 from kvq.keys import Keys
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 
 
 @pytest.mark.parametrize("lost", ["models", "model_meta", "model_slices", "all"])

@@ -15,7 +15,7 @@ from kvq.bus.redis_board import open_board
 from kvq.config import Settings, child_env, load_settings
 from kvq.errors import ConfigError
 from kvq.local.procs import Children
-from kvq.model import make_tiny
+from kvq.tools.synth import make_tiny
 
 LEASE_S = 1.0
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvq.bus.records import CoordStats, SlotState
 from kvq.config import load_settings
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
 from kvq.monitor.popularity import Popularity, spread
+from kvq.tools.synth import make_tiny
 
 
 def test_spread_follows_the_rates_and_keeps_the_total() -> None:

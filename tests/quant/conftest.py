@@ -10,9 +10,10 @@ from typing import NamedTuple
 import pytest
 
 from kvq.bank import Bank, BankOptions
-from kvq.model import make_tiny, read_meta
-from kvq.model.slices import ExpertSlice, map_slice, slice_layout
+from kvq.gguf import read_meta
+from kvq.model.expert_slice import ExpertSlice, map_slice, slice_layout
 from kvq.quant import qdot
+from kvq.tools.synth import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import ModelError
-from kvq.model.quants import encode
-from kvq.quant import FAST_TYPES, dequantize, measure, row_bytes
+from kvq.quant import FAST_TYPES, dequantize, row_bytes
+from kvq.tools.bench.dequant import measure
+from kvq.tools.synth.quants import encode
 
 Q = GGMLQuantizationType
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-ENCODABLE_SLOW = (Q.Q4_1, Q.Q5_0, Q.Q5_1)  # kvq.model.quants can write these
+ENCODABLE_SLOW = (Q.Q4_1, Q.Q5_0, Q.Q5_1)  # kvq.tools.synth.quants can write these
 RANDOM_SLOW = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS)  # nobody here encodes these: random bytes
 
 

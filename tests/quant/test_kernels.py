@@ -12,8 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+from kvq.tools.synth.quants import random_blocks
 
 
 @pytest.fixture(autouse=True)

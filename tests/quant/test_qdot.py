@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.model.generate import generate
-from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+from kvq.tools.synth.quants import random_blocks
 
 if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
@@ -195,7 +195,8 @@ def test_greedy_tokens_with_int8_activations_agree_with_float32(
     float32 tokens. Random weights give flat logits (the top two often within 1%), so a
     trained model's agreement is higher; free-running, the first disagreement changes every
     token after it (measured: 6 and 9 tokens before it)."""
-    from kvq.model import Backbone, make_tiny
+    from kvq.model import Backbone
+    from kvq.tools.synth import make_tiny
 
     path = tmp_path / f"{quant}.gguf"
     make_tiny(
@@ -235,8 +236,9 @@ def test_an_honest_int8_worker_is_never_flagged_against_float32(
     coordinator does; and int8 against int8 on other thread counts is bit-exact."""
     from kvq.bank import Bank, BankOptions
     from kvq.coordinator.check import compare, tolerance
-    from kvq.model import make_tiny, read_meta
-    from kvq.model.slices import map_slice, slice_layout
+    from kvq.gguf import read_meta
+    from kvq.model.expert_slice import map_slice, slice_layout
+    from kvq.tools.synth import make_tiny
 
     path = tmp_path / "q4_k_m.gguf"
     make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=7)

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.model.experts import expert_forward_reference
-from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+from kvq.tools.synth.quants import random_blocks
 
 if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
@@ -208,9 +208,10 @@ def test_float32_activations_keep_the_python_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With KVQ_ACTIVATIONS=float32 no int8 call runs (the float32 kernels' precision rule)."""
-    from kvq.model import make_tiny, read_meta
+    from kvq.gguf import read_meta
+    from kvq.model.expert_slice import map_slice, slice_layout
     from kvq.model.experts import expert_forward
-    from kvq.model.slices import map_slice, slice_layout
+    from kvq.tools.synth import make_tiny
 
     path = tmp_path / "q4_k_m.gguf"
     make_tiny(path, layers=1, experts=8, hidden=256, expert_ffn=256, quant="q4_k_m", seed=5)

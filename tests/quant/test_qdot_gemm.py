@@ -17,8 +17,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from kvq.model import qstack
 from kvq.model.qstack import QMatrix
-from kvq.model.quants import random_blocks
 from kvq.quant import kernels, qdot
+from kvq.tools.synth.quants import random_blocks
 
 if TYPE_CHECKING:
     from test_qdot_batch import Raws

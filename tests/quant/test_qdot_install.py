@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from kvq.model.quants import random_blocks
 from kvq.quant import qdot
+from kvq.tools.synth.quants import random_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 

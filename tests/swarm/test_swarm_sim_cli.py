@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvq.bench.swarm import run_sim, run_swarm_bench
 from kvq.cli import main
 from kvq.errors import TopologyError
 from kvq.swarm import SimOptions, parse_nodes, parse_topology, simulate
+from kvq.tools.bench.swarm import run_sim, run_swarm_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "swarm.json"

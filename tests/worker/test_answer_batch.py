@@ -13,8 +13,8 @@ from test_backlog import _job, _wait
 from kvq import wire
 from kvq.bus import Consumer
 from kvq.config import Settings
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
 

@@ -16,8 +16,9 @@ from test_backlog import _wait
 from kvq import wire
 from kvq.bus.market import Market
 from kvq.config import Settings
-from kvq.model import make_tiny, read_meta
+from kvq.gguf import read_meta
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 from kvq.worker.membership import Held
 

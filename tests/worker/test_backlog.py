@@ -12,9 +12,9 @@ import numpy as np
 
 from kvq import wire
 from kvq.config import Settings
-from kvq.model import make_tiny
-from kvq.model.meta import read_meta
+from kvq.gguf.meta import read_meta
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 from kvq.worker.backlog import Backlog
 

@@ -13,8 +13,9 @@ import pytest
 
 from kvq.config import load_settings
 from kvq.errors import ModelError, SliceIntegrityError
-from kvq.model import make_tiny, read_meta
-from kvq.model.registry import plan_slices
+from kvq.gguf import read_meta
+from kvq.gguf.registry import plan_slices
+from kvq.tools.synth import make_tiny
 from kvq.worker.fetch import fetch_slice
 
 

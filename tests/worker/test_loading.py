@@ -16,8 +16,8 @@ import pytest
 
 from kvq.config import Settings
 from kvq.keys import Keys
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
 CHUNK = 1536  # bytes per write of the slow server

@@ -16,10 +16,10 @@ from kvq.bus.board import Board
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import Lifetimes, WorkerInfo
 from kvq.catalog import ModelInfo
+from kvq.gguf.registry import plan_model
 from kvq.machine import cpus, cpus_text, machine_id
-from kvq.model import make_tiny
-from kvq.model.registry import plan_model
 from kvq.swarm import WorkerView
+from kvq.tools.synth import make_tiny
 from kvq.worker.membership import Held, Membership
 
 SHORT_TTL_S = 0.5  # beats every ~0.17 s

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import BAD_JOB, DEADLINE_EXPIRED, ExpertServer
-from kvq.model import ExpertSlice, expert_forward_reference, load_slice, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import ExpertSlice, expert_forward_reference, load_slice
+from kvq.tools.synth import make_tiny
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 compute vs the float64 reference
 HELD = {0: (0, 4), 1: (4, 8)}  # layer -> the expert range the server holds

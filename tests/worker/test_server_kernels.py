@@ -19,9 +19,11 @@ from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
 from kvq.device import compute_dtype
-from kvq.model import Backbone, decode_slice, make_tiny, read_meta, slice_layout
+from kvq.gguf import read_meta, slice_layout
+from kvq.model import Backbone, decode_slice
 from kvq.model.moe_sum import combine, inside
 from kvq.quant import kernels, qdot
+from kvq.tools.synth import make_tiny
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,9 @@ import torch
 from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import BAD_JOB, ExpertServer
-from kvq.model import load_slice, make_tiny, read_meta
+from kvq.gguf import read_meta
+from kvq.model import load_slice
+from kvq.tools.synth import make_tiny
 from kvq.worker.shelf import Shelf
 
 _OPTS = BankOptions(numa_policy="off", vram_reserve_bytes=0, dynamic=False)

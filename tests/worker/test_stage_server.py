@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kvq import wire
-from kvq.model import Backbone, SeqStep, make_tiny, read_meta
-from kvq.model.registry import plan_stages
+from kvq.gguf import read_meta
+from kvq.gguf.registry import plan_stages
+from kvq.model import Backbone, SeqStep
 from kvq.model.stage import load_stage, write_stage_file
+from kvq.tools.synth import make_tiny
 from kvq.worker.fetch import fetch_slice
 from kvq.worker.stage import StageServer, serve_stage_job
 

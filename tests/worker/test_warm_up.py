@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from kvq.bank import Bank, BankOptions
-from kvq.model import Backbone, make_tiny
+from kvq.model import Backbone
+from kvq.tools.synth import make_tiny
 from kvq.worker.loader import warm_up
 
 

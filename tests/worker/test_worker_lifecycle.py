@@ -6,8 +6,8 @@ from pathlib import Path
 
 from kvq.config import Settings
 from kvq.keys import Keys
-from kvq.model import make_tiny
 from kvq.monitor import Monitor
+from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
 
