@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from waiting import wait_for
 
 from kvq.api import create_app
 from kvq.asgi import ThreadedServer
@@ -138,7 +139,7 @@ def system(
         t.start()
     gw = start_gateway(s, tmp / "api.log")
     sysm = System(s, api_model, gw.url, mon.board.r, Keys(s.prefix), coord, mon, tmp, [gw])
-    wait(lambda: any(c.alive for c in mon.board.coordinators(MODEL)), "the coordinator")
+    wait_for(lambda: any(c.alive for c in mon.board.coordinators(MODEL)), 20, "the coordinator")
     yield sysm
     for gw in sysm.gateways:
         gw.stop()
@@ -150,13 +151,3 @@ def system(
         t.join(timeout=10)
     for x in (worker, coord):
         x.board.r.close()
-
-
-def wait(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
