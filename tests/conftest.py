@@ -8,6 +8,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import pytest
@@ -22,6 +23,17 @@ from kvq.local.server import EmbeddedRedis
 # CLUSTER_TESTS=1: the same tests against a local 3-master Redis Cluster (issue 14); tests
 # that need a single server (restarting it, raw multi-key commands) are marked `standalone`
 ON_CLUSTER = os.environ.get("CLUSTER_TESTS") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--llama-cpp-src",
+        default=str(ROOT / ".tools" / "llama.cpp"),
+        help="llama.cpp's source tree, for its real vocabularies (models/ggml-vocab-*.gguf) in "
+        "tests/model/test_model_pretokenizers.py; .ci/run unpacks them from llama-cpp-python's "
+        "sdist into .tools/llama.cpp, the default",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
