@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,18 +64,18 @@ def start_gateway(s: Settings, log: Path, **overrides: Any) -> Gateway:
             [sys.executable, "-m", "kvq", "api"], env=env, stdout=out, stderr=subprocess.STDOUT
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 90  # a loaded machine imports slowly
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         if proc.poll() is not None:
-            raise AssertionError("kvq api exited:\n" + log.read_text())
-        try:
-            if httpx.get(gw.url + "/health", timeout=1).status_code == 200:
-                return gw
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    gw.stop()
-    raise AssertionError("kvq api did not start:\n" + log.read_text())
+            raise AssertionError("kvq api exited")
+        return httpx.get(gw.url + "/health", timeout=1).status_code == 200
+
+    try:  # a loaded machine imports slowly
+        wait_for(healthy, 90, "kvq api to start", poll_s=0.05, ignore=httpx.HTTPError)
+    except AssertionError as exc:
+        gw.stop()
+        raise AssertionError(f"{exc}:\n{log.read_text()}") from None
+    return gw
 
 
 @dataclass
