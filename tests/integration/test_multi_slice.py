@@ -275,7 +275,7 @@ def test_wind_down_is_per_slice(
         10,
         "a beat without alpha",
     )
-    time.sleep(1.0)
+    time.sleep(1.0)  # twenty volunteer polls in which it must keep beta
     assert len(w.holdings) == 1, "beta is still wanted: it stays"
     job = _job(infos["alpha"], "late", "c1", seed=0)
     r.xadd(keys.worker_inbox("winder"), wire.encode(job))

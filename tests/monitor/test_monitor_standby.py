@@ -25,7 +25,7 @@ def test_one_lease_holder_at_a_time_on_the_memory_board() -> None:
     board = MemoryBoard(Lifetimes(1.0, 10.0, 60.0))
     assert board.hold_lease("a", 0.2) and not board.hold_lease("b", 0.2)
     assert board.hold_lease("a", 0.2), "renewed by its holder"
-    time.sleep(0.25)
+    time.sleep(0.25)  # past the 0.2 s lease: the expiry is what is tested
     assert board.hold_lease("b", 0.2) and board.lease_holder() == "b", "expired: taken"
     board.drop_lease("a")  # not the holder: nothing happens
     assert board.lease_holder() == "b"

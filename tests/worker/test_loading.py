@@ -115,7 +115,7 @@ def test_integrity_failure_backs_off(settings: Settings, model: Path, run_in_thr
         f.write(b"\x00" * 64)
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
-    time.sleep(2.0)
+    time.sleep(2.0)  # two seconds of load attempts, counted below
     tries = worker._load_backoff.failures
     # every poll would be ~40 tries in 2 s; doubling from 0.05 s (with jitter) gives 5 to 8
     assert 2 <= tries <= 8, f"{tries} load attempts in 2 s"

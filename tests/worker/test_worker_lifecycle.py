@@ -41,7 +41,7 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
     assert not a.board.r.exists(keys.worker_inbox(leaver)), "inbox"
     import time
 
-    time.sleep(1.0)
+    time.sleep(1.0)  # a second of wind-down checks in which neither may leave
     assert (ta.is_alive(), tb.is_alive()).count(True) == 1, "the last replica stays"
 
 
