@@ -29,10 +29,11 @@ CLUSTER_SUITE := tests/bus/test_shards.py tests/integration/test_e2e_generation.
 	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py tests/integration/test_multi_slice.py \
 	tests/integration/test_e2e_key_loss.py tests/integration/test_e2e_forged_results.py
 
-# pytest-xdist: a pytest process a CPU, each with its own Redis (XDIST= runs in one process);
-# the tests marked `serial` then run alone (exit 5: none selected)
+# pytest-xdist: a pytest process a CPU, each with its own Redis, a test module at a time (its
+# module-scoped setup made once); XDIST= runs in one process. The tests marked `serial` then
+# run alone (exit 5: none selected)
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
-XDIST ?= -n auto --dist loadgroup
+XDIST ?= -n auto --dist loadscope
 
 test: setup
 	$(PYTEST) $(XDIST) -m "not serial"

@@ -48,20 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if ON_CLUSTER:
         skip = pytest.mark.skip(reason="needs a standalone server (CLUSTER_TESTS=1)")
         for item in items:
             if "standalone" in item.keywords:
                 item.add_marker(skip)
-    # `-n N --dist loadgroup` (make test): the tests of a module that share a module-scoped
-    # setup (a system of kvq roles, a model) run on one worker, which makes it once
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d[-1].scope in ("module", "class", "package") for d in defs if d):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
