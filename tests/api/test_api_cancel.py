@@ -8,12 +8,15 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from conftest import MODEL, System
 from waiting import wait_for
 
 from kvq import client, wire
 from kvq.config import child_env
 from kvq.coordinator import Coordinator
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 
 def done_event(system: System, request_id: str) -> wire.ReplyEvent:

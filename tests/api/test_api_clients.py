@@ -22,7 +22,7 @@ from kvq.model.tiny import TinyConfig, family_parts, write_tiny
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TEMPLATE = Path(__file__).parents[1] / "model" / "templates" / "Qwen3.5-4B.jinja"
 WEATHER = {

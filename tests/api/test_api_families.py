@@ -23,6 +23,8 @@ from kvq.model.chat import load_chat_template
 from kvq.model.generate import generate
 from kvq.monitor import Monitor
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 FAMILIES = {
     "olmoe": ("olmoe", ""),
     "glm": ("glm4moe", ""),

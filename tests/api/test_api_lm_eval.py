@@ -18,7 +18,7 @@ from conftest import MODEL, System
 from kvq.model import Backbone, KVCache, SeqStep, Tokenizer, load_tokenizer
 
 pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DOCS = [
     {"question": "The sky is", "choices": ["blue", "green", "made of cheese"], "answer": 0},

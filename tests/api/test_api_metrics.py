@@ -5,12 +5,15 @@ series."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from conftest import MODEL, System
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
 
 from kvq.api.metrics import ApiMetrics
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

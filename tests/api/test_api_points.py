@@ -14,6 +14,8 @@ from openai import OpenAI
 from kvq.model import load_tokenizer, read_meta
 from kvq.model.chat import load_chat_template
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 @pytest.fixture(scope="module")
 def oai(system: System) -> OpenAI:

@@ -20,6 +20,8 @@ from kvq.api.queue import QueueSample, QueueWatch
 from kvq.coordinator import Coordinator
 from kvq.keys import COORDINATOR_GROUP
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 def flood(url: str, n: int, max_tokens: int) -> tuple[Counter[int], list[float], list[str]]:
     """`n` concurrent completions: the statuses, each call's seconds, the 429s' Retry-After."""

@@ -16,6 +16,8 @@ from openai import BadRequestError, OpenAI
 
 from kvq.model import Backbone, KVCache, SeqStep, load_tokenizer
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 

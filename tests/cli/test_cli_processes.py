@@ -103,6 +103,7 @@ def test_server_does_not_load_torch_and_exits_0_on_sigterm(settings: Settings) -
             proc.kill()
 
 
+@pytest.mark.slow
 def test_api_host_port_sigterm_and_busy_port(settings: Settings) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "kvq", "api", "--host", "127.0.0.1", "--port", str(port)]

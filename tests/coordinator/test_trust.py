@@ -159,6 +159,7 @@ def _late_liar_steps(trust: Trust, jobs_per_step: int, honest_steps: int, limit:
 
 
 @pytest.mark.parametrize("jobs_per_step", [1, 4, 48])
+@pytest.mark.slow
 def test_trust_cannot_be_banked_a_late_liar_is_caught_per_step(jobs_per_step: int) -> None:
     """After 300 honest steps the streak alone would check 2% of jobs; the step floor still
     checks each lying step with probability >= 0.3, so a 12-token request that a liar turns in
