@@ -29,12 +29,20 @@ CLUSTER_SUITE := tests/bus/test_shards.py tests/integration/test_e2e_generation.
 	tests/integration/test_e2e_replay.py tests/integration/test_e2e_faults.py tests/integration/test_multi_slice.py \
 	tests/integration/test_e2e_key_loss.py tests/integration/test_e2e_forged_results.py
 
+# pytest-xdist: a pytest process a CPU, each with its own Redis, a test module at a time (its
+# module-scoped setup made once); XDIST= runs in one process. The tests marked `serial` then
+# run alone (exit 5: none selected)
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
+XDIST ?= -n auto --dist loadscope
+
 test: setup
-	$(BIN)/python -m pytest -p no:cacheprovider
-	CLUSTER_TESTS=1 $(BIN)/python -m pytest -p no:cacheprovider -m "not standalone" $(CLUSTER_SUITE)
+	$(PYTEST) $(XDIST) -m "not serial"
+	$(PYTEST) -m serial || [ $$? = 5 ]
+	CLUSTER_TESTS=1 $(PYTEST) $(XDIST) -m "not standalone" $(CLUSTER_SUITE)
 
 test-fast: setup
-	$(BIN)/python -m pytest -p no:cacheprovider -m "not slow"
+	$(PYTEST) $(XDIST) -m "not slow and not serial"
+	$(PYTEST) -m "serial and not slow" || [ $$? = 5 ]
 
 lint: setup
 	$(BIN)/ruff check kvq tests

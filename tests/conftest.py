@@ -8,6 +8,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import pytest
@@ -22,6 +23,17 @@ from kvq.local.server import EmbeddedRedis
 # CLUSTER_TESTS=1: the same tests against a local 3-master Redis Cluster (issue 14); tests
 # that need a single server (restarting it, raw multi-key commands) are marked `standalone`
 ON_CLUSTER = os.environ.get("CLUSTER_TESTS") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--llama-cpp-src",
+        default=str(ROOT / ".tools" / "llama.cpp"),
+        help="llama.cpp's source tree, for its real vocabularies (models/ggml-vocab-*.gguf) in "
+        "tests/model/test_model_pretokenizers.py; .ci/run unpacks them from llama-cpp-python's "
+        "sdist into .tools/llama.cpp, the default",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,6 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # a RedisCluster client that a test leaves to the collector warns about its node
         # sockets; the standalone run still treats every unclosed socket as an error
         config.addinivalue_line("filterwarnings", "ignore:unclosed <socket:ResourceWarning")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # a pytest-xdist worker: torch computes on its share of the CPUs
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,6 +54,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "standalone" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported and built (torch, transformers, every test module and item: most
+    of the heap, none of it garbage) is frozen out of the cyclic collector's sight, so that the
+    collection that ends each test using `settings` scans only what was made since (1 s a test
+    on a loaded 2-CPU machine otherwise)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

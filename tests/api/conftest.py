@@ -11,9 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from waiting import wait_for
 
 from kvq.api import create_app
 from kvq.asgi import ThreadedServer
@@ -64,18 +64,18 @@ def start_gateway(s: Settings, log: Path, **overrides: Any) -> Gateway:
             [sys.executable, "-m", "kvq", "api"], env=env, stdout=out, stderr=subprocess.STDOUT
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 90  # a loaded machine imports slowly
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         if proc.poll() is not None:
-            raise AssertionError("kvq api exited:\n" + log.read_text())
-        try:
-            if httpx.get(gw.url + "/health", timeout=1).status_code == 200:
-                return gw
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    gw.stop()
-    raise AssertionError("kvq api did not start:\n" + log.read_text())
+            raise AssertionError("kvq api exited")
+        return httpx.get(gw.url + "/health", timeout=1).status_code == 200
+
+    try:  # a loaded machine imports slowly
+        wait_for(healthy, 90, "kvq api to start", poll_s=0.05, ignore=httpx.HTTPError)
+    except AssertionError as exc:
+        gw.stop()
+        raise AssertionError(f"{exc}:\n{log.read_text()}") from None
+    return gw
 
 
 @dataclass
@@ -138,7 +138,7 @@ def system(
         t.start()
     gw = start_gateway(s, tmp / "api.log")
     sysm = System(s, api_model, gw.url, mon.board.r, Keys(s.prefix), coord, mon, tmp, [gw])
-    wait(lambda: any(c.alive for c in mon.board.coordinators(MODEL)), "the coordinator")
+    wait_for(lambda: any(c.alive for c in mon.board.coordinators(MODEL)), 20, "the coordinator")
     yield sysm
     for gw in sysm.gateways:
         gw.stop()
@@ -150,13 +150,3 @@ def system(
         t.join(timeout=10)
     for x in (worker, coord):
         x.board.r.close()
-
-
-def wait(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -8,11 +8,15 @@ import subprocess
 import sys
 
 import httpx
-from conftest import MODEL, System, wait
+import pytest
+from conftest import MODEL, System
+from waiting import wait_for
 
 from kvq import client, wire
 from kvq.config import child_env
 from kvq.coordinator import Coordinator
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 
 def done_event(system: System, request_id: str) -> wire.ReplyEvent:
@@ -44,12 +48,12 @@ def test_disconnect_mid_stream_cancels(system: System) -> None:
         for _ in range(3):
             next(lines)
     # the client is gone: the gateway cancels, the coordinator drops the sequence
-    wait(lambda: rid in cancelled_ids(system), "the cancel")
-    wait(lambda: system.coord.cancelled == before + 1, "the coordinator to drop it")
+    wait_for(lambda: rid in cancelled_ids(system), 20, "the cancel")
+    wait_for(lambda: system.coord.cancelled == before + 1, 20, "the coordinator to drop it")
     assert all(s.request_id != rid for s in system.coord.engine.active)
-    done = wait(lambda: done_event(system, rid), "its last event")
+    done = wait_for(lambda: done_event(system, rid), 20, "its last event")
     assert done.finish == "cancelled" and done.index < 400
-    wait(lambda: system.queued() == 0, "the request acknowledged")
+    wait_for(lambda: system.queued() == 0, 20, "the request acknowledged")
 
 
 def test_interrupted_submit_cancels(system: System) -> None:
@@ -72,14 +76,14 @@ def test_interrupted_submit_cancels(system: System) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait(lambda: system.coord.engine.busy > 0, "the request to be generated", 60)
+        wait_for(lambda: system.coord.engine.busy > 0, 60, "the request to be generated")
         rid = system.coord.engine.active[0].request_id
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 130
     finally:
         proc.kill()
         proc.wait()
-    wait(lambda: system.coord.cancelled == before + 1, "the coordinator to drop it")
+    wait_for(lambda: system.coord.cancelled == before + 1, 20, "the coordinator to drop it")
     assert rid in cancelled_ids(system)
     assert done_event(system, rid).index < 450
 
@@ -152,7 +156,9 @@ def test_every_client_that_leaves_has_its_request_cancelled(system: System) -> N
         t.start()
     for t in threads:
         t.join(60)
-    wait(lambda: system.queued() == 0 and not system.coord.engine.active, "every request gone", 60)
+    wait_for(
+        lambda: system.queued() == 0 and not system.coord.engine.active, 60, "every request gone"
+    )
     ended = {rid: how for rid, how in _outcomes(system).items() if rid not in before}
     assert len(ended) == len(leave)
     missed = {rid: how for rid, how in ended.items() if "cancel" not in how}

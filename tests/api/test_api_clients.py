@@ -23,7 +23,7 @@ from kvq.tools.synth.tiny import TinyConfig, family_parts, write_tiny
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TEMPLATE = Path(__file__).parents[1] / "model" / "templates" / "Qwen3.5-4B.jinja"
 WEATHER = {

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 from conftest import MODEL, System
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 PROMPTS = [f"{w} and the rest of it" for w in WORDS]

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL, System, wait
+from conftest import MODEL, System
 from openai import OpenAI
+from waiting import wait_for
 
 from kvq import wire
 from kvq.bus.records import CoordStats, SlotState
@@ -106,7 +107,7 @@ def test_refused_by_the_coordinator_is_400(system: System) -> None:
         "unknown role"
         in assert_error(post(system.url, "/v1/chat/completions", chat), 400)["message"]
     )
-    wait(lambda: system.queued() == 0, "refused requests acknowledged")
+    wait_for(lambda: system.queued() == 0, 20, "refused requests acknowledged")
 
 
 def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_are_served(

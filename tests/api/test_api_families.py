@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_gateway, wait
+from conftest import start_gateway
 from openai import OpenAI
+from waiting import wait_for
 
 from kvq.config import load_settings
 from kvq.coordinator import Coordinator
@@ -23,6 +24,8 @@ from kvq.monitor import Monitor
 from kvq.text import load_tokenizer
 from kvq.text.chat import load_chat_template
 from kvq.tools.synth import make_tiny
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 FAMILIES = {
     "olmoe": ("olmoe", ""),
@@ -62,7 +65,7 @@ def families(
         t.start()
     gw = start_gateway(s, d / "api.log")
     for model in paths:
-        wait(lambda m=model: any(c.alive for c in mon.board.coordinators(m)), model)
+        wait_for(lambda m=model: any(c.alive for c in mon.board.coordinators(m)), 20, model)
     yield gw.url, paths
     gw.stop()
     for c in coords:

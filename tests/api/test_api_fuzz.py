@@ -14,6 +14,8 @@ from conftest import MODEL, System
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 NAMES = [
     "prompt",
     "messages",

@@ -19,7 +19,7 @@ from kvq.model import Backbone, KVCache, SeqStep
 from kvq.text import Tokenizer, load_tokenizer
 
 pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DOCS = [
     {"question": "The sky is", "choices": ["blue", "green", "made of cheese"], "answer": 0},

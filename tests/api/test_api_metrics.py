@@ -5,11 +5,15 @@ series."""
 from __future__ import annotations
 
 import httpx
-from conftest import MODEL, System, wait
+import pytest
+from conftest import MODEL, System
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 from kvq.api.metrics import ApiMetrics
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -85,7 +89,9 @@ def test_a_stream_is_running_until_it_ends(system: System) -> None:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
         assert value(scrape(url), "kvq_api_requests_running", model=MODEL) == 1
-    wait(lambda: value(scrape(url), "kvq_api_requests_running", model=MODEL) == 0, "the end")
+    wait_for(
+        lambda: value(scrape(url), "kvq_api_requests_running", model=MODEL) == 0, 20, "the end"
+    )
     assert value(scrape(url), "kvq_api_requests_waiting", model=MODEL) == 0
 
 

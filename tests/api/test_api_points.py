@@ -15,6 +15,8 @@ from kvq.gguf import read_meta
 from kvq.text import load_tokenizer
 from kvq.text.chat import load_chat_template
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 @pytest.fixture(scope="module")
 def oai(system: System) -> OpenAI:

@@ -12,12 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import MODEL, System, wait
+from conftest import MODEL, System
 from test_api_errors import assert_error, haunt, post
+from waiting import wait_for
 
 from kvq.api.queue import QueueSample, QueueWatch
 from kvq.coordinator import Coordinator
 from kvq.keys import COORDINATOR_GROUP
+
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
 
 
 def flood(url: str, n: int, max_tokens: int) -> tuple[Counter[int], list[float], list[str]]:
@@ -106,7 +109,7 @@ def test_a_stopped_coordinator_is_503_within_2s(system: System) -> None:
 
     t = threading.Thread(target=call)
     t.start()
-    wait(lambda: system.r.xlen(system.keys.model_requests("solo")) == 1, "the call queued")
+    wait_for(lambda: system.r.xlen(system.keys.model_requests("solo")) == 1, 20, "the call queued")
     stopped = time.monotonic()
     system.mon.board.forget_coordinator("solo", "ghost")  # what a clean stop does
     t.join(timeout=10)
@@ -115,7 +118,9 @@ def test_a_stopped_coordinator_is_503_within_2s(system: System) -> None:
     coord = Coordinator.from_settings(system.settings, "c-solo", "solo", system.model_path)
     th = threading.Thread(target=coord.run, daemon=True)
     th.start()
-    wait(lambda: any(c.alive for c in system.mon.board.coordinators("solo")), "c-solo alive")
+    wait_for(
+        lambda: any(c.alive for c in system.mon.board.coordinators("solo")), 20, "c-solo alive"
+    )
     coord.stop.set()
     th.join(timeout=20)
     coord.board.r.close()

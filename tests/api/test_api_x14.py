@@ -17,6 +17,8 @@ from openai import BadRequestError, OpenAI
 from kvq.model import Backbone, KVCache, SeqStep
 from kvq.text import load_tokenizer
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -79,7 +79,7 @@ def test_swap_waits_for_forwards_on_the_old_map(monkeypatch: pytest.MonkeyPatch)
     assert entered.wait(10)
     swap = threading.Thread(target=bank.apply_swaps, args=(0, [(0, 5)]))
     swap.start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # time for the swap to finish, were it not blocked
     assert swap.is_alive()  # blocked: a forward still reads slot 0 through the old map
     slot0 = bank._stores[0].hot[0][0]
     assert torch.equal(slot0, sl.gate[0])  # not overwritten yet

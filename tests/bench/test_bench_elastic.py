@@ -11,6 +11,8 @@ from kvq.errors import ConfigError
 from kvq.tools.bench.elastic import ElasticBench, run_elastic_bench
 from kvq.tools.synth import make_tiny
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 KEYS = {
     "saturation_to_first_remote_s",
     "drain_to_release_s",

@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvq.quant import kernels
 from kvq.tools.bench.kernels import KernelsBench, run_kernels_bench
 
 
+@pytest.mark.slow
 def test_every_kernel_type_is_timed_against_the_dense_path() -> None:
     r = run_kernels_bench(KernelsBench(rows=64, cols=256, batches=(1, 3), matrices=2, repeat=1))
     got = {(row["type"], row["rows"]) for row in r["results"]}

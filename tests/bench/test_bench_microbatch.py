@@ -12,6 +12,8 @@ from kvq.errors import ConfigError
 from kvq.tools.bench.microbatch import MicrobatchBench, run_microbatch_bench
 from kvq.tools.synth import make_tiny
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_microbatch_bench_pairs_the_arms(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ def _fake_round(engine: str, decode_tok_s: float) -> dict[str, Any]:
     return r
 
 
+@pytest.mark.slow
 def test_kvq_round_reports_every_figure(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     r = _json(
         capsys,
@@ -210,6 +211,7 @@ def test_stderr_hint_keeps_the_reason_of_a_failed_load() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp not built")
+@pytest.mark.slow
 def test_llama_round_runs_or_reports_why(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
     r = _json(
         capsys,

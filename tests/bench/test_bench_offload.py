@@ -12,6 +12,8 @@ from kvq.errors import ConfigError
 from kvq.tools.bench.offload import OffloadBench, _summary, run_offload_bench
 from kvq.tools.synth import make_tiny
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_offload_bench_runs_the_real_processes(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ from kvq.errors import ConfigError
 from kvq.tools.bench.prefill_gap import PrefillGapBench, run_prefill_gap_bench
 from kvq.tools.synth import make_tiny
 
+pytestmark = pytest.mark.slow  # a system of kvq roles or processes
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:

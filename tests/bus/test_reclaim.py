@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import redis
+from waiting import wait_for
 
 from kvq.bus import Consumer, Scripts, claim_from_dead
 from kvq.keys import Keys
@@ -17,7 +16,7 @@ def test_claim_takes_only_from_dead_consumers(r: redis.Redis, prefix: str) -> No
         r.xadd(stream, {"n": i})
     assert len(dead.read(2, None)) == 2
     assert len(live.read(1, None)) == 1
-    time.sleep(0.05)
+    wait_for(lambda: _idle_ms(r, stream) > 20, 10, "the entries idle over 20 ms")
     assert claim_from_dead(r, stream, "g", "me", lambda name: name == "live", 10_000) == 0, (
         "not idle long enough"
     )
@@ -91,3 +90,8 @@ def test_market_scripts_heal_lost_coverage(r: redis.Redis, prefix: str) -> None:
         held = s.rejoin(r, "m", w, "S" if w != "c" else "T")
         assert held == 1
     assert r.hgetall(keys.model_coverage("m")) == before, "each worker counted once"
+
+
+def _idle_ms(r: redis.Redis, stream: str) -> int:
+    """The shortest time any pending entry of group g has waited since its delivery."""
+    return min(e["time_since_delivered"] for e in r.xpending_range(stream, "g", "-", "+", 100))

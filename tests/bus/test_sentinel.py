@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from kvq.bus import connect
 from kvq.bus.connection import close_async, connect_async
@@ -42,17 +42,15 @@ def sentinel_url(tmp_path: Path) -> Iterator[str]:
 
 
 def wait_master(url: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def answers() -> bool:
+        r = connect(load_settings(redis_url=url).bus)
         try:
-            r = connect(load_settings(redis_url=url).bus)
-            r.ping()
+            return bool(r.ping())
+        finally:
             r.close()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+
+    # the sentinel has not found its master yet: any error, until the deadline
+    wait_for(answers, timeout_s, "the master through sentinel", poll_s=0.2, ignore=Exception)
 
 
 def test_roles_and_the_api_client_reach_the_master_through_sentinel(sentinel_url: str) -> None:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import redis
+from waiting import wait_for
 
 from kvq import wire
 from kvq.bus import Consumer, dead_letter, ensure_group, xadd
@@ -74,8 +75,10 @@ def test_blocked_read_wakes_on_xadd(r: redis.Redis, stream: str, settings: Setti
     assert c.read(10, None) == []  # pending phase done; the next read blocks on '>'
     other = redis.Redis.from_url(settings.redis_url)
 
+    blocked = _blocked_reads(r)
+
     def later() -> None:
-        time.sleep(0.2)
+        wait_for(lambda: _blocked_reads(other) > blocked, 10, "the read to block")
         xadd(other, stream, {"n": "late"}, maxlen=1000)
 
     th = threading.Thread(target=later)
@@ -88,7 +91,12 @@ def test_blocked_read_wakes_on_xadd(r: redis.Redis, stream: str, settings: Setti
         th.join()
         other.close()
     assert [f for _, f in got] == [{b"n": b"late"}]
-    assert 0.15 <= waited < 5.0  # woke on the XADD, long before the 10 s block
+    assert waited < 5.0  # blocked (the server said so), woke on the XADD, not at the 10 s block
+
+
+def _blocked_reads(r: redis.Redis) -> int:
+    """Connections the server holds blocked in XREADGROUP (CLIENT LIST: flag b)."""
+    return sum("b" in c["flags"] and c["cmd"] == "xreadgroup" for c in r.client_list())
 
 
 def test_first_read_blocks_too_when_nothing_pending(
@@ -96,7 +104,13 @@ def test_first_read_blocks_too_when_nothing_pending(
 ) -> None:
     c = Consumer(r, stream, WORKER_GROUP, "c1")
     other = redis.Redis.from_url(settings.redis_url)
-    th = threading.Timer(0.2, lambda: xadd(other, stream, {"n": "x"}, maxlen=1000))
+    blocked = _blocked_reads(r)
+
+    def later() -> None:
+        wait_for(lambda: _blocked_reads(other) > blocked, 10, "the first read to block")
+        xadd(other, stream, {"n": "x"}, maxlen=1000)
+
+    th = threading.Thread(target=later)
     th.start()
     try:
         got = c.read(10, 10_000)
@@ -426,8 +440,9 @@ def test_a_blocked_worker_wakes_to_every_job_of_one_send(
     c = Consumer(r, stream, WORKER_GROUP, "w1")
     got: list[int] = []
     reader = threading.Thread(target=lambda: got.append(len(c.read(count=32, block_ms=5000))))
+    blocked = _blocked_reads(r)
     reader.start()
-    time.sleep(0.3)  # blocked in XREADGROUP by now
+    wait_for(lambda: _blocked_reads(r) > blocked, 10, "the reader blocked in XREADGROUP")
     board.send_jobs([("w1", {"n": str(i)}) for i in range(4)])
     reader.join(10)
     assert len(got) == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from kvq.bus.connection import connect
 from kvq.config import Settings, load_settings
@@ -156,16 +158,13 @@ def tls_port(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            import socket
 
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            assert proc.poll() is None, "redis-server exited"
-            time.sleep(0.05)
+    def listening() -> bool:
+        assert proc.poll() is None, "redis-server exited"
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+
+    wait_for(listening, 20, "redis-server to listen", ignore=OSError)
     yield port
     proc.terminate()
     proc.wait(timeout=10)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import wait_for
 
 from kvq.config import Settings
 
@@ -102,6 +103,7 @@ def test_server_does_not_load_torch_and_exits_0_on_sigterm(settings: Settings) -
             proc.kill()
 
 
+@pytest.mark.slow
 def test_api_host_port_sigterm_and_busy_port(settings: Settings) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "kvq", "api", "--host", "127.0.0.1", "--port", str(port)]
@@ -110,14 +112,12 @@ def test_api_host_port_sigterm_and_busy_port(settings: Settings) -> None:
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     ) as proc:
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+
+            def healthy() -> bool:
+                assert proc.poll() is None
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+
+            wait_for(healthy, 60, "the health port", poll_s=0.1, ignore=httpx.HTTPError)
             health = [
                 sys.executable,
                 "-m",
@@ -158,10 +158,12 @@ def test_submit_stops_within_2s_when_the_last_coordinator_leaves(
     ) as proc:
         try:
             stream = Keys(settings.prefix).model_requests("m")
-            deadline = time.monotonic() + 60
-            while not mon.board.r.xlen(stream):
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+
+            def queued() -> int:
+                assert proc.poll() is None
+                return int(mon.board.r.xlen(stream))
+
+            wait_for(queued, 60, "the request queued", poll_s=0.05)
             left = time.monotonic()
             mon.board.forget_coordinator("m", "ghost")  # what a clean stop does
             assert proc.wait(timeout=10) == 1

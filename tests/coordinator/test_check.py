@@ -84,6 +84,7 @@ def honest(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return jobs, _run(f32, jobs, torch.float32), _run(lo, jobs, low), low
 
 
+@pytest.mark.slow
 def test_an_honest_lower_precision_worker_is_never_flagged_over_10000_jobs(honest) -> None:
     jobs, ref, got, low = honest
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[low]
@@ -158,6 +159,7 @@ def _liars(y: torch.Tensor, rng: np.random.Generator) -> dict[str, torch.Tensor]
     }
 
 
+@pytest.mark.slow
 def test_wrong_numbers_are_always_flagged_even_at_the_bfloat16_tolerance(honest) -> None:
     jobs, ref, _, _ = honest
     rng = np.random.default_rng(1)

@@ -73,6 +73,7 @@ def _verifier(local: str) -> tuple[Verifier, MemoryBoard]:
     return v, board
 
 
+@pytest.mark.slow
 def test_two_forced_simd_paths_agree_bitwise_and_liars_are_caught(model: Path) -> None:
     before = qdot.options()
     meta = read_meta(model)
@@ -110,6 +111,7 @@ def test_two_forced_simd_paths_agree_bitwise_and_liars_are_caught(model: Path) -
 @pytest.mark.parametrize(
     ("name", "low"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
 )
+@pytest.mark.slow
 def test_gpu_dtype_paths_are_checked_against_float32_and_catch_one_percent(
     model: Path, name: str, low: torch.dtype
 ) -> None:

@@ -55,6 +55,8 @@ def run(engine: Engine) -> dict[str, Sequence]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # 100 answers of up to 400 tokens; 120 s on a busy 2-CPU run
 def test_every_answer_under_a_schema_parses_and_validates(
     model: tuple[Backbone, Tokenizer],
 ) -> None:
@@ -125,6 +127,7 @@ def test_prompt_logprobs_equal_a_forward_of_the_whole_prompt(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # 100 answers on a 32,000-token vocabulary
 def test_every_answer_on_the_small_preset_validates(tmp_path: Path) -> None:
     """The `small` preset (random weights, a 32,000-token vocabulary): 100 of 100 answers
     under the schema parse and validate, 25 sequences a batch."""

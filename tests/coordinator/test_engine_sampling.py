@@ -38,6 +38,7 @@ PARAMS = {
 }
 
 
+@pytest.mark.slow
 def test_each_sequence_of_a_batch_matches_local_generation(
     model: tuple[Backbone, Tokenizer],
 ) -> None:

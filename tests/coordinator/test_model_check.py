@@ -75,6 +75,7 @@ def test_same_metadata_other_expert_bytes_is_refused(
         check_model_file(info, models["tampered"])
 
 
+@pytest.mark.slow
 def test_the_coordinator_process_refuses_a_wrong_file(
     settings: Settings, models: dict[str, Path]
 ) -> None:

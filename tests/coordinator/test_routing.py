@@ -378,7 +378,7 @@ def test_a_quarantined_worker_gets_no_work_until_its_quarantine_ends(
     router.refresh(force=True)
     assert _remote(router, sids, busy) == {} and router.rescues == 0
     assert router.trust.barred("a") and router.trust.p("a") == 1.0
-    time.sleep(0.35)
+    time.sleep(0.35)  # past the quarantine's 300 ms: the time is what is tested
     router.refresh(force=True)
     back = router.route(dict.fromkeys(sids, 1), busy, TOTAL)
     assert (back.trial, back.remote) == ("a", {sids[0]: "a"}), "back as new: one K4 trial"
@@ -404,7 +404,7 @@ def test_capacity_reprobes_a_priced_out_worker_and_it_wins_work_back(
     work = {sids[0]: 20}
     assert router.route(work, busy, TOTAL).remote == {}, "priced out by its sample"
     assert router.route(work, busy, TOTAL).remote == {}, "no probe before reprobe_ms"
-    time.sleep(0.08)
+    time.sleep(0.08)  # past reprobe_ms (50): the time is what is tested
     probe = router.route(work, busy, TOTAL)
     assert (probe.remote, probe.trial) == ({sids[0]: "w"}, "w"), "the probe: not waited for"
     assert router.split_probes + router.router.probes == 1
@@ -430,7 +430,7 @@ def test_capacity_reprobes_a_worker_on_the_base_copy(board_case: BoardCase, gguf
     busy = _routing().saturation_threshold
     work = {sids[0]: 20}
     assert router.route(work, busy, TOTAL).remote == {}
-    time.sleep(0.08)
+    time.sleep(0.08)  # past reprobe_ms (50): the time is what is tested
     probe = router.route(work, busy, TOTAL)
     assert (probe.remote, probe.trial) == ({sids[0]: "w"}, "w"), "a shadow: not waited for"
     assert (router.split_probes, router.router.probes) == (1, 0)

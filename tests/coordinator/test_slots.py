@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from waiting import wait_for
+
 from kvq.coordinator.slots import SlotPoller
 
 
@@ -16,10 +18,7 @@ def test_loaded_follows_busy_slots() -> None:
     try:
         assert not p.loaded
         busy[0] = 2
-        deadline = time.monotonic() + 2
-        while not p.loaded:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: p.loaded, 2, "the busy slots to count as load", poll_s=0.005)
         assert (2, 4) in published
     finally:
         p.close()
@@ -38,12 +37,12 @@ def test_stuck_publish_never_blocks_and_goes_stale() -> None:
     p = SlotPoller(lambda: 4, 4, 2, stuck_publish, 0.01, 0.2)
     p.start()
     try:
-        time.sleep(0.05)  # the thread is now stuck inside publish
+        wait_for(lambda: calls[0] > 1, 2, "the poll stuck inside publish")
         t0 = time.perf_counter()
         first = p.loaded
         assert time.perf_counter() - t0 < 0.01
         assert first, "fresh sample: loaded"
-        time.sleep(0.3)
+        time.sleep(0.3)  # the sample ages past stale_s (0.2 s): the time is what is tested
         assert not p.loaded, "a sample older than stale_s is not load"
     finally:
         release.set()

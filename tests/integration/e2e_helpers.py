@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from waiting import wait_for
 
 from kvq.config import Settings
 from kvq.keys import Keys
@@ -14,16 +15,6 @@ from kvq.model.generate import generate
 from kvq.monitor import Monitor
 from kvq.text import load_tokenizer
 from kvq.worker import Worker
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def wait_ready(mon: Monitor, model_id: str, n: int, timeout_s: float = 60.0) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,9 @@ import pytest
 import redis
 from acl_helpers import denials
 from e2e_helpers import local_tokens
+from waiting import wait_for
 
+from kvq.bus.redis_board import RedisBoard
 from kvq.cli import main
 from kvq.config import Settings, child_env
 from kvq.keys import Keys
@@ -85,14 +86,16 @@ def test_apply_then_a_whole_deployment_on_those_users(
             spawn(url[f"{settings.prefix}-worker-{w}"], "worker", "--id", w)
         spawn(url["coordinator"], "coordinator", "--model", str(tiny_model), "--model-id", "tiny")
         keys = Keys(s.prefix)
-        deadline = time.monotonic() + 120
-        while len(r.hgetall(keys.model_workers("tiny"))) < 2 or not r.exists(
-            keys.coord_slots("coord-" + __import__("socket").gethostname())
-        ):
-            assert time.monotonic() < deadline, _logs(tmp_path)
+        board = RedisBoard(r, keys, s.lifetimes)
+
+        def up() -> bool:  # both workers serving (their beat says so), the coordinator's slots
             assert all(p.poll() is None for p in procs), _logs(tmp_path)
-            time.sleep(0.2)
-        time.sleep(1.0)  # the workers' "serving" beat
+            coord = keys.coord_slots("coord-" + __import__("socket").gethostname())
+            return sum(v.alive and v.ready for v in board.workers("tiny")) == 2 and bool(
+                r.exists(coord)
+            )
+
+        wait_for(up, 120, "two serving workers and the coordinator", poll_s=0.2)
         env = child_env(s, redis_url=url["client"])
         out = subprocess.run(
             [
@@ -149,15 +152,12 @@ def _keyed_api_under_its_user(
             )
         )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and procs[-1].poll() is None, _logs(tmp_path)
-        time.sleep(0.2)
+
+    def healthy() -> bool:
+        assert procs[-1].poll() is None, _logs(tmp_path)
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+
+    wait_for(healthy, 60, "kvq api to start", poll_s=0.2, ignore=httpx.HTTPError)
 
     def call(key: str) -> httpx.Response:
         return httpx.post(

@@ -177,7 +177,12 @@ def test_fuzz_into_every_stream_loses_no_canary(
         flood_s = time.monotonic() - t0
         wait_for(lambda: r.xlen(keys.model_requests("tiny")) == 0, 400, "the fuzz consumed")
         drain_s = time.monotonic() - t0
-        time.sleep(2.0)  # canaries submitted after the flood complete too
+        after = len(outcomes)  # canaries submitted after the flood complete too: two a loop
+        wait_for(
+            lambda: outcomes[after:].count("done") >= 2 * len(loops),
+            CANARY_TIMEOUT_S,
+            "canaries submitted after the drain to complete",
+        )
         stop.set()
         for t in loops:
             t.join(CANARY_TIMEOUT_S + 10)

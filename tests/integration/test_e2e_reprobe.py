@@ -77,7 +77,7 @@ def test_a_priced_out_worker_is_re_probed_and_wins_work_back(
         # computed locally too and not waited for, so the slow link costs no layer call
         wait_for(lambda: "w" in router.describe()["proven"], 30, "the K4 trial's result")  # type: ignore[operator]
         slow, local_before = per_worker.get("w", 0), coord.dispatch.stats.local_jobs
-        time.sleep(2.0)
+        time.sleep(2.0)  # two seconds in which none of the slow worker's results is used
         assert per_worker.get("w", 0) == slow, "priced out: none of its results are used"
         assert coord.dispatch.stats.local_jobs > local_before + 50, "local compute carried the load"
         proxy.delay_s = 0.0  # its link recovers

@@ -116,7 +116,7 @@ def test_sigterm_exits_0_while_a_coordinator_waits_for_its_model(
             "the coordinator waiting for its model",
         )
         server.stop()  # and Redis goes too
-        time.sleep(0.5)
+        time.sleep(0.5)  # it waits on with Redis gone: the outage is what is tested
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-2000:]
     finally:

@@ -157,7 +157,7 @@ def test_three_partial_workers_hold_two_copies_and_a_spare_recovers_a_sigkill(
             assert got == want[p], p
 
         kids.spawn("spare", "worker", "--id", "spare")  # room, but nothing is wanted yet
-        time.sleep(2.0)
+        wait_for(lambda: mon.board.worker_alive("spare"), 60, "the spare's first beat")
         served = coord.dispatch.per_worker
         victim = max((w for w in served if w.startswith("w")), key=lambda w: served[w])
         lost = [sid for sid, ws in _holders(mon).items() if victim in ws]

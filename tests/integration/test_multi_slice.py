@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+from waiting import wait_for
 
 from kvq import wire
 from kvq.bank import Bank, BankOptions
@@ -154,7 +155,7 @@ def test_one_worker_process_serves_two_slices_of_two_models_from_one_inbox(
         )
         # killed: the monitor reaps both of its slices at once
         kids.procs["multi"].send_signal(signal.SIGKILL)
-        _until(lambda: not r.exists(keys.worker_heartbeat("multi")), 10, "the beat to lapse")
+        wait_for(lambda: not r.exists(keys.worker_heartbeat("multi")), 10, "the beat to lapse")
         assert mon.reap(*infos) == ["multi"]
         assert all(mon.board.assignments(m) == {} for m in infos)
         assert all(
@@ -175,7 +176,7 @@ def test_a_budget_that_fits_one_slice_holds_exactly_one(
     s = s.model_copy(update={"worker_memory_gib": biggest / GIB})
     w = Worker.from_settings(s, "small")
     run_in_thread(w)
-    _until(lambda: w.holding is not None, 30, "a first slice")
+    wait_for(lambda: w.holding is not None, 30, "a first slice")
     time.sleep(1.0)  # twenty volunteer polls
     assert len(w.holdings) == 1, w.holdings
     (held,) = w.holdings
@@ -185,7 +186,7 @@ def test_a_budget_that_fits_one_slice_holds_exactly_one(
     # a second worker takes it: the demand was left on the market
     w2 = Worker.from_settings(s, "second")
     run_in_thread(w2)
-    _until(lambda: w2.holding is not None, 30, "the other slice")
+    wait_for(lambda: w2.holding is not None, 30, "the other slice")
     assert w2.holding is not None and w2.holding.model == other
 
 
@@ -201,13 +202,13 @@ def test_a_full_worker_gives_back_a_slice_whose_answer_was_lost(
     biggest = max(next(iter(i.slices.values())).nbytes for i in infos.values())
     w = Worker.from_settings(s.model_copy(update={"worker_memory_gib": biggest / GIB}), "full")
     run_in_thread(w)
-    _until(lambda: w.holding is not None, 30, "a first slice")
+    wait_for(lambda: w.holding is not None, 30, "a first slice")
     (held,) = w.holdings
     other = next(m for m in infos if m != held.model)
     sid = next(iter(infos[other].slices))
     assert mon.board.volunteer(other, "full") == sid  # reserved for it; the answer is lost
     assert mon.board.slice_demand(other)[sid].demand == 0
-    _until(lambda: mon.board.assignments(other) == {}, 15, "the lost reservation given back")
+    wait_for(lambda: mon.board.assignments(other) == {}, 15, "the lost reservation given back")
     assert mon.board.slice_demand(other)[sid].demand == 1
     assert w.holdings == [held], "and it took nothing new"
 
@@ -229,12 +230,12 @@ def test_through_the_monitor_a_worker_takes_a_slice_of_each_model(
     run_in_thread(mon)
     w = Worker.from_settings(s, "via-monitor")
     run_in_thread(w)
-    _until(lambda: len(w.holdings) == 2, 60, "a slice of each model through the monitor")
+    wait_for(lambda: len(w.holdings) == 2, 60, "a slice of each model through the monitor")
     assert {h.model for h in w.holdings} == set(infos)
     r, asks = mon.board.r, Keys(s.prefix).worker_asks("via-monitor")
     # the worker may ask again once it holds both (it has room): the monitor answers each ask
     # and deletes it, so the stream empties; a checked instant could hold one just sent
-    _until(lambda: not r.xrange(asks), 10, "every ask answered")
+    wait_for(lambda: not r.xrange(asks), 10, "every ask answered")
 
 
 def test_wind_down_is_per_slice(
@@ -254,11 +255,11 @@ def test_wind_down_is_per_slice(
     keys, r = Keys(s.prefix), mon.board.r
     w = Worker.from_settings(s, "winder")
     run_in_thread(w)
-    _until(lambda: len(w.holdings) == 2, 60, "a slice of each model")
+    wait_for(lambda: len(w.holdings) == 2, 60, "a slice of each model")
     alpha = next(iter(infos["alpha"].slices))
     mon.board.set_target("alpha", alpha, 0)  # alpha's load drained
     # the worker's thread gives the slice back, then frees its server: wait for both
-    _until(
+    wait_for(
         lambda: len(w.holdings) == 1 and w.shelf.models() == {"beta"},
         30,
         "alpha's slice released and its server dropped",
@@ -266,7 +267,7 @@ def test_wind_down_is_per_slice(
     assert w.holdings[0].model == "beta"
     assert mon.board.assignments("alpha") == {} and "winder" in mon.board.assignments("beta")
     assert r.exists(keys.worker_heartbeat("winder")), "its keys stay with its other slice"
-    _until(
+    wait_for(
         lambda: (
             (i := mon.board.worker_info("winder")) is not None
             and i.held() == {"beta": tuple(infos["beta"].slices)}
@@ -274,12 +275,12 @@ def test_wind_down_is_per_slice(
         10,
         "a beat without alpha",
     )
-    time.sleep(1.0)
+    time.sleep(1.0)  # twenty volunteer polls in which it must keep beta
     assert len(w.holdings) == 1, "beta is still wanted: it stays"
     job = _job(infos["alpha"], "late", "c1", seed=0)
     r.xadd(keys.worker_inbox("winder"), wire.encode(job))
     out = keys.worker_results("winder", "c1")
-    _until(lambda: "late" in _results(r, out), 10, "an answer to a job for a slice given back")
+    wait_for(lambda: "late" in _results(r, out), 10, "an answer to a job for a slice given back")
     res = _results(r, out)["late"]
     assert (
         res.error is not None
@@ -325,7 +326,7 @@ def test_one_worker_process_serves_two_slices_of_one_model_from_one_inbox(
         jobs = [_job(info, f"{sid}-{i}", "c0", seed=i, sid=sid) for i in range(3) for sid in sids]
         _served_as_local(r, keys, kids, "pair", jobs, lambda job: _local(two_slices, info, job))
         kids.procs["pair"].send_signal(signal.SIGKILL)
-        _until(lambda: not r.exists(keys.worker_heartbeat("pair")), 10, "the beat to lapse")
+        wait_for(lambda: not r.exists(keys.worker_heartbeat("pair")), 10, "the beat to lapse")
         assert mon.reap("gamma") == ["pair"]
         assert mon.board.assignments("gamma") == {}
         assert all(d.coverage == 0 for d in mon.board.slice_demand("gamma").values())
@@ -342,7 +343,7 @@ def test_a_budget_that_fits_one_slice_of_a_model_holds_exactly_one_of_it(
     biggest = max(spec.nbytes for spec in info.slices.values())
     w = Worker.from_settings(s.model_copy(update={"worker_memory_gib": biggest / GIB}), "one")
     run_in_thread(w)
-    _until(lambda: w.holding is not None, 30, "a first slice")
+    wait_for(lambda: w.holding is not None, 30, "a first slice")
     time.sleep(1.0)  # twenty volunteer polls
     assert len(w.holdings) == 1, w.holdings
     (held,) = w.holdings
@@ -370,7 +371,7 @@ def test_a_worker_takes_many_small_slices_of_one_model_within_seconds(
     w = Worker.from_settings(s, "greedy")
     run_in_thread(w)
     t0 = time.monotonic()
-    _until(lambda: len(w.holdings) == 16, 30, "all 16 slices")
+    wait_for(lambda: len(w.holdings) == 16, 30, "all 16 slices")
     took = time.monotonic() - t0
     assert took < 15, f"{took:.1f}s for 16 slices"
     assert mon.board.assignments("many") == {"greedy": tuple(sorted(info.slices))}
@@ -399,7 +400,7 @@ def test_through_the_monitor_a_worker_takes_both_slices_of_one_model(
     run_in_thread(mon)
     w = Worker.from_settings(s, "via-monitor")
     run_in_thread(w)
-    _until(lambda: len(w.holdings) == 2, 60, "both slices through the monitor")
+    wait_for(lambda: len(w.holdings) == 2, 60, "both slices through the monitor")
     assert {h.sid for h in w.holdings} == set(info.slices)
     assert mon.board.assignments("gamma") == {"via-monitor": tuple(sorted(info.slices))}
 
@@ -451,21 +452,21 @@ def test_a_second_slice_loads_beside_the_serving_of_the_first(
         keys, r = Keys(s.prefix), mon.board.r
         w = Worker.from_settings(s, "both")
         run_in_thread(w)
-        _until(lambda: w.holding is not None, 30, "alpha")
+        wait_for(lambda: w.holding is not None, 30, "alpha")
         mon.board.set_target("beta", sb, 1)
-        _until(lambda: w.membership.loading is not None, 10, "beta to be loading")
+        wait_for(lambda: w.membership.loading is not None, 10, "beta to be loading")
         assert not _ready(mon, "beta", "both") and _ready(mon, "alpha", "both")
         job = _job(alpha, "during", "c2", seed=5)
         r.xadd(keys.worker_inbox("both"), wire.encode(job))
         out = keys.worker_results("both", "c2")
-        _until(lambda: "during" in _results(r, out), 10, "alpha's job answered while loading")
+        wait_for(lambda: "during" in _results(r, out), 10, "alpha's job answered while loading")
         assert w.membership.loading is not None, "beta is still loading"
         _HeldBackHandler.go.set()
-        _until(lambda: len(w.holdings) == 2, 30, "beta loaded")
-        _until(lambda: _ready(mon, "beta", "both"), 10, "beta routable")
+        wait_for(lambda: len(w.holdings) == 2, 30, "beta loaded")
+        wait_for(lambda: _ready(mon, "beta", "both"), 10, "beta routable")
         job_b = _job(beta, "after", "c2", seed=6)
         r.xadd(keys.worker_inbox("both"), wire.encode(job_b))
-        _until(lambda: "after" in _results(r, out), 10, "beta's job answered")
+        wait_for(lambda: "after" in _results(r, out), 10, "beta's job answered")
         res = _results(r, out)["after"]
         assert res.error is None and res.y is not None
         assert np.array_equal(res.y.array(), _local(two_models["beta"], beta, job_b))
@@ -473,10 +474,3 @@ def test_a_second_slice_loads_beside_the_serving_of_the_first(
         _HeldBackHandler.go.set()
         srv.shutdown()
         srv.server_close()
-
-
-def _until(cond: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)

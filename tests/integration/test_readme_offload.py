@@ -34,7 +34,7 @@ from kvq.config import child_env, load_settings
 from kvq.keys import Keys
 from kvq.local.procs import Children
 
-pytestmark = [pytest.mark.slow, pytest.mark.standalone]
+pytestmark = [pytest.mark.slow, pytest.mark.standalone, pytest.mark.serial]  # two CPUs to itself
 MODEL = "small"
 BURST, TOKENS = 24, 32  # the burst: 24 concurrent requests
 # the target is 20%; measured 5-27% per burst here (the split follows estimates taken

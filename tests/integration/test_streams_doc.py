@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import redis
+from waiting import wait_for
 
 from kvq import client
 from kvq.bus.records import Quarantine
@@ -107,13 +108,21 @@ def deployment(
         log.close()
     board = open_board(s.bus, s.lifetimes)
     try:
-        deadline = time.monotonic() + 120
-        while not (
-            any(c.alive for c in board.coordinators("small"))  # and laptop-1 holds all
-            and len({v.slice_id for v in board.workers("small") if v.alive and v.ready}) == 4
-        ):
-            assert time.monotonic() < deadline, (tmp / "coordinator.log").read_text()[-3000:]
-            time.sleep(0.2)
+        try:
+            wait_for(
+                lambda: (
+                    any(c.alive for c in board.coordinators("small"))  # and laptop-1 holds all
+                    and len({v.slice_id for v in board.workers("small") if v.alive and v.ready})
+                    == 4
+                ),
+                120,
+                "the coordinator, and every slice served",
+                poll_s=0.2,
+            )
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}\n{(tmp / 'coordinator.log').read_text()[-3000:]}"
+            ) from None
         got = subprocess.run(
             [
                 *kvq,
@@ -135,9 +144,7 @@ def deployment(
         rid = json.loads(got.stdout)["request_id"]
         keys = Keys("kvq")
         # the routed counters go out on the coordinator's next slot poll, after the reply
-        while not r.hlen(keys.model_routed("small")):
-            assert time.monotonic() < deadline + 60, "the coordinator never published routed rows"
-            time.sleep(0.2)
+        wait_for(lambda: r.hlen(keys.model_routed("small")), 120, "routed rows", poll_s=0.2)
         # what a deployment at rest has not got yet: a cancel, a dead letter, a verdict
         client.cancel(r, keys, "small", rid)  # its own key and the model's stream
         dead_letter(r, keys, keys.model_requests("small"), b"1-1", {b"x": b"1"}, "a test", 1000)

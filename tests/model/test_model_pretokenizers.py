@@ -6,13 +6,13 @@ the families' special tokens, and no add_bos key, so llama.cpp's default per nam
 llama.cpp (`llama_cpp.Llama(vocab_only=True)`) must give the same ids for every case, BOS and
 special tokens included, and the same text back. Skipped where llama_cpp is not importable.
 
-`KVQ_LLAMA_CPP_SRC` (llama.cpp's source tree) adds its real vocabularies: its expected ids
-(`models/ggml-vocab-*.gguf{,.inp,.out}`) and llama.cpp's ids for the corpus above.
+llama.cpp's source tree (`--llama-cpp-src`, by default `.tools/llama.cpp`, where `.ci/run` unpacks
+the vocabularies that llama-cpp-python's sdist carries) adds its real vocabularies: its expected
+ids (`models/ggml-vocab-*.gguf{,.inp,.out}`) and llama.cpp's ids for the corpus above.
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -93,17 +93,18 @@ def test_bos_and_visible_tokens_follow_llama_cpp(tmp_path: Path) -> None:
     assert tok["deepseek-v3"].decode(tok["deepseek-v3"].encode(f"{fx.BOS}hi{fx.EOS}")) == "hi"
 
 
-def _llama_cpp_vocabs() -> list[Path]:
-    src = os.environ.get("KVQ_LLAMA_CPP_SRC")
-    return sorted((Path(src) / "models").glob("ggml-vocab-*.gguf")) if src else []
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "vocab" in metafunc.fixturenames:  # llama.cpp's real vocabularies, where there are some
+        src = Path(metafunc.config.getoption("--llama-cpp-src"))
+        vocabs = sorted((src / "models").glob("ggml-vocab-*.gguf"))
+        metafunc.parametrize("vocab", vocabs or [None], ids=lambda p: p and p.name)
 
 
 @pytest.mark.slow  # reading a real vocabulary's metadata takes seconds
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("vocab", _llama_cpp_vocabs() or [None], ids=lambda p: p and p.name)
 def test_llama_cpp_real_vocabularies(vocab: Path | None) -> None:
     if vocab is None:
-        pytest.skip("set KVQ_LLAMA_CPP_SRC to llama.cpp's source tree")
+        pytest.skip("no llama.cpp vocabularies: pass --llama-cpp-src=TREE (.ci/run unpacks them)")
     try:
         tok = load_tokenizer(vocab)
     except ModelError as exc:  # bert, gemma4...: vocabulary kinds kvq does not run

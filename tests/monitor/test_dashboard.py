@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from waiting import wait_for
 
 from kvq.config import Settings, child_env
 from kvq.monitor.alerts import ELSEWHERE, RULES
@@ -80,19 +80,6 @@ class Swarm:
         return httpx.get(self.url + "/api/dashboard", timeout=10).json()  # type: ignore[no-any-return]
 
 
-def wait(cond: Any, what: str, timeout_s: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            got = cond()
-        except httpx.HTTPError:
-            got = None
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     tmp = tmp_path_factory.mktemp("dashboard")
@@ -135,11 +122,14 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             with sw.logs[name].open("wb") as out:
                 sw.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
             if name == "monitor":  # the others wait for the registration anyway
-                wait(
+                wait_for(
                     lambda: httpx.get(sw.url + "/healthz", timeout=2).status_code == 200,
+                    90,
                     "the monitor's HTTP port",
+                    ignore=httpx.HTTPError,
+                    poll_s=0.2,
                 )
-        wait(
+        wait_for(
             lambda: (
                 sum(
                     len(w["slices"])
@@ -149,7 +139,10 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 == 4
                 and all(c["live"] == 1 for m in sw.snapshot()["models"] for c in m["cells"])
             ),
+            90,
             "both workers serving two slices each",
+            ignore=httpx.HTTPError,
+            poll_s=0.2,
         )
         yield sw
     finally:

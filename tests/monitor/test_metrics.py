@@ -60,7 +60,7 @@ def test_request_lag_counts_what_no_coordinator_has_read(mon: Monitor, r: redis.
     assert ("kvq_group_pending", REQ) not in before
     r.xgroup_create(req, COORDINATOR_GROUP, id="0")
     r.xreadgroup(COORDINATOR_GROUP, "c1", {req: ">"}, count=2)
-    time.sleep(0.05)
+    time.sleep(0.05)  # the entries age (their ages are asserted)
     got = scrape(mon)
     assert got["kvq_group_lag", REQ] == 3
     assert got["kvq_group_pending", REQ] == 2
@@ -89,7 +89,7 @@ def test_request_metrics_add_up_every_shard(
         r.xgroup_create(stream, COORDINATOR_GROUP, id="0", mkstream=True)
     r.xreadgroup(COORDINATOR_GROUP, "c1", {shards[0]: ">"}, count=1)
     r.xreadgroup(COORDINATOR_GROUP, "c1", {shards[2]: ">"}, count=2)
-    time.sleep(0.05)
+    time.sleep(0.05)  # the entries age (their ages are asserted)
     got = scrape(mon)
     assert got["kvq_stream_length", REQ] == 6
     assert got["kvq_group_lag", REQ] == 3

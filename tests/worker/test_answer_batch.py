@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_backlog import _job, _wait
+from test_backlog import _job
+from waiting import wait_for
 
 from kvq import wire
 from kvq.bus import Consumer
@@ -35,7 +36,7 @@ def test_a_batch_of_jobs_is_answered_in_one_round_trip(
     monkeypatch.setattr(Consumer, "answer_and_read", counted)
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
-    _wait(lambda: worker.server is not None and worker.holding is not None)
+    wait_for(lambda: worker.server is not None and worker.holding is not None, 20)
     assert worker.server is not None
     entered, gate, handle = threading.Event(), threading.Event(), worker.server.handle
 
@@ -53,7 +54,7 @@ def test_a_batch_of_jobs_is_answered_in_one_round_trip(
     )
     gate.set()
     keys = worker.board.keys
-    _wait(lambda: sum(len(b) for b in batches) == 4)
+    wait_for(lambda: sum(len(b) for b in batches) == 4, 20)
     assert [len(b) for b in batches] == [1, 3]  # j1 alone, then j2-j4 read and answered together
     a, b = keys.worker_results("w", "cA"), keys.worker_results("w", "cB")
     assert batches[1] == [a, b, a]

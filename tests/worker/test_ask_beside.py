@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from test_backlog import _wait
+from waiting import wait_for
 
 from kvq import wire
 from kvq.bus.market import Market
@@ -79,18 +79,18 @@ def test_jobs_are_answered_while_an_ask_for_another_slice_waits_on_the_market(
     market = _GatedMarket(worker.membership.market, worker)
     worker.membership.market = market
     run_in_thread(worker)
-    _wait(lambda: worker.holding is not None)
+    wait_for(lambda: worker.holding is not None, 20)
     held = worker.holding
     assert held is not None
     assert market.waiting.wait(20), "holding one slice, the worker asks for the other"
     results = worker.board.keys.worker_results("w", "c")
     for i in range(3):  # the ask is still waiting on the market all along
         worker.board.send_jobs([("w", _job(model, held.sid, f"j{i}"))])
-        _wait(lambda i=i: worker.board.r.xlen(results) == i + 1)
+        wait_for(lambda i=i: worker.board.r.xlen(results) == i + 1, 20)
         assert not market.gate.is_set()
     got = [wire.decode(f, wire.Result) for _, f in worker.board.r.xrange(results)]
     assert [r.job_id for r in got] == ["j0", "j1", "j2"]
     assert all(r.error is None and r.y is not None for r in got)
     market.gate.set()  # the ask goes on: the worker takes and serves the second slice too
-    _wait(lambda: len(worker.holdings) == 2)
+    wait_for(lambda: len(worker.holdings) == 2, 20)
     assert {h.sid for h in worker.holdings} == set(info.slices)

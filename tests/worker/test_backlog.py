@@ -5,10 +5,10 @@ coordinator; once the batch is done, nothing."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
+from waiting import wait_for
 
 from kvq import wire
 from kvq.config import Settings
@@ -17,13 +17,6 @@ from kvq.monitor import Monitor
 from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 from kvq.worker.backlog import Backlog
-
-
-def _wait(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def _job(model: Path, sid: str, job_id: str, coord: str, rows: int) -> dict[bytes, bytes]:
@@ -59,7 +52,7 @@ def test_heartbeat_reports_the_batch_being_served(
     (sid,) = Monitor.from_settings(s).register("m", model).slices
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
-    _wait(lambda: worker.server is not None and worker.holding is not None)
+    wait_for(lambda: worker.server is not None and worker.holding is not None, 20)
     assert worker.server is not None
     gate, handle = threading.Event(), worker.server.handle
 
@@ -82,8 +75,8 @@ def test_heartbeat_reports_the_batch_being_served(
 
     # read together: 2 jobs queued by rows; read apart: j1 busy, 2 unread jobs counted at
     # the next beat (one row each until the worker has a mean rows per job)
-    _wait(lambda: beat() in ((5, 9, {"cA": 7, "cB": 7}), (5, 2, {"cA": 5})))
+    wait_for(lambda: beat() in ((5, 9, {"cA": 7, "cB": 7}), (5, 2, {"cA": 5})), 20)
     gate.set()
-    _wait(lambda: beat() == (0, 0, {}))
+    wait_for(lambda: beat() == (0, 0, {}), 20)
     assert isinstance(worker.membership.backlog, Backlog)
     worker.stop.set()

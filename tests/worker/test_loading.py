@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from kvq.config import Settings
 from kvq.keys import Keys
@@ -62,13 +63,6 @@ def slow_url(model: Path) -> Iterator[str]:
     srv.server_close()
 
 
-def _wait(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_slow_download_is_not_reaped_nor_offered_twice(
     settings: Settings, model: Path, slow_url: str, run_in_thread
 ) -> None:
@@ -83,7 +77,7 @@ def test_slow_download_is_not_reaped_nor_offered_twice(
     slow = Worker.from_settings(s, "slow")
     run_in_thread(slow)
     board = monitor.board
-    _wait(lambda: (board.worker_info("slow") or _none).state == "loading")
+    wait_for(lambda: (board.worker_info("slow") or _none).state == "loading", 20)
     other = Worker.from_settings(s, "other")  # would take the slice if it were offered again
     run_in_thread(other)
     progress: list[int] = []
@@ -104,7 +98,7 @@ def test_slow_download_is_not_reaped_nor_offered_twice(
     assert elapsed > 3 * s.heartbeat_ttl_s, f"the download took only {elapsed:.1f}s"
     assert monitor.reaped == 0
     assert progress and progress[-1] > progress[0], f"no progress shown: {progress[:3]}…"
-    _wait(lambda: (board.worker_info("slow") or _none).state == "serving")
+    wait_for(lambda: (board.worker_info("slow") or _none).state == "serving", 20)
     assert [v.worker_id for v in board.workers("m") if v.ready and v.alive] == ["slow"]
     assert other.holding is None and board.assignments("m") == {"slow": (sid,)}
 
@@ -121,7 +115,7 @@ def test_integrity_failure_backs_off(settings: Settings, model: Path, run_in_thr
         f.write(b"\x00" * 64)
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
-    time.sleep(2.0)
+    time.sleep(2.0)  # two seconds of load attempts, counted below
     tries = worker._load_backoff.failures
     # every poll would be ~40 tries in 2 s; doubling from 0.05 s (with jitter) gives 5 to 8
     assert 2 <= tries <= 8, f"{tries} load attempts in 2 s"
@@ -154,7 +148,7 @@ def test_a_tampered_source_is_downloaded_once_and_said_once(
     worker = Worker.from_settings(s, "w")
     with caplog.at_level("DEBUG", logger="kvq.worker"):
         run_in_thread(worker)
-        _wait(lambda: worker._load_backoff.failures >= 6)
+        wait_for(lambda: worker._load_backoff.failures >= 6, 20)
     assert len(fetches) == 1, f"{len(fetches)} downloads of a slice whose bytes are known bad"
     said = [r for r in caplog.records if "not downloading it from there again" in r.message]
     assert len(said) == 1 and said[0].levelname == "ERROR"

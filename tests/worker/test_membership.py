@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from boards import BoardCase, make_case
+from waiting import wait_for
 
 from kvq.bus.board import Board
 from kvq.bus.memory_board import MemoryBoard
@@ -51,13 +51,6 @@ def _holding(board: Board, worker: str, sid: str, served: int = 0, last: int = 0
     assert held == Held("m", sid)
     m.hold(held)
     return m
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def _view(sid: str, device: str = "gpu0", **fields: Any) -> WorkerView:
@@ -256,7 +249,7 @@ def test_heartbeat_thread_keeps_it_alive_then_stops_on_close(
         m.close()
     assert m._thread is not None and not m._thread.is_alive()
     beats = calls[0]
-    _wait_for(lambda: not _alive(board, "w"), timeout_s=3 * SHORT_TTL_S)
+    wait_for(lambda: not _alive(board, "w"), 3 * SHORT_TTL_S)
     assert calls[0] == beats, "no beat after close"
     assert board.assignments("m") == {"w": (a,)}, "close is not leave: the monitor reaps it"
 
@@ -269,7 +262,7 @@ def test_heartbeat_thread_rejoins_after_a_release(short_case: BoardCase, gguf: P
     m.start()
     try:
         board.release("m", "w")
-        _wait_for(lambda: board.assignments("m") == {"w": (a,)}, timeout_s=3 * SHORT_TTL_S)
+        wait_for(lambda: board.assignments("m") == {"w": (a,)}, 3 * SHORT_TTL_S)
         assert _coverage(board, a) == 1
     finally:
         m.close()

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from waiting import wait_for
+
 from kvq.config import Settings
 from kvq.keys import Keys
 from kvq.monitor import Monitor
 from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
-
-
-def _wait(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_idle_surplus_worker_leaves_and_last_one_stays(
@@ -38,9 +31,9 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
     (sid,) = info.slices
     a, b = Worker.from_settings(s, "a"), Worker.from_settings(s, "b")
     ta, tb = run_in_thread(a), run_in_thread(b)
-    _wait(lambda: a.holding is not None and b.holding is not None)
+    wait_for(lambda: a.holding is not None and b.holding is not None)
     a.board.r.hset(keys.model_target("m"), sid, 1)  # load drained: one replica is enough
-    _wait(lambda: not ta.is_alive() or not tb.is_alive())
+    wait_for(lambda: not ta.is_alive() or not tb.is_alive())
     assert a.board.r.hget(keys.model_coverage("m"), sid) == b"1"
     leaver, stayer = ("a", "b") if not ta.is_alive() else ("b", "a")
     assert a.board.r.hgetall(keys.model_workers("m")) == {stayer.encode(): sid.encode()}
@@ -48,7 +41,7 @@ def test_idle_surplus_worker_leaves_and_last_one_stays(
     assert not a.board.r.exists(keys.worker_inbox(leaver)), "inbox"
     import time
 
-    time.sleep(1.0)
+    time.sleep(1.0)  # a second of wind-down checks in which neither may leave
     assert (ta.is_alive(), tb.is_alive()).count(True) == 1, "the last replica stays"
 
 
@@ -65,17 +58,17 @@ def test_wind_down_releases_the_surplus_and_the_worker_comes_back_for_a_second_b
     (sid,) = info.slices
     a, b = Worker.from_settings(s, "a"), Worker.from_settings(s, "b")
     ta, tb = run_in_thread(a), run_in_thread(b)
-    _wait(lambda: a.holding is not None and b.holding is not None)
+    wait_for(lambda: a.holding is not None and b.holding is not None)
     r = a.board.r
     r.hset(keys.model_target("m"), sid, 1)  # the burst is over: base is one replica
-    _wait(lambda: (a.holding is None) != (b.holding is None))
+    wait_for(lambda: (a.holding is None) != (b.holding is None))
     released = a if a.holding is None else b
     assert r.hget(keys.model_coverage("m"), sid) == b"1"
     assert not r.exists(keys.worker_inbox(released.id)), "its inbox went with the slice"
     assert released.server is None, "the slice's memory is freed"
-    _wait(lambda: r.exists(keys.worker_heartbeat(released.id)) == 1)  # idle beats
+    wait_for(lambda: r.exists(keys.worker_heartbeat(released.id)) == 1)  # idle beats
     assert ta.is_alive() and tb.is_alive(), "nobody exits with KVQ_IDLE_SHUTDOWN_S=0"
     r.hset(keys.model_target("m"), sid, 2)  # a second burst raises the target
-    _wait(lambda: released.holding is not None)
+    wait_for(lambda: released.holding is not None)
     assert r.hget(keys.model_coverage("m"), sid) == b"2"
     assert released.server is not None
