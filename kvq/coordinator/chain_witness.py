@@ -117,7 +117,7 @@ class WitnessSteps:
         if b is None:  # the witness failed: unconfirmed, as with no second holder
             self._apply(pair.rows, pair.span, a.y)
             return ""
-        if not self.verifier.agree(a, b):
+        if not self.verifier.agree(a, b, exact=False):
             chunks = [
                 self._history(r, sid) + [x] for r, x in zip(pair.rows, pair.inputs, strict=True)
             ]

@@ -120,7 +120,7 @@ def rule(
             "coordinator's file lacks the span to decide; no answer is used",
         )
     judge = Answer(REFEREE, ref, a.dtype)
-    if not any(verifier.agree(x, judge) for x in (a, b)):
+    if not any(verifier.agree(x, judge, exact=False) for x in (a, b)):
         referee.own_bytes(sid)  # raises ModelCorrupt: the fault may be this coordinator's
     return decide(verifier, sid, a, b, judge)
 
@@ -129,7 +129,7 @@ def decide(verifier: Verifier, sid: str, a: Answer, b: Answer, judge: Answer) ->
     """`judge` (the coordinator's recomputation, or a third holder's replay) agrees with one
     of `a` and `b`: that one is used (its streak grows, and a third holder's), the other is
     caught. Agreeing with both or neither: none is used."""
-    good = [x for x in (a, b) if verifier.agree(x, judge)]
+    good = [x for x in (a, b) if verifier.agree(x, judge, exact=False)]
     if len(good) != 1:
         verifier.stats.unresolved += 1
         return Ruling(

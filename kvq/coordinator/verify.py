@@ -168,14 +168,19 @@ class Verifier:
             return False
         return self.mode == "all" or self.trust.should_check(worker)
 
-    def agree(self, a: Answer, b: Answer) -> bool:
+    def agree(self, a: Answer, b: Answer, exact: bool = True) -> bool:
         """Whether two workers' answers to the same rows agree: bit for bit on a
         deterministic path (both `q8` or both `f32cpu`: `check.BITWISE_PATHS`), else within
         the looser path's tolerances (`kvq.coordinator.check`), a GPU label counting only for
-        an admitted worker (`held_to`)."""
+        an admitted worker (`held_to`). `exact` False (stage answers): a deterministic path is
+        held to float32's tolerance instead, since a span's norms and softmax are torch float32
+        reductions whose order depends on the CPU's vector width, so honest holders on two
+        kinds of CPU differ in the last bits."""
         da, db = self.held_to(a.worker, a.dtype), self.held_to(b.worker, b.dtype)
         if deterministic(da, db):
-            return torch.equal(a.y, b.y)
+            if exact:
+                return torch.equal(a.y, b.y)
+            da = db = "float32"
         return compare(a.y, b.y, tolerance(da, db), bias_tolerance(da, db)).ok
 
     def held_to(self, worker: str, dtype: str) -> str:
