@@ -19,12 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from e2e_helpers import wait_for
 
 from kvq import wire
 from kvq.config import Settings, child_env
 from kvq.gguf import read_meta
 from kvq.model import expert_forward_reference, load_slice
+from kvq.model.moe_sum import combine, inside
 from kvq.monitor import Monitor
 
 pytestmark = pytest.mark.slow
@@ -193,7 +195,11 @@ def test_a_worker_from_the_wheel_serves_jobs(
             ids,
             w,
         )
-        np.testing.assert_allclose(res.y.array(), ref, rtol=1e-4, atol=1e-5)
+        ids_t = torch.from_numpy(ids.astype(np.int64))  # [T, k]
+        terms = torch.from_numpy(res.y.array().copy())  # [P, H]: one row per pair inside
+        mask = inside(ids_t, spec.expert_start, spec.expert_end)
+        y = combine(ids_t, terms.shape[1], torch.float32, [(mask, terms)]).numpy()
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
     finally:
         worker.terminate()
         worker.wait(timeout=30)

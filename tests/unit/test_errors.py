@@ -18,6 +18,8 @@ def exception_classes() -> dict[str, type[BaseException]]:
     for info in pkgutil.walk_packages(kvq.__path__, "kvq."):
         if info.name.endswith("__main__"):  # runs the CLI
             continue
+        if info.name == "kvq.quant._qdot":  # the C kernels, loaded with ctypes, no module
+            continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if (
