@@ -308,6 +308,7 @@ def cmd_bench_model(args: argparse.Namespace, settings: Settings) -> int:
         bank=asdict(BankOptions.from_settings(settings)),
         kernels=asdict(qdot.options()),
         prefill_tokens=args.prefill_tokens,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
     )
     r = run_model_bench(cfg)
     if args.json:

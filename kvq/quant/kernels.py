@@ -125,11 +125,14 @@ def paths() -> dict[str, str]:
     return {"activations": "int8", "int8_isa": isa, "many_rows": qdot.many_rows_kernel(isa)}
 
 
-def describe() -> str:
-    """One line for reports and a worker's `info`: what multiplies quantized matrices here and
-    where its kernel came from, e.g. `int8 avx512 (installed)`, `int8 avx2 (built at first
-    use)`, `float32 (KVQ_ACTIVATIONS)` or `float32 (no int8 kernel: none installed, no
-    compiler)`. Loads the kernel if nothing has yet."""
+def describe(device: str = "cpu") -> str:
+    """One line for reports and a worker's `info`: what multiplies quantized matrices on
+    `device` (a torch device type) and where its kernel came from, e.g. `int8 avx512
+    (installed)`, `int8 avx2 (built at first use)`, `float32 (KVQ_ACTIVATIONS)`, `float32 (no
+    int8 kernel: none installed, no compiler)`, or `torch on cuda` off the CPU. Loads the
+    kernel if nothing has yet."""
+    if device != "cpu":
+        return f"torch on {device}"
     built = int8_kernel()
     if built is not None:
         return f"int8 {built.isa(qdot.options().isa)} ({built.origin})"

@@ -125,11 +125,8 @@ def sources_key() -> str:
 
 
 def _key(cc: str, flags: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update((CSRC / name).read_bytes())
-    h.update("\0".join((cc, *flags)).encode())
-    return h.hexdigest()[:16]
+    """The name of a build at first use: the sources, the compiler and the flags."""
+    return hashlib.sha256("\0".join((sources_key(), cc, *flags)).encode()).hexdigest()[:16]
 
 
 def installed() -> Built | None:

@@ -28,7 +28,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import redis
-import torch
 
 from kvq import wire
 from kvq.bank import BankOptions
@@ -80,7 +79,7 @@ class Worker:
             self.shelf.work,
             market,
             instance,
-            kernels=kernels_text(self.device),
+            kernels=kernels.describe(self.device.type),
         )
         self.stop = threading.Event()
         self._idle_since = time.monotonic()  # holding no slice since
@@ -556,11 +555,3 @@ def _through_monitor(board: RedisBoard, mode: str, worker_id: str) -> bool:
     if mode != "auto":
         return mode == "monitor"
     return who != "default"
-
-
-def kernels_text(device: torch.device) -> str:
-    """What computes this worker's products, for its `info` (`kvq health worker`, the
-    dashboard, `kvq_workers_by_kernels`): the CPU kernels' path and origin, or the device."""
-    if device.type == "cpu":
-        return kernels.describe()
-    return f"torch on {device.type}"

@@ -96,5 +96,6 @@ def test_describe_says_what_computes_and_where_the_kernel_came_from(
         monkeypatch.setattr(qdot, "INSTALL_DIR", tmp_path)  # nothing installed, no compiler
         qdot.configure(qdot.KernelOptions("int8", str(tmp_path / "no-cc"), str(tmp_path)))
         assert kernels.describe() == "float32 (no int8 kernel: none installed, no compiler)"
+        assert kernels.describe("cuda") == "torch on cuda"  # a GPU worker's torch path
     finally:
         qdot.configure(before)

@@ -90,6 +90,7 @@ class ModelBench:
     bank: dict[str, Any] | None = None
     kernels: dict[str, Any] | None = None
     prefill_tokens: int = PREFILL_TOKENS  # 0: no prefill figures
+    omp_wait_policy: str = ""  # OMP_WAIT_POLICY as the CLI found it (it sets PASSIVE unless set)
 
     @property
     def batch(self) -> int:
@@ -320,7 +321,7 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
             "expert_share_1": one.share(span(stamps)),
             "expert_share_batch": many.share(agg_s),
         }
-        | _kvq_runtime()
+        | _kvq_runtime(cfg.omp_wait_policy)
         | prefill
     )
 
@@ -359,15 +360,15 @@ def _kvq_decode_one(bb: Any, prompt: list[int], cfg: ModelBench) -> tuple[list[f
     return stamps, one
 
 
-def _kvq_runtime() -> dict[str, Any]:
-    """The threads, activations and kernel paths the round ran with."""
+def _kvq_runtime(omp_wait_policy: str) -> dict[str, Any]:
+    """The threads, OpenMP wait policy, activations and kernel paths the round ran with."""
     import torch
 
     from kvq.quant import kernels, qdot
 
     return {
         "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "omp_wait_policy": omp_wait_policy,
         "activations": qdot.options().activations,
         "int8_kernel": kernels.int8_active(),
         "paths": kernels.paths(),
