@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Iterable
 
@@ -51,6 +52,26 @@ def dtype_name(dtype: torch.dtype, device: torch.device | str) -> str:
         if qdot.options().batch_invariant:
             return "f32cpu"
     return _NAMES.get(dtype, "float32")
+
+
+def numerics(path: str) -> str:
+    """What fixes the bits of a whole layer span computed on `path` (`dtype_name`), beyond the
+    kernels: "" where nothing does (a GPU, bfloat16, float32 products that depend on the
+    batch), else the machine, kvq, torch and the vector width torch's own CPU kernels
+    dispatch to (`ATEN_CPU_CAPABILITY`), and the CPU's vendor and extensions (what the float32
+    products' math library dispatches on). kvq's kernels give the same bits on every SIMD
+    path; torch's norms and softmax reduce in an order set by that width, not by the thread
+    count.
+    Two holders with one label give a span the same bits (stage answers are compared bit for
+    bit then: `kvq.coordinator.verify.Verifier.agree`)."""
+    from kvq import __version__
+    from kvq.machine import cpu_kind
+    from kvq.quant import qdot
+
+    if path not in ("q8", "f32cpu") or not qdot.options().batch_invariant:
+        return ""
+    width = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()} {cpu_kind()} kvq-{__version__} torch-{torch.__version__} {width}"
 
 
 def timed_call(fn: Callable[[], object], device: torch.device) -> float:

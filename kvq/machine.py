@@ -13,6 +13,19 @@ from collections.abc import Iterable
 from pathlib import Path
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+CPUINFO = Path("/proc/cpuinfo")
+# the instruction-set extensions that decide which kernels can run (x86 /proc/cpuinfo names)
+CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def machine_id() -> str:
@@ -69,3 +82,18 @@ def parse_cpus(text: str) -> frozenset[int]:
 
 def _span(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+def cpu_kind(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's vendor and which of `CPU_FLAGS` it has, as one word list ("" where
+    /proc/cpuinfo is not): what a math library's own dispatch may look at."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return " ".join([fields.get("vendor_id", "?"), *[f for f in CPU_FLAGS if f in flags]])

@@ -147,6 +147,9 @@ class Result(_Msg, frozen=True, omit_defaults=True):
     dtype: ComputeDType = "float32"  # what the worker computed in: the check's tolerance
     # a stage job's sequences whose state the holder does not have (`StageJob`): replay them
     lost: Annotated[list[Name], msgspec.Meta(max_length=MAX_STAGE_SEQS)] = []
+    # a stage answer: what fixes its bits (`kvq.device.numerics`; "" none): two answers with
+    # one label are compared bit for bit
+    numerics: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class StageSeq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

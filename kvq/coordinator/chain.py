@@ -298,7 +298,7 @@ class Chain(WitnessSteps):
         if job.pair is None:
             self._apply(job.rows, job.spans[-1], y)
             return ""
-        job.pair.answers[job.worker] = Answer(job.worker, y, res.dtype)
+        job.pair.answers[job.worker] = Answer(job.worker, y, res.dtype, res.numerics)
         return self._resolve(job.pair)
 
     def _answer(

@@ -194,7 +194,8 @@ class WitnessSteps:
         a, b = pair.answers[pair.holder], pair.answers[str(pair.witness)]
         ref = torch.cat([pair.replays[i] for i in range(len(pair.rows))]).to(a.y.dtype)
         sid = self.stages[pair.span].sid
-        self._settle(pair, decide(self.verifier, sid, a, b, Answer(sender, ref, a.dtype)))
+        judge = Answer(sender, ref, a.dtype, res.numerics)
+        self._settle(pair, decide(self.verifier, sid, a, b, judge))
         return ""
 
     @staticmethod

@@ -31,6 +31,7 @@ class Answer:
     worker: str
     y: torch.Tensor  # [P, H] (an expert job's terms) or [N, H] (a stage job's rows)
     dtype: str
+    numerics: str = ""  # a stage answer's `wire.Result.numerics`: one label, the same bits
 
 
 def latency_ms(p: Pending, eid: bytes) -> float:

@@ -8,9 +8,10 @@ probability the trust schedule gives the holder's next result (`Verifier.wants_w
 `KVQ_VERIFY_REMOTE`, the clean streak, the step floor). A drawn sequence is *witnessed* there:
 a second live holder of the span gets each of its jobs on that span too (the same rows in the
 same batch, so it builds the same state), and the rows go on only when both answers are in and
-agree (`Verifier.agree`: float32's tolerance, a relative row error of 1e-3 and a scale bias of
-1e-4; two honest holders of one job differ by 0 on one CPU kind and by about 1e-6 where float32
-reductions are ordered differently, `docs/security.md`).
+agree (`Verifier.agree`: bit for bit where both answers carry one `numerics` label, the same
+kind of CPU, kvq and torch: `kvq.device.numerics`; else float32's tolerance, a relative row
+error of 1e-3 and a scale bias of 1e-4, since two honest holders of one job differ by about
+1e-6 where float32 reductions are ordered differently, `docs/security.md`).
 
 On disagreement the coordinator referees (`Referee`): it maps the span from its own model file
 and runs it over the sequence's inputs to the span, chunk by chunk as the holders ran them (the
@@ -31,6 +32,7 @@ import torch
 
 from kvq.coordinator.pending import Answer
 from kvq.coordinator.verify import Verifier
+from kvq.device import dtype_name, numerics
 from kvq.errors import KvqError
 from kvq.model import Backbone
 from kvq.slices import SliceSpec
@@ -47,6 +49,11 @@ class Referee:
         self._spans: dict[int, Backbone | None] = {}
         # raises ModelCorrupt if the file's bytes of a span are corrupted (`own_bytes`)
         self.own_bytes: Callable[[str], None] = lambda sid: None
+
+    def numerics(self) -> str:
+        """The label of this process's recomputations (`kvq.device.numerics`): the spans run
+        on the CPU in float32, as `span` maps them."""
+        return numerics(dtype_name(torch.float32, "cpu"))
 
     def span(self, k: int) -> Backbone | None:
         """Span `k`'s blocks from the file, or None where the file lacks them."""
@@ -119,7 +126,7 @@ def rule(
             f"stage {sid}: {a.worker} and {b.worker} disagree and this "
             "coordinator's file lacks the span to decide; no answer is used",
         )
-    judge = Answer(REFEREE, ref, a.dtype)
+    judge = Answer(REFEREE, ref, a.dtype, referee.numerics())
     if not any(verifier.agree(x, judge, exact=False) for x in (a, b)):
         referee.own_bytes(sid)  # raises ModelCorrupt: the fault may be this coordinator's
     return decide(verifier, sid, a, b, judge)

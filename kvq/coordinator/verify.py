@@ -172,13 +172,13 @@ class Verifier:
         """Whether two workers' answers to the same rows agree: bit for bit on a
         deterministic path (both `q8` or both `f32cpu`: `check.BITWISE_PATHS`), else within
         the looser path's tolerances (`kvq.coordinator.check`), a GPU label counting only for
-        an admitted worker (`held_to`). `exact` False (stage answers): a deterministic path is
-        held to float32's tolerance instead, since a span's norms and softmax are torch float32
-        reductions whose order depends on the CPU's vector width, so honest holders on two
-        kinds of CPU differ in the last bits."""
+        an admitted worker (`held_to`). `exact` False (stage answers): bit for bit only where
+        both carry one `numerics` label (`kvq.device.numerics`), else float32's tolerance,
+        since a span's norms and softmax are torch float32 reductions whose order depends on
+        the CPU's vector width: honest holders on two kinds of CPU differ in the last bits."""
         da, db = self.held_to(a.worker, a.dtype), self.held_to(b.worker, b.dtype)
         if deterministic(da, db):
-            if exact:
+            if exact or (a.numerics != "" and a.numerics == b.numerics):
                 return torch.equal(a.y, b.y)
             da = db = "float32"
         return compare(a.y, b.y, tolerance(da, db), bias_tolerance(da, db)).ok

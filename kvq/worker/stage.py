@@ -29,7 +29,7 @@ import torch
 
 from kvq import wire
 from kvq.bank.server import BAD_JOB, DEADLINE_EXPIRED, NON_FINITE, WRONG_DTYPE
-from kvq.device import dtype_name
+from kvq.device import dtype_name, numerics
 from kvq.model import Backbone, KVCache
 
 log = logging.getLogger("kvq.worker")
@@ -56,6 +56,7 @@ class StageServer:
         self.name, self.model, self.sid, self.backbone = name, model, sid, backbone
         self.hidden = backbone.meta.embedding_length
         self.dtype_name = cast(wire.ComputeDType, dtype_name(backbone.dtype, backbone.device))
+        self.numerics = numerics(self.dtype_name)  # what fixes its answers' bits
         self.max_seqs, self.clock_ms = max_seqs, clock_ms
         self.states: OrderedDict[tuple[str, str], KVCache] = OrderedDict()
         self.served = 0
@@ -170,6 +171,7 @@ def serve_stage_job(servers: list[StageServer], job: wire.StageJob) -> wire.Resu
         y=wire.Tensor.of(out),
         compute_ms=(time.perf_counter() - t0) * 1000,
         dtype=servers[0].dtype_name,
+        numerics=servers[0].numerics,
     )
 
 

@@ -75,6 +75,24 @@ def test_a_disagreement_is_decided_by_the_referee(model: Path, liar_first: bool)
     assert v.stats.mismatches == 1 and v.trust.workers["honest"].ok == 1
 
 
+def test_under_one_label_a_lie_inside_float32s_tolerance_is_caught(model: Path) -> None:
+    """A holder of the referee's own label (`Referee.numerics`) that scales its rows by
+    1.00005 (inside float32's tolerances: 1e-3 of a row, 1e-4 of bias) is caught; the honest
+    holder is used."""
+    specs = plan_stages(read_meta(model), model, 1)
+    hidden = read_meta(model).embedding_length
+    chunks = [torch.randn(4, hidden, generator=torch.Generator().manual_seed(2))]
+    referee = Referee(model, specs)
+    label = referee.numerics()
+    assert label, "this machine's CPU path has a label"
+    honest = Answer("honest", _holder_run(model, chunks), "q8", label)
+    liar = Answer("liar", honest.y * 1.00005, "q8", label)
+    trust = Trust(TrustPolicy(), "c1", rng=random.Random(0))
+    v = Verifier(MemoryBoard(), "m", trust, "sampled", "q8", DispatchCounters())
+    ruling = rule(v, referee, 0, liar, honest, [chunks])
+    assert ruling.use is honest and ruling.caught == ["liar"]
+
+
 def test_without_the_span_here_no_answer_is_used_and_nobody_is_blamed(model: Path) -> None:
     specs = plan_stages(read_meta(model), model, 1)
     hidden = read_meta(model).embedding_length

@@ -15,6 +15,7 @@ import torch
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import DispatchCounters
 from kvq.coordinator.check import BIAS_WINDOW
+from kvq.coordinator.pending import Answer
 from kvq.coordinator.trust import Trust, TrustPolicy
 from kvq.coordinator.verify import Verdict, Verifier, admitted
 
@@ -102,7 +103,6 @@ def test_a_gpu_path_is_granted_only_to_a_worker_the_operator_admitted() -> None:
     coordinator's path still), and a bfloat16 label earns it float32's tolerance when two
     holders' answers are compared; an admitted one gets bfloat16's."""
     from kvq import wire
-    from kvq.coordinator.pending import Answer
 
     v, _, _ = _verifier(gpu="gpu-1")
     claim = wire.Failure(type="WrongDType", message="bfloat16")
@@ -128,6 +128,22 @@ def test_q8_against_q8_is_bitwise() -> None:
     one_ulp = torch.nextafter(REF, torch.full_like(REF, 10.0))
     assert v.check("w2", one_ulp, "q8", REF) is Verdict.REJECTED, "one ulp is a lie"
     assert "not bit-exact" in board.quarantined("m")["w2"].reason
+
+
+def test_stage_answers_with_one_numerics_label_are_compared_bit_for_bit() -> None:
+    """Stage answers (`exact=False`): one label (the same kind of CPU, kvq and torch) is held
+    to the same bits; two labels, or none, to float32's tolerance."""
+    v = Verifier(MemoryBoard(), "m", Trust(TrustPolicy(), "c1"), "all", "q8", DispatchCounters())
+    one_ulp = torch.nextafter(REF, torch.full_like(REF, 10.0))
+    label = "x86_64 AuthenticAMD avx2 avx512f kvq-1 torch-2 AVX512"
+    same = Answer("a", REF.clone(), "q8", label), Answer("b", REF.clone(), "q8", label)
+    assert v.agree(*same, exact=False)
+    assert not v.agree(same[0], Answer("b", one_ulp, "q8", label), exact=False)
+    other = label.replace("AVX512", "AVX2")
+    assert v.agree(same[0], Answer("b", one_ulp, "q8", other), exact=False), "two CPU kinds"
+    assert v.agree(Answer("a", REF, "q8"), Answer("b", one_ulp, "q8"), exact=False), "no label"
+    far = Answer("b", REF * 1.01, "q8", other)
+    assert not v.agree(same[0], far, exact=False), "beyond float32's tolerance"
 
 
 def test_sampling_skips_checks_once_trusted_and_off_never_checks() -> None:

@@ -555,6 +555,8 @@ STAGE_LIARS = {
     "stage f32, noise": ("f32", "noise", 1.0),
     "stage f32, x1.01": ("f32", "scale", 1.01),
     "stage Q4_K, x1.05": ("q4_k_m", "scale", 1.05),
+    # inside float32's tolerance (1e-3, no bias): caught as both holders carry one numerics label
+    "stage Q4_K, 0.01 % orthogonal noise (one CPU kind)": ("q4_k_m", "ortho", 1e-4),
 }
 
 

@@ -22,19 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvq.machine import CPU_FLAGS
+
 PREFILL_TOKENS = 512
-# the instruction-set extensions that decide which kernels can run (x86 /proc/cpuinfo names)
-CPU_FLAGS = (
-    "avx2",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-)
 
 
 def prompt_ids(encode: Callable[[str], list[int]], line: str, n: int, salt: int) -> list[int]:
