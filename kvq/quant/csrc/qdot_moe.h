@@ -102,8 +102,7 @@ static inline float moe_out(float y, const float *const *bias, int64_t e, int64_
  * 0, -1 (a type not covered) or -2 (h or f not a multiple of a type's block). */
 static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg, kern_t *ku,
                      kern_t *kd) {
-    int best = kvq_qdot_best_isa();
-    isa = (isa < 0 || isa > best) ? best : isa;
+    isa = clamp_isa(isa);
     if (kern_init(kg, types[0], isa) || kern_init(ku, types[1], isa) || kern_init(kd, types[2], isa))
         return -1;
     return (h % kg->block || h % ku->block || f % kd->block) ? -2 : 0;
