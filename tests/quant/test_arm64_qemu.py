@@ -1,0 +1,116 @@
+"""The arm64 paths of the int8 kernels (`csrc/qdot_arm.h`) give the scalar path's bits, for
+every type and path, tested on this machine: `arm64/selftest.c` with the kernel sources is
+cross-compiled (Debian's gcc-aarch64-linux-gnu, static) and run under qemu-user (Debian's
+qemu-user-static), which emulates every extension the paths use with `-cpu max`. Emulation
+says nothing of speed: `kvq bench kernels` on an arm64 machine measures that.
+
+The tools come from PATH, or from `.tools/` where `.ci/run` unpacks them without root; the
+tests skip, saying so, without them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvq.quant import qdot
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / ".tools"
+DRIVER = Path(__file__).resolve().parent / "arm64" / "selftest.c"
+FLAGS = [f for f in qdot.FLAGS if f not in ("-shared", "-fPIC")]  # the library's, as a program
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "MXFP4")
+ARM_PATHS = ("neon", "neon+dotprod")
+SEEDS = (1, 2, 3)
+
+
+def _tool(name: str, unpacked: Path) -> str | None:
+    found = shutil.which(name)
+    return found or (str(unpacked) if unpacked.exists() else None)
+
+
+CROSS_CC = _tool(
+    "aarch64-linux-gnu-gcc", TOOLS / "aarch64" / "usr" / "bin" / "aarch64-linux-gnu-gcc"
+)
+QEMU = _tool("qemu-aarch64-static", TOOLS / "bin" / "qemu-aarch64-static") or shutil.which(
+    "qemu-aarch64"
+)
+pytestmark = pytest.mark.skipif(
+    CROSS_CC is None or QEMU is None,
+    reason="needs an arm64 cross compiler and qemu-user (`.ci/run` unpacks them into .tools/, "
+    "or `apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static`)",
+)
+
+
+def _build(cc: str, out: Path, *extra: str) -> Path:
+    cmd = [cc, *extra, *FLAGS, "-o", str(out), str(DRIVER), str(qdot.CSRC / "qdot.c"), "-lm"]
+    env = dict(os.environ)
+    if cc.startswith(str(TOOLS)):  # host libraries .ci/run unpacked beside the compiler
+        env["LD_LIBRARY_PATH"] = str(TOOLS / "aarch64" / "usr" / "lib" / "x86_64-linux-gnu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def arm_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert CROSS_CC is not None
+    return _build(CROSS_CC, tmp_path_factory.mktemp("arm64") / "selftest", "-static")
+
+
+def _run(driver: Path, cpu: str, seed: int) -> str:
+    assert QEMU is not None
+    cmd = [QEMU, "-cpu", cpu, str(driver), str(seed)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+    return proc.stdout
+
+
+def _compared(out: str) -> dict[tuple[str, str], int]:
+    """(call, path) -> outputs compared, from the driver's `same` lines"""
+    return {(m[1], m[2]): int(m[3]) for m in re.finditer(r"^same (\S+) (\S+) (\d+)$", out, re.M)}
+
+
+@pytest.mark.timeout(300)
+def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
+    for seed in SEEDS:
+        out = _run(arm_driver, "max", seed)
+        assert out.startswith("best neon+dotprod\n"), out[:200]
+        compared = _compared(out)
+        for t in TYPES:
+            for call in ("dot", "rows"):  # one row, and 11 rows (the multi-row dots)
+                for path in ARM_PATHS:
+                    assert compared.get((f"{t}/{call}", path), 0) > 0, (t, call, path)
+        for path in ARM_PATHS:  # the MoE calls, gate/up/down of each type
+            assert sum(n for (c, p), n in compared.items() if "/moe" in c and p == path) > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_cpu_without_sdot_takes_neon(arm_driver: Path) -> None:
+    out = _run(arm_driver, "cortex-a53", 1)  # Armv8.0: Advanced SIMD, no dot product
+    assert out.startswith("best neon\n"), out[:200]
+    assert not any(p == "neon+dotprod" for _, p in _compared(out))
+
+
+def _hashes(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^hash (\S+) (\S+)$", out, re.M))
+
+
+@pytest.mark.timeout(300)
+def test_arm64_scalar_path_gives_this_machines_bits(arm_driver: Path, tmp_path: Path) -> None:
+    """The same inputs on arm64 and on this machine's build: the same outputs (hashed), so
+    an arm64 worker computes what an x86 one does."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler for this machine (cc)")
+    native = _build(cc, tmp_path / "selftest")
+    proc = subprocess.run(
+        [str(native), "1"], capture_output=True, text=True, timeout=60, check=True
+    )
+    here = _hashes(proc.stdout)
+    assert sorted(here) == sorted(TYPES)
+    assert _hashes(_run(arm_driver, "max", 1)) == here
