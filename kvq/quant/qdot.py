@@ -4,7 +4,8 @@ loaded with ctypes.
 `y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, MXFP4) with x quantized to
 8 bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
 (vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI; on arm64 smull with NEON, sdot with the
-dot-product extension) and one float32 combination per block. From 16
+dot-product extension, smmla with i8mm for calls of several rows) and one float32 combination
+per block. From 16
 rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
 unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
 weight row per int32 lane; the same integers and float steps, so the same bits. It
@@ -76,6 +77,7 @@ ISA_NAMES = {
     4: "amx",
     5: "neon",
     6: "neon+dotprod",
+    7: "neon+i8mm",
 }
 _ERRORS = {
     -1: "unknown type",
@@ -299,8 +301,8 @@ def matmul(
 ) -> npt.NDArray[np.float32]:
     """x [B, K] float32 (C-contiguous) @ W.T for W [N, row bytes] of `qtype` -> [B, N].
     `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX2 + VNNI, 3 AVX512BW + VNNI (512-bit
-    Q4_K and Q6_K), 4 AMX, 5 NEON, 6 NEON + sdot (`ISA_NAMES`); a path the CPU lacks runs its
-    best."""
+    Q4_K and Q6_K), 4 AMX, 5 NEON, 6 NEON + sdot, 7 NEON + sdot + smmla (`ISA_NAMES`); a path
+    the CPU lacks runs its best."""
     n, b, k = w.shape[0], x.shape[0], x.shape[1]
     out = np.empty((b, n), dtype=np.float32)
     rc = built.lib.kvq_qdot(

@@ -24,7 +24,7 @@ TOOLS = ROOT / ".tools"
 DRIVER = Path(__file__).resolve().parent / "arm64" / "selftest.c"
 FLAGS = [f for f in qdot.FLAGS if f not in ("-shared", "-fPIC")]  # the library's, as a program
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "MXFP4")
-ARM_PATHS = ("neon", "neon+dotprod")
+ARM_PATHS = ("neon", "neon+dotprod", "neon+i8mm")
 SEEDS = (1, 2, 3)
 
 
@@ -79,7 +79,7 @@ def _compared(out: str) -> dict[tuple[str, str], int]:
 def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
     for seed in SEEDS:
         out = _run(arm_driver, "max", seed)
-        assert out.startswith("best neon+dotprod\n"), out[:200]
+        assert out.startswith("best neon+i8mm\n"), out[:200]
         compared = _compared(out)
         for t in TYPES:
             for call in ("dot", "rows"):  # one row, and 11 rows (the multi-row dots)
@@ -90,10 +90,15 @@ def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_cpu_without_sdot_takes_neon(arm_driver: Path) -> None:
-    out = _run(arm_driver, "cortex-a53", 1)  # Armv8.0: Advanced SIMD, no dot product
-    assert out.startswith("best neon\n"), out[:200]
-    assert not any(p == "neon+dotprod" for _, p in _compared(out))
+@pytest.mark.parametrize(
+    ("cpu", "best"),
+    [("cortex-a53", "neon"), ("cortex-a76", "neon+dotprod")],  # Armv8.0; Armv8.2, no i8mm
+)
+def test_the_best_path_is_what_the_cpu_has(arm_driver: Path, cpu: str, best: str) -> None:
+    out = _run(arm_driver, cpu, 1)
+    assert out.startswith(f"best {best}\n"), out[:200]
+    beyond = ARM_PATHS[ARM_PATHS.index(best) + 1 :]
+    assert not any(p in beyond for _, p in _compared(out)), "a path the CPU lacks ran"
 
 
 def _hashes(out: str) -> dict[str, str]:

@@ -50,7 +50,7 @@ static int64_t block_bytes(int qtype) {
 
 /* the paths: x86 ids, then arm64's (qdot_arm.h); a CPU has paths of one kind only */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4 /* AVX-512 + AMX tiles */,
-       ISA_NEON = 5, ISA_DOTPROD = 6 /* NEON + sdot */ };
+       ISA_NEON = 5, ISA_DOTPROD = 6 /* NEON + sdot */, ISA_I8MM = 7 /* + smmla */ };
 
 typedef struct { /* 256 activations */
     float d;
@@ -594,7 +594,7 @@ typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 static dot_k_fn pick_k(int qtype, int isa) {
 #ifdef QDOT_ARM
     if (isa >= ISA_NEON) {
-        const int dp = isa == ISA_DOTPROD;
+        const int dp = isa >= ISA_DOTPROD;
         if (qtype == T_Q4_K) return dp ? dot_q4_k_dot : dot_q4_k_neon;
         if (qtype == T_Q5_K) return dp ? dot_q5_k_dot : dot_q5_k_neon;
         if (qtype == T_Q6_K) return dp ? dot_q6_k_dot : dot_q6_k_neon;
@@ -625,7 +625,7 @@ static dot_k_fn pick_k(int qtype, int isa) {
 
 static dot_0_fn pick_0(int qtype, int isa) {
 #ifdef QDOT_ARM
-    if (isa == ISA_DOTPROD)
+    if (isa >= ISA_DOTPROD)
         return qtype == T_Q8_0 ? dot_q8_0_dot : qtype == T_MXFP4 ? dot_mxfp4_dot : qtype == T_Q5_0 ? dot_q5_0_dot : dot_q4_0_dot;
     if (isa == ISA_NEON)
         return qtype == T_Q8_0 ? dot_q8_0_neon : qtype == T_MXFP4 ? dot_mxfp4_neon : qtype == T_Q5_0 ? dot_q5_0_neon : dot_q4_0_neon;
@@ -643,7 +643,7 @@ static dot_0_fn pick_0(int qtype, int isa) {
 static mdot_k_fn pick_mk(int qtype, int isa) {
 #ifdef QDOT_ARM
     if (isa >= ISA_NEON) {
-        const int dp = isa == ISA_DOTPROD;
+        const int dp = isa >= ISA_DOTPROD;
         if (qtype == T_Q4_K) return dp ? mdot_q4_k_dot : mdot_q4_k_neon;
         if (qtype == T_Q5_K) return dp ? mdot_q5_k_dot : mdot_q5_k_neon;
         if (qtype == T_Q6_K) return dp ? mdot_q6_k_dot : mdot_q6_k_neon;
@@ -674,7 +674,7 @@ static mdot_k_fn pick_mk(int qtype, int isa) {
 
 static mdot_0_fn pick_m0(int qtype, int isa) {
 #ifdef QDOT_ARM
-    if (isa == ISA_DOTPROD)
+    if (isa >= ISA_DOTPROD)
         return qtype == T_Q8_0 ? mdot_q8_0_dot : qtype == T_MXFP4 ? mdot_mxfp4_dot : qtype == T_Q5_0 ? mdot_q5_0_dot : mdot_q4_0_dot;
     if (isa == ISA_NEON)
         return qtype == T_Q8_0 ? mdot_q8_0_neon : qtype == T_MXFP4 ? mdot_mxfp4_neon : qtype == T_Q5_0 ? mdot_q5_0_neon : mdot_q4_0_neon;
@@ -721,6 +721,13 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
     mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
     if (threads < 1) threads = 1;
+#ifdef QDOT_ARM
+    if (isa == ISA_I8MM && n_x > 1) { /* weight rows two at a time (qdot_i8mm.h) */
+        qdot_i8mm(qtype, w, n_rows, row_bytes, xq, per, nb, n_x, out, threads, kq ? mk : m0);
+        free(xq);
+        return 0;
+    }
+#endif
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_rows; n++) {

@@ -1,8 +1,9 @@
 /* The arm64 paths of qdot.c, included by it after the scalar dots (qdot_neon.h once per
  * extension):
  *   ISA_NEON     Advanced SIMD, which every arm64 CPU has: smull + saddlp for the products;
- *   ISA_DOTPROD  the dot-product extension (Armv8.2 FEAT_DotProd, HWCAP_ASIMDDP): sdot.
- * Both are compiled into every arm64 build (dotprod through a target attribute) and chosen at
+ *   ISA_DOTPROD  the dot-product extension (Armv8.2 FEAT_DotProd, HWCAP_ASIMDDP): sdot;
+ *   ISA_I8MM     sdot, and smmla for calls of several rows (FEAT_I8MM, HWCAP2_I8MM: qdot_i8mm.h).
+ * All are compiled into every arm64 build (the extensions through target attributes) and chosen at
  * run time from the kernel's hardware capabilities (getauxval), never assumed from the build
  * machine. Same bits as the scalar path: see qdot_neon.h. */
 
@@ -14,6 +15,9 @@
 #endif
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
 #endif
 
 /* quantize with 4 lanes: the same products x * iscale, rounded to nearest even by fcvtns as
@@ -66,9 +70,12 @@ static inline int32x4_t dot4_neon(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #undef SFX
 #undef DOT4
 
+#include "qdot_i8mm.h"
+
 /* the best arm64 path this CPU has */
 static int arm_best_isa(void) {
     const unsigned long hw = getauxval(AT_HWCAP);
     if (!(hw & HWCAP_ASIMD)) return ISA_SCALAR;
-    return (hw & HWCAP_ASIMDDP) ? ISA_DOTPROD : ISA_NEON;
+    if (!(hw & HWCAP_ASIMDDP)) return ISA_NEON;
+    return (getauxval(AT_HWCAP2) & HWCAP2_I8MM) ? ISA_I8MM : ISA_DOTPROD;
 }

@@ -69,6 +69,17 @@ static TGT inline int32_t SFX(scaled_runs)(const SFX(kblock_t) *k, const int8_t 
     return vaddvq_s32(acc);
 }
 
+/* acc after block w (unpacked into k) of row x whose sum of scaled runs is isum: combine_k
+ * with the minimums (Q4_K, Q5_K) or the -32 offset (Q6_K), as the scalar path */
+static TGT inline float SFX(finish_k)(int qtype, const uint8_t *w, const SFX(kblock_t) *k, const xk_t *x,
+                                      float acc, int32_t isum) {
+    if (qtype == T_Q6_K)
+        return combine_k(acc, x->d, f16(w + 208), 0.0f, isum - q6_offset((const int8_t *)(w + 192), x), 0);
+    int32_t imin = 0;
+    for (int s = 0; s < 8; s++) imin += k->mn[s] * (x->bsums[2 * s] + x->bsums[2 * s + 1]);
+    return combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
+}
+
 /* the K-quants (qtype Q4_K, Q5_K or Q6_K) on nx <= MX rows */
 static TGT inline __attribute__((always_inline)) void SFX(rows_k)(int qtype, const uint8_t *w,
                                                                   const void *const *xs, int nx,
@@ -83,14 +94,7 @@ static TGT inline __attribute__((always_inline)) void SFX(rows_k)(int qtype, con
             SFX(unpack_q45_k)(w, qtype == T_Q5_K, &k);
         for (int j = 0; j < nx; j++) {
             const xk_t *x = (const xk_t *)xs[j] + b;
-            const int32_t isum = SFX(scaled_runs)(&k, x->q);
-            if (qtype == T_Q6_K) {
-                acc[j] = combine_k(acc[j], x->d, f16(w + 208), 0.0f, isum - q6_offset((const int8_t *)(w + 192), x), 0);
-            } else {
-                int32_t imin = 0;
-                for (int s = 0; s < 8; s++) imin += k.mn[s] * (x->bsums[2 * s] + x->bsums[2 * s + 1]);
-                acc[j] = combine_k(acc[j], x->d, f16(w), f16(w + 2), isum, imin);
-            }
+            acc[j] = SFX(finish_k)(qtype, w, &k, x, acc[j], SFX(scaled_runs)(&k, x->q));
         }
     }
     memcpy(out, acc, sizeof(float) * (size_t)nx);

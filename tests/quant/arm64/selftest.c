@@ -34,8 +34,8 @@ int kvq_qdot_isa(int asked);
 int kvq_qdot_best_isa(void);
 
 /* kvq.quant.qdot.ISA_NAMES */
-static const char *const PATHS[] = {"scalar", "avx2", "avx2+vnni", "avx512", "amx", "neon", "neon+dotprod"};
-#define NPATHS 7
+static const char *const PATHS[] = {"scalar", "avx2", "avx2+vnni", "avx512", "amx", "neon", "neon+dotprod", "neon+i8mm"};
+#define NPATHS 8
 
 typedef struct {
     const char *name;
