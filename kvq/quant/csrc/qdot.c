@@ -721,7 +721,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
     mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
     if (threads < 1) threads = 1;
-#ifdef QDOT_ARM
+#ifdef QDOT_ARM_EXT
     if (isa == ISA_I8MM && n_x > 1) { /* weight rows two at a time (qdot_i8mm.h) */
         qdot_i8mm(qtype, w, n_rows, row_bytes, xq, per, nb, n_x, out, threads, kq ? mk : m0);
         free(xq);
