@@ -117,11 +117,14 @@ class Built:
 def many_rows_kernel(isa: str) -> str:
     """What computes a call of several rows on path `isa`: from gemm_min(type) rows (2 for
     the 32-value types, 4 to 12 for the K-quants) `csrc/qdot_gemm.h` on AVX-512, the
-    multi-row dots elsewhere; with AMX, 16 rows of x at a time through its tiles (not Q6_K)."""
+    multi-row dots elsewhere (on i8mm two weight rows at a time); with AMX, 16 rows of x at a
+    time through its tiles (not Q6_K)."""
     if isa == "avx512":
         return "tile: 16 weight rows unpacked once per 128 rows (AVX512BW + VNNI)"
     if isa == "amx":
         return "tile: 16 weight rows unpacked once per 128 rows; AMX TDPBSUD for 16 rows of x at a time, VNNI for the rest and Q6_K"
+    if isa == "neon+i8mm":
+        return "multi-row dots, two weight rows at once (smmla): each unpacked once per 8 rows"
     return "multi-row dots: each weight row unpacked once per 8 rows"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvq.quant import qdot
+from kvq.tools.bench.kernels import _simd_isas
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".tools"
@@ -39,7 +40,7 @@ CROSS_CC = _tool(
 QEMU = _tool("qemu-aarch64-static", TOOLS / "bin" / "qemu-aarch64-static") or shutil.which(
     "qemu-aarch64"
 )
-pytestmark = pytest.mark.skipif(
+needs_qemu = pytest.mark.skipif(
     CROSS_CC is None or QEMU is None,
     reason="needs an arm64 cross compiler and qemu-user (`.ci/run` unpacks them into .tools/, "
     "or `apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static`)",
@@ -75,6 +76,7 @@ def _compared(out: str) -> dict[tuple[str, str], int]:
     return {(m[1], m[2]): int(m[3]) for m in re.finditer(r"^same (\S+) (\S+) (\d+)$", out, re.M)}
 
 
+@needs_qemu
 @pytest.mark.timeout(300)
 def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
     for seed in SEEDS:
@@ -89,6 +91,7 @@ def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
             assert sum(n for (c, p), n in compared.items() if "/moe" in c and p == path) > 0
 
 
+@needs_qemu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("cpu", "best"),
@@ -105,6 +108,7 @@ def _hashes(out: str) -> dict[str, str]:
     return dict(re.findall(r"^hash (\S+) (\S+)$", out, re.M))
 
 
+@needs_qemu
 @pytest.mark.timeout(300)
 def test_arm64_scalar_path_gives_this_machines_bits(arm_driver: Path, tmp_path: Path) -> None:
     """The same inputs on arm64 and on this machine's build: the same outputs (hashed), so
@@ -119,3 +123,30 @@ def test_arm64_scalar_path_gives_this_machines_bits(arm_driver: Path, tmp_path: 
     here = _hashes(proc.stdout)
     assert sorted(here) == sorted(TYPES)
     assert _hashes(_run(arm_driver, "max", 1)) == here
+
+
+class _ArmLib:
+    """The library's path rule (`kvq_qdot_isa`) on an arm64 CPU with i8mm, as the driver sees
+    it under `-cpu max`: -1, a higher id or an x86 one runs the best."""
+
+    def kvq_qdot_best_isa(self) -> int:
+        return 7
+
+    def kvq_qdot_isa(self, asked: int) -> int:
+        return 7 if asked < 0 or asked > 7 or 0 < asked < 5 else asked
+
+
+def test_reports_name_the_arm64_paths() -> None:
+    """What `kvq bench kernels` (`int8_isa`, `int8_isa_ms`) and a worker's `kernels` line
+    (`kernels.describe`, through `Built.isa`) say on such a CPU."""
+    built = qdot.Built(_ArmLib(), Path("qdot.so"), True)  # type: ignore[arg-type]
+    assert [qdot.ISA_NAMES[i] for i in built.paths()] == [
+        "scalar",
+        "neon",
+        "neon+dotprod",
+        "neon+i8mm",
+    ]
+    assert built.best_isa == "neon+i8mm" and built.isa() == "neon+i8mm" and built.isa(5) == "neon"
+    assert built.isa(3) == "neon+i8mm"  # an x86 path asked for on arm64
+    assert [qdot.ISA_NAMES[i] for i in _simd_isas(built)] == ["neon", "neon+dotprod", "neon+i8mm"]
+    assert "smmla" in qdot.many_rows_kernel("neon+i8mm")
