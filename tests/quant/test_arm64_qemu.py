@@ -84,7 +84,7 @@ def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
         assert out.startswith("best neon+i8mm\n"), out[:200]
         compared = _compared(out)
         for t in TYPES:
-            for call in ("dot", "rows"):  # one row, and 11 rows (the multi-row dots)
+            for call in ("dot", "rows", "nan"):  # one row, 11 rows (multi-row), 2 not finite
                 for path in ARM_PATHS:
                     assert compared.get((f"{t}/{call}", path), 0) > 0, (t, call, path)
         for path in ARM_PATHS:  # the MoE calls, gate/up/down of each type

@@ -5,12 +5,14 @@
  * For every type it fills weights and activations from a seed, runs kvq_qdot (one row: the
  * one-row dots; 11 rows: the multi-row dots, 8 + 3), kvq_qdot_moe and kvq_qdot_moe_batch on
  * every path this CPU has (kvq_qdot_isa(id) == id), one thread, and compares each output's
- * bytes with the scalar path's. It prints
+ * bytes with the scalar path's (kvq_qdot also with an infinite and a NaN row: NaN outputs). It
+ * prints
  *   best <path>
  *   same <type> <path> <outputs compared>     (or "diff ..." with the first differing index)
- *   hash <type> <fnv-1a of the scalar kvq_qdot outputs>
+ *   hash <type> <fnv-1a of the scalar kvq_qdot outputs of finite rows>
  * and exits 1 on any difference. The hashes let the test compare the scalar path across
- * instruction sets (arm64 against x86): the inputs are finite, so no NaN's sign can differ. The
+ * instruction sets (arm64 against x86): they cover finite rows only, where no NaN's sign can
+ * differ. The
  * MoE outputs go through expf, whose last bit libm may give differently per instruction set,
  * so they are compared within one build only. */
 #include <inttypes.h>
@@ -150,6 +152,15 @@ static void test_dot(const type_t *t, const int *ids, int np) {
         }
     }
     printf("hash %s %016" PRIx64 "\n", t->name, h);
+    x[2 * k + 5] = 1.0f / 0.0f; /* rows 2 and 3 not finite: NaN outputs, compared, not hashed */
+    x[3 * k + 7] = 0.0f / 0.0f;
+    kvq_qdot(t->id, w, n_rows, rb, x, n_x, k, ref, 1, 0);
+    for (int p = 1; p < np; p++) {
+        char what[32];
+        snprintf(what, sizeof what, "%s/nan", t->name);
+        kvq_qdot(t->id, w, n_rows, rb, x, n_x, k, out, 1, ids[p]);
+        check(what, PATHS[ids[p]], ref, out, n_x * n_rows);
+    }
     free(w), free(x), free(ref), free(out);
 }
 
