@@ -26,7 +26,7 @@ DRIVER = Path(__file__).resolve().parent / "arm64" / "selftest.c"
 FLAGS = [f for f in qdot.FLAGS if f not in ("-shared", "-fPIC")]  # the library's, as a program
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "MXFP4")
 ARM_PATHS = ("neon", "neon+dotprod", "neon+i8mm")
-SEEDS = (1, 2, 3)
+RUNS = ((1, 1), (2, 1), (3, 1), (4, 3))  # (seed, threads): OpenMP threads change no bit
 
 
 def _tool(name: str, unpacked: Path) -> str | None:
@@ -60,12 +60,12 @@ def _build(cc: str, out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def arm_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert CROSS_CC is not None
-    return _build(CROSS_CC, tmp_path_factory.mktemp("arm64") / "selftest", "-static")
+    return _build(CROSS_CC, tmp_path_factory.mktemp("arm64") / "selftest", "-static", "-fopenmp")
 
 
-def _run(driver: Path, cpu: str, seed: int) -> str:
+def _run(driver: Path, cpu: str, seed: int, threads: int = 1) -> str:
     assert QEMU is not None
-    cmd = [QEMU, "-cpu", cpu, str(driver), str(seed)]
+    cmd = [QEMU, "-cpu", cpu, str(driver), str(seed), str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
     return proc.stdout
@@ -79,8 +79,8 @@ def _compared(out: str) -> dict[tuple[str, str], int]:
 @needs_qemu
 @pytest.mark.timeout(300)
 def test_every_arm64_path_gives_the_scalar_bits(arm_driver: Path) -> None:
-    for seed in SEEDS:
-        out = _run(arm_driver, "max", seed)
+    for seed, threads in RUNS:
+        out = _run(arm_driver, "max", seed, threads)
         assert out.startswith("best neon+i8mm\n"), out[:200]
         compared = _compared(out)
         for t in TYPES:

@@ -4,9 +4,10 @@
  *
  * For every type it fills weights and activations from a seed, runs kvq_qdot (one row: the
  * one-row dots; 11 rows: the multi-row dots, 8 + 3), kvq_qdot_moe and kvq_qdot_moe_batch on
- * every path this CPU has (kvq_qdot_isa(id) == id), one thread, and compares each output's
- * bytes with the scalar path's (kvq_qdot also with an infinite and a NaN row: NaN outputs). It
- * prints
+ * every path this CPU has (kvq_qdot_isa(id) == id) on argv[2] threads (default 1; with more,
+ * the scalar path too), and compares each output's
+ * bytes with the scalar path's on one thread (kvq_qdot also with an infinite and a NaN row:
+ * NaN outputs). It prints
  *   best <path>
  *   same <type> <path> <outputs compared>     (or "diff ..." with the first differing index)
  *   hash <type> <fnv-1a of the scalar kvq_qdot outputs of finite rows>
@@ -111,6 +112,7 @@ static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
 }
 
 static int failures;
+static int threads = 1; /* of every call but the scalar reference's (argv[2]) */
 
 /* compare out (n floats) of path with the scalar path's ref; print one line per call site */
 static void check(const char *what, const char *path, const float *ref, const float *out, int64_t n) {
@@ -144,10 +146,10 @@ static void test_dot(const type_t *t, const int *ids, int np) {
         const float *xr = rows == 1 ? x + k : x; /* one row: a nonzero one */
         kvq_qdot(t->id, w, n_rows, rb, xr, rows, k, ref, 1, 0);
         h = fnv1a(ref, sizeof(float) * (size_t)(rows * n_rows), h);
-        for (int p = 1; p < np; p++) {
+        for (int p = threads > 1 ? 0 : 1; p < np; p++) {
             char what[32];
             snprintf(what, sizeof what, "%s/%s", t->name, rows == 1 ? "dot" : "rows");
-            kvq_qdot(t->id, w, n_rows, rb, xr, rows, k, out, 1, ids[p]);
+            kvq_qdot(t->id, w, n_rows, rb, xr, rows, k, out, threads, ids[p]);
             check(what, PATHS[ids[p]], ref, out, rows * n_rows);
         }
     }
@@ -155,10 +157,10 @@ static void test_dot(const type_t *t, const int *ids, int np) {
     x[2 * k + 5] = 1.0f / 0.0f; /* rows 2 and 3 not finite: NaN outputs, compared, not hashed */
     x[3 * k + 7] = 0.0f / 0.0f;
     kvq_qdot(t->id, w, n_rows, rb, x, n_x, k, ref, 1, 0);
-    for (int p = 1; p < np; p++) {
+    for (int p = threads > 1 ? 0 : 1; p < np; p++) {
         char what[32];
         snprintf(what, sizeof what, "%s/nan", t->name);
-        kvq_qdot(t->id, w, n_rows, rb, x, n_x, k, out, 1, ids[p]);
+        kvq_qdot(t->id, w, n_rows, rb, x, n_x, k, out, threads, ids[p]);
         check(what, PATHS[ids[p]], ref, out, n_x * n_rows);
     }
     free(w), free(x), free(ref), free(out);
@@ -183,15 +185,15 @@ static void test_moe(const type_t *g, const type_t *u, const type_t *d, int act,
     char what[48];
     snprintf(what, sizeof what, "%s+%s+%s/moe", g->name, u->name, d->name);
     kvq_qdot_moe(n, mats[0], mats[1], mats[2], types, rb, f, h, x, wts, ref, 1, 0, act, NULL);
-    for (int p = 1; p < np; p++) {
-        kvq_qdot_moe(n, mats[0], mats[1], mats[2], types, rb, f, h, x, wts, out, 1, ids[p], act, NULL);
+    for (int p = threads > 1 ? 0 : 1; p < np; p++) {
+        kvq_qdot_moe(n, mats[0], mats[1], mats[2], types, rb, f, h, x, wts, out, threads, ids[p], act, NULL);
         check(what, PATHS[ids[p]], ref, out, h);
     }
     snprintf(what, sizeof what, "%s+%s+%s/moe_batch", g->name, u->name, d->name);
     kvq_qdot_moe_batch(n, mats[0], mats[1], mats[2], types, rb, f, h, ntok, x, start, row, wts, ref, 1, 0, act, NULL);
-    for (int p = 1; p < np; p++) {
-        kvq_qdot_moe_batch(n, mats[0], mats[1], mats[2], types, rb, f, h, ntok, x, start, row, wts, out, 1,
-                           ids[p], act, NULL);
+    for (int p = threads > 1 ? 0 : 1; p < np; p++) {
+        kvq_qdot_moe_batch(n, mats[0], mats[1], mats[2], types, rb, f, h, ntok, x, start, row, wts, out,
+                           threads, ids[p], act, NULL);
         check(what, PATHS[ids[p]], ref, out, h * ntok);
     }
     for (int e = 0; e < n; e++)
@@ -201,6 +203,7 @@ static void test_moe(const type_t *g, const type_t *u, const type_t *d, int act,
 
 int main(int argc, char **argv) {
     const uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : 1;
+    threads = argc > 2 ? atoi(argv[2]) : 1;
     int ids[NPATHS];
     const int np = paths(ids);
     printf("best %s\n", PATHS[kvq_qdot_best_isa()]);
