@@ -53,7 +53,11 @@ static TGT8 inline __attribute__((always_inline)) void rows2_k(int qtype, const 
         for (int j = 0; j < nx; j += 2) {
             const xk_t *xa = (const xk_t *)xs[j] + b, *xb = (const xk_t *)xs[j + 1 < nx ? j + 1 : j] + b;
             int32x4_t s = vdupq_n_s32(0);
-            for (int r = 0; r < 16; r++) s = vmlaq_s32(s, mmla16(wl[r], wh[r], xa->q + 16 * r, xb->q + 16 * r), sc[r]);
+            for (int r = 0; r < 16; r += k0.per) { /* the runs of one scale together */
+                int32x4_t t = mmla16(wl[r], wh[r], xa->q + 16 * r, xb->q + 16 * r);
+                if (k0.per == 2) t = vaddq_s32(t, mmla16(wl[r + 1], wh[r + 1], xa->q + 16 * r + 16, xb->q + 16 * r + 16));
+                s = vmlaq_s32(s, t, sc[r]);
+            }
             acc0[j] = finish_k_dot(qtype, w0, &k0, xa, acc0[j], vgetq_lane_s32(s, 0));
             acc1[j] = finish_k_dot(qtype, w1, &k1, xa, acc1[j], vgetq_lane_s32(s, 1));
             if (j + 1 < nx) {

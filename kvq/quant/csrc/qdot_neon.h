@@ -13,7 +13,9 @@
 typedef struct {
     int8x16_t v[16];
     int sc[16];
+    int per;   /* runs per scale: 2 (Q4_K, Q5_K: 32-value sub-blocks) or 1 (Q6_K) */
     int mn[8]; /* Q4_K / Q5_K: the sub-blocks' minimums */
+    float d, dmin;
 } SFX(kblock_t);
 
 static TGT inline void SFX(unpack_q45_k)(const uint8_t *w, int five, SFX(kblock_t) *o) {
@@ -38,6 +40,9 @@ static TGT inline void SFX(unpack_q45_k)(const uint8_t *w, int five, SFX(kblock_
         scale_min(w + 4, j, &s, &o->mn[j]);
         o->sc[2 * j] = o->sc[2 * j + 1] = s;
     }
+    o->per = 2;
+    o->d = f16(w);
+    o->dmin = f16(w + 2);
 }
 
 /* Q6_K: value 16t + i of run t is q - 32 (the -32 comes off through q6_offset) */
@@ -59,13 +64,19 @@ static TGT inline void SFX(unpack_q6_k)(const uint8_t *w, SFX(kblock_t) *o) {
     }
     const int8_t *s8 = (const int8_t *)(w + 192);
     for (int t = 0; t < 16; t++) o->sc[t] = s8[t];
+    o->per = 1;
+    o->d = f16(w + 208);
+    o->dmin = 0.0f;
 }
 
-/* sum over runs r of sc[r] * (v[r] . q[16r ..]) */
+/* sum over runs r of sc[r] * (v[r] . q[16r ..]), the runs of one scale dotted together */
 static TGT inline int32_t SFX(scaled_runs)(const SFX(kblock_t) *k, const int8_t *q) {
     int32x4_t acc = vdupq_n_s32(0);
-    for (int r = 0; r < 16; r++)
-        acc = vmlaq_n_s32(acc, DOT4(vdupq_n_s32(0), k->v[r], vld1q_s8(q + 16 * r)), k->sc[r]);
+    for (int r = 0; r < 16; r += k->per) {
+        int32x4_t s = DOT4(vdupq_n_s32(0), k->v[r], vld1q_s8(q + 16 * r));
+        if (k->per == 2) s = DOT4(s, k->v[r + 1], vld1q_s8(q + 16 * r + 16));
+        acc = vmlaq_n_s32(acc, s, k->sc[r]);
+    }
     return vaddvq_s32(acc);
 }
 
@@ -74,10 +85,10 @@ static TGT inline int32_t SFX(scaled_runs)(const SFX(kblock_t) *k, const int8_t 
 static TGT inline float SFX(finish_k)(int qtype, const uint8_t *w, const SFX(kblock_t) *k, const xk_t *x,
                                       float acc, int32_t isum) {
     if (qtype == T_Q6_K)
-        return combine_k(acc, x->d, f16(w + 208), 0.0f, isum - q6_offset((const int8_t *)(w + 192), x), 0);
+        return combine_k(acc, x->d, k->d, 0.0f, isum - q6_offset((const int8_t *)(w + 192), x), 0);
     int32_t imin = 0;
     for (int s = 0; s < 8; s++) imin += k->mn[s] * (x->bsums[2 * s] + x->bsums[2 * s + 1]);
-    return combine_k(acc, x->d, f16(w), f16(w + 2), isum, imin);
+    return combine_k(acc, x->d, k->d, k->dmin, isum, imin);
 }
 
 /* the K-quants (qtype Q4_K, Q5_K or Q6_K) on nx <= MX rows */
