@@ -8,8 +8,9 @@
  * A block's dot product is then integers only: sum(qw * qx) per sub-block, times the
  * sub-block's integer scale, exact in int32. Only the per-block combination
  * `acc += dx * (dw * isum - dmin * imin)` is float32, in the same order in every path, so the
- * scalar, AVX2, AVX512-VNNI and AMX paths give the same bits, and each output is computed by one
- * thread: results depend neither on the CPU's features nor on the thread count.
+ * scalar, AVX2, AVX512-VNNI and AMX paths, and arm64's NEON, sdot and i8mm ones (qdot_arm.h),
+ * give the same bits, and each output is computed by one thread: results depend neither on the
+ * CPU's features nor on the thread count.
  *
  * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c, at install
  * (setup.py) or at first use (kvq/quant/qdot.py);
