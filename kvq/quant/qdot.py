@@ -3,7 +3,9 @@ loaded with ctypes.
 
 `y = x @ W.T` for W in GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, MXFP4) with x quantized to
 8 bits per block (per 256 values for the K-quants, per 32 for the others), integer dot products
-(vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. From 16
+(vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI; on arm64 smull with NEON, sdot with the
+dot-product extension, smmla with i8mm for calls of several rows) and one float32 combination
+per block. From 16
 rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
 unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
 weight row per int32 lane; the same integers and float steps, so the same bits. It
@@ -11,7 +13,8 @@ computes below the stored precision (the activations lose bits, as llama.cpp's d
 default (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`), and `KVQ_ACTIVATIONS=float32`
 turns it off for the exact path.
 
-The instruction set is chosen at run time by the C code (`__builtin_cpu_supports`), never
+The instruction set is chosen at run time by the C code (`__builtin_cpu_supports`; on arm64
+the kernel's HWCAP bits through `getauxval`), never
 assumed from the build machine; every path gives the same bits (the integers are exact and the
 float part is shared), and each output is computed by one thread, so results depend neither on
 the CPU's features nor on the thread count.
@@ -65,7 +68,17 @@ SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.[ch]")))  # every one is in 
 FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 OPENMP = ("-fopenmp",)
 TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+vnni", 3: "avx512", 4: "amx"}
+# the C kernel's paths (csrc/qdot.c's ISA_*): x86's, then arm64's (csrc/qdot_arm.h)
+ISA_NAMES = {
+    0: "scalar",
+    1: "avx2",
+    2: "avx2+vnni",
+    3: "avx512",
+    4: "amx",
+    5: "neon",
+    6: "neon+dotprod",
+    7: "neon+i8mm",
+}
 _ERRORS = {
     -1: "unknown type",
     -2: "columns not a multiple of the block",
@@ -92,20 +105,26 @@ class Built:
         return ISA_NAMES[int(self.lib.kvq_qdot_best_isa())]
 
     def isa(self, asked: int = -1) -> str:
-        """The path a call asking for `asked` runs (-1: the best; higher than the CPU has is
-        lowered, as the C code does)."""
-        best = int(self.lib.kvq_qdot_best_isa())
-        return ISA_NAMES[best if asked < 0 or asked > best else asked]
+        """The path a call asking for `asked` runs (-1, or a path this CPU lacks: the best it
+        has; the C code's own rule, `kvq_qdot_isa`)."""
+        return ISA_NAMES[int(self.lib.kvq_qdot_isa(asked))]
+
+    def paths(self) -> tuple[int, ...]:
+        """The ids of the paths this CPU runs, scalar first (each runs as asked)."""
+        return tuple(i for i in ISA_NAMES if int(self.lib.kvq_qdot_isa(i)) == i)
 
 
 def many_rows_kernel(isa: str) -> str:
     """What computes a call of several rows on path `isa`: from gemm_min(type) rows (2 for
     the 32-value types, 4 to 12 for the K-quants) `csrc/qdot_gemm.h` on AVX-512, the
-    multi-row dots elsewhere; with AMX, 16 rows of x at a time through its tiles (not Q6_K)."""
+    multi-row dots elsewhere (on i8mm two weight rows at a time); with AMX, 16 rows of x at a
+    time through its tiles (not Q6_K)."""
     if isa == "avx512":
         return "tile: 16 weight rows unpacked once per 128 rows (AVX512BW + VNNI)"
     if isa == "amx":
         return "tile: 16 weight rows unpacked once per 128 rows; AMX TDPBSUD for 16 rows of x at a time, VNNI for the rest and Q6_K"
+    if isa == "neon+i8mm":
+        return "multi-row dots, two weight rows at once (smmla): each unpacked once per 8 rows"
     return "multi-row dots: each weight row unpacked once per 8 rows"
 
 
@@ -196,6 +215,7 @@ _SIGNATURES = {
     "kvq_qdot_moe_batch": "i p p p p p L L L p p p p p i i i p",
     "kvq_attn_decode": "L L L L p p p p p p f p p i",
     "kvq_qdot_best_isa": "",
+    "kvq_qdot_isa": "i",
     "kvq_qdot_openmp": "",
 }
 _CTYPES = {"i": ctypes.c_int, "L": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float}
@@ -284,7 +304,8 @@ def matmul(
 ) -> npt.NDArray[np.float32]:
     """x [B, K] float32 (C-contiguous) @ W.T for W [N, row bytes] of `qtype` -> [B, N].
     `isa`: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX2 + VNNI, 3 AVX512BW + VNNI (512-bit
-    Q4_K and Q6_K); lowered to what the CPU has."""
+    Q4_K and Q6_K), 4 AMX, 5 NEON, 6 NEON + sdot, 7 NEON + sdot + smmla (`ISA_NAMES`); a path
+    the CPU lacks runs its best."""
     n, b, k = w.shape[0], x.shape[0], x.shape[1]
     out = np.empty((b, n), dtype=np.float32)
     rc = built.lib.kvq_qdot(

@@ -22,7 +22,6 @@ from kvq.tools.synth.quants import random_blocks
 if TYPE_CHECKING:
     from conftest import Q4kmSlices  # tests/quant/conftest.py
 
-ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 # (Q4_K, Q6_K, Q4_K): gate and up take x in two orders (the 512-bit Q4_K pairs its chunks)
 MOE_TYPES = [
     (Q.Q4_K, Q.Q4_K, Q.Q6_K),
@@ -98,7 +97,7 @@ def test_each_row_gets_the_one_token_calls_bits(built: qdot.Built, types) -> Non
         x = rng.standard_normal((t, 512), dtype=np.float32)
         ids, w = _route(rng, t, 6, k, keep=0.8 if trial % 2 else 1.0)
         want = _one(built, raws, types, x, ids, w)
-        for isa in ISAS:
+        for isa in built.paths():
             for threads in (1, 2, 3):
                 got = _batch(built, raws, types, x, ids, w, threads, isa)
                 assert np.array_equal(got, want), (trial, t, k, isa, threads)
@@ -113,7 +112,7 @@ def test_experts_with_more_rows_than_one_multi_row_dot(built: qdot.Built) -> Non
     x = rng.standard_normal((20, 256), dtype=np.float32)
     ids, w = _route(rng, 20, 3, 2)
     want = _one(built, raws, types, x, ids, w)
-    for isa in ISAS:
+    for isa in built.paths():
         assert np.array_equal(_batch(built, raws, types, x, ids, w, 2, isa), want), isa
 
 
@@ -126,7 +125,7 @@ def test_batch_matches_float64_reference(built: qdot.Built, types) -> None:
     x = rng.standard_normal((7, h), dtype=np.float32)
     ids, w = _route(rng, 7, n, 3)
     ref = expert_forward_reference(*dense, 0, x, ids, w)  # [7, h]
-    for isa in ISAS:
+    for isa in built.paths():
         got = _batch(built, raws, types, x, ids, w, 2, isa).astype(np.float64)
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < MOE_TOL, f"isa {isa}: max relative error {err:.2e}"
@@ -140,7 +139,7 @@ def test_matmul_rows_get_their_one_row_bits(built: qdot.Built, qtype: Q) -> None
     raw = random_blocks(qtype, (37, 768), 0.02, rng)
     x = rng.standard_normal((11, 768), dtype=np.float32)
     alone = np.concatenate([qdot.matmul(built, x[i : i + 1], raw, qtype, 1, 0) for i in range(11)])
-    for isa in ISAS:
+    for isa in built.paths():
         for threads in (1, 3):
             assert np.array_equal(qdot.matmul(built, x, raw, qtype, threads, isa), alone), isa
 

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.timeout(120)
 
-ISAS = (0, 1, 2, 3, 4)  # scalar, AVX2, AVX2 + VNNI, AVX-512, AMX (lowered to what the CPU has)
 ROWS = (16, 65, 100, 512)  # the kernel's first row count, and prompt-sized ones
 TOL = 1.2e-2  # the one-row kernel's bound against float64 (tests/quant/test_qdot.py)
 
@@ -62,7 +61,7 @@ def test_many_rows_get_their_one_row_bits(built: qdot.Built, qtype: Q) -> None:
         [qdot.matmul(built, x[i : i + 1], raw, qtype, 1, 0) for i in range(len(x))]
     )
     for rows in ROWS:
-        for isa in ISAS:
+        for isa in built.paths():
             for threads in (1, 2):
                 got = qdot.matmul(built, x[:rows], raw, qtype, threads, isa)
                 assert np.array_equal(got, alone[:rows]), (rows, isa, threads)
@@ -138,6 +137,6 @@ def test_moe_batch_of_a_prompt_gets_each_tokens_bits(built: qdot.Built, types) -
     ids[7, 1] = 4  # expert 4: one pair
     w = rng.random((t, 2), dtype=np.float32)
     want = _one(built, raws, types, x, ids, w)
-    for isa in ISAS:
+    for isa in built.paths():
         got = _batch(built, raws, types, x, ids, w, 2, isa)
         assert np.array_equal(got, want), isa

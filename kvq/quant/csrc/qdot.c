@@ -8,8 +8,9 @@
  * A block's dot product is then integers only: sum(qw * qx) per sub-block, times the
  * sub-block's integer scale, exact in int32. Only the per-block combination
  * `acc += dx * (dw * isum - dmin * imin)` is float32, in the same order in every path, so the
- * scalar, AVX2, AVX512-VNNI and AMX paths give the same bits, and each output is computed by one
- * thread: results depend neither on the CPU's features nor on the thread count.
+ * scalar, AVX2, AVX512-VNNI and AMX paths, and arm64's NEON, sdot and i8mm ones (qdot_arm.h),
+ * give the same bits, and each output is computed by one thread: results depend neither on the
+ * CPU's features nor on the thread count.
  *
  * Build: cc -O3 -shared -fPIC -ffp-contract=off -fno-math-errno [-fopenmp] qdot.c, at install
  * (setup.py) or at first use (kvq/quant/qdot.py);
@@ -48,7 +49,9 @@ static int64_t block_bytes(int qtype) {
     }
 }
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4 /* AVX-512 + AMX tiles */ };
+/* the paths: x86 ids, then arm64's (qdot_arm.h); a CPU has paths of one kind only */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4 /* AVX-512 + AMX tiles */,
+       ISA_NEON = 5, ISA_DOTPROD = 6 /* NEON + sdot */, ISA_I8MM = 7 /* + smmla */ };
 
 typedef struct { /* 256 activations */
     float d;
@@ -484,6 +487,10 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
 #undef PAIR
 #endif
 
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#include "qdot_arm.h"
+#endif
+
 /* ---- dispatch -------------------------------------------------------------------------- */
 
 #ifdef QDOT_X86
@@ -510,6 +517,9 @@ static int amx_usable(void) {
 const char *kvq_qdot_sources_key(void) { return KVQ_SOURCES_KEY; }
 
 int kvq_qdot_best_isa(void) {
+#ifdef QDOT_ARM
+    return arm_best_isa();
+#endif
 #ifdef QDOT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -521,8 +531,24 @@ int kvq_qdot_best_isa(void) {
     return ISA_SCALAR;
 }
 
+/* The path a call asking for `isa` runs: the best this CPU has for -1 or for a path it
+ * lacks (a higher one, or one of the other kind of CPU), else `isa`. */
+static int clamp_isa(int isa) {
+    const int best = kvq_qdot_best_isa();
+    if (isa < 0 || isa > best) return best;
+#ifdef QDOT_ARM
+    if (isa != ISA_SCALAR && isa < ISA_NEON) return best;
+#endif
+    return isa;
+}
+
+int kvq_qdot_isa(int asked) { return clamp_isa(asked); }
+
 /* isa is clamped to the CPU's by the callers */
 static quantize_fn pick_quantize(int isa) {
+#ifdef QDOT_ARM
+    if (isa >= ISA_NEON) return quantize_neon;
+#endif
 #ifdef QDOT_X86
     if (isa >= ISA_AVX2) return quantize_avx2;
 #else
@@ -559,12 +585,22 @@ static void quantize_for(int qtype, int isa, const float *x, int64_t k, xk_t *ou
         quantize_k_paired(isa, x, k, out);
         return;
     }
+#else
+    (void)qtype;
 #endif
     quantize_k(isa, x, k, out);
 }
 typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
 static dot_k_fn pick_k(int qtype, int isa) {
+#ifdef QDOT_ARM
+    if (isa >= ISA_NEON) {
+        const int dp = isa >= ISA_DOTPROD;
+        if (qtype == T_Q4_K) return dp ? dot_q4_k_dot : dot_q4_k_neon;
+        if (qtype == T_Q5_K) return dp ? dot_q5_k_dot : dot_q5_k_neon;
+        if (qtype == T_Q6_K) return dp ? dot_q6_k_dot : dot_q6_k_neon;
+    }
+#endif
 #ifdef QDOT_X86
     if (isa >= ISA_AVX512) {
         if (qtype == T_Q4_K) return dot_q4_k_z;
@@ -589,6 +625,12 @@ static dot_k_fn pick_k(int qtype, int isa) {
 }
 
 static dot_0_fn pick_0(int qtype, int isa) {
+#ifdef QDOT_ARM
+    if (isa >= ISA_DOTPROD)
+        return qtype == T_Q8_0 ? dot_q8_0_dot : qtype == T_MXFP4 ? dot_mxfp4_dot : qtype == T_Q5_0 ? dot_q5_0_dot : dot_q4_0_dot;
+    if (isa == ISA_NEON)
+        return qtype == T_Q8_0 ? dot_q8_0_neon : qtype == T_MXFP4 ? dot_mxfp4_neon : qtype == T_Q5_0 ? dot_q5_0_neon : dot_q4_0_neon;
+#endif
 #ifdef QDOT_X86
     if (isa >= ISA_VNNI)
         return qtype == T_Q8_0 ? dot_q8_0_vnni : qtype == T_MXFP4 ? dot_mxfp4_vnni : qtype == T_Q5_0 ? dot_q5_0_vnni : dot_q4_0_vnni;
@@ -600,6 +642,14 @@ static dot_0_fn pick_0(int qtype, int isa) {
 
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
 static mdot_k_fn pick_mk(int qtype, int isa) {
+#ifdef QDOT_ARM
+    if (isa >= ISA_NEON) {
+        const int dp = isa >= ISA_DOTPROD;
+        if (qtype == T_Q4_K) return dp ? mdot_q4_k_dot : mdot_q4_k_neon;
+        if (qtype == T_Q5_K) return dp ? mdot_q5_k_dot : mdot_q5_k_neon;
+        if (qtype == T_Q6_K) return dp ? mdot_q6_k_dot : mdot_q6_k_neon;
+    }
+#endif
 #ifdef QDOT_X86
     if (isa >= ISA_AVX512) {
         if (qtype == T_Q4_K) return mdot_q4_k_z;
@@ -624,6 +674,12 @@ static mdot_k_fn pick_mk(int qtype, int isa) {
 }
 
 static mdot_0_fn pick_m0(int qtype, int isa) {
+#ifdef QDOT_ARM
+    if (isa >= ISA_DOTPROD)
+        return qtype == T_Q8_0 ? mdot_q8_0_dot : qtype == T_MXFP4 ? mdot_mxfp4_dot : qtype == T_Q5_0 ? mdot_q5_0_dot : mdot_q4_0_dot;
+    if (isa == ISA_NEON)
+        return qtype == T_Q8_0 ? mdot_q8_0_neon : qtype == T_MXFP4 ? mdot_mxfp4_neon : qtype == T_Q5_0 ? mdot_q5_0_neon : mdot_q4_0_neon;
+#endif
 #ifdef QDOT_X86
     if (isa >= ISA_VNNI)
         return qtype == T_Q8_0 ? mdot_q8_0_vnni : qtype == T_MXFP4 ? mdot_mxfp4_vnni : qtype == T_Q5_0 ? mdot_q5_0_vnni : mdot_q4_0_vnni;
@@ -639,8 +695,7 @@ static mdot_0_fn pick_m0(int qtype, int isa) {
  * Returns 0, or -1 (unknown type), -2 (k not a multiple of the block), -3 (out of memory). */
 int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, const float *x,
              int64_t n_x, int64_t k, float *out, int threads, int isa) {
-    int best = kvq_qdot_best_isa();
-    isa = (isa < 0 || isa > best) ? best : isa;
+    isa = clamp_isa(isa);
     int kq = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K;
     if (!kq && !is_q0(qtype)) return -1;
     int64_t bs = kq ? QK : Q0, nb = k / bs;
@@ -667,6 +722,13 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
     mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
     if (threads < 1) threads = 1;
+#ifdef QDOT_ARM_EXT
+    if (isa == ISA_I8MM && n_x > 1) { /* weight rows two at a time (qdot_i8mm.h) */
+        qdot_i8mm(qtype, w, n_rows, row_bytes, xq, per, nb, n_x, out, threads, kq ? mk : m0);
+        free(xq);
+        return 0;
+    }
+#endif
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_rows; n++) {

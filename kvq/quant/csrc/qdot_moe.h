@@ -25,6 +25,9 @@ typedef struct { /* one weight type's dot product and the activations' block */
     dot_0_fn f0;
     mdot_k_fn mk; /* the same dots on up to MX rows at once (kvq_qdot_moe_batch) */
     mdot_0_fn m0;
+#ifdef QDOT_ARM_EXT
+    mdot2_fn m2; /* and on two weight rows at once (i8mm), or NULL */
+#endif
 } kern_t;
 
 static int kern_init(kern_t *kn, int qtype, int isa) {
@@ -37,6 +40,9 @@ static int kern_init(kern_t *kn, int qtype, int isa) {
     kn->f0 = kn->kq ? 0 : pick_0(qtype, isa);
     kn->mk = kn->kq ? pick_mk(qtype, isa) : 0;
     kn->m0 = kn->kq ? 0 : pick_m0(qtype, isa);
+#ifdef QDOT_ARM_EXT
+    kn->m2 = isa == ISA_I8MM ? pick_m2(qtype) : 0;
+#endif
     return 0;
 }
 
@@ -73,6 +79,20 @@ static inline void kern_mdot(const kern_t *kn, const uint8_t *row, const void *c
         kn->m0(row, xs, nx, nb, out);
 }
 
+/* kern_mdot of weight row `row` into out0 and, where `two`, of the row `stride` bytes after it
+ * into out1 (at once on i8mm) */
+static inline void kern_mdot2(const kern_t *kn, const uint8_t *row, int64_t stride, int two,
+                              const void *const *xs, int nx, int64_t k, float *out0, float *out1) {
+#ifdef QDOT_ARM_EXT
+    if (two && kn->m2) {
+        kn->m2(row, row + stride, xs, nx, k / kn->block, out0, out1);
+        return;
+    }
+#endif
+    kern_mdot(kn, row, xs, nx, k, out0);
+    if (two) kern_mdot(kn, row + stride, xs, nx, k, out1);
+}
+
 /* shared by every path: the compiler sees one copy, so one rounding of expf */
 static __attribute__((noinline)) float silu_mul(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
@@ -102,8 +122,7 @@ static inline float moe_out(float y, const float *const *bias, int64_t e, int64_
  * 0, -1 (a type not covered) or -2 (h or f not a multiple of a type's block). */
 static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg, kern_t *ku,
                      kern_t *kd) {
-    int best = kvq_qdot_best_isa();
-    isa = (isa < 0 || isa > best) ? best : isa;
+    isa = clamp_isa(isa);
     if (kern_init(kg, types[0], isa) || kern_init(ku, types[1], isa) || kern_init(kd, types[2], isa))
         return -1;
     return (h % kg->block || h % ku->block || f % kd->block) ? -2 : 0;
@@ -267,19 +286,21 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                 continue;
             }
 #endif
-            for (int64_t r = r0; r < r0 + nr; r++) {
+            for (int64_t r = r0; r < r0 + nr; r += 2) { /* rows r and r + 1 */
+                const int two = r + 1 < r0 + nr;
                 for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
                     const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
                     const void *xsg[MX], *xsu[MX];
-                    float g[MX], u[MX];
+                    float g[2][MX], u[2][MX];
                     for (int j = 0; j < nx; j++) {
                         xsg[j] = xg + xg_n * (size_t)row[p0 + j];
                         xsu[j] = xu + xu_row * (size_t)row[p0 + j];
                     }
-                    kern_mdot(&kg, gate[e] + r * rb[0], xsg, nx, h, g);
-                    kern_mdot(&ku, up[e] + r * rb[1], xsu, nx, h, u);
-                    for (int j = 0; j < nx; j++)
-                        hb[(p0 + j) * f + r] = moe_hidden(g[j], u[j], act, bias, e, r);
+                    kern_mdot2(&kg, gate[e] + r * rb[0], rb[0], two, xsg, nx, h, g[0], g[1]);
+                    kern_mdot2(&ku, up[e] + r * rb[1], rb[1], two, xsu, nx, h, u[0], u[1]);
+                    for (int i = 0; i <= two; i++)
+                        for (int j = 0; j < nx; j++)
+                            hb[(p0 + j) * f + r + i] = moe_hidden(g[i][j], u[i][j], act, bias, e, r + i);
                 }
             }
         }
@@ -296,14 +317,16 @@ int kvq_qdot_moe_batch(int n, const uint8_t *const *gate, const uint8_t *const *
                 continue;
             }
 #endif
-            for (int64_t r = r0; r < r0 + nr; r++) {
+            for (int64_t r = r0; r < r0 + nr; r += 2) { /* rows r and r + 1 */
+                const int two = r + 1 < r0 + nr;
                 for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += MX) {
                     const int nx = (int)(start[e + 1] - p0 < MX ? start[e + 1] - p0 : MX);
                     const void *xs[MX];
-                    float v[MX];
+                    float v[2][MX];
                     for (int j = 0; j < nx; j++) xs[j] = hq + hq_n * (size_t)(p0 + j);
-                    kern_mdot(&kd, down[e] + r * rb[2], xs, nx, f, v);
-                    for (int j = 0; j < nx; j++) y[(p0 + j) * h + r] = moe_out(v[j], bias, e, r);
+                    kern_mdot2(&kd, down[e] + r * rb[2], rb[2], two, xs, nx, f, v[0], v[1]);
+                    for (int i = 0; i <= two; i++)
+                        for (int j = 0; j < nx; j++) y[(p0 + j) * h + r + i] = moe_out(v[i][j], bias, e, r + i);
                 }
             }
         }

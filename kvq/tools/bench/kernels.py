@@ -103,5 +103,6 @@ def run_kernels_bench(cfg: KernelsBench) -> dict[str, Any]:
 
 
 def _simd_isas(built: qdot.Built) -> list[int]:
-    """The C kernel's SIMD paths this CPU runs (1 = AVX2 .. 3 = AVX-512), lowest first."""
-    return list(range(1, int(built.lib.kvq_qdot_best_isa()) + 1))
+    """The C kernel's SIMD paths this CPU runs (AVX2 .. AMX, or NEON and NEON + sdot), lowest
+    first."""
+    return [i for i in built.paths() if i != 0]
