@@ -25,6 +25,7 @@ from kvq.errors import ModelError, SliceIntegrityError
 from kvq.model import ExpertSlice, decode_slice
 from kvq.model.qstack import FileMap
 from kvq.model.stage import load_stage, write_stage_file
+from kvq.quant import kernels
 from kvq.slices import SliceSpec
 from kvq.worker.fetch import fetch_slice
 from kvq.worker.stage import StageServer, warm_up_stage
@@ -104,6 +105,15 @@ class Loader:
             blobs = fetch_slice(info.source, spec, self.download_timeout_s, progress)
         except SliceIntegrityError as exc:
             raise TamperedSource(str(exc), fp) from None
+        log.log(
+            level,
+            "downloaded %s %s (%.1f MB in %.1fs, checksums match); warming up with %s",
+            held.model,
+            held.sid,
+            spec.nbytes / 1e6,
+            time.monotonic() - t0,
+            kernels.describe(self.device.type),
+        )
         if spec.is_stage:
             stage = self._stage(held, spec, blobs, info.meta.file_size, dtype)
             warm_s = warm_up_stage(stage)

@@ -156,7 +156,14 @@ class Worker:
         finally:
             self.stop.set()
             self.membership.close()
+            held, served = len(self.shelf), self.served
             self.membership.leave()
+            log.info(
+                "stopped: worker %s gave back %d slice(s) after %d job(s) served on them",
+                self.id,
+                held,
+                served,
+            )
 
     def _turn(self) -> None:
         """One pass of the serving loop: install what the volunteer thread loaded, ask for a

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 from waiting import wait_for
 
 from kvq.config import Settings
 from kvq.keys import Keys
 from kvq.monitor import Monitor
+from kvq.quant.kernels import describe
 from kvq.tools.synth import make_tiny
 from kvq.worker import Worker
 
@@ -72,3 +75,32 @@ def test_wind_down_releases_the_surplus_and_the_worker_comes_back_for_a_second_b
     wait_for(lambda: released.holding is not None)
     assert r.hget(keys.model_coverage("m"), sid) == b"2"
     assert released.server is not None
+
+
+def test_a_worker_says_what_it_is_doing_from_ready_to_stopped(
+    settings: Settings, tmp_path: Path, run_in_thread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its lines, in order: ready (with its kernels), the slice downloaded and warming up (with
+    the kernel path), serving, and stopped (what it gave back)."""
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=1, experts=8, quant="q4_k_m", hidden=256)
+    s = settings.model_copy(update={"slice_experts": 8})
+    Monitor.from_settings(s).register("m", model)
+    w = Worker.from_settings(s, "talker")
+    caplog.set_level(logging.INFO, logger="kvq.worker")
+    t = run_in_thread(w)
+    wait_for(lambda: w.holding is not None, 60, "a slice served")
+    w.stop.set()
+    t.join(timeout=30)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvq.worker"]
+    said = [next(i for i, m in enumerate(lines) if m.startswith(word)) for word in WORDS]
+    assert said == sorted(said), lines
+    kernels = describe("cpu")
+    assert kernels in lines[said[0]] and lines[said[1]].endswith(f"warming up with {kernels}")
+    assert (
+        lines[said[3]]
+        == "stopped: worker talker gave back 1 slice(s) after 0 job(s) served on them"
+    )
+
+
+WORDS = ("ready: worker talker", "downloaded m ", "serving m ", "stopped: worker talker")
