@@ -81,7 +81,8 @@ def test_an_unreachable_redis_is_unhealthy(
 def test_compose_has_healthchecks_and_publishes_metrics() -> None:
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "model", "monitor", "coordinator", "worker", "api"}
+    default = {n for n, svc in services.items() if "profiles" not in svc}
+    assert default == {"redis", "model", "monitor", "coordinator", "worker", "api"}
     parser = build_parser()
     for name, svc in services.items():
         check = svc.get("healthcheck", {}).get("test")
@@ -102,6 +103,19 @@ def test_compose_has_healthchecks_and_publishes_metrics() -> None:
     coord = services["coordinator"]
     ident = coord["command"][coord["command"].index("--id") + 1]
     assert shlex.join(coord["healthcheck"]["test"]).endswith(f"--id {ident}")
+
+
+def test_compose_gpu_profile_runs_a_worker_that_asks_for_the_gpu() -> None:
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    gpu = services["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"] and gpu["command"] == ["worker"]
+    assert gpu["environment"]["KVQ_DEVICE"] == "cuda"
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    dockerfile = (ROOT / gpu["build"]["dockerfile"]).read_text()
+    for arg in gpu["build"]["args"]:
+        assert f"ARG {arg}=" in dockerfile, f"{arg} is no build argument of the Dockerfile"
+    assert gpu["image"] != services["worker"].get("image", "kvq:local")
 
 
 @pytest.mark.parametrize("role", ["redis", "coordinator"])
