@@ -36,7 +36,7 @@ PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 XDIST ?= -n auto --dist loadscope
 
 test: setup
-	$(PYTEST) $(XDIST) -m "not serial"
+	$(PYTEST) $(XDIST) -m "not serial" --durations=25
 	$(PYTEST) -m serial || [ $$? = 5 ]
 	CLUSTER_TESTS=1 $(PYTEST) $(XDIST) -m "not standalone" $(CLUSTER_SUITE)
 
