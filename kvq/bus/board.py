@@ -12,6 +12,8 @@ liveness rule: they call a `Board`. Two implementations keep the same contract:
 
 Streams (requests, inboxes, results, replies) stay with `kvq.bus.streams`: a board only posts
 jobs to inboxes and moves a dead worker's jobs, the two inbox operations the control plane owns.
+Their in-memory stand-in is fakeredis: `tests/bus/test_streams.py` runs the same tests on it
+and on a real server (what it does otherwise is marked there).
 """
 
 from __future__ import annotations

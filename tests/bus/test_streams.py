@@ -1,9 +1,12 @@
-"""kvq.bus.streams against a real server: groups, pending-first reads, trimming, dead letters."""
+"""kvq.bus.streams, the same tests on a real server and on fakeredis (the in-memory streams of
+fast unit tests): groups, pending-first reads, trimming, dead letters. What fakeredis does
+not do as a server does is marked `server_only`, with why."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +19,26 @@ from kvq.bus.streams import DEAD_FIELDS_BYTES
 from kvq.config import Settings
 from kvq.keys import WORKER_GROUP, Keys
 from kvq.monitor.quota import DEAD_ENTRY_BYTES
+
+# what fakeredis does not do as a server does (these tests run on the server only)
+BLOCKED = "a read blocked on one connection wakes for another connection's XADD"
+LOST = "XREADGROUP on a deleted stream answers NOGROUP (fakeredis answers another error)"
+
+
+@pytest.fixture(params=["redis", "memory"])
+def r(request: pytest.FixtureRequest, r: redis.Redis) -> Iterator[redis.Redis]:
+    """Each test on a real server (conftest's `r`) and on fakeredis, kvq's in-memory streams
+    for fast unit tests: the same contract holds on both (`MemoryBoard` is the board's)."""
+    if request.param == "redis":
+        yield r
+        return
+    only = request.node.get_closest_marker("server_only")
+    if only is not None:
+        pytest.skip(f"a real server's behaviour, not fakeredis's: {only.args[0]}")
+    fakeredis = pytest.importorskip("fakeredis")
+    fr = fakeredis.FakeRedis()
+    yield fr
+    fr.close()
 
 
 @pytest.fixture
@@ -70,6 +93,7 @@ def test_empty_read_returns_after_block(r: redis.Redis, stream: str) -> None:
     assert time.monotonic() - t0 < 0.1
 
 
+@pytest.mark.server_only(BLOCKED)
 def test_blocked_read_wakes_on_xadd(r: redis.Redis, stream: str, settings: Settings) -> None:
     c = Consumer(r, stream, WORKER_GROUP, "c1")
     assert c.read(10, None) == []  # pending phase done; the next read blocks on '>'
@@ -99,6 +123,7 @@ def _blocked_reads(r: redis.Redis) -> int:
     return sum("b" in c["flags"] and c["cmd"] == "xreadgroup" for c in r.client_list())
 
 
+@pytest.mark.server_only(BLOCKED)
 def test_first_read_blocks_too_when_nothing_pending(
     r: redis.Redis, stream: str, settings: Settings
 ) -> None:
@@ -234,6 +259,7 @@ def test_xadd_with_settings_maxlen(r: redis.Redis, stream: str, settings: Settin
 
 
 # -- NOGROUP recovery ----------------------------------------------------------------------
+@pytest.mark.server_only(LOST)
 @pytest.mark.parametrize("block_ms", [None, 50])
 def test_deleted_stream_is_recreated(r: redis.Redis, stream: str, block_ms: int | None) -> None:
     c = Consumer(r, stream, WORKER_GROUP, "c1")
@@ -328,28 +354,6 @@ def test_undecodable_entry_goes_to_dead_letter(r: redis.Redis, keys: Keys, strea
     assert good != bad and r.xpending(stream, WORKER_GROUP)["pending"] == 0
 
 
-# -- a fast fakeredis check ----------------------------------------------------------------
-def test_consumer_on_fakeredis() -> None:
-    fakeredis = pytest.importorskip("fakeredis")
-    fr = fakeredis.FakeRedis()
-    try:
-        try:
-            c = Consumer(fr, "s", "g", "c1")
-            sent = [xadd(fr, "s", {"n": str(i)}, maxlen=1000) for i in range(3)]
-            first = c.read(10, None)
-        except redis.ResponseError as exc:  # pragma: no cover - depends on fakeredis
-            pytest.skip(f"fakeredis lacks stream groups: {exc}")
-        assert ids_of(first) == sent
-        c.ack(sent[0])
-        again = Consumer(fr, "s", "g", "c1")
-        assert ids_of(again.read(10, None)) == sent[1:]
-        again.ack(*sent[1:])
-        assert again.read(10, None) == []
-        ensure_group(fr, "s", "g")  # BUSYGROUP swallowed there too
-    finally:
-        fr.close()
-
-
 # -- answers in one round trip -------------------------------------------------------------
 def test_answer_each_writes_every_answer_and_reports_each_refusal(
     r: redis.Redis, keys: Keys, stream: str
@@ -416,6 +420,7 @@ def test_answer_and_read_leaves_the_pending_pass_to_read(
     assert ids_of(again.read(count=10, block_ms=None)) == taken[1:]
 
 
+@pytest.mark.server_only(LOST)
 def test_answer_and_read_recreates_a_deleted_inbox(r: redis.Redis, keys: Keys, stream: str) -> None:
     c = Consumer(r, stream, WORKER_GROUP, "w1")
     eids = add(r, stream, 1)
@@ -428,6 +433,7 @@ def test_answer_and_read_recreates_a_deleted_inbox(r: redis.Redis, keys: Keys, s
     assert [f[b"n"] for _, f in c.read(count=10, block_ms=None)] == [b"5"]
 
 
+@pytest.mark.server_only(BLOCKED)
 def test_a_blocked_worker_wakes_to_every_job_of_one_send(
     r: redis.Redis, keys: Keys, stream: str, settings: Settings
 ) -> None:
