@@ -42,6 +42,7 @@ from kvq.gguf.registry import plan_model
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
 from kvq.monitor.quota import Quota, QuotaWatch
+from kvq.monitor.registration import publish
 
 log = logging.getLogger("kvq.monitor")
 
@@ -100,9 +101,8 @@ class Monitor:
             self.s.grain,
             self.s.stage_layers,
         )
-        self.board.register_model(info, self.s.base_replicas)
+        publish(self.board, info, self.s.base_replicas)
         self.known[model] = info
-        log.info("registered %s: %d slices (%s grain)", model, len(info.slices), info.grain)
         return info
 
     def run(self) -> None:
@@ -234,13 +234,19 @@ class Monitor:
                 info = self.board.model_info(model)
                 if info is not None:
                     self.known[model] = info
+        removed = [m for m in self.known if self.board.model_removed(m)]
+        for model in removed:
+            del self.known[model]  # `kvq model rm`: never published again from here
+            if model in listed:  # restored by a tick that raced the removal
+                self.board.unregister_model(model)
+            log.info("model %s was removed (kvq model rm); no longer watched", model)
         for model, info in self.known.items():
             if model in listed and self.board.model_intact(model):
                 continue
             log.warning("redis lost the registration of %s; registering it again", model)
-            self.board.register_model(info, self.s.base_replicas)
-            self.reregistered += 1
-        return sorted(set(listed) | set(self.known))
+            if self.board.register_model(info, self.s.base_replicas, restore=True):
+                self.reregistered += 1
+        return sorted((set(listed) - set(removed)) | set(self.known))
 
     def base_target(self, backbone: bool) -> int:
         """Copies per slice at rest: `KVQ_BASE_REPLICAS`, at least `KVQ_BACKBONE_REPLICAS`
