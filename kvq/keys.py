@@ -41,6 +41,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | coordinators, trusted workers, the monitor |
 |                              |        | (moving P:{w:W}:dead) → operators          |
+| P:departed                   | hash   | monitor: reaped worker → JSON (when, why,  |
+|                              |        | what it held) → dashboard, for an hour     |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
 | P:bench:{T}:inbox, :results  | stream | `kvq bench bus --cluster` scratch          |
@@ -115,6 +117,10 @@ class Keys:
 
     def deadletter(self) -> str:
         return f"{self.prefix}:deadletter"
+
+    def departed(self) -> str:
+        """Workers the monitor reaped (`records.Departure` JSON per worker), for an hour."""
+        return f"{self.prefix}:departed"
 
     def monitor_lease(self) -> str:
         return f"{self.prefix}:monitor:lease"

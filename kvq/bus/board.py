@@ -28,6 +28,7 @@ from kvq import wire
 from kvq.bus.connection import Backoff, is_connection_error
 from kvq.bus.records import (
     CoordStats,
+    Departure,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -186,6 +187,14 @@ class Board(Protocol):
 
     def forget_worker(self, worker: str) -> None:
         """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
+        ...
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        """A reaped worker, kept `DEPARTED_KEEP_S` (older ones dropped here)."""
+        ...
+
+    def departures(self) -> dict[str, Departure]:
+        """The workers reaped in the last `DEPARTED_KEEP_S`, sorted by id."""
         ...
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:

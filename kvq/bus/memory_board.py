@@ -13,7 +13,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
+    DEPARTED_KEEP_S,
     CoordStats,
+    Departure,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -36,6 +38,7 @@ class MemoryBoard:
         self.clock = clock
         self._lock = threading.RLock()
         self._models: dict[str, ModelInfo] = {}
+        self._departed: dict[str, Departure] = {}  # reaped workers, for operators
         self._removed: set[str] = set()  # `unregister_model` since their last registration
         self._state: dict[str, ModelState] = {}
         self._target: dict[str, dict[str, int]] = {}
@@ -300,6 +303,17 @@ class MemoryBoard:
             self.lapse("hb", worker)
             self.lapse("info", worker)
             self.inboxes.pop(worker, None)
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        with self._lock:
+            cutoff = departure.ts_ms - DEPARTED_KEEP_S * 1000
+            self._departed = {w: d for w, d in self._departed.items() if d.ts_ms >= cutoff}
+            self._departed[worker] = departure
+
+    def departures(self) -> dict[str, Departure]:
+        cutoff = self.now_ms() - DEPARTED_KEEP_S * 1000
+        with self._lock:
+            return {w: d for w, d in sorted(self._departed.items()) if d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         with self._lock:

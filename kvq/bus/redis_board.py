@@ -18,7 +18,9 @@ from kvq.bus.clock import ServerClock, read_server_ms
 from kvq.bus.connection import connect
 from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
+    DEPARTED_KEEP_S,
     CoordStats,
+    Departure,
     Lifetimes,
     ModelEntry,
     ModelState,
@@ -328,6 +330,23 @@ class RedisBoard:
             k.worker_asks(worker),
             k.worker_answers(worker),
         )
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        key = self.keys.departed()
+        old = {_s(w): Departure.from_json(v) for w, v in self.r.hgetall(key).items()}
+        cutoff = departure.ts_ms - DEPARTED_KEEP_S * 1000
+        pipe = self.r.pipeline(transaction=False)
+        stale = [w for w, d in old.items() if d is None or d.ts_ms < cutoff]
+        if stale:
+            pipe.hdel(key, *stale)
+        pipe.hset(key, worker, departure.to_json())
+        pipe.execute()
+
+    def departures(self) -> dict[str, Departure]:
+        raw = self.r.hgetall(self.keys.departed())
+        cutoff = self.now_ms() - DEPARTED_KEEP_S * 1000
+        got = {_s(w): Departure.from_json(v) for w, v in raw.items()}
+        return {w: d for w, d in sorted(got.items()) if d is not None and d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())

@@ -143,6 +143,7 @@ def _register_models(
             m.stage_layers,
         )
         log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
+        mon.registering.append(model)
     return jobs
 
 

@@ -9,6 +9,7 @@ Chromium: Debian's `chromium` (`.ci/run` installs it, unpacked without root when
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,8 +27,13 @@ import pytest
 import yaml
 from waiting import wait_for
 
+from kvq.bus.records import WorkerInfo
+from kvq.bus.redis_board import open_board
+from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
+from kvq.gguf.registry import plan_model
 from kvq.monitor.alerts import ELSEWHERE, RULES
+from kvq.slices import SliceSpec, slice_id
 from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +138,7 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         wait_for(
             lambda: (
                 sum(
-                    len(w["slices"])
+                    w["slices"]
                     for w in sw.snapshot()["workers"]
                     if w["heartbeat_age_s"] is not None
                 )
@@ -210,7 +216,7 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
             page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
             page.wait_for_selector('tr[data-worker="dash-b"]', timeout=30_000)
             held = swarm.snapshot()["workers"]
-            b_slices = next(w["slices"] for w in held if w["worker"] == "dash-b")
+            b_slices = next(w["held"] for w in held if w["worker"] == "dash-b")
             sid = b_slices[0].split("/", 1)[1]
             cell = f'.cell[data-slice="{sid}"]'
             assert page.get_attribute(cell, "data-state") == "ok"
@@ -271,3 +277,113 @@ def assert_not_blank(page: Any, png: Path, red: bool) -> None:
     assert got["colours"] > 50, f"{png}: blank ({got})"
     assert got["green"] > 500, got
     assert (got["red"] > 500) == red, got
+
+
+def deepseek_v3_record(tiny: Path) -> ModelInfo:
+    """A registration of DeepSeek-V3's shape: 61 blocks, the first 3 dense, 256 experts; at 4
+    experts a slice, 58 x 64 = 3,712 slices (byte ranges borrowed from a tiny file: nothing
+    is downloaded)."""
+    info = plan_model("dsv3", tiny, 1, 4)
+    rng = next(iter(info.slices.values())).ranges[:1]
+    slices = {}
+    for layer in range(3, 61):
+        for g in range(64):
+            sid = slice_id(layer, layer + 1, 4 * g, 4 * g + 4)
+            slices[sid] = SliceSpec(sid, layer, layer + 1, 4 * g, 4 * g + 4, rng, ("0" * 64,))
+    layer0 = info.meta.expert_tensors[0]
+    meta = dataclasses.replace(
+        info.meta,
+        block_count=61,
+        leading_dense_block_count=3,
+        expert_count=256,
+        expert_used_count=8,
+        expert_tensors=dict.fromkeys(range(3, 61), layer0),
+    )
+    return ModelInfo("dsv3", info.source, meta, slices, info.header_sha256)
+
+
+@pytest.mark.slow
+def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> None:
+    """3,712 slices, 8 workers (one lost, one late), no coordinator: the page stays under two
+    screens, the coverage reads per layer span (grey: nothing served; red: the lost worker's
+    spans) with a drill-down to one span's slices, a worker's slices as a count and ranges,
+    and the lost worker's 464 slices are one alert line."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    from kvq.monitor.http import serve_api
+
+    tiny = tmp_path / "tiny.gguf"
+    make_tiny(tiny, layers=2, experts=8, seed=5)
+    info = deepseek_v3_record(tiny)
+    board = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=120))
+    late = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=50))
+    board.register_model(info, 1)
+    sids = sorted(info.slices)
+    for i in range(8):
+        worker, mine = f"ds-{i}", sids[i * 464 : (i + 1) * 464]
+        assert board.rejoin("dsv3", worker, *mine) == 464
+        beat = WorkerInfo(model="dsv3", slice=mine[0], device="cpu")
+        if i == 6:
+            late.beat(worker, beat)  # its beat ends in 50 s: 70 s late on a 120 s lifetime
+        elif i != 7:  # ds-7 never beats: lost
+            board.beat(worker, beat)
+    server, _ = serve_api(board, "127.0.0.1", 0)
+    url = "http://{}:{}".format(*server.server_address)
+    exe, extra_env = browser
+    height = 900
+    try:
+        with playwright.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),
+                executable_path=exe,
+                headless=True,
+                args=FLAGS,
+                env=dict(os.environ) | extra_env,
+                viewport={"width": 1280, "height": height},
+            )
+            try:
+                page = ctx.new_page()
+                page.goto(url + "/")
+                page.wait_for_selector('#status[data-state="live"]', timeout=60_000)
+                strip = '.spans[data-model="dsv3"] .span'
+                assert page.locator(strip).count() == 58
+                lost = len({info.slices[sid].layer_start for sid in sids[7 * 464 :]})
+                assert page.locator(f'{strip}[data-state="none"]').count() == lost
+                assert page.locator(f'{strip}[data-state="idle"]').count() == 58 - lost
+                assert page.locator(".cell").count() == 0, "a large model's spans start closed"
+                page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=30_000)
+                alerts = page.locator('li[data-alert="KvqSliceWithoutLiveWorker"]')
+                assert alerts.count() == 1 and "464 wanted slices" in alerts.inner_text()
+                assert page.get_attribute('tr[data-worker="ds-7"]', "data-state") == "lost"
+                assert page.get_attribute('tr[data-worker="ds-6"]', "data-state") == "late"
+                assert page.get_attribute('tr[data-worker="ds-0"]', "data-state") == "serving"
+                row = page.inner_text('tr[data-worker="ds-7"]')
+                assert "464: dsv3: L53 E192-255; dsv3: L54-60 E0-255" in row, row
+                SHOTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3.png"), full_page=True)
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px: more than two screens"
+                page.click(f'{strip}[data-state="none"] >> nth=0')
+                page.wait_for_selector('.grid[data-model="dsv3"] .cell.mini', timeout=30_000)
+                assert page.locator(".cell.mini").count() == 64
+                assert page.locator('.cell.mini[data-state="none"]').count() >= 1
+                page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3-span.png"), full_page=True)
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px with one span open"
+                page.click('tr[data-worker="ds-7"]')  # its row opens the spans it holds
+                page.wait_for_function(
+                    "n => document.querySelectorAll('.cell.mini').length === n",
+                    arg=64 * lost,
+                    timeout=30_000,
+                )
+                assert page.locator('.cell.mini[data-state="none"]').count() == 464
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px with a worker's {lost} spans open"
+            finally:
+                ctx.close()
+    finally:
+        server.shutdown()
+        board.r.close()
+        late.r.close()
