@@ -19,7 +19,8 @@ class Served:
     data: bytes
     url: str = ""
     ranges: list[str | None] = field(default_factory=list)
-    cut_at: int | None = None  # the next whole-body answer stops after this many bytes
+    cut_at: int | None = None  # the next answer stops after this many bytes of its body
+    honours_range: bool = True  # False: every GET answered 200 with the whole file
 
 
 def _handler(served: Served) -> type[BaseHTTPRequestHandler]:
@@ -31,7 +32,7 @@ def _handler(served: Served) -> type[BaseHTTPRequestHandler]:
             rng = self.headers.get("Range")
             served.ranges.append(rng)
             data, n = served.data, len(served.data)
-            got = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
+            got = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "") if served.honours_range else None
             if got:
                 start = int(got[1])
                 end = min(int(got[2]) if got[2] else n - 1, n - 1)

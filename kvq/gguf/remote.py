@@ -12,22 +12,27 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import logging
 import os
 import struct
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from tqdm import tqdm
 
 from kvq.errors import ConfigError, ModelError
 
+log = logging.getLogger("kvq.model")
+LOG_EVERY_S = 5.0  # a progress line this often when stderr is no terminal
 SOURCE_SCHEMES = ("file", "http", "https")  # and a plain path
 _CHUNK = 1 << 20
 _HEADER_FIRST = 1 << 20  # bytes read first for a header; doubled until it is whole
@@ -67,14 +72,16 @@ class Pulled:
 def pull(url: str, out: str | Path, sha256: str | None = None, timeout_s: float = 30.0) -> Pulled:
     """Download `url` to `out` through `out.part` (kept after a cut: the next call resumes it
     with a Range request); the file is renamed to `out` only once whole and, with `sha256`,
-    matching it (a mismatch deletes the part file)."""
+    matching it (a mismatch deletes the part file). The bytes are hashed as they arrive (a
+    resumed part file's once, before)."""
     if not is_http(url):
         raise ConfigError(f"kvq model pull {url!r}: give an http(s):// URL")
     out = Path(out)
     part = out.with_name(out.name + ".part")
     start = os.path.getsize(part) if os.path.isfile(part) else 0
-    total = _download(url, part, start, timeout_s)
-    got = file_sha256(part)
+    h = _file_hash(part) if start else hashlib.sha256()
+    start, total, h = _download(url, part, start, timeout_s, h)
+    got = h.hexdigest()
     if sha256 is not None and got != sha256.lower():
         part.unlink()
         raise ModelError(
@@ -88,9 +95,13 @@ def pull(url: str, out: str | Path, sha256: str | None = None, timeout_s: float 
     return Pulled(str(out), total, got, start)
 
 
-def _download(url: str, part: Path, start: int, timeout_s: float) -> int:
-    """Append `url`'s bytes from `start` to `part` (from 0 if the server ignores the Range);
-    the file's total size. A cut raises ModelError, keeping what arrived."""
+Hash = Any  # hashlib's object (its type is private)
+
+
+def _download(url: str, part: Path, start: int, timeout_s: float, h: Hash) -> tuple[int, int, Hash]:
+    """Append `url`'s bytes from `start` to `part` (from 0 if the server ignores the Range),
+    hashing them into `h`: where it resumed, the file's total size and the hash. A cut raises
+    ModelError, keeping what arrived."""
     headers = {"Range": f"bytes={start}-"} if start else {}
     try:
         resp = urllib.request.urlopen(
@@ -98,44 +109,75 @@ def _download(url: str, part: Path, start: int, timeout_s: float) -> int:
         )
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and start and _total(exc.headers.get("Content-Range")) == start:
-            return start  # the part file is already whole
+            return start, start, h  # the part file is already whole
         raise ModelError(f"cannot download {url}: HTTP {exc.code} {exc.reason}") from None
     except OSError as exc:
         raise ModelError(f"cannot download {url}: {exc}") from None
     with resp:
         if resp.status == 206:
             total = _total(resp.headers.get("Content-Range"))
-        else:
-            start, total = 0, int(resp.headers.get("Content-Length") or 0)
-        mode = "ab" if start else "wb"
-        with (
-            open(part, mode) as f,
-            tqdm(
-                total=total or None,
-                initial=start,
-                unit="B",
-                unit_scale=True,
-                desc=Path(urlparse(url).path).name,
-                disable=not sys.stderr.isatty(),
-            ) as bar,
-        ):
-            got = start
-            try:
-                while chunk := resp.read(_CHUNK):
-                    f.write(chunk)
-                    got += len(chunk)
-                    bar.update(len(chunk))
-            except (OSError, http.client.HTTPException) as exc:
-                raise ModelError(
-                    f"download of {url} cut at {got} bytes ({exc}); run the same command "
-                    f"again to resume from {str(part)!r}"
-                ) from None
+        else:  # the whole file again
+            start, total, h = 0, int(resp.headers.get("Content-Length") or 0), hashlib.sha256()
+        with open(part, "ab" if start else "wb") as f:
+            got = _stream(resp, f, _Progress(url, start, total), h, part)
     if total and got != total:
         raise ModelError(
             f"download of {url} cut at {got} of {total} bytes; run the same command again "
             f"to resume from {str(part)!r}"
         )
-    return got
+    return start, got, h
+
+
+def _stream(resp: Any, f: Any, bar: _Progress, h: Hash, part: Path) -> int:
+    """Copy the body to `f` and `h`; the bytes the part file holds after it."""
+    try:
+        while chunk := resp.read(_CHUNK):
+            f.write(chunk)
+            h.update(chunk)
+            bar.update(len(chunk))
+    except (OSError, http.client.HTTPException) as exc:
+        raise ModelError(
+            f"download of {bar.url} cut at {bar.done} bytes ({exc}); run the same command "
+            f"again to resume from {str(part)!r}"
+        ) from None
+    finally:
+        bar.close()
+    return bar.done
+
+
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere a log line every `LOG_EVERY_S`."""
+
+    def __init__(self, url: str, start: int, total: int) -> None:
+        self.url, self.done, self.total = url, start, total
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total or None,
+            initial=start,
+            unit="B",
+            unit_scale=True,
+            desc=Path(urlparse(url).path).name,
+            disable=not tty,
+        )
+        self.log, self.t0, self.logged, self.start = not tty, time.monotonic(), 0.0, start
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        now = time.monotonic()
+        if self.log and now - (self.logged or self.t0) >= LOG_EVERY_S:
+            self.logged = now
+            rate = (self.done - self.start) / max(now - self.t0, 1e-9)
+            log.info(
+                "pulling %s: %.1f of %.1f MB (%.2f MB/s)",
+                self.url,
+                self.done / 1e6,
+                self.total / 1e6,
+                rate / 1e6,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _total(content_range: str | None) -> int:
@@ -144,12 +186,12 @@ def _total(content_range: str | None) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def file_sha256(path: str | Path) -> str:
+def _file_hash(path: str | Path) -> Hash:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+    return h
 
 
 @contextmanager

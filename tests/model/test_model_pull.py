@@ -38,6 +38,27 @@ def test_pull_resumes_a_cut_download_and_checks_its_sha256(
     assert out.read_bytes() == data and not part.exists()
 
 
+def test_pull_starts_over_from_a_server_without_ranges_and_skips_a_whole_part(
+    tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tiny_path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    out = tmp_path / "m.gguf"
+    with range_server(tiny_path) as served:
+        served.honours_range, served.cut_at = False, 100_000
+        argv = ["model", "pull", served.url, "--out", str(out), "--sha256", sha, "--json"]
+        assert main(argv) == 1
+        assert main(argv) == 0, "a 200 to the Range request: the whole file again"
+        assert json.loads(capsys.readouterr().out)["resumed_from"] == 0
+        assert out.read_bytes() == data
+        # a part file already whole: the server's 416 says so, nothing is downloaded again
+        out.rename(tmp_path / "m.gguf.part")
+        served.honours_range = True
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["sha256"] == sha
+    assert served.ranges[-1] == f"bytes={len(data)}-" and out.read_bytes() == data
+
+
 def test_pull_deletes_a_download_whose_sha256_differs(
     tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
