@@ -12,7 +12,9 @@ and the `increase(...)` of an alert see the last `WINDOW_S` however often the pa
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import operator
+import re
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -59,7 +61,7 @@ class Dashboard:
             "workers": listed,
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
-            "streams": _streams(samples),
+            "streams": stream_charts(samples),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
         }
@@ -120,7 +122,7 @@ class Dashboard:
         rank = {"lost": 0, "late": 1, "loading": 2, "serving": 3}
         return sorted(
             rows.values(),
-            key=lambda r: (rank.get(str(r["state"]), 3), r["trust"] == "trusted", str(r["worker"])),
+            key=lambda r: (rank.get(str(r["state"]), 3), r["trust"] == "trusted", _natural(r)),
         )
 
     def _departed(self, listed: set[str]) -> list[dict[str, Any]]:
@@ -192,6 +194,13 @@ def _worker_row(v: WorkerView) -> dict[str, Any]:
     }
 
 
+def _natural(row: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """A worker id's sort key with its numbers as numbers (ds-2 before ds-10)."""
+    return [
+        (int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", str(row["worker"]))
+    ]
+
+
 def _worker_state(row: Mapping[str, Any], age: float | None, late_s: float) -> str:
     if age is None or not row["alive"]:
         return "lost"  # its heartbeat expired; the monitor reaps it at its next tick
@@ -200,31 +209,65 @@ def _worker_state(row: Mapping[str, Any], age: float | None, late_s: float) -> s
     return "serving" if row["ready"] else "loading"
 
 
-def _streams(samples: list[Sample]) -> list[dict[str, Any]]:
-    """Per stream: its depth, group lag and oldest pending age now, and as series."""
+# a stream's charts: metric -> (its name in the snapshot, how a row's series combine: the
+# groups of one stream, or the inboxes of one model when they are many)
+_CHARTS: dict[str, tuple[str, Callable[[float, float], float]]] = {
+    "kvq_stream_length": ("stream_length", operator.add),
+    "kvq_group_lag": ("group_lag", operator.add),
+    "kvq_group_oldest_pending_age_seconds": ("group_oldest_pending_age_seconds", max),
+}
+_ROW_LABELS = ("stream", "model", "worker", "coordinator")
+INBOXES_SHOWN = 8  # more inboxes than this: one row per model, summed (ages: the oldest)
+STREAMS_SHOWN = 60
+
+
+def stream_charts(samples: list[Sample]) -> list[dict[str, Any]]:
+    """Per stream (or per model's inboxes, when there are many): its depth, group lag and
+    oldest pending age now, and as series. Each sample is read once (a model of thousands of
+    slices puts thousands of other series beside the streams')."""
     if not samples:
         return []
-    names = ("kvq_stream_length", "kvq_group_lag", "kvq_group_oldest_pending_age_seconds")
-    keys = sorted({lb for (n, lb) in samples[-1].series if n == names[0]})[:60]
+    inboxes = {
+        lb
+        for (n, lb) in samples[-1].series
+        if n == "kvq_stream_length" and dict(lb).get("stream") == "inbox"
+    }
+    merge = len(inboxes) > INBOXES_SHOWN
+    per_sample = [_stream_values(s, merge) for s in samples]
+    rows = sorted(per_sample[-1])[:STREAMS_SHOWN]
     out = []
-    for lb in keys:
-        label = dict(lb)
-        series = {}
-        for n in names:
-            per = [(s.t, _sum_group(s.series, n, lb)) for s in samples]
-            series[n.removeprefix("kvq_")] = [[round(t, 1), v] for t, v in per if v is not None]
+    for row in rows:
+        label = dict(row)
+        series = {
+            chart: [
+                [round(s.t, 1), got[row][chart]]
+                for s, got in zip(samples, per_sample, strict=True)
+                if chart in got.get(row, {})
+            ]
+            for chart, _ in _CHARTS.values()
+        }
         name = label.get("stream", "?")
         for k in ("model", "worker", "coordinator"):
             if label.get(k):
                 name += f" {label[k]}"
+        if merge and label.get("stream") == "inbox":
+            n = sum(1 for lb in inboxes if dict(lb).get("model", "") == label.get("model", ""))
+            name += f" ({n} workers)"
         out.append({"stream": name, "labels": label, "series": series})
     return out
 
 
-def _sum_group(series: Series, name: str, lb: Labels) -> float | None:
-    """The value of `name` for a stream's labels (groups of one stream summed)."""
-    want = dict(lb)
-    got = [
-        v for labels, v in pick(series, name) if all(labels.get(k) == x for k, x in want.items())
-    ]
-    return sum(got) if got else None
+def _stream_values(sample: Sample, merge_inboxes: bool) -> dict[Labels, dict[str, float]]:
+    """Row (its labels) -> chart -> value, in one pass over the sample."""
+    out: dict[Labels, dict[str, float]] = {}
+    for (name, lb), v in sample.series.items():
+        chart = _CHARTS.get(name)
+        if chart is None:
+            continue
+        d = dict(lb)
+        keep = _ROW_LABELS[:2] if merge_inboxes and d.get("stream") == "inbox" else _ROW_LABELS
+        row = tuple((k, d[k]) for k in keep if d.get(k))
+        got = out.setdefault(row, {})
+        key, combine = chart
+        got[key] = combine(got[key], v) if key in got else v
+    return out

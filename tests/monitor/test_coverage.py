@@ -7,6 +7,8 @@ import time
 
 from kvq.bus.records import SliceDemand, WorkerView
 from kvq.monitor.coverage import SMALL, model_view, sid_ranges, slice_ranges, span_keys
+from kvq.monitor.dashboard import stream_charts
+from kvq.monitor.history import Labels, Sample
 from kvq.slices import SliceSpec, TensorRange, slice_id
 
 
@@ -65,3 +67,39 @@ def test_no_live_coordinator_turns_coverage_grey() -> None:
     assert {s["state"] for s in idle["spans"]} == {"idle"}
     gone = model_view(table, demand, [], set(), coordinators=0)
     assert {c["state"] for c in gone["cells"]} == {"none"}, "an uncovered slice stays red"
+
+
+def test_stream_charts_read_each_sample_once_and_merge_many_inboxes() -> None:
+    """Ten minutes of samples (120) of a model with 3,712 slices (7,424 slice series) and 32
+    worker inboxes: the charts in well under a second, the inboxes one row."""
+    slices = {
+        ("kvq_slice_live_workers", (("model", "m"), ("slice", f"s{i}"))): 1.0 for i in range(3712)
+    }
+    slices |= {("kvq_slice_target", (("model", "m"), ("slice", f"s{i}"))): 1.0 for i in range(3712)}
+
+    def stream(name: str, stream: str, worker: str, v: float) -> tuple[tuple[str, Labels], float]:
+        lb = (("coordinator", ""), ("model", "m"), ("stream", stream), ("worker", worker))
+        return (name, lb), v
+
+    samples = []
+    for t in range(120):
+        series = dict(slices)
+        for w in range(32):
+            for name in ("kvq_stream_length", "kvq_group_lag"):
+                k, v = stream(name, "inbox", f"w{w}", 1.0)
+                series[k] = v
+            k, v = stream("kvq_group_oldest_pending_age_seconds", "inbox", f"w{w}", float(w))
+            series[k] = v
+        k, v = stream("kvq_stream_length", "requests", "", 3.0)
+        series[k] = v
+        samples.append(Sample(float(t * 5), series))
+    t0 = time.perf_counter()
+    rows = stream_charts(samples)
+    took = time.perf_counter() - t0
+    assert took < 1.5, f"{took:.2f}s"
+    by = {r["stream"]: r for r in rows}
+    assert set(by) == {"inbox m (32 workers)", "requests m"}
+    inbox = by["inbox m (32 workers)"]["series"]
+    assert inbox["stream_length"][-1] == [595.0, 32.0], "depths summed"
+    assert inbox["group_oldest_pending_age_seconds"][-1] == [595.0, 31.0], "the oldest age"
+    assert len(inbox["group_lag"]) == 120

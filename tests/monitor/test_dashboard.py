@@ -33,6 +33,7 @@ from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.gguf.registry import plan_model
 from kvq.monitor.alerts import ELSEWHERE, RULES
+from kvq.monitor.coverage import sid_ranges
 from kvq.slices import SliceSpec, slice_id
 from kvq.tools.synth import make_tiny
 
@@ -304,10 +305,11 @@ def deepseek_v3_record(tiny: Path) -> ModelInfo:
 
 @pytest.mark.slow
 def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> None:
-    """3,712 slices, 8 workers (one lost, one late), no coordinator: the page stays under two
+    """3,712 slices, 32 workers (one lost, one late), no coordinator: the page stays under two
     screens, the coverage reads per layer span (grey: nothing served; red: the lost worker's
-    spans) with a drill-down to one span's slices, a worker's slices as a count and ranges,
-    and the lost worker's 464 slices are one alert line."""
+    spans) with a drill-down to one span's slices and to a worker's spans, a worker's slices
+    as a count and ranges, 20 worker rows and a button for the rest, the 32 inboxes as one
+    chart, and the lost worker's 116 slices are one alert line."""
     browser = chromium()
     if browser is None:
         pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
@@ -321,14 +323,16 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
     late = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=50))
     board.register_model(info, 1)
     sids = sorted(info.slices)
-    for i in range(8):
-        worker, mine = f"ds-{i}", sids[i * 464 : (i + 1) * 464]
-        assert board.rejoin("dsv3", worker, *mine) == 464
+    n, per = 32, 116  # 32 x 116 = 3,712
+    for i in range(n):
+        worker, mine = f"ds-{i}", sids[i * per : (i + 1) * per]
+        assert board.rejoin("dsv3", worker, *mine) == per
         beat = WorkerInfo(model="dsv3", slice=mine[0], device="cpu")
-        if i == 6:
+        if i == n - 2:
             late.beat(worker, beat)  # its beat ends in 50 s: 70 s late on a 120 s lifetime
-        elif i != 7:  # ds-7 never beats: lost
+        elif i != n - 1:  # the last never beats: lost
             board.beat(worker, beat)
+    gone, slow = f"ds-{n - 1}", f"ds-{n - 2}"
     server, _ = serve_api(board, "127.0.0.1", 0)
     url = "http://{}:{}".format(*server.server_address)
     exe, extra_env = browser
@@ -349,18 +353,23 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
                 page.wait_for_selector('#status[data-state="live"]', timeout=60_000)
                 strip = '.spans[data-model="dsv3"] .span'
                 assert page.locator(strip).count() == 58
-                lost = len({info.slices[sid].layer_start for sid in sids[7 * 464 :]})
+                lost = len({info.slices[sid].layer_start for sid in sids[(n - 1) * per :]})
                 assert page.locator(f'{strip}[data-state="none"]').count() == lost
                 assert page.locator(f'{strip}[data-state="idle"]').count() == 58 - lost
                 assert page.locator(".cell").count() == 0, "a large model's spans start closed"
                 page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=30_000)
                 alerts = page.locator('li[data-alert="KvqSliceWithoutLiveWorker"]')
-                assert alerts.count() == 1 and "464 wanted slices" in alerts.inner_text()
-                assert page.get_attribute('tr[data-worker="ds-7"]', "data-state") == "lost"
-                assert page.get_attribute('tr[data-worker="ds-6"]', "data-state") == "late"
+                assert alerts.count() == 1 and "116 wanted slices" in alerts.inner_text()
+                assert page.get_attribute(f'tr[data-worker="{gone}"]', "data-state") == "lost"
+                assert page.get_attribute(f'tr[data-worker="{slow}"]', "data-state") == "late"
                 assert page.get_attribute('tr[data-worker="ds-0"]', "data-state") == "serving"
-                row = page.inner_text('tr[data-worker="ds-7"]')
-                assert "464: dsv3: L53 E192-255; dsv3: L54-60 E0-255" in row, row
+                row = page.inner_text(f'tr[data-worker="{gone}"]')
+                ranges = "; ".join(f"dsv3: {r}" for r in sid_ranges(sids[(n - 1) * per :]))
+                assert f"116: {ranges}" in row and ranges.startswith("dsv3: L59 E48-255"), row
+                assert page.locator("#workers tbody tr[data-worker]").count() == 20
+                assert page.inner_text("#workers button.more") == f"show {n - 20} more"
+                inbox = page.locator('.stream[data-stream^="inbox dsv3"]')
+                assert inbox.count() == 1 and "(32 workers)" in inbox.inner_text()
                 SHOTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3.png"), full_page=True)
                 tall = page.evaluate("document.documentElement.scrollHeight")
@@ -372,13 +381,13 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
                 page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3-span.png"), full_page=True)
                 tall = page.evaluate("document.documentElement.scrollHeight")
                 assert tall <= 2 * height, f"{tall}px with one span open"
-                page.click('tr[data-worker="ds-7"]')  # its row opens the spans it holds
+                page.click(f'tr[data-worker="{gone}"]')  # its row opens the spans it holds
                 page.wait_for_function(
                     "n => document.querySelectorAll('.cell.mini').length === n",
                     arg=64 * lost,
                     timeout=30_000,
                 )
-                assert page.locator('.cell.mini[data-state="none"]').count() == 464
+                assert page.locator('.cell.mini[data-state="none"]').count() == per
                 tall = page.evaluate("document.documentElement.scrollHeight")
                 assert tall <= 2 * height, f"{tall}px with a worker's {lost} spans open"
             finally:
