@@ -41,7 +41,7 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | coordinators, trusted workers, the monitor |
 |                              |        | (moving P:{w:W}:dead) → operators          |
-| P:departed                   | hash   | monitor: reaped worker → JSON (when, why,  |
+| P:departed                   | hash   | monitor: departed worker → JSON (when, why,|
 |                              |        | what it held) → dashboard, for an hour     |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
@@ -119,7 +119,7 @@ class Keys:
         return f"{self.prefix}:deadletter"
 
     def departed(self) -> str:
-        """Workers the monitor reaped (`records.Departure` JSON per worker), for an hour."""
+        """Workers that stopped holding slices (`records.Departure` JSON per worker), an hour."""
         return f"{self.prefix}:departed"
 
     def monitor_lease(self) -> str:

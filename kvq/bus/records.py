@@ -13,7 +13,7 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 | `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
 | heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
 | `Quarantine` | P:{m:M}:quarantine  | coordinators        | permanent, one JSON field per worker|
-| `Departure`  | P:departed          | monitor (reap)      | `DEPARTED_KEEP_S`, one JSON field per worker |
+| `Departure`  | P:departed          | monitor (tick)      | `DEPARTED_KEEP_S`, one JSON field per worker |
 """
 
 from __future__ import annotations
@@ -234,8 +234,9 @@ DEPARTED_KEEP_S = 3600.0  # how long a reaped worker stays listed, with when and
 
 
 class Departure(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker the monitor reaped: when, why, what it held (one JSON value per worker in
-    `P:departed`, kept `DEPARTED_KEEP_S` for the operators' view)."""
+    """A worker that stopped holding slices (reaped, quarantined, or gone by itself): when,
+    why, what it held (one JSON value per worker in `P:departed`, kept `DEPARTED_KEEP_S`
+    for the operators' view)."""
 
     ts_ms: int  # Redis's clock (`Board.now_ms`)
     why: str

@@ -34,12 +34,12 @@ import redis
 from kvq.bus.board import Board
 from kvq.bus.market import MarketDesk
 from kvq.bus.outage import Outage, run_until_stopped
-from kvq.bus.records import Departure, ModelState
+from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.catalog import ModelInfo
 from kvq.config import MonitorSettings, Settings
 from kvq.gguf.registry import plan_model
-from kvq.monitor.coverage import sid_ranges
+from kvq.monitor.departures import Watch, departure, reaped_why
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
 from kvq.monitor.quota import Quota, QuotaWatch
@@ -73,6 +73,7 @@ class Monitor:
         self.requeued = 0
         self.known: dict[str, ModelInfo] = {}  # every model seen registered: re-published
         self.reregistered = 0  # ... when Redis lost its registration
+        self.departures = Watch(gap_s=3 * settings.poll_s + 1)  # who stopped holding slices
         self.registering: list[str] = []  # models queued as RQ jobs at start (the ready line)
 
     @classmethod
@@ -205,9 +206,9 @@ class Monitor:
     def tick(self) -> list[tuple[str, ModelState]]:
         models = self.keep_registered(self.board.models())
         states = [(model, self.poll(model)) for model in models]
-        self.reap(*models)
-        for model in models:
-            self.release_quarantined(model)
+        dead = self.reap(*models)
+        barred = [w for model in models for w in self.release_quarantined(model)]
+        self.departures.update(self.board, models, dead, barred)
         return states
 
     def release_quarantined(self, model: str) -> list[str]:
@@ -325,23 +326,7 @@ class Monitor:
                 self.board.release(m, w)  # every slice it held of the model
             self.requeued += self.board.requeue_inbox(w, peers)
             self.board.forget_worker(w)
-            self.board.record_departure(w, self._departure(held))
+            self.board.record_departure(w, departure(self.board, held, reaped_why(self.board)))
             self.reaped += 1
             log.info("reaped worker %s (%s)", w, ", ".join(f"{s} of {m}" for m, s in held))
         return sorted(dead)
-
-    def _departure(self, held: list[tuple[str, str]]) -> Departure:
-        """When and why a worker was reaped, and what it held (per model: count, ranges)."""
-        per: dict[str, list[str]] = {}
-        for m, sid in held:
-            per.setdefault(m, []).append(sid)
-        what = "; ".join(
-            f"{m}: {len(sids)} slice(s), {' '.join(sid_ranges(sids))}"
-            for m, sids in sorted(per.items())
-        )
-        ttl = self.board.lifetimes.heartbeat_ms() / 1000
-        return Departure(
-            ts_ms=int(self.board.now_ms()),
-            why=f"lost: no heartbeat for {ttl:g}s (KVQ_HEARTBEAT_TTL_S); reaped",
-            held=what,
-        )

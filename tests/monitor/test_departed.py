@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from waiting import wait_for
 
-from kvq.bus.records import DEPARTED_KEEP_S, Departure, WorkerInfo
+from kvq.bus.records import DEPARTED_KEEP_S, Departure, Quarantine, WorkerInfo
 from kvq.config import Settings
 from kvq.monitor import Monitor
 from kvq.monitor.coverage import sid_ranges
@@ -59,4 +59,33 @@ def test_departures_older_than_an_hour_are_dropped(settings: Settings) -> None:
     board.record_departure("new", Departure(ts_ms=now, why="y"))
     assert list(board.departures()) == ["new"]
     assert board.r.hkeys(board.keys.departed()) == [b"new"], "the old one deleted on a write"
+    board.r.close()
+
+
+def test_a_worker_that_gives_its_slices_back_or_is_quarantined_is_departed_with_why(
+    settings: Settings, tmp_path: Path
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    make_tiny(path, layers=2, experts=8, seed=1)
+    mon = Monitor.from_settings(settings.model_copy(update={"base_replicas": 2}))
+    mon.register("tiny", path)
+    board = mon.board
+    held = {}
+    for w in ("w1", "w2", "w3"):
+        sid = board.volunteer("tiny", w)
+        assert sid is not None
+        held[w] = sid
+        board.beat(w, WorkerInfo(model="tiny", slice=sid, device="cpu"))
+    mon.tick()  # the monitor sees who holds what
+    board.release("tiny", "w1")  # a clean stop gives every slice back (`Membership.leave`)
+    board.forget_worker("w1")
+    until = int(board.now_ms()) + 60_000
+    board.quarantine("tiny", "w2", Quarantine(until_ms=until, mismatches=1, reason="test"))
+    mon.tick()
+    got = {w: d.why for w, d in board.departures().items()}
+    assert got == {
+        "w1": "left: gave its slices back (a clean stop or a wind-down)",
+        "w2": "quarantined: its slices taken back (wrong results)",
+    }
+    assert board.departures()["w1"].held == f"tiny: 1 slice(s), {sid_ranges([held['w1']])[0]}"
     board.r.close()
