@@ -238,6 +238,11 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
             assert page.locator(".cell[data-state='none']").count() == len(b_slices)
             # the alert condition of docs/alerts.yml that now holds, as Prometheus would see it
             page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=30_000)
+            # reaped by the monitor: kept on the page with when and why
+            page.wait_for_selector('li[data-departed="dash-b"]', timeout=30_000)
+            gone = page.inner_text('li[data-departed="dash-b"]')
+            assert "lost: no heartbeat for 1.5s" in gone and "reaped" in gone, gone
+            assert page.locator('tr[data-worker="dash-b"]').count() == 0
             after = SHOTS / "dashboard-worker-killed.png"
             page.screenshot(path=str(after), full_page=True)
             assert_not_blank(page, before, red=False)
