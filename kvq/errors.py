@@ -10,8 +10,9 @@
     ├── ModelError         a GGUF file, tensor or slice kvq cannot use
     │   ├── SliceIntegrityError   downloaded slice bytes do not match what was published
     │   │   └── TamperedSource        the source's bytes differ from the published checksums
-    │   └── ModelMismatch         a coordinator's GGUF is not the file registered for its id
-    │       └── ModelCorrupt          ... a range of it fails its checksum (checked before blame)
+    │   ├── ModelMismatch         a coordinator's GGUF is not the file registered for its id
+    │   │   └── ModelCorrupt          ... a range of it fails its checksum (checked before blame)
+    │   └── ModelInUse            `kvq model rm` of a model a live coordinator serves
     ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
     ├── RoutingError       no node can serve a slice; unknown model
     │   ├── UnknownModel       no model of that id in the swarm
@@ -84,6 +85,10 @@ class ModelMismatch(ModelError):
 class ModelCorrupt(ModelMismatch):
     """A byte range of the coordinator's own model file does not match the registration's
     checksum: found before a mismatch on that slice is charged to a worker."""
+
+
+class ModelInUse(ModelError):
+    """A model cannot be removed: a live coordinator serves it (`kvq model rm --force`)."""
 
 
 class BankError(KvqError):

@@ -22,6 +22,9 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
 |                              |        | mismatches, banned) → coordinators, monitor|
+| P:{m:M}:removed              | string | `kvq model rm`: ms it was unregistered →   |
+|                              |        | monitor (never restores M); cleared by a   |
+|                              |        | registration of M                          |
 | P:{w:W}:inbox                | stream | coordinators → worker W (group)            |
 | P:{w:W}:hb                   | string | worker W (expires) → coordinators, monitor |
 | P:{w:W}:info                 | hash   | worker W: holds (its slices), model, slice,|
@@ -38,6 +41,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | coordinators, trusted workers, the monitor |
 |                              |        | (moving P:{w:W}:dead) → operators          |
+| P:departed                   | hash   | monitor: departed worker → JSON (when, why,|
+|                              |        | what it held) → dashboard, for an hour     |
 | P:monitor:lease              | string | the active monitor's id, expiring (lease.lua) |
 | P:bench:<name>               | stream | `kvq bench` scratch, deleted per round     |
 | P:bench:{T}:inbox, :results  | stream | `kvq bench bus --cluster` scratch          |
@@ -113,6 +118,10 @@ class Keys:
     def deadletter(self) -> str:
         return f"{self.prefix}:deadletter"
 
+    def departed(self) -> str:
+        """Workers that stopped holding slices (`records.Departure` JSON per worker), an hour."""
+        return f"{self.prefix}:departed"
+
     def monitor_lease(self) -> str:
         return f"{self.prefix}:monitor:lease"
 
@@ -169,6 +178,11 @@ class Keys:
 
     def model_cancels(self, model: str) -> str:
         return self._m(model, "cancel")
+
+    def model_removed(self, model: str) -> str:
+        """Set by `kvq model rm` (the time, ms): no monitor publishes `model` again from its
+        memory; an explicit registration deletes it."""
+        return self._m(model, "removed")
 
     def model_quarantine(self, model: str) -> str:
         """Workers caught returning wrong results (`records.Quarantine` JSON per worker)."""

@@ -30,6 +30,7 @@ from kvq import wire
 from kvq.bus.connection import Backoff, is_connection_error
 from kvq.bus.records import (
     CoordStats,
+    Departure,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -67,8 +68,20 @@ class Board(Protocol):
         """Registered model ids, sorted."""
         ...
 
-    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
-        """Publish metadata and the slice table, and seed every slice's target (K8)."""
+    def register_model(self, info: ModelInfo, base_replicas: int, restore: bool = False) -> bool:
+        """Publish metadata and the slice table, and seed every slice's target (K8); an
+        explicit registration clears a removal (`unregister_model`), a `restore` (a monitor
+        re-publishing what Redis lost) skips a removed model: False then."""
+        ...
+
+    def unregister_model(self, model: str) -> list[str]:
+        """Remove `model`: marked removed first, then unlisted, its slices released (coverage,
+        workers, grants) and every key of it deleted (requests and cancels included); the
+        workers that held a slice of it."""
+        ...
+
+    def model_removed(self, model: str) -> bool:
+        """Whether `kvq model rm` removed `model` since its last registration."""
         ...
 
     def model_info(self, model: str) -> ModelInfo | None:
@@ -176,6 +189,14 @@ class Board(Protocol):
 
     def forget_worker(self, worker: str) -> None:
         """Drop the worker's heartbeat, info and inbox (it left, or it was reaped)."""
+        ...
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        """A reaped worker, kept `DEPARTED_KEEP_S` (older ones dropped here)."""
+        ...
+
+    def departures(self) -> dict[str, Departure]:
+        """The workers reaped in the last `DEPARTED_KEEP_S`, sorted by id."""
         ...
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:

@@ -13,7 +13,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
+    DEPARTED_KEEP_S,
     CoordStats,
+    Departure,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -36,6 +38,8 @@ class MemoryBoard:
         self.clock = clock
         self._lock = threading.RLock()
         self._models: dict[str, ModelInfo] = {}
+        self._departed: dict[str, Departure] = {}  # reaped workers, for operators
+        self._removed: set[str] = set()  # `unregister_model` since their last registration
         self._state: dict[str, ModelState] = {}
         self._target: dict[str, dict[str, int]] = {}
         self._routed: dict[str, dict[str, int]] = {}  # model -> slice -> rows routed
@@ -73,10 +77,27 @@ class MemoryBoard:
     def models(self) -> list[str]:
         return sorted(self._models)
 
-    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+    def register_model(self, info: ModelInfo, base_replicas: int, restore: bool = False) -> bool:
         with self._lock:
+            if restore and info.model in self._removed:
+                return False
+            self._removed.discard(info.model)
             self._models[info.model] = info
             self._target[info.model] = dict.fromkeys(info.slices, base_replicas)
+            return True
+
+    def unregister_model(self, model: str) -> list[str]:
+        with self._lock:
+            self._removed.add(model)
+            holders = sorted(self._workers.pop(model, {}))
+            for table in (self._models, self._state, self._target, self._routed):
+                table.pop(model, None)
+            for other in (self._coverage, self._coords, self._quarantine):
+                other.pop(model, None)
+            return holders
+
+    def model_removed(self, model: str) -> bool:
+        return model in self._removed
 
     def model_info(self, model: str) -> ModelInfo | None:
         return self._models.get(model)
@@ -282,6 +303,17 @@ class MemoryBoard:
             self.lapse("hb", worker)
             self.lapse("info", worker)
             self.inboxes.pop(worker, None)
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        with self._lock:
+            cutoff = departure.ts_ms - DEPARTED_KEEP_S * 1000
+            self._departed = {w: d for w, d in self._departed.items() if d.ts_ms >= cutoff}
+            self._departed[worker] = departure
+
+    def departures(self) -> dict[str, Departure]:
+        cutoff = self.now_ms() - DEPARTED_KEEP_S * 1000
+        with self._lock:
+            return {w: d for w, d in sorted(self._departed.items()) if d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 | `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
 | heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
 | `Quarantine` | P:{m:M}:quarantine  | coordinators        | permanent, one JSON field per worker|
+| `Departure`  | P:departed          | monitor (tick)      | `DEPARTED_KEEP_S`, one JSON field per worker |
 """
 
 from __future__ import annotations
@@ -229,6 +230,30 @@ class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
             return None
 
 
+DEPARTED_KEEP_S = 3600.0  # how long a reaped worker stays listed, with when and why
+
+
+class Departure(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker that stopped holding slices (reaped, quarantined, or gone by itself): when,
+    why, what it held (one JSON value per worker in `P:departed`, kept `DEPARTED_KEEP_S`
+    for the operators' view)."""
+
+    ts_ms: int  # Redis's clock (`Board.now_ms`)
+    why: str
+    held: str = ""  # e.g. "tiny: 2 slices, L000-001 E000-007"
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Departure | None:
+        """The record, or None when the value does not decode (treated as absent)."""
+        try:
+            return msgspec.json.decode(raw, type=cls)
+        except msgspec.DecodeError:
+            return None
+
+
 IDLE, LOADING, SERVING = "idle", "loading", "serving"  # WorkerInfo.state
 
 
@@ -359,6 +384,11 @@ class Lifetimes:
 
     def beat_every_s(self) -> float:
         return self.heartbeat_ttl_s / 3
+
+    def late_after_s(self) -> float:
+        """A live worker whose last beat is older than this has missed one (it beats every
+        third of the TTL): late, shown so at once, long before it is lost."""
+        return self.heartbeat_ttl_s / 2
 
     def worker_info_s(self) -> int:
         """Info outlives the heartbeat tenfold: the reaper and operators still see what a dead

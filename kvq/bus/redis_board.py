@@ -18,7 +18,9 @@ from kvq.bus.clock import ServerClock, read_server_ms
 from kvq.bus.connection import connect
 from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
+    DEPARTED_KEEP_S,
     CoordStats,
+    Departure,
     Lifetimes,
     ModelEntry,
     ModelState,
@@ -72,8 +74,10 @@ class RedisBoard:
     def models(self) -> list[str]:
         return sorted(_s(m) for m in self.r.smembers(self.keys.models()))
 
-    def register_model(self, info: ModelInfo, base_replicas: int) -> None:
+    def register_model(self, info: ModelInfo, base_replicas: int, restore: bool = False) -> bool:
         k, m = self.keys, info.model
+        if restore and self.model_removed(m):
+            return False  # a `model rm` racing this restore: the monitor's next tick removes it
         meta = info.meta
         entry = ModelEntry(
             source=info.source,
@@ -88,12 +92,44 @@ class RedisBoard:
         )
         self._check_shards(m, info.request_shards)
         pipe = self.r.pipeline(transaction=True)
+        if not restore:
+            pipe.delete(k.model_removed(m))
         pipe.hset(k.model_meta(m), mapping=entry.to_hash())
         pipe.delete(k.model_slices(m))
         pipe.hset(k.model_slices(m), mapping={s.sid: s.to_json() for s in info.slices.values()})
         pipe.hset(k.model_target(m), mapping=dict.fromkeys(info.slices, base_replicas))
         pipe.execute()
         self.r.sadd(k.models(), m)  # another hash slot: not in the transaction (Redis Cluster)
+        return True
+
+    def unregister_model(self, model: str) -> list[str]:
+        k, m = self.keys, model
+        shards = request_shards(self.r, k, m) or 1
+        holders = sorted(_s(w) for w in self.r.hkeys(k.model_workers(m)))
+        self.r.set(k.model_removed(m), int(self.now_ms()))  # first: no monitor restores it
+        self.r.srem(k.models(), m)
+        own = [
+            k.model_meta(m),
+            k.model_slices(m),
+            k.model_target(m),
+            k.model_coverage(m),
+            k.model_routed(m),
+            k.model_workers(m),
+            k.model_coordinators(m),
+            k.model_state(m),
+            k.model_quarantine(m),
+            k.model_cancels(m),
+            *(k.model_grant(m, w) for w in holders),
+        ]
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(*own, k.model_requests(m))
+        pipe.execute()
+        for stream in request_streams(k, m, shards)[1:]:  # each shard its own hash slot
+            self.r.delete(stream)
+        return holders
+
+    def model_removed(self, model: str) -> bool:
+        return bool(self.r.exists(self.keys.model_removed(model)))
 
     def shard_count(self, model: str) -> int:
         """How many request streams `model` has (1 when not registered)."""
@@ -294,6 +330,23 @@ class RedisBoard:
             k.worker_asks(worker),
             k.worker_answers(worker),
         )
+
+    def record_departure(self, worker: str, departure: Departure) -> None:
+        key = self.keys.departed()
+        old = {_s(w): Departure.from_json(v) for w, v in self.r.hgetall(key).items()}
+        cutoff = departure.ts_ms - DEPARTED_KEEP_S * 1000
+        pipe = self.r.pipeline(transaction=False)
+        stale = [w for w, d in old.items() if d is None or d.ts_ms < cutoff]
+        if stale:
+            pipe.hdel(key, *stale)
+        pipe.hset(key, worker, departure.to_json())
+        pipe.execute()
+
+    def departures(self) -> dict[str, Departure]:
+        raw = self.r.hgetall(self.keys.departed())
+        cutoff = self.now_ms() - DEPARTED_KEEP_S * 1000
+        got = {_s(w): Departure.from_json(v) for w, v in raw.items()}
+        return {w: d for w, d in sorted(got.items()) if d is not None and d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())

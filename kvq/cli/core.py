@@ -51,13 +51,17 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.bus.redis_board import open_board
+    from kvq.gguf.remote import check_source
     from kvq.monitor import Monitor
 
+    models = _model_flags(args.model or [])
+    if args.source is not None:
+        check_source(args.source, "--source")
     board = open_board(settings.bus, settings.lifetimes)
     mon = Monitor.on_redis(board, settings.monitor, monitor_id=args.id)
-    jobs = _register_models(_model_flags(args.model or []), args.source, settings, board, mon)
     stop_on_signals(mon.stop)
-    server = None
+    server, jobs = None, None
+    # every check of the start (the HTTP port above all) before any model is registered
     if settings.http_port:
         from kvq.monitor.http import serve_api
 
@@ -67,6 +71,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         host, port = server.server_address[:2]
         log.info("dashboard, HTTP API and /metrics on http://%s:%s/", host, port)
     try:
+        jobs = _register_models(models, args.source, settings, board, mon)
         mon.run()
     finally:
         if jobs is not None:
@@ -138,6 +143,7 @@ def _register_models(
             m.stage_layers,
         )
         log.info("registering %s: RQ job %s on queue %s", model, job.id, jobs.queue.name)
+        mon.registering.append(model)
     return jobs
 
 

@@ -1,4 +1,5 @@
-"""Model commands: `kvq model make-tiny|inspect|split`, `kvq generate`, `kvq bench experts`."""
+"""Model commands: `kvq model make-tiny|inspect|split` (list, rm, pull: `registry`),
+`kvq generate`, `kvq bench experts`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from kvq.cli import registry
 from kvq.cli.common import EXIT_OK, EXIT_USAGE
 from kvq.config import Settings
 
@@ -99,9 +101,16 @@ def _write_preset(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     from kvq.gguf.describe import MemoryAssumptions, describe_model
+    from kvq.gguf.remote import check_source, header_copy, is_http
 
     mem = MemoryAssumptions(args.dtype, args.n_slots or settings.n_slots, args.kv_positions)
-    d = describe_model(args.file, args.slice_experts or settings.slice_experts, mem)
+    experts = args.slice_experts or settings.slice_experts
+    if is_http(args.file):  # its header over Range requests, into a sparse local copy
+        with header_copy(args.file) as local:
+            d = describe_model(local, experts, mem)
+        d["path"] = args.file
+    else:
+        d = describe_model(check_source(args.file, "kvq model inspect FILE"), experts, mem)
     if args.json:
         print(json.dumps(d))
         return EXIT_OK
@@ -420,6 +429,7 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     _add_make_tiny(msub)
     _add_inspect(msub)
     _add_split(msub)
+    registry.add(msub)
     _add_generate(sub)
     _add_bench_experts(bench)
     _add_bench_kernels(bench)
@@ -450,7 +460,7 @@ def _add_make_tiny(msub: Subparsers) -> None:
 
 def _add_inspect(msub: Subparsers) -> None:
     mi = msub.add_parser("inspect", help="hyper-parameters, quant types, slices, sizes, memory")
-    mi.add_argument("file", help="GGUF file to read")
+    mi.add_argument("file", help="GGUF file to read, or its http(s):// URL (header only)")
     mi.add_argument("--slice-experts", type=int, help="experts per slice (default: setting)")
     mi.add_argument(
         "--dtype",

@@ -17,6 +17,7 @@ from kvq.errors import ConfigError, ModelMismatch
 from kvq.gguf import reader as gio
 from kvq.gguf.layout import slice_layout
 from kvq.gguf.meta import read_meta
+from kvq.gguf.remote import check_source
 from kvq.gguf.split import BackboneSource
 from kvq.slices import SliceSpec, TensorRange, slice_grid, stage_grid
 
@@ -105,6 +106,8 @@ def plan_model(
             f"model id {model!r} is not allowed: it must be non-empty and hold no '#' "
             "(which names a model's request shards: P:{m:MODEL#I}:requests)"
         )
+    if source is not None:
+        check_source(source)
     path = Path(path).resolve()
     meta = read_meta(path)
     if not meta.holds_experts:

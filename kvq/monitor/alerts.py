@@ -50,17 +50,21 @@ def _gauge_rule(
 
 
 def _slice_without_worker(samples: list[Sample]) -> Fired:
+    """One per model (`count by (model)`), its value the wanted slices without a live worker."""
     s = samples[-1]
     target = {(lb["model"], lb["slice"]): v for lb, v in pick(s.series, "kvq_slice_target")}
+    per: dict[str, int] = {}
+    for lb, v in pick(s.series, "kvq_slice_live_workers"):
+        if v == 0 and target.get((lb["model"], lb["slice"]), 0) > 0:
+            per[lb["model"]] = per.get(lb["model"], 0) + 1
     return [
         _over(
             "KvqSliceWithoutLiveWorker",
-            0,
-            {"model": lb["model"], "slice": lb["slice"]},
-            f"{lb['model']}: slice {lb['slice']} is wanted and no live worker serves it",
+            n,
+            {"model": m},
+            f"{m}: {n} wanted slices have no live worker",
         )
-        for lb, v in pick(s.series, "kvq_slice_live_workers")
-        if v == 0 and target.get((lb["model"], lb["slice"]), 0) > 0
+        for m, n in sorted(per.items())
     ]
 
 

@@ -66,12 +66,12 @@ def register_model(
 ) -> dict[str, Any]:
     """Plan `model`'s slices (checksumming each) and publish it on the board."""
     from kvq.gguf.registry import plan_model
+    from kvq.monitor.registration import publish
 
     info = plan_model(
         model, path, slice_layers, slice_experts, source, request_shards, grain, stage_layers
     )
-    _board().register_model(info, base_replicas)
-    log.info("registered %s: %d slices", model, len(info.slices))
+    publish(_board(), info, base_replicas)
     return {"model": model, "slices": len(info.slices)}
 
 

@@ -289,11 +289,23 @@ def _api_routes(api: Api) -> list[Route]:
     ]
 
 
+def _open_spans(text: str) -> dict[str, set[int]]:
+    """`?open=M:L,M:L`: the layer spans (by first layer) of each model whose cells the page
+    shows; anything else in it is ignored (at most 64 spans)."""
+    out: dict[str, set[int]] = {}
+    for part in text.split(",")[:64]:
+        model, _, layer = part.rpartition(":")
+        if model and layer.isdigit():
+            out.setdefault(model, set()).add(int(layer))
+    return out
+
+
 def _dashboard_routes(api: Api) -> list[Route]:
     """The dashboard's snapshot, its page and the page's assets."""
 
     def dashboard(request: Request) -> Response:
-        return JSONResponse(api.dashboard.snapshot(), headers={"Cache-Control": "no-store"})
+        snap = api.dashboard.snapshot(_open_spans(request.query_params.get("open", "")))
+        return JSONResponse(snap, headers={"Cache-Control": "no-store"})
 
     def page(request: Request) -> Response:
         return _static("index.html")

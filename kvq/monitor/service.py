@@ -39,9 +39,11 @@ from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.catalog import ModelInfo
 from kvq.config import MonitorSettings, Settings
 from kvq.gguf.registry import plan_model
+from kvq.monitor.departures import Watch, departure, reaped_why
 from kvq.monitor.hysteresis import Hysteresis
 from kvq.monitor.popularity import Popularity, spread
 from kvq.monitor.quota import Quota, QuotaWatch
+from kvq.monitor.registration import publish
 
 log = logging.getLogger("kvq.monitor")
 
@@ -71,6 +73,8 @@ class Monitor:
         self.requeued = 0
         self.known: dict[str, ModelInfo] = {}  # every model seen registered: re-published
         self.reregistered = 0  # ... when Redis lost its registration
+        self.departures = Watch(gap_s=3 * settings.poll_s + 1)  # who stopped holding slices
+        self.registering: list[str] = []  # models queued as RQ jobs at start (the ready line)
 
     @classmethod
     def from_settings(cls, settings: Settings, monitor_id: str | None = None) -> Monitor:
@@ -100,18 +104,19 @@ class Monitor:
             self.s.grain,
             self.s.stage_layers,
         )
-        self.board.register_model(info, self.s.base_replicas)
+        publish(self.board, info, self.s.base_replicas)
         self.known[model] = info
-        log.info("registered %s: %d slices (%s grain)", model, len(info.slices), info.grain)
         return info
 
     def run(self) -> None:
         outage = Outage(log, self.s.reconnect_max_s)
         models = self.board.models()
+        pending = [m for m in self.registering if m not in models]
         log.info(
-            "ready: monitor %s watches %s (poll every %gs)",
+            "ready: monitor %s watches %s%s (poll every %gs)",
             self.id,
             ", ".join(models) if models else "no model yet",
+            f"; registering {', '.join(pending)} (RQ jobs)" if pending else "",
             self.s.poll_s,
         )
         sides = []
@@ -201,9 +206,9 @@ class Monitor:
     def tick(self) -> list[tuple[str, ModelState]]:
         models = self.keep_registered(self.board.models())
         states = [(model, self.poll(model)) for model in models]
-        self.reap(*models)
-        for model in models:
-            self.release_quarantined(model)
+        dead = self.reap(*models)
+        barred = [w for model in models for w in self.release_quarantined(model)]
+        self.departures.update(self.board, models, dead, barred)
         return states
 
     def release_quarantined(self, model: str) -> list[str]:
@@ -234,13 +239,19 @@ class Monitor:
                 info = self.board.model_info(model)
                 if info is not None:
                     self.known[model] = info
+        removed = [m for m in self.known if self.board.model_removed(m)]
+        for model in removed:
+            del self.known[model]  # `kvq model rm`: never published again from here
+            if model in listed:  # restored by a tick that raced the removal
+                self.board.unregister_model(model)
+            log.info("model %s was removed (kvq model rm); no longer watched", model)
         for model, info in self.known.items():
             if model in listed and self.board.model_intact(model):
                 continue
             log.warning("redis lost the registration of %s; registering it again", model)
-            self.board.register_model(info, self.s.base_replicas)
-            self.reregistered += 1
-        return sorted(set(listed) | set(self.known))
+            if self.board.register_model(info, self.s.base_replicas, restore=True):
+                self.reregistered += 1
+        return sorted((set(listed) - set(removed)) | set(self.known))
 
     def base_target(self, backbone: bool) -> int:
         """Copies per slice at rest: `KVQ_BASE_REPLICAS`, at least `KVQ_BACKBONE_REPLICAS`
@@ -315,6 +326,7 @@ class Monitor:
                 self.board.release(m, w)  # every slice it held of the model
             self.requeued += self.board.requeue_inbox(w, peers)
             self.board.forget_worker(w)
+            self.board.record_departure(w, departure(self.board, held, reaped_why(self.board)))
             self.reaped += 1
             log.info("reaped worker %s (%s)", w, ", ".join(f"{s} of {m}" for m, s in held))
         return sorted(dead)

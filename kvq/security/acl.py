@@ -84,7 +84,12 @@ def _glob(text: str) -> str:
 
 
 def _model_tables(p: str) -> list[str]:
-    return [f"%R~{p}:models", f"%R~{p}:{{m:*}}:meta", f"%R~{p}:{{m:*}}:slices"]
+    return [
+        f"%R~{p}:models",
+        f"%R~{p}:{{m:*}}:meta",
+        f"%R~{p}:{{m:*}}:slices",
+        f"%R~{p}:{{m:*}}:removed",  # `kvq model rm`: a worker stops serving it
+    ]
 
 
 def user_name(prefix: str, role: str, worker: str | None = None) -> str:

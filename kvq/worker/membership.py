@@ -62,6 +62,7 @@ class Membership:
         self._last_work = (time.monotonic(), 0.0, 0)
         self.holds: dict[tuple[str, str], Held] = {}  # (model, sid) → loaded, serving (in order)
         self.loading: Held | None = None  # taken from the market, still downloading
+        self.dropped: list[Held] = []  # of removed models, for the serving loop to unload
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
         self._idle_beat = float("-inf")  # last heartbeat while holding nothing
         self._lock = threading.Lock()
@@ -154,6 +155,7 @@ class Membership:
         h = self.loading or self.held
         if h is None:
             return
+        self._drop_removed()
         for model, sids in self.by_model().items():
             # after a reap it survived, or lost data
             if self.market.rejoin(model, self.id, *sids):
@@ -190,6 +192,23 @@ class Membership:
         inbox = self.board.beat(self.id, info)
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
         self._unread = max(0, inbox - plate.jobs) if self.holds else 0
+
+    def _drop_removed(self) -> None:
+        """Stop holding the slices of models `kvq model rm` removed (their keys are gone: a
+        rejoin would bring some back); the serving loop drops their servers (`take_dropped`)."""
+        for model in {h.model for h in self.holds.values()}:
+            if self.board.model_removed(model):
+                gone = [k for k in self.holds if k[0] == model]
+                self.dropped.extend(self.holds.pop(k) for k in gone)
+                log.info(
+                    "model %s was removed: no longer serving its %d slice(s)", model, len(gone)
+                )
+
+    def take_dropped(self) -> list[Held]:
+        """The slices the heartbeat stopped holding since the last call (removed models)."""
+        with self._lock:
+            out, self.dropped = self.dropped, []
+            return out
 
     def served_by_model(self) -> dict[str, list[str]]:
         """Model → the slice ids it serves (loaded), what its beat lists in `holds`."""

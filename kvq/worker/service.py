@@ -169,12 +169,22 @@ class Worker:
         """One pass of the serving loop: install what the volunteer thread loaded, ask for a
         slice when due, serve a batch of jobs (or idle a poll)."""
         self._install_loaded()
+        self._unload_removed()
         took = self._volunteer() if self._volunteer_due() else False
         if self.shelf:
             self._serve_batch()
         elif not took:
             self._maybe_idle_out()
             self.stop.wait(self.s.volunteer_poll_s)
+
+    def _unload_removed(self) -> None:
+        """Drop the servers of slices whose model was removed (`Membership.take_dropped`)."""
+        for h in self.membership.take_dropped():
+            self.shelf.drop(h.model, h.sid)
+            self._next_ask = 0.0
+        if not self.shelf and self.consumer is not None:
+            self.consumer = None
+            self._idle_since = time.monotonic()
 
     def _reread_pending(self) -> None:
         """After Redis failed a pass: the jobs read but not answered are read again."""

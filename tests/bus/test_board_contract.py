@@ -314,6 +314,26 @@ def test_register_and_read_back_a_model(board_case: BoardCase, tmp_path: Path) -
     assert {d.target for d in board_case.board.slice_demand("m").values()} == {3}
 
 
+def test_unregister_removes_a_model_until_registered_again(
+    board_case: BoardCase, tmp_path: Path
+) -> None:
+    board = board_case.board
+    path = tmp_path / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    info = plan_model("m", path, 1, 4)
+    board.register_model(info, base_replicas=1)
+    sid = board.volunteer("m", "w1")
+    assert sid is not None and not board.model_removed("m")
+    assert board.unregister_model("m") == ["w1"]
+    assert board.models() == [] and board.model_info("m") is None
+    assert board.assignments("m") == {} and board.slice_demand("m") == {}
+    assert board.model_removed("m") and not board.model_intact("m")
+    assert board.register_model(info, 1, restore=True) is False, "no restore of a removed model"
+    assert board.models() == []
+    assert board.register_model(info, 1) is True and board.models() == ["m"]
+    assert not board.model_removed("m")
+
+
 @pytest.mark.parametrize("kind", ["memory"])
 def test_memory_board_expires_heartbeats_on_its_clock(kind: str) -> None:
     now = [1000.0]

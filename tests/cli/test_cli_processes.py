@@ -42,6 +42,8 @@ LIGHT = [
     ["acl"],
     ["deadletter", "list"],
     ["server", "--help"],
+    ["model", "list"],
+    ["model", "rm", "nope"],
 ]
 # CPU seconds, not wall time: a machine shared with other jobs stretches the wall clock (at a
 # load of 5 on 2 cores these commands took 0.8-1.9 s of wall time); importing torch alone

@@ -58,6 +58,7 @@ KINDS: dict[str, KeysOf] = {
     "models": lambda c: [c.keys.models()],
     "deadletter": lambda c: [c.keys.deadletter()],
     "monitor_lease": lambda c: [c.keys.monitor_lease()],
+    "departed": lambda c: [c.keys.departed()],
     "market": lambda c: [c.keys.market()],
     "model_meta": lambda c: [c.keys.model_meta(MODEL)],
     "model_slices": lambda c: [c.keys.model_slices(MODEL)],
@@ -71,6 +72,7 @@ KINDS: dict[str, KeysOf] = {
     "model_state": lambda c: [c.keys.model_state(MODEL)],
     "model_cancels": lambda c: [c.keys.model_cancels(MODEL)],
     "model_quarantine": lambda c: [c.keys.model_quarantine(MODEL)],
+    "model_removed": lambda c: [c.keys.model_removed(MODEL)],  # never set here: a no-op
     "apikey_calls": lambda c: c.scan(f"{c.keys.prefix}:{{k:*}}:calls"),
     "worker_inbox": lambda c: [c.keys.worker_inbox(w) for w in WORKERS],
     "worker_heartbeat": lambda c: [c.keys.worker_heartbeat(w) for w in WORKERS],

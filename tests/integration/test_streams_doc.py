@@ -30,7 +30,7 @@ import redis
 from waiting import wait_for
 
 from kvq import client
-from kvq.bus.records import Quarantine
+from kvq.bus.records import Departure, Quarantine
 from kvq.bus.redis_board import open_board
 from kvq.bus.streams import dead_letter
 from kvq.config import Settings, child_env
@@ -149,6 +149,10 @@ def deployment(
         client.cancel(r, keys, "small", rid)  # its own key and the model's stream
         dead_letter(r, keys, keys.model_requests("small"), b"1-1", {b"x": b"1"}, "a test", 1000)
         until = int(time.time() * 1000) + 60_000
+        # a worker the monitor reaped, as its reap records one
+        board.record_departure(
+            "laptop-2", Departure(ts_ms=int(board.now_ms()), why="lost: test", held="small: 1")
+        )
         board.quarantine(
             "small",
             "laptop-1",

@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
@@ -30,7 +31,7 @@ RULES = ROOT / "docs" / "alerts.yml"
 UNIT = Path(__file__).with_name("alerts_test.yml")
 
 
-def alerts() -> list[dict[str, str]]:
+def alerts() -> list[dict[str, Any]]:
     doc = yaml.safe_load(RULES.read_text())
     return [rule for group in doc["groups"] for rule in group["rules"]]
 
@@ -65,6 +66,53 @@ def test_every_alert_has_its_own_unit_test() -> None:
             )
     for name in names:
         assert tested.get(name) == {"fires", "quiet"}, f"{name}: needs a firing and a quiet eval"
+
+
+def test_one_lost_worker_of_64_slices_is_one_alert(tmp_path: Path) -> None:
+    """The worker holding all 64 slices of a model dies: one alert whose value is 64 (the rule
+    was per slice: 64 alerts)."""
+    slices = [
+        f"L{i // 16:03d}-{i // 16 + 1:03d}:E{i % 16 * 4:04d}-{i % 16 * 4 + 4:04d}"
+        for i in range(64)
+    ]
+    series = []
+    for sid in slices:
+        series.append(
+            {"series": f'kvq_slice_live_workers{{model="big",slice="{sid}"}}', "values": "1 0x9"}
+        )
+        series.append(
+            {"series": f'kvq_slice_target{{model="big",slice="{sid}"}}', "values": "1x10"}
+        )
+    fires = {
+        "eval_time": "7m",
+        "alertname": "KvqSliceWithoutLiveWorker",
+        "exp_alerts": [
+            {
+                "exp_labels": {"severity": "warning", "model": "big"},
+                "exp_annotations": {
+                    "summary": "big: 64 wanted slices have no live worker",
+                    "description": alert_named("KvqSliceWithoutLiveWorker")["annotations"][
+                        "description"
+                    ],
+                },
+            }
+        ],
+    }
+    unit = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [fires]}],
+    }
+    path = tmp_path / "lost_worker_test.yml"
+    path.write_text(yaml.safe_dump(unit))
+    out = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def alert_named(name: str) -> dict[str, Any]:
+    return next(a for a in alerts() if a["alert"] == name)
 
 
 def test_every_metric_an_alert_names_is_exported(settings: Settings, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Chromium: Debian's `chromium` (`.ci/run` installs it, unpacked without root when
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,8 +27,14 @@ import pytest
 import yaml
 from waiting import wait_for
 
+from kvq.bus.records import WorkerInfo
+from kvq.bus.redis_board import open_board
+from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
+from kvq.gguf.registry import plan_model
 from kvq.monitor.alerts import ELSEWHERE, RULES
+from kvq.monitor.coverage import sid_ranges
+from kvq.slices import SliceSpec, slice_id
 from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +139,7 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         wait_for(
             lambda: (
                 sum(
-                    len(w["slices"])
+                    w["slices"]
                     for w in sw.snapshot()["workers"]
                     if w["heartbeat_age_s"] is not None
                 )
@@ -210,7 +217,7 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
             page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
             page.wait_for_selector('tr[data-worker="dash-b"]', timeout=30_000)
             held = swarm.snapshot()["workers"]
-            b_slices = next(w["slices"] for w in held if w["worker"] == "dash-b")
+            b_slices = next(w["held"] for w in held if w["worker"] == "dash-b")
             sid = b_slices[0].split("/", 1)[1]
             cell = f'.cell[data-slice="{sid}"]'
             assert page.get_attribute(cell, "data-state") == "ok"
@@ -231,6 +238,11 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
             assert page.locator(".cell[data-state='none']").count() == len(b_slices)
             # the alert condition of docs/alerts.yml that now holds, as Prometheus would see it
             page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=30_000)
+            # reaped by the monitor: kept on the page with when and why
+            page.wait_for_selector('li[data-departed="dash-b"]', timeout=30_000)
+            gone = page.inner_text('li[data-departed="dash-b"]')
+            assert "lost: no heartbeat for 1.5s" in gone and "reaped" in gone, gone
+            assert page.locator('tr[data-worker="dash-b"]').count() == 0
             after = SHOTS / "dashboard-worker-killed.png"
             page.screenshot(path=str(after), full_page=True)
             assert_not_blank(page, before, red=False)
@@ -271,3 +283,121 @@ def assert_not_blank(page: Any, png: Path, red: bool) -> None:
     assert got["colours"] > 50, f"{png}: blank ({got})"
     assert got["green"] > 500, got
     assert (got["red"] > 500) == red, got
+
+
+def deepseek_v3_record(tiny: Path) -> ModelInfo:
+    """A registration of DeepSeek-V3's shape: 61 blocks, the first 3 dense, 256 experts; at 4
+    experts a slice, 58 x 64 = 3,712 slices (byte ranges borrowed from a tiny file: nothing
+    is downloaded)."""
+    info = plan_model("dsv3", tiny, 1, 4)
+    rng = next(iter(info.slices.values())).ranges[:1]
+    slices = {}
+    for layer in range(3, 61):
+        for g in range(64):
+            sid = slice_id(layer, layer + 1, 4 * g, 4 * g + 4)
+            slices[sid] = SliceSpec(sid, layer, layer + 1, 4 * g, 4 * g + 4, rng, ("0" * 64,))
+    layer0 = info.meta.expert_tensors[0]
+    meta = dataclasses.replace(
+        info.meta,
+        block_count=61,
+        leading_dense_block_count=3,
+        expert_count=256,
+        expert_used_count=8,
+        expert_tensors=dict.fromkeys(range(3, 61), layer0),
+    )
+    return ModelInfo("dsv3", info.source, meta, slices, info.header_sha256)
+
+
+@pytest.mark.slow
+def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> None:
+    """3,712 slices, 32 workers (one lost, one late), no coordinator: the page stays under two
+    screens, the coverage reads per layer span (grey: nothing served; red: the lost worker's
+    spans) with a drill-down to one span's slices and to a worker's spans, a worker's slices
+    as a count and ranges, 20 worker rows and a button for the rest, the 32 inboxes as one
+    chart, and the lost worker's 116 slices are one alert line."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    from kvq.monitor.http import serve_api
+
+    tiny = tmp_path / "tiny.gguf"
+    make_tiny(tiny, layers=2, experts=8, seed=5)
+    info = deepseek_v3_record(tiny)
+    board = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=120))
+    late = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=50))
+    board.register_model(info, 1)
+    sids = sorted(info.slices)
+    n, per = 32, 116  # 32 x 116 = 3,712
+    for i in range(n):
+        worker, mine = f"ds-{i}", sids[i * per : (i + 1) * per]
+        assert board.rejoin("dsv3", worker, *mine) == per
+        beat = WorkerInfo(model="dsv3", slice=mine[0], device="cpu")
+        if i == n - 2:
+            late.beat(worker, beat)  # its beat ends in 50 s: 70 s late on a 120 s lifetime
+        elif i != n - 1:  # the last never beats: lost
+            board.beat(worker, beat)
+    gone, slow = f"ds-{n - 1}", f"ds-{n - 2}"
+    server, _ = serve_api(board, "127.0.0.1", 0)
+    url = "http://{}:{}".format(*server.server_address)
+    exe, extra_env = browser
+    height = 900
+    try:
+        with playwright.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),
+                executable_path=exe,
+                headless=True,
+                args=FLAGS,
+                env=dict(os.environ) | extra_env,
+                viewport={"width": 1280, "height": height},
+            )
+            try:
+                page = ctx.new_page()
+                page.goto(url + "/")
+                page.wait_for_selector('#status[data-state="live"]', timeout=60_000)
+                strip = '.spans[data-model="dsv3"] .span'
+                assert page.locator(strip).count() == 58
+                lost = len({info.slices[sid].layer_start for sid in sids[(n - 1) * per :]})
+                assert page.locator(f'{strip}[data-state="none"]').count() == lost
+                assert page.locator(f'{strip}[data-state="idle"]').count() == 58 - lost
+                assert page.locator(".cell").count() == 0, "a large model's spans start closed"
+                page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=30_000)
+                alerts = page.locator('li[data-alert="KvqSliceWithoutLiveWorker"]')
+                assert alerts.count() == 1 and "116 wanted slices" in alerts.inner_text()
+                assert page.get_attribute(f'tr[data-worker="{gone}"]', "data-state") == "lost"
+                assert page.get_attribute(f'tr[data-worker="{slow}"]', "data-state") == "late"
+                assert page.get_attribute('tr[data-worker="ds-0"]', "data-state") == "serving"
+                row = page.inner_text(f'tr[data-worker="{gone}"]')
+                ranges = "; ".join(f"dsv3: {r}" for r in sid_ranges(sids[(n - 1) * per :]))
+                assert f"116: {ranges}" in row and ranges.startswith("dsv3: L59 E48-255"), row
+                assert page.locator("#workers tbody tr[data-worker]").count() == 20
+                assert page.inner_text("#workers button.more") == f"show {n - 20} more"
+                inbox = page.locator('.stream[data-stream^="inbox dsv3"]')
+                assert inbox.count() == 1 and "(32 workers)" in inbox.inner_text()
+                SHOTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3.png"), full_page=True)
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px: more than two screens"
+                page.click(f'{strip}[data-state="none"] >> nth=0')
+                page.wait_for_selector('.grid[data-model="dsv3"] .cell.mini', timeout=30_000)
+                assert page.locator(".cell.mini").count() == 64
+                assert page.locator('.cell.mini[data-state="none"]').count() >= 1
+                page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3-span.png"), full_page=True)
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px with one span open"
+                page.click(f'tr[data-worker="{gone}"]')  # its row opens the spans it holds
+                page.wait_for_function(
+                    "n => document.querySelectorAll('.cell.mini').length === n",
+                    arg=64 * lost,
+                    timeout=30_000,
+                )
+                assert page.locator('.cell.mini[data-state="none"]').count() == per
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * height, f"{tall}px with a worker's {lost} spans open"
+            finally:
+                ctx.close()
+    finally:
+        server.shutdown()
+        board.r.close()
+        late.r.close()

@@ -26,7 +26,7 @@ SCOPES: dict[str, str] = {
     "request_": "r",
     "apikey_": "k",
 }
-GLOBAL = {"models", "deadletter", "monitor_lease", "market"}
+GLOBAL = {"models", "deadletter", "monitor_lease", "market", "departed"}
 # (scope id, second id): the first id's tag
 TWO_IDS = {"worker_results", "bench_tagged", "model_grant"}
 

@@ -150,6 +150,19 @@ def test_beat_reports_fresh_counters_and_rejoins_after_release(
     assert _coverage(board, a) == 1, "a beat while held counts it once"
 
 
+def test_a_removed_models_slices_are_dropped_not_rejoined(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    board = board_case.board
+    a, _ = _register(board, gguf)
+    board.set_target("m", a, 1)
+    m = _holding(board, "w", a)
+    board.unregister_model("m")  # kvq model rm
+    m.beat()
+    assert board.assignments("m") == {} and board.slice_demand("m") == {}, "no rejoin"
+    assert m.holds == {} and m.take_dropped() == [Held("m", a)] and m.take_dropped() == []
+
+
 def test_beat_without_a_slice_writes_nothing(board_case: BoardCase, gguf: Path) -> None:
     board = board_case.board
     _register(board, gguf, base_replicas=1)

@@ -18,53 +18,93 @@ function fmt(v, digits = 2) {
   return typeof v === "number" ? String(Math.round(v * 10 ** digits) / 10 ** digits) : String(v);
 }
 
-function cellState(c) {
-  if (c.live === 0) return "none";
-  return c.live < c.target ? "under" : "ok";
+// the spans whose cells are shown ("model:first layer"), asked for in each poll; a model of
+// few slices has every span open anyway
+const openSpans = new Set();
+let showAllWorkers = false;
+const WORKERS_SHOWN = 20;
+
+function spanLabel(l) {
+  return l[1] - l[0] > 1 ? `L${l[0]}-${l[1] - 1}` : `L${l[0]}`;
 }
 
 function drawModels(models) {
   const box = document.getElementById("models");
   box.replaceChildren();
   for (const m of models) {
-    const layerStarts = [...new Set(m.cells.map((c) => c.layers[0]))].sort((a, b) => a - b);
-    const expertStarts = [...new Set(m.cells.map((c) => c.experts[0]))].sort((a, b) => a - b);
-    const grid = el("div", { class: "grid", "data-model": m.model });
-    grid.style.gridTemplateColumns = `auto repeat(${expertStarts.length}, 132px)`;
-    grid.append(el("span", { class: "axis" }, "layers \u2193 experts \u2192"));
-    for (const e of expertStarts) {
-      const c = m.cells.find((x) => x.experts[0] === e);
-      grid.append(el("span", { class: "axis" }, `experts ${c.experts[0]}-${c.experts[1] - 1}`));
+    const t = m.totals;
+    const summary = `${m.slices} slices: ${t.ok + t.idle} covered, ${t.under} under target, ${t.none} without a live worker` +
+      (m.serving ? "" : " · no live coordinator: nothing is served (grey)");
+    const head = el("h3", {}, m.model, " ", el("small", { class: "summary" }, summary));
+    const strip = el("div", { class: "spans", "data-model": m.model, "data-serving": m.serving });
+    for (const sp of m.spans) {
+      const key = `${m.model}:${sp.layers[0]}`;
+      const bad = sp.none + sp.under;
+      const b = el("button", {
+        class: "span", "data-layers": sp.layers[0], "data-state": sp.state, "data-open": sp.open,
+        title: `layers ${sp.layers[0]}-${sp.layers[1] - 1}: ${sp.slices} slices, ${sp.ok + sp.idle} covered, ` +
+          `${sp.under} under target, ${sp.none} without a live worker${sp.quarantined ? `, ${sp.quarantined} with a quarantined holder` : ""}`,
+      }, spanLabel(sp.layers), bad ? el("sup", {}, String(bad)) : "");
+      b.addEventListener("click", () => {
+        if (openSpans.has(key)) openSpans.delete(key); else openSpans.add(key);
+        poll(true);
+      });
+      strip.append(b);
     }
-    for (const l of layerStarts) {
-      const row = m.cells.filter((x) => x.layers[0] === l);
-      grid.append(el("span", { class: "axis" }, `layers ${row[0].layers[0]}-${row[0].layers[1] - 1}`));
-      for (const e of expertStarts) {
-        const c = row.find((x) => x.experts[0] === e);
-        if (!c) { grid.append(el("span", {})); continue; }
-        const holders = c.holders.map((h) => `${h.worker}${h.alive ? "" : " (dead)"}${h.quarantined ? " (quarantined)" : ""}`);
-        const cell = el("div", {
-          class: "cell", "data-slice": c.slice, "data-state": cellState(c), "data-live": c.live,
-          "data-quarantined": c.quarantined, title: `${c.slice}: ${holders.join(", ") || "no holder"}`,
-        }, el("b", {}, `${c.live}/${c.target}`), el("span", {}, c.slice));
-        grid.append(cell);
-      }
-    }
-    box.append(el("h3", {}, m.model), grid);
+    box.append(el("div", { class: "model", "data-model": m.model, "data-serving": m.serving }, head, strip, drawGrid(m)));
   }
 }
 
-function drawTable(id, rows, cols) {
+function drawGrid(m) {
+  const rows = m.spans.filter((sp) => sp.open && sp.cells.length);
+  const grid = el("div", { class: "grid", "data-model": m.model });
+  if (!rows.length) return grid;
+  const cells = rows.flatMap((sp) => sp.cells);
+  const expertStarts = [...new Set(cells.map((c) => c.experts[0]))].sort((a, b) => a - b);
+  const mini = expertStarts.length > 16;
+  grid.style.gridTemplateColumns = `auto repeat(${expertStarts.length}, ${mini ? "14px" : "132px"})`;
+  grid.append(el("span", { class: "axis" }, "layers \u2193 experts \u2192"));
+  for (const e of expertStarts) {
+    const c = cells.find((x) => x.experts[0] === e);
+    grid.append(el("span", { class: "axis" }, mini ? "" : `experts ${c.experts[0]}-${c.experts[1] - 1}`));
+  }
+  for (const sp of rows) {
+    grid.append(el("span", { class: "axis" }, `layers ${sp.layers[0]}-${sp.layers[1] - 1}`));
+    for (const e of expertStarts) {
+      const c = sp.cells.find((x) => x.experts[0] === e);
+      if (!c) { grid.append(el("span", {})); continue; }
+      const holders = c.holders.map((h) => `${h.worker}${h.alive ? "" : " (lost)"}${h.quarantined ? " (quarantined)" : ""}`);
+      grid.append(el("div", {
+        class: mini ? "cell mini" : "cell", "data-slice": c.slice, "data-state": c.state, "data-live": c.live,
+        "data-quarantined": c.quarantined, title: `${c.slice}: ${c.live}/${c.target}; ${holders.join(", ") || "no holder"}`,
+      }, ...(mini ? [] : [el("b", {}, `${c.live}/${c.target}`), el("span", {}, c.slice)])));
+    }
+  }
+  return grid;
+}
+
+function drawTable(id, rows, cols, most) {
   const body = document.querySelector(`#${id} tbody`);
   body.replaceChildren();
-  for (const r of rows) {
+  for (const r of most ? rows.slice(0, most) : rows) {
     const tr = el("tr", { [`data-${id.slice(0, -1)}`]: r[cols[0][0]] });
+    if (r.state) tr.dataset.state = r.state;
+    if (r.spans && r.spans.length) {  // a worker: its row opens the spans it holds
+      tr.classList.add("opens");
+      tr.title = "show the slices of the layer spans it holds";
+      tr.addEventListener("click", () => { openSpans.clear(); r.spans.forEach((k) => openSpans.add(k)); poll(true); });
+    }
     for (const [key, show] of cols) {
       const td = el("td", {}, show ? show(r[key], r) : fmt(r[key]));
       if (key === "trust") td.className = `trust-${r.trust}`;
       tr.append(td);
     }
     body.append(tr);
+  }
+  if (most && rows.length > most) {
+    const more = el("button", { class: "more" }, `show ${rows.length - most} more`);
+    more.addEventListener("click", () => { showAllWorkers = true; poll(true); });
+    body.append(el("tr", {}, el("td", { colspan: cols.length }, more)));
   }
 }
 
@@ -111,6 +151,21 @@ function drawAlerts(alerts) {
   for (const a of alerts) ul.append(el("li", { "data-alert": a.alert }, `${a.alert}: ${a.summary}`));
 }
 
+function drawDeparted(rows) {
+  const ul = document.getElementById("departed");
+  ul.replaceChildren();
+  if (!rows.length) ul.append(el("li", { class: "none" }, "none in the last hour"));
+  for (const d of rows) {
+    ul.append(el("li", { "data-departed": d.worker },
+      `${d.worker}: ${d.why} ${fmt(d.ago_s, 0)} s ago (${new Date(d.when_ms).toISOString()}); held ${d.held || "nothing"}`));
+  }
+}
+
+function slicesText(n, r) {
+  const shown = r.ranges.slice(0, 3).join("; ");
+  return `${n}: ${shown}${r.ranges.length > 3 ? ` (+${r.ranges.length - 3} ranges)` : ""}`;
+}
+
 function drawDead(dead) {
   document.getElementById("dead-count").textContent = `(${dead.length})`;
   const ul = document.getElementById("deadletters");
@@ -124,9 +179,10 @@ function draw(snap) {
   drawAlerts(snap.alerts);
   drawModels(snap.models);
   drawTable("workers", snap.workers, [
-    ["worker"], ["slices", (v) => v.join(", ")], ["trust", (v) => v],
+    ["worker"], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
     ["ms_per_row"], ["queued_rows"], ["load"], ["heartbeat_age_s", (v) => (v === null ? "gone" : `${fmt(v, 1)} s`)],
-  ]);
+  ], showAllWorkers ? 0 : WORKERS_SHOWN);
+  drawDeparted(snap.departed);
   drawTable("coordinators", snap.coordinators, [
     ["coordinator"], ["model", (v) => v], ["busy", (v, r) => `${r.busy} / ${r.slots}${r.alive ? "" : " (stale)"}`],
     ["tokens_per_s"], ["remote_share", (v) => `${fmt(100 * v, 1)} %`],
@@ -135,10 +191,14 @@ function draw(snap) {
   drawDead(snap.deadletters);
 }
 
-async function poll() {
+let timer = null;
+
+async function poll(now) {
+  if (now && timer) clearTimeout(timer);
   const status = document.getElementById("status");
   try {
-    const resp = await fetch("/api/dashboard", { cache: "no-store" });
+    const open = encodeURIComponent([...openSpans].join(","));
+    const resp = await fetch(`/api/dashboard?open=${open}`, { cache: "no-store" });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     draw(await resp.json());
     status.dataset.state = "live";
@@ -147,7 +207,7 @@ async function poll() {
     status.dataset.state = "error";
     status.textContent = `cannot reach the monitor (${err.message}); retrying`;
   }
-  setTimeout(poll, POLL_MS);
+  timer = setTimeout(poll, POLL_MS);
 }
 
 poll();
