@@ -190,6 +190,8 @@ def _worker_row(v: WorkerView) -> dict[str, Any]:
         "queued_rows": v.queued_rows,
         "load": v.load,
         "device": v.device,
+        # what computes its products: a slow path ("float32 (no int8 kernel: ...)") shows here
+        "kernels": v.kernels or "unknown",
         "heartbeat_age_s": None,
     }
 

@@ -34,6 +34,7 @@ from kvq.config import Settings, child_env
 from kvq.gguf.registry import plan_model
 from kvq.monitor.alerts import ELSEWHERE, RULES
 from kvq.monitor.coverage import sid_ranges
+from kvq.quant.kernels import describe
 from kvq.slices import SliceSpec, slice_id
 from kvq.tools.synth import make_tiny
 
@@ -177,6 +178,8 @@ def test_dashboard_json_and_the_ready_lines(swarm: Swarm) -> None:
     (m,) = snap["models"]
     assert m["model"] == "tiny" and m["layers"] == 2 and len(m["cells"]) == 4
     assert {w["worker"] for w in snap["workers"]} == {"dash-a", "dash-b"}
+    # each worker's kernel path, as its info says (a slow float32 path would show here)
+    assert {w["kernels"] for w in snap["workers"]} == {describe("cpu")}
     (c,) = snap["coordinators"]
     assert c["coordinator"] == "coord-dash" and c["slots"] >= 1
     assert any(s["stream"].startswith("requests") for s in snap["streams"])

@@ -180,7 +180,7 @@ function draw(snap) {
   drawModels(snap.models);
   drawTable("workers", snap.workers, [
     ["worker"], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
-    ["ms_per_row"], ["queued_rows"], ["load"], ["heartbeat_age_s", (v) => (v === null ? "gone" : `${fmt(v, 1)} s`)],
+    ["ms_per_row"], ["queued_rows"], ["load"], ["kernels"], ["heartbeat_age_s", (v) => (v === null ? "gone" : `${fmt(v, 1)} s`)],
   ], showAllWorkers ? 0 : WORKERS_SHOWN);
   drawDeparted(snap.departed);
   drawTable("coordinators", snap.coordinators, [
