@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ def compute_dtype(
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
+_MKL_DISPATCH = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
 
 
 def dtype_name(dtype: torch.dtype, device: torch.device | str) -> str:
@@ -59,7 +61,7 @@ def numerics(path: str) -> str:
     kernels: "" where nothing does (a GPU, bfloat16, float32 products that depend on the
     batch), else the machine, kvq, torch and the vector width torch's own CPU kernels
     dispatch to (`ATEN_CPU_CAPABILITY`), and the CPU's vendor and extensions (what the float32
-    products' math library dispatches on). kvq's kernels give the same bits on every SIMD
+    products' math library, MKL, dispatches on, with any `MKL_CBWR`-type override). kvq's kernels give the same bits on every SIMD
     path; torch's norms and softmax reduce in an order set by that width, not by the thread
     count.
     Two holders with one label give a span the same bits (stage answers are compared bit for
@@ -71,7 +73,11 @@ def numerics(path: str) -> str:
     if path not in ("q8", "f32cpu") or not qdot.options().batch_invariant:
         return ""
     width = torch.backends.cpu.get_cpu_capability()
-    return f"{platform.machine()} {cpu_kind()} kvq-{__version__} torch-{torch.__version__} {width}"
+    # MKL's own dispatch where a variable overrides it (MKL_CBWR=AVX2 changes the bits of the
+    # float32 products on an AVX-512 CPU)
+    mkl = [f"{k}={os.environ[k]}" for k in _MKL_DISPATCH if os.environ.get(k)]
+    parts = [platform.machine(), cpu_kind(), f"kvq-{__version__}", f"torch-{torch.__version__}"]
+    return " ".join([*parts, *mkl, width])
 
 
 def timed_call(fn: Callable[[], object], device: torch.device) -> float:

@@ -39,9 +39,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _run(model: Path, capability: str | None, threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    env["OMP_NUM_THREADS"] = str(threads)
+def _run(model: Path, capability: str | None, threads: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    env.update(OMP_NUM_THREADS=str(threads), **extra)
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
     out = subprocess.run(
@@ -68,3 +68,10 @@ def test_torchs_vector_width_changes_the_label_with_the_bits(model: Path) -> Non
     plain = _run(model, "default", 1)
     assert plain["label"] == native["label"].rsplit(" ", 1)[0] + " DEFAULT"
     print(f"bits {'differ' if plain['bits'] != native['bits'] else 'agree'} across the widths")
+
+
+def test_an_override_of_mkls_dispatch_changes_the_label(model: Path) -> None:
+    """MKL picks its code by CPU unless told otherwise (`MKL_CBWR`): the float32 products'
+    bits follow, so the label names the override."""
+    native, pinned = _run(model, None, 1), _run(model, None, 1, MKL_CBWR="COMPATIBLE")
+    assert pinned["label"] != native["label"] and "MKL_CBWR=COMPATIBLE" in pinned["label"]
