@@ -13,6 +13,7 @@ from kvq.errors import ModelError
 from kvq.gguf.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.rowwise import pointwise, row_matmul
+from kvq.quant import kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -311,6 +312,15 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w.T for a dense or encoded (`QMatrix`) weight, each row's bits those it gets
     alone (`kvq.model.rowwise`). x: [N, in]; w: [out, in]."""
     return w.matmul(x) if isinstance(w, QMatrix) else row_matmul(x, w.T)
+
+
+def linears(x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
+    """`linear(x, w)` for each w of `ws`, with their bits; one row of x against encoded
+    weights in one kernel call (`kernels.matmul_one`: a decode step's q, k and v)."""
+    enc = [w for w in ws if isinstance(w, QMatrix) and w.raw.is_contiguous()]
+    if len(enc) == len(ws) and kernels.one_covers([w.qtype for w in enc], x):
+        return kernels.matmul_one(x, [(w.raw, w.qtype) for w in enc])
+    return [linear(x, w) for w in ws]
 
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:

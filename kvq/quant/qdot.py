@@ -193,6 +193,7 @@ def build(cc: str, cache_dir: Path) -> Built:
 _SIGNATURES = {
     "kvq_qdot": "i p L L p L L p i i",
     "kvq_qdot_moe": "i p p p p p L L p p p i i i p",
+    "kvq_qdot_one": "i p p p p p L p i i",
     "kvq_qdot_moe_batch": "i p p p p p L L L p p p p p i i i p",
     "kvq_attn_decode": "L L L L p p p p p p f p p i",
     "kvq_qdot_best_isa": "",
@@ -302,6 +303,37 @@ def matmul(
     if rc != 0:
         raise ValueError(f"qdot {Q(qtype).name} [{n}, {k}]: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def matmul_one(
+    built: Built,
+    x: int,
+    k: int,
+    mats: list[tuple[int, int, int, int]],
+    outs: list[int],
+    threads: int,
+    isa: int = -1,
+) -> None:
+    """One row of x against several matrices in one call (`csrc/qdot_rows.h`): the bits of
+    one `matmul` per matrix, one quantization of x per kind of block, one parallel region.
+    x: the address of [k] float32; mats: per matrix (address, rows, row bytes, ggml type) of
+    its C-contiguous bytes; outs: per matrix the address of its [rows] float32 output."""
+    n = len(mats)
+    rc = built.lib.kvq_qdot_one(
+        n,
+        (ctypes.c_int * n)(*(m[3] for m in mats)),
+        (ctypes.c_void_p * n)(*(m[0] for m in mats)),
+        (ctypes.c_int64 * n)(*(m[1] for m in mats)),
+        (ctypes.c_int64 * n)(*(m[2] for m in mats)),
+        x,
+        k,
+        (ctypes.c_void_p * n)(*outs),
+        threads,
+        isa,
+    )
+    if rc != 0:
+        names = ", ".join(Q(m[3]).name for m in mats)
+        raise ValueError(f"qdot of one row against {names} (k {k}): {_ERRORS.get(rc, rc)}")
 
 
 def moe(
