@@ -194,6 +194,7 @@ _SIGNATURES = {
     "kvq_qdot": "i p L L p L L p i i",
     "kvq_qdot_moe": "i p p p p p L L p p p i i i p",
     "kvq_qdot_one": "i p p p p p L p i i",
+    "kvq_stream_read": "p L i",
     "kvq_qdot_moe_batch": "i p p p p p L L L p p p p p i i i p",
     "kvq_attn_decode": "L L L L p p p p p p f p p i",
     "kvq_qdot_best_isa": "",

@@ -715,6 +715,22 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     return 0;
 }
 
+/* A plain read of n bytes on `threads` threads, the words xored (kvq bench model's memory
+ * roof beside the kernels, on their threads): returns the low bit, so the read is not dropped. */
+int kvq_stream_read(const uint8_t *p, int64_t n, int threads) {
+    uint64_t acc = 0;
+    const int64_t words = n / 8;
+    if (threads < 1) threads = 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(^ : acc)
+    for (int64_t i = 0; i < words; i++) {
+        uint64_t v;
+        memcpy(&v, p + 8 * i, 8);
+        acc ^= v;
+    }
+    return (int)(acc & 1);
+}
+
 #include "qdot_moe.h"
 #include "qdot_rows.h"
 #include "attn_decode.h"
