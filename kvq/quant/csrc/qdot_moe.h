@@ -11,7 +11,8 @@
  * sum around them: about 25 Python calls and 24 OpenMP regions per layer for 8 experts. Here
  * it is one call and one region: x quantized once for every gate and up row, the expert
  * hidden states quantized in the region, and the sum taken there, each thread adding every
- * expert's down rows of its own output rows (three waits a call, RZ rows at a time).
+ * expert's down rows of its own output rows from its own quantization of the hidden states
+ * (one wait inside a call, RZ rows at a time).
  *
  * Same bits on every path and thread count: each gate/up/down output is one dot product of
  * the kernels above (computed by one thread), SiLU and the products are the same float32
@@ -139,15 +140,15 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
     const size_t xg_n = kern_xbytes(&kg, h), xu_n = kern_share_x(&kg, &ku) ? 0 : kern_xbytes(&ku, h);
     const size_t hq_n = kern_xbytes(&kd, f);
     const size_t hb_n = sizeof(float) * (size_t)(n * f);
-    char *mem = malloc(xg_n + xu_n + hq_n * (size_t)n + hb_n + 64);
+    if (threads < 1) threads = 1;
+    /* each thread quantizes every expert's hidden state into its own copy: no wait for that */
+    char *mem = malloc(xg_n + xu_n + hq_n * (size_t)n * (size_t)threads + hb_n + 64);
     if (!mem) return -3;
     /* the float buffer first: every piece stays 4-byte aligned */
     float *hb = (float *)mem;
-    char *xg = (char *)(hb + n * f), *xu = xu_n ? xg + xg_n : xg, *hq = xg + xg_n + xu_n;
+    char *xg = (char *)(hb + n * f), *xu = xu_n ? xg + xg_n : xg, *hq_all = xg + xg_n + xu_n;
     kern_quantize(&kg, x, h, xg);
     if (xu_n) kern_quantize(&ku, x, h, xu);
-    if (threads < 1) threads = 1;
-    (void)threads;
     const rdot_k_fn rg = pick_rk(kg.qtype, kg.isa), ru = pick_rk(ku.qtype, ku.isa), rd = pick_rk(kd.qtype, kd.isa);
     const int64_t gf = (f + RZ - 1) / RZ, gh = (h + RZ - 1) / RZ; /* groups of RZ rows per expert */
 #pragma omp parallel num_threads(threads)
@@ -160,7 +161,11 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
             moe_rows(&ku, ru, up[e] + r0 * rb[1], rb[1], (int)nr, xu, h, u);
             for (int64_t j = 0; j < nr; j++) hb[e * f + r0 + j] = moe_hidden(g[j], u[j], act, bias, e, r0 + j);
         }
-#pragma omp for schedule(static)
+#ifdef _OPENMP
+        char *hq = hq_all + hq_n * (size_t)n * (size_t)omp_get_thread_num();
+#else
+        char *hq = hq_all;
+#endif
         for (int64_t e = 0; e < n; e++) kern_quantize(&kd, hb + e * f, f, hq + (size_t)e * hq_n);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < gh; i++) { /* [h] in groups, each with every expert's rows */
