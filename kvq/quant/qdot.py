@@ -6,7 +6,10 @@ loaded with ctypes.
 (vpmaddubsw with AVX2, vpdpbusd with AVX512-VNNI) and one float32 combination per block. From 16
 rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
 unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
-weight row per int32 lane; the same integers and float steps, so the same bits. It
+weight row per int32 lane; the same integers and float steps, so the same bits. At one row of x
+(a decode step; `csrc/qdot_rows_z.h`) Q4_K and Q6_K go 8 weight rows at a time on AVX-512,
+their blocks' sums reduced and combined in 8 float lanes, one per weight row, with the scalar
+path's operations; `matmul_one` takes a decode step's q, k and v in one call. It
 computes below the stored precision (the activations lose bits, as llama.cpp's do); it is the
 default (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`), and `KVQ_ACTIVATIONS=float32`
 turns it off for the exact path.

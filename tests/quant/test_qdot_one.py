@@ -5,6 +5,8 @@ pass of blocks; the model's `linears` takes it for one row and gives `linear`'s 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -71,3 +73,25 @@ def test_linears_takes_one_call_for_one_row_with_linears_bits(
         for got, w in zip(linears(rows, ws), ws, strict=True):
             assert torch.equal(got, linear(rows, w))
     assert calls == [len(MATS)]
+
+
+def test_one_row_calls_have_the_same_bits_on_any_threads_and_callers(built: qdot.Built) -> None:
+    """A one-row call's pieces go to whichever thread takes them (`csrc/qdot_pool.h`); two
+    Python threads calling at once each get their own results (one computes alone)."""
+    raws, x = _mats(2048, seed=3)
+    raw, qtype = raws[0], MATS[0][0]
+    one = qdot.matmul(built, x, raw, qtype, 1)
+    for threads in (2, 3, 7):
+        assert np.array_equal(qdot.matmul(built, x, raw, qtype, threads), one), threads
+    got: list[bool] = []
+
+    def call() -> None:
+        for _ in range(20):
+            got.append(np.array_equal(qdot.matmul(built, x, raw, qtype, 2), one))
+
+    callers = [threading.Thread(target=call) for _ in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert got == [True] * 60
