@@ -76,8 +76,8 @@ def test_linears_takes_one_call_for_one_row_with_linears_bits(
 
 
 def test_one_row_calls_have_the_same_bits_on_any_threads_and_callers(built: qdot.Built) -> None:
-    """A one-row call's pieces go to whichever thread takes them (`csrc/qdot_pool.h`); two
-    Python threads calling at once each get their own results (one computes alone)."""
+    """A one-row call gives the bits of one thread on any number of them; two
+    Python threads calling at once each get their own results."""
     raws, x = _mats(2048, seed=3)
     raw, qtype = raws[0], MATS[0][0]
     one = qdot.matmul(built, x, raw, qtype, 1)

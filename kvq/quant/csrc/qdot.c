@@ -616,25 +616,6 @@ static rdot_k_fn pick_rk(int qtype, int isa) {
     return 0;
 }
 
-#include "qdot_pool.h"
-
-/* one-row calls hand out RZ_PIECE groups of RZ weight rows at a time (qdot_pool.h) */
-#define RZ_PIECE 4
-
-typedef struct { /* a one-row call of kvq_qdot on rdot kernels */
-    rdot_k_fn rk;
-    const uint8_t *w;
-    int64_t rb, rows, nb;
-    const xk_t *xq;
-    float *out;
-} rows_job;
-
-static void rows_piece(void *c, int64_t piece) {
-    const rows_job *j = (const rows_job *)c;
-    for (int64_t n = piece * RZ_PIECE * RZ, end = n + RZ_PIECE * RZ; n < end && n < j->rows; n += RZ)
-        j->rk(j->w + n * j->rb, j->rb, (int)(j->rows - n < RZ ? j->rows - n : RZ), j->xq, j->nb, j->out + n);
-}
-
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
 static mdot_k_fn pick_mk(int qtype, int isa) {
 #ifdef QDOT_X86
@@ -706,9 +687,10 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     rdot_k_fn rk = kq && n_x == 1 ? pick_rk(qtype, isa) : 0;
     if (threads < 1) threads = 1;
     (void)threads;
-    if (rk) { /* one row of x (a decode step): RZ weight rows at a time, on the pool */
-        rows_job job = {rk, w, row_bytes, n_rows, nb, (const xk_t *)xq, out};
-        pool_run(rows_piece, &job, (n_rows + RZ_PIECE * RZ - 1) / (RZ_PIECE * RZ), threads);
+    if (rk) { /* one row of x (a decode step): RZ weight rows at a time */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < n_rows; n += RZ)
+            rk(w + n * row_bytes, row_bytes, (int)(n_rows - n < RZ ? n_rows - n : RZ), xq, nb, out + n);
         free(xq);
         return 0;
     }

@@ -9,9 +9,8 @@
  * for x [h] float32, gate_e and up_e [f, h] and down_e [h, f] in GGUF blocks. The decode path
  * of a MoE layer was three kvq_qdot calls per expert plus torch's SiLU, product and weighted
  * sum around them: about 25 Python calls and 24 OpenMP regions per layer for 8 experts. Here
- * it is one call and two jobs of the pool (qdot_pool.h): x quantized once for every gate and
- * up row, the hidden states of every expert, their quantization, then the sum, each piece of
- * output rows adding every expert's down rows of it (RZ rows at a time).
+ * it is one call and one region: x quantized once for every gate and up row, the expert
+ * hidden states quantized in the region, and the sum taken there.
  *
  * Same bits on every path and thread count: each gate/up/down output is one dot product of
  * the kernels above (computed by one thread), SiLU and the products are the same float32
@@ -121,43 +120,6 @@ static int moe_kerns(const int *types, int isa, int64_t h, int64_t f, kern_t *kg
     return (h % kg->block || h % ku->block || f % kd->block) ? -2 : 0;
 }
 
-typedef struct { /* one token's MoE call, as its two jobs of the pool see it */
-    const kern_t *kg, *ku, *kd;
-    rdot_k_fn rg, ru, rd;
-    const uint8_t *const *gate, *const *up, *const *down;
-    const int64_t *rb;
-    int64_t f, h, n, gf; /* gf: groups of RZ rows of an expert's f */
-    const char *xg, *xu, *hq;
-    size_t hq_n;
-    float *hb;
-    const float *w;
-    float *out;
-    int act;
-    const float *const *bias;
-} moe_job;
-
-/* group i of the [n, f] hidden states (expert i / gf): gate and up rows, then the activation */
-static void moe_hidden_piece(void *c, int64_t i) {
-    const moe_job *j = (const moe_job *)c;
-    const int64_t e = i / j->gf, r0 = (i % j->gf) * RZ, nr = j->f - r0 < RZ ? j->f - r0 : RZ;
-    float g[RZ], u[RZ];
-    moe_rows(j->kg, j->rg, j->gate[e] + r0 * j->rb[0], j->rb[0], (int)nr, j->xg, j->h, g);
-    moe_rows(j->ku, j->ru, j->up[e] + r0 * j->rb[1], j->rb[1], (int)nr, j->xu, j->h, u);
-    for (int64_t r = 0; r < nr; r++) j->hb[e * j->f + r0 + r] = moe_hidden(g[r], u[r], j->act, j->bias, e, r0 + r);
-}
-
-/* group i of the [h] output: every expert's down rows of it, added in the experts' order */
-static void moe_down_piece(void *c, int64_t i) {
-    const moe_job *j = (const moe_job *)c;
-    const int64_t r0 = i * RZ, nr = j->h - r0 < RZ ? j->h - r0 : RZ;
-    float acc[RZ] = {0}, d[RZ];
-    for (int64_t e = 0; e < j->n; e++) {
-        moe_rows(j->kd, j->rd, j->down[e] + r0 * j->rb[2], j->rb[2], (int)nr, j->hq + (size_t)e * j->hq_n, j->f, d);
-        for (int64_t r = 0; r < nr; r++) acc[r] = acc[r] + j->w[e] * moe_out(d[r], j->bias, e, r0 + r);
-    }
-    memcpy(j->out + r0, acc, sizeof(float) * (size_t)nr);
-}
-
 /* Returns 0, or -1 (a type not covered), -2 (h or f not a multiple of a type's block),
  * -3 (out of memory). gate, up, down: n pointers each to [rows, row bytes]; rb: row bytes of
  * gate, up and down; types: their ggml types. */
@@ -175,19 +137,44 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
     /* gate and up share x's quantization when their blocks and orders are of one kind */
     const size_t xg_n = kern_xbytes(&kg, h), xu_n = kern_share_x(&kg, &ku) ? 0 : kern_xbytes(&ku, h);
     const size_t hq_n = kern_xbytes(&kd, f);
-    const size_t hb_n = sizeof(float) * (size_t)(n * f);
-    char *mem = malloc(xg_n + xu_n + hq_n * (size_t)n + hb_n + 64);
+    const size_t hb_n = sizeof(float) * (size_t)(n * f), y_n = sizeof(float) * (size_t)(n * h);
+    char *mem = malloc(xg_n + xu_n + hq_n * (size_t)n + hb_n + y_n + 64);
     if (!mem) return -3;
-    /* the float buffer first: every piece stays 4-byte aligned */
-    float *hb = (float *)mem;
-    char *xg = (char *)(hb + n * f), *xu = xu_n ? xg + xg_n : xg, *hq = xg + xg_n + xu_n;
+    /* float buffers first: every piece stays 4-byte aligned */
+    float *hb = (float *)mem, *y = hb + n * f;
+    char *xg = (char *)(y + n * h), *xu = xu_n ? xg + xg_n : xg, *hq = xg + xg_n + xu_n;
     kern_quantize(&kg, x, h, xg);
     if (xu_n) kern_quantize(&ku, x, h, xu);
-    moe_job job = {&kg, &ku, &kd, pick_rk(kg.qtype, kg.isa), pick_rk(ku.qtype, ku.isa), pick_rk(kd.qtype, kd.isa),
-                   gate, up, down, rb, f, h, n, (f + RZ - 1) / RZ, xg, xu, hq, hq_n, hb, w, out, act, bias};
-    pool_run(moe_hidden_piece, &job, n * job.gf, threads);
-    for (int64_t e = 0; e < n; e++) kern_quantize(&kd, hb + e * f, f, hq + (size_t)e * hq_n);
-    pool_run(moe_down_piece, &job, (h + RZ - 1) / RZ, threads);
+    if (threads < 1) threads = 1;
+    (void)threads;
+    const rdot_k_fn rg = pick_rk(kg.qtype, kg.isa), ru = pick_rk(ku.qtype, ku.isa), rd = pick_rk(kd.qtype, kd.isa);
+    const int64_t gf = (f + RZ - 1) / RZ, gh = (h + RZ - 1) / RZ; /* groups of RZ rows per expert */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n * gf; i++) { /* [n, f] in groups: expert i / gf */
+            const int64_t e = i / gf, r0 = (i % gf) * RZ, nr = f - r0 < RZ ? f - r0 : RZ;
+            float g[RZ], u[RZ];
+            moe_rows(&kg, rg, gate[e] + r0 * rb[0], rb[0], (int)nr, xg, h, g);
+            moe_rows(&ku, ru, up[e] + r0 * rb[1], rb[1], (int)nr, xu, h, u);
+            for (int64_t j = 0; j < nr; j++) hb[e * f + r0 + j] = moe_hidden(g[j], u[j], act, bias, e, r0 + j);
+        }
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < n; e++) kern_quantize(&kd, hb + e * f, f, hq + (size_t)e * hq_n);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n * gh; i++) { /* [n, h] in groups */
+            const int64_t e = i / gh, r0 = (i % gh) * RZ, nr = h - r0 < RZ ? h - r0 : RZ;
+            float d[RZ];
+            moe_rows(&kd, rd, down[e] + r0 * rb[2], rb[2], (int)nr, hq + (size_t)e * hq_n, f, d);
+            for (int64_t j = 0; j < nr; j++) y[e * h + r0 + j] = moe_out(d[j], bias, e, r0 + j);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < h; r++) {
+            float acc = 0.0f;
+            for (int64_t e = 0; e < n; e++) acc = acc + w[e] * y[e * h + r];
+            out[r] = acc;
+        }
+    }
     free(mem);
     return 0;
 }

@@ -6,39 +6,11 @@
  * A decode step's attention projections (q, k and v) read one input: three kvq_qdot calls
  * were three quantizations of x, three parallel regions (each a futex wake of the other
  * threads) and three Python wrappers. Here x is quantized once per kind of block the types
- * take, and the rows of every matrix are one job of the pool (qdot_pool.h), RZ weight rows at a
- * time where the kernel has that form (qdot_rows_z.h). Each output is the dot product kvq_qdot computes for
+ * take, and the rows of every matrix share one region, RZ weight rows at a time where the
+ * kernel has that form (qdot_rows_z.h). Each output is the dot product kvq_qdot computes for
  * it, by one thread: the same bits. */
 
 #define ONE_MAX 8 /* matrices per call */
-
-typedef struct { /* a call's matrices, their kernels, x's quantizations and the outputs */
-    int n;
-    const kern_t *kn;
-    const rdot_k_fn *rk;
-    const uint8_t *const *w;
-    const int64_t *rows, *rb;
-    const char *xq;
-    const size_t *off;
-    int64_t k;
-    float *const *out;
-    const int64_t *first;
-} one_job;
-
-/* group g of RZ rows: of the matrix whose groups hold it */
-static void one_piece(void *c, int64_t g) {
-    const one_job *j = (const one_job *)c;
-    int m = 0;
-    while (g >= j->first[m + 1]) m++;
-    const int64_t r0 = (g - j->first[m]) * RZ, nr = j->rows[m] - r0 < RZ ? j->rows[m] - r0 : RZ;
-    const uint8_t *wr = j->w[m] + r0 * j->rb[m];
-    const char *xq = j->xq + j->off[m];
-    if (j->rk[m]) {
-        j->rk[m](wr, j->rb[m], (int)nr, (const xk_t *)(const void *)xq, j->k / QK, j->out[m] + r0);
-        return;
-    }
-    for (int64_t r = 0; r < nr; r++) j->out[m][r0 + r] = kern_dot(&j->kn[m], wr + r * j->rb[m], xq, j->k);
-}
 
 /* Returns 0, or -1 (a type not covered, or n outside 1..ONE_MAX), -2 (k not a multiple of a
  * type's block), -3 (out of memory). */
@@ -72,8 +44,20 @@ int kvq_qdot_one(int n, const int *types, const uint8_t *const *w, const int64_t
         for (int e = 0; e < m; e++) made |= off[e] == off[m];
         if (!made) kern_quantize(&kn[m], x, k, xq + off[m]);
     }
-    one_job job = {n, kn, rk, w, rows, rb, xq, off, k, out, first};
-    pool_run(one_piece, &job, first[n], threads);
+    if (threads < 1) threads = 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < first[n]; g++) {
+        int m = 0;
+        while (g >= first[m + 1]) m++;
+        const int64_t r0 = (g - first[m]) * RZ, nr = rows[m] - r0 < RZ ? rows[m] - r0 : RZ;
+        const uint8_t *wr = w[m] + r0 * rb[m];
+        if (rk[m]) {
+            rk[m](wr, rb[m], (int)nr, (const xk_t *)(const void *)(xq + off[m]), k / QK, out[m] + r0);
+            continue;
+        }
+        for (int64_t j = 0; j < nr; j++) out[m][r0 + j] = kern_dot(&kn[m], wr + j * rb[m], xq + off[m], k);
+    }
     free(xq);
     return 0;
 }
