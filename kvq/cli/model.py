@@ -384,6 +384,13 @@ def _print_model_notes(kq: dict[str, Any], ll: dict[str, Any], llama_note: str |
             f"({kq['expert_ms_per_layer_1']:.2f} / {kq['expert_ms_per_layer_batch']:.2f} ms; "
             f"{kq['expert_share_1']:.0%} / {kq['expert_share_batch']:.0%} of decode time)"
         )
+    roof = kq.get("roofline")
+    if roof:
+        print(
+            f"  batch-1 decode reads {roof['decode_bytes_mb']:.0f} MB a token: "
+            f"{roof['decode_gb_s']:.1f} GB/s against a plain read's {roof['stream_gb_s']:.1f} "
+            f"on the same threads ({roof['roof_share']:.0%} of the roof)"
+        )
     notes = [f"{n} sequences: {v}" for n, v in (ll.get("aggregate_notes") or {}).items()]
     for note in (llama_note, ll.get("error"), *notes):
         if note:

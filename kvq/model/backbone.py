@@ -42,6 +42,7 @@ from kvq.model.layers import (
     attn_temperature,
     causal_attention,
     linear,
+    linears,
     rms_norm,
     swiglu,
 )
@@ -353,12 +354,13 @@ class Backbone:
         m, n, eps = self.meta, x.shape[0], self.meta.rms_eps
         window = m.window(layer)
         rope = self.rope_swa if window else self.rope
-        q, kk = _linear(x, a.wq, a.bq), _linear(x, a.wk, a.bk)  # [N, heads*d], [N, kv*d]
-        gate = None
+        ys = linears(x, [a.wq, a.wk, a.wv])  # one kernel call for a decode step's row
+        q, kk, v = (y if b is None else y + b for y, b in zip(ys, (a.bq, a.bk, a.bv), strict=True))
+        gate = None  # q [N, heads*d], kk [N, kv*d], v [N, kv*d]
         if a.gated:  # qwen35moe: per head d values of q, then d of the output gate
             qg = q.view(n, m.head_count, 2, m.head_dim)
             q, gate = qg[:, :, 0].reshape(n, -1), qg[:, :, 1].reshape(n, -1)  # [N, heads*d]
-        vv = _linear(x, a.wv, a.bv).view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
+        vv = v.view(n, m.head_count_kv, m.head_dim)  # [N, kv, d]
         with _small(n)():
             qn, kn = a.q_norm, a.k_norm
             full = qn is not None and qn.shape[0] != m.head_dim

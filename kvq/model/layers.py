@@ -13,6 +13,7 @@ from kvq.errors import ModelError
 from kvq.gguf.arch import ACT_SILU, ACT_SWIGLU_OAI, arch_spec
 from kvq.model.qstack import QMatrix, Weight
 from kvq.model.rowwise import pointwise, row_matmul
+from kvq.quant import kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -84,6 +85,9 @@ class Rope:
         self.inv_freq = inv_freq  # [d/2]
         self.style = style
         self.dims = head_dim
+        # cos and sin of positions 0 .. n - 1 ([n, d/2] each, times mscale), grown by doubling:
+        # every layer's q and k of a step rotate by the same positions
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_meta(
@@ -113,11 +117,28 @@ class Rope:
             return torch.cat((self._rotate(x[..., : self.dims], pos), x[..., self.dims :]), -1)
         return self._rotate(x, pos)
 
+    def cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (times mscale) of the angles at positions pos [T]: [T, d/2] float32
+        each, the rows of a table kept across calls. A row has the bits it gets computed
+        alone (`pointwise`; products of exact integer positions round alike), so the table
+        gives every position what computing it per call gave."""
+        need = int(pos.max()) + 1 if pos.numel() else 0
+        table = self._table
+        if table is None or table[0].shape[0] < need or table[0].device != pos.device:
+            n = max(need, 256, 2 * table[0].shape[0] if table is not None else 0)
+            ang = torch.arange(n, device=pos.device).to(torch.float32)[:, None]  # [n, 1]
+            ang = ang * self.inv_freq.to(pos.device)[None, :]  # [n, d/2]
+            table = (
+                pointwise(torch.cos, ang) * self.mscale,
+                pointwise(torch.sin, ang) * self.mscale,
+            )
+            self._table = table
+        return table[0][pos], table[1][pos]
+
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        inv = self.inv_freq.to(x.device)
-        ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
-        cos = (pointwise(torch.cos, ang) * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
-        sin = (pointwise(torch.sin, ang) * self.mscale)[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        cos_t, sin_t = self.cos_sin(pos)  # [T, d/2] each
+        cos = cos_t[:, None, :].to(x.dtype)  # [T, 1, d/2]
+        sin = sin_t[:, None, :].to(x.dtype)  # [T, 1, d/2]
         if self.style == "neox":
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half], x[..., half:]  # [T, heads, d/2] each
@@ -311,6 +332,15 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w.T for a dense or encoded (`QMatrix`) weight, each row's bits those it gets
     alone (`kvq.model.rowwise`). x: [N, in]; w: [out, in]."""
     return w.matmul(x) if isinstance(w, QMatrix) else row_matmul(x, w.T)
+
+
+def linears(x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
+    """`linear(x, w)` for each w of `ws`, with their bits; one row of x against encoded
+    weights in one kernel call (`kernels.matmul_one`: a decode step's q, k and v)."""
+    enc = [w for w in ws if isinstance(w, QMatrix) and w.raw.is_contiguous()]
+    if len(enc) == len(ws) and kernels.one_covers([w.qtype for w in enc], x):
+        return kernels.matmul_one(x, [(w.raw, w.qtype) for w in enc])
+    return [linear(x, w) for w in ws]
 
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:

@@ -159,6 +159,39 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(_float32(xa, wa, qtype, threads))
 
 
+def matmul_one(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """One row x [1, K] float32 @ W.T for each W [N, K] encoded as (raw, qtype) (uint8 [N,
+    row bytes], C-contiguous) in one C call: `matmul`'s bits for each, one parallel region
+    for all (a decode step's q, k and v). Returns [1, N] float32 each. The caller checks
+    `one_covers`."""
+    built = int8_kernel()
+    assert built is not None, "matmul_one without one_covers"
+    xc = x.detach().contiguous()
+    outs = [torch.empty((1, int(raw.shape[0])), dtype=torch.float32) for raw, _ in weights]
+    mats = [(raw.data_ptr(), int(raw.shape[0]), int(raw.shape[1]), int(q)) for raw, q in weights]
+    threads = max(1, torch.get_num_threads())
+    qdot.matmul_one(
+        built,
+        xc.data_ptr(),
+        int(x.shape[1]),
+        mats,
+        [o.data_ptr() for o in outs],
+        threads,
+        qdot.options().isa,
+    )
+    return outs
+
+
+def one_covers(qtypes: list[int], x: torch.Tensor) -> bool:
+    """Whether `matmul_one` takes one row x times matrices of `qtypes` here (int8 kernel
+    built, CPU float32 x, K a multiple of each type's block)."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    if not 1 <= len(qtypes) <= 8 or int8_kernel() is None:
+        return False
+    return all(q in _BLOCK and int(x.shape[1]) % _BLOCK[Q(q)] == 0 for q in qtypes)
+
+
 _BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.MXFP4: 32}
 
 

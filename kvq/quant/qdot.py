@@ -8,7 +8,10 @@ dot-product extension, smmla with i8mm for calls of several rows) and one float3
 per block. From 16
 rows of x on AVX512BW + VNNI (a prompt; `csrc/qdot_gemm.h`), a tile of 16 weight rows is
 unpacked once into a cache-resident buffer and multiplied with 128 rows of x at a time, one
-weight row per int32 lane; the same integers and float steps, so the same bits. It
+weight row per int32 lane; the same integers and float steps, so the same bits. At one row of x
+(a decode step; `csrc/qdot_rows_z.h`) Q4_K and Q6_K go 8 weight rows at a time on AVX-512,
+their blocks' sums reduced and combined in 8 float lanes, one per weight row, with the scalar
+path's operations; `matmul_one` takes a decode step's q, k and v in one call. It
 computes below the stored precision (the activations lose bits, as llama.cpp's do); it is the
 default (`KVQ_ACTIVATIONS=int8`, `kvq.quant.kernels.configure`), and `KVQ_ACTIVATIONS=float32`
 turns it off for the exact path.
@@ -212,6 +215,8 @@ def build(cc: str, cache_dir: Path) -> Built:
 _SIGNATURES = {
     "kvq_qdot": "i p L L p L L p i i",
     "kvq_qdot_moe": "i p p p p p L L p p p i i i p",
+    "kvq_qdot_one": "i p p p p p L p i i",
+    "kvq_stream_read": "p L i",
     "kvq_qdot_moe_batch": "i p p p p p L L L p p p p p i i i p",
     "kvq_attn_decode": "L L L L p p p p p p f p p i",
     "kvq_qdot_best_isa": "",
@@ -323,6 +328,37 @@ def matmul(
     if rc != 0:
         raise ValueError(f"qdot {Q(qtype).name} [{n}, {k}]: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def matmul_one(
+    built: Built,
+    x: int,
+    k: int,
+    mats: list[tuple[int, int, int, int]],
+    outs: list[int],
+    threads: int,
+    isa: int = -1,
+) -> None:
+    """One row of x against several matrices in one call (`csrc/qdot_rows.h`): the bits of
+    one `matmul` per matrix, one quantization of x per kind of block, one parallel region.
+    x: the address of [k] float32; mats: per matrix (address, rows, row bytes, ggml type) of
+    its C-contiguous bytes; outs: per matrix the address of its [rows] float32 output."""
+    n = len(mats)
+    rc = built.lib.kvq_qdot_one(
+        n,
+        (ctypes.c_int * n)(*(m[3] for m in mats)),
+        (ctypes.c_void_p * n)(*(m[0] for m in mats)),
+        (ctypes.c_int64 * n)(*(m[1] for m in mats)),
+        (ctypes.c_int64 * n)(*(m[2] for m in mats)),
+        x,
+        k,
+        (ctypes.c_void_p * n)(*outs),
+        threads,
+        isa,
+    )
+    if rc != 0:
+        names = ", ".join(Q(m[3]).name for m in mats)
+        raise ValueError(f"qdot of one row against {names} (k {k}): {_ERRORS.get(rc, rc)}")
 
 
 def moe(

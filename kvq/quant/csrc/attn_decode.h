@@ -95,6 +95,7 @@ int kvq_attn_decode(int64_t nseq, int64_t heads, int64_t kv, int64_t d, const fl
     if (kvq_qdot_best_isa() >= ISA_AVX512) one = attn_seq_z;
 #endif
     if (threads < 1) threads = 1;
+    if (threads > nseq) threads = (int)nseq; /* a sequence is one thread's: no wake for idle ones */
     (void)threads;
     int failed = 0;
 #pragma omp parallel num_threads(threads)

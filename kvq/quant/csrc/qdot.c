@@ -28,6 +28,7 @@
 
 #define QK 256 /* K-quant super-block */
 #define Q0 32  /* Q8_0 / Q4_0 block */
+#define RZ 8  /* weight rows per call of the one-row-of-x kernels (qdot_rows_z.h) */
 
 /* ggml type ids */
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
@@ -478,6 +479,7 @@ static TGTZ void mdot_q6_k_z(const uint8_t *w, const void *const *xs, int nx, in
 }
 
 #include "qdot_q4k_z.h"
+#include "qdot_rows_z.h"
 #include "qdot_gemm.h"
 #undef TGTZ
 #undef TGTA
@@ -640,6 +642,22 @@ static dot_0_fn pick_0(int qtype, int isa) {
     return qtype == T_Q8_0 ? dot_q8_0_scalar : qtype == T_MXFP4 ? dot_mxfp4_scalar : qtype == T_Q5_0 ? dot_q5_0_scalar : dot_q4_0_scalar;
 }
 
+/* pick_k's choice on RZ weight rows at a time for one row of x (qdot_rows_z.h), where there is
+ * one: out[j] = fk(w + j * rb, x, nb) for j < nr <= RZ */
+typedef void (*rdot_k_fn)(const uint8_t *w, int64_t rb, int nr, const xk_t *x, int64_t nb, float *out);
+
+static rdot_k_fn pick_rk(int qtype, int isa) {
+#ifdef QDOT_X86
+    if (isa >= ISA_AVX512) {
+        if (qtype == T_Q4_K) return rdot_q4_k_z;
+        if (qtype == T_Q6_K) return rdot_q6_k_z;
+    }
+#else
+    (void)qtype, (void)isa;
+#endif
+    return 0;
+}
+
 /* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
 static mdot_k_fn pick_mk(int qtype, int isa) {
 #ifdef QDOT_ARM
@@ -721,6 +739,7 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     dot_0_fn f0 = kq ? 0 : pick_0(qtype, isa);
     mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
     mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
+    rdot_k_fn rk = kq && n_x == 1 ? pick_rk(qtype, isa) : 0;
     if (threads < 1) threads = 1;
 #ifdef QDOT_ARM_EXT
     if (isa == ISA_I8MM && n_x > 1) { /* weight rows two at a time (qdot_i8mm.h) */
@@ -730,6 +749,13 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     }
 #endif
     (void)threads;
+    if (rk) { /* one row of x (a decode step): RZ weight rows at a time */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < n_rows; n += RZ)
+            rk(w + n * row_bytes, row_bytes, (int)(n_rows - n < RZ ? n_rows - n : RZ), xq, nb, out + n);
+        free(xq);
+        return 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_rows; n++) {
         const uint8_t *row = w + n * row_bytes;
@@ -751,5 +777,22 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
     return 0;
 }
 
+/* A plain read of n bytes on `threads` threads, the words xored (kvq bench model's memory
+ * roof beside the kernels, on their threads): returns the low bit, so the read is not dropped. */
+int kvq_stream_read(const uint8_t *p, int64_t n, int threads) {
+    uint64_t acc = 0;
+    const int64_t words = n / 8;
+    if (threads < 1) threads = 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(^ : acc)
+    for (int64_t i = 0; i < words; i++) {
+        uint64_t v;
+        memcpy(&v, p + 8 * i, 8);
+        acc ^= v;
+    }
+    return (int)(acc & 1);
+}
+
 #include "qdot_moe.h"
+#include "qdot_rows.h"
 #include "attn_decode.h"

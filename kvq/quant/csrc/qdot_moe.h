@@ -93,6 +93,17 @@ static inline void kern_mdot2(const kern_t *kn, const uint8_t *row, int64_t stri
     if (two) kern_mdot(kn, row + stride, xs, nx, k, out1);
 }
 
+/* out[j] = kern_dot(kn, w + j * rb, xq, k) for j < nr <= RZ: RZ rows at a time where rk
+ * (pick_rk's) has that form */
+static inline void moe_rows(const kern_t *kn, rdot_k_fn rk, const uint8_t *w, int64_t rb, int nr,
+                            const void *xq, int64_t k, float *out) {
+    if (rk) {
+        rk(w, rb, nr, (const xk_t *)xq, k / QK, out);
+        return;
+    }
+    for (int j = 0; j < nr; j++) out[j] = kern_dot(kn, w + j * rb, xq, k);
+}
+
 /* shared by every path: the compiler sees one copy, so one rounding of expf */
 static __attribute__((noinline)) float silu_mul(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
@@ -155,22 +166,26 @@ int kvq_qdot_moe(int n, const uint8_t *const *gate, const uint8_t *const *up,
     if (xu_n) kern_quantize(&ku, x, h, xu);
     if (threads < 1) threads = 1;
     (void)threads;
-    const int64_t nf = (int64_t)n * f, nh = (int64_t)n * h;
+    const rdot_k_fn rg = pick_rk(kg.qtype, kg.isa), ru = pick_rk(ku.qtype, ku.isa), rd = pick_rk(kd.qtype, kd.isa);
+    const int64_t gf = (f + RZ - 1) / RZ, gh = (h + RZ - 1) / RZ; /* groups of RZ rows per expert */
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < nf; i++) { /* [n, f]: expert i / f, row i % f */
-            const int64_t e = i / f, r = i % f;
-            const float g = kern_dot(&kg, gate[e] + r * rb[0], xg, h);
-            const float u = kern_dot(&ku, up[e] + r * rb[1], xu, h);
-            hb[i] = moe_hidden(g, u, act, bias, e, r);
+        for (int64_t i = 0; i < n * gf; i++) { /* [n, f] in groups: expert i / gf */
+            const int64_t e = i / gf, r0 = (i % gf) * RZ, nr = f - r0 < RZ ? f - r0 : RZ;
+            float g[RZ], u[RZ];
+            moe_rows(&kg, rg, gate[e] + r0 * rb[0], rb[0], (int)nr, xg, h, g);
+            moe_rows(&ku, ru, up[e] + r0 * rb[1], rb[1], (int)nr, xu, h, u);
+            for (int64_t j = 0; j < nr; j++) hb[e * f + r0 + j] = moe_hidden(g[j], u[j], act, bias, e, r0 + j);
         }
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < n; e++) kern_quantize(&kd, hb + e * f, f, hq + (size_t)e * hq_n);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < nh; i++) { /* [n, h] */
-            const int64_t e = i / h, r = i % h;
-            y[i] = moe_out(kern_dot(&kd, down[e] + r * rb[2], hq + (size_t)e * hq_n, f), bias, e, r);
+        for (int64_t i = 0; i < n * gh; i++) { /* [n, h] in groups */
+            const int64_t e = i / gh, r0 = (i % gh) * RZ, nr = h - r0 < RZ ? h - r0 : RZ;
+            float d[RZ];
+            moe_rows(&kd, rd, down[e] + r0 * rb[2], rb[2], (int)nr, hq + (size_t)e * hq_n, f, d);
+            for (int64_t j = 0; j < nr; j++) y[e * h + r0 + j] = moe_out(d[j], bias, e, r0 + j);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < h; r++) {

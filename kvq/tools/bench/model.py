@@ -39,6 +39,9 @@ being timed. Per engine, each figure is the median over its rounds;
   E experts, `batch` sequences touch up to `batch` x k distinct experts a layer, and each
   distinct expert's weights are read (and unpacked) once a step, so the expert work of a step
   grows with that union, not with the batch.
+- `roofline` (kvq): the bytes of weights a batch-1 decode step reads, the GB/s that makes at
+  `decode_tok_s`, a plain read of as many bytes on the same threads and the share of it
+  reached (`kvq.tools.bench.roofline`; the first round's).
 """
 
 from __future__ import annotations
@@ -276,6 +279,7 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
     from kvq.text import load_tokenizer
 
     from .expert_tally import ExpertTally, span
+    from .roofline import roofline
 
     bb, load_s = _kvq_load(cfg)
     anon_load = _status_mb("RssAnon")
@@ -299,7 +303,8 @@ def child_kvq(cfg: ModelBench) -> dict[str, Any]:
         aggregates[str(n)] = _kvq_aggregate(bb, tok, cfg, n, moe, bank)[0]
     decode = _decode_rate(stamps)
     return (
-        {
+        {"roofline": roofline(bb, decode, cfg.threads)}
+        | {
             "load_s": load_s,
             "peak_rss_mb": _status_mb("VmHWM"),
             "anon_rss_mb_load": anon_load,
