@@ -32,6 +32,7 @@ from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, S
 from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.chain import Chain
 from kvq.coordinator.dispatch import Dispatcher
+from kvq.coordinator.drafts import DraftPlan
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.own_bytes import OwnBytes
 from kvq.coordinator.routing import SliceRouter
@@ -148,7 +149,12 @@ class Coordinator:
         )
         self.chain = self._stage_chain(dispatch, model_path) if stage else None
         self.engine = Engine(
-            self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
+            self.backbone,
+            self.tokenizer,
+            settings.n_slots,
+            settings.prefill_chunk,
+            self.chain,
+            DraftPlan(settings.speculative, settings.draft_tokens),
         )
         self.requests, self.cancels, self.slots = self._intake(settings)
         self.stop = threading.Event()
