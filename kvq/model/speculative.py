@@ -18,7 +18,7 @@ Sampled sequences decode plainly here (the speculative sampling rule is not buil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -120,18 +120,23 @@ def speculative_greedy(
     moe: MoeFn | None = None,
     stop_at_eos: bool = True,
     stats: SpecStats | None = None,
+    chunk: int = 0,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
     """Greedy generation of every prompt together, one forward pass per step for all of
     them, each sequence with its n-gram drafts verified in that pass (one without a draft
     decodes its one token in the same pass). The tokens are exactly plain greedy decoding's
-    (`kvq.model.generate`, EOS excluded). `stats` counts what the drafts did."""
+    (`kvq.model.generate`, EOS excluded; `chunk` as there). `stats` counts what the drafts
+    did; `on_token(i, id)` sees each token of prompt i as it is kept."""
     st = stats if stats is not None else SpecStats()
     seqs = [_Seq(list(p), bb.new_cache(), max_tokens, DraftLength(draft_tokens)) for p in prompts]
-    for s in seqs:
+    for i, s in enumerate(seqs):
         if not s.tokens:
             raise ModelError("the prompt is empty; pass at least one token id")
-        logits = bb.forward([SeqStep(list(s.tokens), s.cache)], moe)  # [1, V]
-        _take(bb, s, [int(logits[0].argmax())], stop_at_eos, st)
+        step = chunk if chunk > 0 else len(s.tokens)
+        for a in range(0, len(s.tokens), step):
+            logits = bb.forward([SeqStep(s.tokens[a : a + step], s.cache)], moe)  # [1, V]
+        _take(bb, s, [int(logits[0].argmax())], stop_at_eos, st, _tell(on_token, i))
     while live := [s for s in seqs if not s.done]:
         drafts = [_draft(s) for s in live]
         steps = [
@@ -144,13 +149,18 @@ def speculative_greedy(
         st.passes += 1
         row = 0
         for s, d in zip(live, drafts, strict=True):
+            i = seqs.index(s)
             kept = accept_greedy(d, picks[row : row + len(d) + 1])
             row += len(d) + 1
             s.cache.advance(len(kept))  # the last token and the accepted drafts
             s.length.update(len(d), len(kept) - 1)
             st.drafted, st.accepted = st.drafted + len(d), st.accepted + len(kept) - 1
-            _take(bb, s, kept, stop_at_eos, st)
+            _take(bb, s, kept, stop_at_eos, st, _tell(on_token, i))
     return [s.out for s in seqs]
+
+
+def _tell(on_token: Callable[[int, int], None] | None, i: int) -> Callable[[int], None] | None:
+    return None if on_token is None else lambda tok: on_token(i, tok)
 
 
 def _draft(s: _Seq) -> list[int]:
@@ -160,7 +170,14 @@ def _draft(s: _Seq) -> list[int]:
     return ngram_draft(s.tokens, max(0, min(s.length.now, room, left)))
 
 
-def _take(bb: Backbone, s: _Seq, kept: list[int], stop_at_eos: bool, st: SpecStats) -> None:
+def _take(
+    bb: Backbone,
+    s: _Seq,
+    kept: list[int],
+    stop_at_eos: bool,
+    st: SpecStats,
+    tell: Callable[[int], None] | None,
+) -> None:
     """Record the tokens a pass kept, stopping where plain decoding would (EOS, the token
     limit, a full context)."""
     for tok in kept:
@@ -168,6 +185,8 @@ def _take(bb: Backbone, s: _Seq, kept: list[int], stop_at_eos: bool, st: SpecSta
             s.done = True
             return
         s.out.append(tok)
+        if tell is not None:
+            tell(tok)
         s.tokens.append(tok)
         st.tokens += 1
         # plain decoding has fed every earlier token by now

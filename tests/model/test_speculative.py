@@ -122,3 +122,14 @@ def test_speculative_greedy_stops_where_plain_decoding_does(tmp_path: Path) -> N
     bb = Backbone.from_gguf(path)
     for n in (1, 2, 7):
         assert speculative_greedy(bb, [PROMPT], n, 3) == [generate(bb, PROMPT, n)]
+
+
+def test_generate_with_drafts_reads_the_prompt_in_chunks_and_tells_each_token(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.gguf"
+    make_tiny(path, arch="qwen35moe", layers=2, hidden=64, expert_ffn=64, seed=2)
+    bb = Backbone.from_gguf(path)
+    told: list[int] = []
+    got = generate(bb, PROMPT, 20, chunk=4, draft_tokens=3, on_token=told.append)
+    assert got == told == generate(bb, PROMPT, 20, chunk=4)
