@@ -25,7 +25,7 @@ from kvq.coordinator.drafts import DraftPlan
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
 from kvq.model.sampling import Sampler, Sampling, top_logprobs
-from kvq.model.speculative import DraftLength, accept_greedy
+from kvq.model.speculative import DraftLength, SpecStats, accept_greedy
 from kvq.text import Tokenizer
 from kvq.text.grammar import Constraint, GrammarVocab, mask_rows
 
@@ -90,6 +90,7 @@ class Engine:
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
         self.chain = chain
         self.drafts = drafts if drafts is not None and chain is None else DraftPlan()
+        self.spec = SpecStats()  # draft tokens proposed and accepted so far
         self._admitted = 0
         self._open: dict[int, tuple[Pass, list[tuple[Sequence, int]]]] = {}  # cohort -> pass
         self.prefill_chunk = prefill_chunk
@@ -232,6 +233,8 @@ class Engine:
             if d:
                 seq.cache.advance(len(k))  # its last token and the drafts it kept
                 seq.draft_length.update(len(d), len(k) - 1)
+                self.spec.drafted += len(d)
+                self.spec.accepted += len(k) - 1
             kept.append(k)
         done = self._take(stepping, logits, on_tokens, first[:-1])
         for r in range(1, max(len(k) for k in kept)):

@@ -148,13 +148,10 @@ class Coordinator:
             board.maxlen,
         )
         self.chain = self._stage_chain(dispatch, model_path) if stage else None
+        drafts = DraftPlan(settings.speculative, settings.draft_tokens)
+        s = settings
         self.engine = Engine(
-            self.backbone,
-            self.tokenizer,
-            settings.n_slots,
-            settings.prefill_chunk,
-            self.chain,
-            DraftPlan(settings.speculative, settings.draft_tokens),
+            self.backbone, self.tokenizer, s.n_slots, s.prefill_chunk, self.chain, drafts
         )
         self.requests, self.cancels, self.slots = self._intake(settings)
         self.stop = threading.Event()
