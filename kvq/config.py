@@ -103,7 +103,11 @@ class Settings(SettingsChecks):
         "from its own prompt and output and verifies them in the step's one forward pass",
     )
     draft_tokens: int = Field(
-        4, ge=1, le=64, description="the longest draft a sequence verifies in one pass"
+        4,
+        ge=1,
+        le=64,
+        description="the longest draft a sequence verifies in one pass (a request "
+        "may ask for fewer: speculative.n_max)",
     )
     saturation_threshold: int = Field(2, ge=1, description="busy slots at which it is loaded")
     job_deadline_ms: int = Field(

@@ -5,8 +5,9 @@ prompt and output (`ngram_draft`); its k drafts join its one decode token as k +
 step's forward, verified there (`SeqStep.verify`), while sequences without drafts decode their
 one token in the same pass. A sequence drafts nothing where the draft could change what it is
 given: sampled, with a `logit_bias` or a grammar (each token's mask depends on the one before),
-replaying the tokens an earlier run streamed, reading its prompt, or when it opted out
-(`SamplingParams.speculative`).
+replaying the tokens an earlier run streamed, or reading its prompt. A request caps its
+drafts with `SamplingParams.draft_max` (the API's `speculative.n_max`, as llama-server's; 0
+opts out).
 """
 
 from __future__ import annotations

@@ -209,6 +209,8 @@ class Engine:
         )
         left = seq.max_tokens - len(seq.generated) - 1
         room = min(left, seq.cache.max_len - seq.cache.length - 1)
+        if p.draft_max is not None:  # the request's own cap; 0: it opted out
+            room = min(room, p.draft_max)
         tokens = [*seq.prompt_ids, *seq.generated]
         return self.drafts.draft(tokens, seq.draft_length, room, eligible)
 

@@ -40,12 +40,14 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return Backbone.from_gguf(path)
 
 
-def _serve(bb: Backbone, drafts: DraftPlan | None) -> tuple[dict[str, list[int]], int, int]:
+def _serve(
+    bb: Backbone, drafts: DraftPlan | None, greedy: wire.SamplingParams | None = None
+) -> tuple[dict[str, list[int]], int, int]:
     """Every prompt's tokens as the sink is told them, the steps and the forward rows."""
     engine = Engine(bb, ByteTokenizer(), n_slots=4, drafts=drafts)
     sampled = wire.SamplingParams(temperature=0.8, seed=11)
     for i, p in enumerate(PROMPTS):
-        engine.admit(f"r{i}", p, 20 - i, b"", sampled if i == 3 else None)
+        engine.admit(f"r{i}", p, 20 - i, b"", sampled if i == 3 else greedy)
     told: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
 
     def sink(seqs: list[Sequence]) -> None:
@@ -83,3 +85,11 @@ def test_drafts_give_plain_decodings_tokens(model: Backbone) -> None:
 def test_drafts_off_by_default_and_with_a_chain(model: Backbone) -> None:
     assert not Engine(model, ByteTokenizer(), 1).drafts.on
     assert DraftPlan("ngram", 4).on and not DraftPlan("ngram", 0).on
+
+
+def test_a_request_caps_or_opts_out_of_drafts(model: Backbone) -> None:
+    plain, plain_steps, plain_rows = _serve(model, None)
+    out = wire.SamplingParams(draft_max=0)
+    assert _serve(model, DraftPlan("ngram", 4), out) == (plain, plain_steps, plain_rows)
+    one, _, rows = _serve(model, DraftPlan("ngram", 4), wire.SamplingParams(draft_max=1))
+    assert one == plain and rows > plain_rows
