@@ -1,11 +1,12 @@
 """Which sequences of an engine step bring n-gram drafts, and how many (X13).
 
-A sequence decoding greedily drafts up to its adaptive length (`DraftLength`) from its own
-prompt and output (`ngram_draft`); its k drafts join its one decode token as k + 1 rows of the
-step's forward, verified there (`SeqStep.verify`), while sequences without drafts decode their
-one token in the same pass. A sequence drafts nothing where the draft could change what it is
-given: sampled, with a `logit_bias` or a grammar (each token's mask depends on the one before),
-replaying the tokens an earlier run streamed, or reading its prompt. A request caps its
+A decoding sequence drafts up to its adaptive length (`DraftLength`) from its own prompt and
+output (`ngram_draft`); its k drafts join its one decode token as k + 1 rows of the step's
+forward, verified there (`SeqStep.verify`: greedy by argmax, sampled by the speculative
+sampling rule, `Sampler.speculate`), while sequences without drafts decode their one token in
+the same pass. A sequence drafts nothing with a `logit_bias` or a grammar (each token's mask
+depends on the one before), while replaying the tokens an earlier run streamed, or while
+reading its prompt. A request caps its
 drafts with `SamplingParams.draft_max` (the API's `speculative.n_max`, as llama-server's; 0
 opts out).
 """

@@ -202,7 +202,6 @@ class Engine:
         eligible = (
             n == len(seq.next_input) == 1
             and bool(seq.generated)
-            and p.greedy
             and not p.logit_bias
             and seq.constraint is None
             and len(seq.generated) >= len(seq.forced)
@@ -221,24 +220,26 @@ class Engine:
         logits: torch.Tensor,
         on_tokens: TokenSink,
     ) -> list[Sequence]:
-        """The tokens of a step with drafts: each sequence's first as `_take` picks it, then
-        those its drafts add (the drafts the rows' argmax confirms, and the argmax after the
-        last), told in rounds of one token per sequence, as plain decoding's steps tell
-        them. Each verified cache commits the rows it kept."""
+        """The tokens of a step with drafts: those its drafts give each drafting sequence
+        (greedy: the drafts the rows' argmax confirms, then the argmax after the last;
+        sampled: the speculative sampling rule, `Sampler.speculate`), the others' one as
+        `_take` picks it, told in rounds of one token per sequence, as plain decoding's
+        steps tell them. Each verified cache commits the rows it kept."""
         first = [0]
         for d in drafts:
             first.append(first[-1] + len(d) + 1)  # each step's first row
         picks = logits.argmax(-1).tolist()
         kept = []
         for (seq, _), d, r in zip(stepping, drafts, first, strict=False):
-            k = accept_greedy(d, picks[r : r + len(d) + 1]) if d else []
+            k = _verify(seq, d, logits[r : r + len(d) + 1], picks[r : r + len(d) + 1])
             if d:
                 seq.cache.advance(len(k))  # its last token and the drafts it kept
                 seq.draft_length.update(len(d), len(k) - 1)
                 self.spec.drafted += len(d)
                 self.spec.accepted += len(k) - 1
             kept.append(k)
-        done = self._take(stepping, logits, on_tokens, first[:-1])
+        chosen = {r: k[0] for k, r in zip(kept, first, strict=False) if k}
+        done = self._take(stepping, logits, on_tokens, first[:-1], chosen)
         for r in range(1, max(len(k) for k in kept)):
             for seq in self.active:
                 seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
@@ -292,9 +293,11 @@ class Engine:
         logits: torch.Tensor,
         on_tokens: TokenSink | None,
         rows: list[int] | None = None,
+        chosen: dict[int, int] | None = None,
     ) -> list[Sequence]:
-        """Sample each stepping sequence from its logits row (`rows[i]`, default i); then,
-        with `on_tokens`, retire the finished and tell. Returns the finished."""
+        """Sample each stepping sequence from its logits row (`rows[i]`, default i; the
+        token `chosen[row]` where a verification picked it already); then, with
+        `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():
             raw, logits = logits, self._shaped(stepping, logits, rows)
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
@@ -310,7 +313,9 @@ class Engine:
                 assert seq.sampler is not None
                 made = len(seq.generated)
                 forced = seq.forced[made] if made < len(seq.forced) else None
-                if seq.sampler.greedy:
+                if chosen and i in chosen:
+                    tok = chosen[i]
+                elif seq.sampler.greedy:
                     tok = greedy_ids[i] if forced is None else forced
                 else:
                     tok = seq.sampler.pick(logits[i], forced)
@@ -430,3 +435,19 @@ class Engine:
         dec = self.tokenizer.decode
         seq.new_logprob = wire.TokenLogprob(tok, dec([tok]), chosen)
         seq.new_top = [wire.TokenLogprob(t, dec([t]), lp) for t, lp in best]
+
+
+def _verify(seq: Sequence, draft: list[int], rows: torch.Tensor, picks: list[int]) -> list[int]:
+    """The tokens `seq` keeps of a pass that verified `draft` (rows [len(draft) + 1, V]:
+    the logits after its last token and after each draft token; `picks` their argmax)."""
+    if not draft:
+        return []
+    assert seq.sampler is not None
+    if seq.sampler.greedy:
+        return accept_greedy(draft, picks)
+    out = []
+    for j, d in enumerate(draft):
+        out.append(seq.sampler.speculate(rows[j], d))
+        if out[-1] != d:
+            return out
+    return [*out, seq.sampler.pick(rows[len(draft)])]

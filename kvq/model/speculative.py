@@ -13,7 +13,8 @@ row was staged).
 
 The draft length adapts to what is accepted (`DraftLength`): it grows by one after a pass
 that accepts every draft and shrinks to what was accepted + 1 after one that does not.
-Sampled sequences decode plainly here (the speculative sampling rule is not built).
+This module's `speculative_greedy` (`kvq generate`) is greedy only; the coordinator's engine
+also verifies sampled sequences' drafts (`Sampler.speculate`, `kvq.coordinator.drafts`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _serve(
 ) -> tuple[dict[str, list[int]], int, int]:
     """Every prompt's tokens as the sink is told them, the steps and the forward rows."""
     engine = Engine(bb, ByteTokenizer(), n_slots=4, drafts=drafts)
-    sampled = wire.SamplingParams(temperature=0.8, seed=11)
+    sampled = wire.SamplingParams(temperature=0.8, seed=11, draft_max=0)  # shares, no drafts
     for i, p in enumerate(PROMPTS):
         engine.admit(f"r{i}", p, 20 - i, b"", sampled if i == 3 else greedy)
     told: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
@@ -93,3 +93,25 @@ def test_a_request_caps_or_opts_out_of_drafts(model: Backbone) -> None:
     assert _serve(model, DraftPlan("ngram", 4), out) == (plain, plain_steps, plain_rows)
     one, _, rows = _serve(model, DraftPlan("ngram", 4), wire.SamplingParams(draft_max=1))
     assert one == plain and rows > plain_rows
+
+
+def test_sampled_sequences_draft_and_finish(model: Backbone) -> None:
+    """Sampled sequences verify drafts by the speculative sampling rule beside greedy ones;
+    greedy tokens stay plain decoding's, and a seeded sampled run repeats itself."""
+    plain, _, _ = _serve(model, None)
+
+    def run() -> tuple[dict[str, list[int]], int]:
+        engine = Engine(model, ByteTokenizer(), n_slots=4, drafts=DraftPlan("ngram", 4))
+        for i, p in enumerate(PROMPTS):
+            hot = wire.SamplingParams(temperature=0.3, seed=i)
+            engine.admit(f"r{i}", p, 20 - i, b"", hot if i % 2 else None)
+        out: dict[str, list[int]] = {}
+        while engine.busy:
+            for seq in engine.step(None, lambda seqs: None):
+                out[seq.request_id] = seq.generated
+        return out, engine.spec.drafted
+
+    got, drafted = run()
+    assert got["r0"] == plain["r0"] and got["r2"] == plain["r2"]
+    assert 0 < len(got["r1"]) <= 19 and 0 < len(got["r3"]) <= 17 and drafted > 0
+    assert run()[0] == got
