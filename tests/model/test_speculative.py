@@ -31,6 +31,7 @@ FAMILIES = [
     ("deepseek2", "v3"),
     ("gpt-oss", ""),
     ("qwen35moe", ""),
+    ("llama4", ""),  # chunked attention, NoPE layers' temperature
 ]
 _models: dict[str, Backbone] = {}
 
