@@ -184,8 +184,7 @@ class Engine:
         stepping = [(s, n) for s, n in zip(self.active, takes, strict=True) if n]
         for seq in self.active:
             seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
-        whole = not isinstance(moe, SplitMoe) or moe.microbatches < 2  # one pass: drafts fit
-        drafts = [self._draft(s, n) if whole else [] for s, n in stepping]
+        drafts = [self._draft(s, n) for s, n in stepping]
         steps = [
             SeqStep(s.next_input[:n] + d, s.cache, verify=bool(d))
             for (s, n), d in zip(stepping, drafts, strict=True)
@@ -397,11 +396,13 @@ class Engine:
         outs = forward_microbatched(
             self.backbone, [[steps[i] for i in g] for g in groups], moe.start
         )
-        order = torch.tensor([i for g in groups for i in g])
-        cat = torch.cat(outs)
-        logits = torch.empty_like(cat)  # [S, vocab], rows back in step order
-        logits[order] = cat
-        return logits
+        rows: dict[int, torch.Tensor] = {}  # each step's logits rows (a verify step's: all)
+        for g, out in zip(groups, outs, strict=True):
+            at = 0
+            for i in g:
+                n = len(steps[i].tokens) if steps[i].verify else 1
+                rows[i], at = out[at : at + n], at + n
+        return torch.cat([rows[i] for i in range(len(steps))])  # [S + drafts, vocab]
 
     def _advance(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
         """Record `tok` for `seq`: its text, logprobs and whether it ends the sequence."""
