@@ -97,6 +97,18 @@ class Settings(SettingsChecks):
         "reading its prompt (chunked prefill: the other sequences decode between the chunks "
         "of a long prompt); 0 = each prompt whole in one step",
     )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="speculative decoding (X13): ngram drafts each greedy sequence's next tokens "
+        "from its own prompt and output and verifies them in the step's one forward pass",
+    )
+    draft_tokens: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="the longest draft a sequence verifies in one pass (a request "
+        "may ask for fewer: speculative.n_max)",
+    )
     saturation_threshold: int = Field(2, ge=1, description="busy slots at which it is loaded")
     job_deadline_ms: int = Field(
         2000, ge=1, description="remote expert job deadline before local fallback"

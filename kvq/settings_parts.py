@@ -86,6 +86,8 @@ class CoordinatorSettings:
 
     n_slots: int
     prefill_chunk: int  # KVQ_PREFILL_CHUNK: chunked prefill's token budget per step
+    speculative: str  # KVQ_SPECULATIVE: off | ngram (kvq.coordinator.drafts)
+    draft_tokens: int  # KVQ_DRAFT_TOKENS: the longest draft verified in one pass
     saturation_threshold: int
     slot_poll_s: float
     claim_idle_ms: int

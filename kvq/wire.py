@@ -24,13 +24,14 @@ import numpy as np
 from kvq.errors import WireError
 
 VERSION = 1
-REQUEST_VERSION = 3  # requests; v1 and v2 ones still decode
+REQUEST_VERSION = 4  # requests; v1 to v3 ones still decode
 REPLY_VERSION = 4  # reply events; v1 to v3 ones still decode
 JOB_VERSION = 2  # expert jobs: v2 asks for per-pair terms, v1 (row sums) still decodes
 MAX_LOGIT_BIAS = 300  # entries of a `logit_bias` (OpenAI's limit)
 MAX_GRAMMAR = 1 << 20  # bytes of a compiled grammar
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
+MAX_DRAFT_TOKENS = 64  # a request's `draft_max`, as KVQ_DRAFT_TOKENS
 DType = Literal["float32", "float16", "int32", "int64", "uint8"]
 _NP: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
@@ -221,6 +222,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR)] | None = None
     # v3: log-probabilities of the prompt's tokens (and this many alternatives each)
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # v4: the longest n-gram draft this request verifies per pass (X13; llama-server's
+    # `speculative.n_max`): 0 = no drafts, None = the coordinator's `KVQ_DRAFT_TOKENS`
+    draft_max: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -243,7 +247,7 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Request(_Msg, frozen=True, kw_only=True):
     """A client's generation request. v1 (no sampling, no messages) still decodes: greedy."""
 
-    v: Literal[1, 2, 3] = 3  # type: ignore[assignment]  # REQUEST_VERSION
+    v: Literal[1, 2, 3, 4] = 4  # type: ignore[assignment]  # REQUEST_VERSION
     request_id: Name
     model: Name
     prompt: str | None = None

@@ -229,6 +229,7 @@ def _sampling(b: _Body, chat: bool) -> wire.SamplingParams:
             logprobs=logprobs,
             logit_bias=structured.logit_bias(b.get("logit_bias")),
             grammar=_grammar(b),
+            draft_max=b.integer("speculative.n_max", None, 0, wire.MAX_DRAFT_TOKENS),
         )
     except msgspec.ValidationError as exc:  # a range the checks above missed
         raise _bad("body", str(exc)) from None

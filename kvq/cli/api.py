@@ -106,6 +106,32 @@ def cmd_bench_structured(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def cmd_bench_speculative(args: argparse.Namespace, settings: Settings) -> int:
+    from kvq.tools.bench.speculative import SpeculativeBench, run_speculative_bench
+
+    cfg = SpeculativeBench(
+        model=args.model,
+        sequences=args.sequences,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+        draft_tokens=args.draft_tokens,
+    )
+    result = run_speculative_bench(cfg)
+    if args.json:
+        print(json.dumps(result))
+        return EXIT_OK
+    for n, speedup in result["speedup"].items():
+        plain, drafts = result["plain"][n], result["drafts"][n]
+        print(
+            f"{n:>3} sequences  plain {plain['tok_s']:8.1f} tok/s  drafts {drafts['tok_s']:8.1f} "
+            f"tok/s  speedup {speedup:.3f}  acceptance {drafts['acceptance']:.3f}  "
+            f"tokens/pass {drafts['tokens_per_pass']:.2f}"
+        )
+    print(f"same tokens: {result['same']}")
+    return EXIT_OK
+
+
 def _counts(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -114,7 +140,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def register(sub: Subparsers, bench: Subparsers) -> None:
-    """api, bench api, bench structured."""
+    """api, bench api, bench structured, bench speculative."""
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway (KVQ_API_*)")
     a.add_argument("--host", help="address to bind (default KVQ_API_HOST, 127.0.0.1)")
     a.add_argument("--port", type=PORT, help="port (default KVQ_API_PORT, 8000; 0 = any free)")
@@ -139,3 +165,13 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     st.add_argument("--threads", type=COUNT, default=2, help="torch threads")
     st.add_argument("--json", action="store_true", help="print JSON (for machines)")
     st.set_defaults(fn=cmd_bench_structured)
+
+    sp = bench.add_parser("speculative", help="tok/s with and without n-gram drafts (X13)")
+    sp.add_argument("--model", required=True, help="GGUF file")
+    sp.add_argument("--sequences", type=_counts, default=(1, 8), help="counts, e.g. 1,8")
+    sp.add_argument("--tokens", type=COUNT, default=64, help="tokens per sequence")
+    sp.add_argument("--rounds", type=COUNT, default=3, help="rounds per side, alternating")
+    sp.add_argument("--threads", type=COUNT, default=2, help="torch threads")
+    sp.add_argument("--draft-tokens", type=COUNT, default=4, help="the longest draft")
+    sp.add_argument("--json", action="store_true", help="print JSON (for machines)")
+    sp.set_defaults(fn=cmd_bench_speculative)

@@ -203,6 +203,7 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
         sampling=sampling,
         on_token=stream.push if stream is not None else None,
         chunk=settings.prefill_chunk,
+        draft_tokens=settings.draft_tokens if settings.speculative == "ngram" else 0,
     )
     text = tok.decode(ids)
     if args.json:

@@ -21,9 +21,11 @@ import torch
 from kvq import wire
 from kvq.coordinator.chain import Chain, Pass
 from kvq.coordinator.detok import StopText
+from kvq.coordinator.drafts import DraftPlan
 from kvq.model import Backbone, KVCache, MoeFn, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
 from kvq.model.sampling import Sampler, Sampling, top_logprobs
+from kvq.model.speculative import DraftLength, SpecStats, accept_greedy
 from kvq.text import Tokenizer
 from kvq.text.grammar import Constraint, GrammarVocab, mask_rows
 
@@ -53,6 +55,7 @@ class Sequence:
     cohort: int = 0  # stage grain with KVQ_MICROBATCHES > 1: the cohort it steps with
     constraint: Constraint | None = None  # its grammar (`params.grammar`)
     prompt_lp: list[wire.PromptToken] = field(default_factory=list)  # `params.prompt_logprobs`
+    draft_length: DraftLength = field(default_factory=lambda: DraftLength(0))  # X13
 
     @property
     def fresh(self) -> bool:
@@ -78,12 +81,16 @@ class Engine:
         n_slots: int,
         prefill_chunk: int = 0,
         chain: Chain | None = None,
+        drafts: DraftPlan | None = None,
     ) -> None:
         """`prefill_chunk`: prompt tokens one step takes at most (0: every prompt whole).
         `chain`: the stage holders that run the blocks of a stage-grain model (X12); the
-        backbone then holds only the embedding and the output head."""
+        backbone then holds only the embedding and the output head. `drafts`: speculative
+        decoding (X13; off by default, and always with a chain)."""
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
         self.chain = chain
+        self.drafts = drafts if drafts is not None and chain is None else DraftPlan()
+        self.spec = SpecStats()  # draft tokens proposed and accepted so far
         self._admitted = 0
         self._open: dict[int, tuple[Pass, list[tuple[Sequence, int]]]] = {}  # cohort -> pass
         self.prefill_chunk = prefill_chunk
@@ -138,6 +145,7 @@ class Engine:
             forced=list(forced or []),
             source=source,
             constraint=constraint,
+            draft_length=DraftLength(self.drafts.tokens),
         )
         if p.prompt_logprobs is not None and prompt_ids:
             seq.prompt_lp.append(wire.PromptToken(prompt_ids[0], self._text(prompt_ids[0]), None))
@@ -176,10 +184,73 @@ class Engine:
         stepping = [(s, n) for s, n in zip(self.active, takes, strict=True) if n]
         for seq in self.active:
             seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
-        steps = [SeqStep(s.next_input[:n], s.cache) for s, n in stepping]
+        drafts = [self._draft(s, n) for s, n in stepping]
+        steps = [
+            SeqStep(s.next_input[:n] + d, s.cache, verify=bool(d))
+            for (s, n), d in zip(stepping, drafts, strict=True)
+        ]
         with torch.inference_mode():
-            logits = self._forward(steps, moe)  # [S, vocab]
-        return self._take(stepping, logits, on_tokens)
+            logits = self._forward(steps, moe)  # [S + drafts, vocab]
+        if not any(drafts):
+            return self._take(stepping, logits, on_tokens)
+        return self._take_verified(stepping, drafts, logits, on_tokens)
+
+    def _draft(self, seq: Sequence, n: int) -> list[int]:
+        """`seq`'s n-gram draft for this step (`kvq.coordinator.drafts`)."""
+        p = seq.params
+        eligible = (
+            n == len(seq.next_input) == 1
+            and bool(seq.generated)
+            and not p.logit_bias
+            and seq.constraint is None
+            and len(seq.generated) >= len(seq.forced)
+        )
+        left = seq.max_tokens - len(seq.generated) - 1
+        room = min(left, seq.cache.max_len - seq.cache.length - 1)
+        if p.draft_max is not None:  # the request's own cap; 0: it opted out
+            room = min(room, p.draft_max)
+        tokens = [*seq.prompt_ids, *seq.generated]
+        return self.drafts.draft(tokens, seq.draft_length, room, eligible)
+
+    def _take_verified(
+        self,
+        stepping: list[tuple[Sequence, int]],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        on_tokens: TokenSink,
+    ) -> list[Sequence]:
+        """The tokens of a step with drafts: those its drafts give each drafting sequence
+        (greedy: the drafts the rows' argmax confirms, then the argmax after the last;
+        sampled: the speculative sampling rule, `Sampler.speculate`), the others' one as
+        `_take` picks it, told in rounds of one token per sequence, as plain decoding's
+        steps tell them. Each verified cache commits the rows it kept."""
+        first = [0]
+        for d in drafts:
+            first.append(first[-1] + len(d) + 1)  # each step's first row
+        picks = logits.argmax(-1).tolist()
+        kept = []
+        for (seq, _), d, r in zip(stepping, drafts, first, strict=False):
+            k = _verify(seq, d, logits[r : r + len(d) + 1], picks[r : r + len(d) + 1])
+            if d:
+                seq.cache.advance(len(k))  # its last token and the drafts it kept
+                seq.draft_length.update(len(d), len(k) - 1)
+                self.spec.drafted += len(d)
+                self.spec.accepted += len(k) - 1
+            kept.append(k)
+        chosen = {r: k[0] for k, r in zip(kept, first, strict=False) if k}
+        done = self._take(stepping, logits, on_tokens, first[:-1], chosen)
+        for r in range(1, max(len(k) for k in kept)):
+            for seq in self.active:
+                seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
+            live = {id(s) for s in self.active}
+            for (seq, _), k, row in zip(stepping, kept, first, strict=False):
+                if r < len(k) and id(seq) in live:
+                    self._advance(seq, k[r], logits[row + r])
+                    done += [seq] if seq.finish else []
+            emitted = self.active
+            self.active = [s for s in self.active if s.finish is None]
+            on_tokens(emitted)
+        return done
 
     def _step_cohorts(self, on_tokens: TokenSink) -> list[Sequence]:
         """Stage grain with cohorts (X12 item 5): each cohort of sequences has its own pass
@@ -221,9 +292,11 @@ class Engine:
         logits: torch.Tensor,
         on_tokens: TokenSink | None,
         rows: list[int] | None = None,
+        chosen: dict[int, int] | None = None,
     ) -> list[Sequence]:
-        """Sample each stepping sequence from its logits row (`rows[i]`, default i); then,
-        with `on_tokens`, retire the finished and tell. Returns the finished."""
+        """Sample each stepping sequence from its logits row (`rows[i]`, default i; the
+        token `chosen[row]` where a verification picked it already); then, with
+        `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():
             raw, logits = logits, self._shaped(stepping, logits, rows)
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
@@ -239,7 +312,9 @@ class Engine:
                 assert seq.sampler is not None
                 made = len(seq.generated)
                 forced = seq.forced[made] if made < len(seq.forced) else None
-                if seq.sampler.greedy:
+                if chosen and i in chosen:
+                    tok = chosen[i]
+                elif seq.sampler.greedy:
                     tok = greedy_ids[i] if forced is None else forced
                 else:
                     tok = seq.sampler.pick(logits[i], forced)
@@ -321,11 +396,13 @@ class Engine:
         outs = forward_microbatched(
             self.backbone, [[steps[i] for i in g] for g in groups], moe.start
         )
-        order = torch.tensor([i for g in groups for i in g])
-        cat = torch.cat(outs)
-        logits = torch.empty_like(cat)  # [S, vocab], rows back in step order
-        logits[order] = cat
-        return logits
+        rows: dict[int, torch.Tensor] = {}  # each step's logits rows (a verify step's: all)
+        for g, out in zip(groups, outs, strict=True):
+            at = 0
+            for i in g:
+                n = len(steps[i].tokens) if steps[i].verify else 1
+                rows[i], at = out[at : at + n], at + n
+        return torch.cat([rows[i] for i in range(len(steps))])  # [S + drafts, vocab]
 
     def _advance(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
         """Record `tok` for `seq`: its text, logprobs and whether it ends the sequence."""
@@ -348,7 +425,7 @@ class Engine:
             seq.finish = "stop"
         elif len(seq.generated) >= seq.max_tokens:
             seq.finish = "length"
-        elif seq.cache.length + 1 >= self.backbone.meta.context_length:
+        elif len(seq.prompt_ids) + len(seq.generated) >= self.backbone.meta.context_length:
             seq.finish = "context"
         if seq.finish in ("length", "context"):
             seq.new_text += seq.text.flush(seq.generated)
@@ -359,3 +436,19 @@ class Engine:
         dec = self.tokenizer.decode
         seq.new_logprob = wire.TokenLogprob(tok, dec([tok]), chosen)
         seq.new_top = [wire.TokenLogprob(t, dec([t]), lp) for t, lp in best]
+
+
+def _verify(seq: Sequence, draft: list[int], rows: torch.Tensor, picks: list[int]) -> list[int]:
+    """The tokens `seq` keeps of a pass that verified `draft` (rows [len(draft) + 1, V]:
+    the logits after its last token and after each draft token; `picks` their argmax)."""
+    if not draft:
+        return []
+    assert seq.sampler is not None
+    if seq.sampler.greedy:
+        return accept_greedy(draft, picks)
+    out = []
+    for j, d in enumerate(draft):
+        out.append(seq.sampler.speculate(rows[j], d))
+        if out[-1] != d:
+            return out
+    return [*out, seq.sampler.pick(rows[len(draft)])]

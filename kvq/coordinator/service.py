@@ -32,6 +32,7 @@ from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, S
 from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.chain import Chain
 from kvq.coordinator.dispatch import Dispatcher
+from kvq.coordinator.drafts import DraftPlan
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.own_bytes import OwnBytes
 from kvq.coordinator.routing import SliceRouter
@@ -147,8 +148,10 @@ class Coordinator:
             board.maxlen,
         )
         self.chain = self._stage_chain(dispatch, model_path) if stage else None
+        drafts = DraftPlan(settings.speculative, settings.draft_tokens)
+        s = settings
         self.engine = Engine(
-            self.backbone, self.tokenizer, settings.n_slots, settings.prefill_chunk, self.chain
+            self.backbone, self.tokenizer, s.n_slots, s.prefill_chunk, self.chain, drafts
         )
         self.requests, self.cancels, self.slots = self._intake(settings)
         self.stop = threading.Event()

@@ -192,7 +192,9 @@ class Backbone:
     @torch.no_grad()
     def forward(self, steps: list[SeqStep], moe: MoeFn | None = None) -> torch.Tensor:
         """Run the new tokens of every step; return float32 logits [len(steps), vocab] at
-        each sequence's last new position. Caches advance only if the whole pass succeeds."""
+        each sequence's last new position (at each of its positions for a `verify` step: a
+        row per token, in step order). Caches advance only if the whole pass succeeds; a
+        `verify` step's not at all: its caller advances it by the rows it accepts."""
         moe_fn = moe if moe is not None else self.local_moe
         layers = self.layer_calls(steps)
         try:
@@ -214,8 +216,9 @@ class Backbone:
         lens = self.check_steps(steps)
         h = self.embed_tokens([t for s in steps for t in s.tokens])  # [N, H]
         caches = [s.cache for s in steps]
-        h = yield from self._blocks(h, caches, lens)
-        return self.head(h, lens)
+        verify = frozenset(i for i, s in enumerate(steps) if s.verify)
+        h = yield from self._blocks(h, caches, lens, verify)
+        return self.head(h, lens, verify)
 
     def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
         """The embedding rows of `tokens` [N], as the first block reads them. Returns [N, H]."""
@@ -223,12 +226,21 @@ class Backbone:
             raise ModelError("this backbone is a stage holder's: it has no token embedding")
         return self.embed[torch.tensor(tokens, device=self.device)]  # [N, H]
 
-    def head(self, h: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def head(
+        self, h: torch.Tensor, lens: list[int], every: frozenset[int] = frozenset()
+    ) -> torch.Tensor:
         """The float32 logits [B, V] at each sequence's last row of `h` [N, H] (`lens`: rows
-        per sequence, in order)."""
+        per sequence, in order), and at every row of the sequences in `every` (a speculative
+        pass's: `lens[i]` rows for sequence i, in order; each row's bits those it gets alone)."""
         if self.output is None:
             raise ModelError("this backbone is a stage holder's: it has no output head")
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B]
+        ends = torch.tensor(lens, device=self.device).cumsum(0)  # [B]
+        last = torch.cat(
+            [
+                torch.arange(int(e) - n if i in every else int(e) - 1, int(e))
+                for i, (e, n) in enumerate(zip(ends, lens, strict=True))
+            ]
+        ).to(self.device)  # [R]
         with _small(len(h))():
             hl = rms_norm(h[last], self.output_norm, self.meta.rms_eps)  # [B, H]
         return linear(hl, self.output).float()  # [B, V]
@@ -252,8 +264,16 @@ class Backbone:
             out: torch.Tensor = done.value
         return out
 
-    def _blocks(self, h: torch.Tensor, caches: list[KVCache], lens: list[int]) -> LayerCalls:
-        """The held blocks over `h` [N, H] as a generator of MoE calls (`layer_calls`)."""
+    def _blocks(
+        self,
+        h: torch.Tensor,
+        caches: list[KVCache],
+        lens: list[int],
+        verify: frozenset[int] = frozenset(),
+    ) -> LayerCalls:
+        """The held blocks over `h` [N, H] as a generator of MoE calls (`layer_calls`);
+        `verify`: the sequences whose rows are computed as decode steps would compute them
+        (a speculative pass, `SeqStep.verify`)."""
         for c in caches:
             c.begin()
         pos = torch.cat(
@@ -267,7 +287,7 @@ class Backbone:
         for i, lw in zip(self.span, self.layers, strict=True):
             with small():
                 xa = rms_norm(h, lw.attn_norm, eps)
-            h = h + self._attention(i, lw, xa, caches, lens, pos)
+            h = h + self._attention(i, lw, xa, caches, lens, pos, verify)
             with small():
                 x = rms_norm(h, lw.ffn_norm, eps)  # [N, H]
             ffn = lw.ffn
@@ -279,9 +299,11 @@ class Backbone:
 
     @staticmethod
     def advance(steps: list[SeqStep]) -> None:
-        """Commit a finished pass: each cache now holds its step's tokens."""
+        """Commit a finished pass: each cache now holds its step's tokens (a `verify`
+        step's caller commits the rows it accepts)."""
         for s in steps:
-            s.cache.advance(len(s.tokens))
+            if not s.verify:
+                s.cache.advance(len(s.tokens))
 
     @staticmethod
     def advance_caches(caches: list[KVCache], lens: list[int]) -> None:
@@ -297,45 +319,56 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
+        verify: frozenset[int],
     ) -> torch.Tensor:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
         if isinstance(lw.attn, MlaWeights):
-            return self._mla(layer, lw.attn, x, caches, lens, pos)
+            return self._mla(layer, lw.attn, x, caches, lens, pos, verify)
         if isinstance(lw.attn, DeltaWeights):
-            return self._delta(layer, lw.attn, x, caches, lens)
-        return self._gqa(layer, lw.attn, x, caches, lens, pos)
+            return self._delta(layer, lw.attn, x, caches, lens, verify)
+        return self._gqa(layer, lw.attn, x, caches, lens, pos, verify)
 
     def _delta(
-        self, layer: int, w: DeltaWeights, x: torch.Tensor, caches: list[KVCache], lens: list[int]
+        self,
+        layer: int,
+        w: DeltaWeights,
+        x: torch.Tensor,
+        caches: list[KVCache],
+        lens: list[int],
+        verify: frozenset[int],
     ) -> torch.Tensor:
         """Gated DeltaNet linear attention (`kvq.model.deltanet`): each sequence's rows run
         from its committed recurrent state (float32), and the state after them is staged for
-        `advance` to commit. x: [N, H]."""
+        `advance` to commit (a speculative pass's: one token at a time as decode steps run,
+        the state after each row staged, for `advance` to commit the accepted). x: [N, H]."""
         dims, eps = delta_dims(self.meta), self.meta.rms_eps
         mixed, z, beta, g = deltanet.project(x, w)  # every row of the batch at once
         outs, start = [], 0
         with _small(max(lens))():
-            for c, t in zip(caches, lens, strict=True):
+            for i, (c, t) in enumerate(zip(caches, lens, strict=True)):
                 state = c.state
                 if state is None:
                     raise ModelError(
                         f"layer {layer} is linear attention but the cache has no recurrent "
                         "state; make caches with Backbone.new_cache"
                     )
-                rows = slice(start, start + t)
                 conv, ssm = state.get(layer)
-                o, conv, ssm = deltanet.recur(
-                    mixed[rows].float(),
-                    beta[rows].float(),
-                    g[rows].float(),
-                    w,
-                    dims,
-                    conv,
-                    ssm,
-                    eps,
-                )
-                state.stage(layer, conv, ssm)
-                outs.append(o)
+                states = []
+                for r in [(start, t)] if i not in verify else [(start + j, 1) for j in range(t)]:
+                    rows = slice(r[0], r[0] + r[1])
+                    o, conv, ssm = deltanet.recur(
+                        mixed[rows].float(),
+                        beta[rows].float(),
+                        g[rows].float(),
+                        w,
+                        dims,
+                        conv,
+                        ssm,
+                        eps,
+                    )
+                    states.append((conv, ssm))
+                    outs.append(o)
+                state.stage_rows(layer, states)
                 start += t
         return deltanet.output(torch.cat(outs).to(z.dtype), z, w, dims, eps)  # [N, H]
 
@@ -347,6 +380,7 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
+        verify: frozenset[int],
     ) -> torch.Tensor:
         """Grouped-query attention (K and V of each kv head cached; only the window's on a
         sliding layer), with sinks, an output bias and an output gate (qwen35moe: each head's
@@ -376,7 +410,7 @@ class Backbone:
                     q, kk = rms_norm(q, None, eps), rms_norm(kk, None, eps)
             elif m.attn_temp_floor:  # llama4's NoPE layers: the attention temperature
                 q = q * attn_temperature(pos, m.attn_temp_floor, m.attn_temp_scale)[:, None, None]
-        o = self._gqa_rows(layer, a, q, kk, vv, caches, lens, window)
+        o = self._gqa_rows(layer, a, q, kk, vv, caches, lens, window, verify)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return _linear(o, a.wo, a.bo)  # [N, H]
@@ -391,25 +425,32 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         window: int,
+        verify: frozenset[int],
     ) -> torch.Tensor:
-        """Attention of every row: the decoding sequences' (one row each) in one kernel call
-        where it covers the layer, the others' each against its cache. A decode row takes
-        the kernel whether or not a prompt shares its step (X17: the same bits either way).
-        q [N, heads, d], kk, vv [N, kv, d]. Returns [N, heads * d]."""
+        """Attention of every row: the decoding sequences' (one row each) and a speculative
+        pass's (each row at its own position) in one kernel call where it covers the layer,
+        the others' each against its cache. A decode row takes the kernel whether or not a
+        prompt shares its step (X17: the same bits either way), and so does each row of a
+        speculative pass. q [N, heads, d], kk, vv [N, kv, d]. Returns [N, heads * d]."""
         m = self.meta
-        if max(lens) == 1:  # decode: every sequence at once
+        if max(lens) == 1 and not verify:  # decode: every sequence at once
             o = decode_attention(q, kk, vv, caches, layer, m.attention_scale, a.sinks)
             return o if o is not None else self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
         starts = [sum(lens[:i]) for i in range(len(lens))]
-        one = [i for i, t in enumerate(lens) if t == 1]
+        one = [i for i, t in enumerate(lens) if t == 1 or i in verify]
         dec = None
         if one:
-            r = torch.tensor([starts[i] for i in one], device=q.device)  # [D] their rows
-            sub = [caches[i] for i in one]
-            dec = decode_attention(q[r], kk[r], vv[r], sub, layer, m.attention_scale, a.sinks)
+            r = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in one])  # [D]
+            sub = [caches[i] for i in one for _ in range(lens[i])]
+            ahead = [j for i in one for j in range(lens[i])]
+            dec = decode_attention(
+                q[r], kk[r], vv[r], sub, layer, m.attention_scale, a.sinks, ahead
+            )
         if dec is None:
-            return self._gqa_each(layer, a, q, kk, vv, caches, lens, window)
-        rest = [i for i, t in enumerate(lens) if t > 1]
+            return self._gqa_each(layer, a, q, kk, vv, caches, lens, window, verify)
+        rest = [i for i, t in enumerate(lens) if t > 1 and i not in verify]
+        if not rest:
+            return dec
         rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in rest])
         o = q.new_empty((q.shape[0], dec.shape[1]))  # [N, heads * d]
         o[r] = dec
@@ -427,18 +468,25 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         window: int,
+        verify: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
-        """Each sequence's rows against its own cache (`causal_attention`): q [N, heads, d],
-        kk, vv [N, kv, d]. Returns [N, heads * d]."""
+        """Each sequence's rows against its own cache (`causal_attention`; a speculative
+        pass's rows each as a decode step at its position): q [N, heads, d], kk, vv [N, kv,
+        d]. Returns [N, heads * d]."""
         m = self.meta
         outs, start = [], 0
         with _small(max(lens))():
-            for c, t in zip(caches, lens, strict=True):
+            for i, (c, t) in enumerate(zip(caches, lens, strict=True)):
                 kt, vt, k0 = kk[start : start + t], vv[start : start + t], 0
                 if window:
                     keys, values, k0 = c.append_window(layer, kt, vt)
                 else:
                     keys, values = c.append(layer, kt, vt)
+                if i in verify:
+                    qs = q[start : start + t]
+                    outs.append(self._as_decode(layer, a, qs, keys, values, c.length, k0, window))
+                    start += t
+                    continue
                 outs.append(
                     causal_attention(
                         q[start : start + t],
@@ -455,6 +503,35 @@ class Backbone:
                 start += t
         return torch.cat(outs)  # [N, heads*d]
 
+    def _as_decode(
+        self,
+        layer: int,
+        a: GqaWeights,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: int,
+        k0: int,
+        window: int,
+    ) -> torch.Tensor:
+        """A speculative pass's rows q [T, heads, d] at positions length.., each attending
+        as a decode step there would: to the keys [S, kv, d] from position k0 up to its own
+        (a sliding layer's: its window, gathered afresh as `append_window` gathers it).
+        Returns [T, heads * d]."""
+        m, outs = self.meta, []
+        for j in range(q.shape[0]):
+            p = length + j
+            lo = max(0, p - window + 1) - k0 if window else 0
+            kj, vj = keys[lo : p - k0 + 1], values[lo : p - k0 + 1]
+            if window:
+                kj, vj = kj.clone(), vj.clone()
+            sc = m.attention_scale
+            o = causal_attention(
+                q[j : j + 1], kj, vj, p, sc, a.sinks, window, k0 + lo, m.chunk(layer)
+            )
+            outs.append(o)
+        return torch.cat(outs)
+
     def _mla(
         self,
         layer: int,
@@ -463,6 +540,7 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
+        verify: frozenset[int],
     ) -> torch.Tensor:
         """Multi-head latent attention in its absorbed form (`kvq.model.mla`): the cache holds
         one latent per token, `[c_kv ; k_pe]` (r + rope values), never per-head K and V.
@@ -487,11 +565,18 @@ class Backbone:
         outs, start = [], 0
         scale = m.attention_scale or self.mla_kq_scale
         with _small(max(lens))():
-            for c, t in zip(caches, lens, strict=True):
+            for i, (c, t) in enumerate(zip(caches, lens, strict=True)):
                 keys, values = c.append(layer, latent[start : start + t], None)
                 qs = qc[start : start + t]
-                outs.append(causal_attention(qs, keys, values, c.length, scale))
                 start += t
+                if i not in verify:
+                    outs.append(causal_attention(qs, keys, values, c.length, scale))
+                    continue
+                for j in range(t):  # each row as a decode step at its position would read
+                    end = c.length + j + 1
+                    outs.append(
+                        causal_attention(qs[j : j + 1], keys[:end], values[:end], end - 1, scale)
+                    )
             o = torch.cat(outs).view(n, heads, r).transpose(0, 1)  # [heads, N, r]
             ov = heads_matmul(o, a.wv_b.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         return linear(ov.reshape(n, heads * m.value_head_dim), a.wo)  # [N, H]

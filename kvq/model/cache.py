@@ -131,14 +131,15 @@ class KVCache:
         cache (not a sliding one's ring, a latent cache or a recurrent layer)."""
         return not self.latent_values and self.windows[layer] <= 0 and layer in self._row
 
-    def decode_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full layer `layer`'s key and value storage [capacity, kv, d], with room for one more
-        position: a kernel writes the new key and value at `length` itself and reads every
-        position up to it (`kvq.model.decode_attention`)."""
+    def decode_slot(self, layer: int, ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full layer `layer`'s key and value storage [capacity, kv, d], with room for
+        `ahead` + 1 more positions: a kernel writes the new key and value at `length` (+
+        `ahead`: a speculative pass's later rows) itself and reads every position up to it
+        (`kvq.model.decode_attention`)."""
         if not self.holds_keys(layer):
             raise ModelError(f"layer {layer} is not a full layer of a key-value cache")
-        self.check_room(1)  # the kernel writes at `length`: never past the storage
-        self._reserve(self.length + 1)
+        self.check_room(ahead + 1)  # the kernel writes at `length`: never past the storage
+        self._reserve(self.length + ahead + 1)
         row = self._row[layer]
         return self.k[row], self.v[row]
 
@@ -177,11 +178,13 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         """Mark `n` more positions as stored (after every layer has appended them) and
-        commit the recurrent state the pass staged."""
+        commit the recurrent state the pass staged. A speculative pass (`SeqStep.verify`)
+        commits only its accepted rows: `n` may be fewer than the pass wrote, and the
+        positions past `length` are overwritten by the next pass."""
         self.check_room(n)
         self.length += n
         if self.state is not None:
-            self.state.commit()
+            self.state.commit(n)
 
 
 @dataclass
@@ -190,3 +193,6 @@ class SeqStep:
 
     tokens: list[int]
     cache: KVCache
+    # a speculative pass: every row computed as a decode step would compute it, logits at
+    # every row, and the caller commits only the accepted rows (`kvq.model.speculative`)
+    verify: bool = False

@@ -30,11 +30,16 @@ def decode_attention(
     layer: int,
     scale: float = 0.0,
     sinks: torch.Tensor | None = None,
+    ahead: list[int] | None = None,
 ) -> torch.Tensor | None:
     """Attention of one new token per sequence: q [S, heads, d], k and v [S, kv, d] its new
     key and value (stored into caches[s] at its `length`, not advanced). `scale` 0 means
     1/sqrt(d); `sinks` [heads] as in `causal_attention`. Returns [S, heads * d] float32, or
-    None where the kernel does not apply (the caller runs `causal_attention` per sequence)."""
+    None where the kernel does not apply (the caller runs `causal_attention` per sequence).
+
+    `ahead[s]`: row s is at `length + ahead[s]` of its cache (a speculative pass's rows, one
+    cache repeated for each): the kernel writes every new key before it reads any, so each
+    row gets the bits a decode step at its position gets."""
     n, heads, d = q.shape
     kv = k.shape[1]
     tensors = (q, k, v) + (() if sinks is None else (sinks,))
@@ -50,7 +55,10 @@ def decode_attention(
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sink = None if sinks is None else sinks.contiguous()
-    slots = [c.decode_slot(layer) for c in caches]
+    at = ahead if ahead is not None else [0] * n
+    for c, a in zip(caches, at, strict=True):
+        c.decode_slot(layer, a)  # grow first: a later row's growth would move an earlier's
+    slots = [c.decode_slot(layer, a) for c, a in zip(caches, at, strict=True)]
     out = torch.empty((n, heads, d), dtype=torch.float32)
     qdot.attn_decode(
         built,
@@ -58,7 +66,7 @@ def decode_attention(
         k.data_ptr(),
         v.data_ptr(),
         [(ks.data_ptr(), vs.data_ptr()) for ks, vs in slots],
-        [c.length for c in caches],
+        [c.length + a for c, a in zip(caches, at, strict=True)],
         heads,
         kv,
         d,

@@ -88,7 +88,7 @@ class DeltaState:
         n, d = len(layers), dims.head_dim
         self.conv = torch.zeros((n, dims.conv - 1, dims.channels), device=device, dtype=dtype)
         self.ssm = torch.zeros((n, dims.v_heads, d, d), device=device, dtype=dtype)
-        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed (conv, ssm) state of `layer`."""
@@ -96,13 +96,21 @@ class DeltaState:
         return self.conv[r], self.ssm[r]
 
     def stage(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Stage `layer`'s state after the whole pass."""
+        self.stage_rows(layer, [(conv, ssm)])
+
+    def stage_rows(self, layer: int, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Stage `layer`'s state after each row of the pass (`states[i]`: after i + 1 rows),
+        so that a speculative pass can commit the state after its accepted rows only."""
         if layer not in self._row:
             raise ModelError(f"layer {layer} is not a linear-attention layer of this state")
-        self._staged[layer] = (conv, ssm)
+        self._staged[layer] = states
 
-    def commit(self) -> None:
-        """Make the staged states current (after every layer of the pass ran)."""
-        for layer, (conv, ssm) in self._staged.items():
+    def commit(self, rows: int = 0) -> None:
+        """Make the staged states current (after every layer of the pass ran): those after
+        `rows` rows where the pass staged one per row, else the pass's last."""
+        for layer, states in self._staged.items():
+            conv, ssm = states[rows - 1] if 0 < rows <= len(states) else states[-1]
             r = self._row[layer]
             self.conv[r], self.ssm[r] = conv, ssm
         self._staged.clear()

@@ -10,6 +10,7 @@ import torch
 from kvq.errors import ModelError
 from kvq.model.cache import SeqStep
 from kvq.model.sampling import Sampler, Sampling
+from kvq.model.speculative import speculative_greedy
 
 __all__ = ["Sampling", "generate"]
 
@@ -27,16 +28,33 @@ def generate(
     stop_at_eos: bool = True,
     on_token: Callable[[int], None] | None = None,
     chunk: int = 0,
+    draft_tokens: int = 0,
 ) -> list[int]:
     """Generated ids only (EOS not included); stops at EOS (if `stop_at_eos`), after
     `max_tokens`, or when the context is full. `on_token` sees each id as it is chosen.
     `chunk` > 0: the prompt is read `chunk` tokens at a time, cut where a coordinator with
-    that `KVQ_PREFILL_CHUNK` cuts it (X17: the same bits as served)."""
+    that `KVQ_PREFILL_CHUNK` cuts it (X17: the same bits as served). `draft_tokens` > 0 and
+    greedy: n-gram drafts of up to that many tokens verified in one pass each (X13,
+    `kvq.model.speculative`): the same tokens in fewer passes."""
     if max_tokens <= 0:
         return []
     if not prompt_ids:
         raise ModelError("the prompt is empty; pass at least one token id")
-    pick = _picker(sampling or Sampling(), bb.meta.vocab_size)
+    s = sampling or Sampling()
+    if draft_tokens > 0 and Sampler(s, bb.meta.vocab_size).greedy:
+        tell = None if on_token is None else lambda _i, tok: on_token(tok)
+        spec = speculative_greedy(
+            bb,
+            [prompt_ids],
+            max_tokens,
+            draft_tokens,
+            moe=moe,
+            stop_at_eos=stop_at_eos,
+            chunk=chunk,
+            on_token=tell,
+        )
+        return spec[0]
+    pick = _picker(s, bb.meta.vocab_size)
     cache = bb.new_cache()
     step = chunk if chunk > 0 else len(prompt_ids)
     for i in range(0, len(prompt_ids), step):

@@ -73,6 +73,29 @@ class Sampler:
             self.counts[tok] += 1
         return tok
 
+    def speculate(self, logits: torch.Tensor, draft: int) -> int:
+        """The next token id from logits [V] given a draft token (a sampled sequence's
+        speculative step, X13): the standard speculative sampling rule for a draft that
+        proposes `draft` with certainty (n-gram lookup), keep it with probability p(draft),
+        else draw from p without it, renormalised; so the token follows p exactly, as
+        `pick` draws it. Remembers it for the penalties."""
+        z = logits.float().cpu()  # [V]
+        if self.counts is not None:
+            seen = (self.counts > 0).float()
+            z = z - self.s.presence_penalty * seen - self.s.frequency_penalty * self.counts
+        if self.gen is None:
+            tok = int(z.argmax())
+        else:
+            p = self._filtered(z / self.s.temperature)
+            p = p / p.sum()  # [V]: top-p leaves it unnormalised (multinomial does not mind)
+            u = float(torch.rand(1, generator=self.gen))
+            rest = p.index_fill(0, torch.tensor([draft]), 0.0)
+            keep = u < float(p[draft]) or float(rest.sum()) <= 0
+            tok = draft if keep else int(torch.multinomial(rest, 1, generator=self.gen))
+        if self.counts is not None:
+            self.counts[tok] += 1
+        return tok
+
     def note(self, tok: int) -> None:
         """A token picked elsewhere (the batched greedy path)."""
         if self.counts is not None:

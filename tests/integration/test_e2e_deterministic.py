@@ -69,6 +69,7 @@ def _run(
     n_tok: int,
     chunk: int,
     slice_experts: int = 4,
+    speculative: str = "off",
 ) -> tuple[int, int]:
     """(requests whose served tokens equal the alone ones, requests); `kvq generate` does
     not know the slice grid."""
@@ -79,6 +80,7 @@ def _run(
         prefill_chunk=chunk,
         job_deadline_ms=60000,
         slice_experts=slice_experts,
+        speculative=speculative,
     )
     kids = Children(child_env(s), log_dir=str(tmp))
     board = open_board(s.bus, s.lifetimes)
@@ -148,6 +150,25 @@ def test_concurrent_requests_equal_each_prompt_alone(
     # a 32-token budget: the longer prompts are read in pieces, beside the others' decode;
     # slices of 3 experts (an uneven grid: 3, 3, 2)
     same, n = _run(redis_server.url, tmp_path, model, workers, 12, 16, 32, slice_experts=3)
+    assert same == n
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    ("arch", "variant"), [("qwen3moe", ""), ("deepseek2", "v3"), ("qwen35moe", "")]
+)
+def test_ngram_drafts_through_the_swarm_equal_each_prompt_alone(
+    redis_server,
+    tmp_path: Path,
+    arch: str,
+    variant: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """X13 at expert grain: with `KVQ_SPECULATIVE=ngram` each sequence's k + 1 rows go to the
+    workers as rows of the step's one set of MoE round trips, and every request still gets
+    the tokens of plain `kvq generate` of its prompt alone."""
+    model = tmp_path / f"{arch}.gguf"
+    make_tiny(model, arch=arch, variant=variant, layers=3, experts=8, experts_used=4, seed=5)
+    same, n = _run(redis_server.url, tmp_path, model, 2, 8, 24, 32, 3, speculative="ngram")
     assert same == n
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.coordinator.drafts import DraftPlan
 from kvq.coordinator.engine import Engine
 from kvq.model import Backbone, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
@@ -136,3 +137,25 @@ def test_engine_greedy_tokens_equal_single_batch(
         if mb > 1:  # it really ran micro-batches: more MoE calls than layers x steps
             assert len(moe.log) > 2 * bb.meta.block_count * 8
     assert runs[2] == runs[1] and runs[3] == runs[1]
+
+
+def _served(bb: Backbone, microbatches: int, drafts: DraftPlan | None) -> tuple[list, int]:  # type: ignore[type-arg]
+    eng = Engine(bb, ByteTokenizer(), n_slots=len(PROMPTS), drafts=drafts)
+    seqs = [eng.admit(f"r{i}", p * 3, 8, b"") for i, p in enumerate(PROMPTS)]  # p * 3: repeats
+    moe = Recording(bb, microbatches)
+    while eng.active:
+        eng.step(moe, lambda _: None)
+    return [s.generated for s in seqs], eng.spec.drafted
+
+
+@pytest.mark.parametrize("which", ["backbone", "q4k"])
+def test_engine_drafts_in_micro_batches_give_plain_tokens(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """X13 with micro-batches: a step's verify rows split among them, each sequence's rows in
+    one, and the logits come back in step order."""
+    bb: Backbone = request.getfixturevalue(which)
+    plain, _ = _served(bb, 1, None)
+    for mb in (2, 3):
+        got, drafted = _served(bb, mb, DraftPlan("ngram", 3))
+        assert got == plain and drafted > 0
