@@ -37,6 +37,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:market                     | stream | workers → monitor: "look at my asks"       |
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
+| P:{c:C}:inflight             | string | coordinator C: JSON list of the requests   |
+|                              |        | it generates now → monitor (dashboard)     |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | coordinators, trusted workers, the monitor |
@@ -226,6 +228,10 @@ class Keys:
 
     def coord_stats(self, coord: str) -> str:
         return f"{self.prefix}:{{c:{coord}}}:stats"
+
+    def coord_inflight(self, coord: str) -> str:
+        """The requests coordinator `coord` generates now (`records.InFlight`, a JSON list)."""
+        return f"{self.prefix}:{{c:{coord}}}:inflight"
 
     # per request
     def request_reply(self, request: str) -> str:

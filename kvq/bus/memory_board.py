@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
     DEPARTED_KEEP_S,
     CoordStats,
     Departure,
+    InFlight,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -334,11 +335,18 @@ class MemoryBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
+    def publish_slots(
+        self,
+        coord: str,
+        state: SlotState,
+        stats: CoordStats,
+        inflight: Iterable[InFlight] = (),
+    ) -> bool:
         with self._lock:
             members = self._coords.setdefault(state.model, set())
             new = self._slots(coord) is None or coord not in members
             self._put("slots", coord, state, self.lifetimes.slots_s())
+            self._put("inflight", coord, list(inflight), self.lifetimes.slots_s())
             members.add(coord)
             self._stats[coord] = stats
             return new
@@ -367,3 +375,10 @@ class MemoryBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return self._stats.get(coord)
+
+    def in_flight(self, coords: Sequence[str]) -> list[InFlight]:
+        out: list[InFlight] = []
+        for c in coords:
+            got = self._get("inflight", c)
+            out += got if isinstance(got, list) else []
+        return out

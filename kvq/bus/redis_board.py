@@ -7,7 +7,7 @@ hash tag (`{m:..}`, `{w:..}`, `{c:..}`) except where noted, so a Redis Cluster c
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import cast
 
 import redis
@@ -21,6 +21,7 @@ from kvq.bus.records import (
     DEPARTED_KEEP_S,
     CoordStats,
     Departure,
+    InFlight,
     Lifetimes,
     ModelEntry,
     ModelState,
@@ -385,13 +386,20 @@ class RedisBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
+    def publish_slots(
+        self,
+        coord: str,
+        state: SlotState,
+        stats: CoordStats,
+        inflight: Iterable[InFlight] = (),
+    ) -> bool:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(k.coord_slots(coord), mapping=state.to_hash())  # fields added: new record
         pipe.expire(k.coord_slots(coord), life.slots_s())
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
+        pipe.set(k.coord_inflight(coord), InFlight.encode_list(inflight), ex=life.slots_s())
         got = []
         if self.cluster:  # {c:C} and {m:M}: a cluster runs the parts in no order, so wait
             got = pipe.execute()
@@ -427,6 +435,15 @@ class RedisBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
+
+    def in_flight(self, coords: Sequence[str]) -> list[InFlight]:
+        """The requests `coords` generate now, as each last published them."""
+        if not coords:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for c in coords:
+            pipe.get(self.keys.coord_inflight(c))
+        return [row for raw in pipe.execute() for row in InFlight.decode_list(raw)]
 
     # -- requests: runs and what their reply streams already hold --------------------------
     def start_attempt(self, request: str, entry: bytes) -> int:

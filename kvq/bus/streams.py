@@ -385,6 +385,14 @@ def unanswered(r: redis.Redis, stream: str, limit: int = 10_000) -> list[Entry]:
     return [(eid, f) for eid, f in entries if eid in pending or _id_gt(eid, last)]
 
 
+def entry_ms(eid: bytes | str) -> int:
+    """When Redis added stream entry `eid` (its id's ms part, the server's clock); 0 for an
+    id that is not one."""
+    text = eid.decode() if isinstance(eid, bytes) else eid
+    ms = text.partition("-")[0]
+    return int(ms) if ms.isdigit() else 0
+
+
 def _id_gt(a: bytes, b: bytes) -> bool:
     ams, aseq = (int(p) for p in a.split(b"-"))
     bms, bseq = (int(p) for p in b.split(b"-"))
