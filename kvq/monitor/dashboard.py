@@ -1,7 +1,8 @@
 """What the monitor's live dashboard (`GET /`, `kvq/monitor/static/`) shows, as one JSON
 snapshot (`GET /api/dashboard`): each model's coverage (totals, per layer span, and the cells of
 the spans asked for: `kvq.monitor.coverage`), workers (their slices as a count and ranges;
-serving, late or lost), the workers reaped in the last hour with when and why, coordinators, every stream's depth, lag and pending age over the
+serving, late or lost), the workers reaped in the last hour with when and why, coordinators,
+the requests they generate now, every stream's depth, lag and pending age over the
 last minutes, dead letters, and the alert rules of `docs/alerts.yml` whose condition holds now.
 
 Everything is read from Redis: the board for coverage, workers and trust, and the monitor's own
@@ -17,6 +18,7 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvq.bus.deadletters import list_dead
@@ -38,6 +40,7 @@ from kvq.monitor.history import (
 
 HELD_SHOWN = 32  # slice ids listed per worker (its count and ranges say the rest)
 DEPARTED_SHOWN = 50
+REQUESTS_SHOWN = 200
 
 
 class Dashboard:
@@ -61,6 +64,7 @@ class Dashboard:
             "workers": listed,
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
+            "requests": self._requests(models),
             "streams": stream_charts(samples),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
@@ -105,6 +109,8 @@ class Dashboard:
                 q = trust.get(v.worker_id)
                 if q is not None and q.active(now_ms):
                     row["trust"] = "banned" if q.banned else "quarantined"
+                elif q is not None and q.drain and row["trust"] == "trusted":
+                    row["trust"] = "draining"  # an operator's drain: no new work
         late_s = self.board.lifetimes.late_after_s()
         for w, age in self.board.heartbeat_ages_s(list(rows)).items():
             row = rows[w]
@@ -165,6 +171,17 @@ class Dashboard:
                     }
                 )
         return out
+
+    def _requests(self, models: list[str]) -> list[dict[str, Any]]:
+        """The requests live coordinators generate now (their `inflight` records), oldest
+        first, with their age since Redis queued them."""
+        coords = [c.coord for m in models for c in self.board.coordinators(m) if c.alive]
+        now_ms = self.board.now_ms()
+        rows = sorted(self.board.in_flight(coords), key=lambda f: (f.queued_ms, f.request))
+        return [
+            msgspec.structs.asdict(f) | {"age_s": round(max(0.0, now_ms - f.queued_ms) / 1000, 1)}
+            for f in rows[:REQUESTS_SHOWN]
+        ]
 
     def _deadletters(self, series: Series) -> dict[str, Any]:
         total = sum(v for _, v in pick(series, "kvq_deadletter_length"))
