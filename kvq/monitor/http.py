@@ -13,6 +13,7 @@ background thread (`kvq.asgi`).
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 | GET    | /                        | the live dashboard (HTML; assets under /static/)         |
 | GET    | /api/dashboard           | what the dashboard draws, one JSON snapshot              |
+| GET    | /worker/{id}             | one worker's page (HTML); its data: /api/worker/{id}     |
 | GET    | /api/operator            | whether actions are on; with a bearer token, whose it is |
 | POST   | /api/actions/{action}    | an operator's action (`kvq.monitor.actions`): cancel, a  |
 |        |                          | dead letter requeued or dropped, a worker quarantined,   |
@@ -48,6 +49,7 @@ from kvq.keys import check_id
 from kvq.monitor.actions import Operators, act, parse_tokens
 from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
+from kvq.monitor.worker_page import worker_page
 from kvq.security import acl
 
 log = logging.getLogger("kvq.monitor.http")
@@ -246,6 +248,8 @@ STATIC_TYPES = {
     "index.html": "text/html",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
+    "worker.html": "text/html",
+    "worker.js": "text/javascript",
 }
 
 
@@ -323,6 +327,20 @@ def _dashboard_routes(api: Api) -> list[Route]:
     def page(request: Request) -> Response:
         return _static("index.html")
 
+    def worker_html(request: Request) -> Response:
+        return _static("worker.html")
+
+    def worker(request: Request) -> Response:
+        w = request.path_params["worker"]
+        got = None
+        try:
+            got = worker_page(api.board, api.dashboard.history, check_id("worker", w))
+        except ConfigError:
+            pass  # no such id can exist
+        if got is None:
+            raise HttpError(HTTPStatus.NOT_FOUND, "NotFound", f"no worker {w!r}")
+        return JSONResponse(got, headers={"Cache-Control": "no-store"})
+
     def asset(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in STATIC_TYPES:  # only the package's own files, by name
@@ -332,6 +350,8 @@ def _dashboard_routes(api: Api) -> list[Route]:
     return [
         Route("/api/dashboard", dashboard, methods=["GET"]),
         Route("/", page, methods=["GET"]),
+        Route("/worker/{worker}", worker_html, methods=["GET"]),
+        Route("/api/worker/{worker}", worker, methods=["GET"]),
         Route("/static/{name}", asset, methods=["GET"]),
     ]
 

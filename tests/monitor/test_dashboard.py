@@ -334,6 +334,56 @@ def _worker_buttons(page: Any, board: Any, swarm: Swarm) -> None:
     )
 
 
+@pytest.mark.slow
+def test_a_worker_s_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
+    """A worker's row links to its page: kernel path, memory, jobs served, its info record, and
+    three charts (latency, load, queue) with a clock-time axis, a unit and a legend."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    exe, extra_env = browser
+    with playwright.sync_playwright() as pw:
+        ctx = open_page(pw, exe, extra_env, tmp_path / "profile")
+        try:
+            page = ctx.new_page()
+            page.goto(swarm.url + "/")
+            page.wait_for_selector('tr[data-worker="dash-a"] a.worker-link', timeout=30_000)
+            page.click('tr[data-worker="dash-a"] a.worker-link')
+            page.wait_for_url("**/worker/dash-a", timeout=30_000)
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            assert page.inner_text('#summary tr[data-key="kernels"] td') == describe("cpu")
+            memory = page.inner_text('#summary tr[data-key="memory"] td')
+            assert "MiB of expert slices (tiny: 2 slices)" in memory, memory
+            served = int(page.inner_text('#summary tr[data-key="jobs served"] td'))
+            assert served >= 0
+            assert page.inner_text('#info tr[data-key="device"] td') == "cpu"
+            # the monitor samples every 5 s: wait for a line of two points in each chart
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.chart path[data-model=tiny]')]"
+                ".filter((p) => (p.getAttribute('d').match(/L/g) || []).length >= 1).length === 3",
+                timeout=30_000,
+            )
+            for name, unit in (
+                ("ms_per_row", "ms per token row"),
+                ("load", "share of the beat computing"),
+                ("queued_rows", "token rows"),
+            ):
+                box = f'.chart-box[data-chart="{name}"]'
+                labels = page.locator(f"{box} .axis-label").all_text_contents()
+                assert labels == ["time (UTC)", unit], labels
+                ticks = page.locator(f"{box} .x-tick").all_text_contents()
+                assert len(ticks) == 5 and all(len(t) == 8 and t[2] == ":" for t in ticks), ticks
+                legend = page.inner_text(f'{box} .legend .key[data-model="tiny"]')
+                assert legend.startswith("tiny: ") and legend.endswith(f"{unit} now"), legend
+            SHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SHOTS / "dashboard-worker-page.png"), full_page=True)
+            gone = httpx.get(swarm.url + "/api/worker/nobody", timeout=10)
+            assert gone.status_code == 404
+        finally:
+            ctx.close()
+
+
 def _verdict(board: Any) -> Quarantine:
     q = board.quarantined("tiny").get("dash-a")
     assert q is not None, "no verdict on dash-a"

@@ -275,7 +275,7 @@ function draw(snap) {
   drawAlerts(snap.alerts);
   drawModels(snap.models);
   drawTable("workers", snap.workers, [
-    ["worker"], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
+    ["worker", (v) => el("a", { href: `/worker/${encodeURIComponent(v)}`, class: "worker-link", title: "its page" }, v)], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
     ["ms_per_row"], ["queued_rows"], ["load"], ["kernels"], ["heartbeat_age_s", (v) => (v === null ? "gone" : `${fmt(v, 1)} s`)],
     ["_act", (v, r) => workerButtons(r)],
   ], showAllWorkers ? 0 : WORKERS_SHOWN);
