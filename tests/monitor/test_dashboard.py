@@ -296,7 +296,7 @@ def _cancel_button(page: Any, board: Any) -> None:
     SHOTS.mkdir(exist_ok=True)
     page.locator("#requests").screenshot(path=str(SHOTS / "dashboard-request-in-flight.png"))
     page.click(f'{row} button[data-action="cancel"]')
-    assert cancel_keys.marked(r, keys, [str(rid)]) == {str(rid)}
+    wait_for(lambda: cancel_keys.marked(r, keys, [str(rid)]), 30, "the request's cancel key")
     done = [e for e in client.events(r, keys, rid, timeout_s=60) if e.kind == "done"]
     assert done[-1].finish == "cancelled" and (done[-1].index or 0) < 500, done
     page.wait_for_selector(row, state="detached", timeout=30_000)
