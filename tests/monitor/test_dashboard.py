@@ -319,7 +319,7 @@ def _worker_buttons(page: Any, board: Any, swarm: Swarm) -> None:
     # the monitor takes its slices back: it leaves the table for the departed list
     gone = 'li[data-departed="dash-a"]'
     page.wait_for_selector(gone, timeout=30_000)
-    assert "quarantined" in page.inner_text(gone)
+    assert "quarantined by operator alice: its slices taken back" in page.inner_text(gone)
     page.click(f'{gone} button[data-action="release"]')
     wait_for(lambda: not _verdict(board).idle(board.now_ms()), 30, "dash-a released")
     assert _verdict(board).reason == "released by operator alice"
