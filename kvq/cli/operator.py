@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import logging
 from typing import Any
 
 from kvq.cli.common import EXIT_OK, number
@@ -14,6 +15,7 @@ from kvq.errors import ConfigError
 from kvq.keys import check_id
 
 Subparsers = Any
+log = logging.getLogger("kvq.operator")
 
 
 def _worker_id(text: str) -> str:
@@ -39,6 +41,7 @@ def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
         client.cancel(r, Keys(settings.prefix), args.model, args.request_id)
     finally:
         r.close()
+    log.warning("operator %s: cancelled request %s of %s", _by(args), args.request_id, args.model)
     out = {"cancelled": args.request_id, "model": args.model, "by": _by(args)}
     print(json.dumps(out) if args.json else f"cancelled request {args.request_id}")
     return EXIT_OK
