@@ -18,7 +18,6 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvq.bus.deadletters import list_dead
@@ -37,10 +36,10 @@ from kvq.monitor.history import (
     read_registry,
     since,
 )
+from kvq.monitor.requests_view import requests_view
 
 HELD_SHOWN = 32  # slice ids listed per worker (its count and ranges say the rest)
 DEPARTED_SHOWN = 50
-REQUESTS_SHOWN = 200
 
 
 class Dashboard:
@@ -64,7 +63,7 @@ class Dashboard:
             "workers": listed,
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
-            "requests": self._requests(models),
+            "requests": requests_view(self.board, models, infos),
             "streams": stream_charts(samples),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
@@ -171,17 +170,6 @@ class Dashboard:
                     }
                 )
         return out
-
-    def _requests(self, models: list[str]) -> list[dict[str, Any]]:
-        """The requests live coordinators generate now (their `inflight` records), oldest
-        first, with their age since Redis queued them."""
-        coords = [c.coord for m in models for c in self.board.coordinators(m) if c.alive]
-        now_ms = self.board.now_ms()
-        rows = sorted(self.board.in_flight(coords), key=lambda f: (f.queued_ms, f.request))
-        return [
-            msgspec.structs.asdict(f) | {"age_s": round(max(0.0, now_ms - f.queued_ms) / 1000, 1)}
-            for f in rows[:REQUESTS_SHOWN]
-        ]
 
     def _deadletters(self, series: Series) -> dict[str, Any]:
         total = sum(v for _, v in pick(series, "kvq_deadletter_length"))

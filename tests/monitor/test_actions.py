@@ -177,3 +177,22 @@ def test_requests_in_flight_in_the_snapshot(readonly: str, mon: Monitor) -> None
     stale = SlotState(model="m", busy=1, total=4, ts_ms=now - 10**7)
     mon.board.publish_slots("c1", stale, CoordStats(), [row])
     assert httpx.get(readonly + "/api/dashboard").json()["requests"] == [], "a dead one's: not"
+
+
+def test_queued_requests_in_the_snapshot(readonly: str, mon: Monitor, r: redis.Redis) -> None:
+    """A request no coordinator has read yet shows as `queued` (its prompt tokens when sent
+    as ids); once a coordinator's group read delivers it, no longer."""
+    from kvq import client
+    from kvq.keys import COORDINATOR_GROUP
+
+    keys = mon.board.keys
+    rid = client.send(r, keys, "m", prompt_ids=[1, 2, 3], max_tokens=8)
+    (got,) = httpx.get(readonly + "/api/dashboard").json()["requests"]
+    assert got["request"] == str(rid) and got["state"] == "queued" and got["coordinator"] == ""
+    assert got["prompt_tokens"] == 3 and got["max_tokens"] == 8 and got["grain"] == "expert"
+    stream = keys.model_requests("m")
+    r.xgroup_create(stream, COORDINATOR_GROUP, id="0", mkstream=True)
+    (got,) = httpx.get(readonly + "/api/dashboard").json()["requests"]
+    assert got["state"] == "queued", "a group that has read nothing: still queued"
+    r.xreadgroup(COORDINATOR_GROUP, "c1", {stream: ">"}, count=1)
+    assert httpx.get(readonly + "/api/dashboard").json()["requests"] == []

@@ -281,7 +281,7 @@ function draw(snap) {
   ], showAllWorkers ? 0 : WORKERS_SHOWN);
   drawTable("requests", snap.requests, [
     ["request", (v) => v], ["model", (v) => v], ["age_s", (v) => `${fmt(v, 1)} s`], ["prompt_tokens"],
-    ["generated", (v, r) => `${v} / ${r.max_tokens}`], ["coordinator", (v) => v], ["grain", (v) => v],
+    ["generated", (v, r) => `${v} / ${r.max_tokens}`], ["coordinator", (v) => v || "–"], ["grain", (v) => v],
     ["state", (v, r) => (r.attempt > 1 ? `${v} (attempt ${r.attempt})` : v)],
     ["_act", (v, r) => buttons([["cancel", "cancel", { model: r.model, request: r.request }, `cancel request ${r.request}`]])],
   ]);
