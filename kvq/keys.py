@@ -22,6 +22,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
 |                              |        | mismatches, banned) → coordinators, monitor|
+| P:{m:M}:verdicts             | stream | every verdict written to `quarantine`, |
+|                              |        | in order (capped) → dashboard (history)    |
 | P:{m:M}:removed              | string | `kvq model rm`: ms it was unregistered →   |
 |                              |        | monitor (never restores M); cleared by a   |
 |                              |        | registration of M                          |
@@ -189,6 +191,11 @@ class Keys:
     def model_quarantine(self, model: str) -> str:
         """Workers caught returning wrong results (`records.Quarantine` JSON per worker)."""
         return self._m(model, "quarantine")
+
+    def model_verdicts(self, model: str) -> str:
+        """Every verdict written to `model_quarantine`, in order (a capped stream): a worker's
+        trust history."""
+        return self._m(model, "verdicts")
 
     # per API key (the gateway's request limit); the key itself is never stored, its hash is
     def apikey_calls(self, key_sha: str) -> str:

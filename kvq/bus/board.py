@@ -204,6 +204,11 @@ class Board(Protocol):
         """Record a coordinator's verdict on `worker` (replacing any earlier one)."""
         ...
 
+    def verdict_history(self, model: str, worker: str) -> list[Quarantine]:
+        """`worker`'s verdicts in `model`, newest first (the last `VERDICTS_KEPT` of the
+        model's, any worker's, are kept)."""
+        ...
+
     def quarantined(self, model: str) -> dict[str, Quarantine]:
         """Every verdict recorded for `model`'s workers, active or past (`Quarantine.active`)."""
         ...

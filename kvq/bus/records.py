@@ -274,6 +274,7 @@ class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
             return None
 
 
+VERDICTS_KEPT = 1000  # a model's verdict log (`P:{m:M}:verdicts`): the newest this many
 DEPARTED_KEEP_S = 3600.0  # how long a reaped worker stays listed, with when and why
 
 

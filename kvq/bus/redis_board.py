@@ -19,6 +19,7 @@ from kvq.bus.connection import connect
 from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
     DEPARTED_KEEP_S,
+    VERDICTS_KEPT,
     CoordStats,
     Departure,
     InFlight,
@@ -119,6 +120,7 @@ class RedisBoard:
             k.model_coordinators(m),
             k.model_state(m),
             k.model_quarantine(m),
+            k.model_verdicts(m),
             k.model_cancels(m),
             *(k.model_grant(m, w) for w in holders),
         ]
@@ -350,7 +352,21 @@ class RedisBoard:
         return {w: d for w, d in sorted(got.items()) if d is not None and d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
-        self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+        pipe = self.r.pipeline(transaction=False)  # one hash tag, {m:M}: one slot
+        pipe.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+        log_entry = {b"worker": worker.encode(), b"verdict": verdict.to_json()}
+        xadd(pipe, self.keys.model_verdicts(model), log_entry, VERDICTS_KEPT)
+        pipe.execute()
+
+    def verdict_history(self, model: str, worker: str) -> list[Quarantine]:
+        """`worker`'s verdicts in `model`, newest first, among the last VERDICTS_KEPT."""
+        rows = self.r.xrevrange(self.keys.model_verdicts(model), count=VERDICTS_KEPT)
+        got = [
+            Quarantine.from_json(f.get(b"verdict", b""))
+            for _, f in rows
+            if f.get(b"worker") == worker.encode()
+        ]
+        return [q for q in got if q is not None]
 
     def quarantined(self, model: str) -> dict[str, Quarantine]:
         raw = self.r.hgetall(self.keys.model_quarantine(model))

@@ -1,7 +1,7 @@
 """One worker's page (`GET /worker/{id}`, its data `GET /api/worker/{id}`): its `info` record
 as it last beat, kernel path, the bytes of the slices it holds, jobs served, each model's
-verdict on it (the trust record: mismatches over its life, the latest catch or operator's
-word) and when it departed, and its latency, load and queue over the last minutes, from the
+verdict on it now and every verdict before (`P:{m:M}:verdicts`: catches, operators' words),
+when it departed, and its latency, load and queue over the last minutes, from the
 monitor's sampled metrics (`kvq_worker_ms_per_row`, `kvq_worker_load`,
 `kvq_worker_queued_rows`: `History`)."""
 
@@ -15,6 +15,8 @@ import msgspec
 from kvq.bus.redis_board import RedisBoard
 from kvq.catalog import ModelInfo
 from kvq.monitor.history import History, Sample
+
+HISTORY_SHOWN = 50  # verdicts per model, newest first
 
 # chart -> (the metric, its unit)
 CHARTS = {
@@ -49,6 +51,11 @@ def worker_page(board: RedisBoard, history: History, worker: str) -> dict[str, A
         "trust": [
             {"model": m, "active": q.active(now_ms), "drain": q.drain} | msgspec.structs.asdict(q)
             for m, q in sorted(verdicts.items())
+        ],
+        "history": [
+            {"model": m} | msgspec.structs.asdict(q)
+            for m in sorted(verdicts)
+            for q in board.verdict_history(m, worker)[:HISTORY_SHOWN]
         ],
         "departed": msgspec.structs.asdict(departed) if departed is not None else None,
         "charts": _charts(history.samples(), worker),

@@ -105,6 +105,19 @@ def test_the_market_grants_a_drained_worker_nothing(registered: BoardCase) -> No
     assert got.get("model") == "m" and got.get("slice"), got
 
 
+def test_every_verdict_is_kept_in_order(registered: BoardCase) -> None:
+    """The trust history: each verdict on the model's log, newest first, per worker."""
+    board = registered.board
+    board.quarantine("m", "w", Quarantine(until_ms=1, mismatches=1, coord="c1", reason="x"))
+    board.quarantine("m", "other", Quarantine(until_ms=1, mismatches=1, coord="c1"))
+    operator.release(board, "w", "alice")
+    got = board.verdict_history("m", "w")
+    assert [(q.coord, q.operator) for q in got] == [("", "alice"), ("c1", "")]
+    assert board.verdict_history("m", "nobody") == []
+    assert board.unregister_model("m") == ["w"]
+    assert board.verdict_history("m", "w") == [], "gone with the model"
+
+
 def test_an_action_names_who(registered: BoardCase) -> None:
     with pytest.raises(ValueError, match="who"):
         operator.drain(registered.board, "w", "")

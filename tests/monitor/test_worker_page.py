@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvq.bus import operator
-from kvq.bus.records import WorkerInfo
+from kvq.bus.records import Quarantine, WorkerInfo
 from kvq.config import Settings
 from kvq.monitor import Monitor
 from kvq.monitor.history import History, read_registry
@@ -62,6 +62,8 @@ def test_a_worker_s_page(mon: Monitor) -> None:
     history.take()
     beat(mon, sid, 4.0, 0.5)
     history.take()
+    caught = Quarantine(until_ms=1, mismatches=1, coord="c1", reason="row error 3", ts_ms=1)
+    board.quarantine("m", "w1", caught)
     operator.drain(board, "w1", "alice")
     got = worker_page(board, history, "w1")
     assert got is not None
@@ -73,6 +75,10 @@ def test_a_worker_s_page(mon: Monitor) -> None:
     (verdict,) = got["trust"]
     assert verdict["model"] == "m" and verdict["drain"] and verdict["operator"] == "alice"
     assert not verdict["active"] and verdict["reason"] == "drained by operator alice"
+    assert [(v["coord"], v["operator"], v["reason"]) for v in got["history"]] == [
+        ("", "alice", "drained by operator alice"),
+        ("c1", "", "row error 3"),
+    ], "every verdict, newest first"
     charts = got["charts"]
     assert [v for _, v in charts["ms_per_row"]["series"]["m"]] == [2.5, 4.0]
     assert [v for _, v in charts["load"]["series"]["m"]] == [0.25, 0.5]

@@ -105,6 +105,15 @@ function draw(w) {
       el("td", {}, t.operator ? `operator ${t.operator}` : t.coord || "–"), el("td", {}, t.reason || "–"), el("td", {}, when(t.ts_ms))));
   }
   if (!w.trust.length) body.append(el("tr", { class: "none" }, el("td", { colspan: 8 }, "trusted: never caught, no operator's word")));
+  const hist = document.querySelector("#history tbody");
+  hist.replaceChildren();
+  for (const v of w.history) {
+    hist.append(el("tr", { "data-model": v.model },
+      el("td", {}, when(v.ts_ms)), el("td", {}, v.model), el("td", {}, v.operator ? `operator ${v.operator}` : v.coord || "–"),
+      el("td", {}, v.reason || "–"), el("td", {}, String(v.mismatches)), el("td", {}, v.banned ? "yes" : "no"),
+      el("td", {}, v.until_ms ? when(v.until_ms) : "–")));
+  }
+  if (!w.history.length) hist.append(el("tr", { class: "none" }, el("td", { colspan: 7 }, "no verdict")));
   drawKv("info", w.info ? Object.entries(w.info).map(([k, v]) => [k, String(v)]) : [["info", "none (its record expired)"]]);
 }
 
