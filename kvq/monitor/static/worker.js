@@ -91,7 +91,7 @@ function draw(w) {
     ["memory", `${mib(w.held_bytes)} of expert slices (${held})`],
     ["jobs served", String(w.served)],
     ["device", w.info ? w.info.device : "–"],
-    ["departed", w.departed ? `${w.departed.why} at ${when(w.departed.ts_ms)}` : "–"],
+    ["last departed", w.departed ? `${w.departed.why} at ${when(w.departed.ts_ms)}` : "–"],
   ]);
   const charts = document.getElementById("charts");
   charts.replaceChildren(...Object.entries(w.charts).map(([name, c]) => chart(name, c.unit, c.series)));
