@@ -365,6 +365,13 @@ class Settings(SettingsChecks):
         "password as bearer token (checked by AUTH); open = anyone (development); off = 403",
     )
 
+    monitor_tokens: str = Field(
+        "",
+        description="operators who may act on the dashboard (cancel, dead letters, quarantine, "
+        "release, drain): name=token pairs, comma-separated, each token sent as bearer; "
+        "empty = a read-only dashboard (actions answer 403)",
+    )
+
     # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
     api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")
     api_port: int = Field(8000, ge=0, le=65535, description="port of `kvq api` (0 = any free)")
@@ -518,7 +525,7 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
-SECRET_SETTINGS = ("redis_url", "rq_url", "api_keys")  # printed only redacted
+SECRET_SETTINGS = ("redis_url", "rq_url", "api_keys", "monitor_tokens")  # printed redacted
 
 
 def redact(name: str, value: Any) -> Any:
@@ -527,7 +534,7 @@ def redact(name: str, value: Any) -> Any:
         from kvq.security.redact import redacted_url
 
         return redacted_url(value)
-    if name == "api_keys" and value:
+    if name in ("api_keys", "monitor_tokens") and value:
         return "***"
     return value
 

@@ -22,6 +22,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:{m:M}:state                | hash   | monitor: saturated, busy, targets, ts_ms   |
 | P:{m:M}:quarantine           | hash   | coordinators: worker → JSON verdict (until,|
 |                              |        | mismatches, banned) → coordinators, monitor|
+| P:{m:M}:verdicts             | stream | every verdict written to `quarantine`, |
+|                              |        | in order (capped) → dashboard (history)    |
 | P:{m:M}:removed              | string | `kvq model rm`: ms it was unregistered →   |
 |                              |        | monitor (never restores M); cleared by a   |
 |                              |        | registration of M                          |
@@ -37,6 +39,8 @@ default `kvq`). `docs/streams.md` mirrors this table with `redis-cli` lines.
 | P:market                     | stream | workers → monitor: "look at my asks"       |
 | P:{c:C}:slots                | hash   | coordinator C: busy, total, ts_ms          |
 | P:{c:C}:stats                | hash   | coordinator C: job counters                |
+| P:{c:C}:inflight             | string | coordinator C: JSON list of the requests   |
+|                              |        | it generates now → monitor (dashboard)     |
 | P:{r:R}:reply                | stream | coordinator → client of request R          |
 | P:{r:R}:run                  | hash   | coordinators: entry owning id R, attempts  |
 | P:deadletter                 | stream | coordinators, trusted workers, the monitor |
@@ -188,6 +192,11 @@ class Keys:
         """Workers caught returning wrong results (`records.Quarantine` JSON per worker)."""
         return self._m(model, "quarantine")
 
+    def model_verdicts(self, model: str) -> str:
+        """Every verdict written to `model_quarantine`, in order (a capped stream): a worker's
+        trust history."""
+        return self._m(model, "verdicts")
+
     # per API key (the gateway's request limit); the key itself is never stored, its hash is
     def apikey_calls(self, key_sha: str) -> str:
         return f"{self.prefix}:{{k:{key_sha}}}:calls"
@@ -226,6 +235,10 @@ class Keys:
 
     def coord_stats(self, coord: str) -> str:
         return f"{self.prefix}:{{c:{coord}}}:stats"
+
+    def coord_inflight(self, coord: str) -> str:
+        """The requests coordinator `coord` generates now (`records.InFlight`, a JSON list)."""
+        return f"{self.prefix}:{{c:{coord}}}:inflight"
 
     # per request
     def request_reply(self, request: str) -> str:

@@ -202,6 +202,12 @@ class SettingsChecks(BaseSettings):
                 )
         return v
 
+    @field_validator("monitor_tokens", check_fields=False)
+    @classmethod
+    def _check_monitor_tokens(cls, v: str) -> str:
+        operator_tokens(v)
+        return v
+
     @field_validator("api_max_tokens_default", check_fields=False)
     @classmethod
     def _default_in_limit(cls, v: int, info: ValidationInfo) -> int:
@@ -236,3 +242,28 @@ class SettingsChecks(BaseSettings):
                 f"must be <= KVQ_N_SLOTS ({n_slots}){_WHY_WITHIN_SLOTS.get(info.field_name or '', '')}"
             )
         return v
+
+
+_OPERATOR = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def operator_tokens(text: str) -> dict[str, str]:
+    """`KVQ_MONITOR_TOKENS` (`name=token`, comma-separated) as token -> operator name;
+    ValueError saying the form."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, eq, token = part.partition("=")
+        if part and (
+            not eq
+            or not _OPERATOR.fullmatch(name)
+            or len(token) < 16
+            or any(c.isspace() or not c.isprintable() for c in token)
+        ):
+            raise ValueError(
+                "must be name=token pairs, comma-separated: a name of 1 to 64 of A-Z a-z "
+                "0-9 _ . @ -, a token of at least 16 printable characters without spaces "
+                "(e.g. alice=$(openssl rand -hex 16))"
+            )
+        if part:
+            out[token] = name
+    return out

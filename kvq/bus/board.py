@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ from kvq.bus.connection import Backoff, is_connection_error
 from kvq.bus.records import (
     CoordStats,
     Departure,
+    InFlight,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -203,6 +204,11 @@ class Board(Protocol):
         """Record a coordinator's verdict on `worker` (replacing any earlier one)."""
         ...
 
+    def verdict_history(self, model: str, worker: str) -> list[Quarantine]:
+        """`worker`'s verdicts in `model`, newest first (the last `VERDICTS_KEPT` of the
+        model's, any worker's, are kept)."""
+        ...
+
     def quarantined(self, model: str) -> dict[str, Quarantine]:
         """Every verdict recorded for `model`'s workers, active or past (`Quarantine.active`)."""
         ...
@@ -217,10 +223,16 @@ class Board(Protocol):
         ...
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
-        """Slot state and counters of a coordinator, which joins its model's set; True when
-        its slot record or its place in the set was missing (the first publish, an expiry,
-        or Redis lost them)."""
+    def publish_slots(
+        self,
+        coord: str,
+        state: SlotState,
+        stats: CoordStats,
+        inflight: Iterable[InFlight] = (),
+    ) -> bool:
+        """Slot state, counters and the requests in flight of a coordinator, which joins its
+        model's set; True when its slot record or its place in the set was missing (the
+        first publish, an expiry, or Redis lost them)."""
         ...
 
     def coordinators(self, model: str) -> list[CoordinatorView]:
@@ -237,6 +249,10 @@ class Board(Protocol):
         ...
 
     def coord_stats(self, coord: str) -> CoordStats | None: ...
+
+    def in_flight(self, coords: Sequence[str]) -> list[InFlight]:
+        """The requests `coords` generate now, as each last published them."""
+        ...
 
 
 def worker_view(

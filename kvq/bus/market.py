@@ -258,12 +258,12 @@ class MarketDesk:
         return len(entries)
 
     def _barred_in(self, worker: str) -> set[str]:
-        """The models in which `worker` is quarantined or banned now."""
+        """The models in which `worker` is quarantined, banned or drained now."""
         now_ms = self.board.now_ms()
         return {
             m
             for m in self.board.models()
-            if (q := self.board.quarantined(m).get(worker)) and q.active(now_ms)
+            if (q := self.board.quarantined(m).get(worker)) and q.idle(now_ms)
         }
 
     def granted(self, model: str, worker: str) -> set[str]:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from kvq.bus.board import CoordinatorView, Fields, Peers, spread_jobs, worker_view
 from kvq.bus.records import (
     DEPARTED_KEEP_S,
+    VERDICTS_KEPT,
     CoordStats,
     Departure,
+    InFlight,
     Lifetimes,
     ModelState,
     Quarantine,
@@ -51,6 +53,7 @@ class MemoryBoard:
         self._coords: dict[str, set[str]] = {}
         self._stats: dict[str, CoordStats] = {}
         self._quarantine: dict[str, dict[str, Quarantine]] = {}  # model -> worker -> verdict
+        self._verdicts: dict[str, list[tuple[str, Quarantine]]] = {}  # model -> every verdict
 
     # -- expiry ---------------------------------------------------------------------------
     def _put(self, kind: str, ident: str, value: object, ttl_s: float) -> None:
@@ -92,7 +95,7 @@ class MemoryBoard:
             holders = sorted(self._workers.pop(model, {}))
             for table in (self._models, self._state, self._target, self._routed):
                 table.pop(model, None)
-            for other in (self._coverage, self._coords, self._quarantine):
+            for other in (self._coverage, self._coords, self._quarantine, self._verdicts):
                 other.pop(model, None)
             return holders
 
@@ -318,6 +321,13 @@ class MemoryBoard:
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
         with self._lock:
             self._quarantine.setdefault(model, {})[worker] = verdict
+            log = self._verdicts.setdefault(model, [])
+            log.append((worker, verdict))
+            del log[:-VERDICTS_KEPT]
+
+    def verdict_history(self, model: str, worker: str) -> list[Quarantine]:
+        with self._lock:
+            return [q for w, q in reversed(self._verdicts.get(model, [])) if w == worker]
 
     def quarantined(self, model: str) -> dict[str, Quarantine]:
         with self._lock:
@@ -334,11 +344,18 @@ class MemoryBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
+    def publish_slots(
+        self,
+        coord: str,
+        state: SlotState,
+        stats: CoordStats,
+        inflight: Iterable[InFlight] = (),
+    ) -> bool:
         with self._lock:
             members = self._coords.setdefault(state.model, set())
             new = self._slots(coord) is None or coord not in members
             self._put("slots", coord, state, self.lifetimes.slots_s())
+            self._put("inflight", coord, list(inflight), self.lifetimes.slots_s())
             members.add(coord)
             self._stats[coord] = stats
             return new
@@ -367,3 +384,10 @@ class MemoryBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return self._stats.get(coord)
+
+    def in_flight(self, coords: Sequence[str]) -> list[InFlight]:
+        out: list[InFlight] = []
+        for c in coords:
+            got = self._get("inflight", c)
+            out += got if isinstance(got, list) else []
+        return out

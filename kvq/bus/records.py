@@ -10,6 +10,7 @@ Nothing outside `kvq.bus` names a hash field: the roles get and give these recor
 | `ModelState` | P:{m:M}:state       | monitor (each poll) | until overwritten                   |
 | `SlotState`  | P:{c:C}:slots       | coordinator C       | `Lifetimes.slots_s()`               |
 | `CoordStats` | P:{c:C}:stats       | coordinator C       | `Lifetimes.coordinator_s()`         |
+| `InFlight`   | P:{c:C}:inflight    | coordinator C       | `Lifetimes.slots_s()`, a JSON list  |
 | `WorkerInfo` | P:{w:W}:info        | worker W            | `Lifetimes.worker_info_s()`         |
 | heartbeat    | P:{w:W}:hb (string) | worker W            | `Lifetimes.heartbeat_ms()`          |
 | `Quarantine` | P:{m:M}:quarantine  | coordinators        | permanent, one JSON field per worker|
@@ -150,6 +151,41 @@ class SlotState(Record, frozen=True, kw_only=True):
     experts: bool = True
 
 
+INFLIGHT_MOST = 256  # requests one coordinator's `inflight` record lists (its slots: fewer)
+
+
+class InFlight(msgspec.Struct, frozen=True, kw_only=True):
+    """A request a coordinator is generating now: one element of its `inflight` JSON list,
+    replaced whole at each slot poll (so it is never older than `KVQ_SLOT_POLL_S`)."""
+
+    request: Text512
+    model: Text512
+    coordinator: Text64
+    grain: Text64  # expert | stage (X12): how its blocks run
+    state: Text64  # prefill: reading its prompt; decode: generating
+    prompt_tokens: Count
+    generated: Count
+    max_tokens: Count
+    queued_ms: Count  # its request entry's id: when Redis took it (its age is the server's)
+    attempt: Count = 1
+
+    @staticmethod
+    def encode_list(rows: Iterable[InFlight]) -> bytes:
+        return msgspec.json.encode(list(rows)[:INFLIGHT_MOST])
+
+    @staticmethod
+    def decode_list(raw: bytes | str | None) -> list[InFlight]:
+        """The list, or [] when absent or it does not decode (logged once)."""
+        if not raw:
+            return []
+        try:
+            got = msgspec.json.decode(raw, type=list[InFlight])
+        except msgspec.DecodeError as exc:
+            _warn_once("InFlight", "ignoring an inflight record that does not decode (%s)", exc)
+            return []
+        return got[:INFLIGHT_MOST]
+
+
 class DispatchCounters(Counters, kw_only=True):
     """The dispatcher's counters since the coordinator started (counted in place)."""
 
@@ -212,10 +248,18 @@ class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
     banned: bool = False  # never trusted again (the `ban_after`-th mismatch)
     coord: str = ""  # the coordinator that caught it
     reason: str = ""
-    ts_ms: int = 0  # when it was caught
+    ts_ms: int = 0  # when it was caught (or an operator decided)
+    # set by hand (`kvq workers`, the dashboard): who; its word replaces the coordinators'
+    # earlier verdicts, a release included
+    operator: str = ""
+    drain: bool = False  # an operator's drain: no new work, its results still used
 
     def active(self, now_ms: float) -> bool:
         return self.banned or now_ms < self.until_ms
+
+    def idle(self, now_ms: float) -> bool:
+        """No new work for it: quarantined, banned or drained."""
+        return self.drain or self.active(now_ms)
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -230,6 +274,7 @@ class Quarantine(msgspec.Struct, frozen=True, kw_only=True):
             return None
 
 
+VERDICTS_KEPT = 1000  # a model's verdict log (`P:{m:M}:verdicts`): the newest this many
 DEPARTED_KEEP_S = 3600.0  # how long a reaped worker stays listed, with when and why
 
 

@@ -7,7 +7,7 @@ hash tag (`{m:..}`, `{w:..}`, `{c:..}`) except where noted, so a Redis Cluster c
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import cast
 
 import redis
@@ -19,8 +19,10 @@ from kvq.bus.connection import connect
 from kvq.bus.peers import blame, is_peer_fault
 from kvq.bus.records import (
     DEPARTED_KEEP_S,
+    VERDICTS_KEPT,
     CoordStats,
     Departure,
+    InFlight,
     Lifetimes,
     ModelEntry,
     ModelState,
@@ -118,6 +120,7 @@ class RedisBoard:
             k.model_coordinators(m),
             k.model_state(m),
             k.model_quarantine(m),
+            k.model_verdicts(m),
             k.model_cancels(m),
             *(k.model_grant(m, w) for w in holders),
         ]
@@ -349,7 +352,21 @@ class RedisBoard:
         return {w: d for w, d in sorted(got.items()) if d is not None and d.ts_ms >= cutoff}
 
     def quarantine(self, model: str, worker: str, verdict: Quarantine) -> None:
-        self.r.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+        pipe = self.r.pipeline(transaction=False)  # one hash tag, {m:M}: one slot
+        pipe.hset(self.keys.model_quarantine(model), worker, verdict.to_json())
+        log_entry = {b"worker": worker.encode(), b"verdict": verdict.to_json()}
+        xadd(pipe, self.keys.model_verdicts(model), log_entry, VERDICTS_KEPT)
+        pipe.execute()
+
+    def verdict_history(self, model: str, worker: str) -> list[Quarantine]:
+        """`worker`'s verdicts in `model`, newest first, among the last VERDICTS_KEPT."""
+        rows = self.r.xrevrange(self.keys.model_verdicts(model), count=VERDICTS_KEPT)
+        got = [
+            Quarantine.from_json(f.get(b"verdict", b""))
+            for _, f in rows
+            if f.get(b"worker") == worker.encode()
+        ]
+        return [q for q in got if q is not None]
 
     def quarantined(self, model: str) -> dict[str, Quarantine]:
         raw = self.r.hgetall(self.keys.model_quarantine(model))
@@ -385,13 +402,20 @@ class RedisBoard:
         return len(moves)
 
     # -- coordinators ---------------------------------------------------------------------
-    def publish_slots(self, coord: str, state: SlotState, stats: CoordStats) -> bool:
+    def publish_slots(
+        self,
+        coord: str,
+        state: SlotState,
+        stats: CoordStats,
+        inflight: Iterable[InFlight] = (),
+    ) -> bool:
         k, life = self.keys, self.lifetimes
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(k.coord_slots(coord), mapping=state.to_hash())  # fields added: new record
         pipe.expire(k.coord_slots(coord), life.slots_s())
         pipe.hset(k.coord_stats(coord), mapping=stats.to_hash())
         pipe.expire(k.coord_stats(coord), life.coordinator_s())
+        pipe.set(k.coord_inflight(coord), InFlight.encode_list(inflight), ex=life.slots_s())
         got = []
         if self.cluster:  # {c:C} and {m:M}: a cluster runs the parts in no order, so wait
             got = pipe.execute()
@@ -427,6 +451,15 @@ class RedisBoard:
 
     def coord_stats(self, coord: str) -> CoordStats | None:
         return CoordStats.from_hash(self.r.hgetall(self.keys.coord_stats(coord)))
+
+    def in_flight(self, coords: Sequence[str]) -> list[InFlight]:
+        """The requests `coords` generate now, as each last published them."""
+        if not coords:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for c in coords:
+            pipe.get(self.keys.coord_inflight(c))
+        return [row for raw in pipe.execute() for row in InFlight.decode_list(raw)]
 
     # -- requests: runs and what their reply streams already hold --------------------------
     def start_attempt(self, request: str, entry: bytes) -> int:

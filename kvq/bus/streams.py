@@ -385,6 +385,29 @@ def unanswered(r: redis.Redis, stream: str, limit: int = 10_000) -> list[Entry]:
     return [(eid, f) for eid, f in entries if eid in pending or _id_gt(eid, last)]
 
 
+def never_delivered(r: redis.Redis, stream: str, group: str, limit: int) -> list[Entry]:
+    """The first `limit` entries of `stream` no consumer of `group` has read yet (all of them
+    before the group exists; [] for a missing key or one of another type)."""
+    try:
+        groups = r.xinfo_groups(stream) if r.exists(stream) else []
+        mine = [g for g in groups if g["name"] in (group, group.encode())]
+        last = mine[0]["last-delivered-id"] if mine else None
+        entries = r.xrange(stream, min=last or "-", count=limit + 1)
+    except redis.ResponseError as exc:
+        if not (is_lost_key(exc) or is_wrong_type(exc)):
+            raise
+        return []
+    return [(eid, f) for eid, f in entries if last is None or _id_gt(eid, last)][:limit]
+
+
+def entry_ms(eid: bytes | str) -> int:
+    """When Redis added stream entry `eid` (its id's ms part, the server's clock); 0 for an
+    id that is not one."""
+    text = eid.decode() if isinstance(eid, bytes) else eid
+    ms = text.partition("-")[0]
+    return int(ms) if ms.isdigit() else 0
+
+
 def _id_gt(a: bytes, b: bytes) -> bool:
     ams, aseq = (int(p) for p in a.split(b"-"))
     bms, bseq = (int(p) for p in b.split(b"-"))

@@ -18,7 +18,19 @@ from typing import NoReturn
 import redis
 
 from kvq import logs
-from kvq.cli import acl, api, bank, core, deadletter, elastic, engine, health, model, swarm
+from kvq.cli import (
+    acl,
+    api,
+    bank,
+    core,
+    deadletter,
+    elastic,
+    engine,
+    health,
+    model,
+    operator,
+    swarm,
+)
 from kvq.cli.common import EXIT_FAIL, EXIT_USAGE
 from kvq.config import Settings, load_settings
 from kvq.errors import ConfigError, KvqError
@@ -39,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmarks (--json for machines)")
     bench = b.add_subparsers(dest="bench_cmd", required=True)
-    for area in (core, api, health, model, bank, swarm, elastic, engine, deadletter, acl):
+    for area in (core, api, health, model, bank, swarm, elastic, engine, deadletter, operator, acl):
         area.register(sub, bench)
     return p
 

@@ -66,7 +66,11 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
         from kvq.monitor.http import serve_api
 
         server, _ = serve_api(
-            board, settings.http_host, settings.http_port, settings.http_volunteer
+            board,
+            settings.http_host,
+            settings.http_port,
+            settings.http_volunteer,
+            settings.monitor_tokens,
         )
         host, port = server.server_address[:2]
         log.info("dashboard, HTTP API and /metrics on http://%s:%s/", host, port)

@@ -2,7 +2,8 @@
 
 Every `dispatch_refresh_ms` the model's workers are reread (slice, heartbeat, `last_serve_ms`),
 with the model's quarantine verdicts: a quarantined or banned worker is left out of routing
-altogether (no copy, no trial, no probe) until its quarantine ends. A worker whose heartbeat
+altogether (no copy, no trial, no probe) until its quarantine ends, and so is one an operator
+drains (its results still count). A worker whose heartbeat
 vanished is marked down first, so the router computes the rescue of the route it was on (H8)
 before it re-plans without it. The coordinator's own load comes from
 its slot poll (K2, K5). Routing itself is pure and fast; nothing here re-plans per request.
@@ -99,7 +100,7 @@ class SliceRouter:
             self.board.quarantine(self.model, worker, verdict)
         self.trust.merge(records)
         ready = [v for v in self.board.workers(self.model) if v.ready]
-        barred = {v.worker_id for v in ready if self.trust.barred(v.worker_id)}
+        barred = {v.worker_id for v in ready if self.trust.idle(v.worker_id)}
         views = [v for v in ready if v.worker_id not in barred]
         listed = {v.worker_id for v in views}
         # dead since the last read, or already reaped by the monitor (no longer listed); a
@@ -160,7 +161,7 @@ class SliceRouter:
         return sorted(
             w
             for w, sids in self.holders.items()
-            if sid in sids and w in self._alive and not self.trust.barred(w)
+            if sid in sids and w in self._alive and not self.trust.idle(w)
         )
 
     def bar(self, worker: str) -> None:

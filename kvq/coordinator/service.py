@@ -24,9 +24,10 @@ from kvq.bank.server import ExpertServer
 from kvq.bus import claim_from_dead, dead_letter
 from kvq.bus.board import Fields, wait_for_model
 from kvq.bus.outage import Outage, run_until_stopped
-from kvq.bus.records import CoordStats, SlotState
+from kvq.bus.records import CoordStats, InFlight, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
 from kvq.bus.shards import ShardedConsumer
+from kvq.bus.streams import entry_ms
 from kvq.catalog import ModelInfo
 from kvq.config import CoordinatorSettings, DispatchSettings, RoutingSettings, Settings
 from kvq.coordinator.cancels import CancelFeed
@@ -527,6 +528,25 @@ class Coordinator:
             stage_wait_s=self.chain.wait_text() if self.chain is not None else "{}",
         )
 
+    def in_flight(self) -> list[InFlight]:
+        """The requests generated now, for the operators' view (read on the slot-poll
+        thread: a copy of the active list, plain values only)."""
+        return [
+            InFlight(
+                request=s.request_id,
+                model=self.model,
+                coordinator=self.id,
+                grain=self.info.grain,
+                state="decode" if s.generated else "prefill",
+                prompt_tokens=len(s.prompt_ids),
+                generated=len(s.generated),
+                max_tokens=s.max_tokens,
+                queued_ms=entry_ms(s.entry_id),
+                attempt=s.attempt,
+            )
+            for s in list(self.engine.active)
+        ]
+
     def _publish_slots(self, busy: int, total: int) -> None:
         """Slot state for the monitor, and the counters (on the slot-poll thread)."""
         state = SlotState(
@@ -536,7 +556,8 @@ class Coordinator:
             ts_ms=int(self.board.now_ms()),
             experts=self.dispatch.has_experts,
         )
-        if self.board.publish_slots(self.id, state, self.snapshot()) and self._published:
+        inflight = self.in_flight()
+        if self.board.publish_slots(self.id, state, self.snapshot(), inflight) and self._published:
             log.warning(
                 "redis had lost the slot record of %s (or its place among %s's "
                 "coordinators); published it again",

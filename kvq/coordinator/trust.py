@@ -94,6 +94,8 @@ class WorkerTrust:
     mismatches: int = 0
     until_ms: float = 0.0  # quarantined until then
     banned: bool = False
+    drained: bool = False  # an operator's drain: no new work, its results still used
+    decided_ms: float = 0.0  # the last verdict's time: an older operator's word does not undo it
 
 
 class Trust:
@@ -151,6 +153,11 @@ class Trust:
         t = self.workers.get(worker)
         return t is not None and (t.banned or t.until_ms > self.clock_ms())
 
+    def idle(self, worker: str) -> bool:
+        """Gets no new work: barred, or drained by an operator."""
+        t = self.workers.get(worker)
+        return self.barred(worker) or (t is not None and t.drained)
+
     def passed(self, worker: str) -> None:
         t = self._of(worker)
         t.ok += 1
@@ -166,6 +173,7 @@ class Trust:
         now = self.clock_ms()
         t.until_ms = now + self.policy.quarantine_s * 1000
         t.banned = t.banned or t.mismatches >= self.policy.ban_after
+        t.decided_ms = float(int(now))  # as its verdict says: an operator within the ms wins
         verdict = Quarantine(
             until_ms=int(t.until_ms),
             mismatches=t.mismatches,
@@ -191,6 +199,12 @@ class Trust:
         """Verdicts any coordinator of the model recorded: the strictest of both views wins."""
         for worker, q in records.items():
             t = self._of(worker)
+            if q.operator and q.ts_ms >= t.decided_ms:  # an operator's word, as said
+                t.until_ms, t.banned, t.drained = float(q.until_ms), q.banned, q.drain
+                t.decided_ms = float(q.ts_ms)
+                t.mismatches = max(t.mismatches, q.mismatches)
+                self.verdicts.pop(worker, None)  # overruled: not published again
+                continue
             if q.mismatches > t.mismatches:
                 t.ok = 0  # caught elsewhere since we last checked it: check it fully again
                 t.mismatches = q.mismatches

@@ -1,7 +1,8 @@
 """What the monitor's live dashboard (`GET /`, `kvq/monitor/static/`) shows, as one JSON
 snapshot (`GET /api/dashboard`): each model's coverage (totals, per layer span, and the cells of
 the spans asked for: `kvq.monitor.coverage`), workers (their slices as a count and ranges;
-serving, late or lost), the workers reaped in the last hour with when and why, coordinators, every stream's depth, lag and pending age over the
+serving, late or lost), the workers reaped in the last hour with when and why, coordinators,
+the requests they generate now, every stream's depth, lag and pending age over the
 last minutes, dead letters, and the alert rules of `docs/alerts.yml` whose condition holds now.
 
 Everything is read from Redis: the board for coverage, workers and trust, and the monitor's own
@@ -35,6 +36,7 @@ from kvq.monitor.history import (
     read_registry,
     since,
 )
+from kvq.monitor.requests_view import requests_view
 
 HELD_SHOWN = 32  # slice ids listed per worker (its count and ranges say the rest)
 DEPARTED_SHOWN = 50
@@ -61,6 +63,7 @@ class Dashboard:
             "workers": listed,
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
+            "requests": requests_view(self.board, models, infos),
             "streams": stream_charts(samples),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
@@ -105,6 +108,8 @@ class Dashboard:
                 q = trust.get(v.worker_id)
                 if q is not None and q.active(now_ms):
                     row["trust"] = "banned" if q.banned else "quarantined"
+                elif q is not None and q.drain and row["trust"] == "trusted":
+                    row["trust"] = "draining"  # an operator's drain: no new work
         late_s = self.board.lifetimes.late_after_s()
         for w, age in self.board.heartbeat_ages_s(list(rows)).items():
             row = rows[w]

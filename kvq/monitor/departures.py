@@ -5,7 +5,7 @@ slices back themselves (a clean stop, a wind-down)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from kvq.bus.board import Board
 from kvq.bus.records import Departure
@@ -45,6 +45,7 @@ class Watch:
         models: Collection[str],
         reaped: Collection[str],
         barred: Collection[str],
+        operators: Mapping[str, str] | None = None,
     ) -> list[str]:
         """After a tick's reap and releases: record the workers that held slices at the last
         tick and hold none now (the reaped ones are recorded by the reap); those workers."""
@@ -55,9 +56,12 @@ class Watch:
         t = self.clock()
         fresh = self.at is not None and t - self.at <= self.gap_s
         gone = [w for w in self.held if w not in now and w not in reaped] if fresh else []
+        by = operators or {}
         for w in gone:
             why = (
-                "quarantined: its slices taken back (wrong results)"
+                f"quarantined by operator {by[w]}: its slices taken back"
+                if w in barred and w in by
+                else "quarantined: its slices taken back (wrong results)"
                 if w in barred
                 else "left: gave its slices back (a clean stop or a wind-down)"
             )

@@ -13,6 +13,11 @@ background thread (`kvq.asgi`).
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 | GET    | /                        | the live dashboard (HTML; assets under /static/)         |
 | GET    | /api/dashboard           | what the dashboard draws, one JSON snapshot              |
+| GET    | /worker/{id}             | one worker's page (HTML); its data: /api/worker/{id}     |
+| GET    | /api/operator            | whether actions are on; with a bearer token, whose it is |
+| POST   | /api/actions/{action}    | an operator's action (`kvq.monitor.actions`): cancel, a  |
+|        |                          | dead letter requeued or dropped, a worker quarantined,   |
+|        |                          | released or drained; bearer token of KVQ_MONITOR_TOKENS  |
 
 Every answer is read from Redis (`docs/api.md`); errors travel as `{type, message, retryable}`.
 """
@@ -41,8 +46,10 @@ from kvq.bus.records import ModelState
 from kvq.bus.redis_board import RedisBoard
 from kvq.errors import ConfigError, HttpError
 from kvq.keys import check_id
+from kvq.monitor.actions import Operators, act, parse_tokens
 from kvq.monitor.dashboard import Dashboard
 from kvq.monitor.metrics import make_registry
+from kvq.monitor.worker_page import worker_page
 from kvq.security import acl
 
 log = logging.getLogger("kvq.monitor.http")
@@ -52,8 +59,11 @@ MAX_BODY = 64 * 1024
 class Api:
     """What the endpoints answer, as plain data; the handler only moves bytes."""
 
-    def __init__(self, board: RedisBoard, volunteer: str = "acl") -> None:
+    def __init__(
+        self, board: RedisBoard, volunteer: str = "acl", operators: Operators | None = None
+    ) -> None:
         self.board = board
+        self.operators = operators if operators is not None else Operators({})
         self.registry = make_registry(board)
         self.volunteer_mode = volunteer  # KVQ_HTTP_VOLUNTEER
         self.dashboard = Dashboard(board, self.registry)
@@ -238,6 +248,8 @@ STATIC_TYPES = {
     "index.html": "text/html",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
+    "worker.html": "text/html",
+    "worker.js": "text/javascript",
 }
 
 
@@ -250,7 +262,12 @@ def _static(name: str) -> Response:
 def create_app(api: Api) -> Starlette:
     """The monitor's endpoints as a Starlette app (sync handlers: they run in a thread pool)."""
     return Starlette(
-        routes=[*_api_routes(api), *_dashboard_routes(api), _volunteer_route(api)],
+        routes=[
+            *_api_routes(api),
+            *_dashboard_routes(api),
+            _volunteer_route(api),
+            *_action_routes(api),
+        ],
         exception_handlers={
             HttpError: _api_error,
             404: _not_found,
@@ -310,6 +327,20 @@ def _dashboard_routes(api: Api) -> list[Route]:
     def page(request: Request) -> Response:
         return _static("index.html")
 
+    def worker_html(request: Request) -> Response:
+        return _static("worker.html")
+
+    def worker(request: Request) -> Response:
+        w = request.path_params["worker"]
+        got = None
+        try:
+            got = worker_page(api.board, api.dashboard.history, check_id("worker", w))
+        except ConfigError:
+            pass  # no such id can exist
+        if got is None:
+            raise HttpError(HTTPStatus.NOT_FOUND, "NotFound", f"no worker {w!r}")
+        return JSONResponse(got, headers={"Cache-Control": "no-store"})
+
     def asset(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in STATIC_TYPES:  # only the package's own files, by name
@@ -319,6 +350,8 @@ def _dashboard_routes(api: Api) -> list[Route]:
     return [
         Route("/api/dashboard", dashboard, methods=["GET"]),
         Route("/", page, methods=["GET"]),
+        Route("/worker/{worker}", worker_html, methods=["GET"]),
+        Route("/api/worker/{worker}", worker, methods=["GET"]),
         Route("/static/{name}", asset, methods=["GET"]),
     ]
 
@@ -342,6 +375,33 @@ def _volunteer_route(api: Api) -> Route:
     return Route("/api/expert-volunteer", volunteer, methods=["POST"])
 
 
+def _action_routes(api: Api) -> list[Route]:
+    """`GET /api/operator` (the page's login check) and `POST /api/actions/{action}`."""
+
+    def whoami(request: Request) -> Response:
+        auth = request.headers.get("authorization")
+        who = api.operators.who(auth) if auth and api.operators.enabled else None
+        return JSONResponse({"actions": api.operators.enabled, "who": who})
+
+    async def action(request: Request) -> Response:
+        who = api.operators.who(request.headers.get("authorization"))  # before the body
+        body = await capped_body(request, MAX_BODY)
+        if body is None:
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                "BadRequest",
+                f"the body is over {MAX_BODY} bytes",
+            )
+        peer = request.client.host if request.client else "?"
+        name = request.path_params["action"]
+        return JSONResponse(await run_in_threadpool(act, api.board, name, body, who, peer))
+
+    return [
+        Route("/api/operator", whoami, methods=["GET"]),
+        Route("/api/actions/{action}", action, methods=["POST"]),
+    ]
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HttpError)
     return _error(exc.status, exc.kind, str(exc), exc.retryable)
@@ -363,13 +423,14 @@ async def _other(request: Request, exc: Exception) -> Response:
 
 
 def serve_api(
-    board: RedisBoard, host: str, port: int, volunteer: str = "acl"
+    board: RedisBoard, host: str, port: int, volunteer: str = "acl", tokens: str = ""
 ) -> tuple[ThreadedServer, threading.Thread]:
-    """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`).
+    """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`);
+    `tokens`: `KVQ_MONITOR_TOKENS` (empty: a read-only dashboard).
 
     Stop with `server.shutdown()`.
     """
-    api = Api(board, volunteer)
+    api = Api(board, volunteer, Operators(parse_tokens(tokens)))
     server = ThreadedServer(create_app(api), host, port)
     sampler = threading.Thread(
         target=api.dashboard.history.run, args=(server.stopped,), name="kvq-dashboard", daemon=True

@@ -147,6 +147,18 @@ class _Market:
             "(installed)`, `float32 (no int8 kernel: ...)`): a slow path shows here",
             ["model", "kernels"],
         )
+        per_worker = ["model", "worker"]
+        self.ms_per_row = _gauge(
+            "kvq_worker_ms_per_row",
+            "a live worker's own compute time per token row over its last beat (0: no job)",
+            per_worker,
+        )
+        self.load = _gauge(
+            "kvq_worker_load", "share of a live worker's last beat spent computing", per_worker
+        )
+        self.queued = _gauge(
+            "kvq_worker_queued_rows", "token rows a live worker computes or has waiting", per_worker
+        )
         self.coords = _gauge(
             "kvq_coordinators_alive", "coordinators with fresh slot state", ["model"]
         )
@@ -181,9 +193,15 @@ class _Market:
         self.no_live.add_metric([model], sum(1 for sid in slices if not serving.get(sid)))
         self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
         by_kernels: dict[str, set[str]] = {}
+        seen: set[str] = set()
         for v in views:
             if v.alive:
                 by_kernels.setdefault(v.kernels or "unknown", set()).add(v.worker_id)
+            if v.alive and v.worker_id not in seen:  # one view per slice: one sample a worker
+                seen.add(v.worker_id)
+                self.ms_per_row.add_metric([model, v.worker_id], v.ms_per_row)
+                self.load.add_metric([model, v.worker_id], v.load or 0.0)
+                self.queued.add_metric([model, v.worker_id], v.queued_rows)
         for path, workers in sorted(by_kernels.items()):
             self.kernels.add_metric([model, path], len(workers))
 
@@ -197,6 +215,9 @@ class _Market:
             self.no_live,
             self.alive,
             self.kernels,
+            self.ms_per_row,
+            self.load,
+            self.queued,
             self.coords,
             self.orphaned,
         )

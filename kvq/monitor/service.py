@@ -208,7 +208,14 @@ class Monitor:
         states = [(model, self.poll(model)) for model in models]
         dead = self.reap(*models)
         barred = [w for model in models for w in self.release_quarantined(model)]
-        self.departures.update(self.board, models, dead, barred)
+        by = {  # quarantined by hand: the departure names who
+            w: q.operator
+            for model in models
+            if barred
+            for w, q in self.board.quarantined(model).items()
+            if w in barred and q.operator
+        }
+        self.departures.update(self.board, models, dead, barred, by)
         return states
 
     def release_quarantined(self, model: str) -> list[str]:

@@ -144,6 +144,7 @@ def _coordinator_rules(p: str) -> list[str]:
         f"~{p}:{{m:*}}:routed",
         f"~{p}:{{m:*}}:coordinators",
         f"~{p}:{{m:*}}:quarantine",
+        f"~{p}:{{m:*}}:verdicts",
         f"~{p}:{{c:*}}:*",
         f"%W~{p}:{{w:*}}:inbox",
         f"%R~{p}:{{w:*}}:hb",

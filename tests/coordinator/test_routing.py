@@ -529,3 +529,28 @@ def test_a_worker_serving_several_slices_is_routed_each_of_them(
     _prove(router, "multi")
     router.check()
     assert _remote(router, sids, busy=TOTAL) == dict.fromkeys(sids, "multi")
+
+
+def test_a_drained_worker_gets_no_new_work_until_released(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """An operator's drain (`kvq.bus.operator`) leaves the worker out of routing at the next
+    refresh, no death and no bar on the results it still sends; a release brings it back."""
+    from kvq.bus import operator
+
+    board = board_case.board
+    router, sids = _router(board, gguf)
+    _serve(board, "a", sids[0])
+    _serve(board, "b", sids[1])
+    _prove(router, "a", "b")
+    busy = _routing().saturation_threshold
+    assert _remote(router, sids, busy) == {sids[0]: "a", sids[1]: "b"}
+    assert operator.drain(board, "a", "alice") == ["m"]
+    router.refresh(force=True)
+    assert _remote(router, sids, busy) == {sids[1]: "b"} and router.rescues == 0
+    assert not router.trust.barred("a"), "what it was sent is still used"
+    assert board.held_by("m", "a") == (sids[0],), "it keeps its slice"
+    operator.release(board, "a", "alice")
+    router.refresh(force=True)
+    _prove(router, "a")
+    assert _remote(router, sids, busy) == {sids[0]: "a", sids[1]: "b"}

@@ -72,6 +72,7 @@ KINDS: dict[str, KeysOf] = {
     "model_state": lambda c: [c.keys.model_state(MODEL)],
     "model_cancels": lambda c: [c.keys.model_cancels(MODEL)],
     "model_quarantine": lambda c: [c.keys.model_quarantine(MODEL)],
+    "model_verdicts": lambda c: [c.keys.model_verdicts(MODEL)],
     "model_removed": lambda c: [c.keys.model_removed(MODEL)],  # never set here: a no-op
     "apikey_calls": lambda c: c.scan(f"{c.keys.prefix}:{{k:*}}:calls"),
     "worker_inbox": lambda c: [c.keys.worker_inbox(w) for w in WORKERS],
@@ -83,6 +84,7 @@ KINDS: dict[str, KeysOf] = {
     "worker_dead": lambda c: [c.keys.worker_dead(w) for w in WORKERS],
     "coord_slots": lambda c: [c.keys.coord_slots(COORD)],
     "coord_stats": lambda c: [c.keys.coord_stats(COORD)],
+    "coord_inflight": lambda c: [c.keys.coord_inflight(COORD)],
     "request_reply": lambda c: [c.keys.request_reply(rid) for rid in c.open_ids],
     "request_run": lambda c: [c.keys.request_run(rid) for rid in c.open_ids],
     "request_cancel": lambda c: [c.keys.request_cancel(rid) for rid in c.open_ids],

@@ -27,11 +27,16 @@ import pytest
 import yaml
 from waiting import wait_for
 
-from kvq.bus.records import WorkerInfo
+from kvq import client
+from kvq.bus import cancel_keys, operator
+from kvq.bus.deadletters import get_dead, list_dead
+from kvq.bus.records import Quarantine, WorkerInfo
 from kvq.bus.redis_board import open_board
+from kvq.bus.streams import dead_letter
 from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
 from kvq.gguf.registry import plan_model
+from kvq.keys import Keys
 from kvq.monitor.alerts import ELSEWHERE, RULES
 from kvq.monitor.coverage import sid_ranges
 from kvq.quant.kernels import describe
@@ -77,10 +82,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+OPERATOR_TOKEN = "alice-dashboard-token-0123"
+
+
 @dataclass
 class Swarm:
     url: str  # the monitor's HTTP port: the dashboard
     api: str
+    settings: Settings
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
 
@@ -105,8 +114,9 @@ def swarm(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         worker_max_slices=2,
         log_format="json",
         state_dir=str(tmp / "state"),
+        monitor_tokens=f"alice={OPERATOR_TOKEN}",
     )
-    sw = Swarm(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{api}")
+    sw = Swarm(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{api}", s)
     kvq = [sys.executable, "-m", "kvq"]
     cmds = {
         "monitor": [*kvq, "monitor", "--model", f"tiny={model}"],
@@ -196,6 +206,194 @@ def test_dashboard_json_and_the_ready_lines(swarm: Swarm) -> None:
         assert ("tiny" in ready[0]) or role.startswith("worker"), ready
         splits = [x for x in lines if x["message"].startswith("capacity split")]
         assert len(splits) <= 3, (role, len(splits))
+
+
+def open_page(pw: Any, exe: str, extra_env: dict[str, str], profile: Path) -> Any:
+    return pw.chromium.launch_persistent_context(
+        str(profile),
+        executable_path=exe,
+        headless=True,
+        args=FLAGS,
+        env=dict(os.environ) | extra_env,
+        viewport={"width": 1280, "height": 1400},
+    )
+
+
+@pytest.mark.slow
+def test_operator_actions_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
+    """Read-only until signed in with an operator's token; then each button does what its CLI
+    command does, seen in Redis: a dead letter requeued and one dropped, a request in flight
+    cancelled (its reply ends `cancelled`), a worker drained, quarantined and released (each
+    verdict names the operator). The swarm is left as it was (every slice live again)."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    exe, extra_env = browser
+    board = open_board(swarm.settings.bus, swarm.settings.lifetimes)
+    r, keys = board.r, board.keys
+    with playwright.sync_playwright() as pw:
+        ctx = open_page(pw, exe, extra_env, tmp_path / "profile")
+        try:
+            page = ctx.new_page()
+            page.goto(swarm.url + "/")
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            page.wait_for_selector('#operator[data-state="signed-out"]', timeout=30_000)
+            page.wait_for_selector('tr[data-worker="dash-a"]', timeout=30_000)
+            drain_a = 'tr[data-worker="dash-a"] button[data-action="drain"]'
+            assert not page.is_visible(drain_a), "read-only: no action buttons"
+            page.fill("#token", "wrong-token-0123456789")
+            page.click("#signin button")
+            page.wait_for_function(
+                "() => document.getElementById('who').textContent.includes('wrong token')"
+            )
+            page.fill("#token", OPERATOR_TOKEN)
+            page.click("#signin button")
+            page.wait_for_selector('#operator[data-state="signed-in"]', timeout=30_000)
+            assert page.inner_text("#who") == "operator: alice"
+            _dead_letter_buttons(page, r, keys)
+            _cancel_button(page, board)
+            _worker_buttons(page, board, swarm)
+        finally:
+            ctx.close()
+            board.r.close()
+
+
+def _dead_letter_buttons(page: Any, r: Any, keys: Keys) -> None:
+    """Requeue puts the letter's fields back on its source stream; drop deletes it."""
+    source = keys.bench("dashboard-actions")  # a stream nobody reads: the requeued entry stays
+    dead_letter(r, keys, source, b"1-1", {b"x": b"1"}, "test: requeue me", 1000)
+    dead_letter(r, keys, source, b"1-2", {b"x": b"2"}, "test: drop me", 1000)
+    ids = [d.id for d in list_dead(r, keys, 2)[::-1]]  # oldest first
+    page.click(f'li[data-dead="{ids[0]}"] button[data-action="deadletter-requeue"]')
+    wait_for(lambda: get_dead(r, keys, ids[0]) is None, 30, "the letter requeued")
+    assert [f for _, f in r.xrange(source)] == [{b"x": b"1"}]
+    page.wait_for_selector(f'li[data-dead="{ids[0]}"]', state="detached", timeout=30_000)
+    assert "requeue dead letter" in page.inner_text("#action-status")
+    page.click(f'li[data-dead="{ids[1]}"] button[data-action="deadletter-drop"]')
+    wait_for(lambda: get_dead(r, keys, ids[1]) is None, 30, "the letter dropped")
+    assert r.xlen(source) == 1, "dropped, not requeued"
+    r.delete(source)
+
+
+def _cancel_button(page: Any, board: Any) -> None:
+    """A long greedy request (500 tokens: no EOS on this model) shows in the table with its
+    coordinator; its cancel button ends it with `finish: cancelled`."""
+    r, keys = board.r, board.keys
+    rid = client.send(r, keys, "tiny", prompt="x", max_tokens=500)
+    # a few seconds of generation: the page is told to redraw as soon as the record says so
+    wait_for(
+        lambda: any(f.request == str(rid) for f in board.in_flight(["coord-dash"])),
+        30,
+        "the request in coord-dash's inflight record",
+        poll_s=0.02,
+    )
+    page.evaluate("poll(true)")
+    row = f'tr[data-request="{rid}"]'
+    page.wait_for_selector(row, timeout=30_000)
+    text = page.inner_text(row)
+    assert "coord-dash" in text and "tiny" in text and "expert" in text, text
+    SHOTS.mkdir(exist_ok=True)
+    page.locator("#requests").screenshot(path=str(SHOTS / "dashboard-request-in-flight.png"))
+    page.click(f'{row} button[data-action="cancel"]')
+    wait_for(lambda: cancel_keys.marked(r, keys, [str(rid)]), 30, "the request's cancel key")
+    done = [e for e in client.events(r, keys, rid, timeout_s=60) if e.kind == "done"]
+    assert done[-1].finish == "cancelled" and (done[-1].index or 0) < 500, done
+    page.wait_for_selector(row, state="detached", timeout=30_000)
+    page.screenshot(path=str(SHOTS / "dashboard-actions.png"), full_page=True)
+
+
+def _worker_buttons(page: Any, board: Any, swarm: Swarm) -> None:
+    """Drain, release, quarantine, release: each a verdict by alice in `P:{m:tiny}:quarantine`;
+    after the last release the worker takes its slices back."""
+    row = 'tr[data-worker="dash-a"]'
+    page.click(f'{row} button[data-action="drain"]')
+    wait_for(lambda: _verdict(board).drain, 30, "dash-a drained")
+    assert _verdict(board).operator == "alice"
+    page.wait_for_selector(f"{row} td.trust-draining", timeout=30_000)
+    page.click(f'{row} button[data-action="release"]')
+    wait_for(lambda: not _verdict(board).drain, 30, "dash-a released")
+    page.wait_for_selector(f'{row} button[data-action="quarantine"]', timeout=30_000)
+    page.click(f'{row} button[data-action="quarantine"]')
+    wait_for(lambda: _verdict(board).active(board.now_ms()), 30, "dash-a quarantined")
+    # the monitor takes its slices back: it leaves the table for the departed list
+    gone = 'li[data-departed="dash-a"]'
+    page.wait_for_selector(gone, timeout=30_000)
+    assert "quarantined by operator alice: its slices taken back" in page.inner_text(gone)
+    page.click(f'{gone} button[data-action="release"]')
+    wait_for(lambda: not _verdict(board).idle(board.now_ms()), 30, "dash-a released")
+    assert _verdict(board).reason == "released by operator alice"
+    wait_for(
+        lambda: (
+            len(board.held_by("tiny", "dash-a")) == 2
+            and all(c["live"] == 1 for m in swarm.snapshot()["models"] for c in m["cells"])
+        ),
+        60,
+        "dash-a serving its slices again",
+        poll_s=0.2,
+    )
+
+
+@pytest.mark.slow
+def test_a_worker_s_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
+    """A worker's row links to its page: kernel path, memory, jobs served, its info record, its
+    trust history, and three charts (latency, load, queue) with a clock-time axis, a unit and
+    a legend."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    exe, extra_env = browser
+    board = open_board(swarm.settings.bus, swarm.settings.lifetimes)
+    operator.release(board, "dash-a", "carol")  # a harmless verdict: its history has a row
+    board.r.close()
+    with playwright.sync_playwright() as pw:
+        ctx = open_page(pw, exe, extra_env, tmp_path / "profile")
+        try:
+            page = ctx.new_page()
+            page.goto(swarm.url + "/")
+            page.wait_for_selector('tr[data-worker="dash-a"] a.worker-link', timeout=30_000)
+            page.click('tr[data-worker="dash-a"] a.worker-link')
+            page.wait_for_url("**/worker/dash-a", timeout=30_000)
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            assert page.inner_text('#summary tr[data-key="kernels"] td') == describe("cpu")
+            memory = page.inner_text('#summary tr[data-key="memory"] td')
+            assert "MiB of expert slices (tiny: 2 slices)" in memory, memory
+            served = int(page.inner_text('#summary tr[data-key="jobs served"] td'))
+            assert served >= 0
+            assert page.inner_text('#info tr[data-key="device"] td') == "cpu"
+            history = page.inner_text("#history tbody")
+            assert "released by operator carol" in history, history
+            # the monitor samples every 5 s: wait for a line of two points in each chart
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.chart path[data-model=tiny]')]"
+                ".filter((p) => (p.getAttribute('d').match(/L/g) || []).length >= 1).length === 3",
+                timeout=30_000,
+            )
+            for name, unit in (
+                ("ms_per_row", "ms per token row"),
+                ("load", "share of the beat computing"),
+                ("queued_rows", "token rows"),
+            ):
+                box = f'.chart-box[data-chart="{name}"]'
+                labels = page.locator(f"{box} .axis-label").all_text_contents()
+                assert labels == ["time (UTC)", unit], labels
+                ticks = page.locator(f"{box} .x-tick").all_text_contents()
+                assert len(ticks) == 5 and all(len(t) == 8 and t[2] == ":" for t in ticks), ticks
+                legend = page.inner_text(f'{box} .legend .key[data-model="tiny"]')
+                assert legend.startswith("tiny: ") and legend.endswith(f"{unit} now"), legend
+            SHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SHOTS / "dashboard-worker-page.png"), full_page=True)
+            gone = httpx.get(swarm.url + "/api/worker/nobody", timeout=10)
+            assert gone.status_code == 404
+        finally:
+            ctx.close()
+
+
+def _verdict(board: Any) -> Quarantine:
+    """dash-a's verdict now (none yet: an empty one, until the page's fetch lands)."""
+    got = board.quarantined("tiny").get("dash-a")
+    return got if got is not None else Quarantine(until_ms=0, mismatches=0)  # type: ignore[no-any-return]
 
 
 @pytest.mark.slow

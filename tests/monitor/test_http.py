@@ -244,6 +244,8 @@ def test_trust_lists_quarantined_and_banned_workers(mon: Monitor, url: str) -> N
         "coord": "c1",
         "reason": "row error 2.3",
         "ts_ms": now,
+        "operator": "",  # a coordinator's catch; an operator's verdict names them
+        "drain": False,
     }
     assert not by_worker["served-time"]["quarantined"]
     assert by_worker["banned"]["quarantined"] and by_worker["banned"]["banned"]

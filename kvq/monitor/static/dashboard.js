@@ -97,10 +97,12 @@ function drawTable(id, rows, cols, most) {
     for (const [key, show] of cols) {
       const td = el("td", {}, show ? show(r[key], r) : fmt(r[key]));
       if (key === "trust") td.className = `trust-${r.trust}`;
+      if (key === "_act") td.className = "act";
       tr.append(td);
     }
     body.append(tr);
   }
+  if (!rows.length && id === "requests") body.append(el("tr", { class: "none" }, el("td", { colspan: cols.length }, "none now")));
   if (most && rows.length > most) {
     const more = el("button", { class: "more" }, `show ${rows.length - most} more`);
     more.addEventListener("click", () => { showAllWorkers = true; poll(true); });
@@ -157,7 +159,8 @@ function drawDeparted(rows) {
   if (!rows.length) ul.append(el("li", { class: "none" }, "none in the last hour"));
   for (const d of rows) {
     ul.append(el("li", { "data-departed": d.worker },
-      `${d.worker}: ${d.why} ${fmt(d.ago_s, 0)} s ago (${new Date(d.when_ms).toISOString()}); held ${d.held || "nothing"}`));
+      `${d.worker}: ${d.why} ${fmt(d.ago_s, 0)} s ago (${new Date(d.when_ms).toISOString()}); held ${d.held || "nothing"} `,
+      buttons([["release", "release", { worker: d.worker }, `release worker ${d.worker}`]])));
   }
 }
 
@@ -171,17 +174,117 @@ function drawDead(dead) {
   const ul = document.getElementById("deadletters");
   ul.replaceChildren();
   for (const d of dead.newest) {
-    ul.append(el("li", {}, `${new Date(d.ts_ms).toISOString()} ${d.source}: ${d.reason}`));
+    ul.append(el("li", { "data-dead": d.id }, `${new Date(d.ts_ms).toISOString()} ${d.source}: ${d.reason} `,
+      buttons([
+        ["requeue", "deadletter-requeue", { ids: [d.id] }, `requeue dead letter ${d.id}`],
+        ["drop", "deadletter-drop", { ids: [d.id] }, `drop dead letter ${d.id}`],
+      ])));
   }
+}
+
+// -- an operator's actions (KVQ_MONITOR_TOKENS): the token is kept in this tab's
+// sessionStorage and sent as a bearer token; without one the page is read-only
+const TOKEN_KEY = "kvq-operator-token";
+let operatorName = null;
+
+function buttons(specs) {
+  const span = el("span", { class: "act" });
+  for (const [label, action, body, what] of specs) {
+    const b = el("button", { type: "button", class: "act-btn", "data-action": action }, label);
+    b.addEventListener("click", (ev) => { ev.stopPropagation(); act(action, body, what); });
+    span.append(b);
+  }
+  return span;
+}
+
+function say(text, state) {
+  const box = document.getElementById("action-status");
+  box.dataset.state = state;
+  box.textContent = text;
+}
+
+async function act(action, body, what) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  try {
+    const resp = await fetch(`/api/actions/${action}`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Authorization: `Bearer ${token}` },
+      body: JSON.stringify(body),
+    });
+    const got = await resp.json();
+    if (!resp.ok) throw new Error(got.message || `HTTP ${resp.status}`);
+    say(`${what}: done by ${got.by}`, "ok");
+  } catch (err) {
+    say(`${what}: failed (${err.message})`, "error");
+  }
+  poll(true);
+}
+
+async function checkOperator() {
+  const box = document.getElementById("operator");
+  const who = document.getElementById("who");
+  const form = document.getElementById("signin");
+  const out = document.getElementById("signout");
+  operatorName = null;
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  try {
+    const open = await (await fetch("/api/operator", { cache: "no-store" })).json();
+    if (!open.actions) {
+      box.dataset.state = "off";
+      who.textContent = "read-only (the monitor has no KVQ_MONITOR_TOKENS)";
+    } else if (token) {
+      const resp = await fetch("/api/operator", { cache: "no-store", headers: { Authorization: `Bearer ${token}` } });
+      if (resp.ok) operatorName = (await resp.json()).who;
+      if (!operatorName) { sessionStorage.removeItem(TOKEN_KEY); who.textContent = "wrong token; read-only"; }
+    } else {
+      who.textContent = "read-only";
+    }
+  } catch (err) {
+    who.textContent = `read-only (${err.message})`;
+  }
+  if (operatorName) { box.dataset.state = "signed-in"; who.textContent = `operator: ${operatorName}`; }
+  else if (box.dataset.state !== "off") box.dataset.state = "signed-out";
+  form.hidden = box.dataset.state !== "signed-out";
+  out.hidden = !operatorName;
+  document.body.classList.toggle("signed-in", Boolean(operatorName));
+}
+
+document.getElementById("signin").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("token");
+  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  input.value = "";
+  checkOperator();
+});
+document.getElementById("signout").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  checkOperator();
+});
+
+function workerButtons(r) {
+  const w = r.worker;
+  const drain = ["drain", "drain", { worker: w }, `drain worker ${w}`];
+  const quarantine = ["quarantine", "quarantine", { worker: w }, `quarantine worker ${w}`];
+  const release = ["release", "release", { worker: w }, `release worker ${w}`];
+  if (r.trust === "trusted") return buttons([drain, quarantine]);
+  if (r.trust === "draining") return buttons([release, quarantine]);
+  return buttons([release]);
 }
 
 function draw(snap) {
   drawAlerts(snap.alerts);
   drawModels(snap.models);
   drawTable("workers", snap.workers, [
-    ["worker"], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
+    ["worker", (v) => el("a", { href: `/worker/${encodeURIComponent(v)}`, class: "worker-link", title: "its page" }, v)], ["state", (v) => v], ["slices", slicesText], ["trust", (v) => v],
     ["ms_per_row"], ["queued_rows"], ["load"], ["kernels"], ["heartbeat_age_s", (v) => (v === null ? "gone" : `${fmt(v, 1)} s`)],
+    ["_act", (v, r) => workerButtons(r)],
   ], showAllWorkers ? 0 : WORKERS_SHOWN);
+  drawTable("requests", snap.requests, [
+    ["request", (v) => v], ["model", (v) => v], ["age_s", (v) => `${fmt(v, 1)} s`], ["prompt_tokens"],
+    ["generated", (v, r) => `${v} / ${r.max_tokens}`], ["coordinator", (v) => v || "–"], ["grain", (v) => v],
+    ["state", (v, r) => (r.attempt > 1 ? `${v} (attempt ${r.attempt})` : v)],
+    ["_act", (v, r) => buttons([["cancel", "cancel", { model: r.model, request: r.request }, `cancel request ${r.request}`]])],
+  ]);
   drawDeparted(snap.departed);
   drawTable("coordinators", snap.coordinators, [
     ["coordinator"], ["model", (v) => v], ["busy", (v, r) => `${r.busy} / ${r.slots}${r.alive ? "" : " (stale)"}`],
@@ -210,4 +313,5 @@ async function poll(now) {
   timer = setTimeout(poll, POLL_MS);
 }
 
+checkOperator();
 poll();
