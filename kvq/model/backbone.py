@@ -319,7 +319,7 @@ class Backbone:
         caches: list[KVCache],
         lens: list[int],
         pos: torch.Tensor,
-        verify: frozenset[int],
+        verify: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
         """Self-attention of all rows, each sequence against its own cache. x: [N, H]."""
         if isinstance(lw.attn, MlaWeights):

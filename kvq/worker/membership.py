@@ -36,6 +36,10 @@ log = logging.getLogger("kvq.worker")
 __all__ = ["Held", "Membership"]
 
 
+# how often a beat asks whether `kvq model rm` removed a held model (one round trip)
+REMOVED_CHECK_S = 5.0
+
+
 class Membership:
     """`worker_id`'s slices on `board`; `served()` gives (jobs served, last_serve_ms),
     `work()` (seconds spent computing, rows computed) since the worker started."""
@@ -63,6 +67,10 @@ class Membership:
         self.holds: dict[tuple[str, str], Held] = {}  # (model, sid) → loaded, serving (in order)
         self.loading: Held | None = None  # taken from the market, still downloading
         self.dropped: list[Held] = []  # of removed models, for the serving loop to unload
+        # its own lock: the serving loop takes it every turn, and must never wait for a beat's
+        # round trips under `_lock`
+        self._dropped_lock = threading.Lock()
+        self._removed_checked = float("-inf")  # monotonic time of the last removal check
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
         self._idle_beat = float("-inf")  # last heartbeat while holding nothing
         self._lock = threading.Lock()
@@ -196,17 +204,22 @@ class Membership:
     def _drop_removed(self) -> None:
         """Stop holding the slices of models `kvq model rm` removed (their keys are gone: a
         rejoin would bring some back); the serving loop drops their servers (`take_dropped`)."""
+        now = time.monotonic()
+        if now - self._removed_checked < REMOVED_CHECK_S:
+            return
+        self._removed_checked = now
         for model in {h.model for h in self.holds.values()}:
             if self.board.model_removed(model):
                 gone = [k for k in self.holds if k[0] == model]
-                self.dropped.extend(self.holds.pop(k) for k in gone)
+                with self._dropped_lock:
+                    self.dropped.extend(self.holds.pop(k) for k in gone)
                 log.info(
                     "model %s was removed: no longer serving its %d slice(s)", model, len(gone)
                 )
 
     def take_dropped(self) -> list[Held]:
         """The slices the heartbeat stopped holding since the last call (removed models)."""
-        with self._lock:
+        with self._dropped_lock:
             out, self.dropped = self.dropped, []
             return out
 
