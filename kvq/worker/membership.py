@@ -36,10 +36,6 @@ log = logging.getLogger("kvq.worker")
 __all__ = ["Held", "Membership"]
 
 
-# how often a beat asks whether `kvq model rm` removed a held model (one round trip)
-REMOVED_CHECK_S = 5.0
-
-
 class Membership:
     """`worker_id`'s slices on `board`; `served()` gives (jobs served, last_serve_ms),
     `work()` (seconds spent computing, rows computed) since the worker started."""
@@ -70,7 +66,6 @@ class Membership:
         # its own lock: the serving loop takes it every turn, and must never wait for a beat's
         # round trips under `_lock`
         self._dropped_lock = threading.Lock()
-        self._removed_checked = float("-inf")  # monotonic time of the last removal check
         self.progress = (0, 0)  # (bytes loaded, bytes in all) of the slice being loaded
         self._idle_beat = float("-inf")  # last heartbeat while holding nothing
         self._lock = threading.Lock()
@@ -156,14 +151,16 @@ class Membership:
             self.market.release(held.model, self.id, held.sid)
 
     def beat(self) -> None:
+        # the removal check's round trips outside the lock, which the serving loop also takes
+        removed = self._removed_models()
         with self._lock:
+            self._drop_removed(removed)
             self._beat_locked()
 
     def _beat_locked(self) -> None:
         h = self.loading or self.held
         if h is None:
             return
-        self._drop_removed()
         for model, sids in self.by_model().items():
             # after a reap it survived, or lost data
             if self.market.rejoin(model, self.id, *sids):
@@ -201,16 +198,17 @@ class Membership:
         # for the next beat: what waits unread now (one beat stale, no extra round trip)
         self._unread = max(0, inbox - plate.jobs) if self.holds else 0
 
-    def _drop_removed(self) -> None:
-        """Stop holding the slices of models `kvq model rm` removed (their keys are gone: a
-        rejoin would bring some back); the serving loop drops their servers (`take_dropped`)."""
-        now = time.monotonic()
-        if now - self._removed_checked < REMOVED_CHECK_S:
-            return
-        self._removed_checked = now
-        for model in {h.model for h in self.holds.values()}:
-            if self.board.model_removed(model):
-                gone = [k for k in self.holds if k[0] == model]
+    def _removed_models(self) -> set[str]:
+        """The held models `kvq model rm` removed (one read each, under no lock)."""
+        held = {h.model for h in list(self.holds.values())}
+        return {model for model in held if self.board.model_removed(model)}
+
+    def _drop_removed(self, removed: set[str]) -> None:
+        """Stop holding the slices of `removed` models (their keys are gone: a rejoin would
+        bring some back); the serving loop drops their servers (`take_dropped`)."""
+        for model in removed:
+            gone = [k for k in self.holds if k[0] == model]
+            if gone:
                 with self._dropped_lock:
                     self.dropped.extend(self.holds.pop(k) for k in gone)
                 log.info(
