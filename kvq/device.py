@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -36,7 +35,6 @@ def compute_dtype(
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
-_MKL_DISPATCH = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
 
 
 def dtype_name(dtype: torch.dtype, device: torch.device | str) -> str:
@@ -67,15 +65,13 @@ def numerics(path: str) -> str:
     Two holders with one label give a span the same bits (stage answers are compared bit for
     bit then: `kvq.coordinator.verify.Verifier.agree`)."""
     from kvq import __version__
-    from kvq.machine import cpu_kind
+    from kvq.machine import cpu_kind, mkl_overrides
     from kvq.quant import qdot
 
     if path not in ("q8", "f32cpu") or not qdot.options().batch_invariant:
         return ""
     width = torch.backends.cpu.get_cpu_capability()
-    # MKL's own dispatch where a variable overrides it (MKL_CBWR=AVX2 changes the bits of the
-    # float32 products on an AVX-512 CPU)
-    mkl = [f"{k}={os.environ[k]}" for k in _MKL_DISPATCH if os.environ.get(k)]
+    mkl = mkl_overrides()
     parts = [platform.machine(), cpu_kind(), f"kvq-{__version__}", f"torch-{torch.__version__}"]
     return " ".join([*parts, *mkl, width])
 

@@ -97,3 +97,13 @@ def cpu_kind(cpuinfo: Path = CPUINFO) -> str:
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     return " ".join([fields.get("vendor_id", "?"), *[f for f in CPU_FLAGS if f in flags]])
+
+
+# variables that override MKL's own choice of code (MKL_CBWR=AVX2 changes the bits of torch's
+# float32 products on an AVX-512 CPU): the math library's inputs, not kvq settings
+MKL_DISPATCH = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
+
+
+def mkl_overrides() -> list[str]:
+    """`NAME=value` for each of `MKL_DISPATCH` this process runs with."""
+    return [f"{k}={os.environ[k]}" for k in MKL_DISPATCH if os.environ.get(k)]

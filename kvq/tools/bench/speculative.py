@@ -18,12 +18,12 @@ trained model on real text is not measured here.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvq.errors import ConfigError
+from kvq.tools.bench.drain import drain
 
 PROMPT = "Write the list again: red, green, blue, red, green, blue, red"
 
@@ -101,23 +101,12 @@ def _decode(bb: Any, tok: Any, cfg: SpeculativeBench, n: int, plan: Any) -> dict
     for i in range(n):
         ids = tok.encode(f"{PROMPT} {i}", add_bos=True)
         engine.admit(f"bench-{i}", ids, cfg.tokens, b"")
-    seqs = list(engine.active)
-    engine.step(bb.local_moe, lambda _s: None)  # prefill of all, first token of each
-    t1, steps, seq_passes = time.perf_counter(), 0, 0
-    while engine.busy:
-        seq_passes += engine.busy
-        engine.step(bb.local_moe, lambda _s: None)
-        steps += 1
-    wall = time.perf_counter() - t1
-    tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
+    run = drain(engine)
     return {
-        "tok_s": tokens / wall if wall > 0 else 0.0,
-        "tokens": tokens,
-        "steps": steps,
-        "ms_per_step": 1000 * wall / max(steps, 1),
+        **run.figures(),
         "acceptance": engine.spec.acceptance,
-        "tokens_per_pass": tokens / max(seq_passes, 1),
-        "generated": [list(s.generated) for s in seqs],
+        "tokens_per_pass": run.tokens / max(run.seq_passes, 1),
+        "generated": run.generated,
     }
 
 

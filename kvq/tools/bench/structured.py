@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvq.errors import ConfigError
+from kvq.tools.bench.drain import drain
 
 PROMPT = "Answer in JSON: the weather of the next days"
 
@@ -147,7 +148,7 @@ def _decode(
     from kvq import wire
 
     engine, shaping = timed
-    n, bb = engine.n_slots, engine.backbone
+    n = engine.n_slots
     params = wire.SamplingParams(temperature=0.0, grammar=g)
     admit_s = []
     for i in range(n):  # distinct prompts, so no two sequences are the same work
@@ -156,23 +157,13 @@ def _decode(
         engine.admit(f"bench-{i}", ids, cfg.tokens, b"", params, forced=(forced or [[]] * n)[i])
         admit_s.append(time.perf_counter() - t0)
     shaping.clear()
-    seqs = list(engine.active)
-    engine.step(bb.local_moe, lambda _s: None)  # prefill of all, first token of each
-    t1, steps = time.perf_counter(), 0
-    while engine.busy:
-        engine.step(bb.local_moe, lambda _s: None)
-        steps += 1
-    wall = time.perf_counter() - t1
-    tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
+    run = drain(engine)
     return {
-        "tok_s": tokens / wall if wall > 0 else 0.0,
-        "tokens": tokens,
-        "steps": steps,
-        "ms_per_step": 1000 * wall / max(steps, 1),
+        **run.figures(),
         "admit_ms": 1000 * statistics.median(admit_s) if g else 0.0,
-        "mask_ms_per_step": 1000 * sum(shaping[1:]) / max(steps, 1),
-        "mask_share": sum(shaping[1:]) / wall if wall > 0 else 0.0,
-        "generated": [list(s.generated) for s in seqs],
+        "mask_ms_per_step": 1000 * sum(shaping[1:]) / max(run.steps, 1),
+        "mask_share": sum(shaping[1:]) / run.wall_s if run.wall_s > 0 else 0.0,
+        "generated": run.generated,
     }
 
 
