@@ -1,3 +1,3 @@
-from kvq.cli import main
+from kvq.cli import entry
 
-raise SystemExit(main())
+entry()

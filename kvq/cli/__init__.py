@@ -7,7 +7,9 @@ its own subcommands (`core`, `model`, `bank`, `swarm`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -128,3 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvq: interrupted", file=sys.stderr)
         return 130
+
+
+def entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """The `kvq` command (and `python -m kvq`): `main(argv)`, then out at once with its code.
+
+    A role has stopped cleanly when `main` returns (its slices given back, its children and
+    connections closed); the interpreter's own teardown after that (a collection over every
+    module torch loaded) kept a SIGTERMed worker alive for seconds more, past the 5 s a
+    supervisor such as `kvq demo` gives it. Streams are flushed first; nothing kvq runs
+    registers an exit hook."""
+    code = main(argv)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to flush to
+            stream.flush()
+    os._exit(code)

@@ -22,7 +22,7 @@ import numpy as np
 from kvq import wire
 from kvq.bank import server
 from kvq.bus import connect, xadd
-from kvq.cli import main
+from kvq.cli import entry
 from kvq.config import load_settings
 from kvq.keys import Keys
 
@@ -67,4 +67,4 @@ if __name__ == "__main__":
     ap.add_argument("--kind", choices=["nan", "noise", "shape"], required=True)
     a = ap.parse_args()
     patch(a.id, a.kind)
-    raise SystemExit(main(["worker", "--id", a.id]))
+    entry(["worker", "--id", a.id])

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvq import wire
 from kvq.bank import server
-from kvq.cli import main
+from kvq.cli import entry
 from kvq.worker import shelf
 
 log = logging.getLogger("liar")
@@ -93,4 +93,4 @@ if __name__ == "__main__":
     ap.add_argument("--honest-first", type=int, default=0)
     a = ap.parse_args()
     patch(a.garbage, a.seed, a.kind, a.honest_first, a.factor, a.label)
-    raise SystemExit(main(["worker", "--id", a.id]))
+    entry(["worker", "--id", a.id])

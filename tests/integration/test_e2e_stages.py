@@ -7,6 +7,8 @@ their state by replaying their tokens."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 from pathlib import Path
 
@@ -102,8 +104,21 @@ def test_a_chain_of_stage_workers_gives_local_generations_tokens(
         holders = _held(board, model_id)
         assert all(len(ws) == 1 for ws in holders.values())
         assert {w for ws in holders.values() for w in ws} == {"w0", "w1"}
+        _each_stops_on_sigterm(kids, ("w0", "w1"))
     finally:
         kids.stop_all()
+
+
+def _each_stops_on_sigterm(kids: Children, names: tuple[str, ...]) -> None:
+    """Each of `names` SIGTERMed exits 0 within 3 s (a supervisor waits 5 s, then kills)."""
+    for name in names:
+        kids.procs[name].send_signal(signal.SIGTERM)
+    for name in names:
+        try:
+            code = kids.procs[name].wait(3)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still runs 3 s after its SIGTERM") from None
+        assert code == 0, f"{name} exited {code}"
 
 
 def _kill_serving(kids: Children, board: RedisBoard, model_id: str, sid: str) -> str:
