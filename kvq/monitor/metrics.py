@@ -194,17 +194,7 @@ class _Market:
         for v in views:
             if v.alive and v.ready:
                 serving[v.slice_id] = serving.get(v.slice_id, 0) + 1
-        spans: dict[str, list[int]] = {}  # layers -> [slices, demand, target, coverage, ...]
-        for sid, d in slices.items():
-            live = serving.get(sid, 0)
-            row = spans.setdefault(sid.split(":", 1)[0], [0] * 6)
-            for i, v in enumerate((1, d.demand, d.target, d.coverage, live)):
-                row[i] += v
-            row[5] += int(live == 0 and d.target > 0)
-        families = (self.span_slices, self.demand, self.target, self.coverage, self.live)
-        for layers, row in sorted(spans.items()):
-            for fam, v in zip((*families, self.uncovered), row, strict=True):
-                fam.add_metric([model, layers], v)
+        self._add_spans(model, slices, serving)
         self.no_live.add_metric([model], sum(1 for sid in slices if not serving.get(sid)))
         self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
         by_kernels: dict[str, set[str]] = {}
@@ -219,6 +209,22 @@ class _Market:
                 self.queued.add_metric([model, v.worker_id], v.queued_rows)
         for path, workers in sorted(by_kernels.items()):
             self.kernels.add_metric([model, path], len(workers))
+
+    def _add_spans(
+        self, model: str, slices: Mapping[str, SliceDemand], serving: Mapping[str, int]
+    ) -> None:
+        """The per-slice numbers summed per layer span (the slice id's `L...-...` part)."""
+        spans: dict[str, list[int]] = {}  # layers -> [slices, demand, target, coverage, ...]
+        for sid, d in slices.items():
+            live = serving.get(sid, 0)
+            row = spans.setdefault(sid.split(":", 1)[0], [0] * 6)
+            for i, n in enumerate((1, d.demand, d.target, d.coverage, live)):
+                row[i] += n
+            row[5] += int(live == 0 and d.target > 0)
+        families = (self.span_slices, self.demand, self.target, self.coverage, self.live)
+        for layers, row in sorted(spans.items()):
+            for fam, n in zip((*families, self.uncovered), row, strict=True):
+                fam.add_metric([model, layers], n)
 
     def families(self) -> tuple[GaugeMetricFamily, ...]:
         return (
