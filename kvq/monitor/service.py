@@ -208,14 +208,15 @@ class Monitor:
         states = [(model, self.poll(model)) for model in models]
         dead = self.reap(*models)
         barred = [w for model in models for w in self.release_quarantined(model)]
-        by = {  # quarantined by hand: the departure names who
+        verdicts = [self.board.quarantined(model) for model in models]
+        by = {  # quarantined or drained by hand: the departure names who
             w: q.operator
-            for model in models
-            if barred
-            for w, q in self.board.quarantined(model).items()
-            if w in barred and q.operator
+            for got in verdicts
+            for w, q in got.items()
+            if (w in barred or q.drain) and q.operator
         }
-        self.departures.update(self.board, models, dead, barred, by)
+        drained = {w for got in verdicts for w, q in got.items() if q.drain}
+        self.departures.update(self.board, models, dead, barred, by, drained)
         return states
 
     def release_quarantined(self, model: str) -> list[str]:
