@@ -65,7 +65,7 @@ class Watch:
                 if w in barred and w in by
                 else "quarantined: its slices taken back (wrong results)"
                 if w in barred
-                else f"drained by operator {by.get(w, '?')}: gave its slices back once its "
+                else f"drained by operator {by.get(w, '?')}: its slices taken back once its "
                 "work was done"
                 if w in drained
                 else "left: gave its slices back (a clean stop or a wind-down)"

@@ -64,6 +64,8 @@ class Membership:
         self.loading: Held | None = None  # taken from the market, still downloading
         self.dropped: list[Held] = []  # of removed models, for the serving loop to unload
         self.drained: set[str] = set()  # models an operator drained it of: no slice taken
+        # a `kvq acl` worker user may not read verdicts (it asks the monitor's market instead)
+        self._reads_verdicts = isinstance(self.market, BoardMarket)
         # its own lock: the serving loop takes it every turn, and must never wait for a beat's
         # round trips under `_lock`
         self._dropped_lock = threading.Lock()
@@ -166,8 +168,9 @@ class Membership:
         if h is None:
             return
         for model, sids in self.by_model().items():
-            # after a reap it survived, or lost data
-            if self.market.rejoin(model, self.id, *sids):
+            # after a reap it survived, or lost data; not while drained (the monitor may have
+            # taken them back: its work is done)
+            if model not in self.drained and self.market.rejoin(model, self.id, *sids):
                 log.warning(
                     "the market had lost %s's slices of %s (a reap, or Redis lost its "
                     "keys); counted them again",
@@ -221,7 +224,11 @@ class Membership:
 
     def _drained_models(self) -> set[str]:
         """The models (held, or drained of before) whose latest verdict on this worker is an
-        operator's drain (`kvq workers drain`); a release ends it."""
+        operator's drain (`kvq workers drain`); a release ends it. Asked only where the worker
+        runs the market itself (the default user): a `kvq acl` worker user may not read
+        verdicts, and the monitor takes a drained one's slices back (`release_drained`)."""
+        if not self._reads_verdicts:
+            return set()
         held = {h.model for h in list(self.holds.values())} | self.drained
         out = set()
         for model in held:

@@ -69,7 +69,7 @@ def test_a_drained_worker_s_slices_go_to_another_worker(
         assert board.worker_alive("w1") and not kids.dead(), "w1 drained, not stopped"
         kids.wait_for(lambda: "w1" in board.departures(), 30, "w1 listed as departed")
         why = board.departures()["w1"].why
-        assert why.startswith("drained by operator ops: gave its slices back"), why
+        assert why.startswith("drained by operator ops: its slices taken back"), why
         _cli(env, "workers", "release", "w1", "--by", "ops")
         assert not board.quarantined(MODEL)["w1"].drain
         assert set(holders()) == {"w2"}, "nothing wanted: w2 keeps them"
