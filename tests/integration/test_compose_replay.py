@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from kvq.bus.redis_board import RedisBoard, open_board
@@ -97,7 +98,12 @@ class Replay:
 def replay(redis_server: Any, tmp_path: Path) -> Iterator[Replay]:
     if "cluster" in type(redis_server).__name__.lower():
         pytest.skip("compose runs one standalone server")
-    rp = Replay(redis_server.url, "compose-replay", tmp_path)
+    r = redis.Redis.from_url(redis_server.url)
+    for pattern in ("kvq:*", "rq:*"):  # compose sets no prefix: kvq's own, as docs name them
+        for k in r.scan_iter(pattern):
+            r.delete(k)
+    r.close()
+    rp = Replay(redis_server.url, "kvq", tmp_path)
     try:
         yield rp
     finally:
@@ -149,6 +155,22 @@ def _cold_start_under_load(rp: Replay, board: RedisBoard) -> float:
     return took
 
 
+def _count_doc_lines(board: RedisBoard, worker: str) -> None:
+    """docs/streams.md's lines on this deployment after its burst, with one of its workers'
+    ids for `laptop-1` (printed: the page's `# README:` statements are the README's)."""
+    from test_streams_doc import doc_claims, is_empty, raw_client, reply_of
+
+    r = board.r
+    rid = next(
+        (k.decode().split("{r:")[1].split("}")[0] for k in r.scan_iter("kvq:{r:*}:reply")), ""
+    )
+    got = [
+        not is_empty(reply_of(r, raw_client(r), c.line.replace("laptop-1", worker), rid))
+        for c in doc_claims()
+    ]
+    print(f"compose replay: {sum(got)} of {len(got)} redis-cli lines of docs/streams.md with data")
+
+
 @pytest.mark.timeout(1200)
 def test_compose_up_replayed_serves_and_its_workers_get_work(replay: Replay) -> None:
     rp = replay
@@ -190,5 +212,6 @@ def test_compose_up_replayed_serves_and_its_workers_get_work(replay: Replay) -> 
         local = after.local_jobs - before.local_jobs
         print(f"compose replay burst: {remote} remote and {local} local expert jobs")
         assert remote > 0, f"the workers got no share of a burst ({local} local jobs)"
+        _count_doc_lines(board, sorted(board.assignments(model))[0])
     finally:
         board.r.close()
