@@ -240,6 +240,8 @@ def readme_deployment(redis_server: Any, tmp_path: Path) -> Iterator[dict[str, A
 
 
 @pytest.mark.slow
+@pytest.mark.standalone
+@pytest.mark.serial  # the worker's share of a burst needs the CPUs the README leaves it
 @pytest.mark.timeout(900)
 def test_the_readme_deployment_returns_what_the_page_says(
     readme_deployment: dict[str, Any],
