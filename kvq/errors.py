@@ -12,7 +12,8 @@
     │   │   └── TamperedSource        the source's bytes differ from the published checksums
     │   ├── ModelMismatch         a coordinator's GGUF is not the file registered for its id
     │   │   └── ModelCorrupt          ... a range of it fails its checksum (checked before blame)
-    │   └── ModelInUse            `kvq model rm` of a model a live coordinator serves
+    │   ├── ModelInUse            `kvq model rm` of a model a live coordinator serves
+    │   └── ModelRemoved          a coordinator's model was removed (`kvq model rm --force`)
     ├── BankError          a hot/cold bank or hot-set plan cannot be built or updated
     ├── RoutingError       no node can serve a slice; unknown model
     │   ├── UnknownModel       no model of that id in the swarm
@@ -89,6 +90,11 @@ class ModelCorrupt(ModelMismatch):
 
 class ModelInUse(ModelError):
     """A model cannot be removed: a live coordinator serves it (`kvq model rm --force`)."""
+
+
+class ModelRemoved(ModelError):
+    """The model a coordinator serves was removed while it ran (`kvq model rm --force`): it
+    ends its requests with this error and exits."""
 
 
 class BankError(KvqError):

@@ -81,6 +81,13 @@ class Board(Protocol):
         workers that held a slice of it."""
         ...
 
+    def forget_removed_model(self, model: str, shards: int) -> None:
+        """While `model` is marked removed: delete again the keys of it a coordinator writes
+        (its place among the coordinators, routed counts, verdicts, its `shards` request
+        streams, whose group a reader makes again), left by one that ran on after the
+        removal."""
+        ...
+
     def model_removed(self, model: str) -> bool:
         """Whether `kvq model rm` removed `model` since its last registration."""
         ...

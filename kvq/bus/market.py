@@ -61,6 +61,7 @@ class Market(Protocol):
         worker: str,
         held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
+        skip: Collection[str] = (),
     ) -> Held | None: ...
 
     def release(self, model: str, worker: str, sid: str | None = None) -> tuple[str, ...]: ...
@@ -180,8 +181,11 @@ class MarketDoor:
         worker: str,
         held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
+        skip: Collection[str] = (),
     ) -> Held | None:
         more = {"held": holds_text(held or {}), "room": "" if room is None else str(room)}
+        if skip:
+            more["skip"] = ",".join(sorted(skip))
         got = self._ask(worker, VOLUNTEER, **more)
         return Held(got["model"], got["slice"]) if got and got.get("slice") else None
 

@@ -99,6 +99,12 @@ class MemoryBoard:
                 other.pop(model, None)
             return holders
 
+    def forget_removed_model(self, model: str, shards: int) -> None:
+        with self._lock:
+            if model in self._removed:
+                for table in (self._routed, self._coords, self._quarantine, self._verdicts):
+                    table.pop(model, None)
+
     def model_removed(self, model: str) -> bool:
         return model in self._removed
 

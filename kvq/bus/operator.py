@@ -10,8 +10,9 @@ a release included, and the market and routing read `drain` as "no new work".
 | quarantine | no work and no result used until `until_ms` (or ever, `ban`); the monitor   |
 |            | takes its slices back at its next tick                                      |
 | release    | trusted again now (its mismatch count kept: the next catch may ban it)      |
-| drain      | no new jobs and no new slice; its queued jobs are answered and used; it     |
-|            | keeps its slices until it stops (or winds down)                             |
+| drain      | no new jobs and no new slice; its queued jobs are answered and used; then   |
+|            | the worker gives its slices back itself (`Membership`), or the monitor      |
+|            | takes them (a worker that may not read verdicts); none again until released |
 | cancel     | the request's coordinator drops it at its next step (`kvq.client.cancel`)   |
 """
 

@@ -131,6 +131,15 @@ class RedisBoard:
             self.r.delete(stream)
         return holders
 
+    def forget_removed_model(self, model: str, shards: int) -> None:
+        if not self.model_removed(model):
+            return  # registered again meanwhile
+        k, m = self.keys, model
+        own = (k.model_routed(m), k.model_coordinators(m), k.model_quarantine(m))
+        self.r.delete(*own, k.model_verdicts(m))  # one hash tag: one slot
+        for stream in request_streams(k, m, shards):  # each shard its own hash slot
+            self.r.delete(stream)
+
     def model_removed(self, model: str) -> bool:
         return bool(self.r.exists(self.keys.model_removed(model)))
 

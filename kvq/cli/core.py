@@ -86,15 +86,26 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-def _model_flags(specs: list[str]) -> list[tuple[str, str]]:
-    """The monitor's `--model ID=PATH` flags, each file's header read: (model id, path) pairs."""
+def _model_flags(specs: list[str]) -> list[tuple[str, str, str | None]]:
+    """The monitor's `--model ID=PATH` flags, each file's header read: (model id, path,
+    source) triples. A PATH that is an http(s) URL (`#sha256=HEX` optional) is pulled first
+    (`kvq model pull`: resumed, checked) and is the source workers fetch from."""
     from kvq.gguf import read_meta
+    from kvq.gguf.remote import is_http, pull, pull_target
 
     models = []
     for spec in specs:
         model, _, path = spec.partition("=")
         if not path:
             raise ConfigError(f"--model wants ID=PATH, got {spec!r}")
+        source = None
+        if is_http(path):
+            source, sha256, out = pull_target(path)
+            got = pull(source, out, sha256)
+            log.info(
+                "pulled %s to %s (%d bytes, sha256 %s)", source, got.path, got.nbytes, got.sha256
+            )
+            path = got.path
         try:
             meta = read_meta(path)  # a bad file fails here, at once; checksums: a coarse job
         except (OSError, ModelError) as exc:  # a wrong flag value: usage (exit 2)
@@ -105,12 +116,12 @@ def _model_flags(specs: list[str]) -> list[tuple[str, str]]:
                 "workers could not fetch the experts from it; register the full file it was "
                 "split from, and start the coordinator on the backbone file"
             )
-        models.append((model, path))
+        models.append((model, path, source))
     return models
 
 
 def _register_models(
-    models: list[tuple[str, str]],
+    models: list[tuple[str, str, str | None]],
     source: str | None,
     settings: Settings,
     board: RedisBoard,
@@ -130,15 +141,15 @@ def _register_models(
             "inline (RQ needs a standalone Redis)"
         )
     m = settings.monitor
-    for model, path in models:
+    for model, path, pulled_from in models:
         if jobs is None:
-            mon.register(model, path, source)
+            mon.register(model, path, source or pulled_from)
             continue
         job = jobs.enqueue(
             coarse.register_model,
             model,
             path,
-            source,
+            source or pulled_from,
             m.slice_layers,
             m.slice_experts,
             m.base_replicas,
@@ -364,7 +375,12 @@ def _add_config(sub: Subparsers) -> None:
 
 def _add_monitor(sub: Subparsers) -> None:
     mon = sub.add_parser("monitor", help="run the control plane")
-    mon.add_argument("--model", action="append", metavar="ID=PATH", help="register a model")
+    mon.add_argument(
+        "--model",
+        action="append",
+        metavar="ID=PATH",
+        help="register a model (PATH may be an http(s) URL: pulled first)",
+    )
     mon.add_argument("--source", help="URL workers download the model from (default: PATH)")
     mon.add_argument("--id", help="monitor id for the lease (default monitor-HOSTNAME-PID)")
     mon.set_defaults(fn=cmd_monitor)

@@ -89,13 +89,10 @@ def cmd_rm(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
-    from pathlib import Path
-    from urllib.parse import urlparse
-
-    from kvq.gguf.remote import check_source, pull
+    from kvq.gguf.remote import check_source, pull, pull_target
 
     check_source(args.url, "kvq model pull URL")
-    out = args.out or Path(urlparse(args.url).path).name or "model.gguf"
+    out = args.out or pull_target(args.url)[2]
     got = pull(args.url, out, args.sha256, timeout_s=args.timeout_s)
     if args.json:
         print(

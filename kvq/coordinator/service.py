@@ -36,6 +36,7 @@ from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.drafts import DraftPlan
 from kvq.coordinator.engine import Engine, Sequence
 from kvq.coordinator.own_bytes import OwnBytes
+from kvq.coordinator.removal import Removal
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.stage_check import Referee
@@ -46,6 +47,7 @@ from kvq.errors import (
     ConfigError,
     ModelCorrupt,
     ModelError,
+    ModelRemoved,
     NoReplica,
     UncoveredSlice,
     WireError,
@@ -169,6 +171,7 @@ class Coordinator:
         self.times = RequestTimes()
         self._claim_at = 0.0
         self._published = False  # a slot record was published once (a later new one: lost)
+        self.removal = Removal(self.board, self.model, self.id)
 
     def _stage_chain(self, dispatch: DispatchSettings, model_path: str | Path) -> Chain:
         """The chain of stage jobs of a model sliced by stage, and its referee."""
@@ -252,6 +255,7 @@ class Coordinator:
             # gone at once for gateways (their waiting calls turn 503), not after staleness
             try:
                 self.board.forget_coordinator(self.model, self.id)
+                self.removal.clean(len(self.requests.streams))
             except redis.RedisError as exc:
                 log.warning("could not leave %s's coordinators: %s", self.model, exc)
 
@@ -265,6 +269,8 @@ class Coordinator:
         """Take over orphans, drop cancelled requests, admit what fits, run one step."""
         if self.own is not None and self.own.corrupt:
             raise ModelCorrupt(self.own.corrupt)  # refused: the operator replaces the file
+        if self.removal.seen:
+            self._end_all(self.removal.error())
         self._claim_orphans()
         gone = self.cancels.poll() | self.cancels.due(s.request_id for s in self.engine.active)
         if gone:
@@ -289,6 +295,15 @@ class Coordinator:
             self._refuse(
                 seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica", str(exc)
             )
+
+    def _end_all(self, exc: ModelRemoved) -> None:
+        """End every request held with `exc` as its error event, then stop with it."""
+        log.error("%s; %d request(s) end with an error", exc, self.engine.busy)
+        for seq in self.engine.drop_all():
+            self._refuse(
+                seq.request_id, seq.source, seq.entry_id, seq.attempt, "ModelRemoved", str(exc)
+            )
+        raise exc
 
     def _take_requests(self) -> None:
         """Admit new requests while slots are free. Refused ones take no slot, so reading
@@ -548,7 +563,10 @@ class Coordinator:
         ]
 
     def _publish_slots(self, busy: int, total: int) -> None:
-        """Slot state for the monitor, and the counters (on the slot-poll thread)."""
+        """Slot state for the monitor, and the counters (on the slot-poll thread); none once
+        the model was removed."""
+        if self.removal.check():
+            return
         state = SlotState(
             model=self.model,
             busy=busy,

@@ -59,6 +59,16 @@ def is_http(source: str) -> bool:
     return urlparse(source).scheme in ("http", "https")
 
 
+def pull_target(url: str) -> tuple[str, str | None, str]:
+    """`URL[#sha256=HEX]` split: the URL, its sha256 if given, and the file `pull` writes by
+    default (the URL's file name, in the current directory)."""
+    base, _, frag = url.partition("#")
+    sha = frag.removeprefix("sha256=") if frag.startswith("sha256=") else None
+    if frag and sha is None:
+        raise ConfigError(f"{url!r}: the only fragment a URL takes is #sha256=HEX")
+    return base, sha, Path(urlparse(base).path).name or "model.gguf"
+
+
 @dataclass(frozen=True, slots=True)
 class Pulled:
     """A finished download: where, how many bytes, its sha256, bytes kept from a cut one."""

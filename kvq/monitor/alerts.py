@@ -50,13 +50,12 @@ def _gauge_rule(
 
 
 def _slice_without_worker(samples: list[Sample]) -> Fired:
-    """One per model (`count by (model)`), its value the wanted slices without a live worker."""
-    s = samples[-1]
-    target = {(lb["model"], lb["slice"]): v for lb, v in pick(s.series, "kvq_slice_target")}
+    """One per model (`sum by (model)` of the per-span counts), its value the wanted slices
+    without a live worker."""
     per: dict[str, int] = {}
-    for lb, v in pick(s.series, "kvq_slice_live_workers"):
-        if v == 0 and target.get((lb["model"], lb["slice"]), 0) > 0:
-            per[lb["model"]] = per.get(lb["model"], 0) + 1
+    for lb, v in pick(samples[-1].series, "kvq_span_uncovered_slices"):
+        per[lb["model"]] = per.get(lb["model"], 0) + int(v)
+    per = {m: n for m, n in per.items() if n > 0}
     return [
         _over(
             "KvqSliceWithoutLiveWorker",

@@ -46,9 +46,11 @@ class Watch:
         reaped: Collection[str],
         barred: Collection[str],
         operators: Mapping[str, str] | None = None,
+        drained: Collection[str] = (),
     ) -> list[str]:
         """After a tick's reap and releases: record the workers that held slices at the last
-        tick and hold none now (the reaped ones are recorded by the reap); those workers."""
+        tick and hold none now (the reaped ones are recorded by the reap; `drained`: those an
+        operator drained, which give their slices back themselves); those workers."""
         now: dict[str, Held] = {}
         for m in models:
             for w, sids in board.assignments(m).items():
@@ -63,6 +65,9 @@ class Watch:
                 if w in barred and w in by
                 else "quarantined: its slices taken back (wrong results)"
                 if w in barred
+                else f"drained by operator {by.get(w, '?')}: its slices taken back once its "
+                "work was done"
+                if w in drained
                 else "left: gave its slices back (a clean stop or a wind-down)"
             )
             board.record_departure(w, departure(board, self.held[w], why))

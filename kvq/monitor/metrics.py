@@ -4,11 +4,12 @@ Nothing is counted in the monitor: each scrape reads the keys of `kvq.keys`, so 
 replica (or a restarted one) reports the same numbers.
 - queues: stream lengths, and per consumer group lag, pending, the oldest pending and unread
   entries' ages, per consumer pending and idle (`kvq.bus.groups`);
-- the market: target, coverage and live workers per slice, live coordinators per model;
+- the market: slices, target, coverage and live workers per layer span (series grow with a
+  model's layers, not its slices), live coordinators per model;
 - trust: workers quarantined or banned by a coordinator's spot-check, and their mismatches;
 - counters and histograms that each coordinator counts in process and publishes in its stats
   record at every slot poll (`kvq.monitor.coord_metrics`).
-`docs/api.md` lists every metric; `deploy/alerts.yml` alerts on them.
+`docs/api.md` lists every metric; `docs/alerts.yml` alerts on them.
 """
 
 from __future__ import annotations
@@ -125,15 +126,23 @@ class _Market:
     """Per model and slice: saturation, demand and coverage, live workers and coordinators."""
 
     def __init__(self) -> None:
-        slice_labels = ["model", "slice"]
+        span = ["model", "layers"]  # per layer span (`L003-004`): series grow with layers only
         self.saturated = _gauge("kvq_model_saturated", "1 while the model is saturated", ["model"])
-        self.demand = _gauge("kvq_slice_demand", "replicas wanted beyond coverage", slice_labels)
-        self.target = _gauge("kvq_slice_target", "replicas wanted", slice_labels)
-        self.coverage = _gauge("kvq_slice_coverage", "workers holding the slice", slice_labels)
+        self.span_slices = _gauge("kvq_span_slices", "slices of the layer span", span)
+        self.demand = _gauge("kvq_span_demand", "replicas wanted beyond coverage, summed", span)
+        self.target = _gauge("kvq_span_target", "replicas wanted, summed over its slices", span)
+        self.coverage = _gauge(
+            "kvq_span_coverage", "workers holding each slice, summed over its slices", span
+        )
         self.live = _gauge(
-            "kvq_slice_live_workers",
-            "serving workers of the slice with a live heartbeat",
-            slice_labels,
+            "kvq_span_live_replicas",
+            "serving workers with a live heartbeat of each slice, summed over its slices",
+            span,
+        )
+        self.uncovered = _gauge(
+            "kvq_span_uncovered_slices",
+            "wanted slices (target > 0) of the span that no live serving worker holds",
+            span,
         )
         self.no_live = _gauge(
             "kvq_slices_without_live_worker", "slices no live serving worker holds", ["model"]
@@ -185,11 +194,7 @@ class _Market:
         for v in views:
             if v.alive and v.ready:
                 serving[v.slice_id] = serving.get(v.slice_id, 0) + 1
-        for sid, d in slices.items():
-            self.demand.add_metric([model, sid], d.demand)
-            self.target.add_metric([model, sid], d.target)
-            self.coverage.add_metric([model, sid], d.coverage)
-            self.live.add_metric([model, sid], serving.get(sid, 0))
+        self._add_spans(model, slices, serving)
         self.no_live.add_metric([model], sum(1 for sid in slices if not serving.get(sid)))
         self.alive.add_metric([model], len({v.worker_id for v in views if v.alive}))
         by_kernels: dict[str, set[str]] = {}
@@ -205,13 +210,31 @@ class _Market:
         for path, workers in sorted(by_kernels.items()):
             self.kernels.add_metric([model, path], len(workers))
 
+    def _add_spans(
+        self, model: str, slices: Mapping[str, SliceDemand], serving: Mapping[str, int]
+    ) -> None:
+        """The per-slice numbers summed per layer span (the slice id's `L...-...` part)."""
+        spans: dict[str, list[int]] = {}  # layers -> [slices, demand, target, coverage, ...]
+        for sid, d in slices.items():
+            live = serving.get(sid, 0)
+            row = spans.setdefault(sid.split(":", 1)[0], [0] * 6)
+            for i, n in enumerate((1, d.demand, d.target, d.coverage, live)):
+                row[i] += n
+            row[5] += int(live == 0 and d.target > 0)
+        families = (self.span_slices, self.demand, self.target, self.coverage, self.live)
+        for layers, row in sorted(spans.items()):
+            for fam, n in zip((*families, self.uncovered), row, strict=True):
+                fam.add_metric([model, layers], n)
+
     def families(self) -> tuple[GaugeMetricFamily, ...]:
         return (
             self.saturated,
+            self.span_slices,
             self.demand,
             self.target,
             self.coverage,
             self.live,
+            self.uncovered,
             self.no_live,
             self.alive,
             self.kernels,

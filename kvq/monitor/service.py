@@ -208,14 +208,17 @@ class Monitor:
         states = [(model, self.poll(model)) for model in models]
         dead = self.reap(*models)
         barred = [w for model in models for w in self.release_quarantined(model)]
-        by = {  # quarantined by hand: the departure names who
+        for model in models:
+            self.release_drained(model)
+        verdicts = [self.board.quarantined(model) for model in models]
+        by = {  # quarantined or drained by hand: the departure names who
             w: q.operator
-            for model in models
-            if barred
-            for w, q in self.board.quarantined(model).items()
-            if w in barred and q.operator
+            for got in verdicts
+            for w, q in got.items()
+            if (w in barred or q.drain) and q.operator
         }
-        self.departures.update(self.board, models, dead, barred, by)
+        drained = {w for got in verdicts for w, q in got.items() if q.drain}
+        self.departures.update(self.board, models, dead, barred, by, drained)
         return states
 
     def release_quarantined(self, model: str) -> list[str]:
@@ -234,6 +237,30 @@ class Monitor:
                 log.warning(
                     "released %s of %s from quarantined worker %s", ", ".join(sids), model, w
                 )
+        return out
+
+    def release_drained(self, model: str) -> list[str]:
+        """Take the slices of `model` back from workers an operator drained, once their work
+        is done: a beat since the drain (its verdict older than a heartbeat lifetime) says
+        nothing is computed or waiting. A worker that reads verdicts gives them back itself;
+        this is for those that may not (`kvq acl` users, whose rejoin the market refuses while
+        they are drained)."""
+        now_ms, ttl_ms = self.board.now_ms(), self.board.lifetimes.heartbeat_ms()
+        verdicts = self.board.quarantined(model).items()
+        drained = {w for w, q in verdicts if q.drain and now_ms - q.ts_ms >= ttl_ms}
+        if not drained:
+            return []
+        idle = {  # one view a slice, each from the worker's one beat
+            v.worker_id
+            for v in self.board.workers(model)
+            if v.worker_id in drained and v.alive and not v.queued_rows
+        }
+        out = []
+        for w, sids in self.board.assignments(model).items():
+            if w in idle and sids:
+                self.board.release(model, w)
+                out.append(w)
+                log.info("released %d slice(s) of %s from drained worker %s", len(sids), model, w)
         return out
 
     def keep_registered(self, listed: list[str]) -> list[str]:

@@ -63,6 +63,9 @@ class Membership:
         self.holds: dict[tuple[str, str], Held] = {}  # (model, sid) → loaded, serving (in order)
         self.loading: Held | None = None  # taken from the market, still downloading
         self.dropped: list[Held] = []  # of removed models, for the serving loop to unload
+        self.drained: set[str] = set()  # models an operator drained it of: no slice taken
+        # a `kvq acl` worker user may not read verdicts (it asks the monitor's market instead)
+        self._reads_verdicts = isinstance(self.market, BoardMarket)
         # its own lock: the serving loop takes it every turn, and must never wait for a beat's
         # round trips under `_lock`
         self._dropped_lock = threading.Lock()
@@ -114,7 +117,7 @@ class Membership:
                 kernels=self.kernels,
             )
             self.board.beat(self.id, idle)
-        got = self.market.volunteer(self.id, self.by_model(), room)
+        got = self.market.volunteer(self.id, self.by_model(), room, skip=set(self.drained))
         if got is None:
             return None
         with self._lock:
@@ -151,10 +154,13 @@ class Membership:
             self.market.release(held.model, self.id, held.sid)
 
     def beat(self) -> None:
-        # the removal check's round trips outside the lock, which the serving loop also takes
+        # the removal and drain checks' round trips outside the lock, which the serving loop
+        # also takes
         removed = self._removed_models()
+        drained = self._drained_models()
         with self._lock:
             self._drop_removed(removed)
+            self._give_back_drained(drained)
             self._beat_locked()
 
     def _beat_locked(self) -> None:
@@ -162,8 +168,9 @@ class Membership:
         if h is None:
             return
         for model, sids in self.by_model().items():
-            # after a reap it survived, or lost data
-            if self.market.rejoin(model, self.id, *sids):
+            # after a reap it survived, or lost data; not while drained (the monitor may have
+            # taken them back: its work is done)
+            if model not in self.drained and self.market.rejoin(model, self.id, *sids):
                 log.warning(
                     "the market had lost %s's slices of %s (a reap, or Redis lost its "
                     "keys); counted them again",
@@ -215,8 +222,45 @@ class Membership:
                     "model %s was removed: no longer serving its %d slice(s)", model, len(gone)
                 )
 
+    def _drained_models(self) -> set[str]:
+        """The models (held, or drained of before) whose latest verdict on this worker is an
+        operator's drain (`kvq workers drain`); a release ends it. Asked only where the worker
+        runs the market itself (the default user): a `kvq acl` worker user may not read
+        verdicts, and the monitor takes a drained one's slices back (`release_drained`)."""
+        if not self._reads_verdicts:
+            return set()
+        held = {h.model for h in list(self.holds.values())} | self.drained
+        out = set()
+        for model in held:
+            q = self.board.quarantined(model).get(self.id)
+            if q is not None and q.drain:
+                out.add(model)
+        return out
+
+    def _give_back_drained(self, drained: set[str]) -> None:
+        """Give back the slices of `drained` models once nothing is on its plate (what it was
+        sent is answered first) and the drain was seen at an earlier beat too (coordinators
+        reread verdicts every KVQ_DISPATCH_REFRESH_MS: none sends it a job after that)."""
+        seen, self.drained = self.drained, drained
+        plate = self.backlog.view()
+        if plate.jobs or self._unread or plate.busy_rows or plate.queued_rows:
+            return
+        for model in drained & seen:
+            gone = [k for k in self.holds if k[0] == model]
+            if not gone:
+                continue
+            with self._dropped_lock:
+                self.dropped.extend(self.holds.pop(k) for k in gone)
+            self.market.release(model, self.id)  # every slice of it at once
+            log.info(
+                "drained of %s by an operator: its work done, gave back its %d slice(s)",
+                model,
+                len(gone),
+            )
+
     def take_dropped(self) -> list[Held]:
-        """The slices the heartbeat stopped holding since the last call (removed models)."""
+        """The slices the heartbeat stopped holding since the last call (removed models, or
+        drained ones given back)."""
         with self._dropped_lock:
             out, self.dropped = self.dropped, []
             return out

@@ -334,6 +334,34 @@ def test_unregister_removes_a_model_until_registered_again(
     assert not board.model_removed("m")
 
 
+def test_a_coordinator_that_ran_on_after_a_removal_leaves_nothing(
+    board_case: BoardCase, tmp_path: Path
+) -> None:
+    """What a coordinator wrote of a model after `kvq model rm --force` (its slot poll, routed
+    counts, a verdict) goes with `forget_removed_model`; a registered model's stays."""
+    board = board_case.board
+    path = tmp_path / "m.gguf"
+    make_tiny(path, layers=2, experts=8)
+    info = plan_model("m", path, 1, 4)
+    board.register_model(info, base_replicas=1)
+    sid = sorted(info.slices)[0]
+
+    def write() -> None:  # what a running coordinator writes of the model
+        now = int(board.now_ms())
+        board.publish_slots("c1", SlotState(model="m", busy=0, total=4, ts_ms=now), CoordStats())
+        board.add_routed("m", {sid: 3})
+        board.quarantine("m", "w1", Quarantine(until_ms=now + 1000, mismatches=1))
+
+    write()
+    board.forget_removed_model("m", 1)
+    assert board.coordinators("m") and board.quarantined("m"), "registered: nothing deleted"
+    board.unregister_model("m")
+    write()
+    board.forget_removed_model("m", 1)
+    assert board.coordinators("m") == [] and board.quarantined("m") == {}
+    assert board.routed("m") == {} and board.model_removed("m")
+
+
 @pytest.mark.parametrize("kind", ["memory"])
 def test_memory_board_expires_heartbeats_on_its_clock(kind: str) -> None:
     now = [1000.0]

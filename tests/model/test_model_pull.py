@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from rangeserver import range_server
+from waiting import wait_for
 
+from kvq.bus.redis_board import open_board
 from kvq.cli import main
+from kvq.config import Settings, child_env
 from kvq.errors import ConfigError
 from kvq.gguf.registry import plan_model
 from kvq.gguf.remote import check_source, header_length
@@ -111,3 +116,47 @@ def test_inspect_a_url_reads_its_header_only(
     assert header_length(data[:1000]) is None, "a header cut short asks for more"
     end = header_length(data)
     assert end is not None and 0 < end < len(data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_monitor_given_a_url_pulls_it_then_registers_it(
+    tiny_path: Path, tmp_path: Path, settings: Settings
+) -> None:
+    """`kvq monitor --model m=URL#sha256=HEX` (a real process, in its own directory): a cut
+    download exits before anything is registered and keeps its part file; the next start asks
+    for the rest only, checks the sha256 and registers the local file with the URL as the
+    source workers fetch from. A wrong sha256 registers nothing."""
+    data = tiny_path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    env = child_env(settings)
+    board = open_board(settings.bus, settings.lifetimes)
+
+    def monitor(spec: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "kvq", "monitor", "--model", spec]
+        return subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE)
+
+    with range_server(tiny_path) as served:
+        served.cut_at = 300_000
+        cut = monitor(f"m={served.url}#sha256={sha}")
+        _, err = cut.communicate(timeout=60)
+        assert cut.returncode == 1 and b"cut at 300000" in err, err.decode()[-2000:]
+        assert board.models() == [] and (tmp_path / "tiny.gguf.part").stat().st_size == 300_000
+        wrong = monitor(f"m={served.url}#sha256={'0' * 64}")
+        _, err = wrong.communicate(timeout=60)
+        assert wrong.returncode == 1 and b"!= --sha256 " + b"0" * 64 in err, err.decode()[-2000:]
+        assert board.models() == [] and not (tmp_path / "tiny.gguf.part").exists()
+        served.cut_at = 300_000
+        again = monitor(f"m={served.url}")
+        again.communicate(timeout=60)
+        assert again.returncode == 1, "cut again"
+        ok = monitor(f"m={served.url}#sha256={sha}")
+        try:
+            wait_for(lambda: board.models() == ["m"], 60, "the registration")
+            assert served.ranges[-1] == "bytes=300000-", "the rest only"
+            assert board.model_info("m").source == served.url.split("#")[0]
+            assert (tmp_path / "tiny.gguf").read_bytes() == data
+        finally:
+            ok.terminate()
+            ok.communicate(timeout=30)
+    board.r.close()

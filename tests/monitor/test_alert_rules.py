@@ -70,19 +70,14 @@ def test_every_alert_has_its_own_unit_test() -> None:
 
 def test_one_lost_worker_of_64_slices_is_one_alert(tmp_path: Path) -> None:
     """The worker holding all 64 slices of a model dies: one alert whose value is 64 (the rule
-    was per slice: 64 alerts)."""
-    slices = [
-        f"L{i // 16:03d}-{i // 16 + 1:03d}:E{i % 16 * 4:04d}-{i % 16 * 4 + 4:04d}"
-        for i in range(64)
+    was per slice: 64 alerts), from the exporter's per-span counts."""
+    series = [  # its 64 slices in 4 layer spans of 16
+        {
+            "series": f'kvq_span_uncovered_slices{{model="big",layers="L{i:03d}-{i + 1:03d}"}}',
+            "values": "0 16x9",
+        }
+        for i in range(4)
     ]
-    series = []
-    for sid in slices:
-        series.append(
-            {"series": f'kvq_slice_live_workers{{model="big",slice="{sid}"}}', "values": "1 0x9"}
-        )
-        series.append(
-            {"series": f'kvq_slice_target{{model="big",slice="{sid}"}}', "values": "1x10"}
-        )
     fires = {
         "eval_time": "7m",
         "alertname": "KvqSliceWithoutLiveWorker",

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from shapes import deepseek_v3_record
 from waiting import wait_for
 
 from kvq import client
@@ -33,14 +34,11 @@ from kvq.bus.deadletters import get_dead, list_dead
 from kvq.bus.records import Quarantine, WorkerInfo
 from kvq.bus.redis_board import open_board
 from kvq.bus.streams import dead_letter
-from kvq.catalog import ModelInfo
 from kvq.config import Settings, child_env
-from kvq.gguf.registry import plan_model
 from kvq.keys import Keys
 from kvq.monitor.alerts import ELSEWHERE, RULES
 from kvq.monitor.coverage import sid_ranges
 from kvq.quant.kernels import describe
-from kvq.slices import SliceSpec, slice_id
 from kvq.tools.synth import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,29 +482,6 @@ def assert_not_blank(page: Any, png: Path, red: bool) -> None:
     assert got["colours"] > 50, f"{png}: blank ({got})"
     assert got["green"] > 500, got
     assert (got["red"] > 500) == red, got
-
-
-def deepseek_v3_record(tiny: Path) -> ModelInfo:
-    """A registration of DeepSeek-V3's shape: 61 blocks, the first 3 dense, 256 experts; at 4
-    experts a slice, 58 x 64 = 3,712 slices (byte ranges borrowed from a tiny file: nothing
-    is downloaded)."""
-    info = plan_model("dsv3", tiny, 1, 4)
-    rng = next(iter(info.slices.values())).ranges[:1]
-    slices = {}
-    for layer in range(3, 61):
-        for g in range(64):
-            sid = slice_id(layer, layer + 1, 4 * g, 4 * g + 4)
-            slices[sid] = SliceSpec(sid, layer, layer + 1, 4 * g, 4 * g + 4, rng, ("0" * 64,))
-    layer0 = info.meta.expert_tensors[0]
-    meta = dataclasses.replace(
-        info.meta,
-        block_count=61,
-        leading_dense_block_count=3,
-        expert_count=256,
-        expert_used_count=8,
-        expert_tensors=dict.fromkeys(range(3, 61), layer0),
-    )
-    return ModelInfo("dsv3", info.source, meta, slices, info.header_sha256)
 
 
 @pytest.mark.slow

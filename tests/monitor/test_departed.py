@@ -4,6 +4,7 @@ for an hour with when and why; a worker back since is no longer listed as depart
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -88,4 +89,49 @@ def test_a_worker_that_gives_its_slices_back_or_is_quarantined_is_departed_with_
         "w2": "quarantined: its slices taken back (wrong results)",
     }
     assert board.departures()["w1"].held == f"tiny: 1 slice(s), {sid_ranges([held['w1']])[0]}"
+    board.r.close()
+
+
+def test_the_monitor_takes_a_drained_worker_s_slices_back_once_its_work_is_done(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A drained worker that cannot read verdicts (a `kvq acl` user: it asks the monitor's
+    market, which refuses its rejoin while drained) gets its slices taken back by the monitor
+    once a beat after the drain says nothing is on its plate; not before."""
+    path = tmp_path / "tiny.gguf"
+    make_tiny(path, layers=2, experts=8, seed=1)
+    mon = Monitor.from_settings(settings)
+    mon.register("tiny", path)
+    board = mon.board
+    held = [board.volunteer("tiny", "w1", None, [])]
+    held.append(board.volunteer("tiny", "w1", None, held))
+    assert None not in held
+
+    def beat(queued_rows: int) -> None:
+        holds = json.dumps({"tiny": held})
+        info = WorkerInfo(
+            model="tiny", slice=str(held[-1]), device="cpu", holds=holds, queued_rows=queued_rows
+        )
+        board.beat("w1", info)
+
+    def drain(age_s: float) -> None:  # `kvq workers drain`'s verdict, `age_s` old
+        ts = int(board.now_ms() - age_s * 1000)
+        verdict = Quarantine(until_ms=0, mismatches=0, ts_ms=ts, operator="ops", drain=True)
+        board.quarantine("tiny", "w1", verdict)
+
+    beat(0)
+    mon.tick()
+    drain(0.0)
+    mon.tick()
+    assert len(board.held_by("tiny", "w1")) == 2, "no beat since the drain yet"
+    drain(5.0)  # older than the 1 s heartbeat lifetime: beats since
+    beat(7)
+    mon.tick()
+    assert len(board.held_by("tiny", "w1")) == 2, "7 rows on its plate: its work first"
+    beat(0)
+    mon.tick()
+    assert board.held_by("tiny", "w1") == ()
+    assert {d.coverage for d in board.slice_demand("tiny").values()} == {0}
+    why = board.departures()["w1"].why
+    assert why == "drained by operator ops: its slices taken back once its work was done", why
     board.r.close()

@@ -11,6 +11,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from shapes import deepseek_v3_record
 
 from kvq.bus import dead_letter
 from kvq.bus.histogram import Histogram
@@ -18,6 +19,8 @@ from kvq.bus.records import CoordStats, SlotState, WorkerInfo
 from kvq.config import Settings
 from kvq.keys import COORDINATOR_GROUP, WORKER_GROUP, request_streams
 from kvq.monitor import Monitor
+from kvq.monitor.alerts import holding
+from kvq.monitor.history import Sample
 from kvq.monitor.metrics import make_registry
 from kvq.tools.synth import make_tiny
 
@@ -119,7 +122,7 @@ def test_answered_requests_leave_no_lag_or_age(mon: Monitor, r: redis.Redis) -> 
     assert got["kvq_requests_orphaned", (("model", "m"),)] == 0
 
 
-def test_inbox_lag_and_per_slice_coverage(mon: Monitor, r: redis.Redis) -> None:
+def test_inbox_lag_and_per_span_coverage(mon: Monitor, r: redis.Redis) -> None:
     board = mon.board
     sid = board.volunteer("m", "w0")
     assert sid is not None
@@ -132,13 +135,15 @@ def test_inbox_lag_and_per_slice_coverage(mon: Monitor, r: redis.Redis) -> None:
     w0 = (("model", "m"), ("stream", "inbox"), ("worker", "w0"))
     assert got["kvq_group_lag", w0] == 4
     assert got["kvq_group_pending", w0] == 0
-    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_live_workers"}
-    assert len(live) == SLICES and sum(live.values()) == 1
-    assert live[(("model", "m"), ("slice", sid))] == 1
-    cover = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_coverage"}
+    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_span_live_replicas"}
+    assert len(live) == 2 and sum(live.values()) == 1, "2 layer spans of 2 slices"
+    assert live[(("layers", sid.split(":")[0]), ("model", "m"))] == 1
+    cover = {k[1]: v for k, v in got.items() if k[0] == "kvq_span_coverage"}
     assert sum(cover.values()) == 2
     assert got["kvq_slices_without_live_worker", (("model", "m"),)] == SLICES - 1
-    assert got["kvq_slice_target", (("model", "m"), ("slice", sid))] == 1
+    uncovered = {k[1]: v for k, v in got.items() if k[0] == "kvq_span_uncovered_slices"}
+    assert sum(uncovered.values()) == SLICES - 1
+    assert got["kvq_span_target", (("layers", sid.split(":")[0]), ("model", "m"))] == 2
 
 
 def test_coordinator_counters_and_histograms(mon: Monitor) -> None:
@@ -247,8 +252,8 @@ def test_a_worker_holding_several_slices_is_one_worker_with_one_inbox(
     board.send_jobs([("w0", {"i": "0"})])
     got = scrape(mon)
     assert got["kvq_workers_alive", (("model", "m"),)] == 1, "distinct workers"
-    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_slice_live_workers"}
-    assert {s for (_, (_, s)), n in live.items() if n} == set(held)
+    live = {k[1]: v for k, v in got.items() if k[0] == "kvq_span_live_replicas"}
+    assert sum(live.values()) == len(held)
     text = generate_latest(make_registry(board)).decode()  # type: ignore[arg-type]
     lag = [ln for ln in text.splitlines() if ln.startswith("kvq_group_lag{") and "w0" in ln]
     assert len(lag) == 1 and lag[0].endswith(" 1.0"), lag
@@ -267,3 +272,40 @@ def test_live_workers_are_counted_by_what_computes_their_products(
     got = scrape(mon)
     by = {dict(k[1])["kernels"]: v for k, v in got.items() if k[0] == "kvq_workers_by_kernels"}
     assert by == {"int8 avx512 (installed)": 2, paths["w3"]: 1, "unknown": 1}
+
+
+def test_series_stay_bounded_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> None:
+    """3,712 slices (DeepSeek-V3 at 4 experts a slice) held by 32 workers, one of them lost:
+    the market's series are per layer span (58), not per slice, and still say how many wanted
+    slices have no live worker, per span and per model."""
+    tiny = tmp_path / "tiny.gguf"
+    make_tiny(tiny, layers=2, experts=8)
+    mon = Monitor.from_settings(settings)
+    board = mon.board
+    info = deepseek_v3_record(tiny)
+    board.register_model(info, 1)
+    held: dict[str, list[str]] = {}
+    for w in range(32):  # uncovered slices first, smallest id first: w0 takes layers 3-4
+        mine = held.setdefault(f"w{w}", [])
+        while len(mine) < 116 and (sid := board.volunteer("dsv3", f"w{w}", None, mine)):
+            mine.append(sid)
+    for w, mine in list(held.items())[1:]:  # w0 is lost: it holds its slices and does not beat
+        holds = json.dumps({"dsv3": mine})
+        board.beat(w, WorkerInfo(model="dsv3", slice=mine[-1], device="cpu", holds=holds))
+    got = scrape(mon)
+    print(f"DeepSeek-V3 shape, 32 workers: {len(got)} kvq series in a scrape")
+    names = {name for name, _ in got}
+    assert not {n for n in names if n.startswith("kvq_slice_")}, "no series per slice"
+    per = {n: sum(1 for name, _ in got if name == n) for n in names}
+    assert per["kvq_span_slices"] == per["kvq_span_uncovered_slices"] == 58
+    span = {(n, dict(lb)["layers"]): v for (n, lb), v in got.items() if n.startswith("kvq_span_")}
+    assert span["kvq_span_uncovered_slices", "L003-004"] == 64, "w0 held all of layer 3"
+    assert span["kvq_span_uncovered_slices", "L004-005"] == 116 - 64
+    assert span["kvq_span_live_replicas", "L004-005"] == 64 - 52
+    assert span["kvq_span_live_replicas", "L005-006"] == 64
+    assert span["kvq_span_slices", "L003-004"] == span["kvq_span_target", "L003-004"] == 64
+    assert span["kvq_span_coverage", "L003-004"] == 64, "w0 still holds them"
+    assert got["kvq_slices_without_live_worker", (("model", "dsv3"),)] == 116
+    fired = [a for a in holding([Sample(0.0, got)]) if a["alert"] == "KvqSliceWithoutLiveWorker"]
+    assert [(a["labels"], a["value"]) for a in fired] == [({"model": "dsv3"}, 116)], fired
+    assert len(got) < 1000, per

@@ -12,6 +12,7 @@ import pytest
 from boards import BoardCase, make_case
 from waiting import wait_for
 
+from kvq.bus import operator
 from kvq.bus.board import Board
 from kvq.bus.memory_board import MemoryBoard
 from kvq.bus.records import Lifetimes, WorkerInfo
@@ -161,6 +162,38 @@ def test_a_removed_models_slices_are_dropped_not_rejoined(
     m.beat()
     assert board.assignments("m") == {} and board.slice_demand("m") == {}, "no rejoin"
     assert m.holds == {} and m.take_dropped() == [Held("m", a)] and m.take_dropped() == []
+
+
+def test_a_drained_worker_gives_its_slices_back_once_its_work_is_done(
+    board_case: BoardCase, gguf: Path
+) -> None:
+    """`kvq workers drain`: the worker answers what is on its plate first, then gives every
+    slice back (coverage 0: other workers take them), takes none of the model while drained,
+    and volunteers again once released."""
+    board = board_case.board
+    a, b = _register(board, gguf, base_replicas=1)
+    m = Membership(board, "w", "cpu")
+    for _ in range(2):
+        held = m.volunteer()
+        assert held is not None
+        m.hold(held)
+    m.backlog.read([("c1", 3)])  # a job read, not answered yet
+    assert operator.drain(board, "w", "ops") == ["m"]
+    m.beat()
+    m.beat()
+    assert set(board.held_by("m", "w")) == {a, b}, "its work first"
+    m.backlog.start("c1", 3)
+    m.backlog.done()
+    m.beat()
+    assert board.held_by("m", "w") == () and m.holds == {}
+    assert {d.coverage for d in board.slice_demand("m").values()} == {0}, "wanted elsewhere"
+    assert sorted(h.sid for h in m.take_dropped()) == [a, b], "the serving loop unloads them"
+    assert m.volunteer() is None, "no slice of a model it is drained of"
+    m.beat()
+    assert board.held_by("m", "w") == (), "no rejoin either"
+    operator.release(board, "w", "ops")
+    m.beat()
+    assert m.volunteer() is not None, "released: it volunteers again"
 
 
 def test_beat_without_a_slice_writes_nothing(board_case: BoardCase, gguf: Path) -> None:
