@@ -13,7 +13,7 @@ from kvq import wire
 from kvq.bus.board import Fields
 from kvq.bus.redis_board import RedisBoard
 from kvq.bus.shards import ShardedConsumer
-from kvq.coordinator.engine import Sequence
+from kvq.coordinator.sequence import Sequence
 from kvq.coordinator.telemetry import RequestTimes
 
 
