@@ -279,16 +279,6 @@ class Coordinator:
                 seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica", str(exc)
             )
 
-    @property
-    def cancelled(self) -> int:
-        """Requests cancelled while generated."""
-        return self.replies.cancelled
-
-    @property
-    def claimed(self) -> int:
-        """Requests taken over from dead coordinators."""
-        return self.intake.claimed
-
     def snapshot(self) -> CoordStats:
         """The counters to publish (read on the slot-poll thread: plain values only)."""
         hot, cold = self.bank.hit_rates() if self.bank is not None else (0.0, 0.0)
