@@ -3,7 +3,7 @@ shapes) and the room a chat leaves in the context (its default `max_tokens`).
 
 Read from the model's registered source when that is a file on this machine (the header only:
 GGUF files are memory-mapped), once per model; the prompt is encoded as the coordinator
-encodes it (`kvq.coordinator.service._prompt`), so the counts agree. A source that is a URL has
+encodes it (`kvq.coordinator.intake.Intake.prompt`), so the counts agree. A source that is a URL has
 no tokenizer here: `/tokenize` is 501 and a chat's `max_tokens` falls back to
 `KVQ_API_MAX_TOKENS_DEFAULT`.
 """

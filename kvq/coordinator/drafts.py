@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvq.model.speculative import DraftLength, ngram_draft
+import torch
+
+from kvq.coordinator.sequence import Sequence
+from kvq.model.speculative import DraftLength, accept_greedy, ngram_draft
 
 SPECULATIVE_MODES = ("off", "ngram")
 
@@ -44,3 +47,36 @@ class DraftPlan:
         if not (self.on and eligible):
             return []
         return ngram_draft(tokens, max(0, min(length.now, room)))
+
+    def for_sequence(self, seq: Sequence, n: int) -> list[int]:
+        """`seq`'s draft for a step that reads `n` of its input tokens."""
+        p = seq.params
+        eligible = (
+            n == len(seq.next_input) == 1
+            and bool(seq.generated)
+            and not p.logit_bias
+            and seq.constraint is None
+            and len(seq.generated) >= len(seq.forced)
+        )
+        left = seq.max_tokens - len(seq.generated) - 1
+        room = min(left, seq.cache.max_len - seq.cache.length - 1)
+        if p.draft_max is not None:  # the request's own cap; 0: it opted out
+            room = min(room, p.draft_max)
+        tokens = [*seq.prompt_ids, *seq.generated]
+        return self.draft(tokens, seq.draft_length, room, eligible)
+
+
+def verify(seq: Sequence, draft: list[int], rows: torch.Tensor, picks: list[int]) -> list[int]:
+    """The tokens `seq` keeps of a pass that verified `draft` (rows [len(draft) + 1, V]:
+    the logits after its last token and after each draft token; `picks` their argmax)."""
+    if not draft:
+        return []
+    assert seq.sampler is not None
+    if seq.sampler.greedy:
+        return accept_greedy(draft, picks)
+    out = []
+    for j, d in enumerate(draft):
+        out.append(seq.sampler.speculate(rows[j], d))
+        if out[-1] != d:
+            return out
+    return [*out, seq.sampler.pick(rows[len(draft)])]

@@ -6,69 +6,34 @@ one decode token of the others), so each MoE layer sees all their token rows at 
 Chunked prefill (as vLLM schedules it): one step takes at most `prefill_chunk` prompt tokens
 over all the sequences still reading their prompt, first admitted first, each prompt in
 pieces cut at multiples of `prefill_chunk` from its start (a piece that does not fit what is
-left of the step waits for the next). A long prompt is read over several steps, and the decode steps of the other sequences go on between its
-chunks instead of waiting for the whole prompt; it gives its first token once it has read
-its last chunk. A decode token never counts against the budget.
+left of the step waits for the next). A long prompt is read over several steps, and the decode
+steps of the other sequences go on between its chunks instead of waiting for the whole prompt;
+it gives its first token once it has read its last chunk. A decode token never counts against
+the budget.
+
+What a step writes on each sequence is `kvq.coordinator.sequence`'s; which sequences bring
+drafts and which drafts they keep, `kvq.coordinator.drafts`'s (X13).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Collection
 
 import torch
 
 from kvq import wire
 from kvq.coordinator.chain import Chain, Pass
 from kvq.coordinator.detok import StopText
-from kvq.coordinator.drafts import DraftPlan
-from kvq.model import Backbone, KVCache, MoeFn, SeqStep
+from kvq.coordinator.drafts import DraftPlan, verify
+from kvq.coordinator.sequence import Recorder, Sequence, TokenSink, shaped_logits
+from kvq.model import Backbone, MoeFn, SeqStep
 from kvq.model.microbatch import SplitMoe, forward_microbatched, split_rows
-from kvq.model.sampling import Sampler, Sampling, top_logprobs
-from kvq.model.speculative import DraftLength, SpecStats, accept_greedy
+from kvq.model.sampling import Sampler, Sampling
+from kvq.model.speculative import DraftLength, SpecStats
 from kvq.text import Tokenizer
-from kvq.text.grammar import Constraint, GrammarVocab, mask_rows
+from kvq.text.grammar import GrammarVocab
 
-
-@dataclass
-class Sequence:
-    """One request being generated."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    cache: KVCache
-    entry_id: bytes = b""
-    source: str = ""  # the request stream (shard) the entry came from: where it is acked
-    generated: list[int] = field(default_factory=list)  # EOS and stop tokens are not in it
-    next_input: list[int] = field(default_factory=list)
-    finish: str | None = None  # eos, stop, length, context, cancelled
-    new_token: int | None = None  # the token this step produced for the client; None at EOS
-    new_text: str = ""  # the text this step made final (see kvq.coordinator.detok)
-    new_logprob: wire.TokenLogprob | None = None
-    new_top: list[wire.TokenLogprob] | None = None
-    params: wire.SamplingParams = wire.SamplingParams()
-    sampler: Sampler | None = None
-    text: StopText | None = None
-    attempt: int = 1  # which run of the request this is (a restart or takeover adds one)
-    forced: list[int] = field(default_factory=list)  # tokens an earlier run already streamed
-    cohort: int = 0  # stage grain with KVQ_MICROBATCHES > 1: the cohort it steps with
-    constraint: Constraint | None = None  # its grammar (`params.grammar`)
-    prompt_lp: list[wire.PromptToken] = field(default_factory=list)  # `params.prompt_logprobs`
-    draft_length: DraftLength = field(default_factory=lambda: DraftLength(0))  # X13
-
-    @property
-    def fresh(self) -> bool:
-        """Whether `new_token` is news to the client: not one an earlier run streamed."""
-        return len(self.generated) > len(self.forced)
-
-    @property
-    def completion(self) -> str:
-        """The text handed out so far (all of it once finished; a stop string never is)."""
-        return self.text.text if self.text is not None else ""
-
-
-TokenSink = Callable[[list[Sequence]], None]  # called once per step with every sequence
+__all__ = ["Engine", "Sequence", "TokenSink"]
 
 
 class Engine:
@@ -88,6 +53,7 @@ class Engine:
         backbone then holds only the embedding and the output head. `drafts`: speculative
         decoding (X13; off by default, and always with a chain)."""
         self.backbone, self.tokenizer, self.n_slots = backbone, tokenizer, n_slots
+        self.record = Recorder(tokenizer, backbone.meta.context_length)
         self.chain = chain
         self.drafts = drafts if drafts is not None and chain is None else DraftPlan()
         self.spec = SpecStats()  # draft tokens proposed and accepted so far
@@ -148,7 +114,9 @@ class Engine:
             draft_length=DraftLength(self.drafts.tokens),
         )
         if p.prompt_logprobs is not None and prompt_ids:
-            seq.prompt_lp.append(wire.PromptToken(prompt_ids[0], self._text(prompt_ids[0]), None))
+            seq.prompt_lp.append(
+                wire.PromptToken(prompt_ids[0], self.record.text(prompt_ids[0]), None)
+            )
         if self.chain is not None:
             seq.cohort = self._admitted % self.chain.cohorts
         self._admitted += 1
@@ -184,7 +152,7 @@ class Engine:
         stepping = [(s, n) for s, n in zip(self.active, takes, strict=True) if n]
         for seq in self.active:
             seq.new_token, seq.new_text, seq.new_logprob, seq.new_top = None, "", None, None
-        drafts = [self._draft(s, n) for s, n in stepping]
+        drafts = [self.drafts.for_sequence(s, n) for s, n in stepping]
         steps = [
             SeqStep(s.next_input[:n] + d, s.cache, verify=bool(d))
             for (s, n), d in zip(stepping, drafts, strict=True)
@@ -194,23 +162,6 @@ class Engine:
         if not any(drafts):
             return self._take(stepping, logits, on_tokens)
         return self._take_verified(stepping, drafts, logits, on_tokens)
-
-    def _draft(self, seq: Sequence, n: int) -> list[int]:
-        """`seq`'s n-gram draft for this step (`kvq.coordinator.drafts`)."""
-        p = seq.params
-        eligible = (
-            n == len(seq.next_input) == 1
-            and bool(seq.generated)
-            and not p.logit_bias
-            and seq.constraint is None
-            and len(seq.generated) >= len(seq.forced)
-        )
-        left = seq.max_tokens - len(seq.generated) - 1
-        room = min(left, seq.cache.max_len - seq.cache.length - 1)
-        if p.draft_max is not None:  # the request's own cap; 0: it opted out
-            room = min(room, p.draft_max)
-        tokens = [*seq.prompt_ids, *seq.generated]
-        return self.drafts.draft(tokens, seq.draft_length, room, eligible)
 
     def _take_verified(
         self,
@@ -230,7 +181,7 @@ class Engine:
         picks = logits.argmax(-1).tolist()
         kept = []
         for (seq, _), d, r in zip(stepping, drafts, first, strict=False):
-            k = _verify(seq, d, logits[r : r + len(d) + 1], picks[r : r + len(d) + 1])
+            k = verify(seq, d, logits[r : r + len(d) + 1], picks[r : r + len(d) + 1])
             if d:
                 seq.cache.advance(len(k))  # its last token and the drafts it kept
                 seq.draft_length.update(len(d), len(k) - 1)
@@ -245,7 +196,7 @@ class Engine:
             live = {id(s) for s in self.active}
             for (seq, _), k, row in zip(stepping, kept, first, strict=False):
                 if r < len(k) and id(seq) in live:
-                    self._advance(seq, k[r], logits[row + r])
+                    self.record.advance(seq, k[r], logits[row + r])
                     done += [seq] if seq.finish else []
             emitted = self.active
             self.active = [s for s in self.active if s.finish is None]
@@ -298,7 +249,7 @@ class Engine:
         token `chosen[row]` where a verification picked it already); then, with
         `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():
-            raw, logits = logits, self._shaped(stepping, logits, rows)
+            raw, logits = logits, shaped_logits(stepping, logits, rows, self.grammar_vocab)
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
@@ -306,7 +257,7 @@ class Engine:
             for j, (seq, n) in enumerate(stepping):
                 i = rows[j] if rows is not None else j
                 if n < len(seq.next_input):  # a chunk of its prompt: the rest in later steps
-                    self._prompt_logprob(seq, seq.next_input[n], raw[i])
+                    self.record.prompt_logprob(seq, seq.next_input[n], raw[i])
                     seq.next_input = seq.next_input[n:]
                     continue
                 assert seq.sampler is not None
@@ -318,7 +269,7 @@ class Engine:
                     tok = greedy_ids[i] if forced is None else forced
                 else:
                     tok = seq.sampler.pick(logits[i], forced)
-                self._advance(seq, tok, raw[i])
+                self.record.advance(seq, tok, raw[i])
                 if seq.finish:
                     done.append(seq)
         if on_tokens is None:
@@ -327,42 +278,6 @@ class Engine:
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
-
-    def _shaped(
-        self, stepping: list[tuple[Sequence, int]], logits: torch.Tensor, rows: list[int] | None
-    ) -> torch.Tensor:
-        """The logits [S, V] sampling reads: each sequence's `logit_bias` added, then its
-        grammar's mask (a copy when any sequence has either; `logits` stays the model's, for
-        logprobs)."""
-        shaped: torch.Tensor | None = None
-        masked: list[tuple[int, Constraint]] = []
-        for j, (seq, n) in enumerate(stepping):
-            if n < len(seq.next_input):
-                continue  # reading its prompt: nothing is sampled
-            i = rows[j] if rows is not None else j
-            if seq.params.logit_bias:
-                shaped = logits.clone() if shaped is None else shaped
-                ids = torch.tensor(list(seq.params.logit_bias))
-                ok = ids < logits.shape[1]
-                bias = torch.tensor(list(seq.params.logit_bias.values()), dtype=logits.dtype)
-                shaped[i, ids[ok]] += bias[ok]
-            if seq.constraint is not None:
-                masked.append((i, seq.constraint))
-        if masked:
-            shaped = logits.clone() if shaped is None else shaped
-            mask_rows(self.grammar_vocab(), shaped, masked)
-        return logits if shaped is None else shaped
-
-    def _prompt_logprob(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        """The log-probability of prompt token `tok` from the logits [V] before it."""
-        if seq.params.prompt_logprobs is None:
-            return
-        chosen, best = top_logprobs(logits, tok, seq.params.prompt_logprobs)
-        top = [wire.TokenLogprob(t, self._text(t), lp) for t, lp in best]
-        seq.prompt_lp.append(wire.PromptToken(tok, self._text(tok), chosen, top))
-
-    def _text(self, tok: int) -> str:
-        return self.tokenizer.decode([tok])
 
     def _tokens_to_read(self, seqs: list[Sequence] | None = None) -> list[int]:
         """Per active sequence, the tokens of its `next_input` this step reads: all of a
@@ -403,52 +318,3 @@ class Engine:
                 n = len(steps[i].tokens) if steps[i].verify else 1
                 rows[i], at = out[at : at + n], at + n
         return torch.cat([rows[i] for i in range(len(steps))])  # [S + drafts, vocab]
-
-    def _advance(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        """Record `tok` for `seq`: its text, logprobs and whether it ends the sequence."""
-        assert seq.text is not None
-        seq.next_input, seq.new_logprob, seq.new_top, seq.new_text = [tok], None, None, ""
-        if tok == self.tokenizer.eos_id or tok in seq.params.stop_token_ids:
-            # the end, not a token: as `kvq generate` does at EOS
-            seq.finish = "eos" if tok == self.tokenizer.eos_id else "stop"
-            seq.new_token = None
-            seq.new_text = seq.text.flush(seq.generated)
-            return
-        seq.generated.append(tok)
-        seq.new_token = tok
-        if seq.constraint is not None:
-            seq.constraint.accept(tok)
-        if seq.params.logprobs is not None:
-            self._logprobs(seq, tok, logits)
-        seq.new_text = seq.text.push(seq.generated)
-        if seq.text.stopped or (seq.constraint is not None and seq.constraint.done):
-            seq.finish = "stop"
-        elif len(seq.generated) >= seq.max_tokens:
-            seq.finish = "length"
-        elif len(seq.prompt_ids) + len(seq.generated) >= self.backbone.meta.context_length:
-            seq.finish = "context"
-        if seq.finish in ("length", "context"):
-            seq.new_text += seq.text.flush(seq.generated)
-
-    def _logprobs(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        n = seq.params.logprobs or 0
-        chosen, best = top_logprobs(logits, tok, n)
-        dec = self.tokenizer.decode
-        seq.new_logprob = wire.TokenLogprob(tok, dec([tok]), chosen)
-        seq.new_top = [wire.TokenLogprob(t, dec([t]), lp) for t, lp in best]
-
-
-def _verify(seq: Sequence, draft: list[int], rows: torch.Tensor, picks: list[int]) -> list[int]:
-    """The tokens `seq` keeps of a pass that verified `draft` (rows [len(draft) + 1, V]:
-    the logits after its last token and after each draft token; `picks` their argmax)."""
-    if not draft:
-        return []
-    assert seq.sampler is not None
-    if seq.sampler.greedy:
-        return accept_greedy(draft, picks)
-    out = []
-    for j, d in enumerate(draft):
-        out.append(seq.sampler.speculate(rows[j], d))
-        if out[-1] != d:
-            return out
-    return [*out, seq.sampler.pick(rows[len(draft)])]

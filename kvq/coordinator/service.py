@@ -1,16 +1,15 @@
 """The coordinator process: requests in, tokens out, expert slices local or remote.
 
 Requests come from the model's request stream through a consumer group (several coordinators
-share them; a restarted coordinator re-reads its own pending requests). Each request's tokens
-stream back on its own reply stream. Slot state (busy, total, ts_ms) is published every tick for
-the monitor.
+share them; a restarted coordinator re-reads its own pending requests): `kvq.coordinator.intake`.
+Each request's tokens stream back on its own reply stream: `kvq.coordinator.replies`. Slot state
+(busy, total, ts_ms) is published every tick for the monitor.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,11 +17,9 @@ import msgspec
 import redis
 import torch
 
-from kvq import wire
 from kvq.bank import Bank, BankOptions
 from kvq.bank.server import ExpertServer
-from kvq.bus import claim_from_dead, dead_letter
-from kvq.bus.board import Fields, wait_for_model
+from kvq.bus.board import wait_for_model
 from kvq.bus.outage import Outage, run_until_stopped
 from kvq.bus.records import CoordStats, InFlight, SlotState
 from kvq.bus.redis_board import RedisBoard, open_board
@@ -34,48 +31,27 @@ from kvq.coordinator.cancels import CancelFeed
 from kvq.coordinator.chain import Chain
 from kvq.coordinator.dispatch import Dispatcher
 from kvq.coordinator.drafts import DraftPlan
-from kvq.coordinator.engine import Engine, Sequence
+from kvq.coordinator.engine import Engine
+from kvq.coordinator.intake import Intake
 from kvq.coordinator.own_bytes import OwnBytes
 from kvq.coordinator.removal import Removal
+from kvq.coordinator.replies import Replies
 from kvq.coordinator.routing import SliceRouter
 from kvq.coordinator.slots import SlotPoller
 from kvq.coordinator.stage_check import Referee
 from kvq.coordinator.telemetry import RequestTimes
 from kvq.coordinator.trust import Trust, trust_policy
 from kvq.device import compute_dtype
-from kvq.errors import (
-    ConfigError,
-    ModelCorrupt,
-    ModelError,
-    ModelRemoved,
-    NoReplica,
-    UncoveredSlice,
-    WireError,
-)
+from kvq.errors import ConfigError, ModelCorrupt, ModelRemoved, NoReplica
 from kvq.gguf import read_meta
 from kvq.gguf.registry import check_backbone_file, check_model_file
 from kvq.gguf.split import backbone_source
 from kvq.keys import COORDINATOR_GROUP, request_streams
 from kvq.model import Backbone
-from kvq.prompts import render_chat
 from kvq.text import load_tokenizer
 from kvq.text.chat import load_chat_template
 
 log = logging.getLogger("kvq.coordinator")
-READ_PER_TICK = 256  # request entries one tick may read (refusals free their slot at once)
-
-
-def streamed_tokens(history: list[wire.ReplyEvent]) -> list[int]:
-    """The token ids a request's reply stream already holds, index 0 onwards without a gap:
-    what a new run of the request replays without streaming it again."""
-    by_index: dict[int, int] = {}
-    for ev in history:
-        if ev.kind == "token" and ev.token_id is not None:
-            by_index.setdefault(ev.index, ev.token_id)
-    out: list[int] = []
-    while len(out) in by_index:
-        out.append(by_index[len(out)])
-    return out
 
 
 def _load(
@@ -156,7 +132,10 @@ class Coordinator:
         self.engine = Engine(
             self.backbone, self.tokenizer, s.n_slots, s.prefill_chunk, self.chain, drafts
         )
-        self.requests, self.cancels, self.slots = self._intake(settings)
+        self.requests, self.cancels, self.slots = self._feeds(settings)
+        self.times = RequestTimes()
+        self.replies = Replies(board, self.requests, self.times)
+        self.intake = self._intake(settings)
         self.stop = threading.Event()
         # the registered checksums of this coordinator's own expert ranges, before any blame
         self.own = OwnBytes(model_path, self.info) if backbone_source(model_path) is None else None
@@ -164,12 +143,6 @@ class Coordinator:
             self.dispatch.verifier.own_bytes = self.own.refuse
             if self.chain is not None:
                 self.chain.referee.own_bytes = self.own.refuse
-        self.completed = 0
-        self.cancelled = 0
-        self.tokens = 0
-        self.claimed = 0
-        self.times = RequestTimes()
-        self._claim_at = 0.0
         self._published = False  # a slot record was published once (a later new one: lost)
         self.removal = Removal(self.board, self.model, self.id)
 
@@ -190,7 +163,7 @@ class Coordinator:
             self.board.now_ms,
         )
 
-    def _intake(
+    def _feeds(
         self, settings: CoordinatorSettings
     ) -> tuple[ShardedConsumer, CancelFeed, SlotPoller]:
         """What comes in: every shard of the model's requests (through its group,
@@ -208,6 +181,21 @@ class Coordinator:
             board.lifetimes.load_fresh_s(),
         )
         return requests, cancels, slots
+
+    def _intake(self, settings: CoordinatorSettings) -> Intake:
+        """The admission of the request entries into the engine."""
+        return Intake(
+            self.board,
+            settings,
+            self.id,
+            self.model,
+            self.engine,
+            (self.requests, self.cancels),
+            self.replies,
+            (self.tokenizer, self.chat),
+            self.routing,
+            self.bank is not None,
+        )
 
     @classmethod
     def from_settings(
@@ -271,16 +259,16 @@ class Coordinator:
             raise ModelCorrupt(self.own.corrupt)  # refused: the operator replaces the file
         if self.removal.seen:
             self._end_all(self.removal.error())
-        self._claim_orphans()
+        self.intake.claim_orphans()
         gone = self.cancels.poll() | self.cancels.due(s.request_id for s in self.engine.active)
         if gone:
-            self._retire(self.engine.cancel(gone))
-        self._take_requests()
+            self.replies.retire(self.engine.cancel(gone))
+        self.intake.take()
         self.slots.note(self.engine.busy)
         if self.engine.busy:
             moe = None if self.chain is not None else self.dispatch.for_step(*self.slots.current())
             try:
-                self.engine.step(moe, self._emit)
+                self.engine.step(moe, self.replies.emit)
             except NoReplica as exc:  # a backbone file, and no worker for a slice in time
                 self._fail_active(exc)
                 return
@@ -292,7 +280,7 @@ class Coordinator:
         without a slice's result has no token to give, and none is made up."""
         log.warning("%s; %d request(s) end with an error", exc, self.engine.busy)
         for seq in self.engine.drop_all():
-            self._refuse(
+            self.replies.refuse(
                 seq.request_id, seq.source, seq.entry_id, seq.attempt, "NoReplica", str(exc)
             )
 
@@ -300,228 +288,10 @@ class Coordinator:
         """End every request held with `exc` as its error event, then stop with it."""
         log.error("%s; %d request(s) end with an error", exc, self.engine.busy)
         for seq in self.engine.drop_all():
-            self._refuse(
+            self.replies.refuse(
                 seq.request_id, seq.source, seq.entry_id, seq.attempt, "ModelRemoved", str(exc)
             )
         raise exc
-
-    def _take_requests(self) -> None:
-        """Admit new requests while slots are free. Refused ones take no slot, so reading
-        goes on (up to READ_PER_TICK entries): a flood of bad entries is answered at Redis
-        speed, not one slot's worth per engine step."""
-        block = None if self.engine.busy else self.s.block_ms  # never stall live sequences
-        left = READ_PER_TICK
-        while self.engine.free and left > 0:
-            new = self.requests.read(min(self.engine.free, left), block)
-            if not new:
-                return
-            for stream, eid, fields in new:
-                self._admit(stream, eid, fields)
-            left -= len(new)
-            block = None
-
-    def _claim_orphans(self) -> None:
-        """Take over requests left pending by coordinators that stopped publishing slots."""
-        now = time.monotonic()
-        if now - self._claim_at < self.s.claim_idle_ms / 2000:
-            return
-        self._claim_at = now
-        n = sum(
-            claim_from_dead(
-                self.board.r,
-                stream,
-                COORDINATOR_GROUP,
-                self.id,
-                self.board.coordinator_alive,
-                self.s.claim_idle_ms,
-            )
-            for stream in self.requests.streams
-        )
-        if n:
-            log.info("claimed %d requests of dead coordinators", n)
-            self.claimed += n
-            self.requests.reset_pending()
-
-    def _admit(self, stream: str, eid: bytes, fields: dict[bytes, bytes]) -> None:
-        if any(s.entry_id == eid and s.source == stream for s in self.engine.active):
-            return  # already generating it (re-read during a pending pass)
-        try:
-            req = wire.decode(fields, wire.Request)
-        except WireError as exc:
-            self._bad_entry(stream, eid, fields, str(exc))
-            return
-        try:
-            self._start(stream, eid, fields, req)
-        except redis.RedisError:
-            raise  # the serving loop waits out an outage; the entry is re-read after it
-        except Exception as exc:  # one request's fault must not stop serving
-            log.exception("request entry %s of %s could not be started", eid.decode(), stream)
-            self._bad_entry(stream, eid, fields, f"{type(exc).__name__}: {exc}")
-
-    def _bad_entry(self, stream: str, eid: bytes, fields: dict[bytes, bytes], why: str) -> None:
-        """Dead-letter an entry that cannot be served, and tell its sender when the entry
-        holds a readable request id (its reply stream is named by it)."""
-        self._dead_letter(stream, eid, fields, why)
-        rid = wire.request_id_of(fields)
-        if rid is None:  # nobody to tell: the dead letter is the only record
-            self.requests.ack(stream, eid)
-            return
-        self._refuse(rid, stream, eid, 0, "BadRequest", f"refused: {why}")
-
-    def _start(
-        self, stream: str, eid: bytes, fields: dict[bytes, bytes], req: wire.Request
-    ) -> None:
-        rid = req.request_id
-        attempt = self.board.start_attempt(rid, eid)
-        if attempt == 0:
-            self._refuse(
-                rid,
-                stream,
-                eid,
-                0,
-                "BadRequest",
-                f"refused: duplicate request id {rid!r}: "
-                "another request already uses it; give each request its own id",
-            )
-            return
-        if attempt > self.s.max_attempts:
-            why = (
-                f"started {attempt - 1} times without finishing (KVQ_MAX_ATTEMPTS "
-                f"{self.s.max_attempts}): its coordinators died or stopped while serving it"
-            )
-            self._dead_letter(stream, eid, fields, why)
-            self._refuse(rid, stream, eid, attempt, "Poison", why)
-            return
-        forced: list[int] = []
-        if attempt > 1:
-            history = [e for e in self.board.reply_events(rid) if e.entry in ("", eid.decode())]
-            if any(e.kind != "token" for e in history):
-                self.requests.ack(stream, eid)  # answered before the restart; its ack was lost
-                return
-            forced = streamed_tokens(history)
-        problem, ids = self._prompt(req)
-        problem = problem or self._validate(req, ids)
-        if problem is None and (self.cancels.cancelled(rid) or self.cancels.check([rid])):
-            problem = "cancelled by its client before it started"
-        if problem is not None:
-            self._refuse(rid, stream, eid, attempt, "BadRequest", problem)
-            return
-        self.engine.admit(rid, ids, req.max_tokens, eid, req.sampling, attempt, forced, stream)
-        if attempt == 1:
-            self.times.admitted(rid)
-
-    def _dead_letter(
-        self, stream: str, eid: bytes, fields: dict[bytes, bytes], reason: str
-    ) -> None:
-        dead_letter(self.board.r, self.board.keys, stream, eid, fields, reason, self.board.maxlen)
-
-    def _refuse(
-        self, rid: str, stream: str, eid: bytes, attempt: int, kind: str, message: str
-    ) -> None:
-        """Answer request entry `eid` of `stream` with an error event, and ack it."""
-        event = wire.ReplyEvent(
-            kind="error",
-            error=wire.Failure(type=kind, message=message),
-            attempt=attempt,
-            entry=eid.decode(),
-        )
-        self.times.finished(rid, "error")
-        self.requests.answer([self._reply(rid, event)], [(stream, eid)], self.board.maxlen)
-
-    def _prompt(self, req: wire.Request) -> tuple[str | None, list[int]]:
-        """The prompt's token ids: given, encoded, or a chat rendered by the model's template."""
-        if req.prompt_ids is not None:
-            return None, req.prompt_ids
-        if req.messages is None:
-            return None, self.tokenizer.encode(req.prompt or "")
-        try:
-            text = render_chat(self.chat, req.messages, req.tools)
-        except ModelError as exc:
-            return str(exc), []
-        return None, self.tokenizer.encode(text)
-
-    def _validate(self, req: wire.Request, ids: list[int]) -> str | None:
-        """Why the request cannot be served, or None."""
-        if req.model != self.model:
-            return f"request for model {req.model!r} reached the coordinator of {self.model!r}"
-        if req.max_tokens > self.s.max_tokens_limit:
-            return f"max_tokens {req.max_tokens} > KVQ_MAX_TOKENS_LIMIT {self.s.max_tokens_limit}"
-        try:
-            self.routing.check()
-        except UncoveredSlice as exc:
-            if self.bank is not None:
-                return str(exc)
-            # a backbone file: admitted, its step waits up to KVQ_REPLICA_WAIT_S for workers
-        vocab = self.backbone.meta.vocab_size
-        if req.prompt_ids is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
-            return f"prompt_ids must be in [0, {vocab})"
-        if not ids:
-            return "empty prompt: give prompt, prompt_ids or messages"
-        if any(not 0 <= t < vocab for t in req.sampling.stop_token_ids):
-            return f"stop_token_ids must be in [0, {vocab})"
-        n = len(ids)  # tokens of this model's vocabulary
-        # vLLM's rule: prompt + completion fit the context (the engine ends at it, `context`)
-        if n + req.max_tokens > self.backbone.meta.context_length:
-            return f"prompt ({n}) + max_tokens exceeds the context length {self.backbone.meta.context_length}"
-        return None
-
-    def _emit(self, seqs: list[Sequence]) -> None:
-        """One round trip per step: each sequence's new token, `done` for finished ones, then
-        the acks of the finished requests."""
-        replies: list[tuple[str, Fields, int]] = []
-        finished: list[tuple[str, bytes]] = []
-        for seq in seqs:
-            tok = seq.new_token
-            # None: this step ended the sequence at EOS or a stop token; not fresh: an
-            # earlier run of the request streamed this token already
-            if tok is not None and seq.fresh:
-                self.tokens += 1
-                token = wire.ReplyEvent(
-                    kind="token",
-                    index=len(seq.generated) - 1,
-                    token_id=tok,
-                    text=seq.new_text,
-                    logprob=seq.new_logprob,
-                    top_logprobs=seq.new_top,
-                    attempt=seq.attempt,
-                    entry=seq.entry_id.decode(),
-                )
-                replies.append(self._reply(seq.request_id, token))
-                self.times.token(seq.request_id)
-            if seq.finish:
-                replies.append(self._reply(seq.request_id, self._done(seq)))
-                finished.append((seq.source, seq.entry_id))
-                self.completed += 1
-                self.times.finished(seq.request_id, seq.finish)
-        self.requests.answer(replies, finished, self.board.maxlen)
-
-    def _retire(self, seqs: list[Sequence]) -> None:
-        """Answer and ack cancelled sequences (their client may be gone; the stream expires)."""
-        if seqs:
-            self.cancelled += len(seqs)
-            for s in seqs:
-                self.times.finished(s.request_id, "cancelled")
-            replies = [self._reply(s.request_id, self._done(s)) for s in seqs]
-            done = [(s.source, s.entry_id) for s in seqs]
-            self.requests.answer(replies, done, self.board.maxlen)
-
-    @staticmethod
-    def _done(seq: Sequence) -> wire.ReplyEvent:
-        n = len(seq.generated)  # tokens streamed: EOS and stop tokens are not among them
-        return wire.ReplyEvent(
-            kind="done",
-            index=n,
-            text=seq.completion,
-            finish=seq.finish,
-            prompt_tokens=len(seq.prompt_ids),
-            attempt=seq.attempt,
-            entry=seq.entry_id.decode(),
-            prompt=seq.prompt_lp or None,
-        )
-
-    def _reply(self, request_id: str, event: wire.ReplyEvent) -> tuple[str, Fields, int]:
-        key = self.board.keys.request_reply(request_id)
-        return key, wire.encode(event), self.board.lifetimes.reply_s()
 
     def snapshot(self) -> CoordStats:
         """The counters to publish (read on the slot-poll thread: plain values only)."""
@@ -533,9 +303,9 @@ class Coordinator:
             cold_hit_rate=round(cold, 4),
             replans=self.routing.replans,
             rescues=self.routing.rescues,
-            completed=self.completed,
-            tokens=self.tokens,
-            claimed=self.claimed,
+            completed=self.replies.completed,
+            tokens=self.replies.tokens,
+            claimed=self.intake.claimed,
             finishes=self.times.finishes_text(),
             job_rtt_s=self.dispatch.job_rtt.to_text(),
             ttft_s=self.times.ttft.to_text(),

@@ -135,7 +135,7 @@ def deltanet(
     """One sequence's T new rows x [T, H] through the layer, from its committed state
     (conv [K-1, C], ssm [Hv, D, D]). Returns (y [T, H], new conv, new ssm); the inputs are
     not modified. A batch of sequences runs `project` and `output` once over all its rows
-    and `recur` per sequence (`Backbone._delta`)."""
+    and `recur` per sequence (`Attention._delta`, `kvq.model.attention`)."""
     mixed, z, beta, g = project(x, w)
     o, conv, ssm = recur(mixed, beta, g, w, dims, conv_state, ssm_state, eps)
     return output(o, z, w, dims, eps), conv, ssm

@@ -32,7 +32,7 @@ def cancelled_ids(system: System) -> list[str]:
 
 
 def test_disconnect_mid_stream_cancels(system: System) -> None:
-    before = system.coord.cancelled
+    before = system.coord.replies.cancelled
     body = {
         "model": MODEL,
         "prompt": "a long story",
@@ -49,7 +49,7 @@ def test_disconnect_mid_stream_cancels(system: System) -> None:
             next(lines)
     # the client is gone: the gateway cancels, the coordinator drops the sequence
     wait_for(lambda: rid in cancelled_ids(system), 20, "the cancel")
-    wait_for(lambda: system.coord.cancelled == before + 1, 20, "the coordinator to drop it")
+    wait_for(lambda: system.coord.replies.cancelled == before + 1, 20, "the coordinator to drop it")
     assert all(s.request_id != rid for s in system.coord.engine.active)
     done = wait_for(lambda: done_event(system, rid), 20, "its last event")
     assert done.finish == "cancelled" and done.index < 400
@@ -57,7 +57,7 @@ def test_disconnect_mid_stream_cancels(system: System) -> None:
 
 
 def test_interrupted_submit_cancels(system: System) -> None:
-    before = system.coord.cancelled
+    before = system.coord.replies.cancelled
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -83,7 +83,7 @@ def test_interrupted_submit_cancels(system: System) -> None:
     finally:
         proc.kill()
         proc.wait()
-    wait_for(lambda: system.coord.cancelled == before + 1, 20, "the coordinator to drop it")
+    wait_for(lambda: system.coord.replies.cancelled == before + 1, 20, "the coordinator to drop it")
     assert rid in cancelled_ids(system)
     assert done_event(system, rid).index < 450
 

@@ -114,4 +114,4 @@ def test_requests_of_a_dead_coordinator_are_taken_over(
     run_in_thread(coord)
     got = [e.token_id for e in client.events(mon.board.r, keys, rid, 30) if e.token_id is not None]
     assert got == local_tokens(tiny_model, "orphan", 4)
-    assert coord.claimed == 1
+    assert coord.intake.claimed == 1

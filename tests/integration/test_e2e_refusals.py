@@ -191,14 +191,14 @@ def test_a_request_that_fails_to_start_is_refused_and_serving_goes_on(
     mon = Monitor.from_settings(settings)
     mon.register("tiny", tiny_model)
     coord = Coordinator.from_settings(settings, "c1", "tiny", tiny_model)
-    honest = coord._prompt
+    honest = coord.intake.prompt
 
     def prompt(req: wire.Request) -> tuple[str | None, list[int]]:
         if req.prompt == "boom":
             raise RuntimeError("the tokenizer broke")
         return honest(req)
 
-    monkeypatch.setattr(coord, "_prompt", prompt)
+    monkeypatch.setattr(coord.intake, "prompt", prompt)
     run_in_thread(coord)
     r, keys = mon.board.r, Keys(settings.prefix)
     rid = client.send(r, keys, "tiny", prompt="boom", max_tokens=3)

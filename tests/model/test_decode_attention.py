@@ -157,10 +157,10 @@ def test_backbone_decode_matches_the_per_sequence_loop(
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr("kvq.model.backbone.decode_attention", counted)
+    monkeypatch.setattr("kvq.model.attention.decode_attention", counted)
     fast, fast_toks = run()
     assert calls and all(calls)  # every decode layer took the kernel
-    monkeypatch.setattr("kvq.model.backbone.decode_attention", lambda *a, **kw: None)
+    monkeypatch.setattr("kvq.model.attention.decode_attention", lambda *a, **kw: None)
     loop, loop_toks = run()
     assert fast_toks == loop_toks
     for a, b in zip(fast, loop, strict=True):

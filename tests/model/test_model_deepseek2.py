@@ -15,6 +15,7 @@ from ref_deepseek import MlaConfig, mla_attention_ref, route_ref
 
 from kvq.gguf.reader import numpy_shape, open_reader, tensor_map
 from kvq.model import Backbone
+from kvq.model.attention import Rows
 from kvq.model.layers import Gating, route
 from kvq.tools.synth import make_tiny
 
@@ -99,16 +100,16 @@ def test_mla_through_the_latent_cache_equals_the_float64_reference(
     want = mla_attention_ref(x.numpy(), _hf_weights(path, layer), _config(bb))  # [T, H]
     pos = torch.arange(t)
     cache = bb.new_cache()
-    got = bb._attention(layer, bb.layers[layer], x, [cache], [t], pos)
+    got = bb.attention(layer, bb.layers[layer], x, Rows([cache], [t], pos))
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the cache holds one latent of r + rope values per token, no per-head K or V
     assert cache.k.shape[2:] == (1, bb.meta.kv_lora_rank + bb.meta.rope_dims)
     assert cache.v.numel() == 0
     # decode: the first t - 1 rows as a prefill, then the last row alone against the cache
     cache = bb.new_cache()
-    bb._attention(layer, bb.layers[layer], x[:-1], [cache], [t - 1], pos[:-1])
+    bb.attention(layer, bb.layers[layer], x[:-1], Rows([cache], [t - 1], pos[:-1]))
     cache.advance(t - 1)
-    last = bb._attention(layer, bb.layers[layer], x[-1:], [cache], [1], pos[-1:])
+    last = bb.attention(layer, bb.layers[layer], x[-1:], Rows([cache], [1], pos[-1:]))
     np.testing.assert_allclose(last.numpy()[0], want[-1], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

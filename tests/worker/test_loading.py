@@ -116,7 +116,7 @@ def test_integrity_failure_backs_off(settings: Settings, model: Path, run_in_thr
     worker = Worker.from_settings(s, "w")
     run_in_thread(worker)
     time.sleep(2.0)  # two seconds of load attempts, counted below
-    tries = worker._load_backoff.failures
+    tries = worker.volunteer.backoff.failures
     # every poll would be ~40 tries in 2 s; doubling from 0.05 s (with jitter) gives 5 to 8
     assert 2 <= tries <= 8, f"{tries} load attempts in 2 s"
     assert worker.holding is None
@@ -148,7 +148,7 @@ def test_a_tampered_source_is_downloaded_once_and_said_once(
     worker = Worker.from_settings(s, "w")
     with caplog.at_level("DEBUG", logger="kvq.worker"):
         run_in_thread(worker)
-        wait_for(lambda: worker._load_backoff.failures >= 6, 20)
+        wait_for(lambda: worker.volunteer.backoff.failures >= 6, 20)
     assert len(fetches) == 1, f"{len(fetches)} downloads of a slice whose bytes are known bad"
     said = [r for r in caplog.records if "not downloading it from there again" in r.message]
     assert len(said) == 1 and said[0].levelname == "ERROR"

@@ -1,8 +1,9 @@
 """Run an engine's admitted sequences to the end, timed: the decode loop the engine benches
-(`kvq bench structured`, `kvq bench speculative`) share."""
+(`kvq bench structured`, `kvq bench speculative`) share, and the medians they report."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,3 +39,11 @@ def drain(engine: Any) -> Drained:
     wall = time.perf_counter() - t1
     tokens = sum(max(0, len(s.generated) - 1) for s in seqs)
     return Drained(wall, steps, seq_passes, tokens, [list(s.generated) for s in seqs])
+
+
+def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per sequence count, the median of each figure over the rounds (`generated` left out)."""
+    return {
+        n: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0] if k != "generated"}
+        for n, rs in runs.items()
+    }

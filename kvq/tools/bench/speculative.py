@@ -17,13 +17,12 @@ trained model on real text is not measured here.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvq.errors import ConfigError
-from kvq.tools.bench.drain import drain
+from kvq.tools.bench.drain import drain, medians
 
 PROMPT = "Write the list again: red, green, blue, red, green, blue, red"
 
@@ -74,7 +73,7 @@ def run_speculative_bench(cfg: SpeculativeBench) -> dict[str, Any]:
             same = same and got["plain"]["generated"] == got["drafts"]["generated"]
             for side, r in got.items():
                 runs[side].setdefault(str(n), []).append(r)
-    plain, drafts = _medians(runs["plain"]), _medians(runs["drafts"])
+    plain, drafts = medians(runs["plain"]), medians(runs["drafts"])
     return {
         "model": str(Path(cfg.model).resolve()),
         "tokens": cfg.tokens,
@@ -107,11 +106,4 @@ def _decode(bb: Any, tok: Any, cfg: SpeculativeBench, n: int, plan: Any) -> dict
         "acceptance": engine.spec.acceptance,
         "tokens_per_pass": run.tokens / max(run.seq_passes, 1),
         "generated": run.generated,
-    }
-
-
-def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    return {
-        n: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0] if k != "generated"}
-        for n, rs in runs.items()
     }

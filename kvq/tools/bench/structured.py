@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvq.errors import ConfigError
-from kvq.tools.bench.drain import drain
+from kvq.tools.bench.drain import drain, medians
 
 PROMPT = "Answer in JSON: the weather of the next days"
 
@@ -99,7 +99,7 @@ def run_structured_bench(cfg: StructuredBench) -> dict[str, Any]:
             plain = _decode(engines[n], tok, cfg, None, with_schema.pop("generated"))
             sides["schema"].setdefault(str(n), []).append(with_schema)
             sides["plain"].setdefault(str(n), []).append(plain | {"generated": []})
-    plain, schema = _medians(sides["plain"]), _medians(sides["schema"])
+    plain, schema = medians(sides["plain"]), medians(sides["schema"])
     return {
         "model": str(Path(cfg.model).resolve()),
         "tokens": cfg.tokens,
@@ -181,10 +181,3 @@ def _timed(engine: Any, method: str) -> list[float]:
 
     setattr(engine, method, timed)
     return spent
-
-
-def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    return {
-        n: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0] if k != "generated"}
-        for n, rs in runs.items()
-    }
