@@ -35,11 +35,12 @@ class _GatedMarket:
         worker: str,
         held: Mapping[str, Collection[str]] | None = None,
         room: int | None = None,
+        skip: Collection[str] = (),
     ) -> Held | None:
         if held:
             self.waiting.set()
             assert self.gate.wait(30), "the test never opened the gate"
-        return self.inner.volunteer(worker, held, room)
+        return self.inner.volunteer(worker, held, room, skip=skip)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
