@@ -107,7 +107,7 @@ def cmd_bench_structured(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench_speculative(args: argparse.Namespace, settings: Settings) -> int:
-    from kvq.tools.bench.speculative import SpeculativeBench, run_speculative_bench
+    from kvq.tools.bench.speculative import SpeculativeBench, load_prompts, run_speculative_bench
 
     cfg = SpeculativeBench(
         model=args.model,
@@ -116,6 +116,7 @@ def cmd_bench_speculative(args: argparse.Namespace, settings: Settings) -> int:
         rounds=args.rounds,
         threads=args.threads,
         draft_tokens=args.draft_tokens,
+        prompts=load_prompts(args.prompts) if args.prompts else (),
     )
     result = run_speculative_bench(cfg)
     if args.json:
@@ -173,5 +174,6 @@ def register(sub: Subparsers, bench: Subparsers) -> None:
     sp.add_argument("--rounds", type=COUNT, default=3, help="rounds per side, alternating")
     sp.add_argument("--threads", type=COUNT, default=2, help="torch threads")
     sp.add_argument("--draft-tokens", type=COUNT, default=4, help="the longest draft")
+    sp.add_argument("--prompts", help="JSON file: a list of prompts (sequence i reads i mod n)")
     sp.add_argument("--json", action="store_true", help="print JSON (for machines)")
     sp.set_defaults(fn=cmd_bench_speculative)

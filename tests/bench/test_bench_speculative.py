@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from kvq.errors import ConfigError
-from kvq.tools.bench.speculative import SpeculativeBench, run_speculative_bench
+from kvq.tools.bench.speculative import (
+    SpeculativeBench,
+    load_prompts,
+    prompt_of,
+    run_speculative_bench,
+)
 from kvq.tools.synth import make_tiny
 
 
@@ -25,3 +30,20 @@ def test_both_sides_give_the_same_tokens(tmp_path: Path) -> None:
         assert drafts["steps"] <= plain["steps"] and out["speedup"][n] > 0
     with pytest.raises(ConfigError, match="--draft-tokens"):
         run_speculative_bench(SpeculativeBench(str(model), draft_tokens=0))
+
+
+def test_prompts_from_a_file(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    make_tiny(model, layers=1, experts=8, experts_used=2, hidden=64, expert_ffn=64, seed=5)
+    good, bad = tmp_path / "p.json", tmp_path / "bad.json"
+    good.write_text('["def f(x):\\n    return x\\n", "import os\\n"]')
+    bad.write_text('{"prompt": "x"}')
+    prompts = load_prompts(str(good))
+    cfg = SpeculativeBench(str(model), sequences=(3,), tokens=4, rounds=1, prompts=prompts)
+    assert [prompt_of(cfg, i) for i in range(3)] == [prompts[0], prompts[1], prompts[0]]
+    out = run_speculative_bench(cfg)
+    assert out["same"] is True and out["prompts"] == 2
+    with pytest.raises(ConfigError, match="--prompts"):
+        load_prompts(str(bad))
+    with pytest.raises(ConfigError, match="--prompts"):
+        run_speculative_bench(SpeculativeBench(str(model), prompts=("",)))

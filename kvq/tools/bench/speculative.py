@@ -17,6 +17,7 @@ trained model on real text is not measured here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class SpeculativeBench:
     rounds: int = 3
     threads: int = 2
     draft_tokens: int = 4
+    prompts: tuple[str, ...] = ()  # sequence i reads prompts[i % len]; (): PROMPT + " i"
 
     def check(self) -> None:
         """ConfigError naming the first bad value."""
@@ -46,6 +48,8 @@ class SpeculativeBench:
                 raise ConfigError(f"bench speculative --{flag} {getattr(self, name)} must be >= 1")
         if not self.sequences or min(self.sequences) < 1:
             raise ConfigError("bench speculative --sequences: each count must be >= 1")
+        if any(not p for p in self.prompts):
+            raise ConfigError("bench speculative --prompts: every prompt must be non-empty")
         if not Path(self.model).is_file():
             raise ConfigError(f"bench speculative --model {self.model!r}: no such file")
 
@@ -81,6 +85,7 @@ def run_speculative_bench(cfg: SpeculativeBench) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "draft_tokens": cfg.draft_tokens,
         "sequences": list(cfg.sequences),
+        "prompts": len(cfg.prompts) or "built-in",
         "cpu": cpu_features(),
         "plain": plain,
         "drafts": drafts,
@@ -92,13 +97,29 @@ def run_speculative_bench(cfg: SpeculativeBench) -> dict[str, Any]:
     }
 
 
+def prompt_of(cfg: SpeculativeBench, i: int) -> str:
+    """Sequence i's prompt."""
+    return cfg.prompts[i % len(cfg.prompts)] if cfg.prompts else f"{PROMPT} {i}"
+
+
+def load_prompts(path: str) -> tuple[str, ...]:
+    """The prompts of a JSON file holding a list of strings (`--prompts`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"bench speculative --prompts {path!r}: {exc}") from exc
+    if not isinstance(data, list) or not data or not all(isinstance(p, str) for p in data):
+        raise ConfigError(f"bench speculative --prompts {path!r} must hold a JSON list of strings")
+    return tuple(data)
+
+
 def _decode(bb: Any, tok: Any, cfg: SpeculativeBench, n: int, plan: Any) -> dict[str, Any]:
     """`n` sequences of distinct prompts through a fresh engine, until all are done."""
     from kvq.coordinator.engine import Engine
 
     engine = Engine(bb, tok, n_slots=n, drafts=plan)
     for i in range(n):
-        ids = tok.encode(f"{PROMPT} {i}", add_bos=True)
+        ids = tok.encode(prompt_of(cfg, i), add_bos=True)
         engine.admit(f"bench-{i}", ids, cfg.tokens, b"")
     run = drain(engine)
     return {
