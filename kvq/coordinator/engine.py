@@ -249,7 +249,7 @@ class Engine:
         token `chosen[row]` where a verification picked it already); then, with
         `on_tokens`, retire the finished and tell. Returns the finished."""
         with torch.inference_mode():
-            raw, logits = logits, shaped_logits(stepping, logits, rows, self.grammar_vocab)
+            raw, logits = logits, self._shaped(stepping, logits, rows)
             greedy_ids = logits.argmax(dim=-1).tolist()  # bit-exact with `kvq generate`
             # update every sequence before telling anyone: a failed send must not leave one
             # sequence's cache ahead of its token list
@@ -278,6 +278,12 @@ class Engine:
         self.active = [s for s in self.active if s.finish is None]
         on_tokens(emitted)
         return done
+
+    def _shaped(
+        self, stepping: list[tuple[Sequence, int]], logits: torch.Tensor, rows: list[int] | None
+    ) -> torch.Tensor:
+        """The logits sampling reads (`shaped_logits`; `kvq bench structured` times this call)."""
+        return shaped_logits(stepping, logits, rows, self.grammar_vocab)
 
     def _tokens_to_read(self, seqs: list[Sequence] | None = None) -> list[int]:
         """Per active sequence, the tokens of its `next_input` this step reads: all of a

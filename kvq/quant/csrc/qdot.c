@@ -594,52 +594,58 @@ static void quantize_for(int qtype, int isa, const float *x, int64_t k, xk_t *ou
 }
 typedef float (*dot_0_fn)(const uint8_t *, const x0_t *, int64_t);
 
-static dot_k_fn pick_k(int qtype, int isa) {
+/* the kernel of a K-quant `qtype` among PRE_q4_k_P4, PRE_q5_k_P5 and PRE_q6_k_P6 (dot_q4_k_avx2,
+ * ...), 0 for another type; and of a 32-value block type among PRE_q8_0_PATH, PRE_mxfp4_PATH,
+ * PRE_q5_0_PATH and PRE_q4_0_PATH */
+#define K_KERNEL(PRE, P4, P5, P6)                                                                 \
+    (qtype == T_Q4_K   ? PRE##_q4_k_##P4                                                         \
+     : qtype == T_Q5_K ? PRE##_q5_k_##P5                                                         \
+     : qtype == T_Q6_K ? PRE##_q6_k_##P6                                                         \
+                       : 0)
+#define Q0_KERNEL(PRE, PATH)                                                                      \
+    (qtype == T_Q8_0    ? PRE##_q8_0_##PATH                                                      \
+     : qtype == T_MXFP4 ? PRE##_mxfp4_##PATH                                                     \
+     : qtype == T_Q5_0  ? PRE##_q5_0_##PATH                                                      \
+                        : PRE##_q4_0_##PATH)
+
+/* the kernels of one path for a weight type: for one row of x, and the multi-row form
+ * (qdot_multi.h), chosen together so that a row gets the same bits either way */
+typedef struct {
+    dot_k_fn one;
+    mdot_k_fn many;
+} k_pick;
+typedef struct {
+    dot_0_fn one;
+    mdot_0_fn many;
+} q0_pick;
+#define K_PICK(P4, P5, P6) ((k_pick){K_KERNEL(dot, P4, P5, P6), K_KERNEL(mdot, P4, P5, P6)})
+#define Q0_PICK(PATH) ((q0_pick){Q0_KERNEL(dot, PATH), Q0_KERNEL(mdot, PATH)})
+
+/* the path of a K-quant `qtype` on `isa` (already clamped), by type: Q4_K, Q5_K, Q6_K */
+static k_pick pick_k(int qtype, int isa) {
 #ifdef QDOT_ARM
-    if (isa >= ISA_NEON) {
-        const int dp = isa >= ISA_DOTPROD;
-        if (qtype == T_Q4_K) return dp ? dot_q4_k_dot : dot_q4_k_neon;
-        if (qtype == T_Q5_K) return dp ? dot_q5_k_dot : dot_q5_k_neon;
-        if (qtype == T_Q6_K) return dp ? dot_q6_k_dot : dot_q6_k_neon;
-    }
+    if (isa >= ISA_DOTPROD) return K_PICK(dot, dot, dot);
+    if (isa >= ISA_NEON) return K_PICK(neon, neon, neon);
 #endif
 #ifdef QDOT_X86
-    if (isa >= ISA_AVX512) {
-        if (qtype == T_Q4_K) return dot_q4_k_z;
-        if (qtype == T_Q6_K) return dot_q6_k_z;
-        if (qtype == T_Q5_K) return dot_q5_k_vnni;
-    }
-    if (isa == ISA_VNNI) {
-        if (qtype == T_Q4_K) return dot_q4_k_vnni;
-        if (qtype == T_Q5_K) return dot_q5_k_vnni;
-        if (qtype == T_Q6_K) return dot_q6_k_vnni;
-    }
-    if (isa == ISA_AVX2) {
-        if (qtype == T_Q4_K) return dot_q4_k_avx2;
-        if (qtype == T_Q5_K) return dot_q5_k_avx2;
-        if (qtype == T_Q6_K) return dot_q6_k_avx2;
-    }
+    if (isa >= ISA_AVX512) return K_PICK(z, vnni, z); /* no AVX-512 Q5_K kernel: VNNI's */
+    if (isa == ISA_VNNI) return K_PICK(vnni, vnni, vnni);
+    if (isa == ISA_AVX2) return K_PICK(avx2, avx2, avx2);
 #endif
-    if (qtype == T_Q4_K) return dot_q4_k_scalar;
-    if (qtype == T_Q5_K) return dot_q5_k_scalar;
-    if (qtype == T_Q6_K) return dot_q6_k_scalar;
-    return 0;
+    return K_PICK(scalar, scalar, scalar);
 }
 
-static dot_0_fn pick_0(int qtype, int isa) {
+/* the path of a 32-value block `qtype` on `isa` (already clamped) */
+static q0_pick pick_0(int qtype, int isa) {
 #ifdef QDOT_ARM
-    if (isa >= ISA_DOTPROD)
-        return qtype == T_Q8_0 ? dot_q8_0_dot : qtype == T_MXFP4 ? dot_mxfp4_dot : qtype == T_Q5_0 ? dot_q5_0_dot : dot_q4_0_dot;
-    if (isa == ISA_NEON)
-        return qtype == T_Q8_0 ? dot_q8_0_neon : qtype == T_MXFP4 ? dot_mxfp4_neon : qtype == T_Q5_0 ? dot_q5_0_neon : dot_q4_0_neon;
+    if (isa >= ISA_DOTPROD) return Q0_PICK(dot);
+    if (isa == ISA_NEON) return Q0_PICK(neon);
 #endif
 #ifdef QDOT_X86
-    if (isa >= ISA_VNNI)
-        return qtype == T_Q8_0 ? dot_q8_0_vnni : qtype == T_MXFP4 ? dot_mxfp4_vnni : qtype == T_Q5_0 ? dot_q5_0_vnni : dot_q4_0_vnni;
-    if (isa == ISA_AVX2)
-        return qtype == T_Q8_0 ? dot_q8_0_avx2 : qtype == T_MXFP4 ? dot_mxfp4_avx2 : qtype == T_Q5_0 ? dot_q5_0_avx2 : dot_q4_0_avx2;
+    if (isa >= ISA_VNNI) return Q0_PICK(vnni);
+    if (isa == ISA_AVX2) return Q0_PICK(avx2);
 #endif
-    return qtype == T_Q8_0 ? dot_q8_0_scalar : qtype == T_MXFP4 ? dot_mxfp4_scalar : qtype == T_Q5_0 ? dot_q5_0_scalar : dot_q4_0_scalar;
+    return Q0_PICK(scalar);
 }
 
 /* pick_k's choice on RZ weight rows at a time for one row of x (qdot_rows_z.h), where there is
@@ -656,55 +662,6 @@ static rdot_k_fn pick_rk(int qtype, int isa) {
     (void)qtype, (void)isa;
 #endif
     return 0;
-}
-
-/* the multi-row forms of pick_k's and pick_0's choices (kvq_qdot_moe_batch) */
-static mdot_k_fn pick_mk(int qtype, int isa) {
-#ifdef QDOT_ARM
-    if (isa >= ISA_NEON) {
-        const int dp = isa >= ISA_DOTPROD;
-        if (qtype == T_Q4_K) return dp ? mdot_q4_k_dot : mdot_q4_k_neon;
-        if (qtype == T_Q5_K) return dp ? mdot_q5_k_dot : mdot_q5_k_neon;
-        if (qtype == T_Q6_K) return dp ? mdot_q6_k_dot : mdot_q6_k_neon;
-    }
-#endif
-#ifdef QDOT_X86
-    if (isa >= ISA_AVX512) {
-        if (qtype == T_Q4_K) return mdot_q4_k_z;
-        if (qtype == T_Q6_K) return mdot_q6_k_z;
-        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
-    }
-    if (isa == ISA_VNNI) {
-        if (qtype == T_Q4_K) return mdot_q4_k_vnni;
-        if (qtype == T_Q5_K) return mdot_q5_k_vnni;
-        if (qtype == T_Q6_K) return mdot_q6_k_vnni;
-    }
-    if (isa == ISA_AVX2) {
-        if (qtype == T_Q4_K) return mdot_q4_k_avx2;
-        if (qtype == T_Q5_K) return mdot_q5_k_avx2;
-        if (qtype == T_Q6_K) return mdot_q6_k_avx2;
-    }
-#endif
-    if (qtype == T_Q4_K) return mdot_q4_k_scalar;
-    if (qtype == T_Q5_K) return mdot_q5_k_scalar;
-    if (qtype == T_Q6_K) return mdot_q6_k_scalar;
-    return 0;
-}
-
-static mdot_0_fn pick_m0(int qtype, int isa) {
-#ifdef QDOT_ARM
-    if (isa >= ISA_DOTPROD)
-        return qtype == T_Q8_0 ? mdot_q8_0_dot : qtype == T_MXFP4 ? mdot_mxfp4_dot : qtype == T_Q5_0 ? mdot_q5_0_dot : mdot_q4_0_dot;
-    if (isa == ISA_NEON)
-        return qtype == T_Q8_0 ? mdot_q8_0_neon : qtype == T_MXFP4 ? mdot_mxfp4_neon : qtype == T_Q5_0 ? mdot_q5_0_neon : mdot_q4_0_neon;
-#endif
-#ifdef QDOT_X86
-    if (isa >= ISA_VNNI)
-        return qtype == T_Q8_0 ? mdot_q8_0_vnni : qtype == T_MXFP4 ? mdot_mxfp4_vnni : qtype == T_Q5_0 ? mdot_q5_0_vnni : mdot_q4_0_vnni;
-    if (isa == ISA_AVX2)
-        return qtype == T_Q8_0 ? mdot_q8_0_avx2 : qtype == T_MXFP4 ? mdot_mxfp4_avx2 : qtype == T_Q5_0 ? mdot_q5_0_avx2 : mdot_q4_0_avx2;
-#endif
-    return qtype == T_Q8_0 ? mdot_q8_0_scalar : qtype == T_MXFP4 ? mdot_mxfp4_scalar : qtype == T_Q5_0 ? mdot_q5_0_scalar : mdot_q4_0_scalar;
 }
 
 /* out[b, n] = x[b, :] . W[n, :] for W [n_rows, k] encoded in `w` (row_bytes per row) and
@@ -735,10 +692,12 @@ int kvq_qdot(int qtype, const uint8_t *w, int64_t n_rows, int64_t row_bytes, con
         return rc;
     }
 #endif
-    dot_k_fn fk = kq ? pick_k(qtype, isa) : 0;
-    dot_0_fn f0 = kq ? 0 : pick_0(qtype, isa);
-    mdot_k_fn mk = kq ? pick_mk(qtype, isa) : 0;
-    mdot_0_fn m0 = kq ? 0 : pick_m0(qtype, isa);
+    const k_pick pk = kq ? pick_k(qtype, isa) : (k_pick){0, 0};
+    const q0_pick p0 = kq ? (q0_pick){0, 0} : pick_0(qtype, isa);
+    dot_k_fn fk = pk.one;
+    dot_0_fn f0 = p0.one;
+    mdot_k_fn mk = pk.many;
+    mdot_0_fn m0 = p0.many;
     rdot_k_fn rk = kq && n_x == 1 ? pick_rk(qtype, isa) : 0;
     if (threads < 1) threads = 1;
 #ifdef QDOT_ARM_EXT

@@ -36,10 +36,10 @@ static int kern_init(kern_t *kn, int qtype, int isa) {
     kn->isa = isa;
     if (!kn->kq && !is_q0(qtype)) return -1;
     kn->block = kn->kq ? QK : Q0;
-    kn->fk = kn->kq ? pick_k(qtype, isa) : 0;
-    kn->f0 = kn->kq ? 0 : pick_0(qtype, isa);
-    kn->mk = kn->kq ? pick_mk(qtype, isa) : 0;
-    kn->m0 = kn->kq ? 0 : pick_m0(qtype, isa);
+    const k_pick pk = kn->kq ? pick_k(qtype, isa) : (k_pick){0, 0};
+    const q0_pick p0 = kn->kq ? (q0_pick){0, 0} : pick_0(qtype, isa);
+    kn->fk = pk.one, kn->mk = pk.many;
+    kn->f0 = p0.one, kn->m0 = p0.many;
 #ifdef QDOT_ARM_EXT
     kn->m2 = isa == ISA_I8MM ? pick_m2(qtype) : 0;
 #endif

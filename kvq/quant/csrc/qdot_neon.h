@@ -159,7 +159,7 @@ static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, con
     memcpy(out, acc, sizeof(float) * (size_t)nx);
 }
 
-/* the one-row and multi-row entries of each type (pick_k / pick_0, pick_mk / pick_m0) */
+/* the one-row and multi-row entries of each type (`one` and `many` of pick_k and pick_0) */
 #define DOTS(name, qtype, rows, xt)                                                              \
     static TGT float SFX(dot_##name)(const uint8_t *w, const xt *x, int64_t nb) {                \
         float y;                                                                                 \

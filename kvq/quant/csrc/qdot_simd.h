@@ -227,7 +227,7 @@ static TGT inline __attribute__((always_inline)) void SFX(rows_0)(int qtype, con
     memcpy(out, acc, sizeof(float) * (size_t)nx);
 }
 
-/* the one-row and multi-row entries of each type (pick_0, pick_m0) */
+/* the one-row and multi-row entries of each type (`one` and `many` of pick_0) */
 #define DOTS_0(name, qtype)                                                                    \
     static TGT float SFX(dot_##name)(const uint8_t *w, const x0_t *x, int64_t nb) {            \
         float y;                                                                               \
