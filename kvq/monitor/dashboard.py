@@ -2,13 +2,15 @@
 snapshot (`GET /api/dashboard`): each model's coverage (totals, per layer span, and the cells of
 the spans asked for: `kvq.monitor.coverage`), workers (their slices as a count and ranges;
 serving, late or lost), the workers reaped in the last hour with when and why, coordinators,
-the requests they generate now, every stream's depth, lag and pending age over the
-last minutes, dead letters, and the alert rules of `docs/alerts.yml` whose condition holds now.
+the requests they generate now, every stream's depth, lag and pending age over the range asked
+for (`?range=`: the last 10 minutes by default, up to `KVQ_MONITOR_HISTORY_S`), dead letters,
+and the alert rules of `docs/alerts.yml` whose condition holds now.
 
 Everything is read from Redis: the board for coverage, workers and trust, and the monitor's own
 Prometheus registry (the numbers `/metrics` exports) for streams, coordinators and alerts. The
 registry is sampled every `SAMPLE_S` on a background thread into `History`, so charts, rates
-and the `increase(...)` of an alert see the last `WINDOW_S` however often the page polls.
+and the `increase(...)` of an alert see their window however often the page polls; alerts
+always read the last `WINDOW_S`, whatever range the charts show.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from kvq.catalog import ModelInfo
 from kvq.monitor.alerts import holding
 from kvq.monitor.coverage import model_view, sid_ranges, span_keys
 from kvq.monitor.history import (
+    HISTORY_S,
+    WINDOW_S,
     History,
     Labels,
     Sample,
     Series,
+    chart_range,
     increase,
     pick,
     read_registry,
@@ -45,15 +50,20 @@ DEPARTED_SHOWN = 50
 class Dashboard:
     """The snapshot the page draws."""
 
-    def __init__(self, board: RedisBoard, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, board: RedisBoard, registry: CollectorRegistry, history_s: float = HISTORY_S
+    ) -> None:
         self.board = board
-        self.history = History(lambda: read_registry(registry))
+        self.history = History(lambda: read_registry(registry), history_s)
 
-    def snapshot(self, open_spans: Mapping[str, Collection[int]] | None = None) -> dict[str, Any]:
+    def snapshot(
+        self, open_spans: Mapping[str, Collection[int]] | None = None, range_s: float = WINDOW_S
+    ) -> dict[str, Any]:
         """`open_spans`: model → the layer starts whose cells to send (a large model's spans
-        come as counts only)."""
+        come as counts only); `range_s`: how far back the stream charts look."""
         now = self.history.latest(max_age_s=2.0)
-        samples = self.history.samples()
+        samples = self.history.samples()  # WINDOW_S: alerts and rates
+        charted = self.history.samples(range_s) if range_s > WINDOW_S else samples
         models = self.board.models()
         infos = {m: self.board.model_info(m) for m in models}
         listed = self._workers(models, infos)
@@ -64,7 +74,8 @@ class Dashboard:
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
             "requests": requests_view(self.board, models, infos),
-            "streams": stream_charts(samples),
+            "range": chart_range(now.t, range_s, self.history.keep_s),
+            "streams": stream_charts(charted),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
         }
