@@ -4,9 +4,9 @@ charts and the alert rules (`kvq.monitor.alerts`) both read it.
 
 A `History` keeps every sample of the last `WINDOW_S` (the alert windows, 10 minutes: 120
 samples) and, older than that up to `keep_s` (`KVQ_MONITOR_HISTORY_S`), one sample per
-`(keep_s - WINDOW_S) / OLD_POINTS` seconds: at most `MAX_SAMPLES` (363) whatever `keep_s`,
-so memory is bounded by a count of samples, not by time. A sample taken less than `SAMPLE_S`
-after the one before the newest (a page polling between two ticks) replaces the newest.
+`(keep_s - WINDOW_S) / OLD_POINTS` seconds: at most `MAX_SAMPLES` (393) whatever `keep_s`,
+so memory is bounded by a count of samples, not by time. A newest sample taken less than
+`SAMPLE_S` after the one before it (a page polling between two ticks) is replaced by the next.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SAMPLE_S = 5.0
 WINDOW_S = 600.0  # alert windows, and every sample kept at full rate: the last 10 minutes
 HISTORY_S = 3600.0  # KVQ_MONITOR_HISTORY_S by default: how far back the charts can look
 OLD_POINTS = 240  # samples kept older than WINDOW_S (downsampled), whatever keep_s
-MAX_SAMPLES = int(WINDOW_S / SAMPLE_S) + 2 + OLD_POINTS + 1  # what a History holds at most
+MAX_SAMPLES = int(WINDOW_S / (0.8 * SAMPLE_S)) + 2 + OLD_POINTS + 1  # what a History holds at most
 Labels = tuple[tuple[str, str], ...]
 Series = dict[tuple[str, Labels], float]
 
@@ -63,8 +63,9 @@ class History:
         return s
 
     def _add(self, s: Sample) -> None:
-        if len(self._recent) >= 2 and s.t - self._recent[-2].t < SAMPLE_S:
-            self._recent[-1] = s  # the newest replaces a sample less than SAMPLE_S newer
+        r = self._recent
+        if len(r) >= 2 and r[-1].t - r[-2].t < 0.8 * SAMPLE_S:
+            r[-1] = s  # the newest was a page's extra sample: replaced, not kept beside
         else:
             self._recent.append(s)
         while self._recent and s.t - self._recent[0].t > WINDOW_S:
