@@ -532,7 +532,7 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
     screens, the coverage reads per layer span (grey: nothing served; red: the lost worker's
     spans) with a drill-down to one span's slices and to a worker's spans, a worker's slices
     as a count and ranges, 20 worker rows and a button for the rest, the 32 inboxes as one
-    chart, and the lost worker's 116 slices are one alert line."""
+    line of the streams' charts, and the lost worker's 116 slices are one alert line."""
     browser = chromium()
     if browser is None:
         pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
@@ -591,7 +591,9 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
                 assert f"116: {ranges}" in row and ranges.startswith("dsv3: L59 E48-255"), row
                 assert page.locator("#workers tbody tr[data-worker]").count() == 20
                 assert page.inner_text("#workers button.more") == f"show {n - 20} more"
-                inbox = page.locator('.stream[data-stream^="inbox dsv3"]')
+                inbox = page.locator(
+                    '.chart-box[data-chart="depth"] .key[data-model^="inbox dsv3"]'
+                )
                 assert inbox.count() == 1 and "(32 workers)" in inbox.inner_text()
                 SHOTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3.png"), full_page=True)

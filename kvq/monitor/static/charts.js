@@ -28,9 +28,11 @@ function niceMax(v) {
 
 // a line chart with a time axis (clock time, UTC), a y axis in `unit` and a legend per line
 // (a model, a stream); `range` ({from, to} in seconds, the snapshot's): the span of the time
-// axis, else the points' own; `empty`: the legend's words when there is no line
-function chart(name, unit, series, range, empty) {
-  const w = 560, h = 180, left = 56, right = 30, top = 12, bottom = 34;
+// axis, else the points' own; `opts`: `empty`, the legend's words when there is no line, and
+// the chart's `width` and `height` in pixels (560 x 180 by default)
+function chart(name, unit, series, range, opts = {}) {
+  const w = opts.width || 560, h = opts.height || 180, left = 56, right = 30, top = 12, bottom = 34;
+  const empty = opts.empty;
   const box = svg("svg", { class: "chart", width: w, height: h + 22, "data-chart": name });
   const dash = (i) => (i < COLOURS.length ? "" : "5 3");  // more lines than colours: dashed
   const lines = Object.entries(series);
@@ -63,7 +65,7 @@ function chart(name, unit, series, range, empty) {
     box.append(svg("path", { d: d || `M${left},${y(0)}`, fill: "none", stroke: COLOURS[i % COLOURS.length],
       "stroke-dasharray": dash(i), "stroke-width": 1.8, "data-model": model }));
   });
-  const legend = el("div", { class: "legend" });
+  const legend = el("div", { class: "legend", style: `max-width:${w}px` });
   lines.forEach(([model, p], i) => {
     const last = p.length ? p[p.length - 1][1] : 0;
     legend.append(el("span", { class: "key", "data-model": model },

@@ -102,7 +102,8 @@ function drawTable(id, rows, cols, most) {
   }
 }
 
-// the streams' charts: one per measure, one line per stream (its legend), over the range chosen
+// the streams' charts: one per measure, one line per stream (its legend), over the range
+// chosen; three side by side on a 1280-pixel screen
 const STREAM_CHARTS = [
   ["stream_length", "depth", "entries"],
   ["group_lag", "lag", "entries"],
@@ -113,7 +114,7 @@ function drawStreams(streams, range) {
   const box = document.getElementById("streams");
   box.replaceChildren(...STREAM_CHARTS.map(([key, name, unit]) => {
     const series = Object.fromEntries(streams.map((s) => [s.stream, s.series[key] || []]));
-    return chart(name, unit, series, range, "no stream yet");
+    return chart(name, unit, series, range, { empty: "no stream yet", width: 380, height: 150 });
   }));
   showKept(range.kept_s);
 }

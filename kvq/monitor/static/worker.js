@@ -33,7 +33,7 @@ function draw(w) {
   ]);
   const charts = document.getElementById("charts");
   const none = "no sample in this range (a live worker holding a slice is sampled every 5 s)";
-  charts.replaceChildren(...Object.entries(w.charts).map(([name, c]) => chart(name, c.unit, c.series, w.range, none)));
+  charts.replaceChildren(...Object.entries(w.charts).map(([name, c]) => chart(name, c.unit, c.series, w.range, { empty: none })));
   showKept(w.range.kept_s);
   const body = document.querySelector("#trust tbody");
   body.replaceChildren();
