@@ -416,16 +416,14 @@ def _switch_range(page: Any, charts: str, shot: str) -> None:
     for value, seconds in (("3600", 3600.0), ("all", 3600.0), ("600", 600.0)):
         page.click(f'.range-btn[data-range="{value}"]')
         page.wait_for_function(
-            f"sel => ({SPANS})(sel).every((s) => Math.abs(s - {seconds}) < 0.5)",
+            f"sel => (({SPANS})(sel)).filter((s) => Math.abs(s - {seconds}) < 0.5).length === 3",
             arg=charts,
             timeout=15_000,
         )
         assert page.get_attribute(f'.range-btn[data-range="{value}"]', "aria-pressed") == "true"
         if value == "3600":
             assert page.locator(f"{charts} .x-tick").first.text_content() != first
-            page.screenshot(
-                path=str(SHOTS / f"dashboard-range-1h-{charts[1:]}.png"), full_page=True
-            )
+            page.screenshot(path=str(SHOTS / shot), full_page=True)
     assert page.inner_text('.range-btn[data-range="all"]') == "all kept (1 h)"
 
 
