@@ -372,6 +372,14 @@ class Settings(SettingsChecks):
         "empty = a read-only dashboard (actions answer 403)",
     )
 
+    monitor_history_s: float = Field(
+        3600.0,
+        ge=600.0,
+        le=7 * 86400.0,
+        description="how far back the dashboard's charts can look (the monitor's sampled "
+        "metrics): every 5 s sample of the last 10 minutes, older ones thinned to 240 points",
+    )
+
     # -- OpenAI-compatible gateway (kvq api, docs/api.md) --------------------------------
     api_host: str = Field("127.0.0.1", description="address `kvq api` binds to")
     api_port: int = Field(8000, ge=0, le=65535, description="port of `kvq api` (0 = any free)")

@@ -71,6 +71,7 @@ def cmd_monitor(args: argparse.Namespace, settings: Settings) -> int:
             settings.http_port,
             settings.http_volunteer,
             settings.monitor_tokens,
+            settings.monitor_history_s,
         )
         host, port = server.server_address[:2]
         log.info("dashboard, HTTP API and /metrics on http://%s:%s/", host, port)

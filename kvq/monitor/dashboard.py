@@ -2,13 +2,15 @@
 snapshot (`GET /api/dashboard`): each model's coverage (totals, per layer span, and the cells of
 the spans asked for: `kvq.monitor.coverage`), workers (their slices as a count and ranges;
 serving, late or lost), the workers reaped in the last hour with when and why, coordinators,
-the requests they generate now, every stream's depth, lag and pending age over the
-last minutes, dead letters, and the alert rules of `docs/alerts.yml` whose condition holds now.
+the requests they generate now, every stream's depth, lag and pending age over the range asked
+for (`?range=`: the last 10 minutes by default, up to `KVQ_MONITOR_HISTORY_S`), dead letters,
+and the alert rules of `docs/alerts.yml` whose condition holds now.
 
 Everything is read from Redis: the board for coverage, workers and trust, and the monitor's own
 Prometheus registry (the numbers `/metrics` exports) for streams, coordinators and alerts. The
 registry is sampled every `SAMPLE_S` on a background thread into `History`, so charts, rates
-and the `increase(...)` of an alert see the last `WINDOW_S` however often the page polls.
+and the `increase(...)` of an alert see their window however often the page polls; alerts
+always read the last `WINDOW_S`, whatever range the charts show.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ from kvq.catalog import ModelInfo
 from kvq.monitor.alerts import holding
 from kvq.monitor.coverage import model_view, sid_ranges, span_keys
 from kvq.monitor.history import (
+    HISTORY_S,
+    MAX_SAMPLES,
+    WINDOW_S,
     History,
     Labels,
     Sample,
     Series,
+    chart_range,
     increase,
     pick,
     read_registry,
@@ -45,15 +51,21 @@ DEPARTED_SHOWN = 50
 class Dashboard:
     """The snapshot the page draws."""
 
-    def __init__(self, board: RedisBoard, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, board: RedisBoard, registry: CollectorRegistry, history_s: float = HISTORY_S
+    ) -> None:
         self.board = board
-        self.history = History(lambda: read_registry(registry))
+        self.history = History(lambda: read_registry(registry), history_s)
+        self._rows: RowCache = {}  # each sample's stream rows, read once (an hour: 393 samples)
 
-    def snapshot(self, open_spans: Mapping[str, Collection[int]] | None = None) -> dict[str, Any]:
+    def snapshot(
+        self, open_spans: Mapping[str, Collection[int]] | None = None, range_s: float = WINDOW_S
+    ) -> dict[str, Any]:
         """`open_spans`: model → the layer starts whose cells to send (a large model's spans
-        come as counts only)."""
+        come as counts only); `range_s`: how far back the stream charts look."""
         now = self.history.latest(max_age_s=2.0)
-        samples = self.history.samples()
+        samples = self.history.samples()  # WINDOW_S: alerts and rates
+        charted = samples if range_s == WINDOW_S else self.history.samples(range_s)
         models = self.board.models()
         infos = {m: self.board.model_info(m) for m in models}
         listed = self._workers(models, infos)
@@ -64,7 +76,8 @@ class Dashboard:
             "departed": self._departed({w["worker"] for w in listed}),
             "coordinators": self._coordinators(models, samples),
             "requests": requests_view(self.board, models, infos),
-            "streams": stream_charts(samples),
+            "range": chart_range(now.t, range_s, self.history.keep_s),
+            "streams": stream_charts(charted, self._rows),
             "deadletters": self._deadletters(now.series),
             "alerts": holding(samples),
         }
@@ -224,14 +237,16 @@ _CHARTS: dict[str, tuple[str, Callable[[float, float], float]]] = {
     "kvq_group_oldest_pending_age_seconds": ("group_oldest_pending_age_seconds", max),
 }
 _ROW_LABELS = ("stream", "model", "worker", "coordinator")
+RowCache = dict[tuple[float, bool], dict[Labels, dict[str, float]]]
 INBOXES_SHOWN = 8  # more inboxes than this: one row per model, summed (ages: the oldest)
 STREAMS_SHOWN = 60
 
 
-def stream_charts(samples: list[Sample]) -> list[dict[str, Any]]:
+def stream_charts(samples: list[Sample], cache: RowCache | None = None) -> list[dict[str, Any]]:
     """Per stream (or per model's inboxes, when there are many): its depth, group lag and
     oldest pending age now, and as series. Each sample is read once (a model of thousands of
-    slices puts thousands of other series beside the streams')."""
+    slices puts thousands of other series beside the streams'), and once only across calls
+    given a `cache` (the dashboard's: an hour of samples at every poll)."""
     if not samples:
         return []
     inboxes = {
@@ -240,7 +255,7 @@ def stream_charts(samples: list[Sample]) -> list[dict[str, Any]]:
         if n == "kvq_stream_length" and dict(lb).get("stream") == "inbox"
     }
     merge = len(inboxes) > INBOXES_SHOWN
-    per_sample = [_stream_values(s, merge) for s in samples]
+    per_sample = [_cached_values(s, merge, cache) for s in samples]
     rows = sorted(per_sample[-1])[:STREAMS_SHOWN]
     out = []
     for row in rows:
@@ -262,6 +277,20 @@ def stream_charts(samples: list[Sample]) -> list[dict[str, Any]]:
             name += f" ({n} workers)"
         out.append({"stream": name, "labels": label, "series": series})
     return out
+
+
+def _cached_values(
+    sample: Sample, merge_inboxes: bool, cache: RowCache | None
+) -> dict[Labels, dict[str, float]]:
+    if cache is None:
+        return _stream_values(sample, merge_inboxes)
+    key = (sample.t, merge_inboxes)
+    got = cache.get(key)
+    if got is None:
+        if len(cache) > 2 * MAX_SAMPLES:
+            cache.clear()  # samples gone from the history: start again (bounded)
+        got = cache[key] = _stream_values(sample, merge_inboxes)
+    return got
 
 
 def _stream_values(sample: Sample, merge_inboxes: bool) -> dict[Labels, dict[str, float]]:

@@ -12,8 +12,10 @@ background thread (`kvq.asgi`).
 | GET    | /metrics                 | Prometheus text, read from Redis on each scrape          |
 | GET    | /healthz                 | 200 while Redis answers PING, else 503                   |
 | GET    | /                        | the live dashboard (HTML; assets under /static/)         |
-| GET    | /api/dashboard           | what the dashboard draws, one JSON snapshot              |
+| GET    | /api/dashboard           | what the dashboard draws, one JSON snapshot; `?range=`   |
+|        |                          | seconds or `all`: how far back its charts look           |
 | GET    | /worker/{id}             | one worker's page (HTML); its data: /api/worker/{id}     |
+|        |                          | (`?range=` as above)                                     |
 | GET    | /api/operator            | whether actions are on; with a bearer token, whose it is |
 | POST   | /api/actions/{action}    | an operator's action (`kvq.monitor.actions`): cancel, a  |
 |        |                          | dead letter requeued or dropped, a worker quarantined,   |
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -48,6 +51,7 @@ from kvq.errors import ConfigError, HttpError
 from kvq.keys import check_id
 from kvq.monitor.actions import Operators, act, parse_tokens
 from kvq.monitor.dashboard import Dashboard
+from kvq.monitor.history import HISTORY_S, WINDOW_S
 from kvq.monitor.metrics import make_registry
 from kvq.monitor.worker_page import worker_page
 from kvq.security import acl
@@ -60,13 +64,17 @@ class Api:
     """What the endpoints answer, as plain data; the handler only moves bytes."""
 
     def __init__(
-        self, board: RedisBoard, volunteer: str = "acl", operators: Operators | None = None
+        self,
+        board: RedisBoard,
+        volunteer: str = "acl",
+        operators: Operators | None = None,
+        history_s: float = HISTORY_S,
     ) -> None:
         self.board = board
         self.operators = operators if operators is not None else Operators({})
         self.registry = make_registry(board)
         self.volunteer_mode = volunteer  # KVQ_HTTP_VOLUNTEER
-        self.dashboard = Dashboard(board, self.registry)
+        self.dashboard = Dashboard(board, self.registry, history_s)  # KVQ_MONITOR_HISTORY_S
 
     def recruitment(self) -> dict[str, Any]:
         out = []
@@ -250,6 +258,7 @@ STATIC_TYPES = {
     "dashboard.css": "text/css",
     "worker.html": "text/html",
     "worker.js": "text/javascript",
+    "charts.js": "text/javascript",
 }
 
 
@@ -317,11 +326,31 @@ def _open_spans(text: str) -> dict[str, set[int]]:
     return out
 
 
+def _range_s(request: Request, kept_s: float) -> float:
+    """`?range=`: seconds of history the charts show, `all` (everything kept), or absent
+    (the last WINDOW_S); more than is kept shows what is kept."""
+    text = request.query_params.get("range", "").strip()
+    if text == "all":
+        return kept_s
+    if not text:
+        return WINDOW_S
+    try:
+        got = float(text)
+    except ValueError:
+        got = math.nan
+    if not math.isfinite(got) or got <= 0:
+        raise _bad(f"'range' must be a number of seconds > 0 or 'all', got {_short(text)}")
+    return min(got, kept_s)
+
+
 def _dashboard_routes(api: Api) -> list[Route]:
     """The dashboard's snapshot, its page and the page's assets."""
+    kept_s = api.dashboard.history.keep_s
 
     def dashboard(request: Request) -> Response:
-        snap = api.dashboard.snapshot(_open_spans(request.query_params.get("open", "")))
+        snap = api.dashboard.snapshot(
+            _open_spans(request.query_params.get("open", "")), _range_s(request, kept_s)
+        )
         return JSONResponse(snap, headers={"Cache-Control": "no-store"})
 
     def page(request: Request) -> Response:
@@ -332,9 +361,10 @@ def _dashboard_routes(api: Api) -> list[Route]:
 
     def worker(request: Request) -> Response:
         w = request.path_params["worker"]
+        range_s = _range_s(request, kept_s)
         got = None
         try:
-            got = worker_page(api.board, api.dashboard.history, check_id("worker", w))
+            got = worker_page(api.board, api.dashboard.history, check_id("worker", w), range_s)
         except ConfigError:
             pass  # no such id can exist
         if got is None:
@@ -423,14 +453,20 @@ async def _other(request: Request, exc: Exception) -> Response:
 
 
 def serve_api(
-    board: RedisBoard, host: str, port: int, volunteer: str = "acl", tokens: str = ""
+    board: RedisBoard,
+    host: str,
+    port: int,
+    volunteer: str = "acl",
+    tokens: str = "",
+    history_s: float = HISTORY_S,
 ) -> tuple[ThreadedServer, threading.Thread]:
     """Serve the API on `host:port` (0 = an ephemeral port; read `server.server_address`);
-    `tokens`: `KVQ_MONITOR_TOKENS` (empty: a read-only dashboard).
+    `tokens`: `KVQ_MONITOR_TOKENS` (empty: a read-only dashboard); `history_s`:
+    `KVQ_MONITOR_HISTORY_S` (how far back the charts can look).
 
     Stop with `server.shutdown()`.
     """
-    api = Api(board, volunteer, Operators(parse_tokens(tokens)))
+    api = Api(board, volunteer, Operators(parse_tokens(tokens)), history_s)
     server = ThreadedServer(create_app(api), host, port)
     sampler = threading.Thread(
         target=api.dashboard.history.run, args=(server.stopped,), name="kvq-dashboard", daemon=True

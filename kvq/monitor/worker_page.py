@@ -1,12 +1,13 @@
 """One worker's page (`GET /worker/{id}`, its data `GET /api/worker/{id}`): its `info` record
 as it last beat, kernel path, the bytes of the slices it holds, jobs served, each model's
 verdict on it now and every verdict before (`P:{m:M}:verdicts`: catches, operators' words),
-when it departed, and its latency, load and queue over the last minutes, from the
-monitor's sampled metrics (`kvq_worker_ms_per_row`, `kvq_worker_load`,
+when it departed, and its latency, load and queue over the range asked for (`?range=`), from
+the monitor's sampled metrics (`kvq_worker_ms_per_row`, `kvq_worker_load`,
 `kvq_worker_queued_rows`: `History`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ import msgspec
 
 from kvq.bus.redis_board import RedisBoard
 from kvq.catalog import ModelInfo
-from kvq.monitor.history import History, Sample
+from kvq.monitor.history import WINDOW_S, History, Sample, chart_range
 
 HISTORY_SHOWN = 50  # verdicts per model, newest first
 
@@ -26,8 +27,11 @@ CHARTS = {
 }
 
 
-def worker_page(board: RedisBoard, history: History, worker: str) -> dict[str, Any] | None:
-    """What the page draws; None for a worker the board knows nothing of."""
+def worker_page(
+    board: RedisBoard, history: History, worker: str, range_s: float = WINDOW_S
+) -> dict[str, Any] | None:
+    """What the page draws, its charts over the last `range_s`; None for a worker the board
+    knows nothing of."""
     models = board.models()
     held = {m: list(board.held_by(m, worker)) for m in models}
     held = {m: sids for m, sids in held.items() if sids}
@@ -58,8 +62,14 @@ def worker_page(board: RedisBoard, history: History, worker: str) -> dict[str, A
             for q in board.verdict_history(m, worker)[:HISTORY_SHOWN]
         ],
         "departed": msgspec.structs.asdict(departed) if departed is not None else None,
-        "charts": _charts(history.samples(), worker),
+        "range": chart_range(_newest(history), range_s, history.keep_s),
+        "charts": _charts(history.samples(range_s), worker),
     }
+
+
+def _newest(history: History) -> float:
+    got = history.samples(0.0)
+    return got[-1].t if got else time.time()
 
 
 def _held_bytes(held: Mapping[str, list[str]], infos: Mapping[str, ModelInfo | None]) -> int:

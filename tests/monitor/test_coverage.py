@@ -4,11 +4,12 @@ aggregated, cells sent only for open spans of a large model, grey without a coor
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvq.bus.records import SliceDemand, WorkerView
 from kvq.monitor.coverage import SMALL, model_view, sid_ranges, slice_ranges, span_keys
 from kvq.monitor.dashboard import stream_charts
-from kvq.monitor.history import Labels, Sample
+from kvq.monitor.history import MAX_SAMPLES, Labels, Sample
 from kvq.slices import SliceSpec, TensorRange, slice_id
 
 
@@ -103,3 +104,26 @@ def test_stream_charts_read_each_sample_once_and_merge_many_inboxes() -> None:
     assert inbox["stream_length"][-1] == [595.0, 32.0], "depths summed"
     assert inbox["group_oldest_pending_age_seconds"][-1] == [595.0, 31.0], "the oldest age"
     assert len(inbox["group_lag"]) == 120
+
+
+def test_stream_charts_with_a_cache_read_each_sample_once_across_polls() -> None:
+    """The dashboard's hour of samples at every poll: with its cache, a sample already read is
+    not read again, the charts are the same, and the cache stays bounded."""
+
+    def sample(t: float) -> Sample:
+        lb = (("model", "m"), ("stream", "requests"))
+        return Sample(t, {("kvq_stream_length", lb): t, ("kvq_group_lag", lb): 1.0})
+
+    samples = [sample(float(t * 5)) for t in range(400)]
+    cache: dict[tuple[float, bool], Any] = {}
+    assert stream_charts(samples, cache) == stream_charts(samples)
+    assert len(cache) == 400
+    cache_before = dict(cache)
+    more = [*samples[1:], sample(2000.0)]
+    got = stream_charts(more, cache)
+    read = [k for k in cache if k not in cache_before]
+    assert read == [(2000.0, False)], "only the new sample is read"
+    assert got == stream_charts(more)
+    for t in range(2005, 2005 + 5 * 2 * MAX_SAMPLES, 5):
+        stream_charts([sample(float(t))], cache)
+    assert len(cache) <= 2 * MAX_SAMPLES + 1

@@ -382,10 +382,49 @@ def test_a_worker_s_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> N
                 assert legend.startswith("tiny: ") and legend.endswith(f"{unit} now"), legend
             SHOTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SHOTS / "dashboard-worker-page.png"), full_page=True)
+            _switch_range(page, "#charts", "dashboard-worker-page-1h.png")
             gone = httpx.get(swarm.url + "/api/worker/nobody", timeout=10)
             assert gone.status_code == 404
         finally:
             ctx.close()
+
+
+def _stream_charts(page: Any) -> None:
+    """The streams' charts: one per measure, a UTC time axis, a y axis in its unit, and a
+    legend of the streams (one line each)."""
+    for name, unit in (("depth", "entries"), ("lag", "entries"), ("oldest pending age", "seconds")):
+        box = f'#streams .chart-box[data-chart="{name}"]'
+        labels = page.locator(f"{box} .axis-label").all_text_contents()
+        assert labels == ["time (UTC)", unit], labels
+        ticks = page.locator(f"{box} .x-tick").all_text_contents()
+        assert len(ticks) == 5 and all(len(t) == 8 and t[2] == ":" for t in ticks), ticks
+        keys = page.locator(f'{box} .legend .key[data-model^="requests"]').all_text_contents()
+        assert keys and all(k.endswith(f"{unit} now") for k in keys), keys
+        lines = page.locator(f"{box} svg path[data-model]").count()
+        assert lines == page.locator(f"{box} .legend .key[data-model]").count() >= 3
+
+
+SPANS = """sel => [...document.querySelectorAll(sel + ' svg.chart')]
+  .map((s) => Number(s.dataset.t1) - Number(s.dataset.t0))"""
+
+
+def _switch_range(page: Any, charts: str, shot: str) -> None:
+    """The range buttons change every chart's time span: 10 minutes, 1 h, all kept (an hour
+    by default), and back."""
+    assert page.evaluate(SPANS, charts) == pytest.approx([600.0] * 3, abs=0.5)
+    first = page.locator(f"{charts} .x-tick").first.text_content()
+    for value, seconds in (("3600", 3600.0), ("all", 3600.0), ("600", 600.0)):
+        page.click(f'.range-btn[data-range="{value}"]')
+        page.wait_for_function(
+            f"sel => (({SPANS})(sel)).filter((s) => Math.abs(s - {seconds}) < 0.5).length === 3",
+            arg=charts,
+            timeout=15_000,
+        )
+        assert page.get_attribute(f'.range-btn[data-range="{value}"]', "aria-pressed") == "true"
+        if value == "3600":
+            assert page.locator(f"{charts} .x-tick").first.text_content() != first
+            page.screenshot(path=str(SHOTS / shot), full_page=True)
+    assert page.inner_text('.range-btn[data-range="all"]') == "all kept (1 h)"
 
 
 def _verdict(board: Any) -> Quarantine:
@@ -422,10 +461,11 @@ def test_the_page_in_headless_chromium(swarm: Swarm, tmp_path: Path) -> None:
             assert page.get_attribute(cell, "data-state") == "ok"
             assert page.get_attribute(cell, "data-live") == "1"
             assert page.locator("#coordinators tbody tr").count() == 1
-            assert page.locator(".stream svg path").count() >= 3
+            _stream_charts(page)
             SHOTS.mkdir(exist_ok=True)
             before = SHOTS / "dashboard.png"
             page.screenshot(path=str(before), full_page=True)
+            _switch_range(page, "#streams", "dashboard-range-1h.png")
 
             swarm.procs["worker-b"].kill()  # its slices lose their only live replica
             page.wait_for_function(
@@ -490,7 +530,7 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
     screens, the coverage reads per layer span (grey: nothing served; red: the lost worker's
     spans) with a drill-down to one span's slices and to a worker's spans, a worker's slices
     as a count and ranges, 20 worker rows and a button for the rest, the 32 inboxes as one
-    chart, and the lost worker's 116 slices are one alert line."""
+    line of the streams' charts, and the lost worker's 116 slices are one alert line."""
     browser = chromium()
     if browser is None:
         pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
@@ -549,7 +589,9 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
                 assert f"116: {ranges}" in row and ranges.startswith("dsv3: L59 E48-255"), row
                 assert page.locator("#workers tbody tr[data-worker]").count() == 20
                 assert page.inner_text("#workers button.more") == f"show {n - 20} more"
-                inbox = page.locator('.stream[data-stream^="inbox dsv3"]')
+                inbox = page.locator(
+                    '.chart-box[data-chart="depth"] .key[data-model^="inbox dsv3"]'
+                )
                 assert inbox.count() == 1 and "(32 workers)" in inbox.inner_text()
                 SHOTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(SHOTS / "dashboard-deepseek-v3.png"), full_page=True)

@@ -298,3 +298,36 @@ def test_http_volunteering_is_bound_to_the_worker_s_acl_user(mon: Monitor, mode:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("path", ["/api/dashboard", "/api/worker/w1"])
+def test_the_charts_range_parameter(mon: Monitor, url: str, path: str) -> None:
+    """`?range=`: seconds or `all` (what KVQ_MONITOR_HISTORY_S keeps); absent: 10 minutes;
+    anything else a 400 naming it."""
+    assert mon.board.volunteer("m", "w1") is not None
+    for query, seconds in (("", 600.0), ("?range=60", 60.0), ("?range=3600", 3600.0)):
+        status, got = call(url, path + query)
+        assert status == 200, got
+        rng = got["range"]
+        assert rng["seconds"] == seconds and rng["kept_s"] == 3600.0
+        assert rng["to"] - rng["from"] == pytest.approx(seconds, abs=0.2)
+    for query in ("?range=all", "?range=86400"):  # more than is kept: what is kept
+        status, got = call(url, path + query)
+        assert status == 200 and got["range"]["seconds"] == 3600.0, got
+    for bad in ("0", "-5", "abc", "nan", "inf", "1h"):
+        status, got = call(url, f"{path}?range={bad}")
+        assert status == 400, (bad, got)
+        assert got["type"] == "BadRequest" and "'range'" in got["message"], got
+
+
+def test_the_history_kept_is_kvq_monitor_history_s(mon: Monitor) -> None:
+    server, thread = serve_api(mon.board, "127.0.0.1", 0, history_s=7200.0)
+    try:
+        status, got = call(
+            f"http://127.0.0.1:{server.server_address[1]}", "/api/dashboard?range=all"
+        )
+        assert status == 200 and got["range"]["seconds"] == got["range"]["kept_s"] == 7200.0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -4,14 +4,6 @@
 "use strict";
 
 const POLL_MS = 2000;
-const SVG = "http://www.w3.org/2000/svg";
-
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
-  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  return e;
-}
 
 function fmt(v, digits = 2) {
   if (v === null || v === undefined) return "–";
@@ -110,40 +102,21 @@ function drawTable(id, rows, cols, most) {
   }
 }
 
-function spark(points, label) {
-  const w = 180, h = 36;
-  const svg = document.createElementNS(SVG, "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("width", w);
-  svg.setAttribute("height", h + 12);
-  const vals = points.map((p) => p[1]);
-  const max = Math.max(1, ...vals);
-  const t0 = points.length ? points[0][0] : 0;
-  const span = points.length > 1 ? points[points.length - 1][0] - t0 : 1;
-  const d = points.map((p, i) => `${i ? "L" : "M"}${((p[0] - t0) / (span || 1)) * w},${h - (p[1] / max) * (h - 2)}`).join(" ");
-  const path = document.createElementNS(SVG, "path");
-  path.setAttribute("d", d || `M0,${h}`);
-  path.setAttribute("fill", "none");
-  path.setAttribute("stroke", "#1971c2");
-  path.setAttribute("stroke-width", "1.5");
-  const text = document.createElementNS(SVG, "text");
-  text.setAttribute("x", 0);
-  text.setAttribute("y", h + 11);
-  text.textContent = `${label} ${fmt(vals[vals.length - 1] ?? 0)} (max ${fmt(max)})`;
-  svg.append(path, text);
-  return svg;
-}
+// the streams' charts: one per measure, one line per stream (its legend), over the range
+// chosen; three side by side on a 1280-pixel screen
+const STREAM_CHARTS = [
+  ["stream_length", "depth", "entries"],
+  ["group_lag", "lag", "entries"],
+  ["group_oldest_pending_age_seconds", "oldest pending age", "seconds"],
+];
 
-function drawStreams(streams) {
+function drawStreams(streams, range) {
   const box = document.getElementById("streams");
-  box.replaceChildren();
-  for (const s of streams) {
-    box.append(el("div", { class: "stream", "data-stream": s.stream },
-      el("div", { class: "name" }, s.stream),
-      spark(s.series.stream_length || [], "depth"),
-      spark(s.series.group_lag || [], "lag"),
-      spark(s.series.group_oldest_pending_age_seconds || [], "pending age s")));
-  }
+  box.replaceChildren(...STREAM_CHARTS.map(([key, name, unit]) => {
+    const series = Object.fromEntries(streams.map((s) => [s.stream, s.series[key] || []]));
+    return chart(name, unit, series, range, { empty: "no stream yet", width: 380, height: 150 });
+  }));
+  showKept(range.kept_s);
 }
 
 function drawAlerts(alerts) {
@@ -290,7 +263,7 @@ function draw(snap) {
     ["coordinator"], ["model", (v) => v], ["busy", (v, r) => `${r.busy} / ${r.slots}${r.alive ? "" : " (stale)"}`],
     ["tokens_per_s"], ["remote_share", (v) => `${fmt(100 * v, 1)} %`],
   ]);
-  drawStreams(snap.streams);
+  drawStreams(snap.streams, snap.range);
   drawDead(snap.deadletters);
 }
 
@@ -301,7 +274,7 @@ async function poll(now) {
   const status = document.getElementById("status");
   try {
     const open = encodeURIComponent([...openSpans].join(","));
-    const resp = await fetch(`/api/dashboard?open=${open}`, { cache: "no-store" });
+    const resp = await fetch(`/api/dashboard?open=${open}&range=${chartRange()}`, { cache: "no-store" });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     draw(await resp.json());
     status.dataset.state = "live";
@@ -313,5 +286,6 @@ async function poll(now) {
   timer = setTimeout(poll, POLL_MS);
 }
 
+document.getElementById("range-pick").append(rangePicker(() => poll(true)));
 checkOperator();
 poll();
