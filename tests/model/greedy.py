@@ -9,23 +9,12 @@ from typing import Any
 import numpy as np
 
 from kvq.model import Backbone, SeqStep
-
-_F32 = 0  # GGML_TYPE_F32, for llama.cpp's KV cache
+from kvq.tools.train import check_pair
 
 
 def llama_model(path: Path, n_ctx: int = 128) -> Any:
     """llama.cpp on `path` with an F32 KV cache (its default F16 cache rounds K and V)."""
-    import llama_cpp
-
-    return llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=n_ctx,
-        logits_all=True,
-        verbose=False,
-        n_threads=2,
-        type_k=_F32,
-        type_v=_F32,
-    )
+    return check_pair.llama(path, n_ctx)
 
 
 def llama_greedy(
