@@ -619,3 +619,52 @@ def test_the_page_at_deepseek_v3_scale(settings: Settings, tmp_path: Path) -> No
         server.shutdown()
         board.r.close()
         late.r.close()
+
+
+def test_the_page_at_64_slices_with_a_worker_lost(settings: Settings, tmp_path: Path) -> None:
+    """The `small` preset's slice count (64: 8 layers of 32 experts, 4 a slice), two workers
+    of 32 slices each, one of them lost (its heartbeat gone): one alert line naming the 32
+    slices it left, its row `lost`, the page within two 900 px screens."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install chromium, or run .ci/run (it unpacks one)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install kvq[test]")
+    from kvq.gguf.registry import plan_model
+    from kvq.monitor.http import serve_api
+
+    model = tmp_path / "m64.gguf"
+    make_tiny(model, layers=8, experts=32, seed=5)
+    info = plan_model("m64", model, 1, 4)
+    assert len(info.slices) == 64
+    board = open_board(settings.bus, dataclasses.replace(settings.lifetimes, heartbeat_ttl_s=120))
+    board.register_model(info, 1)
+    sids = sorted(info.slices)
+    for i, worker in enumerate(("w-alive", "w-lost")):
+        mine = sids[i * 32 : (i + 1) * 32]
+        assert board.rejoin("m64", worker, *mine) == 32
+        if worker == "w-alive":  # the other never beats: lost
+            board.beat(worker, WorkerInfo(model="m64", slice=mine[0], device="cpu"))
+    server, _ = serve_api(board, "127.0.0.1", 0)
+    url = "http://{}:{}".format(*server.server_address)
+    exe, extra_env = browser
+    try:
+        with playwright.sync_playwright() as pw:
+            ctx = open_page(pw, exe, extra_env, tmp_path / "profile")
+            try:
+                page = ctx.new_page()
+                page.set_viewport_size({"width": 1280, "height": 900})
+                page.goto(url + "/")
+                page.wait_for_selector('li[data-alert="KvqSliceWithoutLiveWorker"]', timeout=60_000)
+                alerts = page.locator('li[data-alert="KvqSliceWithoutLiveWorker"]')
+                assert alerts.count() == 1 and "32 wanted slices" in alerts.inner_text()
+                assert page.get_attribute('tr[data-worker="w-lost"]', "data-state") == "lost"
+                assert page.get_attribute('tr[data-worker="w-alive"]', "data-state") == "serving"
+                SHOTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(SHOTS / "dashboard-64-worker-lost.png"), full_page=True)
+                tall = page.evaluate("document.documentElement.scrollHeight")
+                assert tall <= 2 * 900, f"{tall}px: more than two screens"
+            finally:
+                ctx.close()
+    finally:
+        server.shutdown()
+        board.r.close()
