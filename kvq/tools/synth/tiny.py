@@ -263,14 +263,22 @@ def write_tiny(
             writer.add_chat_template(CHAT_TEMPLATE)
         if extra is not None:
             extra(writer)
-        for tname, arr in tensors.items():
-            qtype = tensor_type(tname, arr.shape, quant, cfg.layers, cfg.experts)
-            writer.add_tensor(tname, encode(arr, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        write_tensors(writer, tensors, quant, cfg.layers, cfg.experts)
     finally:
         writer.close()
+
+
+def write_tensors(
+    writer: GGUFWriter, tensors: dict[str, np.ndarray], quant: str, layers: int, experts: int
+) -> None:
+    """Each tensor in the type `quant` gives it (`quants.tensor_type`), then the file: header,
+    metadata, tensors (the metadata must be added before)."""
+    for tname, arr in tensors.items():
+        qtype = tensor_type(tname, arr.shape, quant, layers, experts)
+        writer.add_tensor(tname, encode(arr, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
 
 
 def _tokenizer(

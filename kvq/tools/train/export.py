@@ -15,8 +15,7 @@ import numpy as np
 from gguf import GGUFWriter, TokenType
 
 from kvq.gguf.arch import arch_spec
-from kvq.tools.synth.quants import encode, tensor_type
-from kvq.tools.synth.tiny import add_metadata
+from kvq.tools.synth.tiny import add_metadata, write_tensors
 from kvq.tools.synth.tiny_weights import TinyConfig
 from kvq.tools.train.corpus import END, PRE
 from kvq.tools.train.net import MoeLM
@@ -65,12 +64,7 @@ def write_gguf(
             rms_eps=cfg.rms_eps,
         )
         _add_vocab(w, tokens, merges)
-        for tname, arr in tensors(model).items():
-            qtype = tensor_type(tname, arr.shape, quant, cfg.layers, cfg.experts)
-            w.add_tensor(tname, encode(arr, qtype), raw_dtype=qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        write_tensors(w, tensors(model), quant, cfg.layers, cfg.experts)
     finally:
         w.close()
 
